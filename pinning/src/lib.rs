@@ -1,0 +1,57 @@
+//! # umdev-pinning
+//!
+//! The external page-pinning engine of umdev: a client's DMA space, and pins on it that
+//! emulated devices take the way Linux mdev drivers call `vfio_pin_pages()`.
+//!
+//! A VMM maps guest memory into a [`DmaSpace`] ([`DmaSpace::map`]: an fd, mmapped
+//! `MAP_SHARED`). A device then pins an arbitrary array of IOVA page numbers — a channel
+//! program's IDAW list, say `[1, 5, 6, 7, 9]` — with [`DmaSpace::pin_pages`]. The engine cuts
+//! the array into maximal contiguous runs (`[1] [5,6,7] [9]`), pins each run with one step
+//! (one translation, one accounting step, one mlock in [`PinMode::Lock`]), refcounts every
+//! page, and returns a [`PinnedPages`] guard with the host address of every page and the
+//! scatter-gather list. A call is all-or-nothing. Unmapping a range that holds pins asks
+//! the device to let go (its [`UnmapNotifier`]) and waits, so memory is never unmapped
+//! under a pin.
+//!
+//! What it is not: it knows nothing of vfio-user or of devices; the server crate feeds it
+//! DMA_MAP/DMA_UNMAP and devices call it. It does not program an IOMMU: "pinning" here means
+//! refcounted translation (and, in lock mode, residency via mlock) in this process.
+//!
+//! ```
+//! use std::os::fd::AsFd;
+//! use umdev_pinning::{DmaSpace, Prot, PAGE_SIZE};
+//!
+//! let memfd = std::fs::File::from(nix::sys::memfd::memfd_create(
+//!     c"guest-ram", nix::sys::memfd::MemFdCreateFlag::empty()).unwrap());
+//! memfd.set_len(16 * PAGE_SIZE).unwrap();
+//! let space = DmaSpace::default();
+//! space.map(0x10000, 16 * PAGE_SIZE, memfd.as_fd(), 0, Prot::READ_WRITE).unwrap();
+//!
+//! let base = 0x10000 / PAGE_SIZE;
+//! let pins = space.pin_pages(&[base + 1, base + 5, base + 6, base + 7, base + 9], Prot::WRITE).unwrap();
+//! assert_eq!(pins.runs().len(), 3);
+//! pins.write(0, b"hello").unwrap(); // lands in page base + 1
+//! assert_eq!(space.pin_count(0x15000), 1);
+//! drop(pins);
+//! assert_eq!(space.pin_count(0x15000), 0);
+//! ```
+
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
+
+mod lock;
+mod mapping;
+mod mmap;
+pub mod page;
+mod pin;
+mod space;
+mod table;
+
+pub use lock::{has_cap_ipc_lock, process_lock_limit, LockAccount, OverLimit, PinMode};
+pub use mmap::{Backing, MmapError};
+pub use page::{Prot, PAGE_SHIFT, PAGE_SIZE};
+pub use pin::{AccessError, PinError, PinnedPages, PinnedRun, Segment, UnpinError};
+pub use space::{
+    DmaSpace, DmaSpaceConfig, DmaStats, MapError, MappingInfo, UnmapError, UnmapNotifier, Unmapped,
+};
+pub use table::{CHUNK_BYTES, CHUNK_PAGES, MAX_PIN_COUNT};

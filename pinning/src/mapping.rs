@@ -1,0 +1,279 @@
+//! One DMA mapping: an IOVA range, its host memory, and the pins held on it.
+//!
+//! Each mapping has its own lock, so pins on different mappings never contend. The per-run
+//! operations here are called by the pin layer with that lock held; they keep the table,
+//! the mlock state and the lock account consistent with one another.
+
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+
+use smallvec::SmallVec;
+
+use crate::lock::{LockAccount, OverLimit, PinMode};
+use crate::mmap::HostMemory;
+use crate::page::{iova_of, Prot, PAGE_SIZE};
+use crate::table::PinTable;
+
+/// Where a mapping is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum MappingState {
+    /// In the DMA space; pins are granted.
+    Live,
+    /// An unmap is waiting for its pins to drop; no new pins are granted.
+    Unmapping,
+    /// Gone from the DMA space; it lives on only while guards reference it.
+    Removed,
+}
+
+/// The part of a mapping guarded by its lock.
+#[derive(Debug)]
+pub(crate) struct MappingPins {
+    pub(crate) table: PinTable,
+    pub(crate) state: MappingState,
+}
+
+/// Counters of one space, bumped once per call or syscall, never per page.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) pin_calls: AtomicU64,
+    pub(crate) pin_failures: AtomicU64,
+    pub(crate) unpin_calls: AtomicU64,
+    pub(crate) unpin_failures: AtomicU64,
+    pub(crate) runs: AtomicU64,
+    pub(crate) pages: AtomicU64,
+    pub(crate) mlock_calls: AtomicU64,
+    pub(crate) munlock_calls: AtomicU64,
+    pub(crate) munlock_failures: AtomicU64,
+    pub(crate) unmap_waits: AtomicU64,
+    pub(crate) unmap_busy: AtomicU64,
+    pub(crate) notifier_calls: AtomicU64,
+}
+
+/// How the mappings of one space pin, and what they count: shared by all of them.
+#[derive(Debug)]
+pub(crate) struct PinPolicy {
+    pub(crate) mode: PinMode,
+    pub(crate) account: Arc<LockAccount>,
+    pub(crate) counters: crossbeam::utils::CachePadded<Counters>,
+}
+
+/// Why pinning one run failed; `page` is the page offset within the mapping.
+#[derive(Debug)]
+pub(crate) enum RunFailure {
+    Overflow { page: u64 },
+    OverLimit { page: u64, over: OverLimit },
+    Lock { page: u64, error: io::Error },
+}
+
+/// Sub-runs `(page offset, pages)` whose last pin was dropped, awaiting munlock.
+pub(crate) type Released = SmallVec<[(u64, u64); 8]>;
+
+#[derive(Debug)]
+pub(crate) struct Mapping {
+    /// Unique within the process; orders lock acquisition when a call spans mappings.
+    pub(crate) id: u64,
+    pub(crate) first_pfn: u64,
+    pub(crate) npages: u64,
+    pub(crate) prot: Prot,
+    /// `None` for a region the client mapped without an fd: known, but not pinnable.
+    pub(crate) memory: Option<HostMemory>,
+    pub(crate) policy: Arc<PinPolicy>,
+    pins: Mutex<MappingPins>,
+    /// Signalled when an unmapping mapping's last pin drops.
+    drained: Condvar,
+}
+
+static NEXT_MAPPING_ID: AtomicU64 = AtomicU64::new(1);
+
+impl Mapping {
+    pub(crate) fn new(
+        first_pfn: u64,
+        npages: u64,
+        prot: Prot,
+        memory: Option<HostMemory>,
+        policy: Arc<PinPolicy>,
+    ) -> Self {
+        Mapping {
+            id: NEXT_MAPPING_ID.fetch_add(1, Ordering::Relaxed),
+            first_pfn,
+            npages,
+            prot,
+            memory,
+            policy,
+            pins: Mutex::new(MappingPins {
+                table: PinTable::default(),
+                state: MappingState::Live,
+            }),
+            drained: Condvar::new(),
+        }
+    }
+
+    pub(crate) fn iova(&self) -> u64 {
+        iova_of(self.first_pfn)
+    }
+
+    pub(crate) fn size(&self) -> u64 {
+        self.npages * PAGE_SIZE
+    }
+
+    /// One past the last page number.
+    pub(crate) fn end_pfn(&self) -> u64 {
+        self.first_pfn + self.npages
+    }
+
+    pub(crate) fn contains(&self, pfn: u64) -> bool {
+        pfn >= self.first_pfn && pfn < self.end_pfn()
+    }
+
+    /// Host address of page offset `page`, for fd-backed mappings.
+    pub(crate) fn host_addr(&self, page: u64) -> Option<usize> {
+        self.memory.as_ref().map(|m| m.addr_at(page * PAGE_SIZE))
+    }
+
+    fn hugetlb(&self) -> bool {
+        self.memory.as_ref().is_some_and(|m| m.backing().hugetlb)
+    }
+
+    /// Locks the pin state. A poisoned lock means a panic mid-update elsewhere; the
+    /// table is still the best record of what is pinned, so keep using it.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, MappingPins> {
+        self.pins
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Adds a pin to pages `[page, page + npages)`; in lock mode, locks and charges the
+    /// pages going from 0 to 1 first. On failure nothing has changed.
+    pub(crate) fn pin_run(
+        &self,
+        pins: &mut MappingPins,
+        page: u64,
+        npages: u64,
+    ) -> Result<(), RunFailure> {
+        if let Some(page) = pins.table.find_saturated(page, npages) {
+            return Err(RunFailure::Overflow { page });
+        }
+        if self.policy.mode == PinMode::Lock {
+            let mut fresh: Released = SmallVec::new();
+            pins.table
+                .for_each_unpinned(page, npages, |s, l| fresh.push((s, l)));
+            self.lock_fresh(&fresh)?;
+        }
+        pins.table.increment(page, npages);
+        Ok(())
+    }
+
+    /// Charges and mlocks sub-runs that are about to get their first pin.
+    fn lock_fresh(&self, fresh: &[(u64, u64)]) -> Result<(), RunFailure> {
+        let Some(&(first, _)) = fresh.first() else {
+            return Ok(());
+        };
+        let bytes = fresh.iter().map(|&(_, l)| l).sum::<u64>() * PAGE_SIZE;
+        let account = &self.policy.account;
+        account
+            .charge(bytes)
+            .map_err(|over| RunFailure::OverLimit { page: first, over })?;
+        let Some(memory) = self.memory.as_ref().filter(|_| !self.hugetlb()) else {
+            return Ok(()); // hugetlb: never swapped, accounted only.
+        };
+        let counters = &self.policy.counters;
+        for (done, &(start, len)) in fresh.iter().enumerate() {
+            counters.mlock_calls.fetch_add(1, Ordering::Relaxed);
+            if let Err(error) = memory.mlock(start * PAGE_SIZE, len * PAGE_SIZE) {
+                for &(s, l) in &fresh[..done] {
+                    self.munlock(memory, s, l);
+                }
+                account.refund(bytes);
+                return Err(RunFailure::Lock { page: start, error });
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes a pin from pages `[page, page + npages)`, which the caller has checked are
+    /// all pinned. Sub-runs that reach 0 are appended to `released` (lock mode only) for
+    /// [`Mapping::release`].
+    pub(crate) fn unpin_run(
+        &self,
+        pins: &mut MappingPins,
+        page: u64,
+        npages: u64,
+        released: &mut Released,
+    ) {
+        if self.policy.mode == PinMode::Lock {
+            pins.table
+                .decrement(page, npages, Some(&mut |s, l| released.push((s, l))));
+        } else {
+            pins.table.decrement(page, npages, None);
+        }
+    }
+
+    /// munlocks and refunds sub-runs collected by [`Mapping::unpin_run`], then wakes an
+    /// unmap waiting for this mapping to drain.
+    pub(crate) fn release(&self, pins: &MappingPins, released: &[(u64, u64)]) {
+        if !released.is_empty() {
+            let pages: u64 = released.iter().map(|&(_, l)| l).sum();
+            if let Some(memory) = self.memory.as_ref().filter(|_| !self.hugetlb()) {
+                for &(s, l) in released {
+                    self.munlock(memory, s, l);
+                }
+            }
+            self.policy.account.refund(pages * PAGE_SIZE);
+        }
+        if pins.state == MappingState::Unmapping && pins.table.pins() == 0 {
+            self.drained.notify_all();
+        }
+    }
+
+    fn munlock(&self, memory: &HostMemory, page: u64, npages: u64) {
+        let counters = &self.policy.counters;
+        counters.munlock_calls.fetch_add(1, Ordering::Relaxed);
+        if let Err(e) = memory.munlock(page * PAGE_SIZE, npages * PAGE_SIZE) {
+            // The pages stay resident until the mapping goes; nothing else is wrong.
+            counters.munlock_failures.fetch_add(1, Ordering::Relaxed);
+            log::warn!(
+                "munlock of {npages} pages at IOVA {:#x} failed: {e}",
+                iova_of(self.first_pfn + page)
+            );
+        }
+    }
+
+    /// Waits until no pins are held or `deadline` passes; returns the pins left.
+    pub(crate) fn wait_drained(&self, deadline: Instant) -> u64 {
+        let mut pins = self.lock();
+        loop {
+            let left = pins.table.pins();
+            let now = Instant::now();
+            if left == 0 || now >= deadline {
+                return left;
+            }
+            pins = match self.drained.wait_timeout(pins, deadline - now) {
+                Ok((guard, _)) => guard,
+                Err(poisoned) => poisoned.into_inner().0,
+            };
+        }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        let pins = self
+            .pins
+            .get_mut()
+            .map(|p| p.table.pins())
+            .unwrap_or_else(|p| p.into_inner().table.pins());
+        if pins != 0 {
+            if let Some(memory) = self.memory.take() {
+                // Pins taken without a guard were never returned: their holder may still use
+                // the memory, so it is leaked rather than unmapped under them.
+                log::error!(
+                    "mapping at IOVA {:#x} dropped with {pins} pins held; leaking its memory",
+                    self.iova()
+                );
+                std::mem::forget(memory);
+            }
+        }
+    }
+}

@@ -1,0 +1,266 @@
+//! The host side of a mapping: an fd mmapped `MAP_SHARED`, and the lock syscalls on it.
+//!
+//! This is the only module that calls mmap, munmap, mlock and munlock; everything else sees
+//! a [`HostMemory`] that owns its mapping and unmaps it on drop.
+
+use std::io;
+use std::num::NonZeroUsize;
+use std::os::fd::BorrowedFd;
+use std::ptr::NonNull;
+
+use nix::sys::mman::{self, MapFlags};
+use nix::sys::stat::{fstat, SFlag};
+use nix::sys::statfs::{fstatfs, HUGETLBFS_MAGIC};
+use thiserror::Error;
+
+use crate::page::{Prot, PAGE_SIZE};
+
+/// Why an fd could not become host memory for a mapping.
+#[derive(Debug, Error)]
+pub enum MmapError {
+    /// `fstat` or `fstatfs` on the fd failed: it is not an open file.
+    #[error("cannot inspect the fd: {0}")]
+    Inspect(#[source] io::Error),
+    /// Only regular files (memfd, tmpfs, hugetlbfs, ...) are mapped: other fds have no
+    /// meaningful size and may have side effects when mapped.
+    #[error("the fd is not a regular file (mode {mode:#o})")]
+    NotRegularFile {
+        /// The `st_mode` file type bits.
+        mode: u32,
+    },
+    /// The file is shorter than `offset + size`.
+    #[error(
+        "offset {offset:#x} + size {size:#x} is past the end of the file ({file_size:#x} bytes)"
+    )]
+    PastEndOfFile {
+        /// Requested file offset.
+        offset: u64,
+        /// Requested length.
+        size: u64,
+        /// The file's size.
+        file_size: u64,
+    },
+    /// hugetlbfs files can only be mapped at offsets and sizes aligned to their page size.
+    #[error("offset {offset:#x} and size {size:#x} must be multiples of the backing page size {page_size:#x}")]
+    BackingUnaligned {
+        /// Requested file offset.
+        offset: u64,
+        /// Requested length.
+        size: u64,
+        /// The file system's page size.
+        page_size: u64,
+    },
+    /// The length does not fit in this process's address space.
+    #[error("size {0:#x} does not fit in the address space")]
+    TooLarge(u64),
+    /// mmap refused the fd (its open mode, the file system, address space exhaustion, ...).
+    #[error("mmap failed: {0}")]
+    Mmap(#[source] io::Error),
+}
+
+/// What backs a mapping, as far as pinning cares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Backing {
+    /// Size of the pages backing the file: `PAGE_SIZE`, or the huge page size for hugetlbfs.
+    pub page_size: u64,
+    /// Backed by hugetlbfs: pages are never swapped, so locking them needs no syscall.
+    pub hugetlb: bool,
+}
+
+/// An fd's contents mapped `MAP_SHARED` into this process, unmapped on drop.
+#[derive(Debug)]
+pub(crate) struct HostMemory {
+    addr: NonNull<u8>,
+    len: usize,
+    backing: Backing,
+}
+
+// SAFETY: HostMemory is a plain address range in this process's address space; the engine
+// hands out access to it only through pins, and mlock/munlock/munmap are thread-safe.
+unsafe impl Send for HostMemory {}
+// SAFETY: as above, no interior state is mutated through &HostMemory.
+unsafe impl Sync for HostMemory {}
+
+impl HostMemory {
+    /// Maps `size` bytes of `fd` from `offset` with access `prot`.
+    ///
+    /// Costs O(1) whatever the size: no MAP_POPULATE, nothing touched.
+    pub(crate) fn map(
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        size: u64,
+        prot: Prot,
+    ) -> Result<Self, MmapError> {
+        let stat = fstat(fd).map_err(|e| MmapError::Inspect(e.into()))?;
+        let kind = SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT;
+        if kind != SFlag::S_IFREG {
+            return Err(MmapError::NotRegularFile {
+                mode: stat.st_mode & libc::S_IFMT,
+            });
+        }
+        let file_size = u64::try_from(stat.st_size).unwrap_or(0);
+        let end = offset.checked_add(size);
+        if end.is_none_or(|end| end > file_size) {
+            return Err(MmapError::PastEndOfFile {
+                offset,
+                size,
+                file_size,
+            });
+        }
+        let backing = Self::backing_of(fd)?;
+        if offset % backing.page_size != 0 || size % backing.page_size != 0 {
+            return Err(MmapError::BackingUnaligned {
+                offset,
+                size,
+                page_size: backing.page_size,
+            });
+        }
+        let len = usize::try_from(size).map_err(|_| MmapError::TooLarge(size))?;
+        let length = NonZeroUsize::new(len).ok_or(MmapError::TooLarge(size))?;
+        let file_offset = libc::off_t::try_from(offset).map_err(|_| MmapError::TooLarge(offset))?;
+        // SAFETY: a fresh mapping chosen by the kernel (no MAP_FIXED), so no existing memory is
+        // replaced; the fd is a regular file checked above to cover [offset, offset + size).
+        let addr = unsafe {
+            mman::mmap(
+                None,
+                length,
+                prot.mmap_flags(),
+                MapFlags::MAP_SHARED,
+                fd,
+                file_offset,
+            )
+        }
+        .map_err(|e| MmapError::Mmap(e.into()))?;
+        Ok(HostMemory {
+            addr: addr.cast(),
+            len,
+            backing,
+        })
+    }
+
+    fn backing_of(fd: BorrowedFd<'_>) -> Result<Backing, MmapError> {
+        let fs = fstatfs(fd).map_err(|e| MmapError::Inspect(e.into()))?;
+        if fs.filesystem_type() == HUGETLBFS_MAGIC {
+            // hugetlbfs reports its huge page size as the block size.
+            let page_size = u64::try_from(fs.block_size())
+                .unwrap_or(PAGE_SIZE)
+                .max(PAGE_SIZE);
+            Ok(Backing {
+                page_size,
+                hugetlb: true,
+            })
+        } else {
+            Ok(Backing {
+                page_size: PAGE_SIZE,
+                hugetlb: false,
+            })
+        }
+    }
+
+    pub(crate) fn backing(&self) -> Backing {
+        self.backing
+    }
+
+    /// Host address of byte `offset` of the mapping.
+    #[inline]
+    pub(crate) fn addr_at(&self, offset: u64) -> usize {
+        debug_assert!(offset <= self.len as u64);
+        self.addr.as_ptr() as usize + offset as usize
+    }
+
+    /// mlock's `[offset, offset + len)` of the mapping: faults the pages in and keeps them
+    /// resident until [`HostMemory::munlock`].
+    pub(crate) fn mlock(&self, offset: u64, len: u64) -> io::Result<()> {
+        let (addr, len) = self.subrange(offset, len);
+        // SAFETY: the range lies inside this live mapping (checked by subrange); mlock only
+        // changes residency, never contents or validity.
+        unsafe { mman::mlock(addr, len) }.map_err(io::Error::from)
+    }
+
+    /// Undoes [`HostMemory::mlock`] on `[offset, offset + len)`.
+    pub(crate) fn munlock(&self, offset: u64, len: u64) -> io::Result<()> {
+        let (addr, len) = self.subrange(offset, len);
+        // SAFETY: as for mlock: the range is inside this live mapping.
+        unsafe { mman::munlock(addr, len) }.map_err(io::Error::from)
+    }
+
+    fn subrange(&self, offset: u64, len: u64) -> (NonNull<libc::c_void>, usize) {
+        assert!(
+            offset
+                .checked_add(len)
+                .is_some_and(|end| end <= self.len as u64),
+            "lock range {offset:#x}+{len:#x} outside a mapping of {:#x} bytes",
+            self.len
+        );
+        // SAFETY: offset < len of a mapping that starts at a non-null address, so the sum is
+        // non-null and inside the mapping.
+        let addr = unsafe { NonNull::new_unchecked(self.addr.as_ptr().add(offset as usize)) };
+        (addr.cast(), len as usize)
+    }
+}
+
+impl Drop for HostMemory {
+    fn drop(&mut self) {
+        // SAFETY: we own this mapping; the engine drops HostMemory only when no pin can reach
+        // it (guards hold the mapping alive; leaked pins keep it alive forever).
+        if let Err(e) = unsafe { mman::munmap(self.addr.cast(), self.len) } {
+            log::error!(
+                "munmap of {:#x} bytes at {:p} failed: {e}",
+                self.len,
+                self.addr
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+
+    fn memfd(size: u64) -> std::fs::File {
+        let fd =
+            nix::sys::memfd::memfd_create(c"mmap-test", nix::sys::memfd::MemFdCreateFlag::empty())
+                .unwrap();
+        let file = std::fs::File::from(fd);
+        file.set_len(size).unwrap();
+        file
+    }
+
+    #[test]
+    fn maps_and_shares_memory() {
+        let file = memfd(2 * PAGE_SIZE);
+        let mem = HostMemory::map(file.as_fd(), PAGE_SIZE, PAGE_SIZE, Prot::READ_WRITE).unwrap();
+        assert!(!mem.backing().hugetlb);
+        // SAFETY: the address is inside the live, writable mapping.
+        unsafe { *(mem.addr_at(8) as *mut u8) = 0xab };
+        let mut buf = [0u8; 1];
+        std::os::unix::fs::FileExt::read_exact_at(&file, &mut buf, PAGE_SIZE + 8).unwrap();
+        assert_eq!(buf[0], 0xab);
+        mem.mlock(0, PAGE_SIZE).unwrap();
+        mem.munlock(0, PAGE_SIZE).unwrap();
+    }
+
+    #[test]
+    fn rejects_past_eof_and_non_files() {
+        let file = memfd(PAGE_SIZE);
+        let err = HostMemory::map(file.as_fd(), PAGE_SIZE, PAGE_SIZE, Prot::READ).unwrap_err();
+        assert!(matches!(err, MmapError::PastEndOfFile { .. }), "{err}");
+        let err =
+            HostMemory::map(file.as_fd(), u64::MAX - 4095, PAGE_SIZE, Prot::READ).unwrap_err();
+        assert!(matches!(err, MmapError::PastEndOfFile { .. }), "{err}");
+        let (r, _w) = nix::unistd::pipe().unwrap();
+        let err = HostMemory::map(r.as_fd(), 0, PAGE_SIZE, Prot::READ).unwrap_err();
+        assert!(matches!(err, MmapError::NotRegularFile { .. }), "{err}");
+    }
+
+    #[test]
+    fn write_only_fd_cannot_be_mapped_shared_writable() {
+        let path = std::env::temp_dir().join(format!("umdev-mmap-wo-{}", std::process::id()));
+        std::fs::write(&path, vec![0u8; PAGE_SIZE as usize]).unwrap();
+        let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let err = HostMemory::map(file.as_fd(), 0, PAGE_SIZE, Prot::READ_WRITE).unwrap_err();
+        assert!(matches!(err, MmapError::Mmap(_)), "{err}");
+    }
+}

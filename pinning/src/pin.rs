@@ -1,0 +1,749 @@
+//! Pinning: an arbitrary array of IOVA page numbers, pinned one call per contiguous run.
+//!
+//! A call is planned first, under the mapping table's read lock: the array is cut into
+//! maximal runs of consecutive entries with consecutive page numbers inside one mapping
+//! (`[1,5,6,7,9]` gives `[1] [5,6,7] [9]`), each run checked for access. Then the locks of
+//! the mappings involved are taken in id order and held for the whole call, so the call
+//! is all-or-nothing even when it repeats pages or spans mappings: every run is pinned with
+//! one table step (and, in lock mode, one accounting step and one mlock per sub-run of newly
+//! pinned pages), and on any failure the runs already pinned are unwound.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, MutexGuard};
+
+use smallvec::SmallVec;
+use thiserror::Error;
+
+use crate::lock::OverLimit;
+use crate::mapping::{Mapping, MappingPins, MappingState, Released, RunFailure};
+use crate::page::{iova_of, iova_of_checked, Prot, PAGE_SHIFT, PAGE_SIZE};
+use crate::space::{DmaSpace, MappingTable};
+
+/// Why a pin call failed. Nothing stays pinned by a failed call.
+///
+/// `index` is the position in the caller's array of the first page that failed (for range
+/// pins, the page's offset in the range) and `pfn` its IOVA page number.
+#[derive(Debug, Error)]
+pub enum PinError {
+    /// The call named no pages.
+    #[error("no pages to pin")]
+    Empty,
+    /// The call named more pages than `max_pages_per_call`.
+    #[error("{requested} pages in one call; at most {max} allowed")]
+    TooManyPages {
+        /// Pages named.
+        requested: u64,
+        /// The configured maximum.
+        max: u64,
+    },
+    /// The page is not in any mapping.
+    #[error("page {index} (pfn {pfn:#x}) is not mapped")]
+    NotMapped {
+        /// Position in the call.
+        index: usize,
+        /// IOVA page number.
+        pfn: u64,
+    },
+    /// The mapping does not grant the access asked for.
+    #[error("page {index} (pfn {pfn:#x}) is mapped {have:?}, {wanted:?} wanted")]
+    Permission {
+        /// Position in the call.
+        index: usize,
+        /// IOVA page number.
+        pfn: u64,
+        /// Access asked for.
+        wanted: Prot,
+        /// Access the mapping grants.
+        have: Prot,
+    },
+    /// The page lies in a region mapped without an fd: there is no host memory to pin.
+    #[error("page {index} (pfn {pfn:#x}) is in a region with no host memory")]
+    NoHostMemory {
+        /// Position in the call.
+        index: usize,
+        /// IOVA page number.
+        pfn: u64,
+    },
+    /// The page's mapping is being unmapped; no new pins are granted there.
+    #[error("page {index} (pfn {pfn:#x}) is being unmapped")]
+    Unmapping {
+        /// Position in the call.
+        index: usize,
+        /// IOVA page number.
+        pfn: u64,
+    },
+    /// The page already holds the maximum number of pins.
+    #[error("page {index} (pfn {pfn:#x}) already holds the maximum of {max} pins", max = crate::MAX_PIN_COUNT)]
+    CountOverflow {
+        /// Position in the call.
+        index: usize,
+        /// IOVA page number.
+        pfn: u64,
+    },
+    /// Locking the run starting at this page would exceed the lock limit.
+    #[error("page {index} (pfn {pfn:#x}): locking {} more bytes exceeds the limit of {} ({} locked)", over.requested, over.limit, over.locked)]
+    LockLimit {
+        /// Position in the call.
+        index: usize,
+        /// IOVA page number.
+        pfn: u64,
+        /// The refused charge.
+        over: OverLimit,
+    },
+    /// mlock failed for the run starting at this page.
+    #[error("page {index} (pfn {pfn:#x}): mlock failed: {source}")]
+    Lock {
+        /// Position in the call.
+        index: usize,
+        /// IOVA page number.
+        pfn: u64,
+        /// The syscall's error.
+        source: std::io::Error,
+    },
+}
+
+impl PinError {
+    /// The errno a VFIO-style interface reports for this error.
+    pub fn errno(&self) -> i32 {
+        match self {
+            PinError::Empty | PinError::NotMapped { .. } => libc::EINVAL,
+            PinError::TooManyPages { .. } => libc::E2BIG,
+            PinError::Permission { .. } => libc::EPERM,
+            PinError::NoHostMemory { .. } => libc::EFAULT,
+            PinError::Unmapping { .. } => libc::EBUSY,
+            PinError::CountOverflow { .. } => libc::ENOSPC,
+            PinError::LockLimit { .. } => libc::ENOMEM,
+            PinError::Lock { source, .. } => source.raw_os_error().unwrap_or(libc::ENOMEM),
+        }
+    }
+}
+
+/// Why an unpin call failed. Nothing was unpinned.
+#[derive(Debug, Error)]
+pub enum UnpinError {
+    /// The call named no pages, or too many.
+    #[error("invalid unpin of {0} pages")]
+    InvalidCount(u64),
+    /// The page is not in any mapping.
+    #[error("page {index} (pfn {pfn:#x}) is not mapped")]
+    NotMapped {
+        /// Position in the call.
+        index: usize,
+        /// IOVA page number.
+        pfn: u64,
+    },
+    /// The page holds no pin (counting earlier entries of the same call).
+    #[error("page {index} (pfn {pfn:#x}) is not pinned")]
+    NotPinned {
+        /// Position in the call.
+        index: usize,
+        /// IOVA page number.
+        pfn: u64,
+    },
+}
+
+impl UnpinError {
+    /// The errno a VFIO-style interface reports for this error.
+    pub fn errno(&self) -> i32 {
+        libc::EINVAL
+    }
+}
+
+/// Why a guard could not copy to or from its pages.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum AccessError {
+    /// The byte range is not inside the pinned pages.
+    #[error("bytes [{offset:#x}, +{len:#x}) are outside the {size:#x} pinned bytes")]
+    OutOfRange {
+        /// Requested offset.
+        offset: u64,
+        /// Requested length.
+        len: u64,
+        /// Bytes pinned.
+        size: u64,
+    },
+    /// The pages were pinned without write access.
+    #[error("the pages were pinned read-only")]
+    ReadOnly,
+}
+
+/// Consecutive entries of a pin call with consecutive page numbers in one mapping, pinned as
+/// one step. Host memory of a run is contiguous.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PinnedRun {
+    iova: u64,
+    npages: u64,
+    index: usize,
+    host: usize,
+    /// Which of the guard's mappings holds the run.
+    slot: usize,
+    /// Page offset of the run within that mapping.
+    page: u64,
+}
+
+impl PinnedRun {
+    /// IOVA of the run's first page.
+    pub fn iova(&self) -> u64 {
+        self.iova
+    }
+    /// Pages in the run.
+    pub fn npages(&self) -> u64 {
+        self.npages
+    }
+    /// Position of the run's first page in the call's array.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+    /// Host address of the run's first page. Valid while the pins are held.
+    pub fn host_addr(&self) -> usize {
+        self.host
+    }
+    /// Bytes in the run.
+    pub fn len(&self) -> u64 {
+        self.npages * PAGE_SIZE
+    }
+    /// Always false: runs hold at least one page.
+    pub fn is_empty(&self) -> bool {
+        self.npages == 0
+    }
+}
+
+/// A scatter-gather element: host-adjacent consecutive runs merged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Segment {
+    /// Host address of the first byte.
+    pub host_addr: usize,
+    /// Bytes.
+    pub len: u64,
+    /// Position of the segment's first page in the call's array.
+    pub index: usize,
+}
+
+type Runs = SmallVec<[PinnedRun; 4]>;
+type Mappings = SmallVec<[Arc<Mapping>; 2]>;
+
+/// A pin call, cut into runs and resolved to mappings, not yet applied.
+struct Plan {
+    mappings: Mappings,
+    runs: Runs,
+    pages: u64,
+}
+
+/// Resolves page numbers to mappings under the table's read lock.
+struct Planner<'a> {
+    table: &'a MappingTable,
+    wanted: Prot,
+    /// Whether the access check applies (unpins need none).
+    pinning: bool,
+    plan: Plan,
+    /// The slot and page range of the mapping last resolved: the usual next hit.
+    hint: Option<(usize, u64, u64)>,
+}
+
+impl<'a> Planner<'a> {
+    fn new(table: &'a MappingTable, wanted: Prot, pinning: bool) -> Self {
+        Planner {
+            table,
+            wanted,
+            pinning,
+            plan: Plan {
+                mappings: SmallVec::new(),
+                runs: SmallVec::new(),
+                pages: 0,
+            },
+            hint: None,
+        }
+    }
+
+    /// The guard slot of the mapping holding `pfn` (entry `index` of the call).
+    fn resolve(&mut self, pfn: u64, index: usize) -> Result<(usize, u64, u64), PinError> {
+        if let Some(hint @ (_, first, end)) = self.hint {
+            if pfn >= first && pfn < end {
+                return Ok(hint);
+            }
+        }
+        let mapping = match self.table.range(..=pfn).next_back() {
+            Some((_, m)) if m.contains(pfn) => m,
+            _ => return Err(PinError::NotMapped { index, pfn }),
+        };
+        if self.pinning {
+            if !mapping.prot.contains(self.wanted) {
+                return Err(PinError::Permission {
+                    index,
+                    pfn,
+                    wanted: self.wanted,
+                    have: mapping.prot,
+                });
+            }
+            if mapping.memory.is_none() {
+                return Err(PinError::NoHostMemory { index, pfn });
+            }
+        }
+        let slot = match self
+            .plan
+            .mappings
+            .iter()
+            .position(|m| Arc::ptr_eq(m, mapping))
+        {
+            Some(slot) => slot,
+            None => {
+                self.plan.mappings.push(mapping.clone());
+                self.plan.mappings.len() - 1
+            }
+        };
+        let hint = (slot, mapping.first_pfn, mapping.end_pfn());
+        self.hint = Some(hint);
+        Ok(hint)
+    }
+
+    fn push_run(&mut self, slot: usize, mapping_first: u64, pfn: u64, npages: u64, index: usize) {
+        let page = pfn - mapping_first;
+        let host = self.plan.mappings[slot].host_addr(page).unwrap_or(0);
+        self.plan.runs.push(PinnedRun {
+            iova: iova_of(pfn),
+            npages,
+            index,
+            host,
+            slot,
+            page,
+        });
+        self.plan.pages += npages;
+    }
+
+    /// Cuts an array into maximal runs.
+    fn plan_array(mut self, pfns: &[u64]) -> Result<Plan, PinError> {
+        let mut i = 0;
+        while i < pfns.len() {
+            let start = pfns[i];
+            let (slot, first, end) = self.resolve(start, i)?;
+            // Extend while the next entry is the next page of the same mapping.
+            let limit = end - start;
+            let mut n = 1u64;
+            while n < limit && i + (n as usize) < pfns.len() && pfns[i + n as usize] == start + n {
+                n += 1;
+            }
+            self.push_run(slot, first, start, n, i);
+            i += n as usize;
+        }
+        Ok(self.plan)
+    }
+
+    /// Cuts `[pfn, pfn + npages)` at mapping boundaries.
+    fn plan_range(mut self, pfn: u64, npages: u64) -> Result<Plan, PinError> {
+        let mut done = 0u64;
+        while done < npages {
+            let here = pfn + done;
+            let (slot, first, end) = self.resolve(here, done as usize)?;
+            let n = (end - here).min(npages - done);
+            self.push_run(slot, first, here, n, done as usize);
+            done += n;
+        }
+        Ok(self.plan)
+    }
+}
+
+/// The locks of a plan's mappings, taken in mapping-id order, indexed by slot.
+struct Locked<'a> {
+    guards: SmallVec<[Option<MutexGuard<'a, MappingPins>>; 2]>,
+}
+
+impl<'a> Locked<'a> {
+    fn take(mappings: &'a [Arc<Mapping>]) -> Self {
+        let mut guards: SmallVec<[Option<MutexGuard<'a, MappingPins>>; 2]> =
+            mappings.iter().map(|_| None).collect();
+        if mappings.len() == 1 {
+            guards[0] = Some(mappings[0].lock());
+        } else {
+            let mut order: SmallVec<[usize; 4]> = (0..mappings.len()).collect();
+            order.sort_unstable_by_key(|&slot| mappings[slot].id);
+            for slot in order {
+                guards[slot] = Some(mappings[slot].lock());
+            }
+        }
+        Locked { guards }
+    }
+
+    fn get(&mut self, slot: usize) -> &mut MappingPins {
+        self.guards[slot].as_mut().expect("every slot is locked")
+    }
+}
+
+/// Removes one pin per page of `runs` (all known to be pinned), then munlocks and refunds.
+fn unpin_runs(mappings: &[Arc<Mapping>], locked: &mut Locked<'_>, runs: &[PinnedRun]) {
+    let mut released: SmallVec<[Released; 2]> = mappings.iter().map(|_| Released::new()).collect();
+    for run in runs.iter().rev() {
+        mappings[run.slot].unpin_run(
+            locked.get(run.slot),
+            run.page,
+            run.npages,
+            &mut released[run.slot],
+        );
+    }
+    for (slot, m) in mappings.iter().enumerate() {
+        m.release(locked.get(slot), &released[slot]);
+    }
+}
+
+fn run_error(run: &PinnedRun, failure: RunFailure) -> PinError {
+    let at = |page: u64| {
+        (
+            run.index + (page - run.page) as usize,
+            (run.iova >> PAGE_SHIFT) + (page - run.page),
+        )
+    };
+    match failure {
+        RunFailure::Overflow { page } => {
+            let (index, pfn) = at(page);
+            PinError::CountOverflow { index, pfn }
+        }
+        RunFailure::OverLimit { page, over } => {
+            let (index, pfn) = at(page);
+            PinError::LockLimit { index, pfn, over }
+        }
+        RunFailure::Lock { page, error } => {
+            let (index, pfn) = at(page);
+            PinError::Lock {
+                index,
+                pfn,
+                source: error,
+            }
+        }
+    }
+}
+
+impl DmaSpace {
+    fn check_count(&self, npages: u64) -> Result<(), PinError> {
+        let max = self.config().max_pages_per_call;
+        match npages {
+            0 => Err(PinError::Empty),
+            n if n > max => Err(PinError::TooManyPages { requested: n, max }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Pins the pages named by `pfns` (IOVA page numbers, any order, repeats pinned again)
+    /// for `prot` access. Consecutive entries with consecutive page numbers in one mapping
+    /// are pinned as one run with one step.
+    ///
+    /// The pins are held until the returned guard drops (or [`PinnedPages::forget`] hands
+    /// them to [`DmaSpace::unpin_pages`]). On error nothing stays pinned.
+    pub fn pin_pages(&self, pfns: &[u64], prot: Prot) -> Result<PinnedPages, PinError> {
+        self.check_count(pfns.len() as u64)?;
+        let plan = Planner::new(&self.read_table(), prot, true).plan_array(pfns);
+        self.apply(plan, prot)
+    }
+
+    /// Pins the `npages` pages from `iova` (page aligned; rounded down otherwise). The range
+    /// may span adjacent mappings; it is pinned one run per mapping.
+    pub fn pin_range(&self, iova: u64, npages: u64, prot: Prot) -> Result<PinnedPages, PinError> {
+        self.check_count(npages)?;
+        let pfn = iova >> PAGE_SHIFT;
+        if pfn
+            .checked_add(npages - 1)
+            .and_then(iova_of_checked)
+            .is_none()
+        {
+            return Err(PinError::NotMapped { index: 0, pfn });
+        }
+        let plan = Planner::new(&self.read_table(), prot, true).plan_range(pfn, npages);
+        self.apply(plan, prot)
+    }
+
+    fn apply(&self, plan: Result<Plan, PinError>, prot: Prot) -> Result<PinnedPages, PinError> {
+        let counters = self.counters();
+        let plan = plan.inspect_err(|_| {
+            counters.pin_failures.fetch_add(1, Ordering::Relaxed);
+        })?;
+        let mut locked = Locked::take(&plan.mappings);
+        let result = Self::pin_runs(&plan, &mut locked);
+        drop(locked);
+        match result {
+            Ok(()) => {
+                counters.pin_calls.fetch_add(1, Ordering::Relaxed);
+                counters
+                    .runs
+                    .fetch_add(plan.runs.len() as u64, Ordering::Relaxed);
+                counters.pages.fetch_add(plan.pages, Ordering::Relaxed);
+                Ok(PinnedPages {
+                    mappings: plan.mappings,
+                    runs: plan.runs,
+                    pages: plan.pages,
+                    prot,
+                })
+            }
+            Err(e) => {
+                counters.pin_failures.fetch_add(1, Ordering::Relaxed);
+                Err(e)
+            }
+        }
+    }
+
+    fn pin_runs(plan: &Plan, locked: &mut Locked<'_>) -> Result<(), PinError> {
+        // A mapping may have left the table (or started leaving) between planning and
+        // locking; report the first entry affected.
+        for run in &plan.runs {
+            let pfn = run.iova >> PAGE_SHIFT;
+            match locked.get(run.slot).state {
+                MappingState::Live => {}
+                MappingState::Unmapping => {
+                    return Err(PinError::Unmapping {
+                        index: run.index,
+                        pfn,
+                    })
+                }
+                MappingState::Removed => {
+                    return Err(PinError::NotMapped {
+                        index: run.index,
+                        pfn,
+                    })
+                }
+            }
+        }
+        for (done, run) in plan.runs.iter().enumerate() {
+            let mapping = &plan.mappings[run.slot];
+            if let Err(failure) = mapping.pin_run(locked.get(run.slot), run.page, run.npages) {
+                unpin_runs(&plan.mappings, locked, &plan.runs[..done]);
+                return Err(run_error(run, failure));
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops one pin from each page named by `pfns`, as taken by [`DmaSpace::pin_pages`] and
+    /// kept with [`PinnedPages::forget`]. If any page is not pinned (counting repeats in
+    /// `pfns`), nothing changes.
+    pub fn unpin_pages(&self, pfns: &[u64]) -> Result<(), UnpinError> {
+        let plan = Planner::new(&self.read_table(), Prot::empty(), false).plan_array(pfns);
+        self.unpin_plan(pfns.len() as u64, plan)
+    }
+
+    /// Drops one pin from each of the `npages` pages from `iova`.
+    pub fn unpin_range(&self, iova: u64, npages: u64) -> Result<(), UnpinError> {
+        let pfn = iova >> PAGE_SHIFT;
+        if npages == 0
+            || pfn
+                .checked_add(npages - 1)
+                .and_then(iova_of_checked)
+                .is_none()
+        {
+            return Err(UnpinError::InvalidCount(npages));
+        }
+        let plan = Planner::new(&self.read_table(), Prot::empty(), false).plan_range(pfn, npages);
+        self.unpin_plan(npages, plan)
+    }
+
+    fn unpin_plan(&self, npages: u64, plan: Result<Plan, PinError>) -> Result<(), UnpinError> {
+        let counters = self.counters();
+        let result = if npages == 0 || npages > self.config().max_pages_per_call {
+            Err(UnpinError::InvalidCount(npages))
+        } else {
+            match plan {
+                Ok(plan) => Self::unpin_checked(&plan),
+                Err(PinError::NotMapped { index, pfn }) => {
+                    Err(UnpinError::NotMapped { index, pfn })
+                }
+                Err(other) => unreachable!("unpin planning only fails with NotMapped: {other}"),
+            }
+        };
+        let counter = if result.is_ok() {
+            &counters.unpin_calls
+        } else {
+            &counters.unpin_failures
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        result
+    }
+
+    fn unpin_checked(plan: &Plan) -> Result<(), UnpinError> {
+        let mut locked = Locked::take(&plan.mappings);
+        let mut released: SmallVec<[Released; 2]> =
+            plan.mappings.iter().map(|_| Released::new()).collect();
+        for (done, run) in plan.runs.iter().enumerate() {
+            let mapping = &plan.mappings[run.slot];
+            let pins = locked.get(run.slot);
+            if let Some(page) = pins.table.find_unpinned(run.page, run.npages) {
+                // Put back what this call took; nothing was munlocked yet.
+                for undo in plan.runs[..done].iter().rev() {
+                    locked
+                        .get(undo.slot)
+                        .table
+                        .increment(undo.page, undo.npages);
+                }
+                let index = run.index + (page - run.page) as usize;
+                return Err(UnpinError::NotPinned {
+                    index,
+                    pfn: (run.iova >> PAGE_SHIFT) + (page - run.page),
+                });
+            }
+            mapping.unpin_run(pins, run.page, run.npages, &mut released[run.slot]);
+        }
+        for (slot, m) in plan.mappings.iter().enumerate() {
+            m.release(locked.get(slot), &released[slot]);
+        }
+        Ok(())
+    }
+}
+
+/// Pins held on behalf of a device: the host address of every page and the runs they were
+/// pinned in. Dropping the guard unpins them.
+///
+/// The guard keeps its mappings' memory mapped, and an unmap of a range holding pins waits
+/// for them (after notifying the device), so the memory stays valid while the guard lives.
+#[must_use = "dropping the guard unpins the pages at once"]
+#[derive(Debug)]
+pub struct PinnedPages {
+    mappings: Mappings,
+    runs: Runs,
+    pages: u64,
+    prot: Prot,
+}
+
+impl PinnedPages {
+    /// Pages pinned (entries of the call).
+    pub fn len(&self) -> usize {
+        self.pages as usize
+    }
+
+    /// Always false: a pin call pins at least one page.
+    pub fn is_empty(&self) -> bool {
+        self.pages == 0
+    }
+
+    /// Access the pages were pinned for.
+    pub fn prot(&self) -> Prot {
+        self.prot
+    }
+
+    /// The runs, in the order of the call's entries.
+    pub fn runs(&self) -> &[PinnedRun] {
+        &self.runs
+    }
+
+    /// The scatter-gather list: runs in call order, host-adjacent neighbours merged.
+    pub fn segments(&self) -> impl Iterator<Item = Segment> + '_ {
+        let mut runs = self.runs.iter().peekable();
+        std::iter::from_fn(move || {
+            let first = runs.next()?;
+            let mut seg = Segment {
+                host_addr: first.host,
+                len: first.len(),
+                index: first.index,
+            };
+            while let Some(next) = runs.next_if(|r| r.host == seg.host_addr + seg.len as usize) {
+                seg.len += next.len();
+            }
+            Some(seg)
+        })
+    }
+
+    fn run_of(&self, index: usize) -> Option<&PinnedRun> {
+        let at = self
+            .runs
+            .partition_point(|r| r.index <= index)
+            .checked_sub(1)?;
+        let run = &self.runs[at];
+        (index < run.index + run.npages as usize).then_some(run)
+    }
+
+    /// IOVA of entry `index`.
+    pub fn iova(&self, index: usize) -> Option<u64> {
+        self.run_of(index)
+            .map(|r| r.iova + (index - r.index) as u64 * PAGE_SIZE)
+    }
+
+    /// Host address of entry `index`'s page. Valid while the pins are held; prefer
+    /// [`PinnedPages::read`] and [`PinnedPages::write`], which check bounds and access.
+    pub fn host_addr(&self, index: usize) -> Option<usize> {
+        self.run_of(index)
+            .map(|r| r.host + (index - r.index) * PAGE_SIZE as usize)
+    }
+
+    /// Bytes pinned: the pages taken as one buffer, entry 0 first.
+    pub fn size(&self) -> u64 {
+        self.pages * PAGE_SIZE
+    }
+
+    fn check(&self, offset: u64, len: usize) -> Result<(), AccessError> {
+        match offset.checked_add(len as u64) {
+            Some(end) if end <= self.size() => Ok(()),
+            _ => Err(AccessError::OutOfRange {
+                offset,
+                len: len as u64,
+                size: self.size(),
+            }),
+        }
+    }
+
+    /// Calls `f(host_addr, buf_offset, len)` for each contiguous piece of
+    /// `[offset, offset + len)` of the pinned buffer.
+    fn for_each_piece(&self, offset: u64, len: usize, mut f: impl FnMut(usize, usize, usize)) {
+        let mut done = 0usize;
+        let start = self
+            .runs
+            .partition_point(|r| ((r.index as u64 + r.npages) * PAGE_SIZE) <= offset);
+        for run in &self.runs[start..] {
+            if done == len {
+                break;
+            }
+            let run_start = run.index as u64 * PAGE_SIZE;
+            let at = offset + done as u64 - run_start;
+            let n = ((run.len() - at) as usize).min(len - done);
+            f(run.host + at as usize, done, n);
+            done += n;
+        }
+    }
+
+    /// Copies `buf.len()` bytes at `offset` of the pinned buffer (entry 0's page first) out.
+    pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), AccessError> {
+        self.check(offset, buf.len())?;
+        self.for_each_piece(offset, buf.len(), |host, at, n| {
+            // SAFETY: [host, host + n) lies in pinned pages of a mapping this guard keeps
+            // mapped, readable (every mapping grants read). The source is shared with the
+            // client, so its bytes may change under us; only their values are affected.
+            unsafe { std::ptr::copy_nonoverlapping(host as *const u8, buf.as_mut_ptr().add(at), n) }
+        });
+        Ok(())
+    }
+
+    /// Copies `buf` into the pinned buffer at `offset`. The pages must have been pinned
+    /// with [`Prot::WRITE`].
+    pub fn write(&self, offset: u64, buf: &[u8]) -> Result<(), AccessError> {
+        if !self.prot.contains(Prot::WRITE) {
+            return Err(AccessError::ReadOnly);
+        }
+        self.check(offset, buf.len())?;
+        self.for_each_piece(offset, buf.len(), |host, at, n| {
+            // SAFETY: as in read; the pin asked for WRITE, which the planner checked the
+            // mapping grants, so the pages are mapped writable.
+            unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr().add(at), host as *mut u8, n) }
+        });
+        Ok(())
+    }
+
+    /// Unpins now (the same as dropping the guard).
+    pub fn unpin(self) {}
+
+    /// Keeps the pins but drops the guard: the caller now owns them and must release them
+    /// with [`DmaSpace::unpin_pages`] or [`DmaSpace::unpin_range`] (the `vfio_pin_pages`
+    /// model). Memory under pins kept this way is never unmapped while they are held.
+    pub fn forget(mut self) {
+        self.runs.clear();
+    }
+}
+
+impl Drop for PinnedPages {
+    fn drop(&mut self) {
+        if self.runs.is_empty() {
+            return;
+        }
+        let mut locked = Locked::take(&self.mappings);
+        unpin_runs(&self.mappings, &mut locked, &self.runs);
+        drop(locked);
+        if let Some(m) = self.mappings.first() {
+            m.policy
+                .counters
+                .unpin_calls
+                .fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}

@@ -1,0 +1,652 @@
+//! A client's DMA space: its IOVA mappings, and the map/unmap side of pinning.
+//!
+//! The mapping table is behind a read-write lock that pins hold only while they look up
+//! mappings; pin counts live in each mapping under its own lock. Unmap never removes a
+//! mapping that holds pins: it marks it so new pins are refused, asks the device to let go
+//! (the unmap notifier, called with no engine lock held), and waits a bounded time.
+
+use std::collections::BTreeMap;
+use std::os::fd::BorrowedFd;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use thiserror::Error;
+
+use crate::lock::{LockAccount, PinMode};
+use crate::mapping::{Counters, Mapping, MappingState, PinPolicy};
+use crate::mmap::{HostMemory, MmapError};
+use crate::page::{is_page_aligned, pfn_of, Prot, PAGE_SIZE};
+
+/// The device's `dma_unmap(iova, len)`: told that `[iova, iova + len)` is being unmapped
+/// and that it must drop its pins there.
+///
+/// Called on the thread doing the unmap, with no engine lock held, so it may unpin (or wait
+/// for its own threads to unpin). It must not map or unmap in the same space. A device that
+/// owns its DMA space should capture it weakly, or the two keep each other alive.
+pub type UnmapNotifier = Arc<dyn Fn(u64, u64) + Send + Sync>;
+
+/// How a [`DmaSpace`] behaves; `Default` gives the documented defaults.
+#[derive(Clone, Debug)]
+pub struct DmaSpaceConfig {
+    /// Most mappings at once (default 65535, what QEMU asks for as `max_dma_maps`).
+    pub max_mappings: usize,
+    /// How pins hold their pages (default [`PinMode::Track`]).
+    pub mode: PinMode,
+    /// The locked-memory budget lock-mode pins are charged to (default: a fresh account with
+    /// this process's limit; share one account between spaces to share the limit).
+    pub account: Arc<LockAccount>,
+    /// How long an unmap waits for pins to drop before failing busy (default 2 s, under the
+    /// 5 s a VMM such as QEMU waits for a reply).
+    pub unmap_timeout: Duration,
+    /// Most pages one pin or unpin call may name (default 262144, 1 GiB): one call holds a
+    /// mapping's lock for its whole duration.
+    pub max_pages_per_call: u64,
+}
+
+impl Default for DmaSpaceConfig {
+    fn default() -> Self {
+        DmaSpaceConfig {
+            max_mappings: 65535,
+            mode: PinMode::Track,
+            account: Arc::new(LockAccount::for_this_process()),
+            unmap_timeout: Duration::from_secs(2),
+            max_pages_per_call: 1 << 18,
+        }
+    }
+}
+
+/// Why a map was refused. The space is unchanged.
+#[derive(Debug, Error)]
+pub enum MapError {
+    /// The size is 0.
+    #[error("mapping size is zero")]
+    ZeroSize,
+    /// IOVA, size or file offset is not a multiple of the page size.
+    #[error("iova {iova:#x}, size {size:#x} and offset {offset:#x} must be page aligned")]
+    Unaligned {
+        /// Requested IOVA.
+        iova: u64,
+        /// Requested size.
+        size: u64,
+        /// Requested file offset.
+        offset: u64,
+    },
+    /// Neither read nor write access was asked for.
+    #[error("mapping grants neither read nor write access")]
+    NoAccess,
+    /// `iova + size` does not fit in 64 bits.
+    #[error("iova {iova:#x} + size {size:#x} wraps around")]
+    IovaWraps {
+        /// Requested IOVA.
+        iova: u64,
+        /// Requested size.
+        size: u64,
+    },
+    /// `offset + size` does not fit in 64 bits.
+    #[error("file offset {offset:#x} + size {size:#x} wraps around")]
+    OffsetWraps {
+        /// Requested file offset.
+        offset: u64,
+        /// Requested size.
+        size: u64,
+    },
+    /// The range overlaps a mapping already in the space.
+    #[error(
+        "[{iova:#x}, +{size:#x}) overlaps the mapping at {existing_iova:#x} (+{existing_size:#x})"
+    )]
+    Overlap {
+        /// Requested IOVA.
+        iova: u64,
+        /// Requested size.
+        size: u64,
+        /// IOVA of the existing mapping.
+        existing_iova: u64,
+        /// Size of the existing mapping.
+        existing_size: u64,
+    },
+    /// The space already holds its maximum number of mappings.
+    #[error("the space already holds its maximum of {max} mappings")]
+    TooManyMappings {
+        /// The configured maximum.
+        max: usize,
+    },
+    /// The fd cannot back the mapping: past its end, not a regular file, refused by mmap.
+    #[error(transparent)]
+    Backing(#[from] MmapError),
+}
+
+impl MapError {
+    /// The errno a VFIO-style interface reports for this error.
+    pub fn errno(&self) -> i32 {
+        match self {
+            MapError::Overlap { .. } => libc::EEXIST,
+            MapError::TooManyMappings { .. } => libc::ENOSPC,
+            MapError::Backing(MmapError::Inspect(_)) => libc::EBADF,
+            MapError::Backing(MmapError::Mmap(e)) => e.raw_os_error().unwrap_or(libc::EINVAL),
+            _ => libc::EINVAL,
+        }
+    }
+}
+
+/// Why an unmap failed. The space is unchanged.
+#[derive(Debug, Error)]
+pub enum UnmapError {
+    /// Zero size, unaligned, or wrapping range.
+    #[error("invalid unmap range iova {iova:#x} size {size:#x}")]
+    InvalidRange {
+        /// Requested IOVA.
+        iova: u64,
+        /// Requested size.
+        size: u64,
+    },
+    /// No mapping lies in the range.
+    #[error("nothing is mapped in [{iova:#x}, +{size:#x})")]
+    NotMapped {
+        /// Requested IOVA.
+        iova: u64,
+        /// Requested size.
+        size: u64,
+    },
+    /// The range cuts through a mapping; only whole mappings are unmapped.
+    #[error(
+        "[{iova:#x}, +{size:#x}) splits the mapping at {mapping_iova:#x} (+{mapping_size:#x})"
+    )]
+    SplitsMapping {
+        /// Requested IOVA.
+        iova: u64,
+        /// Requested size.
+        size: u64,
+        /// IOVA of the mapping cut through.
+        mapping_iova: u64,
+        /// Size of that mapping.
+        mapping_size: u64,
+    },
+    /// Pins remained in the mapping at `iova` after the notifier and the wait.
+    #[error("{pins} pins still held in the mapping at {iova:#x} after waiting {waited:?}")]
+    Busy {
+        /// IOVA of the first mapping still pinned.
+        iova: u64,
+        /// Pins left in it.
+        pins: u64,
+        /// How long the unmap waited.
+        waited: Duration,
+    },
+    /// Another unmap of an overlapping range is waiting for the same mappings.
+    #[error("the mapping at {iova:#x} is already being unmapped")]
+    InProgress {
+        /// IOVA of the contended mapping.
+        iova: u64,
+    },
+}
+
+impl UnmapError {
+    /// The errno a VFIO-style interface reports for this error.
+    pub fn errno(&self) -> i32 {
+        match self {
+            UnmapError::NotMapped { .. } => libc::ENOENT,
+            UnmapError::Busy { .. } | UnmapError::InProgress { .. } => libc::EBUSY,
+            _ => libc::EINVAL,
+        }
+    }
+}
+
+/// What an unmap removed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Unmapped {
+    /// Mappings removed.
+    pub mappings: u64,
+    /// Bytes they covered.
+    pub bytes: u64,
+}
+
+/// What a mapping is, as seen from outside the engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct MappingInfo {
+    /// First IOVA.
+    pub iova: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// Access the client granted.
+    #[serde(serialize_with = "ser_prot")]
+    pub prot: Prot,
+    /// False for a region mapped without an fd: its contents are reachable only through
+    /// the client (vfio-user DMA_READ/DMA_WRITE), never pinned.
+    pub has_memory: bool,
+    /// Backed by hugetlbfs.
+    pub hugetlb: bool,
+}
+
+fn ser_prot<S: serde::Serializer>(prot: &Prot, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_u32(prot.bits())
+}
+
+/// Counters and current state of a space, for `umdev stats`.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct DmaStats {
+    /// Mappings in the space.
+    pub mappings: u64,
+    /// Bytes they cover.
+    pub mapped_bytes: u64,
+    /// Pin calls that succeeded.
+    pub pin_calls: u64,
+    /// Pin calls that failed (and were unwound).
+    pub pin_failures: u64,
+    /// Unpin calls (explicit and guard drops).
+    pub unpin_calls: u64,
+    /// Unpin calls refused.
+    pub unpin_failures: u64,
+    /// Runs pinned by successful calls (one run = one pin step).
+    pub runs: u64,
+    /// Pages pinned by successful calls (a repeated page counts each time).
+    pub pages: u64,
+    /// Pins held now.
+    pub pins_held: u64,
+    /// Distinct pages pinned now.
+    pub pinned_pages: u64,
+    /// Bytes this space has locked now (lock mode; hugetlb included).
+    pub locked_bytes: u64,
+    /// mlock syscalls made.
+    pub mlock_calls: u64,
+    /// munlock syscalls made.
+    pub munlock_calls: u64,
+    /// munlock syscalls that failed (pages left resident until unmap).
+    pub munlock_failures: u64,
+    /// Unmaps that had to wait for pins.
+    pub unmap_waits: u64,
+    /// Unmaps that failed busy.
+    pub unmap_busy: u64,
+    /// Calls to the unmap notifier.
+    pub notifier_calls: u64,
+    /// Heap bytes of pin-count bookkeeping.
+    pub bookkeeping_bytes: u64,
+}
+
+pub(crate) type MappingTable = BTreeMap<u64, Arc<Mapping>>;
+
+pub(crate) struct SpaceInner {
+    pub(crate) config: DmaSpaceConfig,
+    pub(crate) policy: Arc<PinPolicy>,
+    /// Mappings by first page number.
+    table: RwLock<MappingTable>,
+    notifier: RwLock<Option<UnmapNotifier>>,
+}
+
+/// A client's IOVA space and the pins devices hold in it. Cheap to clone: clones share it.
+#[derive(Clone)]
+pub struct DmaSpace {
+    pub(crate) inner: Arc<SpaceInner>,
+}
+
+impl std::fmt::Debug for DmaSpace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DmaSpace")
+            .field("mode", &self.inner.policy.mode)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for DmaSpace {
+    fn default() -> Self {
+        Self::new(DmaSpaceConfig::default())
+    }
+}
+
+impl DmaSpace {
+    /// An empty space.
+    pub fn new(config: DmaSpaceConfig) -> Self {
+        let policy = Arc::new(PinPolicy {
+            mode: config.mode,
+            account: config.account.clone(),
+            counters: Default::default(),
+        });
+        let inner = SpaceInner {
+            config,
+            policy,
+            table: RwLock::default(),
+            notifier: RwLock::default(),
+        };
+        DmaSpace {
+            inner: Arc::new(inner),
+        }
+    }
+
+    /// The configuration it was created with.
+    pub fn config(&self) -> &DmaSpaceConfig {
+        &self.inner.config
+    }
+
+    /// How pins hold pages in this space.
+    pub fn mode(&self) -> PinMode {
+        self.inner.policy.mode
+    }
+
+    /// The lock account lock-mode pins are charged to.
+    pub fn account(&self) -> &Arc<LockAccount> {
+        &self.inner.policy.account
+    }
+
+    pub(crate) fn counters(&self) -> &Counters {
+        &self.inner.policy.counters
+    }
+
+    pub(crate) fn read_table(&self) -> RwLockReadGuard<'_, MappingTable> {
+        self.inner.table.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write_table(&self) -> RwLockWriteGuard<'_, MappingTable> {
+        self.inner.table.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Registers the device's unmap notifier, replacing any earlier one.
+    pub fn set_unmap_notifier(&self, notifier: Option<UnmapNotifier>) {
+        *self
+            .inner
+            .notifier
+            .write()
+            .unwrap_or_else(|p| p.into_inner()) = notifier;
+    }
+
+    /// Maps `size` bytes of `fd` from `offset` at `iova`, `MAP_SHARED` with `prot`.
+    ///
+    /// The fd may be closed afterwards: the mapping keeps the memory. Costs the same for any
+    /// size; pin bookkeeping is allocated only when pages are pinned.
+    pub fn map(
+        &self,
+        iova: u64,
+        size: u64,
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        prot: Prot,
+    ) -> Result<(), MapError> {
+        self.check_new_range(iova, size, offset, prot)?;
+        offset
+            .checked_add(size)
+            .ok_or(MapError::OffsetWraps { offset, size })?;
+        // Check overlap and the count before the (cheap, but not free) mmap, and again under
+        // the write lock after it.
+        self.check_room(&self.read_table(), iova, size)?;
+        let memory = HostMemory::map(fd, offset, size, prot)?;
+        self.insert(iova, size, prot, Some(memory))
+    }
+
+    /// Records a region the client mapped without an fd (vfio-user: reachable only through
+    /// DMA_READ/DMA_WRITE messages). It takes part in overlap checks and unmaps; pins of it
+    /// fail with [`crate::PinError::NoHostMemory`].
+    pub fn map_message_only(&self, iova: u64, size: u64, prot: Prot) -> Result<(), MapError> {
+        self.check_new_range(iova, size, 0, prot)?;
+        self.insert(iova, size, prot, None)
+    }
+
+    fn check_new_range(
+        &self,
+        iova: u64,
+        size: u64,
+        offset: u64,
+        prot: Prot,
+    ) -> Result<(), MapError> {
+        if size == 0 {
+            return Err(MapError::ZeroSize);
+        }
+        if !is_page_aligned(iova) || !is_page_aligned(size) || !is_page_aligned(offset) {
+            return Err(MapError::Unaligned { iova, size, offset });
+        }
+        if iova.checked_add(size - 1).is_none() {
+            return Err(MapError::IovaWraps { iova, size });
+        }
+        if prot.is_empty() || !Prot::READ_WRITE.contains(prot) {
+            return Err(MapError::NoAccess);
+        }
+        Ok(())
+    }
+
+    fn check_room(&self, table: &MappingTable, iova: u64, size: u64) -> Result<(), MapError> {
+        let first = pfn_of(iova);
+        let last = pfn_of(iova + (size - 1));
+        // The only candidates: the last mapping starting at or before `last`.
+        if let Some((_, m)) = table.range(..=last).next_back() {
+            if m.end_pfn() > first {
+                return Err(MapError::Overlap {
+                    iova,
+                    size,
+                    existing_iova: m.iova(),
+                    existing_size: m.size(),
+                });
+            }
+        }
+        if table.len() >= self.inner.config.max_mappings {
+            return Err(MapError::TooManyMappings {
+                max: self.inner.config.max_mappings,
+            });
+        }
+        Ok(())
+    }
+
+    fn insert(
+        &self,
+        iova: u64,
+        size: u64,
+        prot: Prot,
+        memory: Option<HostMemory>,
+    ) -> Result<(), MapError> {
+        let mapping = Mapping::new(
+            pfn_of(iova),
+            size / PAGE_SIZE,
+            prot,
+            memory,
+            self.inner.policy.clone(),
+        );
+        let mut table = self.write_table();
+        self.check_room(&table, iova, size)?;
+        table.insert(mapping.first_pfn, Arc::new(mapping));
+        Ok(())
+    }
+
+    /// Removes every mapping inside `[iova, iova + size)`, which must not cut through one.
+    ///
+    /// Mappings holding pins are marked so that no new pins are granted, the notifier is
+    /// called for each of them, and the unmap waits up to `unmap_timeout` for their pins to
+    /// drop. If any remain, nothing is removed and the error is [`UnmapError::Busy`].
+    pub fn unmap(&self, iova: u64, size: u64) -> Result<Unmapped, UnmapError> {
+        let last = size.checked_sub(1).and_then(|s| iova.checked_add(s));
+        let last = match last {
+            Some(last) if is_page_aligned(iova) && is_page_aligned(size) => last,
+            _ => return Err(UnmapError::InvalidRange { iova, size }),
+        };
+        let victims = {
+            let table = self.write_table();
+            let victims = Self::mappings_in(&table, pfn_of(iova), pfn_of(last));
+            if let Some(m) = victims
+                .iter()
+                .find(|m| m.iova() < iova || m.iova() + (m.size() - 1) > last)
+            {
+                return Err(UnmapError::SplitsMapping {
+                    iova,
+                    size,
+                    mapping_iova: m.iova(),
+                    mapping_size: m.size(),
+                });
+            }
+            victims
+        };
+        if victims.is_empty() {
+            return Err(UnmapError::NotMapped { iova, size });
+        }
+        self.remove(victims)
+    }
+
+    /// Removes every mapping, waiting for pins as [`DmaSpace::unmap`] does.
+    pub fn unmap_all(&self) -> Result<Unmapped, UnmapError> {
+        let victims: Vec<_> = self.read_table().values().cloned().collect();
+        self.remove(victims)
+    }
+
+    /// Removes every mapping at once, pins or not: the last resort when a client is gone and
+    /// a device failed to drop its pins. Guards keep their mapping's memory until they drop;
+    /// memory under pins taken without a guard is leaked, never unmapped under them.
+    pub fn abandon_all(&self) -> Unmapped {
+        let taken = std::mem::take(&mut *self.write_table());
+        let mut unmapped = Unmapped::default();
+        for m in taken.values() {
+            let mut pins = m.lock();
+            if pins.table.pins() != 0 {
+                log::error!(
+                    "abandoning the mapping at {:#x} with {} pins held",
+                    m.iova(),
+                    pins.table.pins()
+                );
+            }
+            pins.state = MappingState::Removed;
+            unmapped.mappings += 1;
+            unmapped.bytes += m.size();
+        }
+        unmapped
+    }
+
+    fn mappings_in(table: &MappingTable, first: u64, last: u64) -> Vec<Arc<Mapping>> {
+        let straddling = table
+            .range(..first)
+            .next_back()
+            .map(|(_, m)| m)
+            .filter(|m| m.end_pfn() > first);
+        straddling
+            .into_iter()
+            .chain(table.range(first..=last).map(|(_, m)| m))
+            .cloned()
+            .collect()
+    }
+
+    fn remove(&self, victims: Vec<Arc<Mapping>>) -> Result<Unmapped, UnmapError> {
+        // Claim every victim: no new pins from here on.
+        let mut busy = Vec::new();
+        for (claimed, m) in victims.iter().enumerate() {
+            let mut pins = m.lock();
+            if pins.state != MappingState::Live {
+                drop(pins);
+                Self::set_state(&victims[..claimed], MappingState::Live);
+                return Err(UnmapError::InProgress { iova: m.iova() });
+            }
+            pins.state = MappingState::Unmapping;
+            if pins.table.pins() != 0 {
+                busy.push(m.clone());
+            }
+        }
+        if !busy.is_empty() {
+            self.wait_for_pins(&busy)
+                .inspect_err(|_| Self::set_state(&victims, MappingState::Live))?;
+        }
+        let mut table = self.write_table();
+        let mut unmapped = Unmapped::default();
+        for m in &victims {
+            table.remove(&m.first_pfn);
+            m.lock().state = MappingState::Removed;
+            unmapped.mappings += 1;
+            unmapped.bytes += m.size();
+        }
+        Ok(unmapped)
+    }
+
+    fn wait_for_pins(&self, busy: &[Arc<Mapping>]) -> Result<(), UnmapError> {
+        let counters = self.counters();
+        counters.unmap_waits.fetch_add(1, Ordering::Relaxed);
+        let notifier = self
+            .inner
+            .notifier
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(notify) = notifier {
+            for m in busy {
+                counters.notifier_calls.fetch_add(1, Ordering::Relaxed);
+                notify(m.iova(), m.size());
+            }
+        }
+        let start = Instant::now();
+        let deadline = start + self.inner.config.unmap_timeout;
+        for m in busy {
+            let pins = m.wait_drained(deadline);
+            if pins != 0 {
+                counters.unmap_busy.fetch_add(1, Ordering::Relaxed);
+                return Err(UnmapError::Busy {
+                    iova: m.iova(),
+                    pins,
+                    waited: start.elapsed(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn set_state(mappings: &[Arc<Mapping>], state: MappingState) {
+        for m in mappings {
+            m.lock().state = state;
+        }
+    }
+
+    /// The mapping holding `iova`, if any.
+    pub fn lookup(&self, iova: u64) -> Option<MappingInfo> {
+        let pfn = pfn_of(iova);
+        let table = self.read_table();
+        let (_, m) = table.range(..=pfn).next_back()?;
+        m.contains(pfn).then(|| Self::info(m))
+    }
+
+    /// Every mapping, in IOVA order.
+    pub fn mappings(&self) -> Vec<MappingInfo> {
+        self.read_table().values().map(|m| Self::info(m)).collect()
+    }
+
+    fn info(m: &Mapping) -> MappingInfo {
+        MappingInfo {
+            iova: m.iova(),
+            size: m.size(),
+            prot: m.prot,
+            has_memory: m.memory.is_some(),
+            hugetlb: m.memory.as_ref().is_some_and(|mem| mem.backing().hugetlb),
+        }
+    }
+
+    /// The pin count of the page holding `iova` (0 if unmapped).
+    pub fn pin_count(&self, iova: u64) -> u32 {
+        let pfn = pfn_of(iova);
+        let table = self.read_table();
+        match table.range(..=pfn).next_back() {
+            Some((_, m)) if m.contains(pfn) => m.lock().table.count(pfn - m.first_pfn),
+            _ => 0,
+        }
+    }
+
+    /// Counters and current totals.
+    pub fn stats(&self) -> DmaStats {
+        let c = self.counters();
+        let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        let mut stats = DmaStats {
+            pin_calls: get(&c.pin_calls),
+            pin_failures: get(&c.pin_failures),
+            unpin_calls: get(&c.unpin_calls),
+            unpin_failures: get(&c.unpin_failures),
+            runs: get(&c.runs),
+            pages: get(&c.pages),
+            mlock_calls: get(&c.mlock_calls),
+            munlock_calls: get(&c.munlock_calls),
+            munlock_failures: get(&c.munlock_failures),
+            unmap_waits: get(&c.unmap_waits),
+            unmap_busy: get(&c.unmap_busy),
+            notifier_calls: get(&c.notifier_calls),
+            ..DmaStats::default()
+        };
+        for m in self.read_table().values() {
+            let pins = m.lock();
+            stats.mappings += 1;
+            stats.mapped_bytes += m.size();
+            stats.pins_held += pins.table.pins();
+            stats.pinned_pages += pins.table.pinned_pages();
+            stats.bookkeeping_bytes += pins.table.bookkeeping_bytes() as u64;
+        }
+        if self.mode() == PinMode::Lock {
+            stats.locked_bytes = stats.pinned_pages * PAGE_SIZE;
+        }
+        stats
+    }
+}

@@ -1,0 +1,334 @@
+//! Per-page pin counts of one mapping, allocated lazily in fixed chunks.
+//!
+//! A mapping of any size starts with an empty table (no allocation); a chunk of
+//! [`CHUNK_PAGES`] 16-bit counts (1 KiB per 2 MiB of IOVA, 0.05%) is allocated when a page in
+//! it is first pinned and freed when its last page is unpinned. Runs are processed chunk
+//! segment by chunk segment, so pinning a contiguous run costs one lookup per 2 MiB plus a
+//! tight, vectorisable loop over its counts.
+
+use rustc_hash::FxHashMap;
+
+/// Pages per lazily allocated chunk of counts (2 MiB of IOVA).
+pub const CHUNK_PAGES: u64 = 512;
+
+/// Most pins one page can hold at once; a further pin fails with `CountOverflow`.
+pub const MAX_PIN_COUNT: u32 = u16::MAX as u32;
+
+type Count = u16;
+
+#[derive(Debug)]
+struct Chunk {
+    counts: [Count; CHUNK_PAGES as usize],
+    /// Pages of this chunk with a non-zero count.
+    live: u32,
+}
+
+impl Chunk {
+    fn new_boxed() -> Box<Chunk> {
+        Box::new(Chunk {
+            counts: [0; CHUNK_PAGES as usize],
+            live: 0,
+        })
+    }
+}
+
+/// Bytes of heap one allocated chunk costs (its box; the hash table's slot is counted by
+/// [`PinTable::bookkeeping_bytes`]).
+pub const CHUNK_BYTES: usize = std::mem::size_of::<Chunk>();
+
+/// The pin counts of one mapping, indexed by page offset within the mapping.
+#[derive(Debug, Default)]
+pub(crate) struct PinTable {
+    chunks: FxHashMap<u64, Box<Chunk>>,
+    /// One emptied chunk kept for reuse, so a pin/unpin loop on one chunk does not
+    /// allocate and free every time.
+    spare: Option<Box<Chunk>>,
+    /// Distinct pages with a non-zero count.
+    pinned_pages: u64,
+    /// Sum of all counts.
+    pins: u64,
+}
+
+/// One part of a run that lies inside a single chunk.
+#[derive(Clone, Copy)]
+struct Segment {
+    chunk: u64,
+    start: usize,
+    len: usize,
+    /// Page offset (within the mapping) of the segment's first page.
+    page: u64,
+}
+
+fn segments(first: u64, npages: u64) -> impl Iterator<Item = Segment> {
+    let mut page = first;
+    let end = first + npages;
+    std::iter::from_fn(move || {
+        if page >= end {
+            return None;
+        }
+        let chunk = page / CHUNK_PAGES;
+        let start = (page % CHUNK_PAGES) as usize;
+        let len = ((CHUNK_PAGES as usize) - start).min((end - page) as usize);
+        let seg = Segment {
+            chunk,
+            start,
+            len,
+            page,
+        };
+        page += len as u64;
+        Some(seg)
+    })
+}
+
+impl PinTable {
+    /// Distinct pages with a non-zero count.
+    pub(crate) fn pinned_pages(&self) -> u64 {
+        self.pinned_pages
+    }
+
+    /// Sum of all counts: how many pins are held.
+    pub(crate) fn pins(&self) -> u64 {
+        self.pins
+    }
+
+    /// Heap bytes this table uses for counts.
+    pub(crate) fn bookkeeping_bytes(&self) -> usize {
+        let slot = std::mem::size_of::<(u64, Box<Chunk>)>() + 1;
+        (self.chunks.len() + usize::from(self.spare.is_some())) * CHUNK_BYTES
+            + self.chunks.capacity() * slot
+    }
+
+    /// The pin count of page `page`.
+    pub(crate) fn count(&self, page: u64) -> u32 {
+        self.chunks
+            .get(&(page / CHUNK_PAGES))
+            .map_or(0, |c| u32::from(c.counts[(page % CHUNK_PAGES) as usize]))
+    }
+
+    /// First page of `[first, first + npages)` whose count cannot grow.
+    pub(crate) fn find_saturated(&self, first: u64, npages: u64) -> Option<u64> {
+        segments(first, npages).find_map(|seg| {
+            let chunk = self.chunks.get(&seg.chunk)?;
+            let counts = &chunk.counts[seg.start..seg.start + seg.len];
+            // Cheap vectorised test first; the position only matters on failure.
+            if counts
+                .iter()
+                .fold(0, |acc, &c| acc | Count::from(c == Count::MAX))
+                == 0
+            {
+                return None;
+            }
+            counts
+                .iter()
+                .position(|&c| c == Count::MAX)
+                .map(|i| seg.page + i as u64)
+        })
+    }
+
+    /// First page of `[first, first + npages)` that is not pinned.
+    pub(crate) fn find_unpinned(&self, first: u64, npages: u64) -> Option<u64> {
+        segments(first, npages).find_map(|seg| match self.chunks.get(&seg.chunk) {
+            None => Some(seg.page),
+            Some(chunk) => {
+                let counts = &chunk.counts[seg.start..seg.start + seg.len];
+                if counts.iter().fold(0, |acc, &c| acc | Count::from(c == 0)) == 0 {
+                    return None;
+                }
+                counts
+                    .iter()
+                    .position(|&c| c == 0)
+                    .map(|i| seg.page + i as u64)
+            }
+        })
+    }
+
+    /// Calls `f(start, len)` for each maximal sub-run of unpinned pages in the range, in
+    /// order: the pages a pin of this range would take from 0 to 1.
+    pub(crate) fn for_each_unpinned(&self, first: u64, npages: u64, f: impl FnMut(u64, u64)) {
+        let mut runs = RunBuilder::new(f);
+        for seg in segments(first, npages) {
+            match self.chunks.get(&seg.chunk) {
+                // A whole absent chunk segment is unpinned.
+                None => runs.add(seg.page, seg.len as u64),
+                Some(chunk) => {
+                    for (i, &c) in chunk.counts[seg.start..seg.start + seg.len]
+                        .iter()
+                        .enumerate()
+                    {
+                        if c == 0 {
+                            runs.add(seg.page + i as u64, 1);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Adds one pin to every page of the range. The caller has checked
+    /// [`PinTable::find_saturated`]. Returns how many pages went from 0 to 1.
+    pub(crate) fn increment(&mut self, first: u64, npages: u64) -> u64 {
+        let mut new_pages = 0u64;
+        for seg in segments(first, npages) {
+            let chunk = match self.chunks.get_mut(&seg.chunk) {
+                Some(chunk) => chunk,
+                None => {
+                    let fresh = self.spare.take().unwrap_or_else(Chunk::new_boxed);
+                    self.chunks.entry(seg.chunk).or_insert(fresh)
+                }
+            };
+            let mut fresh = 0u32;
+            for c in &mut chunk.counts[seg.start..seg.start + seg.len] {
+                fresh += u32::from(*c == 0);
+                *c += 1;
+            }
+            chunk.live += fresh;
+            new_pages += u64::from(fresh);
+        }
+        self.pinned_pages += new_pages;
+        self.pins += npages;
+        new_pages
+    }
+
+    /// Removes one pin from every page of the range. The caller has checked
+    /// [`PinTable::find_unpinned`]. Calls `released(start, len)` for each maximal sub-run of
+    /// pages that went from 1 to 0, if given. Returns how many pages went to 0.
+    pub(crate) fn decrement(
+        &mut self,
+        first: u64,
+        npages: u64,
+        released: Option<&mut dyn FnMut(u64, u64)>,
+    ) -> u64 {
+        let mut freed_pages = 0u64;
+        let mut runs = released.map(RunBuilder::new);
+        for seg in segments(first, npages) {
+            let Some(chunk) = self.chunks.get_mut(&seg.chunk) else {
+                debug_assert!(false, "decrement of an unpinned chunk");
+                continue;
+            };
+            let counts = &mut chunk.counts[seg.start..seg.start + seg.len];
+            let mut freed = 0u32;
+            match runs.as_mut() {
+                None => {
+                    for c in counts.iter_mut() {
+                        *c -= 1;
+                        freed += u32::from(*c == 0);
+                    }
+                }
+                Some(runs) => {
+                    for (i, c) in counts.iter_mut().enumerate() {
+                        *c -= 1;
+                        if *c == 0 {
+                            freed += 1;
+                            runs.add(seg.page + i as u64, 1);
+                        }
+                    }
+                }
+            }
+            chunk.live -= freed;
+            freed_pages += u64::from(freed);
+            if chunk.live == 0 {
+                let empty = self.chunks.remove(&seg.chunk);
+                if self.spare.is_none() {
+                    self.spare = empty;
+                }
+            }
+        }
+        drop(runs);
+        self.pinned_pages -= freed_pages;
+        self.pins -= npages;
+        freed_pages
+    }
+}
+
+/// Merges ascending `(start, len)` pieces into maximal runs, reporting each to `f` once
+/// complete (the last one on drop).
+struct RunBuilder<F: FnMut(u64, u64)> {
+    open: Option<(u64, u64)>,
+    f: F,
+}
+
+impl<F: FnMut(u64, u64)> RunBuilder<F> {
+    fn new(f: F) -> Self {
+        RunBuilder { open: None, f }
+    }
+
+    fn add(&mut self, start: u64, len: u64) {
+        match &mut self.open {
+            Some((s, l)) if *s + *l == start => *l += len,
+            _ => {
+                if let Some((s, l)) = self.open.replace((start, len)) {
+                    (self.f)(s, l);
+                }
+            }
+        }
+    }
+}
+
+impl<F: FnMut(u64, u64)> Drop for RunBuilder<F> {
+    fn drop(&mut self) {
+        if let Some((s, l)) = self.open.take() {
+            (self.f)(s, l);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn collect_unpinned(t: &PinTable, first: u64, n: u64) -> Vec<(u64, u64)> {
+        let mut v = Vec::new();
+        t.for_each_unpinned(first, n, |s, l| v.push((s, l)));
+        v
+    }
+
+    #[test]
+    fn empty_table_allocates_nothing() {
+        let t = PinTable::default();
+        assert_eq!(t.bookkeeping_bytes(), 0);
+        assert_eq!(t.count(12345), 0);
+        assert_eq!(t.find_unpinned(0, 10), Some(0));
+        assert_eq!(t.find_saturated(0, 10), None);
+    }
+
+    #[test]
+    fn counts_across_chunk_boundaries() {
+        let mut t = PinTable::default();
+        assert_eq!(t.increment(500, 30), 30);
+        assert_eq!(t.increment(510, 4), 0);
+        assert_eq!(t.count(499), 0);
+        assert_eq!(t.count(510), 2);
+        assert_eq!(t.count(529), 1);
+        assert_eq!(t.pinned_pages(), 30);
+        assert_eq!(t.pins(), 34);
+        assert_eq!(collect_unpinned(&t, 498, 40), vec![(498, 2), (530, 8)]);
+        assert_eq!(t.find_unpinned(500, 30), None);
+        assert_eq!(t.find_unpinned(500, 31), Some(530));
+        let mut freed = Vec::new();
+        t.decrement(500, 30, Some(&mut |s, l| freed.push((s, l))));
+        assert_eq!(freed, vec![(500, 10), (514, 16)]);
+        assert_eq!(t.decrement(510, 4, None), 4);
+        assert_eq!(t.pins(), 0);
+        assert_eq!(t.pinned_pages(), 0);
+        // Both chunks emptied: one kept as spare, one freed.
+        assert_eq!(t.bookkeeping_bytes() / CHUNK_BYTES, 1);
+    }
+
+    #[test]
+    fn saturation_is_detected() {
+        let mut t = PinTable::default();
+        for _ in 0..MAX_PIN_COUNT {
+            t.increment(7, 1);
+        }
+        assert_eq!(t.find_saturated(0, 10), Some(7));
+        assert_eq!(t.count(7), MAX_PIN_COUNT);
+    }
+
+    #[test]
+    fn unpinned_runs_merge_over_absent_chunks() {
+        let mut t = PinTable::default();
+        t.increment(0, 1);
+        t.increment(2000, 1);
+        assert_eq!(collect_unpinned(&t, 0, 2001), vec![(1, 1999)]);
+    }
+}
