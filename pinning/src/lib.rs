@@ -22,7 +22,7 @@
 //! use umdev_pinning::{DmaSpace, Prot, PAGE_SIZE};
 //!
 //! let memfd = std::fs::File::from(nix::sys::memfd::memfd_create(
-//!     c"guest-ram", nix::sys::memfd::MemFdCreateFlag::empty()).unwrap());
+//!     c"guest-ram", nix::sys::memfd::MFdFlags::empty()).unwrap());
 //! memfd.set_len(16 * PAGE_SIZE).unwrap();
 //! let space = DmaSpace::default();
 //! space.map(0x10000, 16 * PAGE_SIZE, memfd.as_fd(), 0, Prot::READ_WRITE).unwrap();
@@ -55,3 +55,42 @@ pub use space::{
     DmaSpace, DmaSpaceConfig, DmaStats, MapError, MappingInfo, UnmapError, UnmapNotifier, Unmapped,
 };
 pub use table::{CHUNK_BYTES, CHUNK_PAGES, MAX_PIN_COUNT};
+
+#[cfg(test)]
+pub(crate) mod testutil {
+    use std::fs::File;
+
+    use crate::PAGE_SIZE;
+
+    /// A memfd of `pages` pages, sparse.
+    pub(crate) fn memfd(pages: u64) -> File {
+        let fd = nix::sys::memfd::memfd_create(c"umdev-test", nix::sys::memfd::MFdFlags::empty())
+            .expect("memfd_create");
+        let file = File::from(fd);
+        file.set_len(pages * PAGE_SIZE).expect("ftruncate");
+        file
+    }
+
+    /// Bytes the kernel reports locked in VMAs inside `[start, start + len)`.
+    pub(crate) fn locked_bytes_in(start: usize, len: usize) -> u64 {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
+        let mut inside = false;
+        let mut total = 0;
+        for line in smaps.lines() {
+            if let Some((range, _)) = line.split_once(' ').filter(|(r, _)| r.contains('-')) {
+                if let Some((a, b)) = range.split_once('-') {
+                    if let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) {
+                        inside = a >= start && b <= start + len;
+                        continue;
+                    }
+                }
+            }
+            if inside {
+                if let Some(kb) = line.strip_prefix("Locked:") {
+                    total += kb.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap_or(0) * 1024;
+                }
+            }
+        }
+        total
+    }
+}

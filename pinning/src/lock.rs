@@ -27,9 +27,7 @@ impl std::str::FromStr for PinMode {
         match s {
             "track" => Ok(PinMode::Track),
             "lock" => Ok(PinMode::Lock),
-            other => Err(format!(
-                "unknown pin mode {other:?} (expected track or lock)"
-            )),
+            other => Err(format!("unknown pin mode {other:?} (expected track or lock)")),
         }
     }
 }
@@ -64,10 +62,7 @@ pub struct LockAccount {
 impl LockAccount {
     /// A budget of `limit` bytes.
     pub fn with_limit(limit: u64) -> Self {
-        LockAccount {
-            limit,
-            locked: AtomicU64::new(0),
-        }
+        LockAccount { limit, locked: AtomicU64::new(0) }
     }
 
     /// No limit.
@@ -95,25 +90,16 @@ impl LockAccount {
     pub(crate) fn charge(&self, bytes: u64) -> Result<(), OverLimit> {
         self.locked
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |locked| {
-                locked
-                    .checked_add(bytes)
-                    .filter(|&total| total <= self.limit)
+                locked.checked_add(bytes).filter(|&total| total <= self.limit)
             })
             .map(drop)
-            .map_err(|locked| OverLimit {
-                requested: bytes,
-                locked,
-                limit: self.limit,
-            })
+            .map_err(|locked| OverLimit { requested: bytes, locked, limit: self.limit })
     }
 
     /// Returns `bytes` charged earlier.
     pub(crate) fn refund(&self, bytes: u64) {
         let before = self.locked.fetch_sub(bytes, Ordering::AcqRel);
-        debug_assert!(
-            before >= bytes,
-            "refund of {bytes} with only {before} charged"
-        );
+        debug_assert!(before >= bytes, "refund of {bytes} with only {before} charged");
     }
 }
 
@@ -155,14 +141,7 @@ mod tests {
         account.charge(4096).unwrap();
         account.charge(4096).unwrap();
         let err = account.charge(1).unwrap_err();
-        assert_eq!(
-            err,
-            OverLimit {
-                requested: 1,
-                locked: 8192,
-                limit: 8192
-            }
-        );
+        assert_eq!(err, OverLimit { requested: 1, locked: 8192, limit: 8192 });
         account.refund(4096);
         assert_eq!(account.locked(), 4096);
         assert!(LockAccount::unlimited().charge(u64::MAX).is_ok());

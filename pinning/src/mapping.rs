@@ -102,10 +102,7 @@ impl Mapping {
             prot,
             memory,
             policy,
-            pins: Mutex::new(MappingPins {
-                table: PinTable::default(),
-                state: MappingState::Live,
-            }),
+            pins: Mutex::new(MappingPins { table: PinTable::default(), state: MappingState::Live }),
             drained: Condvar::new(),
         }
     }
@@ -139,26 +136,18 @@ impl Mapping {
     /// Locks the pin state. A poisoned lock means a panic mid-update elsewhere; the
     /// table is still the best record of what is pinned, so keep using it.
     pub(crate) fn lock(&self) -> MutexGuard<'_, MappingPins> {
-        self.pins
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.pins.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Adds a pin to pages `[page, page + npages)`; in lock mode, locks and charges the
     /// pages going from 0 to 1 first. On failure nothing has changed.
-    pub(crate) fn pin_run(
-        &self,
-        pins: &mut MappingPins,
-        page: u64,
-        npages: u64,
-    ) -> Result<(), RunFailure> {
+    pub(crate) fn pin_run(&self, pins: &mut MappingPins, page: u64, npages: u64) -> Result<(), RunFailure> {
         if let Some(page) = pins.table.find_saturated(page, npages) {
             return Err(RunFailure::Overflow { page });
         }
         if self.policy.mode == PinMode::Lock {
             let mut fresh: Released = SmallVec::new();
-            pins.table
-                .for_each_unpinned(page, npages, |s, l| fresh.push((s, l)));
+            pins.table.for_each_unpinned(page, npages, |s, l| fresh.push((s, l)));
             self.lock_fresh(&fresh)?;
         }
         pins.table.increment(page, npages);
@@ -172,9 +161,7 @@ impl Mapping {
         };
         let bytes = fresh.iter().map(|&(_, l)| l).sum::<u64>() * PAGE_SIZE;
         let account = &self.policy.account;
-        account
-            .charge(bytes)
-            .map_err(|over| RunFailure::OverLimit { page: first, over })?;
+        account.charge(bytes).map_err(|over| RunFailure::OverLimit { page: first, over })?;
         let Some(memory) = self.memory.as_ref().filter(|_| !self.hugetlb()) else {
             return Ok(()); // hugetlb: never swapped, accounted only.
         };
@@ -195,16 +182,9 @@ impl Mapping {
     /// Removes a pin from pages `[page, page + npages)`, which the caller has checked are
     /// all pinned. Sub-runs that reach 0 are appended to `released` (lock mode only) for
     /// [`Mapping::release`].
-    pub(crate) fn unpin_run(
-        &self,
-        pins: &mut MappingPins,
-        page: u64,
-        npages: u64,
-        released: &mut Released,
-    ) {
+    pub(crate) fn unpin_run(&self, pins: &mut MappingPins, page: u64, npages: u64, released: &mut Released) {
         if self.policy.mode == PinMode::Lock {
-            pins.table
-                .decrement(page, npages, Some(&mut |s, l| released.push((s, l))));
+            pins.table.decrement(page, npages, Some(&mut |s, l| released.push((s, l))));
         } else {
             pins.table.decrement(page, npages, None);
         }
@@ -233,10 +213,7 @@ impl Mapping {
         if let Err(e) = memory.munlock(page * PAGE_SIZE, npages * PAGE_SIZE) {
             // The pages stay resident until the mapping goes; nothing else is wrong.
             counters.munlock_failures.fetch_add(1, Ordering::Relaxed);
-            log::warn!(
-                "munlock of {npages} pages at IOVA {:#x} failed: {e}",
-                iova_of(self.first_pfn + page)
-            );
+            log::warn!("munlock of {npages} pages at IOVA {:#x} failed: {e}", iova_of(self.first_pfn + page));
         }
     }
 
@@ -259,11 +236,8 @@ impl Mapping {
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        let pins = self
-            .pins
-            .get_mut()
-            .map(|p| p.table.pins())
-            .unwrap_or_else(|p| p.into_inner().table.pins());
+        let pins =
+            self.pins.get_mut().map(|p| p.table.pins()).unwrap_or_else(|p| p.into_inner().table.pins());
         if pins != 0 {
             if let Some(memory) = self.memory.take() {
                 // Pins taken without a guard were never returned: their holder may still use

@@ -29,9 +29,7 @@ pub enum MmapError {
         mode: u32,
     },
     /// The file is shorter than `offset + size`.
-    #[error(
-        "offset {offset:#x} + size {size:#x} is past the end of the file ({file_size:#x} bytes)"
-    )]
+    #[error("offset {offset:#x} + size {size:#x} is past the end of the file ({file_size:#x} bytes)")]
     PastEndOfFile {
         /// Requested file offset.
         offset: u64,
@@ -41,7 +39,9 @@ pub enum MmapError {
         file_size: u64,
     },
     /// hugetlbfs files can only be mapped at offsets and sizes aligned to their page size.
-    #[error("offset {offset:#x} and size {size:#x} must be multiples of the backing page size {page_size:#x}")]
+    #[error(
+        "offset {offset:#x} and size {size:#x} must be multiples of the backing page size {page_size:#x}"
+    )]
     BackingUnaligned {
         /// Requested file offset.
         offset: u64,
@@ -85,75 +85,40 @@ impl HostMemory {
     /// Maps `size` bytes of `fd` from `offset` with access `prot`.
     ///
     /// Costs O(1) whatever the size: no MAP_POPULATE, nothing touched.
-    pub(crate) fn map(
-        fd: BorrowedFd<'_>,
-        offset: u64,
-        size: u64,
-        prot: Prot,
-    ) -> Result<Self, MmapError> {
+    pub(crate) fn map(fd: BorrowedFd<'_>, offset: u64, size: u64, prot: Prot) -> Result<Self, MmapError> {
         let stat = fstat(fd).map_err(|e| MmapError::Inspect(e.into()))?;
         let kind = SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT;
         if kind != SFlag::S_IFREG {
-            return Err(MmapError::NotRegularFile {
-                mode: stat.st_mode & libc::S_IFMT,
-            });
+            return Err(MmapError::NotRegularFile { mode: stat.st_mode & libc::S_IFMT });
         }
         let file_size = u64::try_from(stat.st_size).unwrap_or(0);
         let end = offset.checked_add(size);
         if end.is_none_or(|end| end > file_size) {
-            return Err(MmapError::PastEndOfFile {
-                offset,
-                size,
-                file_size,
-            });
+            return Err(MmapError::PastEndOfFile { offset, size, file_size });
         }
         let backing = Self::backing_of(fd)?;
         if offset % backing.page_size != 0 || size % backing.page_size != 0 {
-            return Err(MmapError::BackingUnaligned {
-                offset,
-                size,
-                page_size: backing.page_size,
-            });
+            return Err(MmapError::BackingUnaligned { offset, size, page_size: backing.page_size });
         }
         let len = usize::try_from(size).map_err(|_| MmapError::TooLarge(size))?;
         let length = NonZeroUsize::new(len).ok_or(MmapError::TooLarge(size))?;
         let file_offset = libc::off_t::try_from(offset).map_err(|_| MmapError::TooLarge(offset))?;
         // SAFETY: a fresh mapping chosen by the kernel (no MAP_FIXED), so no existing memory is
         // replaced; the fd is a regular file checked above to cover [offset, offset + size).
-        let addr = unsafe {
-            mman::mmap(
-                None,
-                length,
-                prot.mmap_flags(),
-                MapFlags::MAP_SHARED,
-                fd,
-                file_offset,
-            )
-        }
-        .map_err(|e| MmapError::Mmap(e.into()))?;
-        Ok(HostMemory {
-            addr: addr.cast(),
-            len,
-            backing,
-        })
+        let addr =
+            unsafe { mman::mmap(None, length, prot.mmap_flags(), MapFlags::MAP_SHARED, fd, file_offset) }
+                .map_err(|e| MmapError::Mmap(e.into()))?;
+        Ok(HostMemory { addr: addr.cast(), len, backing })
     }
 
     fn backing_of(fd: BorrowedFd<'_>) -> Result<Backing, MmapError> {
         let fs = fstatfs(fd).map_err(|e| MmapError::Inspect(e.into()))?;
         if fs.filesystem_type() == HUGETLBFS_MAGIC {
             // hugetlbfs reports its huge page size as the block size.
-            let page_size = u64::try_from(fs.block_size())
-                .unwrap_or(PAGE_SIZE)
-                .max(PAGE_SIZE);
-            Ok(Backing {
-                page_size,
-                hugetlb: true,
-            })
+            let page_size = u64::try_from(fs.block_size()).unwrap_or(PAGE_SIZE).max(PAGE_SIZE);
+            Ok(Backing { page_size, hugetlb: true })
         } else {
-            Ok(Backing {
-                page_size: PAGE_SIZE,
-                hugetlb: false,
-            })
+            Ok(Backing { page_size: PAGE_SIZE, hugetlb: false })
         }
     }
 
@@ -186,9 +151,7 @@ impl HostMemory {
 
     fn subrange(&self, offset: u64, len: u64) -> (NonNull<libc::c_void>, usize) {
         assert!(
-            offset
-                .checked_add(len)
-                .is_some_and(|end| end <= self.len as u64),
+            offset.checked_add(len).is_some_and(|end| end <= self.len as u64),
             "lock range {offset:#x}+{len:#x} outside a mapping of {:#x} bytes",
             self.len
         );
@@ -204,11 +167,7 @@ impl Drop for HostMemory {
         // SAFETY: we own this mapping; the engine drops HostMemory only when no pin can reach
         // it (guards hold the mapping alive; leaked pins keep it alive forever).
         if let Err(e) = unsafe { mman::munmap(self.addr.cast(), self.len) } {
-            log::error!(
-                "munmap of {:#x} bytes at {:p} failed: {e}",
-                self.len,
-                self.addr
-            );
+            log::error!("munmap of {:#x} bytes at {:p} failed: {e}", self.len, self.addr);
         }
     }
 }
@@ -219,9 +178,7 @@ mod tests {
     use std::os::fd::AsFd;
 
     fn memfd(size: u64) -> std::fs::File {
-        let fd =
-            nix::sys::memfd::memfd_create(c"mmap-test", nix::sys::memfd::MemFdCreateFlag::empty())
-                .unwrap();
+        let fd = nix::sys::memfd::memfd_create(c"mmap-test", nix::sys::memfd::MFdFlags::empty()).unwrap();
         let file = std::fs::File::from(fd);
         file.set_len(size).unwrap();
         file
@@ -246,8 +203,7 @@ mod tests {
         let file = memfd(PAGE_SIZE);
         let err = HostMemory::map(file.as_fd(), PAGE_SIZE, PAGE_SIZE, Prot::READ).unwrap_err();
         assert!(matches!(err, MmapError::PastEndOfFile { .. }), "{err}");
-        let err =
-            HostMemory::map(file.as_fd(), u64::MAX - 4095, PAGE_SIZE, Prot::READ).unwrap_err();
+        let err = HostMemory::map(file.as_fd(), u64::MAX - 4095, PAGE_SIZE, Prot::READ).unwrap_err();
         assert!(matches!(err, MmapError::PastEndOfFile { .. }), "{err}");
         let (r, _w) = nix::unistd::pipe().unwrap();
         let err = HostMemory::map(r.as_fd(), 0, PAGE_SIZE, Prot::READ).unwrap_err();

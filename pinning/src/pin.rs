@@ -246,11 +246,7 @@ impl<'a> Planner<'a> {
             table,
             wanted,
             pinning,
-            plan: Plan {
-                mappings: SmallVec::new(),
-                runs: SmallVec::new(),
-                pages: 0,
-            },
+            plan: Plan { mappings: SmallVec::new(), runs: SmallVec::new(), pages: 0 },
             hint: None,
         }
     }
@@ -268,23 +264,13 @@ impl<'a> Planner<'a> {
         };
         if self.pinning {
             if !mapping.prot.contains(self.wanted) {
-                return Err(PinError::Permission {
-                    index,
-                    pfn,
-                    wanted: self.wanted,
-                    have: mapping.prot,
-                });
+                return Err(PinError::Permission { index, pfn, wanted: self.wanted, have: mapping.prot });
             }
             if mapping.memory.is_none() {
                 return Err(PinError::NoHostMemory { index, pfn });
             }
         }
-        let slot = match self
-            .plan
-            .mappings
-            .iter()
-            .position(|m| Arc::ptr_eq(m, mapping))
-        {
+        let slot = match self.plan.mappings.iter().position(|m| Arc::ptr_eq(m, mapping)) {
             Some(slot) => slot,
             None => {
                 self.plan.mappings.push(mapping.clone());
@@ -299,14 +285,7 @@ impl<'a> Planner<'a> {
     fn push_run(&mut self, slot: usize, mapping_first: u64, pfn: u64, npages: u64, index: usize) {
         let page = pfn - mapping_first;
         let host = self.plan.mappings[slot].host_addr(page).unwrap_or(0);
-        self.plan.runs.push(PinnedRun {
-            iova: iova_of(pfn),
-            npages,
-            index,
-            host,
-            slot,
-            page,
-        });
+        self.plan.runs.push(PinnedRun { iova: iova_of(pfn), npages, index, host, slot, page });
         self.plan.pages += npages;
     }
 
@@ -372,12 +351,7 @@ impl<'a> Locked<'a> {
 fn unpin_runs(mappings: &[Arc<Mapping>], locked: &mut Locked<'_>, runs: &[PinnedRun]) {
     let mut released: SmallVec<[Released; 2]> = mappings.iter().map(|_| Released::new()).collect();
     for run in runs.iter().rev() {
-        mappings[run.slot].unpin_run(
-            locked.get(run.slot),
-            run.page,
-            run.npages,
-            &mut released[run.slot],
-        );
+        mappings[run.slot].unpin_run(locked.get(run.slot), run.page, run.npages, &mut released[run.slot]);
     }
     for (slot, m) in mappings.iter().enumerate() {
         m.release(locked.get(slot), &released[slot]);
@@ -385,12 +359,8 @@ fn unpin_runs(mappings: &[Arc<Mapping>], locked: &mut Locked<'_>, runs: &[Pinned
 }
 
 fn run_error(run: &PinnedRun, failure: RunFailure) -> PinError {
-    let at = |page: u64| {
-        (
-            run.index + (page - run.page) as usize,
-            (run.iova >> PAGE_SHIFT) + (page - run.page),
-        )
-    };
+    let at =
+        |page: u64| (run.index + (page - run.page) as usize, (run.iova >> PAGE_SHIFT) + (page - run.page));
     match failure {
         RunFailure::Overflow { page } => {
             let (index, pfn) = at(page);
@@ -402,11 +372,7 @@ fn run_error(run: &PinnedRun, failure: RunFailure) -> PinError {
         }
         RunFailure::Lock { page, error } => {
             let (index, pfn) = at(page);
-            PinError::Lock {
-                index,
-                pfn,
-                source: error,
-            }
+            PinError::Lock { index, pfn, source: error }
         }
     }
 }
@@ -428,24 +394,22 @@ impl DmaSpace {
     /// The pins are held until the returned guard drops (or [`PinnedPages::forget`] hands
     /// them to [`DmaSpace::unpin_pages`]). On error nothing stays pinned.
     pub fn pin_pages(&self, pfns: &[u64], prot: Prot) -> Result<PinnedPages, PinError> {
-        self.check_count(pfns.len() as u64)?;
-        let plan = Planner::new(&self.read_table(), prot, true).plan_array(pfns);
+        let plan = self
+            .check_count(pfns.len() as u64)
+            .and_then(|()| Planner::new(&self.read_table(), prot, true).plan_array(pfns));
         self.apply(plan, prot)
     }
 
     /// Pins the `npages` pages from `iova` (page aligned; rounded down otherwise). The range
     /// may span adjacent mappings; it is pinned one run per mapping.
     pub fn pin_range(&self, iova: u64, npages: u64, prot: Prot) -> Result<PinnedPages, PinError> {
-        self.check_count(npages)?;
         let pfn = iova >> PAGE_SHIFT;
-        if pfn
-            .checked_add(npages - 1)
-            .and_then(iova_of_checked)
-            .is_none()
-        {
-            return Err(PinError::NotMapped { index: 0, pfn });
-        }
-        let plan = Planner::new(&self.read_table(), prot, true).plan_range(pfn, npages);
+        let plan = self.check_count(npages).and_then(|()| {
+            if pfn.checked_add(npages - 1).and_then(iova_of_checked).is_none() {
+                return Err(PinError::NotMapped { index: 0, pfn });
+            }
+            Planner::new(&self.read_table(), prot, true).plan_range(pfn, npages)
+        });
         self.apply(plan, prot)
     }
 
@@ -460,16 +424,9 @@ impl DmaSpace {
         match result {
             Ok(()) => {
                 counters.pin_calls.fetch_add(1, Ordering::Relaxed);
-                counters
-                    .runs
-                    .fetch_add(plan.runs.len() as u64, Ordering::Relaxed);
+                counters.runs.fetch_add(plan.runs.len() as u64, Ordering::Relaxed);
                 counters.pages.fetch_add(plan.pages, Ordering::Relaxed);
-                Ok(PinnedPages {
-                    mappings: plan.mappings,
-                    runs: plan.runs,
-                    pages: plan.pages,
-                    prot,
-                })
+                Ok(PinnedPages { mappings: plan.mappings, runs: plan.runs, pages: plan.pages, prot })
             }
             Err(e) => {
                 counters.pin_failures.fetch_add(1, Ordering::Relaxed);
@@ -485,18 +442,8 @@ impl DmaSpace {
             let pfn = run.iova >> PAGE_SHIFT;
             match locked.get(run.slot).state {
                 MappingState::Live => {}
-                MappingState::Unmapping => {
-                    return Err(PinError::Unmapping {
-                        index: run.index,
-                        pfn,
-                    })
-                }
-                MappingState::Removed => {
-                    return Err(PinError::NotMapped {
-                        index: run.index,
-                        pfn,
-                    })
-                }
+                MappingState::Unmapping => return Err(PinError::Unmapping { index: run.index, pfn }),
+                MappingState::Removed => return Err(PinError::NotMapped { index: run.index, pfn }),
             }
         }
         for (done, run) in plan.runs.iter().enumerate() {
@@ -520,12 +467,7 @@ impl DmaSpace {
     /// Drops one pin from each of the `npages` pages from `iova`.
     pub fn unpin_range(&self, iova: u64, npages: u64) -> Result<(), UnpinError> {
         let pfn = iova >> PAGE_SHIFT;
-        if npages == 0
-            || pfn
-                .checked_add(npages - 1)
-                .and_then(iova_of_checked)
-                .is_none()
-        {
+        if npages == 0 || pfn.checked_add(npages - 1).and_then(iova_of_checked).is_none() {
             return Err(UnpinError::InvalidCount(npages));
         }
         let plan = Planner::new(&self.read_table(), Prot::empty(), false).plan_range(pfn, npages);
@@ -539,35 +481,25 @@ impl DmaSpace {
         } else {
             match plan {
                 Ok(plan) => Self::unpin_checked(&plan),
-                Err(PinError::NotMapped { index, pfn }) => {
-                    Err(UnpinError::NotMapped { index, pfn })
-                }
+                Err(PinError::NotMapped { index, pfn }) => Err(UnpinError::NotMapped { index, pfn }),
                 Err(other) => unreachable!("unpin planning only fails with NotMapped: {other}"),
             }
         };
-        let counter = if result.is_ok() {
-            &counters.unpin_calls
-        } else {
-            &counters.unpin_failures
-        };
+        let counter = if result.is_ok() { &counters.unpin_calls } else { &counters.unpin_failures };
         counter.fetch_add(1, Ordering::Relaxed);
         result
     }
 
     fn unpin_checked(plan: &Plan) -> Result<(), UnpinError> {
         let mut locked = Locked::take(&plan.mappings);
-        let mut released: SmallVec<[Released; 2]> =
-            plan.mappings.iter().map(|_| Released::new()).collect();
+        let mut released: SmallVec<[Released; 2]> = plan.mappings.iter().map(|_| Released::new()).collect();
         for (done, run) in plan.runs.iter().enumerate() {
             let mapping = &plan.mappings[run.slot];
             let pins = locked.get(run.slot);
             if let Some(page) = pins.table.find_unpinned(run.page, run.npages) {
                 // Put back what this call took; nothing was munlocked yet.
                 for undo in plan.runs[..done].iter().rev() {
-                    locked
-                        .get(undo.slot)
-                        .table
-                        .increment(undo.page, undo.npages);
+                    locked.get(undo.slot).table.increment(undo.page, undo.npages);
                 }
                 let index = run.index + (page - run.page) as usize;
                 return Err(UnpinError::NotPinned {
@@ -624,11 +556,7 @@ impl PinnedPages {
         let mut runs = self.runs.iter().peekable();
         std::iter::from_fn(move || {
             let first = runs.next()?;
-            let mut seg = Segment {
-                host_addr: first.host,
-                len: first.len(),
-                index: first.index,
-            };
+            let mut seg = Segment { host_addr: first.host, len: first.len(), index: first.index };
             while let Some(next) = runs.next_if(|r| r.host == seg.host_addr + seg.len as usize) {
                 seg.len += next.len();
             }
@@ -637,25 +565,20 @@ impl PinnedPages {
     }
 
     fn run_of(&self, index: usize) -> Option<&PinnedRun> {
-        let at = self
-            .runs
-            .partition_point(|r| r.index <= index)
-            .checked_sub(1)?;
+        let at = self.runs.partition_point(|r| r.index <= index).checked_sub(1)?;
         let run = &self.runs[at];
         (index < run.index + run.npages as usize).then_some(run)
     }
 
     /// IOVA of entry `index`.
     pub fn iova(&self, index: usize) -> Option<u64> {
-        self.run_of(index)
-            .map(|r| r.iova + (index - r.index) as u64 * PAGE_SIZE)
+        self.run_of(index).map(|r| r.iova + (index - r.index) as u64 * PAGE_SIZE)
     }
 
     /// Host address of entry `index`'s page. Valid while the pins are held; prefer
     /// [`PinnedPages::read`] and [`PinnedPages::write`], which check bounds and access.
     pub fn host_addr(&self, index: usize) -> Option<usize> {
-        self.run_of(index)
-            .map(|r| r.host + (index - r.index) * PAGE_SIZE as usize)
+        self.run_of(index).map(|r| r.host + (index - r.index) * PAGE_SIZE as usize)
     }
 
     /// Bytes pinned: the pages taken as one buffer, entry 0 first.
@@ -666,11 +589,7 @@ impl PinnedPages {
     fn check(&self, offset: u64, len: usize) -> Result<(), AccessError> {
         match offset.checked_add(len as u64) {
             Some(end) if end <= self.size() => Ok(()),
-            _ => Err(AccessError::OutOfRange {
-                offset,
-                len: len as u64,
-                size: self.size(),
-            }),
+            _ => Err(AccessError::OutOfRange { offset, len: len as u64, size: self.size() }),
         }
     }
 
@@ -678,9 +597,7 @@ impl PinnedPages {
     /// `[offset, offset + len)` of the pinned buffer.
     fn for_each_piece(&self, offset: u64, len: usize, mut f: impl FnMut(usize, usize, usize)) {
         let mut done = 0usize;
-        let start = self
-            .runs
-            .partition_point(|r| ((r.index as u64 + r.npages) * PAGE_SIZE) <= offset);
+        let start = self.runs.partition_point(|r| ((r.index as u64 + r.npages) * PAGE_SIZE) <= offset);
         for run in &self.runs[start..] {
             if done == len {
                 break;
@@ -740,10 +657,233 @@ impl Drop for PinnedPages {
         unpin_runs(&self.mappings, &mut locked, &self.runs);
         drop(locked);
         if let Some(m) = self.mappings.first() {
-            m.policy
-                .counters
-                .unpin_calls
-                .fetch_add(1, Ordering::Relaxed);
+            m.policy.counters.unpin_calls.fetch_add(1, Ordering::Relaxed);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsFd;
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::testutil::{locked_bytes_in, memfd};
+    use crate::{DmaSpaceConfig, LockAccount, PinMode};
+
+    const P: u64 = PAGE_SIZE;
+
+    /// A space with one 64-page mapping at IOVA 0 and the memfd behind it.
+    fn space_with(config: DmaSpaceConfig) -> (DmaSpace, std::fs::File) {
+        let space = DmaSpace::new(config);
+        let file = memfd(64);
+        space.map(0, 64 * P, file.as_fd(), 0, Prot::READ_WRITE).unwrap();
+        (space, file)
+    }
+
+    fn counts(space: &DmaSpace, pfns: impl IntoIterator<Item = u64>) -> Vec<u32> {
+        pfns.into_iter().map(|p| space.pin_count(p * P)).collect()
+    }
+
+    #[test]
+    fn an_idaw_list_pins_as_its_contiguous_runs() {
+        let (space, _f) = space_with(Default::default());
+        let pins = space.pin_pages(&[1, 5, 6, 7, 9], Prot::READ).unwrap();
+        let runs: Vec<_> = pins.runs().iter().map(|r| (r.iova() / P, r.npages(), r.index())).collect();
+        assert_eq!(runs, vec![(1, 1, 0), (5, 3, 1), (9, 1, 4)]);
+        // Every page's host address follows its run.
+        let base = pins.host_addr(0).unwrap() - P as usize;
+        for (i, pfn) in [1u64, 5, 6, 7, 9].iter().enumerate() {
+            assert_eq!(pins.host_addr(i), Some(base + (*pfn * P) as usize));
+            assert_eq!(pins.iova(i), Some(pfn * P));
+        }
+        assert_eq!(pins.host_addr(5), None);
+        assert_eq!(counts(&space, 0..10), vec![0, 1, 0, 0, 0, 1, 1, 1, 0, 1]);
+        let stats = space.stats();
+        assert_eq!((stats.pin_calls, stats.runs, stats.pages, stats.pins_held), (1, 3, 5, 5));
+        drop(pins);
+        assert_eq!(counts(&space, 0..10), vec![0; 10]);
+        assert_eq!(space.stats().pins_held, 0);
+    }
+
+    #[test]
+    fn order_and_repeats_are_kept() {
+        let (space, _f) = space_with(Default::default());
+        let pins = space.pin_pages(&[7, 6, 5, 5, 6, 7], Prot::READ).unwrap();
+        // [7] [6] [5] [5,6,7]: runs follow the array, never sorted.
+        assert_eq!(pins.runs().len(), 4, "{:?}", pins.runs());
+        assert_eq!(counts(&space, 5..8), vec![2, 2, 2]);
+        let last = pins.runs().last().unwrap();
+        assert_eq!((last.iova() / P, last.npages(), last.index()), (5, 3, 3));
+    }
+
+    #[test]
+    fn segments_merge_only_host_adjacent_runs() {
+        let (space, _f) = space_with(Default::default());
+        let pins = space.pin_pages(&[3, 4, 9, 10, 11, 2], Prot::READ).unwrap();
+        let segs: Vec<_> = pins.segments().map(|s| (s.len / P, s.index)).collect();
+        assert_eq!(segs, vec![(2, 0), (3, 2), (1, 5)]);
+    }
+
+    #[test]
+    fn a_run_never_crosses_a_mapping_boundary() {
+        let space = DmaSpace::default();
+        let (a, b) = (memfd(4), memfd(4));
+        space.map(0, 4 * P, a.as_fd(), 0, Prot::READ_WRITE).unwrap();
+        space.map(4 * P, 4 * P, b.as_fd(), 0, Prot::READ_WRITE).unwrap();
+        let pins = space.pin_pages(&[2, 3, 4, 5], Prot::WRITE).unwrap();
+        let runs: Vec<_> = pins.runs().iter().map(|r| (r.iova() / P, r.npages())).collect();
+        assert_eq!(runs, vec![(2, 2), (4, 2)]);
+        // The guard's buffer still reads as one: bytes land in the right files.
+        pins.write(2 * P - 2, b"abcd").unwrap();
+        let mut buf = [0u8; 2];
+        std::os::unix::fs::FileExt::read_exact_at(&a, &mut buf, 4 * P - 2).unwrap();
+        assert_eq!(&buf, b"ab");
+        std::os::unix::fs::FileExt::read_exact_at(&b, &mut buf, 0).unwrap();
+        assert_eq!(&buf, b"cd");
+        let range = space.pin_range(P, 6, Prot::READ).unwrap();
+        assert_eq!(range.runs().len(), 2);
+        let mut back = [0u8; 4];
+        range.read(3 * P - 2, &mut back).unwrap();
+        assert_eq!(&back, b"abcd");
+    }
+
+    #[test]
+    fn failures_unwind_everything_and_name_the_first_bad_page() {
+        let space = DmaSpace::default();
+        let (rw, ro) = (memfd(8), memfd(8));
+        space.map(0, 8 * P, rw.as_fd(), 0, Prot::READ_WRITE).unwrap();
+        space.map(16 * P, 8 * P, ro.as_fd(), 0, Prot::READ).unwrap();
+        let err = space.pin_pages(&[1, 2, 3, 8, 4], Prot::READ).unwrap_err();
+        assert!(matches!(err, PinError::NotMapped { index: 3, pfn: 8 }), "{err}");
+        assert_eq!(err.errno(), libc::EINVAL);
+        let err = space.pin_pages(&[1, 2, 17, 18], Prot::WRITE).unwrap_err();
+        assert!(matches!(err, PinError::Permission { index: 2, pfn: 17, .. }), "{err}");
+        assert_eq!(err.errno(), libc::EPERM);
+        let err = space.pin_range(6 * P, 4, Prot::READ).unwrap_err();
+        assert!(matches!(err, PinError::NotMapped { index: 2, pfn: 8 }), "{err}");
+        assert_eq!(counts(&space, 0..24), vec![0; 24]);
+        assert!(matches!(space.pin_pages(&[], Prot::READ), Err(PinError::Empty)));
+        assert!(matches!(space.pin_range(u64::MAX - P + 1, 2, Prot::READ), Err(PinError::NotMapped { .. })));
+        assert!(matches!(space.pin_pages(&[u64::MAX], Prot::READ), Err(PinError::NotMapped { .. })));
+        assert_eq!(space.stats().pin_failures, 6);
+    }
+
+    #[test]
+    fn the_count_limit_fails_the_whole_call() {
+        let (space, _f) = space_with(Default::default());
+        let held: Vec<_> =
+            (0..crate::MAX_PIN_COUNT).map(|_| space.pin_pages(&[4], Prot::READ).unwrap()).collect();
+        let err = space.pin_pages(&[1, 2, 3, 4, 5], Prot::READ).unwrap_err();
+        assert!(matches!(err, PinError::CountOverflow { index: 3, pfn: 4 }), "{err}");
+        assert_eq!(counts(&space, 1..6), vec![0, 0, 0, crate::MAX_PIN_COUNT, 0]);
+        drop(held);
+        assert_eq!(space.stats().pins_held, 0);
+    }
+
+    #[test]
+    fn too_many_pages_in_one_call() {
+        let (space, _f) = space_with(DmaSpaceConfig { max_pages_per_call: 4, ..Default::default() });
+        let err = space.pin_range(0, 5, Prot::READ).unwrap_err();
+        assert!(matches!(err, PinError::TooManyPages { requested: 5, max: 4 }));
+        assert_eq!(err.errno(), libc::E2BIG);
+        assert!(matches!(space.unpin_range(0, 5), Err(UnpinError::InvalidCount(5))));
+    }
+
+    #[test]
+    fn unpin_by_array_and_range_after_forget() {
+        let (space, _f) = space_with(Default::default());
+        space.pin_pages(&[1, 5, 6, 7, 9], Prot::READ).unwrap().forget();
+        space.pin_range(5 * P, 3, Prot::READ).unwrap().forget();
+        assert_eq!(counts(&space, [1, 5, 6, 7, 9]), vec![1, 2, 2, 2, 1]);
+        // [5, 5, 5] needs three pins on page 5; it holds two, so nothing changes.
+        let err = space.unpin_pages(&[9, 5, 5, 5]).unwrap_err();
+        assert!(matches!(err, UnpinError::NotPinned { index: 3, pfn: 5 }), "{err}");
+        assert_eq!(counts(&space, [1, 5, 6, 7, 9]), vec![1, 2, 2, 2, 1]);
+        assert!(matches!(space.unpin_pages(&[3]), Err(UnpinError::NotPinned { index: 0, pfn: 3 })));
+        assert!(matches!(space.unpin_pages(&[100]), Err(UnpinError::NotMapped { index: 0, pfn: 100 })));
+        space.unpin_pages(&[9, 1, 5, 6, 7]).unwrap();
+        space.unpin_range(5 * P, 3).unwrap();
+        assert_eq!(counts(&space, 0..10), vec![0; 10]);
+        let stats = space.stats();
+        assert_eq!((stats.unpin_calls, stats.unpin_failures), (2, 3));
+    }
+
+    #[test]
+    fn guards_check_bounds_and_access() {
+        let (space, file) = space_with(Default::default());
+        let ro = space.pin_pages(&[3], Prot::READ).unwrap();
+        assert_eq!(ro.write(0, b"x"), Err(AccessError::ReadOnly));
+        let rw = space.pin_pages(&[3, 8], Prot::READ_WRITE).unwrap();
+        assert_eq!(rw.size(), 2 * P);
+        assert!(matches!(rw.write(2 * P - 1, b"xy"), Err(AccessError::OutOfRange { .. })));
+        assert!(matches!(rw.read(u64::MAX, &mut [0u8; 2]), Err(AccessError::OutOfRange { .. })));
+        rw.write(P - 1, b"xy").unwrap();
+        let mut b = [0u8; 1];
+        std::os::unix::fs::FileExt::read_exact_at(&file, &mut b, 4 * P - 1).unwrap();
+        assert_eq!(&b, b"x");
+        std::os::unix::fs::FileExt::read_exact_at(&file, &mut b, 8 * P).unwrap();
+        assert_eq!(&b, b"y");
+        let mut back = [0u8; 2];
+        rw.read(P - 1, &mut back).unwrap();
+        assert_eq!(&back, b"xy");
+    }
+
+    fn lock_space(limit: u64) -> (DmaSpace, std::fs::File, usize) {
+        let account = Arc::new(LockAccount::with_limit(limit));
+        let (space, file) = space_with(DmaSpaceConfig { mode: PinMode::Lock, account, ..Default::default() });
+        let host = space.pin_range(0, 1, Prot::READ).unwrap().host_addr(0).unwrap();
+        (space, file, host)
+    }
+
+    #[test]
+    fn lock_mode_locks_each_page_once_and_unlocks_at_zero() {
+        let (space, _f, host) = lock_space(u64::MAX);
+        let locked = || locked_bytes_in(host, 64 * P as usize);
+        assert_eq!(locked(), 0);
+        let a = space.pin_pages(&[1, 5, 6, 7, 9], Prot::READ).unwrap();
+        assert_eq!(locked(), 5 * P);
+        assert_eq!(space.account().locked(), 5 * P);
+        // Pinning [4..8] again locks only 4 and 8, and charges only them.
+        let mlocks = space.stats().mlock_calls;
+        let b = space.pin_range(4 * P, 5, Prot::READ).unwrap();
+        assert_eq!(space.stats().mlock_calls - mlocks, 2);
+        assert_eq!(locked(), 7 * P);
+        assert_eq!(space.account().locked(), 7 * P);
+        drop(a);
+        // 1 and 9 go; 5, 6, 7 stay locked under b.
+        assert_eq!(locked(), 5 * P);
+        drop(b);
+        assert_eq!(locked(), 0);
+        assert_eq!(space.account().locked(), 0);
+        assert_eq!(space.stats().locked_bytes, 0);
+    }
+
+    #[test]
+    fn lock_limit_is_checked_per_run_and_unwinds_fully() {
+        let (space, _f, host) = lock_space(6 * P);
+        let keep = space.pin_pages(&[1, 2], Prot::READ).unwrap();
+        // Runs [3,4] then [10,11,12]: the second would bring the total to 7 pages.
+        let err = space.pin_pages(&[3, 4, 10, 11, 12], Prot::READ).unwrap_err();
+        assert!(matches!(err, PinError::LockLimit { index: 2, pfn: 10, .. }), "{err}");
+        assert_eq!(err.errno(), libc::ENOMEM);
+        assert_eq!(counts(&space, [3, 4, 10, 11, 12]), vec![0; 5]);
+        assert_eq!(space.account().locked(), 2 * P);
+        assert_eq!(locked_bytes_in(host, 64 * P as usize), 2 * P);
+        // Repeats of locked pages cost nothing against the limit.
+        let again = space.pin_pages(&[1, 2, 1, 2, 1, 2, 3, 4, 5, 6], Prot::READ).unwrap();
+        assert_eq!(space.account().locked(), 6 * P);
+        drop((keep, again));
+        assert_eq!(space.account().locked(), 0);
+    }
+
+    #[test]
+    fn unpin_of_a_repeated_page_unlocks_once() {
+        let (space, _f, host) = lock_space(u64::MAX);
+        space.pin_pages(&[2, 2, 3], Prot::READ).unwrap().forget();
+        assert_eq!(space.account().locked(), 2 * P);
+        space.unpin_pages(&[2, 3, 2]).unwrap();
+        assert_eq!(space.account().locked(), 0);
+        assert_eq!(locked_bytes_in(host, 64 * P as usize), 0);
     }
 }

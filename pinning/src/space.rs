@@ -8,6 +8,8 @@
 use std::collections::BTreeMap;
 use std::os::fd::BorrowedFd;
 use std::sync::atomic::Ordering;
+#[cfg(test)]
+use std::sync::Mutex;
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
@@ -93,9 +95,7 @@ pub enum MapError {
         size: u64,
     },
     /// The range overlaps a mapping already in the space.
-    #[error(
-        "[{iova:#x}, +{size:#x}) overlaps the mapping at {existing_iova:#x} (+{existing_size:#x})"
-    )]
+    #[error("[{iova:#x}, +{size:#x}) overlaps the mapping at {existing_iova:#x} (+{existing_size:#x})")]
     Overlap {
         /// Requested IOVA.
         iova: u64,
@@ -150,9 +150,7 @@ pub enum UnmapError {
         size: u64,
     },
     /// The range cuts through a mapping; only whole mappings are unmapped.
-    #[error(
-        "[{iova:#x}, +{size:#x}) splits the mapping at {mapping_iova:#x} (+{mapping_size:#x})"
-    )]
+    #[error("[{iova:#x}, +{size:#x}) splits the mapping at {mapping_iova:#x} (+{mapping_size:#x})")]
     SplitsMapping {
         /// Requested IOVA.
         iova: u64,
@@ -281,9 +279,7 @@ pub struct DmaSpace {
 
 impl std::fmt::Debug for DmaSpace {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DmaSpace")
-            .field("mode", &self.inner.policy.mode)
-            .finish_non_exhaustive()
+        f.debug_struct("DmaSpace").field("mode", &self.inner.policy.mode).finish_non_exhaustive()
     }
 }
 
@@ -301,15 +297,8 @@ impl DmaSpace {
             account: config.account.clone(),
             counters: Default::default(),
         });
-        let inner = SpaceInner {
-            config,
-            policy,
-            table: RwLock::default(),
-            notifier: RwLock::default(),
-        };
-        DmaSpace {
-            inner: Arc::new(inner),
-        }
+        let inner = SpaceInner { config, policy, table: RwLock::default(), notifier: RwLock::default() };
+        DmaSpace { inner: Arc::new(inner) }
     }
 
     /// The configuration it was created with.
@@ -341,11 +330,7 @@ impl DmaSpace {
 
     /// Registers the device's unmap notifier, replacing any earlier one.
     pub fn set_unmap_notifier(&self, notifier: Option<UnmapNotifier>) {
-        *self
-            .inner
-            .notifier
-            .write()
-            .unwrap_or_else(|p| p.into_inner()) = notifier;
+        *self.inner.notifier.write().unwrap_or_else(|p| p.into_inner()) = notifier;
     }
 
     /// Maps `size` bytes of `fd` from `offset` at `iova`, `MAP_SHARED` with `prot`.
@@ -361,9 +346,7 @@ impl DmaSpace {
         prot: Prot,
     ) -> Result<(), MapError> {
         self.check_new_range(iova, size, offset, prot)?;
-        offset
-            .checked_add(size)
-            .ok_or(MapError::OffsetWraps { offset, size })?;
+        offset.checked_add(size).ok_or(MapError::OffsetWraps { offset, size })?;
         // Check overlap and the count before the (cheap, but not free) mmap, and again under
         // the write lock after it.
         self.check_room(&self.read_table(), iova, size)?;
@@ -379,13 +362,7 @@ impl DmaSpace {
         self.insert(iova, size, prot, None)
     }
 
-    fn check_new_range(
-        &self,
-        iova: u64,
-        size: u64,
-        offset: u64,
-        prot: Prot,
-    ) -> Result<(), MapError> {
+    fn check_new_range(&self, iova: u64, size: u64, offset: u64, prot: Prot) -> Result<(), MapError> {
         if size == 0 {
             return Err(MapError::ZeroSize);
         }
@@ -416,27 +393,13 @@ impl DmaSpace {
             }
         }
         if table.len() >= self.inner.config.max_mappings {
-            return Err(MapError::TooManyMappings {
-                max: self.inner.config.max_mappings,
-            });
+            return Err(MapError::TooManyMappings { max: self.inner.config.max_mappings });
         }
         Ok(())
     }
 
-    fn insert(
-        &self,
-        iova: u64,
-        size: u64,
-        prot: Prot,
-        memory: Option<HostMemory>,
-    ) -> Result<(), MapError> {
-        let mapping = Mapping::new(
-            pfn_of(iova),
-            size / PAGE_SIZE,
-            prot,
-            memory,
-            self.inner.policy.clone(),
-        );
+    fn insert(&self, iova: u64, size: u64, prot: Prot, memory: Option<HostMemory>) -> Result<(), MapError> {
+        let mapping = Mapping::new(pfn_of(iova), size / PAGE_SIZE, prot, memory, self.inner.policy.clone());
         let mut table = self.write_table();
         self.check_room(&table, iova, size)?;
         table.insert(mapping.first_pfn, Arc::new(mapping));
@@ -457,10 +420,7 @@ impl DmaSpace {
         let victims = {
             let table = self.write_table();
             let victims = Self::mappings_in(&table, pfn_of(iova), pfn_of(last));
-            if let Some(m) = victims
-                .iter()
-                .find(|m| m.iova() < iova || m.iova() + (m.size() - 1) > last)
-            {
+            if let Some(m) = victims.iter().find(|m| m.iova() < iova || m.iova() + (m.size() - 1) > last) {
                 return Err(UnmapError::SplitsMapping {
                     iova,
                     size,
@@ -491,11 +451,7 @@ impl DmaSpace {
         for m in taken.values() {
             let mut pins = m.lock();
             if pins.table.pins() != 0 {
-                log::error!(
-                    "abandoning the mapping at {:#x} with {} pins held",
-                    m.iova(),
-                    pins.table.pins()
-                );
+                log::error!("abandoning the mapping at {:#x} with {} pins held", m.iova(), pins.table.pins());
             }
             pins.state = MappingState::Removed;
             unmapped.mappings += 1;
@@ -505,16 +461,8 @@ impl DmaSpace {
     }
 
     fn mappings_in(table: &MappingTable, first: u64, last: u64) -> Vec<Arc<Mapping>> {
-        let straddling = table
-            .range(..first)
-            .next_back()
-            .map(|(_, m)| m)
-            .filter(|m| m.end_pfn() > first);
-        straddling
-            .into_iter()
-            .chain(table.range(first..=last).map(|(_, m)| m))
-            .cloned()
-            .collect()
+        let straddling = table.range(..first).next_back().map(|(_, m)| m).filter(|m| m.end_pfn() > first);
+        straddling.into_iter().chain(table.range(first..=last).map(|(_, m)| m)).cloned().collect()
     }
 
     fn remove(&self, victims: Vec<Arc<Mapping>>) -> Result<Unmapped, UnmapError> {
@@ -533,8 +481,7 @@ impl DmaSpace {
             }
         }
         if !busy.is_empty() {
-            self.wait_for_pins(&busy)
-                .inspect_err(|_| Self::set_state(&victims, MappingState::Live))?;
+            self.wait_for_pins(&busy).inspect_err(|_| Self::set_state(&victims, MappingState::Live))?;
         }
         let mut table = self.write_table();
         let mut unmapped = Unmapped::default();
@@ -550,12 +497,7 @@ impl DmaSpace {
     fn wait_for_pins(&self, busy: &[Arc<Mapping>]) -> Result<(), UnmapError> {
         let counters = self.counters();
         counters.unmap_waits.fetch_add(1, Ordering::Relaxed);
-        let notifier = self
-            .inner
-            .notifier
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
+        let notifier = self.inner.notifier.read().unwrap_or_else(|p| p.into_inner()).clone();
         if let Some(notify) = notifier {
             for m in busy {
                 counters.notifier_calls.fetch_add(1, Ordering::Relaxed);
@@ -568,11 +510,7 @@ impl DmaSpace {
             let pins = m.wait_drained(deadline);
             if pins != 0 {
                 counters.unmap_busy.fetch_add(1, Ordering::Relaxed);
-                return Err(UnmapError::Busy {
-                    iova: m.iova(),
-                    pins,
-                    waited: start.elapsed(),
-                });
+                return Err(UnmapError::Busy { iova: m.iova(), pins, waited: start.elapsed() });
             }
         }
         Ok(())
@@ -648,5 +586,185 @@ impl DmaSpace {
             stats.locked_bytes = stats.pinned_pages * PAGE_SIZE;
         }
         stats
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsFd;
+    use std::sync::atomic::AtomicU64;
+
+    use super::*;
+    use crate::testutil::memfd;
+    use crate::PinError;
+
+    const RW: Prot = Prot::READ_WRITE;
+
+    #[test]
+    fn map_rejects_bad_requests_with_distinct_errors() {
+        let space = DmaSpace::new(DmaSpaceConfig { max_mappings: 2, ..Default::default() });
+        let file = memfd(16);
+        let fd = file.as_fd();
+        let p = PAGE_SIZE;
+        assert!(matches!(space.map(0, 0, fd, 0, RW), Err(MapError::ZeroSize)));
+        assert!(matches!(space.map(1, p, fd, 0, RW), Err(MapError::Unaligned { .. })));
+        assert!(matches!(space.map(0, p + 1, fd, 0, RW), Err(MapError::Unaligned { .. })));
+        assert!(matches!(space.map(0, p, fd, 1, RW), Err(MapError::Unaligned { .. })));
+        assert!(matches!(space.map(0, p, fd, 0, Prot::empty()), Err(MapError::NoAccess)));
+        assert!(matches!(space.map(u64::MAX - p + 1, 2 * p, fd, 0, RW), Err(MapError::IovaWraps { .. })));
+        assert!(matches!(space.map(0, 2 * p, fd, u64::MAX - p + 1, RW), Err(MapError::OffsetWraps { .. })));
+        assert!(matches!(
+            space.map(0, 17 * p, fd, 0, RW),
+            Err(MapError::Backing(MmapError::PastEndOfFile { .. }))
+        ));
+        let (pipe, _w) = nix::unistd::pipe().unwrap();
+        assert!(matches!(
+            space.map(0, p, pipe.as_fd(), 0, RW),
+            Err(MapError::Backing(MmapError::NotRegularFile { .. }))
+        ));
+        space.map(4 * p, 4 * p, fd, 0, RW).unwrap();
+        // Overlap at the start, the end, inside and around.
+        for (iova, size) in [(2 * p, 3 * p), (7 * p, 2 * p), (5 * p, p), (0, 16 * p)] {
+            let err = space.map(iova, size, fd, 0, RW).unwrap_err();
+            assert!(
+                matches!(err, MapError::Overlap { existing_iova, .. } if existing_iova == 4 * p),
+                "{err}"
+            );
+            assert_eq!(err.errno(), libc::EEXIST);
+        }
+        // Touching neighbours are fine; then the count limit bites.
+        space.map(8 * p, p, fd, 0, RW).unwrap();
+        let err = space.map(0, 4 * p, fd, 0, RW).unwrap_err();
+        assert!(matches!(err, MapError::TooManyMappings { max: 2 }), "{err}");
+        assert_eq!(err.errno(), libc::ENOSPC);
+        // The last page of the IOVA space is mappable.
+        let space = DmaSpace::default();
+        space.map(u64::MAX - p + 1, p, fd, 0, RW).unwrap();
+        assert!(space.lookup(u64::MAX).is_some());
+    }
+
+    #[test]
+    fn map_is_lazy_whatever_the_size() {
+        let huge = memfd(64 << 18); // 64 GiB, sparse
+        let space = DmaSpace::default();
+        space.map(1 << 40, 64 << 30, huge.as_fd(), 0, RW).unwrap();
+        let stats = space.stats();
+        assert_eq!(stats.bookkeeping_bytes, 0);
+        assert_eq!(stats.mapped_bytes, 64 << 30);
+        // Pinning one page allocates one chunk of counts, not one per page of the mapping.
+        let last = (1u64 << 40) + (64 << 30) - PAGE_SIZE;
+        let pins = space.pin_range(last, 1, Prot::READ).unwrap();
+        let bytes = space.stats().bookkeeping_bytes;
+        assert!(bytes > 0 && bytes < 4096, "{bytes}");
+        drop(pins);
+        space.unmap(1 << 40, 64 << 30).unwrap();
+    }
+
+    #[test]
+    fn unmap_takes_whole_mappings_only() {
+        let space = DmaSpace::default();
+        let file = memfd(16);
+        let p = PAGE_SIZE;
+        space.map(0, 4 * p, file.as_fd(), 0, RW).unwrap();
+        space.map(4 * p, 4 * p, file.as_fd(), 0, RW).unwrap();
+        space.map_message_only(16 * p, 4 * p, Prot::READ).unwrap();
+        assert!(matches!(space.unmap(0, 0), Err(UnmapError::InvalidRange { .. })));
+        assert!(matches!(space.unmap(1, p), Err(UnmapError::InvalidRange { .. })));
+        assert!(matches!(space.unmap(u64::MAX - p + 1, 2 * p), Err(UnmapError::InvalidRange { .. })));
+        let err = space.unmap(32 * p, p).unwrap_err();
+        assert!(matches!(err, UnmapError::NotMapped { .. }));
+        assert_eq!(err.errno(), libc::ENOENT);
+        assert!(matches!(space.unmap(p, 4 * p), Err(UnmapError::SplitsMapping { mapping_iova: 0, .. })));
+        assert!(matches!(space.unmap(2 * p, 2 * p), Err(UnmapError::SplitsMapping { mapping_iova: 0, .. })));
+        assert_eq!(space.mappings().len(), 3);
+        // One range covering two whole mappings.
+        assert_eq!(space.unmap(0, 8 * p).unwrap(), Unmapped { mappings: 2, bytes: 8 * p });
+        assert_eq!(space.unmap_all().unwrap(), Unmapped { mappings: 1, bytes: 4 * p });
+        assert!(space.mappings().is_empty());
+        assert_eq!(space.unmap_all().unwrap(), Unmapped::default());
+    }
+
+    #[test]
+    fn message_only_regions_are_known_but_not_pinnable() {
+        let space = DmaSpace::default();
+        space.map_message_only(0xc0000, 0x20000, Prot::READ).unwrap();
+        let info = space.lookup(0xc1234).unwrap();
+        assert!(!info.has_memory);
+        assert_eq!(info.iova, 0xc0000);
+        let err = space.pin_range(0xc0000, 1, Prot::READ).unwrap_err();
+        assert!(matches!(err, PinError::NoHostMemory { index: 0, .. }), "{err}");
+        let file = memfd(1);
+        assert!(matches!(space.map(0xc8000, PAGE_SIZE, file.as_fd(), 0, RW), Err(MapError::Overlap { .. })));
+    }
+
+    #[test]
+    fn unmap_notifies_and_waits_for_pins_to_drop() {
+        let space = DmaSpace::default();
+        let file = memfd(8);
+        space.map(0x100000, 8 * PAGE_SIZE, file.as_fd(), 0, RW).unwrap();
+        let held = Arc::new(Mutex::new(Some(space.pin_range(0x102000, 2, Prot::READ).unwrap())));
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let refused = Arc::new(AtomicU64::new(0));
+        let notifier: UnmapNotifier = {
+            let (held, calls, refused) = (held.clone(), calls.clone(), refused.clone());
+            let weak = Arc::downgrade(&space.inner);
+            Arc::new(move |iova, len| {
+                calls.lock().unwrap().push((iova, len));
+                // While the unmap waits, no new pins are granted in the range.
+                let space = DmaSpace { inner: weak.upgrade().unwrap() };
+                if let Err(PinError::Unmapping { .. }) = space.pin_range(0x100000, 1, Prot::READ) {
+                    refused.fetch_add(1, Ordering::Relaxed);
+                }
+                // Drop the pins from another thread, a little later, as a device would.
+                let held = held.clone();
+                std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(20));
+                    held.lock().unwrap().take();
+                });
+            })
+        };
+        space.set_unmap_notifier(Some(notifier));
+        space.unmap(0x100000, 8 * PAGE_SIZE).unwrap();
+        assert_eq!(*calls.lock().unwrap(), vec![(0x100000, 8 * PAGE_SIZE)]);
+        assert_eq!(refused.load(Ordering::Relaxed), 1);
+        assert!(space.lookup(0x100000).is_none());
+        let stats = space.stats();
+        assert_eq!((stats.unmap_waits, stats.unmap_busy, stats.notifier_calls), (1, 0, 1));
+    }
+
+    #[test]
+    fn unmap_fails_busy_and_keeps_the_mapping_when_pins_stay() {
+        let space =
+            DmaSpace::new(DmaSpaceConfig { unmap_timeout: Duration::from_millis(30), ..Default::default() });
+        let file = memfd(8);
+        space.map(0, 4 * PAGE_SIZE, file.as_fd(), 0, RW).unwrap();
+        space.map(4 * PAGE_SIZE, 4 * PAGE_SIZE, file.as_fd(), 0, RW).unwrap();
+        let pins = space.pin_range(PAGE_SIZE, 1, Prot::WRITE).unwrap();
+        let err = space.unmap_all().unwrap_err();
+        assert!(matches!(err, UnmapError::Busy { iova: 0, pins: 1, .. }), "{err}");
+        assert_eq!(err.errno(), libc::EBUSY);
+        // Nothing was removed, not even the idle mapping, and pins are granted again.
+        assert_eq!(space.mappings().len(), 2);
+        pins.write(0, b"still mapped").unwrap();
+        space.pin_range(5 * PAGE_SIZE, 1, Prot::READ).unwrap().unpin();
+        drop(pins);
+        assert_eq!(space.unmap_all().unwrap().mappings, 2);
+        assert_eq!(space.stats().unmap_busy, 1);
+    }
+
+    #[test]
+    fn a_guard_keeps_memory_mapped_after_abandon() {
+        let space = DmaSpace::default();
+        let file = memfd(2);
+        space.map(0, 2 * PAGE_SIZE, file.as_fd(), 0, RW).unwrap();
+        let pins = space.pin_range(0, 2, Prot::READ_WRITE).unwrap();
+        assert_eq!(space.abandon_all().mappings, 1);
+        assert!(space.mappings().is_empty());
+        // The guard still reaches its memory, and still unpins cleanly.
+        pins.write(PAGE_SIZE, b"x").unwrap();
+        drop(pins);
+        let mut b = [0u8];
+        std::os::unix::fs::FileExt::read_exact_at(&file, &mut b, PAGE_SIZE).unwrap();
+        assert_eq!(&b, b"x");
     }
 }

@@ -25,10 +25,7 @@ struct Chunk {
 
 impl Chunk {
     fn new_boxed() -> Box<Chunk> {
-        Box::new(Chunk {
-            counts: [0; CHUNK_PAGES as usize],
-            live: 0,
-        })
+        Box::new(Chunk { counts: [0; CHUNK_PAGES as usize], live: 0 })
     }
 }
 
@@ -69,12 +66,7 @@ fn segments(first: u64, npages: u64) -> impl Iterator<Item = Segment> {
         let chunk = page / CHUNK_PAGES;
         let start = (page % CHUNK_PAGES) as usize;
         let len = ((CHUNK_PAGES as usize) - start).min((end - page) as usize);
-        let seg = Segment {
-            chunk,
-            start,
-            len,
-            page,
-        };
+        let seg = Segment { chunk, start, len, page };
         page += len as u64;
         Some(seg)
     })
@@ -94,8 +86,7 @@ impl PinTable {
     /// Heap bytes this table uses for counts.
     pub(crate) fn bookkeeping_bytes(&self) -> usize {
         let slot = std::mem::size_of::<(u64, Box<Chunk>)>() + 1;
-        (self.chunks.len() + usize::from(self.spare.is_some())) * CHUNK_BYTES
-            + self.chunks.capacity() * slot
+        (self.chunks.len() + usize::from(self.spare.is_some())) * CHUNK_BYTES + self.chunks.capacity() * slot
     }
 
     /// The pin count of page `page`.
@@ -111,17 +102,10 @@ impl PinTable {
             let chunk = self.chunks.get(&seg.chunk)?;
             let counts = &chunk.counts[seg.start..seg.start + seg.len];
             // Cheap vectorised test first; the position only matters on failure.
-            if counts
-                .iter()
-                .fold(0, |acc, &c| acc | Count::from(c == Count::MAX))
-                == 0
-            {
+            if counts.iter().fold(0, |acc, &c| acc | Count::from(c == Count::MAX)) == 0 {
                 return None;
             }
-            counts
-                .iter()
-                .position(|&c| c == Count::MAX)
-                .map(|i| seg.page + i as u64)
+            counts.iter().position(|&c| c == Count::MAX).map(|i| seg.page + i as u64)
         })
     }
 
@@ -134,10 +118,7 @@ impl PinTable {
                 if counts.iter().fold(0, |acc, &c| acc | Count::from(c == 0)) == 0 {
                     return None;
                 }
-                counts
-                    .iter()
-                    .position(|&c| c == 0)
-                    .map(|i| seg.page + i as u64)
+                counts.iter().position(|&c| c == 0).map(|i| seg.page + i as u64)
             }
         })
     }
@@ -151,10 +132,7 @@ impl PinTable {
                 // A whole absent chunk segment is unpinned.
                 None => runs.add(seg.page, seg.len as u64),
                 Some(chunk) => {
-                    for (i, &c) in chunk.counts[seg.start..seg.start + seg.len]
-                        .iter()
-                        .enumerate()
-                    {
+                    for (i, &c) in chunk.counts[seg.start..seg.start + seg.len].iter().enumerate() {
                         if c == 0 {
                             runs.add(seg.page + i as u64, 1);
                         }
