@@ -901,6 +901,34 @@ mod tests {
     }
 
     #[test]
+    fn hugetlb_backing_is_locked_by_accounting_alone() {
+        use nix::sys::memfd::{memfd_create, MFdFlags};
+        let huge = 2u64 << 20;
+        let file = match memfd_create(c"umdev-huge", MFdFlags::MFD_HUGETLB | MFdFlags::MFD_HUGE_2MB) {
+            Ok(fd) => std::fs::File::from(fd),
+            Err(e) => return eprintln!("skipped: no hugetlb memfd ({e})"),
+        };
+        file.set_len(huge).unwrap();
+        let account = Arc::new(LockAccount::with_limit(u64::MAX));
+        let space = DmaSpace::new(DmaSpaceConfig { mode: PinMode::Lock, account, ..Default::default() });
+        if let Err(e) = space.map(0, huge, file.as_fd(), 0, Prot::READ_WRITE) {
+            return eprintln!("skipped: no free 2 MiB huge page (echo 64 > /proc/sys/vm/nr_hugepages): {e}");
+        }
+        assert!(space.lookup(0).unwrap().hugetlb);
+        // A hugetlbfs mapping must be aligned to its page size.
+        let err = space.map(huge, P, file.as_fd(), 0, Prot::READ).unwrap_err();
+        assert!(matches!(err, crate::MapError::Backing(crate::MmapError::BackingUnaligned { .. })), "{err}");
+        let pins = space.pin_pages(&[0, 1, 2, 7, 9], Prot::WRITE).unwrap();
+        pins.write(0, b"huge").unwrap();
+        let stats = space.stats();
+        assert_eq!(stats.mlock_calls, 0, "hugetlb pages need no mlock");
+        assert_eq!(space.account().locked(), 5 * P, "but they are accounted");
+        drop(pins);
+        assert_eq!(space.account().locked(), 0);
+        assert_eq!(space.stats().munlock_calls, 0);
+    }
+
+    #[test]
     fn unpin_of_a_repeated_page_unlocks_once() {
         let (space, _f, host) = lock_space(u64::MAX);
         space.pin_pages(&[2, 2, 3], Prot::READ).unwrap().forget();

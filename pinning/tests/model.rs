@@ -120,7 +120,8 @@ impl Model {
         let mut trial = self.counts.clone();
         let mut locked = self.locked_pages();
         for &(start, n) in &runs {
-            let fresh: Vec<usize> = (start..start + n).filter(|&i| trial.get(&pfns[i]).copied().unwrap_or(0) == 0).collect();
+            let fresh: Vec<usize> =
+                (start..start + n).filter(|&i| trial.get(&pfns[i]).copied().unwrap_or(0) == 0).collect();
             if lock && locked + fresh.len() as u64 > LOCK_LIMIT_PAGES {
                 return Err(Expect::LockLimit(fresh[0], pfns[fresh[0]]));
             }
@@ -215,8 +216,12 @@ fn run(ops: Vec<Op>, mode: PinMode) -> Result<(), TestCaseError> {
             Op::Unmap { page, pages } => {
                 let result = space.unmap(page * P, pages * P);
                 let last = page + pages.max(1) - 1;
-                let victims: Vec<u64> =
-                    model.mappings.iter().filter(|(&f, m)| f <= last && page < f + m.pages).map(|(&f, _)| f).collect();
+                let victims: Vec<u64> = model
+                    .mappings
+                    .iter()
+                    .filter(|(&f, m)| f <= last && page < f + m.pages)
+                    .map(|(&f, _)| f)
+                    .collect();
                 match result {
                     Err(UnmapError::InvalidRange { .. }) => prop_assert_eq!(pages, 0),
                     Err(UnmapError::NotMapped { .. }) => prop_assert!(victims.is_empty()),
@@ -266,7 +271,8 @@ fn run(ops: Vec<Op>, mode: PinMode) -> Result<(), TestCaseError> {
                 let wanted = if write { Prot::WRITE } else { Prot::READ };
                 match (result, model.pin(&pfns, wanted, lock)) {
                     (Ok(pins), Ok(runs)) => {
-                        let got: Vec<_> = pins.runs().iter().map(|r| (r.index(), r.npages() as usize)).collect();
+                        let got: Vec<_> =
+                            pins.runs().iter().map(|r| (r.index(), r.npages() as usize)).collect();
                         prop_assert_eq!(got, runs);
                         for (i, &pfn) in pfns.iter().enumerate() {
                             let mut tag = [0u8; 8];
@@ -277,7 +283,12 @@ fn run(ops: Vec<Op>, mode: PinMode) -> Result<(), TestCaseError> {
                     }
                     (Err(e), Err(expected)) => prop_assert!(same_error(&e, &expected), "{e} vs {expected:?}"),
                     (actual, expected) => {
-                        prop_assert!(false, "space {:?} vs model {:?}", actual.map(|p| p.runs().len()), expected)
+                        prop_assert!(
+                            false,
+                            "space {:?} vs model {:?}",
+                            actual.map(|p| p.runs().len()),
+                            expected
+                        )
                     }
                 }
             }

@@ -1,0 +1,445 @@
+//! `umdev pinbench`: pin+unpin of an array in one call ("runs") against the same public
+//! API called once per page ("per-page", what Linux type1 does for external pins), for
+//! each backing, pattern, size and mode, alternating in one process. Lock-mode rows are
+//! followed by the kernel's floor: bare mlock+munlock of the same runs, and page by page.
+
+use std::fs::File;
+use std::hint::black_box;
+use std::os::fd::AsFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nix::sys::memfd::{memfd_create, MFdFlags};
+use serde::Serialize;
+use umdev_pinning::{DmaSpace, DmaSpaceConfig, LockAccount, PinMode, PinnedPages, Prot, PAGE_SIZE};
+
+/// Pages in each benchmark mapping: room for 512 scattered pages and their gaps.
+const MAPPING_PAGES: u64 = 4096; // 16 MiB, 8 huge pages
+const IOVA_BASE: u64 = 1 << 32;
+const SIZES: [usize; 4] = [1, 8, 64, 512];
+const PATTERNS: [Pattern; 4] = [Pattern::Contiguous, Pattern::Scattered, Pattern::IdawMixed, Pattern::Single];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pattern {
+    /// `[b, b+1, ..., b+n-1]`.
+    Contiguous,
+    /// Every other page in random order: no two entries adjacent.
+    Scattered,
+    /// Runs of random length 1-16 with gaps between them, in random order.
+    IdawMixed,
+    /// One page repeated n times (n = 1: the single-page pin upstream made slower).
+    Single,
+}
+
+impl Pattern {
+    fn name(self) -> &'static str {
+        match self {
+            Pattern::Contiguous => "contiguous",
+            Pattern::Scattered => "scattered",
+            Pattern::IdawMixed => "idaw-mixed",
+            Pattern::Single => "single",
+        }
+    }
+
+    /// Page offsets (within the mapping) of an `n`-entry array.
+    fn offsets(self, n: usize, rng: &mut Rng) -> Vec<u64> {
+        match self {
+            Pattern::Contiguous => (0..n as u64).collect(),
+            Pattern::Scattered => {
+                let mut v: Vec<u64> = (0..n as u64).map(|k| 2 * k).collect();
+                rng.shuffle(&mut v);
+                v
+            }
+            Pattern::IdawMixed => {
+                let mut runs: Vec<Vec<u64>> = Vec::new();
+                let (mut at, mut left) = (0u64, n as u64);
+                while left > 0 {
+                    let len = (1 + rng.below(16)).min(left);
+                    runs.push((at..at + len).collect());
+                    at += len + 1 + rng.below(3);
+                    left -= len;
+                }
+                rng.shuffle(&mut runs);
+                runs.concat()
+            }
+            Pattern::Single => vec![0; n],
+        }
+    }
+}
+
+/// xorshift64: reproducible patterns with no RNG dependency.
+pub struct Rng(u64);
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed | 1)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+    pub fn shuffle<T>(&mut self, v: &mut [T]) {
+        for i in (1..v.len()).rev() {
+            v.swap(i, self.below(i as u64 + 1) as usize);
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BackingKind {
+    Small,
+    Huge,
+}
+
+impl BackingKind {
+    fn name(self) -> &'static str {
+        match self {
+            BackingKind::Small => "4k-memfd",
+            BackingKind::Huge => "2m-hugetlb",
+        }
+    }
+
+    fn memfd(self) -> std::io::Result<File> {
+        let flags = match self {
+            BackingKind::Small => MFdFlags::empty(),
+            BackingKind::Huge => MFdFlags::MFD_HUGETLB | MFdFlags::MFD_HUGE_2MB,
+        };
+        let file = File::from(memfd_create(c"umdev-pinbench", flags)?);
+        file.set_len(MAPPING_PAGES * PAGE_SIZE)?;
+        Ok(file)
+    }
+}
+
+/// One line of results (medians over the rounds).
+#[derive(Clone, Debug, Serialize)]
+pub struct Row {
+    pub backing: &'static str,
+    pub pattern: &'static str,
+    pub npages: usize,
+    pub mode: String,
+    pub runs_ns: f64,
+    pub per_page_ns: f64,
+    pub ratio: f64,
+    /// Runs in the array (not in the JSON line contract, but useful in the table).
+    #[serde(skip)]
+    pub runs: usize,
+}
+
+/// How long to measure.
+#[derive(Clone, Copy, Debug)]
+pub struct Effort {
+    /// Alternating rounds per row; medians are taken over them.
+    pub rounds: usize,
+    /// Target duration of one timed batch.
+    pub batch: Duration,
+}
+
+impl Default for Effort {
+    fn default() -> Self {
+        Effort { rounds: 31, batch: Duration::from_micros(400) }
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Times `f` run `iters` times; ns per run.
+fn time(iters: u64, mut f: impl FnMut()) -> f64 {
+    let start = Instant::now();
+    for _ in 0..iters {
+        f();
+    }
+    start.elapsed().as_nanos() as f64 / iters as f64
+}
+
+/// Iterations that make one batch of `f` last about `target`.
+fn calibrate(target: Duration, mut f: impl FnMut()) -> u64 {
+    let mut iters = 1u64;
+    loop {
+        let start = Instant::now();
+        for _ in 0..iters {
+            f();
+        }
+        let took = start.elapsed();
+        if took >= target / 4 || iters >= 1 << 24 {
+            let per = took.as_nanos().max(1) as f64 / iters as f64;
+            return ((target.as_nanos() as f64 / per) as u64).max(1);
+        }
+        iters *= 4;
+    }
+}
+
+/// Measures alternating `a` and `b`; returns their median ns per call.
+fn alternate(effort: Effort, mut a: impl FnMut(), mut b: impl FnMut()) -> (f64, f64) {
+    let ia = calibrate(effort.batch, &mut a);
+    let ib = calibrate(effort.batch, &mut b);
+    let (mut ta, mut tb) = (Vec::new(), Vec::new());
+    for _ in 0..effort.rounds {
+        ta.push(time(ia, &mut a));
+        tb.push(time(ib, &mut b));
+    }
+    (median(&mut ta), median(&mut tb))
+}
+
+struct Bench {
+    space: DmaSpace,
+    _file: File,
+}
+
+impl Bench {
+    fn new(kind: BackingKind, mode: PinMode) -> std::io::Result<Self> {
+        let file = kind.memfd()?;
+        let space = DmaSpace::new(DmaSpaceConfig {
+            mode,
+            account: Arc::new(LockAccount::unlimited()),
+            ..Default::default()
+        });
+        space
+            .map(IOVA_BASE, MAPPING_PAGES * PAGE_SIZE, file.as_fd(), 0, Prot::READ_WRITE)
+            .map_err(|e| std::io::Error::other(e.to_string()))?;
+        // Fault the memory in once, so the first rounds do not pay page allocation.
+        let all = space
+            .pin_range(IOVA_BASE, MAPPING_PAGES, Prot::WRITE)
+            .map_err(|e| std::io::Error::other(e.to_string()))?;
+        for i in 0..MAPPING_PAGES {
+            all.write(i * PAGE_SIZE, &[1]).map_err(|e| std::io::Error::other(e.to_string()))?;
+        }
+        drop(all);
+        Ok(Bench { space, _file: file })
+    }
+}
+
+/// Why the hugetlb backing is unavailable, if it is.
+pub fn hugetlb_unavailable() -> Option<String> {
+    match BackingKind::Huge.memfd().and_then(|f| {
+        let space = DmaSpace::default();
+        space
+            .map(0, MAPPING_PAGES * PAGE_SIZE, f.as_fd(), 0, Prot::READ_WRITE)
+            .map_err(|e| std::io::Error::other(e.to_string()))
+    }) {
+        Ok(()) => None,
+        Err(e) => {
+            let reserved = std::fs::read_to_string("/proc/sys/vm/nr_hugepages").unwrap_or_default();
+            Some(format!(
+                "2 MiB hugetlb backing skipped: {e} (nr_hugepages = {}; it needs {} free 2 MiB pages: \
+                 as root, echo 64 > /proc/sys/vm/nr_hugepages)",
+                reserved.trim(),
+                MAPPING_PAGES * PAGE_SIZE / (2 << 20)
+            ))
+        }
+    }
+}
+
+/// Runs the whole grid, calling `emit` for each row as it completes.
+pub fn run(effort: Effort, mut emit: impl FnMut(&Row)) -> Result<Vec<Row>, String> {
+    let mut rows = Vec::new();
+    let mut kinds = vec![BackingKind::Small];
+    match hugetlb_unavailable() {
+        None => kinds.push(BackingKind::Huge),
+        Some(why) => eprintln!("pinbench: {why}"),
+    }
+    for kind in kinds {
+        for mode in [PinMode::Track, PinMode::Lock] {
+            let bench = Bench::new(kind, mode).map_err(|e| format!("{}: {e}", kind.name()))?;
+            for pattern in PATTERNS {
+                for n in SIZES {
+                    let mut rng = Rng::new(0x5eed ^ (n as u64) << 8 ^ pattern as u64);
+                    let pfns: Vec<u64> =
+                        pattern.offsets(n, &mut rng).into_iter().map(|o| IOVA_BASE / PAGE_SIZE + o).collect();
+                    for row in measure(&bench.space, kind, mode, pattern, &pfns, effort)? {
+                        emit(&row);
+                        rows.push(row);
+                    }
+                }
+            }
+        }
+    }
+    Ok(rows)
+}
+
+fn measure(
+    space: &DmaSpace,
+    kind: BackingKind,
+    mode: PinMode,
+    pattern: Pattern,
+    pfns: &[u64],
+    effort: Effort,
+) -> Result<Vec<Row>, String> {
+    let prot = Prot::READ;
+    let probe = space.pin_pages(pfns, prot).map_err(|e| e.to_string())?;
+    let runs: Vec<(usize, usize)> = probe.runs().iter().map(|r| (r.host_addr(), r.len() as usize)).collect();
+    let pages: Vec<usize> = (0..pfns.len()).map(|i| probe.host_addr(i).expect("entry is pinned")).collect();
+    drop(probe);
+
+    // Both sides hold their guards the same way (in a Vec, dropped together), so that for a
+    // one-page array they run the very same code and differ only by noise.
+    let mut one_call: Vec<PinnedPages> = Vec::with_capacity(1);
+    let mut per_page: Vec<PinnedPages> = Vec::with_capacity(pfns.len());
+    let (runs_ns, per_page_ns) = alternate(
+        effort,
+        || {
+            one_call.push(space.pin_pages(black_box(pfns), prot).expect("pin"));
+            one_call.clear();
+        },
+        || {
+            for pfn in pfns.chunks(1) {
+                per_page.push(space.pin_pages(black_box(pfn), prot).expect("pin"));
+            }
+            per_page.clear();
+        },
+    );
+    let row = |mode: String, runs_ns: f64, per_page_ns: f64| Row {
+        backing: kind.name(),
+        pattern: pattern.name(),
+        npages: pfns.len(),
+        mode,
+        runs_ns,
+        per_page_ns,
+        ratio: per_page_ns / runs_ns,
+        runs: runs.len(),
+    };
+    let mut rows = vec![row(mode.to_string(), runs_ns, per_page_ns)];
+    if mode == PinMode::Lock {
+        let (floor_runs, floor_pages) = alternate(
+            effort,
+            || {
+                for &(addr, len) in &runs {
+                    mlock(addr, len, true);
+                }
+                for &(addr, len) in &runs {
+                    mlock(addr, len, false);
+                }
+            },
+            || {
+                for &addr in &pages {
+                    mlock(addr, PAGE_SIZE as usize, true);
+                }
+                for &addr in &pages {
+                    mlock(addr, PAGE_SIZE as usize, false);
+                }
+            },
+        );
+        rows.push(row("mlock-floor".into(), floor_runs, floor_pages));
+    }
+    Ok(rows)
+}
+
+/// Bare mlock (`lock`) or munlock of memory mapped by the space, for the floor rows.
+fn mlock(addr: usize, len: usize, lock: bool) {
+    let ptr = std::ptr::NonNull::new(addr as *mut libc::c_void).expect("mapped address");
+    // SAFETY: [addr, addr + len) is inside a mapping the benchmark's space keeps alive; mlock
+    // and munlock change only residency.
+    let result = unsafe {
+        if lock {
+            nix::sys::mman::mlock(ptr, len)
+        } else {
+            nix::sys::mman::munlock(ptr, len)
+        }
+    };
+    result.expect("mlock floor");
+}
+
+/// Prints the human table.
+pub fn print_table(rows: &[Row]) {
+    println!(
+        "{:<11} {:<11} {:>6} {:<12} {:>5} {:>12} {:>10} {:>14} {:>10} {:>7}",
+        "backing",
+        "pattern",
+        "pages",
+        "mode",
+        "runs",
+        "runs ns/call",
+        "ns/page",
+        "per-page ns",
+        "ns/page",
+        "ratio"
+    );
+    for r in rows {
+        println!(
+            "{:<11} {:<11} {:>6} {:<12} {:>5} {:>12.0} {:>10.1} {:>14.0} {:>10.1} {:>7.2}",
+            r.backing,
+            r.pattern,
+            r.npages,
+            r.mode,
+            r.runs,
+            r.runs_ns,
+            r.runs_ns / r.npages as f64,
+            r.per_page_ns,
+            r.per_page_ns / r.npages as f64,
+            r.ratio
+        );
+    }
+}
+
+/// Heap bytes in use, per glibc.
+fn heap_in_use() -> u64 {
+    // SAFETY: mallinfo2 only reads allocator statistics.
+    let info = unsafe { libc::mallinfo2() };
+    (info.uordblks + info.hblkhd) as u64
+}
+
+/// Bookkeeping and map-cost figures, measured rather than computed.
+#[derive(Debug, Serialize)]
+pub struct MemoryReport {
+    /// Heap bytes added by pinning every page of a 1 GiB mapping.
+    pub heap_per_gib_pinned: u64,
+    /// The same, as a percentage of the pinned memory.
+    pub percent_of_pinned: f64,
+    /// Heap bytes one more mapping costs, averaged over 1000 mappings of 1 GiB each.
+    pub heap_per_mapping: u64,
+    /// Median ns to map and unmap a sparse 1 GiB memfd.
+    pub map_unmap_1g_ns: f64,
+    /// Median ns to map and unmap a sparse 64 GiB memfd.
+    pub map_unmap_64g_ns: f64,
+}
+
+pub fn memory_report() -> Result<MemoryReport, String> {
+    let err = |e: &dyn std::fmt::Display| e.to_string();
+    let gib = 1u64 << 30;
+    let sparse = |size: u64| -> Result<File, String> {
+        let f = File::from(memfd_create(c"umdev-pinbench-sparse", MFdFlags::empty()).map_err(|e| err(&e))?);
+        f.set_len(size).map_err(|e| err(&e))?;
+        Ok(f)
+    };
+    let space = DmaSpace::default();
+    let one = sparse(gib)?;
+    space.map(0, gib, one.as_fd(), 0, Prot::READ).map_err(|e| err(&e))?;
+    let before = heap_in_use();
+    let pins = space.pin_range(0, gib / PAGE_SIZE, Prot::READ).map_err(|e| err(&e))?;
+    let heap_per_gib_pinned = heap_in_use().saturating_sub(before);
+    drop(pins);
+    space.unmap_all().map_err(|e| err(&e))?;
+
+    let before = heap_in_use();
+    for i in 0..1000u64 {
+        space.map(i * gib, gib, one.as_fd(), 0, Prot::READ).map_err(|e| err(&e))?;
+    }
+    let heap_per_mapping = heap_in_use().saturating_sub(before) / 1000;
+    space.unmap_all().map_err(|e| err(&e))?;
+
+    let big = sparse(64 * gib)?;
+    let cost = |file: &File, size: u64| -> Result<f64, String> {
+        let mut samples = Vec::new();
+        for _ in 0..201 {
+            let t = Instant::now();
+            space.map(0, size, file.as_fd(), 0, Prot::READ_WRITE).map_err(|e| err(&e))?;
+            space.unmap(0, size).map_err(|e| err(&e))?;
+            samples.push(t.elapsed().as_nanos() as f64);
+        }
+        Ok(median(&mut samples))
+    };
+    let (small, large) = (cost(&one, gib)?, cost(&big, 64 * gib)?);
+    Ok(MemoryReport {
+        heap_per_gib_pinned,
+        percent_of_pinned: heap_per_gib_pinned as f64 * 100.0 / gib as f64,
+        heap_per_mapping,
+        map_unmap_1g_ns: small,
+        map_unmap_64g_ns: large,
+    })
+}
