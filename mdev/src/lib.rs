@@ -1,1 +1,26 @@
-//! placeholder
+//! # umdev-mdev
+//!
+//! Mediated devices emulated in user space: the boundary between a device and the vfio-user
+//! server ([`VfioDevice`], [`DeviceContext`]), and the shared machinery devices are built
+//! from.
+//!
+//! What it is not: it speaks no protocol (the server crate turns vfio-user messages into
+//! calls on [`VfioDevice`]) and manages no memory (devices reach guest memory through the
+//! pinning engine's [`umdev_pinning::DmaSpace`]).
+
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
+
+mod device;
+pub mod guest;
+
+pub use device::{
+    ClientDma, ClientDmaError, DeviceContext, DeviceError, DeviceFlags, DeviceInfo, IrqAction, IrqData, IrqFlags,
+    IrqInfo, RegionFlags, RegionInfo, RegionMmap, SetIrqs, SparseArea, VfioDevice,
+};
+pub use device::{
+    VFIO_PCI_BAR0_REGION_INDEX, VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_ERR_IRQ_INDEX, VFIO_PCI_INTX_IRQ_INDEX,
+    VFIO_PCI_MSIX_IRQ_INDEX, VFIO_PCI_MSI_IRQ_INDEX, VFIO_PCI_NUM_IRQS, VFIO_PCI_NUM_REGIONS,
+    VFIO_PCI_REQ_IRQ_INDEX, VFIO_PCI_ROM_REGION_INDEX, VFIO_PCI_VGA_REGION_INDEX,
+};
+pub use vmm_sys_util::eventfd::EventFd;

@@ -1,0 +1,317 @@
+//! The daemon: many device instances in one process, each on its own UNIX socket.
+//!
+//! Each instance has an acceptor thread and, while a client is connected, a connection
+//! thread; instances share nothing but the process, so a client flooding one instance slows
+//! only that one. One client per instance at a time: a second client is accepted and closed
+//! at once (it sees end-of-file before any reply; QEMU reports the connection closed rather
+//! than waiting out its 5 s reply timeout). Sockets are created mode 0600.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::os::fd::AsFd;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use serde::Serialize;
+use thiserror::Error;
+use nix::sys::eventfd::{EfdFlags, EventFd};
+use umdev_mdev::VfioDevice;
+use umdev_pinning::{DmaSpace, DmaSpaceConfig, DmaStats};
+
+use crate::connection::{serve, Served};
+use crate::stats::{ServerStats, StatsSnapshot};
+use crate::wire::Limits;
+
+/// Why the daemon refused an operation.
+#[derive(Debug, Error)]
+pub enum DaemonError {
+    /// An instance with this id already runs.
+    #[error("instance {0} already exists")]
+    Exists(String),
+    /// No instance has this id.
+    #[error("no instance {0}")]
+    NotFound(String),
+    /// A client is connected and the stop was not forced.
+    #[error("instance {0} has a client connected (force to disconnect it)")]
+    Busy(String),
+    /// Another server is listening on the socket path.
+    #[error("{0} is in use by a live server")]
+    SocketInUse(PathBuf),
+    /// Something other than a socket is at the socket path.
+    #[error("{0} exists and is not a socket")]
+    NotASocket(PathBuf),
+    /// Creating the socket or a thread failed.
+    #[error("{what} {path}: {source}")]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The socket path.
+        path: PathBuf,
+        /// The error.
+        source: io::Error,
+    },
+}
+
+/// How to run one instance.
+#[derive(Clone, Debug)]
+pub struct InstanceConfig {
+    /// Its id (an mdev UUID, or any name).
+    pub id: String,
+    /// The UNIX socket clients connect to.
+    pub socket: PathBuf,
+    /// The client's DMA space (pin mode, lock account, limits).
+    pub dma: DmaSpaceConfig,
+    /// Protocol limits.
+    pub limits: Limits,
+    /// A client that does not read its replies for this long is disconnected.
+    pub send_timeout: Duration,
+}
+
+impl InstanceConfig {
+    /// An instance with default limits.
+    pub fn new(id: impl Into<String>, socket: impl Into<PathBuf>) -> Self {
+        InstanceConfig {
+            id: id.into(),
+            socket: socket.into(),
+            dma: DmaSpaceConfig::default(),
+            limits: Limits::default(),
+            send_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// What `umdev list`/`umdev stats` show of an instance.
+#[derive(Clone, Debug, Serialize)]
+pub struct InstanceInfo {
+    /// Its id.
+    pub id: String,
+    /// Its socket.
+    pub socket: PathBuf,
+    /// A client is connected now.
+    pub connected: bool,
+    /// Protocol counters.
+    pub protocol: StatsSnapshot,
+    /// Pinning-engine counters of its DMA space.
+    pub dma: DmaStats,
+}
+
+struct Instance {
+    config: InstanceConfig,
+    served: Arc<Served>,
+    /// A handle on the connected client's socket, to cut it on stop.
+    active: Mutex<Option<UnixStream>>,
+    stop: EventFd,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Instance {
+    fn info(&self) -> InstanceInfo {
+        InstanceInfo {
+            id: self.config.id.clone(),
+            socket: self.config.socket.clone(),
+            connected: lock(&self.active).is_some(),
+            protocol: self.served.stats.snapshot(),
+            dma: self.served.dma.stats(),
+        }
+    }
+
+    fn accept_loop(self: Arc<Self>, listener: UnixListener) {
+        loop {
+            let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN), PollFd::new(self.stop.as_fd(), PollFlags::POLLIN)];
+            match poll(&mut fds, PollTimeout::NONE) {
+                Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+                Err(e) => {
+                    log::error!("instance {}: poll failed: {e}", self.config.id);
+                    return;
+                }
+            }
+            if fds[1].any().unwrap_or(false) {
+                return;
+            }
+            match listener.accept() {
+                Ok((stream, _)) => self.clone().admit(stream),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    // Out of fds, say: back off rather than spin.
+                    log::warn!("instance {}: accept failed: {e}", self.config.id);
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        }
+    }
+
+    fn admit(self: Arc<Self>, stream: UnixStream) {
+        let id = &self.config.id;
+        let setup = stream
+            .set_nonblocking(false)
+            .and_then(|()| stream.set_write_timeout(Some(self.config.send_timeout)))
+            .and_then(|()| stream.try_clone());
+        let handle = match setup {
+            Ok(handle) => handle,
+            Err(e) => return log::warn!("instance {id}: cannot set up a client socket: {e}"),
+        };
+        {
+            let mut active = lock(&self.active);
+            if active.is_some() {
+                self.served.stats.rejected.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                log::warn!("instance {id}: a client is already connected; closing the new connection");
+                return;
+            }
+            *active = Some(handle);
+        }
+        let me = self.clone();
+        let spawned = std::thread::Builder::new().name(format!("umdev-conn-{id}")).spawn(move || {
+            log::info!("instance {}: client connected", me.config.id);
+            let end = serve(stream, &me.served);
+            log::info!("instance {}: client gone ({end})", me.config.id);
+            *lock(&me.active) = None;
+        });
+        match spawned {
+            Ok(thread) => {
+                let mut threads = lock(&self.threads);
+                threads.retain(|t| !t.is_finished());
+                threads.push(thread);
+            }
+            Err(e) => {
+                log::error!("instance {id}: cannot spawn a connection thread: {e}");
+                *lock(&self.active) = None;
+            }
+        }
+    }
+
+    /// Stops accepting, cuts the client, waits for the threads, removes the socket.
+    fn shut_down(&self) {
+        let _ = self.stop.write(1);
+        if let Some(stream) = lock(&self.active).as_ref() {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+        let threads = std::mem::take(&mut *lock(&self.threads));
+        for t in threads {
+            let _ = t.join();
+        }
+        if let Err(e) = std::fs::remove_file(&self.config.socket) {
+            if e.kind() != io::ErrorKind::NotFound {
+                log::warn!("removing {}: {e}", self.config.socket.display());
+            }
+        }
+    }
+}
+
+/// Binds `path` mode 0600, replacing a stale socket left by a dead server.
+fn bind(path: &Path) -> Result<UnixListener, DaemonError> {
+    let io_err = |what, source| DaemonError::Io { what, path: path.to_path_buf(), source };
+    let listener = match UnixListener::bind(path) {
+        Ok(l) => l,
+        Err(e) if e.kind() == io::ErrorKind::AddrInUse => {
+            let meta = std::fs::symlink_metadata(path).map_err(|e| io_err("inspecting", e))?;
+            if !meta.file_type().is_socket() {
+                return Err(DaemonError::NotASocket(path.to_path_buf()));
+            }
+            if UnixStream::connect(path).is_ok() {
+                return Err(DaemonError::SocketInUse(path.to_path_buf()));
+            }
+            std::fs::remove_file(path).map_err(|e| io_err("removing stale socket", e))?;
+            UnixListener::bind(path).map_err(|e| io_err("binding", e))?
+        }
+        Err(e) => return Err(io_err("binding", e)),
+    };
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(|e| io_err("chmod", e))?;
+    listener.set_nonblocking(true).map_err(|e| io_err("configuring", e))?;
+    Ok(listener)
+}
+
+/// Device instances served by this process.
+#[derive(Default)]
+pub struct Daemon {
+    instances: Mutex<BTreeMap<String, Arc<Instance>>>,
+}
+
+impl Daemon {
+    /// A daemon with no instances.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Starts serving `device` on `config.socket`.
+    pub fn start(&self, device: Arc<dyn VfioDevice>, config: InstanceConfig) -> Result<(), DaemonError> {
+        let mut instances = lock(&self.instances);
+        if instances.contains_key(&config.id) {
+            return Err(DaemonError::Exists(config.id));
+        }
+        let listener = bind(&config.socket)?;
+        let io_err = |source| DaemonError::Io { what: "starting", path: config.socket.clone(), source };
+        let stop = EventFd::from_flags(EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC).map_err(|e| io_err(e.into()))?;
+        let mut dma_config = config.dma.clone();
+        dma_config.max_mappings = dma_config.max_mappings.min(config.limits.max_dma_maps as usize);
+        let served = Served {
+            device,
+            dma: DmaSpace::new(dma_config),
+            limits: config.limits.clone(),
+            stats: Arc::new(ServerStats::default()),
+        };
+        let instance = Arc::new(Instance {
+            config: config.clone(),
+            served: Arc::new(served),
+            active: Mutex::new(None),
+            stop,
+            threads: Mutex::new(Vec::new()),
+        });
+        let acceptor = instance.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("umdev-accept-{}", config.id))
+            .spawn(move || acceptor.accept_loop(listener))
+            .map_err(io_err)?;
+        lock(&instance.threads).push(thread);
+        log::info!("instance {} listening on {}", config.id, config.socket.display());
+        instances.insert(config.id, instance);
+        Ok(())
+    }
+
+    /// Stops an instance; refused while a client is connected unless `force`, which
+    /// disconnects it (and so resets the device).
+    pub fn stop(&self, id: &str, force: bool) -> Result<(), DaemonError> {
+        let instance = {
+            let mut instances = lock(&self.instances);
+            let instance = instances.get(id).ok_or_else(|| DaemonError::NotFound(id.to_string()))?;
+            if !force && lock(&instance.active).is_some() {
+                return Err(DaemonError::Busy(id.to_string()));
+            }
+            instances.remove(id).expect("present: checked under the same lock")
+        };
+        instance.shut_down();
+        Ok(())
+    }
+
+    /// One instance's state and counters.
+    pub fn info(&self, id: &str) -> Option<InstanceInfo> {
+        lock(&self.instances).get(id).map(|i| i.info())
+    }
+
+    /// Every instance, by id.
+    pub fn list(&self) -> Vec<InstanceInfo> {
+        lock(&self.instances).values().map(|i| i.info()).collect()
+    }
+
+    /// Stops every instance and removes their sockets.
+    pub fn shutdown(&self) {
+        let instances = std::mem::take(&mut *lock(&self.instances));
+        for instance in instances.values() {
+            instance.shut_down();
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

@@ -1,0 +1,43 @@
+//! Turning fds a client sent with SET_IRQS into eventfds the server can signal safely.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd};
+
+use nix::fcntl::{fcntl, FcntlArg, OFlag};
+use umdev_mdev::EventFd;
+
+/// Checks that `fd` is an eventfd and makes it non-blocking.
+///
+/// A client could send a pipe (whose full buffer would block a write forever) or an eventfd
+/// whose counter it pushed to the maximum (same effect). Non-blocking, a signal that cannot
+/// be added is dropped, which loses nothing: a full eventfd is already signalled. Clients
+/// create their eventfds non-blocking already (QEMU and rust-vmm do), so the flag changes
+/// nothing for them.
+pub(crate) fn vet(fd: OwnedFd) -> io::Result<EventFd> {
+    let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
+    if link.as_os_str() != "anon_inode:[eventfd]" {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("not an eventfd: {}", link.display())));
+    }
+    let flags = OFlag::from_bits_truncate(fcntl(&fd, FcntlArg::F_GETFL)?);
+    fcntl(&fd, FcntlArg::F_SETFL(flags | OFlag::O_NONBLOCK))?;
+    // SAFETY: `fd` is an eventfd we own; ownership moves into the EventFd.
+    Ok(unsafe { EventFd::from_raw_fd(fd.into_raw_fd()) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_eventfds_and_refuses_other_fds() {
+        let efd = EventFd::new(0).unwrap();
+        let dup = OwnedFd::from(efd.try_clone().unwrap());
+        let vetted = vet(dup).unwrap();
+        // Push the counter to its maximum: a further write must not block.
+        vetted.write(u64::MAX - 1).unwrap();
+        assert!(vetted.write(1).is_err());
+        let (r, _w) = nix::unistd::pipe().unwrap();
+        assert!(vet(r).is_err());
+        assert!(vet(OwnedFd::from(std::fs::File::open("/dev/null").unwrap())).is_err());
+    }
+}

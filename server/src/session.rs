@@ -1,0 +1,288 @@
+//! One client's session: request dispatch against the device and the DMA space.
+//!
+//! Requests are handled strictly in arrival order (a reply also vouches for every posted
+//! write before it). Every failure is answered with the error flag and an errno, unless the
+//! client asked for no reply; the stream stays in sync, since the framer consumed the whole
+//! message before it got here.
+
+use std::os::fd::AsFd;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use umdev_mdev::{
+    DeviceError, IrqData, RegionFlags, RegionInfo, SetIrqs, VfioDevice,
+};
+use umdev_pinning::{DmaSpace, UnmapError};
+
+use crate::link::{ClientReply, Link};
+use crate::stats::ServerStats;
+use crate::wire::framing::Frame;
+use crate::wire::reply::{self, error_header, ok_header};
+use crate::wire::request::{parse, MultiWrite, Request, WireIrqData, UNMAP_FLAG_ALL};
+use crate::wire::version::{negotiate, Negotiated};
+use crate::wire::{flags, Header, Limits};
+
+/// Why a session must end.
+#[derive(Debug)]
+pub(crate) enum SessionEnd {
+    /// A reply could not be sent.
+    Send(std::io::Error),
+}
+
+/// What a request came to: a reply payload (and maybe the region fd) or an errno.
+type Outcome = Result<Reply, i32>;
+
+enum Reply {
+    /// Payload bytes.
+    Payload(Vec<u8>),
+    /// A REGION_READ answered in the session's scratch buffer (fixed part and data).
+    Scratch,
+    /// Region info with the region's fd.
+    WithFd(Vec<u8>, Arc<std::os::fd::OwnedFd>),
+}
+
+/// Cached shape of a region (sizes and flags do not change during a session).
+#[derive(Clone, Copy)]
+struct RegionShape {
+    size: u64,
+    flags: RegionFlags,
+}
+
+pub(crate) struct Session {
+    device: Arc<dyn VfioDevice>,
+    dma: DmaSpace,
+    limits: Limits,
+    link: Arc<Link>,
+    stats: Arc<ServerStats>,
+    negotiated: Option<Negotiated>,
+    /// Set when negotiation raised the message size limit; the connection applies it.
+    new_max_size: Option<u32>,
+    regions: Vec<Option<RegionShape>>,
+    scratch: Vec<u8>,
+}
+
+impl Session {
+    pub(crate) fn new(
+        device: Arc<dyn VfioDevice>,
+        dma: DmaSpace,
+        limits: Limits,
+        link: Arc<Link>,
+        stats: Arc<ServerStats>,
+    ) -> Self {
+        Session {
+            device,
+            dma,
+            limits,
+            link,
+            stats,
+            negotiated: None,
+            new_max_size: None,
+            regions: Vec::new(),
+            scratch: Vec::new(),
+        }
+    }
+
+    /// The message size limit negotiation raised, once.
+    pub(crate) fn take_new_max_size(&mut self) -> Option<u32> {
+        self.new_max_size.take()
+    }
+
+    /// Handles one message.
+    pub(crate) fn handle(&mut self, frame: Frame, payload: &[u8]) -> Result<(), SessionEnd> {
+        let header = frame.header;
+        self.stats.bytes_in.fetch_add(u64::from(header.size), Ordering::Relaxed);
+        match header.message_type() {
+            flags::TYPE_REPLY => {
+                let reply = ClientReply { header, payload: payload.to_vec() };
+                if !self.link.deliver(reply) {
+                    self.stats.stray_replies.fetch_add(1, Ordering::Relaxed);
+                    log::warn!("reply {} (command {}) matches no request; dropped", header.id, header.command);
+                }
+                return Ok(());
+            }
+            flags::TYPE_COMMAND => {}
+            other => {
+                self.stats.count_message(header.command);
+                log::warn!("message {} has unknown type {other}", header.id);
+                return self.answer(&header, Err(libc::EINVAL));
+            }
+        }
+        self.stats.count_message(header.command);
+        if frame.excess_fds > 0 {
+            log::warn!("message {} came with {} fds over the limit; all closed", header.id, frame.excess_fds);
+            return self.answer(&header, Err(libc::EINVAL));
+        }
+        let outcome = match parse(&header, payload, frame.fds, &self.limits) {
+            Err(e) => {
+                log::debug!("refused message {}: {e}", header.id);
+                Err(e.errno)
+            }
+            Ok(request) => self.dispatch(&header, request),
+        };
+        self.answer(&header, outcome)
+    }
+
+    fn answer(&mut self, header: &Header, outcome: Outcome) -> Result<(), SessionEnd> {
+        if outcome.is_err() {
+            self.stats.errors.fetch_add(1, Ordering::Relaxed);
+        }
+        if header.no_reply() {
+            return Ok(());
+        }
+        let sent = match outcome {
+            Err(errno) => self.link.send(&error_header(header, errno), &[], None),
+            Ok(Reply::Payload(p)) => self.link.send(&ok_header(header, p.len()), &[&p], None),
+            Ok(Reply::Scratch) => self.link.send(&ok_header(header, self.scratch.len()), &[&self.scratch], None),
+            Ok(Reply::WithFd(p, fd)) => self.link.send(&ok_header(header, p.len()), &[&p], Some(fd.as_fd())),
+        };
+        sent.map_err(SessionEnd::Send)
+    }
+
+    fn dispatch(&mut self, header: &Header, request: Request<'_>) -> Outcome {
+        if let Request::Version(client) = request {
+            if self.negotiated.is_some() {
+                log::warn!("VERSION sent twice");
+                return Err(libc::EINVAL);
+            }
+            let negotiated = negotiate(client, &self.limits);
+            self.link.set_client_max_xfer(negotiated.client.max_data_xfer_size);
+            let payload = negotiated.reply.clone();
+            self.negotiated = Some(negotiated);
+            self.new_max_size = Some(self.limits.max_message_size());
+            return Ok(Reply::Payload(payload));
+        }
+        let Some(negotiated) = &self.negotiated else {
+            log::warn!("command {} before VERSION", header.command);
+            return Err(libc::EINVAL);
+        };
+        match request {
+            Request::Version(_) => unreachable!("handled above"),
+            Request::DmaMap { iova, size, offset, prot, fd } => {
+                let result = match &fd {
+                    Some(fd) => self.dma.map(iova, size, fd.as_fd(), offset, prot),
+                    None => self.dma.map_message_only(iova, size, prot),
+                };
+                result.map(|()| Reply::Payload(Vec::new())).map_err(|e| {
+                    log::debug!("DMA_MAP {iova:#x}+{size:#x}: {e}");
+                    e.errno()
+                })
+            }
+            Request::DmaUnmap { argsz, flags, iova, size } => {
+                let result = if flags & UNMAP_FLAG_ALL != 0 { self.dma.unmap_all() } else { self.dma.unmap(iova, size) };
+                match result {
+                    Ok(_) => Ok(Reply::Payload(reply::dma_unmap(argsz, flags, iova, size))),
+                    Err(e) => {
+                        if matches!(e, UnmapError::Busy { .. }) {
+                            log::warn!("DMA_UNMAP {iova:#x}+{size:#x}: {e}");
+                        }
+                        Err(e.errno())
+                    }
+                }
+            }
+            Request::DeviceGetInfo => Ok(Reply::Payload(reply::device_info(&self.device.device_info()))),
+            Request::RegionInfo { index, argsz } => {
+                let info = self.region_info(index).ok_or(libc::EINVAL)?;
+                let (payload, send_fd) = reply::region_info(index, &info, argsz);
+                match (send_fd, info.mmap) {
+                    (true, Some(mmap)) if negotiated.client.max_msg_fds > 0 => Ok(Reply::WithFd(payload, mmap.fd)),
+                    _ => Ok(Reply::Payload(payload)),
+                }
+            }
+            Request::RegionIoFds { index } => {
+                self.region_info(index).ok_or(libc::EINVAL)?;
+                Ok(Reply::Payload(reply::region_io_fds(index)))
+            }
+            Request::IrqInfo { index } => {
+                let info = self.device.irq_info(index).ok_or(libc::EINVAL)?;
+                Ok(Reply::Payload(reply::irq_info(index, &info)))
+            }
+            Request::SetIrqs { index, start, count, action, data } => {
+                let data = match data {
+                    WireIrqData::None => IrqData::None,
+                    WireIrqData::Bool(b) => IrqData::Bool(b),
+                    WireIrqData::Fds(fds) => {
+                        let vetted: Result<Vec<_>, _> = fds.into_iter().map(crate::eventfd::vet).collect();
+                        IrqData::Eventfds(vetted.map_err(|e| {
+                            log::warn!("SET_IRQS: {e}");
+                            libc::EINVAL
+                        })?)
+                    }
+                };
+                let request = SetIrqs { index, start, count, action, data };
+                self.device.set_irqs(request).map(|()| Reply::Payload(Vec::new())).map_err(device_errno)
+            }
+            Request::RegionRead { region, offset, count } => {
+                self.check_access(region, offset, count as usize, RegionFlags::READ)?;
+                let head = reply::region_access(offset, region, count);
+                self.scratch.clear();
+                self.scratch.extend_from_slice(&head);
+                self.scratch.resize(16 + count as usize, 0);
+                self.device.region_read(region, offset, &mut self.scratch[16..]).map_err(device_errno)?;
+                Ok(Reply::Scratch)
+            }
+            Request::RegionWrite { region, offset, data } => {
+                self.check_access(region, offset, data.len(), RegionFlags::WRITE)?;
+                self.device.region_write(region, offset, data).map_err(device_errno)?;
+                Ok(Reply::Payload(reply::region_access(offset, region, data.len() as u32).to_vec()))
+            }
+            Request::RegionWriteMulti(writes) => {
+                if !negotiated.write_multiple {
+                    log::warn!("REGION_WRITE_MULTI without write_multiple");
+                    return Err(libc::EINVAL);
+                }
+                self.write_multi(&writes)?;
+                Ok(Reply::Payload((writes.len() as u64).to_le_bytes().to_vec()))
+            }
+            Request::DeviceReset => self.device.reset().map(|()| Reply::Payload(Vec::new())).map_err(device_errno),
+        }
+    }
+
+    fn write_multi(&mut self, writes: &[MultiWrite<'_>]) -> Result<(), i32> {
+        for w in writes {
+            self.check_access(w.region, w.offset, w.data.len(), RegionFlags::WRITE)?;
+            self.device.region_write(w.region, w.offset, w.data).map_err(device_errno)?;
+        }
+        Ok(())
+    }
+
+    fn region_info(&self, index: u32) -> Option<RegionInfo> {
+        if index >= self.device.device_info().num_regions {
+            return None;
+        }
+        self.device.region_info(index)
+    }
+
+    /// Checks an access against the region's size and flags (cached per session).
+    fn check_access(&mut self, region: u32, offset: u64, len: usize, need: RegionFlags) -> Result<(), i32> {
+        let slot = region as usize;
+        if slot >= self.regions.len() {
+            // Devices are trusted, but a cache sized by them is still bounded.
+            let n = self.device.device_info().num_regions.min(1024) as usize;
+            if slot >= n {
+                return Err(libc::EINVAL);
+            }
+            self.regions.resize(n, None);
+        }
+        let shape = match self.regions[slot] {
+            Some(shape) => shape,
+            None => {
+                let info = self.device.region_info(region).ok_or(libc::EINVAL)?;
+                let shape = RegionShape { size: info.size, flags: info.flags };
+                self.regions[slot] = Some(shape);
+                shape
+            }
+        };
+        if !shape.flags.contains(need) {
+            return Err(libc::EPERM);
+        }
+        match offset.checked_add(len as u64) {
+            Some(end) if end <= shape.size => Ok(()),
+            _ => Err(libc::EINVAL),
+        }
+    }
+}
+
+fn device_errno(e: DeviceError) -> i32 {
+    log::debug!("device: {e}");
+    e.errno()
+}

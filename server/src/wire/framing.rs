@@ -1,0 +1,313 @@
+//! Cutting a byte stream (with the fds that arrived on it) into whole messages.
+//!
+//! The framer is fed what the socket delivers and yields one message at a time. It checks
+//! each header before anything sized by it is read: a size below the header or above the
+//! current maximum is fatal for the connection (the stream cannot be resynced), anything
+//! else is the request parser's business. The fds a `recvmsg` returned belong to the message
+//! holding the first byte of that read; excess fds are closed on arrival, so a client
+//! cannot make the server hold more than `max_fds` of them per message.
+
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::os::fd::OwnedFd;
+
+use thiserror::Error;
+
+use super::{Header, HEADER_SIZE};
+
+/// Why the stream cannot go on.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum FramingError {
+    /// The header's size is smaller than a header.
+    #[error("message {id} declares {size} bytes, less than a header")]
+    TooSmall {
+        /// The message id.
+        id: u16,
+        /// The declared size.
+        size: u32,
+    },
+    /// The header's size exceeds what the connection accepts.
+    #[error("message {id} declares {size} bytes, more than the {max} allowed")]
+    TooLarge {
+        /// The message id.
+        id: u16,
+        /// The declared size.
+        size: u32,
+        /// The limit.
+        max: u32,
+    },
+}
+
+/// A whole message in the framer's buffer.
+#[derive(Debug)]
+pub struct Frame {
+    /// Its header.
+    pub header: Header,
+    /// Where its payload lies in the buffer ([`Framer::payload`]).
+    payload: Range<usize>,
+    /// The fds that came with it (at most `max_fds`).
+    pub fds: Vec<OwnedFd>,
+    /// How many further fds came with it and were closed on arrival.
+    pub excess_fds: usize,
+}
+
+/// Accumulates received bytes and fds; yields whole messages.
+#[derive(Debug)]
+pub struct Framer {
+    /// Zero-initialised storage; data lies in `buf[start..filled]`.
+    buf: Vec<u8>,
+    /// Start of unconsumed data in `buf`.
+    start: usize,
+    /// End of received data in `buf`.
+    filled: usize,
+    /// Stream position of `buf[0]`.
+    base: u64,
+    /// fds by the stream position of the first byte of the read that brought them.
+    fds: VecDeque<(u64, Vec<OwnedFd>)>,
+    /// fds closed on arrival, by stream position of their read.
+    excess: VecDeque<(u64, usize)>,
+    max_size: u32,
+    max_fds: usize,
+}
+
+/// Bytes read from the socket at a time when no larger message is pending.
+pub const READ_CHUNK: usize = 64 << 10;
+
+impl Framer {
+    /// A framer accepting messages of up to `max_size` bytes with up to `max_fds` fds.
+    pub fn new(max_size: u32, max_fds: usize) -> Self {
+        Framer {
+            buf: Vec::new(),
+            start: 0,
+            filled: 0,
+            base: 0,
+            fds: VecDeque::new(),
+            excess: VecDeque::new(),
+            max_size,
+            max_fds,
+        }
+    }
+
+    /// Changes the largest message accepted (after VERSION is negotiated).
+    pub fn set_max_size(&mut self, max_size: u32) {
+        self.max_size = max_size;
+    }
+
+    /// Bytes buffered and not yet consumed.
+    pub fn buffered(&self) -> usize {
+        self.filled - self.start
+    }
+
+    /// Free space to receive into: enough for the rest of the pending message, at least
+    /// [`READ_CHUNK`]. The buffer never grows beyond the largest message plus one chunk.
+    pub fn spare(&mut self) -> &mut [u8] {
+        if self.start > 0 {
+            self.compact();
+        }
+        let want = self.pending_need().unwrap_or(0).max(READ_CHUNK);
+        if self.buf.len() - self.filled < want {
+            self.buf.resize(self.filled + want, 0);
+        }
+        &mut self.buf[self.filled..]
+    }
+
+    /// Records that `n` bytes were received into [`Framer::spare`], with `fds`.
+    pub fn commit(&mut self, n: usize, fds: Vec<OwnedFd>) {
+        let pos = self.base + self.filled as u64;
+        self.filled = (self.filled + n).min(self.buf.len());
+        self.add_fds(pos, fds);
+    }
+
+    /// Appends bytes and fds as if received (for tests and fuzzing).
+    pub fn push(&mut self, bytes: &[u8], fds: Vec<OwnedFd>) {
+        let spare = self.spare();
+        let n = bytes.len().min(spare.len());
+        spare[..n].copy_from_slice(&bytes[..n]);
+        self.commit(n, fds);
+        if n < bytes.len() {
+            self.push(&bytes[n..], Vec::new());
+        }
+    }
+
+    fn add_fds(&mut self, pos: u64, mut fds: Vec<OwnedFd>) {
+        if fds.is_empty() {
+            return;
+        }
+        // Count fds already held for the message this read belongs to; close the excess now.
+        let held: usize = self.fds.iter().map(|(_, f)| f.len()).sum();
+        let room = self.max_fds.saturating_sub(held);
+        if fds.len() > room {
+            let closed = fds.len() - room;
+            fds.truncate(room);
+            self.excess.push_back((pos, closed));
+        }
+        if !fds.is_empty() {
+            self.fds.push_back((pos, fds));
+        }
+    }
+
+    /// Bytes still needed to complete the message at the front, if its header is here.
+    fn pending_need(&self) -> Option<usize> {
+        let avail = self.buffered();
+        if avail < HEADER_SIZE {
+            return Some(HEADER_SIZE - avail);
+        }
+        let header = self.peek_header()?;
+        let size = header.size as usize;
+        (size <= self.max_size as usize).then(|| size.saturating_sub(avail))
+    }
+
+    fn peek_header(&self) -> Option<Header> {
+        if self.buffered() < HEADER_SIZE {
+            return None;
+        }
+        let bytes: &[u8; HEADER_SIZE] = self.buf[self.start..self.start + HEADER_SIZE].try_into().ok()?;
+        Some(Header::decode(bytes))
+    }
+
+    /// The next whole message, `None` if more bytes are needed.
+    pub fn next_frame(&mut self) -> Result<Option<Frame>, FramingError> {
+        let Some(header) = self.peek_header() else {
+            return Ok(None);
+        };
+        if (header.size as usize) < HEADER_SIZE {
+            return Err(FramingError::TooSmall { id: header.id, size: header.size });
+        }
+        if header.size > self.max_size {
+            return Err(FramingError::TooLarge { id: header.id, size: header.size, max: self.max_size });
+        }
+        let size = header.size as usize;
+        if self.buffered() < size {
+            return Ok(None);
+        }
+        let msg_pos = self.base + self.start as u64;
+        let end_pos = msg_pos + size as u64;
+        let mut fds = Vec::new();
+        while let Some((pos, _)) = self.fds.front() {
+            if *pos >= end_pos {
+                break;
+            }
+            if let Some((_, batch)) = self.fds.pop_front() {
+                fds.extend(batch);
+            }
+        }
+        let mut excess_fds = 0;
+        while let Some(&(pos, n)) = self.excess.front() {
+            if pos >= end_pos {
+                break;
+            }
+            excess_fds += n;
+            self.excess.pop_front();
+        }
+        let payload = self.start + HEADER_SIZE..self.start + size;
+        self.start += size;
+        Ok(Some(Frame { header, payload, fds, excess_fds }))
+    }
+
+    /// The payload of a frame returned by the last [`Framer::next_frame`] call.
+    pub fn payload(&self, frame: &Frame) -> &[u8] {
+        &self.buf[frame.payload.clone()]
+    }
+
+    /// Moves unconsumed bytes to the front of the buffer.
+    fn compact(&mut self) {
+        self.buf.copy_within(self.start..self.filled, 0);
+        self.base += self.start as u64;
+        self.filled -= self.start;
+        self.start = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::flags;
+
+    fn msg(id: u16, command: u16, payload: &[u8]) -> Vec<u8> {
+        let size = (HEADER_SIZE + payload.len()) as u32;
+        let mut v = Header { id, command, size, flags: flags::TYPE_COMMAND, error: 0 }.encode().to_vec();
+        v.extend_from_slice(payload);
+        v
+    }
+
+    fn fds(n: usize) -> Vec<OwnedFd> {
+        (0..n).map(|_| OwnedFd::from(std::fs::File::open("/dev/null").unwrap())).collect()
+    }
+
+    #[test]
+    fn yields_whole_messages_from_any_split() {
+        let stream: Vec<u8> = [msg(1, 9, &[1, 2, 3]), msg(2, 10, &[]), msg(3, 4, &[9; 100])].concat();
+        for split in 1..stream.len() {
+            let mut f = Framer::new(4096, 16);
+            let mut got = Vec::new();
+            for chunk in stream.chunks(split) {
+                f.push(chunk, Vec::new());
+                while let Some(frame) = f.next_frame().unwrap() {
+                    got.push((frame.header.id, f.payload(&frame).to_vec()));
+                }
+            }
+            assert_eq!(got, vec![(1, vec![1, 2, 3]), (2, vec![]), (3, vec![9; 100])], "split {split}");
+            assert_eq!(f.buffered(), 0);
+        }
+    }
+
+    #[test]
+    fn fds_belong_to_the_message_their_read_started_in() {
+        let mut f = Framer::new(4096, 16);
+        let (a, b) = (msg(1, 2, &[0; 32]), msg(2, 8, &[0; 20]));
+        // The first read carries a's header with 1 fd; the second carries the rest of a and
+        // all of b, with 2 fds: those started inside a, so they are a's.
+        f.push(&a[..10], fds(1));
+        f.push(&[&a[10..], &b[..]].concat(), fds(2));
+        let fa = f.next_frame().unwrap().unwrap();
+        assert_eq!((fa.header.id, fa.fds.len()), (1, 3));
+        let fb = f.next_frame().unwrap().unwrap();
+        assert_eq!((fb.header.id, fb.fds.len()), (2, 0));
+        // A read that starts at b's boundary brings b's fds.
+        f.push(&b, fds(2));
+        let fb = f.next_frame().unwrap().unwrap();
+        assert_eq!(fb.fds.len(), 2);
+    }
+
+    #[test]
+    fn excess_fds_are_closed_on_arrival_and_reported() {
+        let mut f = Framer::new(4096, 4);
+        let m = msg(7, 8, &[0; 20]);
+        f.push(&m[..8], fds(3));
+        f.push(&m[8..], fds(3));
+        let frame = f.next_frame().unwrap().unwrap();
+        assert_eq!((frame.fds.len(), frame.excess_fds), (4, 2));
+    }
+
+    #[test]
+    fn impossible_sizes_are_fatal() {
+        let mut f = Framer::new(1024, 16);
+        let mut bad = msg(5, 9, &[]);
+        bad[4..8].copy_from_slice(&15u32.to_le_bytes());
+        f.push(&bad, Vec::new());
+        assert_eq!(f.next_frame(), Err(FramingError::TooSmall { id: 5, size: 15 }));
+        let mut f = Framer::new(1024, 16);
+        let mut big = msg(6, 10, &[]);
+        big[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+        f.push(&big, Vec::new());
+        assert_eq!(f.next_frame(), Err(FramingError::TooLarge { id: 6, size: u32::MAX, max: 1024 }));
+        // The buffer never grew for the claimed size.
+        assert!(f.spare().len() <= READ_CHUNK);
+    }
+
+    #[test]
+    fn spare_covers_a_large_pending_message_and_no_more() {
+        let mut f = Framer::new(1 << 20, 16);
+        let mut m = msg(1, 10, &[]);
+        m[4..8].copy_from_slice(&(300_000u32).to_le_bytes());
+        f.push(&m, Vec::new());
+        let n = f.spare().len();
+        assert!((300_000 - 16..=300_000 + READ_CHUNK).contains(&n), "{n}");
+    }
+}
+
+impl PartialEq for Frame {
+    fn eq(&self, other: &Self) -> bool {
+        self.header == other.header && self.payload == other.payload
+    }
+}

@@ -1,0 +1,364 @@
+//! Parsing a client's request: a pure function from header, payload and fds to a typed
+//! [`Request`], checking every size, count and flag against the wire format and the limits.
+//!
+//! Checks that need the device (region and IRQ indexes, bounds) or the session (was VERSION
+//! negotiated) are the dispatcher's. A [`ParseError`] always leaves the stream in sync: the
+//! framer has consumed the whole message, so the connection answers with the errno and goes on.
+
+use std::os::fd::OwnedFd;
+
+use thiserror::Error;
+use umdev_mdev::IrqAction;
+use umdev_pinning::Prot;
+
+use super::version::{self, ClientCaps};
+use super::{Command, Header, Limits};
+
+/// A malformed request; the reply carries `errno`.
+#[derive(Debug, Error, PartialEq, Eq)]
+#[error("{command}: {what} (errno {errno})")]
+pub struct ParseError {
+    /// The errno for the error reply.
+    pub errno: i32,
+    /// The command, by name (or number when unknown).
+    pub command: String,
+    /// What is wrong.
+    pub what: String,
+}
+
+/// SET_IRQS data as it arrived: fds are vetted as eventfds by the dispatcher.
+#[derive(Debug)]
+pub enum WireIrqData {
+    /// `DATA_NONE`.
+    None,
+    /// `DATA_BOOL`: one flag per vector.
+    Bool(Vec<bool>),
+    /// `DATA_EVENTFD`: `count` fds, or none to de-assign.
+    Fds(Vec<OwnedFd>),
+}
+
+/// One entry of REGION_WRITE_MULTI.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MultiWrite<'a> {
+    /// Region index.
+    pub region: u32,
+    /// Offset within the region.
+    pub offset: u64,
+    /// The bytes (at most 8).
+    pub data: &'a [u8],
+}
+
+/// A well-formed request.
+#[derive(Debug)]
+pub enum Request<'a> {
+    /// VERSION.
+    Version(ClientCaps),
+    /// DMA_MAP; `fd` is `None` for a message-only region.
+    DmaMap {
+        /// IOVA.
+        iova: u64,
+        /// Size.
+        size: u64,
+        /// File offset.
+        offset: u64,
+        /// Access.
+        prot: Prot,
+        /// The backing fd.
+        fd: Option<OwnedFd>,
+    },
+    /// DMA_UNMAP; the fields are echoed in the reply.
+    DmaUnmap {
+        /// Client buffer size.
+        argsz: u32,
+        /// Flags (0 or UNMAP_ALL).
+        flags: u32,
+        /// IOVA.
+        iova: u64,
+        /// Size.
+        size: u64,
+    },
+    /// DEVICE_GET_INFO.
+    DeviceGetInfo,
+    /// DEVICE_GET_REGION_INFO.
+    RegionInfo {
+        /// Region index.
+        index: u32,
+        /// Room the client has for the reply payload.
+        argsz: u32,
+    },
+    /// DEVICE_GET_REGION_IO_FDS.
+    RegionIoFds {
+        /// Region index.
+        index: u32,
+    },
+    /// DEVICE_GET_IRQ_INFO.
+    IrqInfo {
+        /// IRQ index.
+        index: u32,
+    },
+    /// DEVICE_SET_IRQS.
+    SetIrqs {
+        /// IRQ index.
+        index: u32,
+        /// First vector.
+        start: u32,
+        /// Vectors.
+        count: u32,
+        /// Action.
+        action: IrqAction,
+        /// Data.
+        data: WireIrqData,
+    },
+    /// REGION_READ.
+    RegionRead {
+        /// Region index.
+        region: u32,
+        /// Offset.
+        offset: u64,
+        /// Bytes.
+        count: u32,
+    },
+    /// REGION_WRITE.
+    RegionWrite {
+        /// Region index.
+        region: u32,
+        /// Offset.
+        offset: u64,
+        /// Bytes.
+        data: &'a [u8],
+    },
+    /// REGION_WRITE_MULTI.
+    RegionWriteMulti(Vec<MultiWrite<'a>>),
+    /// DEVICE_RESET.
+    DeviceReset,
+}
+
+/// `VFIO_DMA_UNMAP_FLAG_GET_DIRTY_BITMAP`.
+pub const UNMAP_FLAG_DIRTY_BITMAP: u32 = 1 << 0;
+/// `VFIO_DMA_UNMAP_FLAG_ALL`.
+pub const UNMAP_FLAG_ALL: u32 = 1 << 1;
+/// Entry size of REGION_WRITE_MULTI.
+pub const MULTI_ENTRY_SIZE: usize = 24;
+/// Data bytes per REGION_WRITE_MULTI entry.
+pub const MULTI_DATA_MAX: usize = 8;
+
+struct Fields<'a> {
+    bytes: &'a [u8],
+}
+
+impl Fields<'_> {
+    fn u32(&self, at: usize) -> u32 {
+        u32::from_le_bytes(self.bytes[at..at + 4].try_into().expect("length checked by the caller"))
+    }
+    fn u64(&self, at: usize) -> u64 {
+        u64::from_le_bytes(self.bytes[at..at + 8].try_into().expect("length checked by the caller"))
+    }
+}
+
+/// Parses one request. `fds` came with the message; they are consumed (closed on error).
+pub fn parse<'a>(
+    header: &Header,
+    payload: &'a [u8],
+    fds: Vec<OwnedFd>,
+    limits: &Limits,
+) -> Result<Request<'a>, ParseError> {
+    let name = match Command::from_u16(header.command) {
+        Some(c) => c.name().to_string(),
+        None => format!("command {}", header.command),
+    };
+    let fail = |errno: i32, what: String| ParseError { errno, command: name.clone(), what };
+    let einval = |what: &str| fail(libc::EINVAL, what.to_string());
+    let Some(command) = Command::from_u16(header.command) else {
+        return Err(fail(libc::ENOSYS, "unknown command".into()));
+    };
+    let takes_fds = matches!(command, Command::DmaMap | Command::DeviceSetIrqs);
+    if !takes_fds && !fds.is_empty() {
+        return Err(einval(&format!("{} unexpected fds", fds.len())));
+    }
+    if fds.len() > limits.max_msg_fds as usize {
+        return Err(einval(&format!("{} fds, more than the {} allowed", fds.len(), limits.max_msg_fds)));
+    }
+    let exact = |len: usize| {
+        if payload.len() == len {
+            Ok(Fields { bytes: payload })
+        } else {
+            Err(einval(&format!("payload of {} bytes, expected {len}", payload.len())))
+        }
+    };
+    let at_least = |len: usize| {
+        if payload.len() >= len {
+            Ok(Fields { bytes: payload })
+        } else {
+            Err(einval(&format!("payload of {} bytes, expected at least {len}", payload.len())))
+        }
+    };
+    let argsz_min = |f: &Fields<'_>, min: u32| {
+        let argsz = f.u32(0);
+        if argsz < min {
+            Err(einval(&format!("argsz {argsz} below {min}")))
+        } else {
+            Ok(argsz)
+        }
+    };
+    match command {
+        Command::Version => version::parse_client(payload, header.size as usize)
+            .map(Request::Version)
+            .map_err(|e| fail(e.errno(), e.to_string())),
+        Command::DmaMap => {
+            let f = exact(32)?;
+            argsz_min(&f, 32)?;
+            let flags = f.u32(4);
+            if flags & !Prot::READ_WRITE.bits() != 0 {
+                return Err(einval(&format!("unknown flags {flags:#x}")));
+            }
+            if fds.len() > 1 {
+                return Err(einval(&format!("{} fds for one mapping", fds.len())));
+            }
+            Ok(Request::DmaMap {
+                offset: f.u64(8),
+                iova: f.u64(16),
+                size: f.u64(24),
+                prot: Prot::from_bits_truncate(flags),
+                fd: fds.into_iter().next(),
+            })
+        }
+        Command::DmaUnmap => {
+            let f = at_least(24)?;
+            let flags = f.u32(4);
+            if flags & !(UNMAP_FLAG_DIRTY_BITMAP | UNMAP_FLAG_ALL) != 0 {
+                return Err(einval(&format!("unknown flags {flags:#x}")));
+            }
+            if flags & UNMAP_FLAG_DIRTY_BITMAP != 0 {
+                return Err(fail(libc::ENOTSUP, "dirty page tracking is not supported".into()));
+            }
+            let f = exact(24)?;
+            let argsz = argsz_min(&f, 24)?;
+            let (iova, size) = (f.u64(8), f.u64(16));
+            if flags & UNMAP_FLAG_ALL != 0 && (iova != 0 || size != 0) {
+                return Err(einval("UNMAP_ALL with an address or size"));
+            }
+            Ok(Request::DmaUnmap { argsz, flags, iova, size })
+        }
+        Command::DeviceGetInfo => {
+            let f = exact(16)?;
+            argsz_min(&f, 16)?;
+            Ok(Request::DeviceGetInfo)
+        }
+        Command::DeviceGetRegionInfo => {
+            let f = exact(32)?;
+            let argsz = argsz_min(&f, 32)?;
+            Ok(Request::RegionInfo { index: f.u32(8), argsz })
+        }
+        Command::DeviceGetRegionIoFds => {
+            let f = exact(16)?;
+            argsz_min(&f, 16)?;
+            if f.u32(4) != 0 || f.u32(12) != 0 {
+                return Err(einval("flags and count must be 0"));
+            }
+            Ok(Request::RegionIoFds { index: f.u32(8) })
+        }
+        Command::DeviceGetIrqInfo => {
+            let f = exact(16)?;
+            argsz_min(&f, 16)?;
+            Ok(Request::IrqInfo { index: f.u32(8) })
+        }
+        Command::DeviceSetIrqs => parse_set_irqs(payload, fds, &fail),
+        Command::RegionRead => {
+            let f = exact(16)?;
+            let count = f.u32(12);
+            if count > limits.max_data_xfer_size {
+                return Err(fail(libc::E2BIG, format!("{count} bytes, more than max_data_xfer_size")));
+            }
+            Ok(Request::RegionRead { offset: f.u64(0), region: f.u32(8), count })
+        }
+        Command::RegionWrite => {
+            let f = at_least(16)?;
+            let count = f.u32(12);
+            if count > limits.max_data_xfer_size {
+                return Err(fail(libc::E2BIG, format!("{count} bytes, more than max_data_xfer_size")));
+            }
+            let data = &payload[16..];
+            if data.len() != count as usize {
+                return Err(einval(&format!("count {count} but {} data bytes", data.len())));
+            }
+            Ok(Request::RegionWrite { offset: f.u64(0), region: f.u32(8), data })
+        }
+        Command::RegionWriteMulti => {
+            let f = at_least(8)?;
+            let n = f.u64(0);
+            if n == 0 || n > u64::from(limits.max_write_multi) {
+                return Err(fail(libc::E2BIG, format!("{n} writes; 1 to {} allowed", limits.max_write_multi)));
+            }
+            let n = n as usize;
+            exact(8 + n * MULTI_ENTRY_SIZE)?;
+            let mut writes = Vec::with_capacity(n);
+            for entry in payload[8..].chunks_exact(MULTI_ENTRY_SIZE) {
+                let e = Fields { bytes: entry };
+                let count = e.u32(12) as usize;
+                if count > MULTI_DATA_MAX {
+                    return Err(einval(&format!("entry of {count} bytes, at most {MULTI_DATA_MAX}")));
+                }
+                writes.push(MultiWrite { offset: e.u64(0), region: e.u32(8), data: &entry[16..16 + count] });
+            }
+            Ok(Request::RegionWriteMulti(writes))
+        }
+        Command::DeviceReset => {
+            exact(0)?;
+            Ok(Request::DeviceReset)
+        }
+        Command::DmaRead | Command::DmaWrite => Err(einval("a server-to-client command sent to the server")),
+        Command::DeviceFeature => Err(fail(libc::ENOTTY, "no device features are supported".into())),
+        Command::DirtyPages | Command::MigDataRead | Command::MigDataWrite => {
+            Err(fail(libc::ENOTSUP, "migration is not supported".into()))
+        }
+    }
+}
+
+/// `VFIO_IRQ_SET_DATA_*` and `VFIO_IRQ_SET_ACTION_*`.
+mod irq_flags {
+    pub const DATA_NONE: u32 = 1 << 0;
+    pub const DATA_BOOL: u32 = 1 << 1;
+    pub const DATA_EVENTFD: u32 = 1 << 2;
+    pub const ACTION_MASK: u32 = 1 << 3;
+    pub const ACTION_UNMASK: u32 = 1 << 4;
+    pub const ACTION_TRIGGER: u32 = 1 << 5;
+}
+
+fn parse_set_irqs<'a>(
+    payload: &[u8],
+    fds: Vec<OwnedFd>,
+    fail: &dyn Fn(i32, String) -> ParseError,
+) -> Result<Request<'a>, ParseError> {
+    use irq_flags::*;
+    let einval = |what: String| fail(libc::EINVAL, what);
+    if payload.len() < 20 {
+        return Err(einval(format!("payload of {} bytes, expected at least 20", payload.len())));
+    }
+    let f = Fields { bytes: payload };
+    let (argsz, flags, index, start, count) = (f.u32(0), f.u32(4), f.u32(8), f.u32(12), f.u32(16));
+    if argsz < 20 {
+        return Err(einval(format!("argsz {argsz} below 20")));
+    }
+    if flags & !0x3f != 0 {
+        return Err(einval(format!("unknown flags {flags:#x}")));
+    }
+    let action = match flags & (ACTION_MASK | ACTION_UNMASK | ACTION_TRIGGER) {
+        ACTION_MASK => IrqAction::Mask,
+        ACTION_UNMASK => IrqAction::Unmask,
+        ACTION_TRIGGER => IrqAction::Trigger,
+        _ => return Err(einval(format!("flags {flags:#x} must name exactly one action"))),
+    };
+    let data_bytes = &payload[20..];
+    let data = match flags & (DATA_NONE | DATA_BOOL | DATA_EVENTFD) {
+        DATA_NONE | DATA_BOOL if !fds.is_empty() => return Err(einval(format!("{} fds without DATA_EVENTFD", fds.len()))),
+        DATA_NONE if data_bytes.is_empty() => WireIrqData::None,
+        DATA_BOOL if data_bytes.len() == count as usize => WireIrqData::Bool(data_bytes.iter().map(|&b| b != 0).collect()),
+        DATA_BOOL => return Err(einval(format!("{} bools for count {count}", data_bytes.len()))),
+        DATA_EVENTFD if !data_bytes.is_empty() => return Err(einval("DATA_EVENTFD with payload data".into())),
+        DATA_EVENTFD if fds.is_empty() || fds.len() == count as usize => WireIrqData::Fds(fds),
+        DATA_EVENTFD => return Err(einval(format!("{} fds for count {count}", fds.len()))),
+        DATA_NONE => return Err(einval("DATA_NONE with payload data".into())),
+        _ => return Err(einval(format!("flags {flags:#x} must name exactly one data type"))),
+    };
+    Ok(Request::SetIrqs { index, start, count, action, data })
+}
