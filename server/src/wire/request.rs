@@ -362,3 +362,100 @@ fn parse_set_irqs<'a>(
     };
     Ok(Request::SetIrqs { index, start, count, action, data })
 }
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::wire::framing::Framer;
+    use crate::wire::{flags, HEADER_SIZE};
+
+    fn header(command: u16, payload: &[u8]) -> Header {
+        Header { id: 1, command, size: (HEADER_SIZE + payload.len()) as u32, flags: flags::TYPE_COMMAND, error: 0 }
+    }
+
+    fn errno_of(command: Command, payload: &[u8]) -> i32 {
+        let h = header(command as u16, payload);
+        parse(&h, payload, Vec::new(), &Limits::default()).map(|_| 0).unwrap_or_else(|e| e.errno)
+    }
+
+    fn set_irqs(flags: u32, count: u32, data: &[u8]) -> Vec<u8> {
+        [&20u32.to_le_bytes()[..], &flags.to_le_bytes(), &0u32.to_le_bytes(), &0u32.to_le_bytes(), &count.to_le_bytes(), data]
+            .concat()
+    }
+
+    #[test]
+    fn sizes_flags_and_counts_are_checked() {
+        assert_eq!(errno_of(Command::DmaMap, &[0; 31]), libc::EINVAL);
+        let mut map = [0u8; 32];
+        map[0..4].copy_from_slice(&32u32.to_le_bytes());
+        map[4..8].copy_from_slice(&4u32.to_le_bytes());
+        assert_eq!(errno_of(Command::DmaMap, &map), libc::EINVAL, "VADDR flag");
+        let mut unmap = [0u8; 24];
+        unmap[0..4].copy_from_slice(&24u32.to_le_bytes());
+        unmap[4..8].copy_from_slice(&1u32.to_le_bytes());
+        assert_eq!(errno_of(Command::DmaUnmap, &unmap), libc::ENOTSUP, "dirty bitmap");
+        unmap[4..8].copy_from_slice(&2u32.to_le_bytes());
+        unmap[8] = 1;
+        assert_eq!(errno_of(Command::DmaUnmap, &unmap), libc::EINVAL, "ALL with an address");
+        unmap[0..4].copy_from_slice(&8u32.to_le_bytes());
+        assert_eq!(errno_of(Command::DmaUnmap, &unmap), libc::EINVAL, "argsz");
+        let mut read = [0u8; 16];
+        read[12..16].copy_from_slice(&((1u32 << 20) + 1).to_le_bytes());
+        assert_eq!(errno_of(Command::RegionRead, &read), libc::E2BIG);
+        let mut write = vec![0u8; 20];
+        write[12..16].copy_from_slice(&5u32.to_le_bytes());
+        assert_eq!(errno_of(Command::RegionWrite, &write), libc::EINVAL, "count vs data");
+        assert_eq!(errno_of(Command::DeviceSetIrqs, &set_irqs(0x21 | 0x08, 0, &[])), libc::EINVAL, "two actions");
+        assert_eq!(errno_of(Command::DeviceSetIrqs, &set_irqs(0x23, 0, &[])), libc::EINVAL, "two data types");
+        assert_eq!(errno_of(Command::DeviceSetIrqs, &set_irqs(0x22, 2, &[1])), libc::EINVAL, "bools");
+        assert_eq!(errno_of(Command::DeviceSetIrqs, &set_irqs(0x22, 2, &[1, 0])), 0);
+        assert_eq!(errno_of(Command::DeviceSetIrqs, &set_irqs(0x21, 0, &[1])), libc::EINVAL, "NONE with data");
+        assert_eq!(errno_of(Command::DeviceReset, &[0]), libc::EINVAL);
+        assert_eq!(errno_of(Command::DeviceFeature, &[0; 8]), libc::ENOTTY);
+        assert_eq!(errno_of(Command::MigDataRead, &[0; 8]), libc::ENOTSUP);
+        let h = header(99, &[]);
+        assert_eq!(parse(&h, &[], Vec::new(), &Limits::default()).unwrap_err().errno, libc::ENOSYS);
+    }
+
+    #[test]
+    fn fds_where_none_belong_are_refused_and_closed() {
+        let (r, w) = nix::unistd::pipe().unwrap();
+        let h = header(Command::DeviceGetInfo as u16, &[16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        let payload = [16u8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        let err = parse(&h, &payload, vec![w], &Limits::default()).unwrap_err();
+        assert_eq!(err.errno, libc::EINVAL);
+        // The write end was closed by the refusal: reading the pipe sees end-of-file.
+        let mut b = [0u8; 1];
+        assert_eq!(nix::unistd::read(&r, &mut b).unwrap(), 0);
+    }
+
+    proptest! {
+        #[test]
+        fn any_payload_parses_or_fails_cleanly(command in 0u16..24, payload in prop::collection::vec(any::<u8>(), 0..200)) {
+            let h = header(command, &payload);
+            let _ = parse(&h, &payload, Vec::new(), &Limits::default());
+        }
+
+        #[test]
+        fn any_stream_frames_without_panic_or_unbounded_growth(
+            chunks in prop::collection::vec(prop::collection::vec(any::<u8>(), 0..300), 0..20),
+        ) {
+            let mut f = Framer::new(4096, 16);
+            for chunk in chunks {
+                f.push(&chunk, Vec::new());
+                loop {
+                    match f.next_frame() {
+                        Ok(Some(frame)) => {
+                            let payload = f.payload(&frame).to_vec();
+                            let _ = parse(&frame.header, &payload, Vec::new(), &Limits::default());
+                        }
+                        Ok(None) | Err(_) => break,
+                    }
+                }
+                prop_assert!(f.buffered() <= 4096 + 300 * 20);
+            }
+        }
+    }
+}
