@@ -1,7 +1,7 @@
 //! Byte access to guest memory for devices, whichever way the client mapped it.
 //!
 //! fd-backed memory is reached by a short pin (pin, copy, unpin) through the DMA space;
-//! memory the client mapped without an fd goes through the client ([`ClientDma`]). Devices
+//! memory the client mapped without an fd goes through the client ([`crate::ClientDma`]). Devices
 //! moving bulk data should pin their pages themselves and keep the guard for the transfer.
 
 use thiserror::Error;
@@ -32,7 +32,9 @@ impl DeviceContext {
     /// Reads `buf.len()` bytes of guest memory at `iova`.
     pub fn read_guest(&self, iova: u64, buf: &mut [u8]) -> Result<(), GuestError> {
         self.access(iova, buf.len(), Prot::READ, |piece_iova, at, n, pinned| match pinned {
-            Some(pins) => pins.read(piece_iova % PAGE_SIZE, &mut buf[at..at + n]).map_err(|_| unreachable_access()),
+            Some(pins) => {
+                pins.read(piece_iova % PAGE_SIZE, &mut buf[at..at + n]).map_err(|_| unreachable_access())
+            }
             None => self.client_dma.read(piece_iova, &mut buf[at..at + n]).map_err(GuestError::from),
         })
     }
@@ -40,7 +42,9 @@ impl DeviceContext {
     /// Writes `data` to guest memory at `iova`.
     pub fn write_guest(&self, iova: u64, data: &[u8]) -> Result<(), GuestError> {
         self.access(iova, data.len(), Prot::WRITE, |piece_iova, at, n, pinned| match pinned {
-            Some(pins) => pins.write(piece_iova % PAGE_SIZE, &data[at..at + n]).map_err(|_| unreachable_access()),
+            Some(pins) => {
+                pins.write(piece_iova % PAGE_SIZE, &data[at..at + n]).map_err(|_| unreachable_access())
+            }
             None => self.client_dma.write(piece_iova, &data[at..at + n]).map_err(GuestError::from),
         })
     }

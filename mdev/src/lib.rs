@@ -13,14 +13,17 @@
 
 mod device;
 pub mod guest;
+pub mod irq;
+pub mod pci;
+pub mod samples;
 
 pub use device::{
-    ClientDma, ClientDmaError, DeviceContext, DeviceError, DeviceFlags, DeviceInfo, IrqAction, IrqData, IrqFlags,
-    IrqInfo, RegionFlags, RegionInfo, RegionMmap, SetIrqs, SparseArea, VfioDevice,
+    ClientDma, ClientDmaError, DeviceContext, DeviceError, DeviceFlags, DeviceInfo, IrqAction, IrqData,
+    IrqFlags, IrqInfo, RegionFlags, RegionInfo, RegionMmap, SetIrqs, SparseArea, VfioDevice,
 };
 pub use device::{
-    VFIO_PCI_BAR0_REGION_INDEX, VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_ERR_IRQ_INDEX, VFIO_PCI_INTX_IRQ_INDEX,
-    VFIO_PCI_MSIX_IRQ_INDEX, VFIO_PCI_MSI_IRQ_INDEX, VFIO_PCI_NUM_IRQS, VFIO_PCI_NUM_REGIONS,
-    VFIO_PCI_REQ_IRQ_INDEX, VFIO_PCI_ROM_REGION_INDEX, VFIO_PCI_VGA_REGION_INDEX,
+    VFIO_PCI_BAR0_REGION_INDEX, VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_ERR_IRQ_INDEX,
+    VFIO_PCI_INTX_IRQ_INDEX, VFIO_PCI_MSIX_IRQ_INDEX, VFIO_PCI_MSI_IRQ_INDEX, VFIO_PCI_NUM_IRQS,
+    VFIO_PCI_NUM_REGIONS, VFIO_PCI_REQ_IRQ_INDEX, VFIO_PCI_ROM_REGION_INDEX, VFIO_PCI_VGA_REGION_INDEX,
 };
 pub use vmm_sys_util::eventfd::EventFd;

@@ -30,7 +30,7 @@ impl Chunk {
 }
 
 /// Bytes of heap one allocated chunk costs (its box; the hash table's slot is counted by
-/// [`PinTable::bookkeeping_bytes`]).
+/// `PinTable::bookkeeping_bytes`).
 pub const CHUNK_BYTES: usize = std::mem::size_of::<Chunk>();
 
 /// The pin counts of one mapping, indexed by page offset within the mapping.

@@ -17,9 +17,9 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use nix::sys::eventfd::{EfdFlags, EventFd};
 use serde::Serialize;
 use thiserror::Error;
-use nix::sys::eventfd::{EfdFlags, EventFd};
 use umdev_mdev::VfioDevice;
 use umdev_pinning::{DmaSpace, DmaSpaceConfig, DmaStats};
 
@@ -70,6 +70,9 @@ pub struct InstanceConfig {
     pub limits: Limits,
     /// A client that does not read its replies for this long is disconnected.
     pub send_timeout: Duration,
+    /// Opt-in adaptive busy-polling after each reply, up to this long (zero: off). Trades
+    /// CPU for latency when client and server run on different CPUs.
+    pub busy_poll: Duration,
 }
 
 impl InstanceConfig {
@@ -81,6 +84,7 @@ impl InstanceConfig {
             dma: DmaSpaceConfig::default(),
             limits: Limits::default(),
             send_timeout: Duration::from_secs(10),
+            busy_poll: Duration::ZERO,
         }
     }
 }
@@ -126,7 +130,10 @@ impl Instance {
 
     fn accept_loop(self: Arc<Self>, listener: UnixListener) {
         loop {
-            let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN), PollFd::new(self.stop.as_fd(), PollFlags::POLLIN)];
+            let mut fds = [
+                PollFd::new(listener.as_fd(), PollFlags::POLLIN),
+                PollFd::new(self.stop.as_fd(), PollFlags::POLLIN),
+            ];
             match poll(&mut fds, PollTimeout::NONE) {
                 Ok(_) | Err(nix::errno::Errno::EINTR) => {}
                 Err(e) => {
@@ -139,7 +146,8 @@ impl Instance {
             }
             match listener.accept() {
                 Ok((stream, _)) => self.clone().admit(stream),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => {
+                }
                 Err(e) => {
                     // Out of fds, say: back off rather than spin.
                     log::warn!("instance {}: accept failed: {e}", self.config.id);
@@ -249,7 +257,8 @@ impl Daemon {
         }
         let listener = bind(&config.socket)?;
         let io_err = |source| DaemonError::Io { what: "starting", path: config.socket.clone(), source };
-        let stop = EventFd::from_flags(EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC).map_err(|e| io_err(e.into()))?;
+        let stop = EventFd::from_flags(EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)
+            .map_err(|e| io_err(e.into()))?;
         let mut dma_config = config.dma.clone();
         dma_config.max_mappings = dma_config.max_mappings.min(config.limits.max_dma_maps as usize);
         let served = Served {
@@ -257,6 +266,7 @@ impl Daemon {
             dma: DmaSpace::new(dma_config),
             limits: config.limits.clone(),
             stats: Arc::new(ServerStats::default()),
+            busy_poll: config.busy_poll,
         };
         let instance = Arc::new(Instance {
             config: config.clone(),

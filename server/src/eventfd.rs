@@ -16,7 +16,10 @@ use umdev_mdev::EventFd;
 pub(crate) fn vet(fd: OwnedFd) -> io::Result<EventFd> {
     let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
     if link.as_os_str() != "anon_inode:[eventfd]" {
-        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("not an eventfd: {}", link.display())));
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("not an eventfd: {}", link.display()),
+        ));
     }
     let flags = OFlag::from_bits_truncate(fcntl(&fd, FcntlArg::F_GETFL)?);
     fcntl(&fd, FcntlArg::F_SETFL(flags | OFlag::O_NONBLOCK))?;
@@ -30,7 +33,9 @@ mod tests {
 
     #[test]
     fn accepts_eventfds_and_refuses_other_fds() {
-        let efd = OwnedFd::from(nix::sys::eventfd::EventFd::from_flags(nix::sys::eventfd::EfdFlags::empty()).unwrap());
+        let efd = OwnedFd::from(
+            nix::sys::eventfd::EventFd::from_flags(nix::sys::eventfd::EfdFlags::empty()).unwrap(),
+        );
         let vetted = vet(efd).unwrap();
         // Push the counter to its maximum: a further write must not block.
         vetted.write(u64::MAX - 1).unwrap();

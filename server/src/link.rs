@@ -70,7 +70,12 @@ impl Link {
     }
 
     /// Sends one message, whole, whoever else is sending.
-    pub(crate) fn send(&self, header: &Header, parts: &[&[u8]], fd: Option<BorrowedFd<'_>>) -> io::Result<()> {
+    pub(crate) fn send(
+        &self,
+        header: &Header,
+        parts: &[&[u8]],
+        fd: Option<BorrowedFd<'_>>,
+    ) -> io::Result<()> {
         let _guard = self.write.lock().unwrap_or_else(|p| p.into_inner());
         crate::socket::send(&self.stream, header, parts, fd)?;
         self.stats.bytes_out.fetch_add(u64::from(header.size), Ordering::Relaxed);
@@ -179,7 +184,8 @@ impl ClientDma for ClientDmaPort {
         let chunk = self.link.chunk();
         for (i, piece) in data.chunks(chunk).enumerate() {
             let at = iova.checked_add((i * chunk) as u64).ok_or(ClientDmaError::Refused(libc::EINVAL))?;
-            let reply = self.link.request(Command::DmaWrite, &[&dma_transfer(at, piece.len() as u64), piece])?;
+            let reply =
+                self.link.request(Command::DmaWrite, &[&dma_transfer(at, piece.len() as u64), piece])?;
             check(&reply, at, piece.len(), false)?;
         }
         Ok(())

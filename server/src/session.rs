@@ -9,9 +9,7 @@ use std::os::fd::AsFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use umdev_mdev::{
-    DeviceError, IrqData, RegionFlags, RegionInfo, SetIrqs, VfioDevice,
-};
+use umdev_mdev::{DeviceError, IrqData, RegionFlags, RegionInfo, SetIrqs, VfioDevice};
 use umdev_pinning::{DmaSpace, UnmapError};
 
 use crate::link::{ClientReply, Link};
@@ -96,7 +94,11 @@ impl Session {
                 let reply = ClientReply { header, payload: payload.to_vec() };
                 if !self.link.deliver(reply) {
                     self.stats.stray_replies.fetch_add(1, Ordering::Relaxed);
-                    log::warn!("reply {} (command {}) matches no request; dropped", header.id, header.command);
+                    log::warn!(
+                        "reply {} (command {}) matches no request; dropped",
+                        header.id,
+                        header.command
+                    );
                 }
                 return Ok(());
             }
@@ -132,7 +134,9 @@ impl Session {
         let sent = match outcome {
             Err(errno) => self.link.send(&error_header(header, errno), &[], None),
             Ok(Reply::Payload(p)) => self.link.send(&ok_header(header, p.len()), &[&p], None),
-            Ok(Reply::Scratch) => self.link.send(&ok_header(header, self.scratch.len()), &[&self.scratch], None),
+            Ok(Reply::Scratch) => {
+                self.link.send(&ok_header(header, self.scratch.len()), &[&self.scratch], None)
+            }
             Ok(Reply::WithFd(p, fd)) => self.link.send(&ok_header(header, p.len()), &[&p], Some(fd.as_fd())),
         };
         sent.map_err(SessionEnd::Send)
@@ -168,7 +172,11 @@ impl Session {
                 })
             }
             Request::DmaUnmap { argsz, flags, iova, size } => {
-                let result = if flags & UNMAP_FLAG_ALL != 0 { self.dma.unmap_all() } else { self.dma.unmap(iova, size) };
+                let result = if flags & UNMAP_FLAG_ALL != 0 {
+                    self.dma.unmap_all()
+                } else {
+                    self.dma.unmap(iova, size)
+                };
                 match result {
                     Ok(_) => Ok(Reply::Payload(reply::dma_unmap(argsz, flags, iova, size))),
                     Err(e) => {
@@ -184,7 +192,9 @@ impl Session {
                 let info = self.region_info(index).ok_or(libc::EINVAL)?;
                 let (payload, send_fd) = reply::region_info(index, &info, argsz);
                 match (send_fd, info.mmap) {
-                    (true, Some(mmap)) if negotiated.client.max_msg_fds > 0 => Ok(Reply::WithFd(payload, mmap.fd)),
+                    (true, Some(mmap)) if negotiated.client.max_msg_fds > 0 => {
+                        Ok(Reply::WithFd(payload, mmap.fd))
+                    }
                     _ => Ok(Reply::Payload(payload)),
                 }
             }
@@ -233,7 +243,9 @@ impl Session {
                 self.write_multi(&writes)?;
                 Ok(Reply::Payload((writes.len() as u64).to_le_bytes().to_vec()))
             }
-            Request::DeviceReset => self.device.reset().map(|()| Reply::Payload(Vec::new())).map_err(device_errno),
+            Request::DeviceReset => {
+                self.device.reset().map(|()| Reply::Payload(Vec::new())).map_err(device_errno)
+            }
         }
     }
 

@@ -27,13 +27,19 @@ impl Receiver {
         Receiver { cmsg: nix::cmsg_space!([RawFd; SCM_MAX_FD]) }
     }
 
-    /// Receives what is available into `framer`; `Ok(0)` at end of stream.
-    pub(crate) fn recv(&mut self, stream: &UnixStream, framer: &mut Framer) -> io::Result<usize> {
+    /// Receives what is available into `framer`; `Ok(0)` at end of stream. With `wait`
+    /// false, returns `WouldBlock` at once if nothing is there.
+    pub(crate) fn recv(&mut self, stream: &UnixStream, framer: &mut Framer, wait: bool) -> io::Result<usize> {
+        let flags = if wait {
+            MsgFlags::MSG_CMSG_CLOEXEC
+        } else {
+            MsgFlags::MSG_CMSG_CLOEXEC | MsgFlags::MSG_DONTWAIT
+        };
         let spare = framer.spare();
         let mut iov = [IoSliceMut::new(spare)];
         self.cmsg.fill(0);
         let (bytes, fds, truncated) = loop {
-            match recvmsg::<()>(stream.as_raw_fd(), &mut iov, Some(&mut self.cmsg), MsgFlags::MSG_CMSG_CLOEXEC) {
+            match recvmsg::<()>(stream.as_raw_fd(), &mut iov, Some(&mut self.cmsg), flags) {
                 Ok(msg) => {
                     let mut fds = Vec::new();
                     for cmsg in msg.cmsgs().map_err(io::Error::from)? {
@@ -50,7 +56,10 @@ impl Receiver {
             }
         };
         if truncated {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "control message truncated: fds were lost"));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "control message truncated: fds were lost",
+            ));
         }
         framer.commit(bytes, fds);
         Ok(bytes)
@@ -58,7 +67,12 @@ impl Receiver {
 }
 
 /// Sends one message: `header`, then `parts`, with `fd` attached to its first byte.
-pub(crate) fn send(stream: &UnixStream, header: &Header, parts: &[&[u8]], fd: Option<BorrowedFd<'_>>) -> io::Result<()> {
+pub(crate) fn send(
+    stream: &UnixStream,
+    header: &Header,
+    parts: &[&[u8]],
+    fd: Option<BorrowedFd<'_>>,
+) -> io::Result<()> {
     let head = header.encode();
     let mut slices: smallvec::SmallVec<[&[u8]; 4]> = smallvec::SmallVec::new();
     slices.push(&head[..]);

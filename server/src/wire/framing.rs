@@ -218,6 +218,12 @@ impl Framer {
     }
 }
 
+impl PartialEq for Frame {
+    fn eq(&self, other: &Self) -> bool {
+        self.header == other.header && self.payload == other.payload
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -303,11 +309,5 @@ mod tests {
         f.push(&m, Vec::new());
         let n = f.spare().len();
         assert!((300_000 - 16..=300_000 + READ_CHUNK).contains(&n), "{n}");
-    }
-}
-
-impl PartialEq for Frame {
-    fn eq(&self, other: &Self) -> bool {
-        self.header == other.header && self.payload == other.payload
     }
 }

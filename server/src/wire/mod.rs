@@ -2,7 +2,7 @@
 //! message is checked against.
 //!
 //! Everything here is pure: bytes in, typed values out (and back). The socket layer
-//! ([`crate::socket`]) and the framer ([`framing`]) deliver whole messages; [`request`]
+//! (the crate's socket module) and the framer ([`framing`]) deliver whole messages; [`request`]
 //! parses a client's request; [`reply`] encodes the server's answers; [`version`] handles
 //! the capability JSON of VERSION.
 
@@ -223,7 +223,8 @@ mod tests {
 
     #[test]
     fn header_round_trips() {
-        let h = Header { id: 0xbeef, command: 9, size: 32, flags: flags::TYPE_REPLY | flags::ERROR, error: 22 };
+        let h =
+            Header { id: 0xbeef, command: 9, size: 32, flags: flags::TYPE_REPLY | flags::ERROR, error: 22 };
         assert_eq!(Header::decode(&h.encode()), h);
         assert_eq!(h.encode()[0..2], [0xef, 0xbe]);
         assert!(h.is_error());

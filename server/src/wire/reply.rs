@@ -40,7 +40,13 @@ pub fn error_header(request: &Header, errno: i32) -> Header {
 
 /// The header of a server-to-client request.
 pub fn request_header(id: u16, command: Command, payload_len: usize) -> Header {
-    Header { id, command: command as u16, size: (HEADER_SIZE + payload_len) as u32, flags: flags::TYPE_COMMAND, error: 0 }
+    Header {
+        id,
+        command: command as u16,
+        size: (HEADER_SIZE + payload_len) as u32,
+        flags: flags::TYPE_COMMAND,
+        error: 0,
+    }
 }
 
 /// Little-endian field writer.

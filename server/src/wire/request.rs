@@ -287,7 +287,10 @@ pub fn parse<'a>(
             let f = at_least(8)?;
             let n = f.u64(0);
             if n == 0 || n > u64::from(limits.max_write_multi) {
-                return Err(fail(libc::E2BIG, format!("{n} writes; 1 to {} allowed", limits.max_write_multi)));
+                return Err(fail(
+                    libc::E2BIG,
+                    format!("{n} writes; 1 to {} allowed", limits.max_write_multi),
+                ));
             }
             let n = n as usize;
             exact(8 + n * MULTI_ENTRY_SIZE)?;
@@ -350,11 +353,17 @@ fn parse_set_irqs<'a>(
     };
     let data_bytes = &payload[20..];
     let data = match flags & (DATA_NONE | DATA_BOOL | DATA_EVENTFD) {
-        DATA_NONE | DATA_BOOL if !fds.is_empty() => return Err(einval(format!("{} fds without DATA_EVENTFD", fds.len()))),
+        DATA_NONE | DATA_BOOL if !fds.is_empty() => {
+            return Err(einval(format!("{} fds without DATA_EVENTFD", fds.len())))
+        }
         DATA_NONE if data_bytes.is_empty() => WireIrqData::None,
-        DATA_BOOL if data_bytes.len() == count as usize => WireIrqData::Bool(data_bytes.iter().map(|&b| b != 0).collect()),
+        DATA_BOOL if data_bytes.len() == count as usize => {
+            WireIrqData::Bool(data_bytes.iter().map(|&b| b != 0).collect())
+        }
         DATA_BOOL => return Err(einval(format!("{} bools for count {count}", data_bytes.len()))),
-        DATA_EVENTFD if !data_bytes.is_empty() => return Err(einval("DATA_EVENTFD with payload data".into())),
+        DATA_EVENTFD if !data_bytes.is_empty() => {
+            return Err(einval("DATA_EVENTFD with payload data".into()))
+        }
         DATA_EVENTFD if fds.is_empty() || fds.len() == count as usize => WireIrqData::Fds(fds),
         DATA_EVENTFD => return Err(einval(format!("{} fds for count {count}", fds.len()))),
         DATA_NONE => return Err(einval("DATA_NONE with payload data".into())),
@@ -372,7 +381,13 @@ mod tests {
     use crate::wire::{flags, HEADER_SIZE};
 
     fn header(command: u16, payload: &[u8]) -> Header {
-        Header { id: 1, command, size: (HEADER_SIZE + payload.len()) as u32, flags: flags::TYPE_COMMAND, error: 0 }
+        Header {
+            id: 1,
+            command,
+            size: (HEADER_SIZE + payload.len()) as u32,
+            flags: flags::TYPE_COMMAND,
+            error: 0,
+        }
     }
 
     fn errno_of(command: Command, payload: &[u8]) -> i32 {
@@ -381,8 +396,15 @@ mod tests {
     }
 
     fn set_irqs(flags: u32, count: u32, data: &[u8]) -> Vec<u8> {
-        [&20u32.to_le_bytes()[..], &flags.to_le_bytes(), &0u32.to_le_bytes(), &0u32.to_le_bytes(), &count.to_le_bytes(), data]
-            .concat()
+        [
+            &20u32.to_le_bytes()[..],
+            &flags.to_le_bytes(),
+            &0u32.to_le_bytes(),
+            &0u32.to_le_bytes(),
+            &count.to_le_bytes(),
+            data,
+        ]
+        .concat()
     }
 
     #[test]
@@ -407,11 +429,19 @@ mod tests {
         let mut write = vec![0u8; 20];
         write[12..16].copy_from_slice(&5u32.to_le_bytes());
         assert_eq!(errno_of(Command::RegionWrite, &write), libc::EINVAL, "count vs data");
-        assert_eq!(errno_of(Command::DeviceSetIrqs, &set_irqs(0x21 | 0x08, 0, &[])), libc::EINVAL, "two actions");
+        assert_eq!(
+            errno_of(Command::DeviceSetIrqs, &set_irqs(0x21 | 0x08, 0, &[])),
+            libc::EINVAL,
+            "two actions"
+        );
         assert_eq!(errno_of(Command::DeviceSetIrqs, &set_irqs(0x23, 0, &[])), libc::EINVAL, "two data types");
         assert_eq!(errno_of(Command::DeviceSetIrqs, &set_irqs(0x22, 2, &[1])), libc::EINVAL, "bools");
         assert_eq!(errno_of(Command::DeviceSetIrqs, &set_irqs(0x22, 2, &[1, 0])), 0);
-        assert_eq!(errno_of(Command::DeviceSetIrqs, &set_irqs(0x21, 0, &[1])), libc::EINVAL, "NONE with data");
+        assert_eq!(
+            errno_of(Command::DeviceSetIrqs, &set_irqs(0x21, 0, &[1])),
+            libc::EINVAL,
+            "NONE with data"
+        );
         assert_eq!(errno_of(Command::DeviceReset, &[0]), libc::EINVAL);
         assert_eq!(errno_of(Command::DeviceFeature, &[0; 8]), libc::ENOTTY);
         assert_eq!(errno_of(Command::MigDataRead, &[0; 8]), libc::ENOTSUP);
@@ -445,14 +475,9 @@ mod tests {
             let mut f = Framer::new(4096, 16);
             for chunk in chunks {
                 f.push(&chunk, Vec::new());
-                loop {
-                    match f.next_frame() {
-                        Ok(Some(frame)) => {
-                            let payload = f.payload(&frame).to_vec();
-                            let _ = parse(&frame.header, &payload, Vec::new(), &Limits::default());
-                        }
-                        Ok(None) | Err(_) => break,
-                    }
+                while let Ok(Some(frame)) = f.next_frame() {
+                    let payload = f.payload(&frame).to_vec();
+                    let _ = parse(&frame.header, &payload, Vec::new(), &Limits::default());
                 }
                 prop_assert!(f.buffered() <= 4096 + 300 * 20);
             }

@@ -169,21 +169,27 @@ pub fn negotiate(client: ClientCaps, limits: &Limits) -> Negotiated {
         entries.insert(2, ("write_multiple", Value::Bool(true)));
     }
     let budget = client.request_size.saturating_sub(super::HEADER_SIZE + 4);
-    let mut reply = Vec::new();
-    let mut write_multiple_kept = false;
-    // An empty budget means the client sent no JSON: answer without JSON too.
-    while budget > 0 {
+    let encode = |entries: &[(&str, Value)]| -> Vec<u8> {
         let caps: Map<String, Value> = entries.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
         let mut text = serde_json::to_vec(&serde_json::json!({ "capabilities": caps })).unwrap_or_default();
         text.push(0);
-        if text.len() <= budget || entries.is_empty() {
+        text
+    };
+    let mut reply = Vec::new();
+    let mut write_multiple_kept = false;
+    // An empty budget means the client sent no JSON: answer without JSON too.
+    if budget > 0 {
+        loop {
+            let text = encode(&entries);
             if text.len() <= budget {
                 write_multiple_kept = entries.iter().any(|(k, _)| *k == "write_multiple");
                 reply = text;
+                break;
             }
-            break;
+            if entries.pop().is_none() {
+                break;
+            }
         }
-        entries.pop();
     }
     let mut payload = Vec::with_capacity(4 + reply.len());
     payload.extend_from_slice(&MAJOR.to_le_bytes());
@@ -199,7 +205,8 @@ mod tests {
     /// QEMU 11.1.3's request, byte for byte.
     const QEMU: &str = r#"{"capabilities": {"pgsizes": 4096, "max_msg_fds": 16, "max_dma_maps": 65535, "max_data_xfer_size": 1048576, "migration": {"max_bitmap_size": 268435456, "pgsize": 4096}, "write_multiple": true}}"#;
     /// rust-vmm vfio_user 0.1.7's request.
-    const RUST_VMM: &str = r#"{"capabilities":{"max_msg_fds":1,"max_data_xfer_size":1048576,"migration":{"pgsize":4096}}}"#;
+    const RUST_VMM: &str =
+        r#"{"capabilities":{"max_msg_fds":1,"max_data_xfer_size":1048576,"migration":{"pgsize":4096}}}"#;
 
     fn payload(major: u16, minor: u16, json: &[u8]) -> Vec<u8> {
         [&major.to_le_bytes()[..], &minor.to_le_bytes(), json].concat()

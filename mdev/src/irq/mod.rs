@@ -1,0 +1,636 @@
+//! The VFIO interrupt model of a PCI function: INTx, MSI, MSI-X, ERR and REQ, delivered to
+//! the client's eventfds.
+//!
+//! [`Interrupts`] is the server-facing side (IRQ info, DEVICE_SET_IRQS, config-space
+//! control, the MSI-X table, reset); [`IrqHandle`] is the cheap, cloneable device-facing
+//! side a function raises interrupts through from any thread.
+//!
+//! Which mechanism a raise uses follows config space, as on real hardware: MSI-X if its
+//! enable bit is set, else MSI, else INTx. Masked vectors go pending and fire when
+//! unmasked. INTx is a level with VFIO's automask: asserting signals the eventfd once and
+//! masks; nothing more is signalled until the client unmasks (UNMASK or the unmask
+//! eventfd), when a still-asserted line fires again and re-masks.
+//!
+//! One mask bit per vector, whoever changes it: for MSI it is the capability's Mask Bits
+//! register (guest config writes and SET_IRQS MASK/UNMASK both land there); for MSI-X it is
+//! the table entry's Vector Control bit, which resets to masked as the spec requires.
+//! Clients such as QEMU emulate the table themselves and never write ours, so, like the
+//! kernel's MSI-X layer programming a physical vector when vfio-pci wires it up, assigning
+//! a trigger eventfd to an MSI-X vector unmasks it and de-assigning masks it.
+//!
+//! All state sits behind one mutex, held for bookkeeping and the non-blocking eventfd
+//! writes only. Lock order: config space, then this.
+
+mod validate;
+mod watcher;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::device::{
+    DeviceError, IrqAction, IrqData, IrqFlags, IrqInfo, SetIrqs, VFIO_PCI_ERR_IRQ_INDEX,
+    VFIO_PCI_INTX_IRQ_INDEX, VFIO_PCI_MSIX_IRQ_INDEX, VFIO_PCI_MSI_IRQ_INDEX, VFIO_PCI_NUM_IRQS,
+    VFIO_PCI_REQ_IRQ_INDEX,
+};
+use crate::pci::{ConfigSpace, IrqControl, IrqStatus, MsiCap, MsixCap, MsixError, MsixTable};
+use validate::{validate, IndexShape};
+use watcher::UnmaskWatcher;
+
+/// What became of a raised interrupt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Delivery {
+    /// The eventfd was signalled.
+    Signalled,
+    /// Held: the vector is masked (it fires on unmask), or INTx is masked, disabled or
+    /// not in use (the line stays asserted).
+    Pending,
+    /// Dropped: no eventfd, a vector beyond those enabled, or no mechanism enabled.
+    Lost,
+}
+
+/// The mechanism a raise uses right now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IrqMode {
+    /// INTx (neither MSI nor MSI-X enabled, an interrupt pin declared).
+    Intx,
+    /// MSI.
+    Msi,
+    /// MSI-X.
+    Msix,
+    /// None: no pin, and neither MSI nor MSI-X enabled.
+    None,
+}
+
+/// Interrupts signalled per index since creation (reset keeps them).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IrqStats {
+    /// INTx eventfd signals.
+    pub intx: u64,
+    /// MSI eventfd signals.
+    pub msi: u64,
+    /// MSI-X eventfd signals.
+    pub msix: u64,
+    /// ERR eventfd signals.
+    pub err: u64,
+    /// REQ eventfd signals.
+    pub req: u64,
+    /// Interrupts that had nowhere to go.
+    pub lost: u64,
+}
+
+/// What was declared in config space.
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    intx: bool,
+    msi: Option<MsiCap>,
+    msix: Option<MsixCap>,
+}
+
+impl Layout {
+    fn vectors(&self, index: u32) -> u32 {
+        match index {
+            VFIO_PCI_INTX_IRQ_INDEX => u32::from(self.intx),
+            VFIO_PCI_MSI_IRQ_INDEX => self.msi.map_or(0, |m| m.vectors),
+            VFIO_PCI_MSIX_IRQ_INDEX => self.msix.map_or(0, |m| u32::from(m.vectors)),
+            VFIO_PCI_ERR_IRQ_INDEX | VFIO_PCI_REQ_IRQ_INDEX => 1,
+            _ => 0,
+        }
+    }
+
+    fn shape(&self, index: u32) -> IndexShape {
+        let maskable = match index {
+            VFIO_PCI_INTX_IRQ_INDEX | VFIO_PCI_MSIX_IRQ_INDEX => true,
+            VFIO_PCI_MSI_IRQ_INDEX => self.msi.is_some_and(|m| m.per_vector_mask),
+            _ => false,
+        };
+        IndexShape { vectors: self.vectors(index), maskable }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Intx {
+    trigger: Option<EventFd>,
+    masked: bool,
+    asserted: bool,
+}
+
+#[derive(Debug)]
+struct State {
+    control: IrqControl,
+    intx: Intx,
+    msi_fds: Vec<Option<EventFd>>,
+    msi_mask: u32,
+    msi_pending: u32,
+    msix_fds: Vec<Option<EventFd>>,
+    msix: MsixTable,
+    err: Option<EventFd>,
+    req: Option<EventFd>,
+    stats: IrqStats,
+}
+
+#[derive(Debug)]
+struct Shared {
+    layout: Layout,
+    state: Mutex<State>,
+}
+
+/// The server-facing side of a function's interrupts. Dropping it stops the unmask
+/// watcher; [`IrqHandle`]s keep working (raising into a disabled state).
+#[derive(Debug)]
+pub struct Interrupts {
+    shared: Arc<Shared>,
+    watcher: Mutex<Option<UnmaskWatcher>>,
+}
+
+/// The device-facing side: raise, assert and deassert interrupts from any thread.
+#[derive(Clone, Debug)]
+pub struct IrqHandle {
+    shared: Arc<Shared>,
+}
+
+impl Interrupts {
+    /// The interrupts `config` declares: INTx if it has a pin, its MSI and MSI-X
+    /// capabilities, ERR and REQ. Everything starts disabled.
+    pub fn new(config: &ConfigSpace) -> Self {
+        let layout = Layout {
+            intx: config.interrupt_pin() != 0,
+            msi: config.msi().map(|(_, m)| m),
+            msix: config.msix().map(|(_, m)| m),
+        };
+        let state = State::new(&layout, IrqStats::default());
+        Interrupts {
+            shared: Arc::new(Shared { layout, state: Mutex::new(state) }),
+            watcher: Mutex::new(None),
+        }
+    }
+
+    /// A handle for the device.
+    pub fn handle(&self) -> IrqHandle {
+        IrqHandle { shared: self.shared.clone() }
+    }
+
+    /// DEVICE_GET_IRQ_INFO for `index`; `None` at or above [`VFIO_PCI_NUM_IRQS`].
+    pub fn info(&self, index: u32) -> Option<IrqInfo> {
+        let flags = match index {
+            VFIO_PCI_INTX_IRQ_INDEX => IrqFlags::EVENTFD | IrqFlags::MASKABLE | IrqFlags::AUTOMASKED,
+            VFIO_PCI_MSI_IRQ_INDEX if self.shared.layout.shape(index).maskable => {
+                IrqFlags::EVENTFD | IrqFlags::MASKABLE
+            }
+            // Not NORESIZE: QEMU then adds MSI-X vectors one at a time without disabling.
+            VFIO_PCI_MSIX_IRQ_INDEX => IrqFlags::EVENTFD | IrqFlags::MASKABLE,
+            i if i < VFIO_PCI_NUM_IRQS => IrqFlags::EVENTFD,
+            _ => return None,
+        };
+        Some(IrqInfo { flags, count: self.shared.layout.vectors(index) })
+    }
+
+    /// DEVICE_SET_IRQS with VFIO semantics; see the module docs.
+    pub fn set_irqs(&self, req: SetIrqs) -> Result<(), DeviceError> {
+        validate(&req, |i| self.shared.layout.shape(i))?;
+        let (index, start, count) = (req.index, req.start, req.count);
+        let range = start as usize..(start + count) as usize;
+        log::debug!("SET_IRQS index {index} {:?} [{start}, +{count}) {}", req.action, DataKind(&req.data));
+
+        if index == VFIO_PCI_INTX_IRQ_INDEX {
+            // The watcher is started and stopped outside the state lock: its callback
+            // takes that lock, and stopping waits for the callback.
+            match (req.action, req.data) {
+                (IrqAction::Unmask, IrqData::Eventfds(mut fds)) => return self.set_unmask_fd(fds.pop()),
+                (IrqAction::Trigger, IrqData::None) if count == 0 => {
+                    self.set_unmask_fd(None)?;
+                    let mut st = self.shared.lock();
+                    st.intx = Intx { asserted: st.intx.asserted, ..Intx::default() };
+                    return Ok(());
+                }
+                (action, data) => return self.shared.set_intx(action, data),
+            }
+        }
+
+        let mut st = self.shared.lock();
+        let st = &mut *st;
+        match (req.action, req.data) {
+            (IrqAction::Trigger, IrqData::None) if count == 0 => match index {
+                VFIO_PCI_MSI_IRQ_INDEX => st.msi_fds.fill_with(|| None),
+                VFIO_PCI_MSIX_IRQ_INDEX => {
+                    st.msix_fds.fill_with(|| None);
+                    (0..st.msix.vectors()).for_each(|v| st.msix.set_masked(v, true));
+                }
+                VFIO_PCI_ERR_IRQ_INDEX => st.err = None,
+                _ => st.req = None,
+            },
+            (IrqAction::Trigger, IrqData::Eventfds(fds)) => {
+                let assign = !fds.is_empty();
+                let mut fds = fds.into_iter();
+                for v in range {
+                    let fd = fds.next();
+                    match index {
+                        VFIO_PCI_MSI_IRQ_INDEX => st.msi_fds[v] = fd,
+                        VFIO_PCI_MSIX_IRQ_INDEX => {
+                            st.msix_fds[v] = fd;
+                            st.msix.set_masked(v as u16, !assign);
+                        }
+                        VFIO_PCI_ERR_IRQ_INDEX => st.err = fd,
+                        _ => st.req = fd,
+                    }
+                }
+                st.flush();
+            }
+            (IrqAction::Trigger, data) => {
+                // Loopback: signal the named vectors' eventfds, whatever their mask.
+                for v in selected(range, &data) {
+                    let fd = match index {
+                        VFIO_PCI_MSI_IRQ_INDEX => st.msi_fds[v].as_ref(),
+                        VFIO_PCI_MSIX_IRQ_INDEX => st.msix_fds[v].as_ref(),
+                        VFIO_PCI_ERR_IRQ_INDEX => st.err.as_ref(),
+                        _ => st.req.as_ref(),
+                    };
+                    let delivery = signal(fd);
+                    st.count(index, delivery);
+                }
+            }
+            (action, data) => {
+                // MASK/UNMASK with NONE/BOOL (validation refused the rest).
+                let masked = action == IrqAction::Mask;
+                for v in selected(range, &data) {
+                    if index == VFIO_PCI_MSI_IRQ_INDEX {
+                        st.msi_mask = (st.msi_mask & !(1 << v)) | (u32::from(masked) << v);
+                    } else {
+                        st.msix.set_masked(v as u16, masked);
+                    }
+                }
+                st.flush();
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies the interrupt-relevant config-space state after a config write: mode
+    /// changes, MSI mask bits, MSI-X function mask, INTx disable. Fires what became
+    /// deliverable.
+    pub fn apply_control(&self, control: IrqControl) {
+        let mut st = self.shared.lock();
+        let old = std::mem::replace(&mut st.control, control);
+        st.msi_mask = control.msi_mask;
+        if !control.msi_enabled {
+            st.msi_pending = 0;
+        }
+        st.msi_pending &= vector_bits(control.msi_vectors);
+        if old.msix_enabled && !control.msix_enabled {
+            st.msix.clear_pending();
+        }
+        if old != control {
+            log::debug!("interrupt control {control:?}, mode {:?}", st.mode(&self.shared.layout));
+        }
+        st.flush();
+    }
+
+    /// The state config space shows: STATUS.INTERRUPT and the MSI mask/pending bits.
+    pub fn status(&self) -> IrqStatus {
+        let st = self.shared.lock();
+        IrqStatus { intx_asserted: st.intx.asserted, msi_mask: st.msi_mask, msi_pending: st.msi_pending }
+    }
+
+    /// Reads the MSI-X table at `offset` from its start.
+    pub fn msix_table_read(&self, offset: u64, data: &mut [u8]) -> Result<(), MsixError> {
+        self.shared.lock().msix.read_table(offset, data)
+    }
+
+    /// Writes the MSI-X table at `offset` from its start; an unmasked vector with its
+    /// pending bit set fires.
+    pub fn msix_table_write(&self, offset: u64, data: &[u8]) -> Result<(), MsixError> {
+        let mut st = self.shared.lock();
+        st.msix.write_table(offset, data)?;
+        st.flush();
+        Ok(())
+    }
+
+    /// Reads the MSI-X Pending Bit Array at `offset` from its start (writes are ignored
+    /// by the caller: the spec leaves them undefined).
+    pub fn msix_pba_read(&self, offset: u64, data: &mut [u8]) -> Result<(), MsixError> {
+        self.shared.lock().msix.read_pba(offset, data)
+    }
+
+    /// Back to the power-on state: every eventfd dropped (the unmask watcher stopped),
+    /// masks, pending bits and the MSI-X table reset, all mechanisms disabled. Statistics
+    /// are kept.
+    pub fn reset(&self) {
+        if let Err(e) = self.set_unmask_fd(None) {
+            log::error!("reset: {e}");
+        }
+        let mut st = self.shared.lock();
+        *st = State::new(&self.shared.layout, st.stats);
+    }
+
+    #[cfg(test)]
+    fn intx_masked(&self) -> bool {
+        self.shared.lock().intx.masked
+    }
+
+    /// Registers (`Some`) or removes (`None`) the INTx unmask eventfd.
+    fn set_unmask_fd(&self, fd: Option<EventFd>) -> Result<(), DeviceError> {
+        let mut slot = self.watcher.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(old) = slot.take() {
+            old.stop();
+        }
+        if let Some(fd) = fd {
+            let shared = self.shared.clone();
+            let watcher = UnmaskWatcher::spawn(fd, move || shared.set_intx_masked(false)).map_err(|e| {
+                log::error!("cannot watch the INTx unmask eventfd: {e}");
+                DeviceError::Errno(e.raw_os_error().unwrap_or(libc::EIO))
+            })?;
+            *slot = Some(watcher);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Interrupts {
+    fn drop(&mut self) {
+        if let Some(watcher) = self.watcher.get_mut().unwrap_or_else(|p| p.into_inner()).take() {
+            watcher.stop();
+        }
+    }
+}
+
+impl IrqHandle {
+    /// Raises the function's interrupt `vector` on the mechanism in use: MSI-X vector
+    /// `vector`, MSI vector `vector`, or INTx (asserted until [`IrqHandle::intx_deassert`];
+    /// `vector` is ignored).
+    pub fn raise(&self, vector: u16) -> Delivery {
+        let mut st = self.shared.lock();
+        let (index, delivery) = match st.mode(&self.shared.layout) {
+            IrqMode::Msix => (VFIO_PCI_MSIX_IRQ_INDEX, st.raise_msix(vector)),
+            IrqMode::Msi => (VFIO_PCI_MSI_IRQ_INDEX, st.raise_msi(vector)),
+            IrqMode::Intx => return st.assert_intx(),
+            IrqMode::None => (VFIO_PCI_INTX_IRQ_INDEX, Delivery::Lost),
+        };
+        if delivery == Delivery::Lost {
+            log::debug!("interrupt vector {vector} lost");
+        }
+        st.count(index, delivery);
+        delivery
+    }
+
+    /// Asserts INTx (a level: asserting an asserted line does nothing). Signals the
+    /// eventfd and masks if INTx is in use, unmasked and not disabled by COMMAND;
+    /// otherwise the line stays asserted and fires once that changes.
+    pub fn intx_assert(&self) -> Delivery {
+        if !self.shared.layout.intx {
+            return Delivery::Lost;
+        }
+        self.shared.lock().assert_intx()
+    }
+
+    /// Deasserts INTx.
+    pub fn intx_deassert(&self) {
+        self.shared.lock().intx.asserted = false;
+    }
+
+    /// Signals the ERR eventfd (the client treats it as an unrecoverable device error).
+    pub fn signal_err(&self) -> Delivery {
+        let mut st = self.shared.lock();
+        let delivery = signal(st.err.as_ref());
+        st.count(VFIO_PCI_ERR_IRQ_INDEX, delivery);
+        delivery
+    }
+
+    /// Signals the REQ eventfd (asks the client to release the device).
+    pub fn signal_req(&self) -> Delivery {
+        let mut st = self.shared.lock();
+        let delivery = signal(st.req.as_ref());
+        st.count(VFIO_PCI_REQ_IRQ_INDEX, delivery);
+        delivery
+    }
+
+    /// The mechanism a raise would use now.
+    pub fn mode(&self) -> IrqMode {
+        self.shared.lock().mode(&self.shared.layout)
+    }
+
+    /// Whether INTx is asserted.
+    pub fn intx_asserted(&self) -> bool {
+        self.shared.lock().intx.asserted
+    }
+
+    /// Interrupts signalled so far.
+    pub fn stats(&self) -> IrqStats {
+        self.shared.lock().stats
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // The state stays consistent across a panic in another holder (every update is
+        // a few plain stores), so a poisoned lock is still usable.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// INTx TRIGGER and MASK/UNMASK with NONE/BOOL/EVENTFD data (not disable).
+    fn set_intx(&self, action: IrqAction, data: IrqData) -> Result<(), DeviceError> {
+        let mut st = self.lock();
+        match (action, data) {
+            (IrqAction::Trigger, IrqData::Eventfds(mut fds)) => {
+                let fd = fds.pop();
+                if st.intx.trigger.is_none() {
+                    st.intx.masked = false; // enabling INTx starts unmasked, as in vfio-pci
+                }
+                st.intx.trigger = fd;
+                st.flush();
+            }
+            (IrqAction::Trigger, data) => {
+                if selected(0..1, &data).next().is_some() {
+                    let delivery = signal(st.intx.trigger.as_ref());
+                    st.count(VFIO_PCI_INTX_IRQ_INDEX, delivery);
+                }
+            }
+            (action, data) => {
+                if selected(0..1, &data).next().is_some() {
+                    drop(st);
+                    self.set_intx_masked(action == IrqAction::Mask);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// MASK or UNMASK of INTx; an unmasked, still-asserted line fires and re-masks.
+    fn set_intx_masked(&self, masked: bool) {
+        let mut st = self.lock();
+        st.intx.masked = masked;
+        st.flush();
+    }
+}
+
+impl State {
+    /// The power-on state: nothing wired, nothing masked but the MSI-X table, all off.
+    fn new(layout: &Layout, stats: IrqStats) -> Self {
+        State {
+            control: IrqControl::default(),
+            intx: Intx::default(),
+            msi_fds: none_vec(layout.vectors(VFIO_PCI_MSI_IRQ_INDEX)),
+            msi_mask: 0,
+            msi_pending: 0,
+            msix_fds: none_vec(layout.vectors(VFIO_PCI_MSIX_IRQ_INDEX)),
+            msix: MsixTable::new(layout.msix.map_or(0, |m| m.vectors)),
+            err: None,
+            req: None,
+            stats,
+        }
+    }
+
+    fn mode(&self, layout: &Layout) -> IrqMode {
+        if self.control.msix_enabled && layout.msix.is_some() {
+            IrqMode::Msix
+        } else if self.control.msi_enabled && layout.msi.is_some() {
+            IrqMode::Msi
+        } else if layout.intx {
+            IrqMode::Intx
+        } else {
+            IrqMode::None
+        }
+    }
+
+    fn raise_msix(&mut self, vector: u16) -> Delivery {
+        if vector >= self.msix.vectors() {
+            return Delivery::Lost;
+        }
+        if self.control.msix_function_mask || self.msix.is_masked(vector) {
+            self.msix.set_pending(vector, true);
+            return Delivery::Pending;
+        }
+        signal(self.msix_fds[usize::from(vector)].as_ref())
+    }
+
+    fn raise_msi(&mut self, vector: u16) -> Delivery {
+        if u32::from(vector) >= self.control.msi_vectors.min(self.msi_fds.len() as u32) {
+            return Delivery::Lost;
+        }
+        if self.msi_mask & (1 << vector) != 0 {
+            self.msi_pending |= 1 << vector;
+            return Delivery::Pending;
+        }
+        signal(self.msi_fds[usize::from(vector)].as_ref())
+    }
+
+    fn assert_intx(&mut self) -> Delivery {
+        self.intx.asserted = true;
+        if self.flush_intx() {
+            Delivery::Signalled
+        } else {
+            Delivery::Pending
+        }
+    }
+
+    /// Signals INTx if it is asserted and deliverable, and automasks; true if it fired.
+    fn flush_intx(&mut self) -> bool {
+        let intx = &self.intx;
+        let in_use = !self.control.msi_enabled && !self.control.msix_enabled;
+        let deliverable = intx.asserted && in_use && !intx.masked && !self.control.intx_disabled;
+        if !deliverable {
+            return false;
+        }
+        let Some(fd) = intx.trigger.as_ref() else { return false };
+        let fired = signal(Some(fd)) == Delivery::Signalled;
+        if fired {
+            self.intx.masked = true;
+            self.stats.intx += 1;
+        }
+        fired
+    }
+
+    /// Delivers everything that is pending and now deliverable.
+    fn flush(&mut self) {
+        self.flush_intx();
+        if self.control.msix_enabled && !self.control.msix_function_mask {
+            for v in 0..self.msix.vectors() {
+                if self.msix.is_pending(v) && !self.msix.is_masked(v) {
+                    self.msix.set_pending(v, false);
+                    let delivery = signal(self.msix_fds[usize::from(v)].as_ref());
+                    self.count(VFIO_PCI_MSIX_IRQ_INDEX, delivery);
+                }
+            }
+        } else if self.control.msi_enabled {
+            let mut ready = self.msi_pending & !self.msi_mask;
+            self.msi_pending &= !ready;
+            while ready != 0 {
+                let v = ready.trailing_zeros() as usize;
+                ready &= ready - 1;
+                let delivery = signal(self.msi_fds.get(v).and_then(Option::as_ref));
+                self.count(VFIO_PCI_MSI_IRQ_INDEX, delivery);
+            }
+        }
+    }
+
+    /// Counts a signal on `index`, or a loss; pending interrupts are counted when they fire.
+    fn count(&mut self, index: u32, delivery: Delivery) {
+        match delivery {
+            Delivery::Signalled => {}
+            Delivery::Pending => return,
+            Delivery::Lost => {
+                self.stats.lost += 1;
+                return;
+            }
+        }
+        match index {
+            VFIO_PCI_INTX_IRQ_INDEX => self.stats.intx += 1,
+            VFIO_PCI_MSI_IRQ_INDEX => self.stats.msi += 1,
+            VFIO_PCI_MSIX_IRQ_INDEX => self.stats.msix += 1,
+            VFIO_PCI_ERR_IRQ_INDEX => self.stats.err += 1,
+            _ => self.stats.req += 1,
+        }
+    }
+}
+
+/// Writes 1 to `fd`. Eventfd writes do not block short of a 2^64 - 1 counter.
+fn signal(fd: Option<&EventFd>) -> Delivery {
+    match fd {
+        Some(fd) => match fd.write(1) {
+            Ok(()) => Delivery::Signalled,
+            Err(e) => {
+                log::warn!("signalling an interrupt eventfd failed: {e}");
+                Delivery::Lost
+            }
+        },
+        None => Delivery::Lost,
+    }
+}
+
+/// The vectors of `range` that `data` selects (all for NONE; where true for BOOL).
+fn selected<'a>(range: std::ops::Range<usize>, data: &'a IrqData) -> impl Iterator<Item = usize> + 'a {
+    range
+        .enumerate()
+        .filter(move |&(i, _)| match data {
+            IrqData::Bool(flags) => flags.get(i).copied().unwrap_or(false),
+            _ => true,
+        })
+        .map(|(_, v)| v)
+}
+
+fn none_vec(n: u32) -> Vec<Option<EventFd>> {
+    (0..n).map(|_| None).collect()
+}
+
+fn vector_bits(vectors: u32) -> u32 {
+    if vectors >= 32 {
+        u32::MAX
+    } else {
+        (1 << vectors) - 1
+    }
+}
+
+/// Names a SET_IRQS data type for logs.
+struct DataKind<'a>(&'a IrqData);
+
+impl std::fmt::Display for DataKind<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            IrqData::None => write!(f, "NONE"),
+            IrqData::Bool(flags) => write!(f, "BOOL {flags:?}"),
+            IrqData::Eventfds(fds) => write!(f, "EVENTFD x{}", fds.len()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,322 @@
+//! [`PciFunction`], what a device author writes, and [`PciDevice`], the adapter that turns
+//! it into a [`VfioDevice`] with config space, interrupts and MSI-X emulated.
+//!
+//! Locking: config space has its own mutex, the interrupts theirs (taken after the config
+//! lock when a config write changes interrupt control, never the other way round), and the
+//! function its own. No lock of the adapter is held while the function runs, so a
+//! function's worker threads may raise interrupts while the server thread is in a region
+//! access.
+
+use std::sync::{Mutex, MutexGuard};
+
+use thiserror::Error;
+use umdev_pinning::PAGE_SIZE;
+
+use super::caps::MsixCap;
+use super::config::{ConfigChanges, ConfigError, ConfigSpace, ConfigSpaceBuilder};
+use super::regs::NUM_BARS;
+use crate::device::{
+    DeviceContext, DeviceError, DeviceFlags, DeviceInfo, IrqInfo, RegionFlags, RegionInfo, RegionMmap,
+    SetIrqs, VfioDevice, VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_NUM_IRQS, VFIO_PCI_NUM_REGIONS,
+};
+use crate::irq::{Interrupts, IrqHandle};
+
+/// The device-specific part of a PCI function: its BARs' registers and its work.
+///
+/// BAR accesses arrive bounds-checked against the BAR's size and never for the MSI-X
+/// table or PBA, which the adapter emulates. All methods take `&self` and may be called
+/// while the function's own threads run.
+pub trait PciFunction: Send + Sync + 'static {
+    /// Reads `data.len()` bytes at `offset` in BAR `bar`.
+    fn bar_read(&self, bar: u8, offset: u64, data: &mut [u8]) -> Result<(), DeviceError>;
+
+    /// Writes `data` at `offset` in BAR `bar`.
+    fn bar_write(&self, bar: u8, offset: u64, data: &[u8]) -> Result<(), DeviceError>;
+
+    /// How the client may mmap BAR `bar`, if at all. Asked once, at construction; the
+    /// areas must be page aligned and keep clear of the MSI-X table and PBA pages.
+    fn bar_mmap(&self, bar: u8) -> Option<RegionMmap> {
+        let _ = bar;
+        None
+    }
+
+    /// DEVICE_RESET (also run on detach): stop work, back to the power-on state. The
+    /// adapter resets config space and interrupts right after.
+    fn reset(&self) {}
+
+    /// A client connected.
+    fn attach(&self, ctx: &DeviceContext) {
+        let _ = ctx;
+    }
+
+    /// The client is gone: stop all work, drop every pin and the context. A reset follows.
+    fn detach(&self) {}
+
+    /// `[iova, iova + len)` is being unmapped: stop using it and drop its pins promptly.
+    fn dma_unmap(&self, iova: u64, len: u64) {
+        let _ = (iova, len);
+    }
+}
+
+/// Why a [`PciDevice`] cannot be built.
+#[derive(Debug, Error)]
+pub enum PciDeviceError {
+    /// The config-space declaration is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A BAR's mmap description is unusable.
+    #[error("BAR {bar}: mmap {why}")]
+    BadMmap {
+        /// The BAR.
+        bar: u8,
+        /// What is wrong.
+        why: &'static str,
+    },
+}
+
+/// A [`PciFunction`] with emulated config space, interrupts and MSI-X table/PBA, serving
+/// the [`VfioDevice`] interface.
+pub struct PciDevice<F> {
+    config: Mutex<ConfigSpace>,
+    irqs: Interrupts,
+    function: F,
+    regions: Vec<RegionInfo>,
+    msix: Option<MsixCap>,
+}
+
+impl<F: PciFunction> PciDevice<F> {
+    /// Builds the config space, the interrupts, and the function (`make` receives its
+    /// interrupt handle).
+    pub fn new(
+        builder: ConfigSpaceBuilder,
+        make: impl FnOnce(IrqHandle) -> F,
+    ) -> Result<Self, PciDeviceError> {
+        let config = builder.build()?;
+        let irqs = Interrupts::new(&config);
+        let function = make(irqs.handle());
+        let msix = config.msix().map(|(_, m)| m);
+        let mut regions: Vec<RegionInfo> = (0..VFIO_PCI_NUM_REGIONS).map(|_| RegionInfo::absent()).collect();
+        for (index, region) in regions.iter_mut().enumerate().take(NUM_BARS) {
+            let Some(bar) = config.bar(index) else { continue };
+            *region = RegionInfo::read_write(bar.size());
+            if let Some(mmap) = function.bar_mmap(index as u8) {
+                check_mmap(index as u8, bar.size(), bar.is_io(), &mmap, msix.as_ref())?;
+                region.flags |= RegionFlags::MMAP;
+                region.mmap = Some(mmap);
+            }
+        }
+        regions[VFIO_PCI_CONFIG_REGION_INDEX as usize] = RegionInfo::read_write(config.size() as u64);
+        Ok(PciDevice { config: Mutex::new(config), irqs, function, regions, msix })
+    }
+
+    /// The function.
+    pub fn function(&self) -> &F {
+        &self.function
+    }
+
+    /// Another interrupt handle (for tests and statistics).
+    pub fn irq_handle(&self) -> IrqHandle {
+        self.irqs.handle()
+    }
+
+    fn config(&self) -> MutexGuard<'_, ConfigSpace> {
+        // Config space is plain bytes, consistent after any panic of a holder.
+        self.config.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn config_read(&self, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
+        let status = self.irqs.status();
+        let mut config = self.config();
+        config.set_irq_status(status);
+        config.read(offset, data).map_err(|_| bad_access(VFIO_PCI_CONFIG_REGION_INDEX, offset, data.len()))
+    }
+
+    fn config_write(&self, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        let status = self.irqs.status();
+        let mut config = self.config();
+        // The write starts from the interrupt layer's MSI mask bits, which SET_IRQS may
+        // have changed since the last access.
+        config.set_irq_status(status);
+        let changes = config
+            .write(offset, data)
+            .map_err(|_| bad_access(VFIO_PCI_CONFIG_REGION_INDEX, offset, data.len()))?;
+        if changes.affects_interrupts() {
+            self.irqs.apply_control(config.irq_control());
+        }
+        if changes.contains(ConfigChanges::POWER_STATE) {
+            log::debug!("power state D{}", config.power_state());
+        }
+        Ok(())
+    }
+
+    /// Routes a BAR access: bounds, then the MSI-X table or PBA, then the function.
+    fn bar_access(&self, index: u32, offset: u64, access: Access<'_>) -> Result<(), DeviceError> {
+        let size = self.regions[index as usize].size;
+        let len = access.len();
+        if size == 0 {
+            return Err(DeviceError::NoSuchRegion(index));
+        }
+        let end = offset.checked_add(len as u64).filter(|&end| end <= size);
+        let Some(end) = end else { return Err(bad_access(index, offset, len)) };
+        if let Some(msix) = self.msix {
+            let table = (msix.table_bar, u64::from(msix.table_offset), msix.table_size());
+            let pba = (msix.pba_bar, u64::from(msix.pba_offset), msix.pba_size());
+            for (is_table, (bar, start, size)) in [(true, table), (false, pba)] {
+                if u32::from(bar) != index || end <= start || offset >= start + size {
+                    continue;
+                }
+                if offset < start || end > start + size {
+                    return Err(bad_access(index, offset, len)); // straddles the structure
+                }
+                let at = offset - start;
+                let result = match (is_table, access) {
+                    (true, Access::Read(data)) => self.irqs.msix_table_read(at, data),
+                    (true, Access::Write(data)) => self.irqs.msix_table_write(at, data),
+                    (false, Access::Read(data)) => self.irqs.msix_pba_read(at, data),
+                    (false, Access::Write(_)) => {
+                        log::debug!("ignoring a write to the MSI-X PBA at {at:#x}");
+                        Ok(())
+                    }
+                };
+                return result.map_err(|_| bad_access(index, offset, len));
+            }
+        }
+        match access {
+            Access::Read(data) => self.function.bar_read(index as u8, offset, data),
+            Access::Write(data) => self.function.bar_write(index as u8, offset, data),
+        }
+    }
+
+    fn reset_all(&self) {
+        self.function.reset();
+        self.irqs.reset();
+        self.config().reset();
+    }
+}
+
+/// A region access's direction and buffer.
+enum Access<'a> {
+    Read(&'a mut [u8]),
+    Write(&'a [u8]),
+}
+
+impl Access<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Access::Read(data) => data.len(),
+            Access::Write(data) => data.len(),
+        }
+    }
+}
+
+fn bad_access(region: u32, offset: u64, len: usize) -> DeviceError {
+    DeviceError::BadAccess { region, offset, len: len as u64 }
+}
+
+/// Checks a function's mmap description of BAR `bar`.
+fn check_mmap(
+    bar: u8,
+    bar_size: u64,
+    is_io: bool,
+    mmap: &RegionMmap,
+    msix: Option<&MsixCap>,
+) -> Result<(), PciDeviceError> {
+    let bad = |why| Err(PciDeviceError::BadMmap { bar, why });
+    if is_io {
+        return bad("of an I/O BAR");
+    }
+    // The MSI-X structures in this BAR, rounded out to pages: no area may map them.
+    let reserved: Vec<(u64, u64)> = msix
+        .map(|m| [(m.table_bar, m.table_offset, m.table_size()), (m.pba_bar, m.pba_offset, m.pba_size())])
+        .into_iter()
+        .flatten()
+        .filter(|&(b, _, _)| b == bar)
+        .map(|(_, offset, size)| {
+            let start = u64::from(offset) / PAGE_SIZE * PAGE_SIZE;
+            (start, (u64::from(offset) + size).next_multiple_of(PAGE_SIZE))
+        })
+        .collect();
+    if mmap.areas.is_empty() {
+        if !reserved.is_empty() {
+            return bad("covers the whole BAR, which holds the MSI-X table or PBA: list sparse areas");
+        }
+        return Ok(());
+    }
+    for area in &mmap.areas {
+        if area.offset % PAGE_SIZE != 0 || area.size % PAGE_SIZE != 0 || area.size == 0 {
+            return bad("area is empty or not page aligned");
+        }
+        let Some(end) = area.offset.checked_add(area.size).filter(|&end| end <= bar_size) else {
+            return bad("area extends past the BAR");
+        };
+        if reserved.iter().any(|&(start, stop)| area.offset < stop && start < end) {
+            return bad("area covers the MSI-X table or PBA");
+        }
+    }
+    Ok(())
+}
+
+impl<F: PciFunction> VfioDevice for PciDevice<F> {
+    fn device_info(&self) -> DeviceInfo {
+        DeviceInfo {
+            flags: DeviceFlags::PCI | DeviceFlags::RESET,
+            num_regions: VFIO_PCI_NUM_REGIONS,
+            num_irqs: VFIO_PCI_NUM_IRQS,
+        }
+    }
+
+    fn region_info(&self, index: u32) -> Option<RegionInfo> {
+        self.regions.get(index as usize).cloned()
+    }
+
+    fn region_read(&self, index: u32, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
+        match index {
+            VFIO_PCI_CONFIG_REGION_INDEX => self.config_read(offset, data),
+            i if (i as usize) < NUM_BARS => self.bar_access(i, offset, Access::Read(data)),
+            i => Err(DeviceError::NoSuchRegion(i)),
+        }
+    }
+
+    fn region_write(&self, index: u32, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        match index {
+            VFIO_PCI_CONFIG_REGION_INDEX => self.config_write(offset, data),
+            i if (i as usize) < NUM_BARS => self.bar_access(i, offset, Access::Write(data)),
+            i => Err(DeviceError::NoSuchRegion(i)),
+        }
+    }
+
+    fn irq_info(&self, index: u32) -> Option<IrqInfo> {
+        self.irqs.info(index)
+    }
+
+    fn set_irqs(&self, request: SetIrqs) -> Result<(), DeviceError> {
+        self.irqs.set_irqs(request)
+    }
+
+    fn reset(&self) -> Result<(), DeviceError> {
+        self.reset_all();
+        Ok(())
+    }
+
+    fn attach(&self, context: DeviceContext) {
+        self.function.attach(&context);
+    }
+
+    fn detach(&self) {
+        self.function.detach();
+        self.reset_all();
+    }
+
+    fn dma_unmap(&self, iova: u64, len: u64) {
+        self.function.dma_unmap(iova, len);
+    }
+}
+
+impl<F> std::fmt::Debug for PciDevice<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PciDevice").field("regions", &self.regions.len()).finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests;
