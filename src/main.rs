@@ -2,6 +2,7 @@
 
 mod demo;
 mod pinbench;
+mod run;
 
 use clap::{Parser, Subcommand};
 
@@ -20,6 +21,31 @@ struct Cli {
 enum Command {
     /// The main job: show run-split pinning end to end and verify every byte.
     Demo,
+    /// List the device types.
+    Types {
+        /// JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Serve one device instance in the foreground on a UNIX socket (for QEMU's
+    /// `-device vfio-user-pci,socket=...`).
+    Run {
+        /// Device type (see `umdev types`).
+        #[arg(long = "type")]
+        type_name: String,
+        /// Socket path to listen on (created mode 0600, removed on exit).
+        #[arg(long)]
+        socket: std::path::PathBuf,
+        /// How the instance pins guest pages: track or lock.
+        #[arg(long, default_value = "track")]
+        pin_mode: String,
+        /// Type-specific option, key=value (repeatable).
+        #[arg(long = "opt")]
+        opts: Vec<String>,
+        /// Opt-in adaptive busy-polling after each reply, up to this many microseconds.
+        #[arg(long, default_value_t = 0)]
+        busy_poll_us: u64,
+    },
     /// Benchmark run-split pinning against per-page pinning.
     Pinbench {
         /// One JSON object per line instead of a table.
@@ -35,10 +61,32 @@ enum Command {
 }
 
 fn main() {
+    // Sockets and state files are the daemon's alone.
+    // SAFETY: umask only changes this process's file creation mask.
+    unsafe { libc::umask(0o077) };
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Demo => demo::run(),
+        Command::Types { json } => run::types(&umdev_mdev::types::Registry::builtin(), json),
+        Command::Run { type_name, socket, pin_mode, opts, busy_poll_us } => (|| {
+            let mode = match pin_mode.as_str() {
+                "track" => umdev_mdev::types::PinModeName::Track,
+                "lock" => umdev_mdev::types::PinModeName::Lock,
+                other => return Err(format!("unknown pin mode {other:?} (track or lock)")),
+            };
+            let options = umdev_mdev::types::InstanceOptions {
+                pin_mode: Some(mode),
+                params: run::parse_params(&opts)?,
+            };
+            let args = run::RunArgs {
+                type_name,
+                socket,
+                options,
+                busy_poll: std::time::Duration::from_micros(busy_poll_us),
+            };
+            run::run(&umdev_mdev::types::Registry::builtin(), args)
+        })(),
         Command::Pinbench { json, rounds, batch_us } => pinbench_cmd(json, rounds, batch_us),
     };
     if let Err(e) = result {

@@ -16,6 +16,7 @@ pub mod guest;
 pub mod irq;
 pub mod pci;
 pub mod samples;
+pub mod types;
 
 pub use device::{
     ClientDma, ClientDmaError, DeviceContext, DeviceError, DeviceFlags, DeviceInfo, IrqAction, IrqData,

@@ -58,7 +58,13 @@ impl RawClient {
         let mut sent = 0;
         while sent < bytes.len() {
             let c = if sent == 0 { cmsgs } else { &[] };
-            sent += sendmsg::<()>(self.stream.as_raw_fd(), &[IoSlice::new(&bytes[sent..])], c, MsgFlags::MSG_NOSIGNAL, None)?;
+            sent += sendmsg::<()>(
+                self.stream.as_raw_fd(),
+                &[IoSlice::new(&bytes[sent..])],
+                c,
+                MsgFlags::MSG_NOSIGNAL,
+                None,
+            )?;
         }
         Ok(())
     }
@@ -67,7 +73,8 @@ impl RawClient {
     pub fn send(&mut self, command: u16, msg_flags: u32, payload: &[u8], fds: &[RawFd]) -> io::Result<u16> {
         let id = self.next_id;
         self.next_id = self.next_id.wrapping_add(1);
-        let header = Header { id, command, size: (HEADER_SIZE + payload.len()) as u32, flags: msg_flags, error: 0 };
+        let header =
+            Header { id, command, size: (HEADER_SIZE + payload.len()) as u32, flags: msg_flags, error: 0 };
         let mut bytes = header.encode().to_vec();
         bytes.extend_from_slice(payload);
         self.send_bytes(&bytes, fds)?;
@@ -80,7 +87,12 @@ impl RawClient {
         let mut cmsg = nix::cmsg_space!([RawFd; 16]);
         let (n, mut fds) = {
             let mut iov = [IoSliceMut::new(&mut head)];
-            let msg = recvmsg::<()>(self.stream.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC)?;
+            let msg = recvmsg::<()>(
+                self.stream.as_raw_fd(),
+                &mut iov,
+                Some(&mut cmsg),
+                MsgFlags::MSG_CMSG_CLOEXEC,
+            )?;
             let mut fds = Vec::new();
             for c in msg.cmsgs()? {
                 if let ControlMessageOwned::ScmRights(raw) = c {
@@ -128,7 +140,8 @@ impl RawClient {
     /// True once the server has closed the connection.
     pub fn is_closed(&mut self) -> bool {
         let mut b = [0u8; 1];
-        matches!(self.stream.read(&mut b), Ok(0)) || matches!(self.stream.read(&mut b), Err(ref e) if e.kind() == io::ErrorKind::ConnectionReset)
+        matches!(self.stream.read(&mut b), Ok(0))
+            || matches!(self.stream.read(&mut b), Err(ref e) if e.kind() == io::ErrorKind::ConnectionReset)
     }
 
     /// DEVICE_GET_INFO, which must succeed: proof the connection is alive and in sync.

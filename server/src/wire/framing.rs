@@ -3,9 +3,13 @@
 //! The framer is fed what the socket delivers and yields one message at a time. It checks
 //! each header before anything sized by it is read: a size below the header or above the
 //! current maximum is fatal for the connection (the stream cannot be resynced), anything
-//! else is the request parser's business. The fds a `recvmsg` returned belong to the message
-//! holding the first byte of that read; excess fds are closed on arrival, so a client
-//! cannot make the server hold more than `max_fds` of them per message.
+//! else is the request parser's business.
+//!
+//! The fds a `recvmsg` returned belong to the message holding the **last** byte of that
+//! read: the kernel (`unix_stream_read_generic`) glues fd-less segments together but stops
+//! right after the first segment that carries fds, so those fds came with the data at the
+//! end of the read. Excess fds are closed on arrival, so a client cannot make the server hold
+//! more than `max_fds` of them per message.
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -62,7 +66,7 @@ pub struct Framer {
     filled: usize,
     /// Stream position of `buf[0]`.
     base: u64,
-    /// fds by the stream position of the first byte of the read that brought them.
+    /// fds by the stream position of the last byte of the read that brought them.
     fds: VecDeque<(u64, Vec<OwnedFd>)>,
     /// fds closed on arrival, by stream position of their read.
     excess: VecDeque<(u64, usize)>,
@@ -113,20 +117,26 @@ impl Framer {
 
     /// Records that `n` bytes were received into [`Framer::spare`], with `fds`.
     pub fn commit(&mut self, n: usize, fds: Vec<OwnedFd>) {
-        let pos = self.base + self.filled as u64;
-        self.filled = (self.filled + n).min(self.buf.len());
-        self.add_fds(pos, fds);
+        let n = n.min(self.buf.len() - self.filled);
+        let last = self.base + (self.filled + n.max(1) - 1) as u64;
+        self.filled += n;
+        self.add_fds(last, fds);
     }
 
-    /// Appends bytes and fds as if received (for tests and fuzzing).
+    /// Appends bytes and fds as if received in one read (for tests and fuzzing).
     pub fn push(&mut self, bytes: &[u8], fds: Vec<OwnedFd>) {
-        let spare = self.spare();
-        let n = bytes.len().min(spare.len());
-        spare[..n].copy_from_slice(&bytes[..n]);
-        self.commit(n, fds);
-        if n < bytes.len() {
-            self.push(&bytes[n..], Vec::new());
+        let mut done = 0;
+        while bytes.len() - done > self.spare().len() {
+            let spare = self.spare();
+            let n = spare.len();
+            spare.copy_from_slice(&bytes[done..done + n]);
+            self.commit(n, Vec::new());
+            done += n;
         }
+        let spare = self.spare();
+        let n = bytes.len() - done;
+        spare[..n].copy_from_slice(&bytes[done..]);
+        self.commit(n, fds);
     }
 
     fn add_fds(&mut self, pos: u64, mut fds: Vec<OwnedFd>) {
@@ -258,21 +268,21 @@ mod tests {
     }
 
     #[test]
-    fn fds_belong_to_the_message_their_read_started_in() {
+    fn fds_belong_to_the_message_their_read_ended_in() {
         let mut f = Framer::new(4096, 16);
-        let (a, b) = (msg(1, 2, &[0; 32]), msg(2, 8, &[0; 20]));
-        // The first read carries a's header with 1 fd; the second carries the rest of a and
-        // all of b, with 2 fds: those started inside a, so they are a's.
-        f.push(&a[..10], fds(1));
-        f.push(&[&a[10..], &b[..]].concat(), fds(2));
+        let (a, b, c) = (msg(1, 3, &[0; 24]), msg(2, 2, &[0; 32]), msg(3, 2, &[0; 32]));
+        // QEMU's reset burst: an fd-less DMA_UNMAP and a DMA_MAP with its fd arrive in one
+        // read (the kernel glues them and stops after the fd's segment): the fd is the MAP's.
+        f.push(&[&a[..], &b[..]].concat(), fds(1));
         let fa = f.next_frame().unwrap().unwrap();
-        assert_eq!((fa.header.id, fa.fds.len()), (1, 3));
+        assert_eq!((fa.header.id, fa.fds.len()), (1, 0));
         let fb = f.next_frame().unwrap().unwrap();
-        assert_eq!((fb.header.id, fb.fds.len()), (2, 0));
-        // A read that starts at b's boundary brings b's fds.
-        f.push(&b, fds(2));
-        let fb = f.next_frame().unwrap().unwrap();
-        assert_eq!(fb.fds.len(), 2);
+        assert_eq!((fb.header.id, fb.fds.len()), (2, 1));
+        // A read that stops inside a message (buffer full) still gives it its fds.
+        f.push(&c[..20], fds(2));
+        f.push(&c[20..], Vec::new());
+        let fc = f.next_frame().unwrap().unwrap();
+        assert_eq!((fc.header.id, fc.fds.len()), (3, 2));
     }
 
     #[test]

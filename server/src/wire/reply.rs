@@ -89,7 +89,9 @@ pub fn region_info(index: u32, info: &RegionInfo, argsz: u32) -> (Vec<u8>, bool)
     let full = REGION_INFO_SIZE + caps_len;
     let fits = argsz as usize >= full;
     let mut flags = info.flags.bits();
-    if caps_len > 0 {
+    // CAPS only with the chain itself: QEMU rejects CAPS with a cap_offset below 32. A client
+    // with too small a buffer learns the size it needs from argsz and asks again.
+    if caps_len > 0 && fits {
         flags |= REGION_FLAG_CAPS;
     }
     let cap_offset = if caps_len > 0 && fits { REGION_INFO_SIZE as u32 } else { 0 };
@@ -167,6 +169,7 @@ mod tests {
         assert!(!fd);
         assert_eq!(u32::from_le_bytes(short[0..4].try_into().unwrap()), 64, "argsz names the size needed");
         assert_eq!(u32::from_le_bytes(short[12..16].try_into().unwrap()), 0, "no cap_offset");
+        assert_eq!(u32::from_le_bytes(short[4..8].try_into().unwrap()) & REGION_FLAG_CAPS, 0, "no CAPS flag");
         let (full, fd) = region_info(1, &sparse_region(), 64);
         assert_eq!(full.len(), 64);
         assert!(fd);

@@ -1,0 +1,81 @@
+//! `umdev types` and `umdev run`: list the device types; serve one instance in the
+//! foreground, the command a QEMU user runs beside `-device vfio-user-pci,socket=...`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::iterator::Signals;
+use umdev_mdev::types::{InstanceOptions, Registry};
+use umdev_server::{Daemon, InstanceConfig};
+
+/// Prints the types, as a table or JSON.
+pub fn types(registry: &Registry, json: bool) -> Result<(), String> {
+    if json {
+        let list: Vec<_> = registry
+            .types()
+            .iter()
+            .map(|t| {
+                serde_json::json!({
+                    "name": t.name(),
+                    "description": t.description(),
+                    "device_api": t.device_api(),
+                    "available_instances": t.available_instances(),
+                })
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&list).map_err(|e| e.to_string())?);
+        return Ok(());
+    }
+    for t in registry.types() {
+        println!("{}", t.name());
+        println!("  Available instances: {}", t.available_instances());
+        println!("  Device API: {}", t.device_api());
+        println!("  Description: {}", t.description());
+    }
+    Ok(())
+}
+
+/// Parses `key=value` options.
+pub fn parse_params(pairs: &[String]) -> Result<std::collections::BTreeMap<String, String>, String> {
+    pairs
+        .iter()
+        .map(|p| {
+            p.split_once('=')
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .ok_or_else(|| format!("option {p:?} is not key=value"))
+        })
+        .collect()
+}
+
+/// What `umdev run` was asked for.
+pub struct RunArgs {
+    pub type_name: String,
+    pub socket: PathBuf,
+    pub options: InstanceOptions,
+    pub busy_poll: Duration,
+}
+
+/// Serves one instance until SIGINT or SIGTERM.
+pub fn run(registry: &Registry, args: RunArgs) -> Result<(), String> {
+    let ty = registry.find(&args.type_name).map_err(|e| e.to_string())?;
+    let device = ty.create(&args.options).map_err(|e| e.to_string())?;
+    let mut signals =
+        Signals::new([SIGINT, SIGTERM]).map_err(|e| format!("installing signal handlers: {e}"))?;
+    let daemon = Daemon::new();
+    let mut config = InstanceConfig::new(args.type_name.clone(), &args.socket);
+    config.dma.mode = args.options.pin_mode();
+    config.busy_poll = args.busy_poll;
+    daemon.start(device, config).map_err(|e| e.to_string())?;
+    eprintln!(
+        "umdev: serving a {} device on {} (Ctrl-C to stop)\n  qemu-system-x86_64 ... -device '{{\"driver\":\"vfio-user-pci\",\"socket\":{{\"type\":\"unix\",\"path\":\"{}\"}}}}'",
+        args.type_name,
+        args.socket.display(),
+        args.socket.display()
+    );
+    if let Some(signal) = signals.forever().next() {
+        eprintln!("umdev: signal {signal}, shutting down");
+    }
+    daemon.shutdown();
+    Ok(())
+}

@@ -1,0 +1,79 @@
+//! Shared test support: a daemon with one instance on a temporary socket, memfds, fd counts.
+#![allow(dead_code)]
+
+pub mod qemu;
+pub mod raw;
+
+use std::fs::File;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use umdev_mdev::types::{InstanceOptions, Registry};
+use umdev_mdev::VfioDevice;
+use umdev_server::{Daemon, InstanceConfig, InstanceInfo};
+
+/// A daemon serving one instance of a built-in type on a socket in a temporary directory.
+pub struct Harness {
+    pub dir: tempfile::TempDir,
+    pub daemon: Daemon,
+    pub socket: PathBuf,
+    pub id: String,
+}
+
+impl Harness {
+    pub fn new(type_name: &str) -> Harness {
+        Self::with(type_name, InstanceOptions::default(), |_| {})
+    }
+
+    pub fn with(
+        type_name: &str,
+        options: InstanceOptions,
+        tune: impl FnOnce(&mut InstanceConfig),
+    ) -> Harness {
+        let device = Registry::builtin().find(type_name).expect("type").create(&options).expect("create");
+        Self::with_device(device, tune)
+    }
+
+    pub fn with_device(device: Arc<dyn VfioDevice>, tune: impl FnOnce(&mut InstanceConfig)) -> Harness {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("dev.sock");
+        let id = "test".to_string();
+        let mut config = InstanceConfig::new(id.clone(), &socket);
+        tune(&mut config);
+        let daemon = Daemon::new();
+        daemon.start(device, config).expect("start instance");
+        Harness { dir, daemon, socket, id }
+    }
+
+    pub fn info(&self) -> InstanceInfo {
+        self.daemon.info(&self.id).expect("instance")
+    }
+
+    /// Waits until no client is connected (the server finished cleaning up).
+    pub fn wait_idle(&self) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while self.info().connected {
+            assert!(std::time::Instant::now() < deadline, "the instance never became idle");
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+    }
+}
+
+/// A memfd of `size` bytes.
+pub fn memfd(size: u64) -> File {
+    let fd =
+        nix::sys::memfd::memfd_create(c"umdev-test-ram", nix::sys::memfd::MFdFlags::empty()).expect("memfd");
+    let file = File::from(fd);
+    file.set_len(size).expect("ftruncate");
+    file
+}
+
+/// fds open in this process.
+pub fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+}
+
+/// testdev's BAR0 registers (docs/testdev.md).
+pub mod testdev {
+    pub use umdev_mdev::samples::testdev::regs::*;
+}
