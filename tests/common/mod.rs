@@ -75,5 +75,6 @@ pub fn open_fds() -> usize {
 
 /// testdev's BAR0 registers (docs/testdev.md).
 pub mod testdev {
+    #[allow(unused_imports)]
     pub use umdev_mdev::samples::testdev::regs::*;
 }
