@@ -2,6 +2,7 @@
 
 mod demo;
 mod pinbench;
+mod protobench;
 mod run;
 
 use clap::{Parser, Subcommand};
@@ -46,6 +47,16 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         busy_poll_us: u64,
     },
+    /// Benchmark the vfio-user server: round-trip latency against a bare socket, DMA map cost
+    /// by size, isolation between 64 instances.
+    Protobench {
+        /// One JSON object instead of tables.
+        #[arg(long)]
+        json: bool,
+        /// Fewer samples (for a smoke run).
+        #[arg(long)]
+        quick: bool,
+    },
     /// Benchmark run-split pinning against per-page pinning.
     Pinbench {
         /// One JSON object per line instead of a table.
@@ -68,6 +79,13 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Demo => demo::run(),
+        Command::Protobench { json, quick } => protobench::run(quick).map(|r| {
+            if json {
+                println!("{}", serde_json::to_string(&r).expect("report serializes"));
+            } else {
+                protobench::print(&r);
+            }
+        }),
         Command::Types { json } => run::types(&umdev_mdev::types::Registry::builtin(), json),
         Command::Run { type_name, socket, pin_mode, opts, busy_poll_us } => (|| {
             let mode = match pin_mode.as_str() {

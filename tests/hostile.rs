@@ -445,7 +445,7 @@ fn cases() -> Vec<Case> {
             negotiate: false,
             expect: Errno(EINVAL),
             send: |c, _| {
-                c.negotiate_with(r#"{"capabilities":{"max_msg_fds":8}}"#);
+                c.negotiate_with(r#"{"capabilities":{"max_msg_fds":8}}"#).unwrap();
                 let mut p = le64(1).to_vec();
                 p.extend_from_slice(&[&le64(4)[..], &le32(0), &le32(4), &[0; 8]].concat());
                 cmd(c, 15, &p, &[])
@@ -559,7 +559,7 @@ fn cases() -> Vec<Case> {
 fn run_case(h: &Harness, case: &Case) {
     let mut c = RawClient::connect(&h.socket).unwrap();
     if case.negotiate {
-        c.negotiate();
+        c.negotiate().unwrap();
     }
     let mut fixtures = Fixtures { ram: memfd(1 << 20), extra: Vec::new() };
     (case.send)(&mut c, &mut fixtures);
@@ -571,7 +571,7 @@ fn run_case(h: &Harness, case: &Case) {
             assert_eq!(r.header.size, 16, "{}: an error reply is a bare header", case.name);
             assert!(r.fds.is_empty(), "{}", case.name);
             if !case.negotiate && !h_negotiated(case) {
-                c.negotiate();
+                c.negotiate().unwrap();
             }
             assert!(c.alive(), "{}: the connection must go on", case.name);
         }
@@ -585,7 +585,7 @@ fn run_case(h: &Harness, case: &Case) {
             assert!(c.is_closed(), "{}: expected the server to close", case.name);
             h.wait_idle();
             let mut next = RawClient::connect(&h.socket).unwrap();
-            next.negotiate();
+            next.negotiate().unwrap();
             assert!(next.alive(), "{}: the instance must serve the next client", case.name);
         }
     }

@@ -15,6 +15,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
+pub mod client;
 mod connection;
 pub mod daemon;
 mod eventfd;
