@@ -1,0 +1,102 @@
+//! `umdev types` and `umdev run` as a user runs them: a real process, a real socket, signals.
+
+mod common;
+
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::raw::RawClient;
+
+fn umdev() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_umdev"))
+}
+
+fn wait_for(path: &std::path::Path) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !path.exists() {
+        assert!(Instant::now() < deadline, "{} never appeared", path.display());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn types_lists_the_test_device() {
+    let out = umdev().args(["types", "--json"]).output().unwrap();
+    assert!(out.status.success());
+    let types: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let testdev = types.as_array().unwrap().iter().find(|t| t["name"] == "testdev").expect("testdev listed");
+    assert_eq!(testdev["device_api"], "vfio-pci");
+    assert!(testdev["available_instances"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn run_serves_until_sigterm_then_removes_its_socket() {
+    for signal in [libc::SIGTERM, libc::SIGINT] {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("dev.sock");
+        let mut child = umdev()
+            .args(["run", "--type", "testdev", "--socket"])
+            .arg(&socket)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        wait_for(&socket);
+        let meta = std::fs::metadata(&socket).unwrap();
+        assert!(meta.file_type().is_socket());
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600, "socket mode");
+        let mut c = RawClient::connect(&socket).unwrap();
+        c.negotiate().unwrap();
+        assert!(c.alive());
+        // A signal with a client still connected: a clean exit all the same.
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            nix::sys::signal::Signal::try_from(signal).unwrap(),
+        )
+        .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "umdev run did not exit on signal {signal}");
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        assert!(status.success(), "exit status {status}");
+        assert!(!socket.exists(), "socket removed on exit");
+        assert!(c.is_closed());
+    }
+}
+
+#[test]
+fn run_refuses_a_live_socket_and_replaces_a_stale_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("dev.sock");
+    // A stale socket file (its server died): replaced.
+    drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
+    let mut first = umdev()
+        .args(["run", "--type", "testdev", "--socket"])
+        .arg(&socket)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while RawClient::connect(&socket).is_err() {
+        assert!(Instant::now() < deadline, "the stale socket was not replaced");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // A second server on the same live socket is refused, with a clear error.
+    let second = umdev().args(["run", "--type", "testdev", "--socket"]).arg(&socket).output().unwrap();
+    assert!(!second.status.success());
+    assert!(
+        String::from_utf8_lossy(&second.stderr).contains("in use"),
+        "{}",
+        String::from_utf8_lossy(&second.stderr)
+    );
+    // And an unknown type is an error too.
+    let bad = umdev().args(["run", "--type", "nope", "--socket", "/tmp/x.sock"]).output().unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown device type"));
+    first.kill().unwrap();
+    first.wait().unwrap();
+}

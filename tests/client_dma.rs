@@ -1,0 +1,151 @@
+//! Server-to-client DMA (DMA_READ/DMA_WRITE) for memory the client mapped without an fd,
+//! with the client sending its own requests while the server's request is outstanding, as
+//! QEMU does: the server must keep serving them.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::raw::*;
+use common::testdev::*;
+use common::Harness;
+use umdev_server::wire::{flags, Command, Header, HEADER_SIZE};
+
+const MSG_IOVA: u64 = 0xc_0000;
+
+fn write_reg(c: &mut RawClient, reg: u64, v: u32) {
+    let r = c.region_write(0, reg, &v.to_le_bytes()).unwrap();
+    assert_eq!(r.errno(), 0);
+}
+
+fn read_reg(c: &mut RawClient, reg: u64) -> u32 {
+    let r = c.region_read(0, reg, 4).unwrap();
+    assert_eq!(r.errno(), 0);
+    u32::from_le_bytes(r.payload[16..20].try_into().unwrap())
+}
+
+/// Rings DMA_CMD; returns the server's first DMA request, which may arrive before or after
+/// the reply to the ringing write (server requests interleave with replies).
+fn ring(c: &mut RawClient, cmd: u32) -> umdev_server::client::Reply {
+    let id = c
+        .send(
+            Command::RegionWrite as u16,
+            flags::TYPE_COMMAND,
+            &region_write_payload(0, DMA_CMD, &cmd.to_le_bytes()),
+            &[],
+        )
+        .unwrap();
+    let (mut request, mut replied) = (None, false);
+    while request.is_none() || !replied {
+        let m = c.recv().unwrap();
+        if m.header.message_type() == flags::TYPE_REPLY {
+            assert_eq!((m.header.id, m.errno()), (id, 0));
+            replied = true;
+        } else {
+            assert!(request.is_none(), "one request at a time");
+            request = Some(m);
+        }
+    }
+    request.unwrap()
+}
+
+fn reply(c: &mut RawClient, to: &Header, payload: &[u8]) {
+    let h = Header {
+        id: to.id,
+        command: to.command,
+        size: (HEADER_SIZE + payload.len()) as u32,
+        flags: flags::TYPE_REPLY,
+        error: 0,
+    };
+    c.send_bytes(&[&h.encode()[..], payload].concat(), &[]).unwrap();
+}
+
+#[test]
+fn the_server_keeps_serving_while_its_dma_request_is_pending() {
+    let h = Harness::new("testdev");
+    let mut c = RawClient::connect(&h.socket).unwrap();
+    c.negotiate().unwrap();
+    // A region mapped without an fd: the device can reach it only through the client.
+    let r = c.request(Command::DmaMap as u16, &dma_map_payload(3, 0, MSG_IOVA, 0x20000), &[]).unwrap();
+    assert_eq!(r.errno(), 0);
+
+    // Checksum 100 KiB of it: more than one 64 KiB DMA_READ.
+    write_reg(&mut c, DMA_ADDR_LO, MSG_IOVA as u32);
+    write_reg(&mut c, DMA_ADDR_HI, 0);
+    write_reg(&mut c, DMA_LEN, 100_000);
+    let mut first = Some(ring(&mut c, CMD_CHECKSUM));
+
+    let mut served_meanwhile = 0;
+    let mut expected_sum = 0u32;
+    let mut offset = 0u64;
+    while offset < 100_000 {
+        let req = match first.take() {
+            Some(r) => r,
+            None => c.recv().unwrap(),
+        };
+        assert_eq!(req.header.command, Command::DmaRead as u16, "a DMA_READ from the server");
+        assert_eq!(req.header.message_type(), flags::TYPE_COMMAND);
+        let addr = u64::from_le_bytes(req.payload[0..8].try_into().unwrap());
+        let count = u64::from_le_bytes(req.payload[8..16].try_into().unwrap());
+        assert_eq!(addr, MSG_IOVA + offset);
+        assert!(count <= 64 * 1024, "chunks stay within what QEMU handles");
+        // Before answering, the client asks things of its own: they must be served.
+        assert_eq!(read_reg(&mut c, DMA_STATUS), STATUS_BUSY);
+        assert_eq!(read_reg(&mut c, ID), ID_VALUE);
+        served_meanwhile += 2;
+        let data: Vec<u8> = (0..count).map(|i| ((offset + i) % 251) as u8).collect();
+        expected_sum = data.iter().fold(expected_sum, |s, &b| s.wrapping_add(u32::from(b)));
+        reply(&mut c, &req.header, &[&le64(addr)[..], &le64(count), &data].concat());
+        offset += count;
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while read_reg(&mut c, DMA_STATUS) == STATUS_BUSY {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(read_reg(&mut c, DMA_STATUS), STATUS_DONE);
+    assert_eq!(read_reg(&mut c, DMA_RESULT), expected_sum);
+    assert!(served_meanwhile >= 4);
+
+    // DMA_WRITE: a fill goes out as DMA_WRITE messages carrying the data.
+    write_reg(&mut c, DMA_LEN, 300);
+    write_reg(&mut c, DMA_PATTERN, 0x3c);
+    let req = ring(&mut c, CMD_FILL);
+    assert_eq!(req.header.command, Command::DmaWrite as u16);
+    assert_eq!(u64::from_le_bytes(req.payload[8..16].try_into().unwrap()), 300);
+    assert!(req.payload[16..].iter().all(|&b| b == 0x3c) && req.payload.len() == 316);
+    // An error reply from the client fails the transfer, and the device says so.
+    let err = Header {
+        id: req.header.id,
+        command: req.header.command,
+        size: 16,
+        flags: flags::TYPE_REPLY | flags::ERROR,
+        error: libc::EPERM as u32,
+    };
+    c.send_bytes(&err.encode(), &[]).unwrap();
+    while read_reg(&mut c, DMA_STATUS) == STATUS_BUSY {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(read_reg(&mut c, DMA_STATUS), STATUS_ERROR);
+    assert_eq!(read_reg(&mut c, DMA_RESULT), libc::EPERM as u32);
+    assert_eq!(h.info().protocol.stray_replies, 0);
+}
+
+#[test]
+fn a_client_that_never_answers_does_not_wedge_the_device() {
+    let h = Harness::new("testdev");
+    let mut c = RawClient::connect(&h.socket).unwrap();
+    c.negotiate().unwrap();
+    c.request(Command::DmaMap as u16, &dma_map_payload(3, 0, MSG_IOVA, 0x1000), &[]).unwrap();
+    write_reg(&mut c, DMA_ADDR_LO, MSG_IOVA as u32);
+    write_reg(&mut c, DMA_LEN, 16);
+    let req = ring(&mut c, CMD_CHECKSUM);
+    assert_eq!(req.header.command, Command::DmaRead as u16);
+    // The client vanishes instead of answering: the device's transfer fails promptly and the
+    // instance is ready for the next client.
+    drop(c);
+    h.wait_idle();
+    let mut next = RawClient::connect(&h.socket).unwrap();
+    next.negotiate().unwrap();
+    assert_eq!(read_reg(&mut next, DMA_STATUS), STATUS_IDLE, "the next client finds a reset device");
+}
