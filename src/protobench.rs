@@ -87,17 +87,22 @@ fn region_read_request(id: u16) -> Vec<u8> {
     m
 }
 
-/// `n` 4-byte REGION_READ round trips; microseconds each.
-fn region_reads(stream: &mut UnixStream, n: usize) -> Result<Vec<f64>, String> {
-    let request = region_read_request(1);
-    let mut reply = [0u8; 36];
+/// `n` round trips of `request` answered by `reply.len()` bytes; microseconds each.
+fn round_trips(stream: &mut UnixStream, request: &[u8], reply: &mut [u8], n: usize) -> Result<Vec<f64>, String> {
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
         let t = Instant::now();
-        stream.write_all(&request).map_err(|e| e.to_string())?;
-        stream.read_exact(&mut reply).map_err(|e| e.to_string())?;
+        stream.write_all(request).map_err(|e| e.to_string())?;
+        stream.read_exact(reply).map_err(|e| e.to_string())?;
         out.push(t.elapsed().as_nanos() as f64 / 1000.0);
     }
+    Ok(out)
+}
+
+/// `n` 4-byte REGION_READ round trips of testdev's ID register; microseconds each.
+fn region_reads(stream: &mut UnixStream, n: usize) -> Result<Vec<f64>, String> {
+    let mut reply = [0u8; 36];
+    let out = round_trips(stream, &region_read_request(1), &mut reply, n)?;
     if u32::from_le_bytes([reply[32], reply[33], reply[34], reply[35]]) != 0x7564_6576 {
         return Err("REGION_READ returned the wrong value".into());
     }
@@ -120,17 +125,9 @@ fn floor_pair(server_cpu: usize) -> Result<(UnixStream, std::thread::JoinHandle<
     Ok((client, thread))
 }
 
+/// `n` round trips of the floor's messages, the sizes of a 4-byte REGION_READ.
 fn floor_round_trips(stream: &mut UnixStream, n: usize) -> Result<Vec<f64>, String> {
-    let request = [0u8; 32];
-    let mut reply = [0u8; 36];
-    let mut out = Vec::with_capacity(n);
-    for _ in 0..n {
-        let t = Instant::now();
-        stream.write_all(&request).map_err(|e| e.to_string())?;
-        stream.read_exact(&mut reply).map_err(|e| e.to_string())?;
-        out.push(t.elapsed().as_nanos() as f64 / 1000.0);
-    }
-    Ok(out)
+    round_trips(stream, &[0u8; 32], &mut [0u8; 36], n)
 }
 
 /// One latency row.
