@@ -1,6 +1,7 @@
 //! `umdev`: the vfio-user mediated-device server and its tools.
 
 mod demo;
+mod manage;
 mod pinbench;
 mod protobench;
 mod run;
@@ -14,19 +15,110 @@ use clap::{Parser, Subcommand};
     about = "vfio-user server for mediated devices, with an external page-pinning engine"
 )]
 struct Cli {
+    /// Directory of the daemon's control socket and instance sockets.
+    #[arg(long, global = true)]
+    run_dir: Option<std::path::PathBuf>,
+    /// Directory of persistent device definitions.
+    #[arg(long, global = true)]
+    state_dir: Option<std::path::PathBuf>,
     #[command(subcommand)]
     command: Command,
+}
+
+/// Options of every instance-creating command.
+#[derive(clap::Args)]
+struct CreateArgs {
+    /// How the instance pins guest pages: track or lock.
+    #[arg(long)]
+    pin_mode: Option<String>,
+    /// Type-specific option, key=value (repeatable).
+    #[arg(long = "opt")]
+    opts: Vec<String>,
+}
+
+impl CreateArgs {
+    fn options(&self) -> Result<umdev_mdev::types::InstanceOptions, String> {
+        use umdev_mdev::types::PinModeName;
+        let pin_mode = match self.pin_mode.as_deref() {
+            None => None,
+            Some("track") => Some(PinModeName::Track),
+            Some("lock") => Some(PinModeName::Lock),
+            Some(other) => return Err(format!("unknown pin mode {other:?} (track or lock)")),
+        };
+        Ok(umdev_mdev::types::InstanceOptions { pin_mode, params: run::parse_params(&self.opts)? })
+    }
 }
 
 #[derive(Subcommand)]
 enum Command {
     /// The main job: show run-split pinning end to end and verify every byte.
     Demo,
-    /// List the device types.
+    /// List the device types and their available instances.
     Types {
         /// JSON instead of text.
         #[arg(long)]
         json: bool,
+    },
+    /// Run the daemon: a control socket and every started instance, until SIGINT/SIGTERM.
+    Daemon {
+        /// Opt-in adaptive busy-polling after each reply, up to this many microseconds.
+        #[arg(long, default_value_t = 0)]
+        busy_poll_us: u64,
+    },
+    /// Start an instance of a type, or a defined device by UUID.
+    Start {
+        /// Device type (omit to start the definition of --uuid).
+        #[arg(long = "type")]
+        type_name: Option<String>,
+        /// The instance's UUID (generated if omitted).
+        #[arg(long, short = 'u')]
+        uuid: Option<String>,
+        #[command(flatten)]
+        create: CreateArgs,
+    },
+    /// Stop an instance (refused while a client is connected, unless --force).
+    Stop {
+        /// The instance's UUID.
+        #[arg(long, short = 'u')]
+        uuid: String,
+        /// Disconnect a connected client (the device is reset).
+        #[arg(long)]
+        force: bool,
+    },
+    /// List running instances, or with --defined the persistent definitions.
+    List {
+        /// The definitions instead of running instances.
+        #[arg(long)]
+        defined: bool,
+        /// JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Define a persistent device (it is not started; --auto starts it with the daemon).
+    Define {
+        /// Device type.
+        #[arg(long = "type")]
+        type_name: String,
+        /// The device's UUID (generated if omitted).
+        #[arg(long, short = 'u')]
+        uuid: Option<String>,
+        /// Start it whenever the daemon starts.
+        #[arg(long)]
+        auto: bool,
+        #[command(flatten)]
+        create: CreateArgs,
+    },
+    /// Remove a persistent definition (a running instance keeps running).
+    Undefine {
+        /// The device's UUID.
+        #[arg(long, short = 'u')]
+        uuid: String,
+    },
+    /// An instance's counters as JSON: messages per command, errors, pins, runs, pages, ...
+    Stats {
+        /// The instance's UUID.
+        #[arg(long, short = 'u')]
+        uuid: String,
     },
     /// Serve one device instance in the foreground on a UNIX socket (for QEMU's
     /// `-device vfio-user-pci,socket=...`).
@@ -37,12 +129,8 @@ enum Command {
         /// Socket path to listen on (created mode 0600, removed on exit).
         #[arg(long)]
         socket: std::path::PathBuf,
-        /// How the instance pins guest pages: track or lock.
-        #[arg(long, default_value = "track")]
-        pin_mode: String,
-        /// Type-specific option, key=value (repeatable).
-        #[arg(long = "opt")]
-        opts: Vec<String>,
+        #[command(flatten)]
+        create: CreateArgs,
         /// Opt-in adaptive busy-polling after each reply, up to this many microseconds.
         #[arg(long, default_value_t = 0)]
         busy_poll_us: u64,
@@ -77,6 +165,7 @@ fn main() {
     unsafe { libc::umask(0o077) };
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let cli = Cli::parse();
+    let dirs = manage::Dirs::resolve(cli.run_dir, cli.state_dir);
     let result = match cli.command {
         Command::Demo => demo::run(),
         Command::Protobench { json, quick } => protobench::run(quick).map(|r| {
@@ -86,17 +175,21 @@ fn main() {
                 protobench::print(&r);
             }
         }),
-        Command::Types { json } => run::types(&umdev_mdev::types::Registry::builtin(), json),
-        Command::Run { type_name, socket, pin_mode, opts, busy_poll_us } => (|| {
-            let mode = match pin_mode.as_str() {
-                "track" => umdev_mdev::types::PinModeName::Track,
-                "lock" => umdev_mdev::types::PinModeName::Lock,
-                other => return Err(format!("unknown pin mode {other:?} (track or lock)")),
-            };
-            let options = umdev_mdev::types::InstanceOptions {
-                pin_mode: Some(mode),
-                params: run::parse_params(&opts)?,
-            };
+        Command::Types { json } => manage::types(&dirs, json),
+        Command::Daemon { busy_poll_us } => {
+            manage::daemon(&dirs, std::time::Duration::from_micros(busy_poll_us))
+        }
+        Command::Start { type_name, uuid, create } => {
+            create.options().and_then(|o| manage::start(&dirs, type_name, uuid.as_deref(), o))
+        }
+        Command::Stop { uuid, force } => manage::stop(&dirs, &uuid, force),
+        Command::List { defined, json } => manage::list(&dirs, defined, json),
+        Command::Define { type_name, uuid, auto, create } => {
+            create.options().and_then(|o| manage::define(&dirs, &type_name, uuid.as_deref(), auto, o))
+        }
+        Command::Undefine { uuid } => manage::undefine(&dirs, &uuid),
+        Command::Stats { uuid } => manage::stats(&dirs, &uuid),
+        Command::Run { type_name, socket, create, busy_poll_us } => create.options().and_then(|options| {
             let args = run::RunArgs {
                 type_name,
                 socket,
@@ -104,7 +197,7 @@ fn main() {
                 busy_poll: std::time::Duration::from_micros(busy_poll_us),
             };
             run::run(&umdev_mdev::types::Registry::builtin(), args)
-        })(),
+        }),
         Command::Pinbench { json, rounds, batch_us } => pinbench_cmd(json, rounds, batch_us),
     };
     if let Err(e) = result {

@@ -88,7 +88,12 @@ fn region_read_request(id: u16) -> Vec<u8> {
 }
 
 /// `n` round trips of `request` answered by `reply.len()` bytes; microseconds each.
-fn round_trips(stream: &mut UnixStream, request: &[u8], reply: &mut [u8], n: usize) -> Result<Vec<f64>, String> {
+fn round_trips(
+    stream: &mut UnixStream,
+    request: &[u8],
+    reply: &mut [u8],
+    n: usize,
+) -> Result<Vec<f64>, String> {
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
         let t = Instant::now();

@@ -1,5 +1,5 @@
-//! `umdev types` and `umdev run`: list the device types; serve one instance in the
-//! foreground, the command a QEMU user runs beside `-device vfio-user-pci,socket=...`.
+//! `umdev run`: serve one instance in the foreground, the command a QEMU user runs beside
+//! `-device vfio-user-pci,socket=...`.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -8,33 +8,6 @@ use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use umdev_mdev::types::{InstanceOptions, Registry};
 use umdev_server::{Daemon, InstanceConfig};
-
-/// Prints the types, as a table or JSON.
-pub fn types(registry: &Registry, json: bool) -> Result<(), String> {
-    if json {
-        let list: Vec<_> = registry
-            .types()
-            .iter()
-            .map(|t| {
-                serde_json::json!({
-                    "name": t.name(),
-                    "description": t.description(),
-                    "device_api": t.device_api(),
-                    "available_instances": t.available_instances(),
-                })
-            })
-            .collect();
-        println!("{}", serde_json::to_string_pretty(&list).map_err(|e| e.to_string())?);
-        return Ok(());
-    }
-    for t in registry.types() {
-        println!("{}", t.name());
-        println!("  Available instances: {}", t.available_instances());
-        println!("  Device API: {}", t.device_api());
-        println!("  Description: {}", t.description());
-    }
-    Ok(())
-}
 
 /// Parses `key=value` options.
 pub fn parse_params(pairs: &[String]) -> Result<std::collections::BTreeMap<String, String>, String> {

@@ -215,7 +215,7 @@ impl Instance {
 }
 
 /// Binds `path` mode 0600, replacing a stale socket left by a dead server.
-fn bind(path: &Path) -> Result<UnixListener, DaemonError> {
+pub(crate) fn bind(path: &Path) -> Result<UnixListener, DaemonError> {
     let io_err = |what, source| DaemonError::Io { what, path: path.to_path_buf(), source };
     let listener = match UnixListener::bind(path) {
         Ok(l) => l,

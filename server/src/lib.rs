@@ -17,8 +17,10 @@
 
 pub mod client;
 mod connection;
+pub mod control;
 pub mod daemon;
 mod eventfd;
+pub mod lifecycle;
 mod link;
 mod session;
 mod socket;

@@ -1,0 +1,392 @@
+//! Instance lifecycle, after mdevctl: types from a registry, instances by UUID, persistent
+//! definitions.
+//!
+//! The [`Manager`] owns the daemon's instances. Each is created from a type (reserving its
+//! capacity) and served on `<run-dir>/<uuid>.sock`; stopping it frees the socket and the
+//! capacity. [`Definitions`] are JSON files in a state directory, one per UUID. As with
+//! mdevctl, defining a device does not start it; `start --uuid` starts a definition; definitions
+//! marked `auto` start with the daemon.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+use umdev_mdev::types::{InstanceOptions, Registry, TypeError};
+use uuid::Uuid;
+
+use crate::daemon::{Daemon, DaemonError, InstanceConfig, InstanceInfo};
+
+/// Why a lifecycle operation failed.
+#[derive(Debug, Error)]
+pub enum LifecycleError {
+    /// No such device type.
+    #[error("unknown device type {0:?} (see `umdev types`)")]
+    UnknownType(String),
+    /// The type has no capacity left.
+    #[error("type {0} has no available instances")]
+    Exhausted(String),
+    /// A running instance already has this UUID.
+    #[error("an instance with UUID {0} is already running")]
+    DuplicateUuid(Uuid),
+    /// No running instance has this UUID.
+    #[error("no running instance has UUID {0}")]
+    UnknownUuid(Uuid),
+    /// A definition already has this UUID.
+    #[error("a device with UUID {0} is already defined")]
+    AlreadyDefined(Uuid),
+    /// No definition has this UUID.
+    #[error("no device with UUID {0} is defined")]
+    NotDefined(Uuid),
+    /// Neither a type nor a definition to start from.
+    #[error("give a type, or the UUID of a defined device")]
+    NoType,
+    /// A client is connected and the stop was not forced.
+    #[error("instance {0} has a client connected; use --force to disconnect it")]
+    Busy(Uuid),
+    /// A bad option for the type.
+    #[error("{0}")]
+    BadOption(String),
+    /// The device could not be built, or its socket not served.
+    #[error("{0}")]
+    Failed(String),
+    /// Reading or writing definitions failed.
+    #[error("{what} {}: {source}", path.display())]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: io::Error,
+    },
+}
+
+impl LifecycleError {
+    /// The errno a sysfs-style interface would report.
+    pub fn errno(&self) -> i32 {
+        match self {
+            LifecycleError::UnknownType(_)
+            | LifecycleError::UnknownUuid(_)
+            | LifecycleError::NotDefined(_) => libc::ENOENT,
+            LifecycleError::Exhausted(_) => libc::EUSERS,
+            LifecycleError::DuplicateUuid(_) | LifecycleError::AlreadyDefined(_) => libc::EEXIST,
+            LifecycleError::Busy(_) => libc::EBUSY,
+            LifecycleError::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
+            _ => libc::EINVAL,
+        }
+    }
+
+    fn from_type(e: TypeError) -> Self {
+        match e {
+            TypeError::UnknownType(t) => LifecycleError::UnknownType(t),
+            TypeError::Exhausted(t) => LifecycleError::Exhausted(t),
+            TypeError::BadOption { .. } => LifecycleError::BadOption(e.to_string()),
+            TypeError::Create { .. } => LifecycleError::Failed(e.to_string()),
+        }
+    }
+}
+
+/// A persistent device definition (`<state-dir>/<uuid>.json`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Definition {
+    /// The device's UUID.
+    pub uuid: Uuid,
+    /// Its type.
+    pub mdev_type: String,
+    /// `auto`: started with the daemon; `manual`: only by `umdev start --uuid`.
+    pub start: StartPolicy,
+    /// Creation options.
+    #[serde(default)]
+    pub options: InstanceOptions,
+}
+
+/// When a defined device starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StartPolicy {
+    /// With the daemon.
+    Auto,
+    /// On request.
+    Manual,
+}
+
+/// The definitions in a state directory.
+#[derive(Clone, Debug)]
+pub struct Definitions {
+    dir: PathBuf,
+}
+
+impl Definitions {
+    /// Definitions kept in `dir` (created when the first is written).
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        Definitions { dir: dir.into() }
+    }
+
+    fn path(&self, uuid: &Uuid) -> PathBuf {
+        self.dir.join(format!("{uuid}.json"))
+    }
+
+    fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> LifecycleError + 'a {
+        move |source| LifecycleError::Io { what, path: path.to_path_buf(), source }
+    }
+
+    /// Writes a new definition; fails if the UUID is already defined.
+    pub fn define(&self, def: &Definition) -> Result<(), LifecycleError> {
+        std::fs::create_dir_all(&self.dir).map_err(Self::io("creating", &self.dir))?;
+        let path = self.path(&def.uuid);
+        if path.exists() {
+            return Err(LifecycleError::AlreadyDefined(def.uuid));
+        }
+        let text = serde_json::to_string_pretty(def).map_err(|e| LifecycleError::Failed(e.to_string()))?;
+        // Write then rename: a crash never leaves a half-written definition.
+        let tmp = self.dir.join(format!(".{}.tmp", def.uuid));
+        std::fs::write(&tmp, text + "\n").map_err(Self::io("writing", &tmp))?;
+        std::fs::rename(&tmp, &path).map_err(Self::io("renaming", &path))
+    }
+
+    /// Removes a definition.
+    pub fn undefine(&self, uuid: &Uuid) -> Result<(), LifecycleError> {
+        let path = self.path(uuid);
+        match std::fs::remove_file(&path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Err(LifecycleError::NotDefined(*uuid)),
+            Err(e) => Err(Self::io("removing", &path)(e)),
+        }
+    }
+
+    /// The definition of `uuid`.
+    pub fn get(&self, uuid: &Uuid) -> Result<Definition, LifecycleError> {
+        let path = self.path(uuid);
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(LifecycleError::NotDefined(*uuid)),
+            Err(e) => return Err(Self::io("reading", &path)(e)),
+        };
+        serde_json::from_str(&text).map_err(|e| LifecycleError::Failed(format!("{}: {e}", path.display())))
+    }
+
+    /// Every readable definition, by UUID; unreadable files are logged and skipped.
+    pub fn list(&self) -> Vec<Definition> {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return Vec::new();
+        };
+        let mut defs: Vec<Definition> = entries
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().to_string();
+                let uuid = Uuid::parse_str(name.strip_suffix(".json")?).ok()?;
+                self.get(&uuid).inspect_err(|err| log::warn!("skipping definition {name}: {err}")).ok()
+            })
+            .collect();
+        defs.sort_by_key(|d| d.uuid);
+        defs
+    }
+}
+
+/// A running instance, as `umdev list` shows it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct InstanceSummary {
+    /// UUID.
+    pub uuid: Uuid,
+    /// Type.
+    pub mdev_type: String,
+    /// Socket clients connect to.
+    pub socket: PathBuf,
+    /// A client is connected.
+    pub connected: bool,
+    /// Options it was created with.
+    pub options: InstanceOptions,
+}
+
+/// A type, as `umdev types` shows it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct TypeSummary {
+    /// Name.
+    pub name: String,
+    /// Description.
+    pub description: String,
+    /// Device API.
+    pub device_api: String,
+    /// Instances that can still be created.
+    pub available_instances: u32,
+}
+
+struct Record {
+    mdev_type: String,
+    options: InstanceOptions,
+    socket: PathBuf,
+}
+
+/// The daemon's instances and the types they come from.
+pub struct Manager {
+    registry: Registry,
+    daemon: Daemon,
+    run_dir: PathBuf,
+    definitions: Definitions,
+    instances: Mutex<BTreeMap<Uuid, Record>>,
+    /// Applied to every instance (limits, timeouts); id, socket and pin mode are set per instance.
+    template: InstanceConfig,
+}
+
+impl Manager {
+    /// A manager serving instance sockets in `run_dir`, definitions in `definitions`.
+    pub fn new(
+        registry: Registry,
+        run_dir: impl Into<PathBuf>,
+        definitions: Definitions,
+        template: InstanceConfig,
+    ) -> Self {
+        Manager {
+            registry,
+            daemon: Daemon::new(),
+            run_dir: run_dir.into(),
+            definitions,
+            instances: Mutex::new(BTreeMap::new()),
+            template,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<Uuid, Record>> {
+        self.instances.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The definitions store.
+    pub fn definitions(&self) -> &Definitions {
+        &self.definitions
+    }
+
+    /// The types and their capacity now.
+    pub fn types(&self) -> Vec<TypeSummary> {
+        self.registry
+            .types()
+            .iter()
+            .map(|t| TypeSummary {
+                name: t.name().to_string(),
+                description: t.description().to_string(),
+                device_api: t.device_api().to_string(),
+                available_instances: t.available_instances(),
+            })
+            .collect()
+    }
+
+    /// Starts an instance: of `mdev_type` with `options`, or (type `None`) the definition of
+    /// `uuid`. A missing UUID is generated.
+    pub fn start(
+        &self,
+        mdev_type: Option<&str>,
+        uuid: Option<Uuid>,
+        options: InstanceOptions,
+    ) -> Result<InstanceSummary, LifecycleError> {
+        let (mdev_type, uuid, options) = match (mdev_type, uuid) {
+            (Some(t), uuid) => (t.to_string(), uuid.unwrap_or_else(Uuid::new_v4), options),
+            (None, Some(uuid)) => {
+                let def = self.definitions.get(&uuid)?;
+                (def.mdev_type, uuid, def.options)
+            }
+            (None, None) => return Err(LifecycleError::NoType),
+        };
+        let mut instances = self.lock();
+        if instances.contains_key(&uuid) {
+            return Err(LifecycleError::DuplicateUuid(uuid));
+        }
+        let ty = self.registry.find(&mdev_type).map_err(LifecycleError::from_type)?;
+        let device = ty.create(&options).map_err(LifecycleError::from_type)?;
+        let socket = self.run_dir.join(format!("{uuid}.sock"));
+        let mut config = self.template.clone();
+        config.id = uuid.to_string();
+        config.socket = socket.clone();
+        config.dma.mode = options.pin_mode();
+        self.daemon.start(device, config).map_err(|e| LifecycleError::Failed(e.to_string()))?;
+        log::info!("started {mdev_type} instance {uuid} on {}", socket.display());
+        instances.insert(
+            uuid,
+            Record { mdev_type: mdev_type.clone(), options: options.clone(), socket: socket.clone() },
+        );
+        Ok(InstanceSummary { uuid, mdev_type, socket, connected: false, options })
+    }
+
+    /// Stops an instance; refused while a client is connected unless `force`, which
+    /// disconnects it and resets the device. Frees its socket and capacity.
+    pub fn stop(&self, uuid: Uuid, force: bool) -> Result<(), LifecycleError> {
+        let mut instances = self.lock();
+        if !instances.contains_key(&uuid) {
+            return Err(LifecycleError::UnknownUuid(uuid));
+        }
+        match self.daemon.stop(&uuid.to_string(), force) {
+            Ok(()) => {}
+            Err(DaemonError::Busy(_)) => return Err(LifecycleError::Busy(uuid)),
+            Err(e) => return Err(LifecycleError::Failed(e.to_string())),
+        }
+        instances.remove(&uuid);
+        log::info!("stopped instance {uuid}");
+        Ok(())
+    }
+
+    /// The running instances.
+    pub fn list(&self) -> Vec<InstanceSummary> {
+        self.lock()
+            .iter()
+            .map(|(uuid, r)| InstanceSummary {
+                uuid: *uuid,
+                mdev_type: r.mdev_type.clone(),
+                socket: r.socket.clone(),
+                connected: self.daemon.info(&uuid.to_string()).is_some_and(|i| i.connected),
+                options: r.options.clone(),
+            })
+            .collect()
+    }
+
+    /// One instance's counters.
+    pub fn stats(&self, uuid: Uuid) -> Result<InstanceInfo, LifecycleError> {
+        self.daemon.info(&uuid.to_string()).ok_or(LifecycleError::UnknownUuid(uuid))
+    }
+
+    /// Starts every `auto` definition; returns what failed.
+    pub fn autostart(&self) -> Vec<(Uuid, LifecycleError)> {
+        self.definitions
+            .list()
+            .into_iter()
+            .filter(|d| d.start == StartPolicy::Auto)
+            .filter_map(|d| {
+                self.start(None, Some(d.uuid), InstanceOptions::default()).err().map(|e| (d.uuid, e))
+            })
+            .collect()
+    }
+
+    /// Stops everything.
+    pub fn shutdown(&self) {
+        self.daemon.shutdown();
+        self.lock().clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn definitions_round_trip_and_refuse_duplicates() {
+        let dir = std::env::temp_dir().join(format!("umdev-defs-{}", std::process::id()));
+        let defs = Definitions::new(&dir);
+        let uuid = Uuid::new_v4();
+        let def = Definition {
+            uuid,
+            mdev_type: "testdev".into(),
+            start: StartPolicy::Auto,
+            options: Default::default(),
+        };
+        defs.define(&def).unwrap();
+        assert!(matches!(defs.define(&def), Err(LifecycleError::AlreadyDefined(_))));
+        assert_eq!(defs.get(&uuid).unwrap(), def);
+        assert_eq!(defs.list(), vec![def]);
+        // A stray file is skipped, not fatal.
+        std::fs::write(dir.join("junk.json"), "{").unwrap();
+        assert_eq!(defs.list().len(), 1);
+        defs.undefine(&uuid).unwrap();
+        assert!(matches!(defs.undefine(&uuid), Err(LifecycleError::NotDefined(_))));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,206 @@
+//! The mdevctl-style lifecycle through the CLI, against a real `umdev daemon` process:
+//! start/stop/list/define/undefine/stats/types, every error a user can hit, and
+//! persistence across a daemon restart.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::raw::RawClient;
+
+struct Env {
+    _dir: tempfile::TempDir,
+    run: PathBuf,
+    state: PathBuf,
+}
+
+impl Env {
+    fn new() -> Env {
+        let dir = tempfile::tempdir().unwrap();
+        let (run, state) = (dir.path().join("run"), dir.path().join("state"));
+        Env { _dir: dir, run, state }
+    }
+
+    fn umdev(&self, args: &[&str]) -> Output {
+        Command::new(env!("CARGO_BIN_EXE_umdev"))
+            .arg("--run-dir")
+            .arg(&self.run)
+            .arg("--state-dir")
+            .arg(&self.state)
+            .args(args)
+            .output()
+            .unwrap()
+    }
+
+    /// Runs a command that must succeed; its stdout.
+    fn ok(&self, args: &[&str]) -> String {
+        let out = self.umdev(args);
+        assert!(out.status.success(), "umdev {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// Runs a command that must fail; its stderr.
+    fn fails(&self, args: &[&str]) -> String {
+        let out = self.umdev(args);
+        assert!(!out.status.success(), "umdev {args:?} should have failed");
+        String::from_utf8(out.stderr).unwrap()
+    }
+
+    fn daemon(&self) -> Daemon {
+        let child = Command::new(env!("CARGO_BIN_EXE_umdev"))
+            .arg("--run-dir")
+            .arg(&self.run)
+            .arg("--state-dir")
+            .arg(&self.state)
+            .arg("daemon")
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let control = self.run.join("control.sock");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::os::unix::net::UnixStream::connect(&control).is_err() {
+            assert!(Instant::now() < deadline, "the daemon never came up");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Daemon { child }
+    }
+
+    fn list(&self) -> Vec<serde_json::Value> {
+        serde_json::from_str::<serde_json::Value>(&self.ok(&["list", "--json"]))
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .clone()
+    }
+
+    fn available(&self, ty: &str) -> u64 {
+        let types: serde_json::Value = serde_json::from_str(&self.ok(&["types", "--json"])).unwrap();
+        types.as_array().unwrap().iter().find(|t| t["name"] == ty).unwrap()["available_instances"]
+            .as_u64()
+            .unwrap()
+    }
+}
+
+struct Daemon {
+    child: Child,
+}
+
+impl Daemon {
+    fn stop(mut self) {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "daemon exit {status}");
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn socket_of(line: &str) -> PathBuf {
+    PathBuf::from(line.split_whitespace().nth(1).expect("uuid socket"))
+}
+
+const UUID: &str = "5a1e4c36-0f8e-4a5e-9d2f-000000000001";
+
+#[test]
+fn lifecycle_commands_and_their_errors() {
+    let env = Env::new();
+    // No daemon yet.
+    assert!(env.fails(&["list"]).contains("daemon is not running"));
+    assert!(env.fails(&["start", "--type", "testdev"]).contains("daemon is not running"));
+    let daemon = env.daemon();
+
+    let before = env.available("testdev");
+    let started = env.ok(&["start", "--type", "testdev", "--uuid", UUID]);
+    assert!(started.starts_with(UUID));
+    let socket = socket_of(&started);
+    assert_eq!(socket, env.run.join(format!("{UUID}.sock")));
+    assert_eq!(env.available("testdev"), before - 1, "capacity follows creation");
+    let generated = env.ok(&["start", "--type", "testdev", "--pin-mode", "lock"]);
+    let generated_uuid = generated.split_whitespace().next().unwrap().to_string();
+    assert!(uuid::Uuid::parse_str(&generated_uuid).is_ok(), "a UUID is generated");
+    assert_eq!(env.list().len(), 2);
+
+    // Errors: duplicate UUID, bad UUID, unknown type, bad option, unknown UUID.
+    assert!(env.fails(&["start", "--type", "testdev", "--uuid", UUID]).contains("already running"));
+    assert!(env.fails(&["start", "--type", "testdev", "--uuid", "not-a-uuid"]).contains("not a UUID"));
+    assert!(env.fails(&["start", "--type", "nope"]).contains("unknown device type"));
+    assert!(env.fails(&["start", "--type", "testdev", "--opt", "size=1"]).contains("unknown parameter"));
+    assert!(env.fails(&["start", "--type", "testdev", "--pin-mode", "pinned"]).contains("unknown pin mode"));
+    assert!(env
+        .fails(&["stop", "--uuid", "5a1e4c36-0f8e-4a5e-9d2f-00000000ffff"])
+        .contains("no running instance"));
+    assert!(env.fails(&["start"]).contains("give a type"));
+
+    // Stop: refused while a client is connected, unless forced (which disconnects it).
+    let mut client = RawClient::connect(&socket).unwrap();
+    client.negotiate().unwrap();
+    let listed = env.list();
+    let entry = listed.iter().find(|i| i["uuid"] == UUID).unwrap();
+    assert_eq!(entry["connected"], true);
+    assert!(env.fails(&["stop", "--uuid", UUID]).contains("--force"));
+    assert!(client.alive(), "the refused stop left the client alone");
+    env.ok(&["stop", "--uuid", UUID, "--force"]);
+    assert!(client.is_closed());
+    assert!(!socket.exists(), "the socket is freed");
+    assert_eq!(env.available("testdev"), before - 1, "capacity freed (one instance left)");
+
+    // Stats of the remaining instance: JSON with the documented counters.
+    let stats: serde_json::Value =
+        serde_json::from_str(&env.ok(&["stats", "--uuid", &generated_uuid])).unwrap();
+    for key in ["pin_calls", "runs", "pages", "locked_bytes", "unmap_waits"] {
+        assert!(stats["dma"].get(key).is_some(), "stats lack dma.{key}: {stats}");
+    }
+    assert!(stats["protocol"].get("messages").is_some() && stats["protocol"].get("errors").is_some());
+    env.ok(&["stop", "-u", &generated_uuid]);
+    assert_eq!(env.available("testdev"), before);
+    daemon.stop();
+    assert!(!env.run.join("control.sock").exists(), "the control socket is removed on exit");
+}
+
+#[test]
+fn definitions_persist_and_auto_ones_start_with_the_daemon() {
+    let env = Env::new();
+    let auto = "5a1e4c36-0f8e-4a5e-9d2f-00000000aaaa";
+    let manual = "5a1e4c36-0f8e-4a5e-9d2f-00000000bbbb";
+    // Defining needs no daemon, as with mdevctl.
+    env.ok(&["define", "--type", "testdev", "--uuid", auto, "--auto"]);
+    env.ok(&["define", "--type", "testdev", "--uuid", manual, "--pin-mode", "lock"]);
+    assert!(env.fails(&["define", "--type", "testdev", "--uuid", auto]).contains("already defined"));
+    assert!(env.fails(&["define", "--type", "nope"]).contains("unknown device type"));
+    let defined: serde_json::Value = serde_json::from_str(&env.ok(&["list", "--defined", "--json"])).unwrap();
+    assert_eq!(defined.as_array().unwrap().len(), 2);
+    assert!(env.ok(&["list", "--defined"]).contains(&format!("{auto} testdev auto")));
+
+    for round in 0..2 {
+        // Each daemon start (a restart, the second time) brings up the auto definition only.
+        let daemon = env.daemon();
+        let running: Vec<String> =
+            env.list().iter().map(|i| i["uuid"].as_str().unwrap().to_string()).collect();
+        assert_eq!(running, vec![auto.to_string()], "round {round}");
+        // The manual one starts by UUID, with the options it was defined with.
+        env.ok(&["start", "--uuid", manual]);
+        let listed = env.list();
+        let m = listed.iter().find(|i| i["uuid"] == manual).unwrap();
+        assert_eq!(m["options"]["pin_mode"], "lock");
+        assert!(Path::new(m["socket"].as_str().unwrap()).exists());
+        daemon.stop();
+    }
+
+    assert!(env.fails(&["undefine", "--uuid", "5a1e4c36-0f8e-4a5e-9d2f-00000000cccc"]).contains("no device"));
+    env.ok(&["undefine", "--uuid", auto]);
+    let daemon = env.daemon();
+    assert!(env.list().is_empty(), "an undefined device no longer starts");
+    assert!(env.fails(&["start", "--uuid", auto]).contains("no device"));
+    daemon.stop();
+}
