@@ -236,7 +236,16 @@ pub struct Registry {
 impl Registry {
     /// The built-in types.
     pub fn builtin() -> Registry {
-        Registry { types: vec![Arc::new(TestDevType { pool: Pool::new(64) })] }
+        // mtty-1 and mtty-2 draw on one pool of ports, as in the kernel's mtty sample.
+        let mtty_ports = Pool::new(crate::samples::mtty::MAX_PORTS);
+        Registry {
+            types: vec![
+                Arc::new(TestDevType { pool: Pool::new(64) }),
+                Arc::new(crate::samples::mtty::MttyType::single(mtty_ports.clone())),
+                Arc::new(crate::samples::mtty::MttyType::dual(mtty_ports)),
+                Arc::new(crate::samples::ccw::CcwType::new(64)),
+            ],
+        }
     }
 
     /// A registry of exactly `types` (for embedding umdev with one's own devices).

@@ -13,6 +13,7 @@ use std::sync::{Arc, MutexGuard};
 
 use smallvec::SmallVec;
 use thiserror::Error;
+use vm_memory::VolatileSlice;
 
 use crate::lock::OverLimit;
 use crate::mapping::{Mapping, MappingPins, MappingState, Released, RunFailure};
@@ -650,6 +651,44 @@ impl PinnedPages {
         Ok(())
     }
 
+    /// Copies `dst.len()` bytes at `offset` of the pinned buffer into `dst`: memory shared
+    /// with others (a device's mmapped store, say), copied with memcpy semantics.
+    pub fn read_volatile(&self, offset: u64, dst: &VolatileSlice<'_>) -> Result<(), AccessError> {
+        self.check(offset, dst.len())?;
+        let mut result = Ok(());
+        self.for_each_piece(offset, dst.len(), |host, at, n| {
+            // SAFETY: [host, host + n) lies in pinned, readable pages this guard keeps mapped.
+            let src = unsafe { VolatileSlice::new(host as *mut u8, n) };
+            if let Ok(d) = dst.subslice(at, n) {
+                src.copy_to_volatile_slice(d);
+            } else {
+                result = Err(AccessError::OutOfRange { offset, len: dst.len() as u64, size: self.size() });
+            }
+        });
+        result
+    }
+
+    /// Copies `src` into the pinned buffer at `offset`. The pages must have been pinned
+    /// with [`Prot::WRITE`].
+    pub fn write_volatile(&self, offset: u64, src: &VolatileSlice<'_>) -> Result<(), AccessError> {
+        if !self.prot.contains(Prot::WRITE) {
+            return Err(AccessError::ReadOnly);
+        }
+        self.check(offset, src.len())?;
+        let mut result = Ok(());
+        self.for_each_piece(offset, src.len(), |host, at, n| {
+            // SAFETY: [host, host + n) lies in pinned pages this guard keeps mapped, writable
+            // since the pin asked for WRITE.
+            let dst = unsafe { VolatileSlice::new(host as *mut u8, n) };
+            if let Ok(s) = src.subslice(at, n) {
+                s.copy_to_volatile_slice(dst);
+            } else {
+                result = Err(AccessError::OutOfRange { offset, len: src.len() as u64, size: self.size() });
+            }
+        });
+        result
+    }
+
     /// Unpins now (the same as dropping the guard).
     pub fn unpin(self) {}
 
@@ -830,6 +869,27 @@ mod tests {
         drop(pins);
         assert_eq!(counts(&space, 0..8), vec![0; 8]);
         assert_eq!(space.stats().pins_held, 0);
+    }
+
+    #[test]
+    fn volatile_copies_cross_runs() {
+        let (space, _f) = space_with(Default::default());
+        let pins = space.pin_pages(&[3, 9, 10], Prot::READ_WRITE).unwrap();
+        let mut buf = vec![0u8; 3 * P as usize];
+        // SAFETY: buf outlives the slice and nothing else touches it meanwhile.
+        let store = unsafe { VolatileSlice::new(buf.as_mut_ptr(), buf.len()) };
+        store.subslice(100, 8200).unwrap().copy_from(&[7u8; 8200]);
+        pins.write_volatile(100, &store.subslice(100, 8200).unwrap()).unwrap();
+        let mut back = vec![0u8; 8200];
+        pins.read(100, &mut back).unwrap();
+        assert_eq!(back, vec![7u8; 8200]);
+        // SAFETY: as above.
+        let out = unsafe { VolatileSlice::new(buf.as_mut_ptr(), 16) };
+        pins.read_volatile(P - 8, &out).unwrap();
+        assert_eq!(&buf[..16], &[7u8; 16]);
+        assert!(pins.read_volatile(3 * P - 8, &out).is_err(), "past the end");
+        let ro = space.pin_pages(&[3], Prot::READ).unwrap();
+        assert_eq!(ro.write_volatile(0, &out), Err(AccessError::ReadOnly));
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Shared test support: a daemon with one instance on a temporary socket, memfds, fd counts.
 #![allow(dead_code)]
 
+pub mod ccw;
 pub mod qemu;
 pub mod raw;
 

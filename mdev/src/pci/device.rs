@@ -91,16 +91,24 @@ impl<F: PciFunction> PciDevice<F> {
         builder: ConfigSpaceBuilder,
         make: impl FnOnce(IrqHandle) -> F,
     ) -> Result<Self, PciDeviceError> {
-        let config = builder.build()?;
+        Self::try_new(builder, |irq| Ok::<_, PciDeviceError>(make(irq)))
+    }
+
+    /// As [`PciDevice::new`], for functions whose construction can fail.
+    pub fn try_new<E: From<PciDeviceError>>(
+        builder: ConfigSpaceBuilder,
+        make: impl FnOnce(IrqHandle) -> Result<F, E>,
+    ) -> Result<Self, E> {
+        let config = builder.build().map_err(PciDeviceError::from)?;
         let irqs = Interrupts::new(&config);
-        let function = make(irqs.handle());
+        let function = make(irqs.handle())?;
         let msix = config.msix().map(|(_, m)| m);
         let mut regions: Vec<RegionInfo> = (0..VFIO_PCI_NUM_REGIONS).map(|_| RegionInfo::absent()).collect();
         for (index, region) in regions.iter_mut().enumerate().take(NUM_BARS) {
             let Some(bar) = config.bar(index) else { continue };
             *region = RegionInfo::read_write(bar.size());
             if let Some(mmap) = function.bar_mmap(index as u8) {
-                check_mmap(index as u8, bar.size(), bar.is_io(), &mmap, msix.as_ref())?;
+                check_mmap(index as u8, bar.size(), bar.is_io(), &mmap, msix.as_ref()).map_err(E::from)?;
                 region.flags |= RegionFlags::MMAP;
                 region.mmap = Some(mmap);
             }

@@ -2,5 +2,9 @@
 //!
 //! - [`testdev`] (type `"testdev"`): registers, DMA, INTx/MSI/MSI-X, a sparse-mmap BAR and
 //!   an I/O BAR; the ABI is in `docs/testdev.md`.
+//! - [`mtty`] (types `"mtty-1"` and `"mtty-2"`): a PCI serial card with one or two 16550A
+//!   UARTs, after the kernel's mtty sample; the ABI is in `docs/mtty.md`.
 
+pub mod ccw;
+pub mod mtty;
 pub mod testdev;

@@ -1,0 +1,591 @@
+//! `ccw`: a channel-I/O-style DMA engine on PCI, the device umdev exists for.
+//!
+//! A driver writes the guest address of a channel program (a chain of CCWs) to a
+//! subchannel's registers and rings its doorbell. A worker thread per subchannel runs the
+//! program ([`program`]): every data-transfer CCW names its guest blocks directly or through
+//! an IDAW list, and all of its pages are pinned with ONE call to the pinning engine, which
+//! cuts them into contiguous runs. Data moves between the pinned pages and the backing store
+//! ([`store`]); a status block goes to guest memory and the subchannel's interrupt fires
+//! (MSI-X vector = subchannel, else MSI, else INTx). The register ABI is in `docs/ccw.md`.
+
+pub mod driver;
+pub mod program;
+
+mod bus;
+mod store;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+use crossbeam::channel::{unbounded, Receiver, Sender};
+use thiserror::Error;
+use umdev_pinning::PinMode;
+
+pub use self::store::Store;
+use self::bus::{BusCounters, PinnedRanges, PinningBus, StopFlag};
+use self::program::{Reason, Status};
+use crate::device::{DeviceContext, DeviceError};
+use crate::irq::IrqHandle;
+use crate::pci::bar::Bar;
+use crate::pci::config::{ClassCode, ConfigSpaceBuilder, PciIds};
+use crate::pci::device::{PciDevice, PciFunction};
+
+/// The type name.
+pub const TYPE_NAME: &str = "ccw";
+/// PCI vendor ID.
+pub const VENDOR_ID: u16 = 0x1234;
+/// PCI device ID.
+pub const DEVICE_ID: u16 = 0x75cc;
+/// BAR0 size.
+pub const BAR0_SIZE: u64 = 4096;
+/// Most subchannels a device may have.
+pub const MAX_SUBCHANNELS: u32 = 16;
+/// Subchannels unless the `subchannels` option says otherwise.
+pub const DEFAULT_SUBCHANNELS: u32 = 4;
+/// RAM disk size unless the `size` option says otherwise (64 MiB).
+pub const DEFAULT_STORE_SIZE: u64 = 64 << 20;
+/// Offset of the MSI-X table in BAR0.
+pub const MSIX_TABLE_OFFSET: u32 = 0x800;
+/// Offset of the MSI-X PBA in BAR0.
+pub const MSIX_PBA_OFFSET: u32 = 0xc00;
+
+/// BAR0 register offsets (all 32-bit, little-endian).
+pub mod regs {
+    /// RO: [`ID_VALUE`].
+    pub const ID: u64 = 0x000;
+    /// RO: ABI version (1).
+    pub const VERSION: u64 = 0x004;
+    /// RO: number of subchannels.
+    pub const SUBCHANNELS: u64 = 0x008;
+    /// RO: pin mode of the instance (0 track, 1 lock).
+    pub const PIN_MODE: u64 = 0x00c;
+    /// RO: store size, low and high halves.
+    pub const STORE_SIZE_LO: u64 = 0x010;
+    /// RO: see [`STORE_SIZE_LO`].
+    pub const STORE_SIZE_HI: u64 = 0x014;
+    /// RO: bit n set while subchannel n has status pending.
+    pub const IRQ_STATUS: u64 = 0x018;
+    /// First subchannel block; subchannel n's is at `SUBCHANNEL_BASE + n * SUBCHANNEL_STRIDE`.
+    pub const SUBCHANNEL_BASE: u64 = 0x100;
+    /// Bytes per subchannel block.
+    pub const SUBCHANNEL_STRIDE: u64 = 0x40;
+    /// RW: channel program address, low half.
+    pub const CPA_LO: u64 = 0x00;
+    /// RW: channel program address, high half.
+    pub const CPA_HI: u64 = 0x04;
+    /// RW: status block address (0: no status block), low half.
+    pub const STATUS_LO: u64 = 0x08;
+    /// RW: status block address, high half.
+    pub const STATUS_HI: u64 = 0x0c;
+    /// WO: [`DOORBELL_START`] or [`DOORBELL_HALT`].
+    pub const DOORBELL: u64 = 0x10;
+    /// RO: [`STATE_IDLE`], [`STATE_BUSY`] or [`STATE_PENDING`].
+    pub const STATE: u64 = 0x14;
+    /// WO: any write clears status pending (back to idle).
+    pub const ACK: u64 = 0x18;
+    /// RO: device status | subchannel status << 8 of the last program.
+    pub const DSTAT_CSTAT: u64 = 0x1c;
+    /// RO: residual count of the last program's last CCW.
+    pub const RESIDUAL: u64 = 0x20;
+    /// RO: reason code of the last program.
+    pub const REASON: u64 = 0x24;
+    /// RO: CCWs the last program executed.
+    pub const CCWS: u64 = 0x28;
+    /// RO: programs this subchannel completed.
+    pub const PROGRAMS: u64 = 0x2c;
+    /// RO: bytes the last program moved, low half.
+    pub const BYTES_LO: u64 = 0x30;
+    /// RO: see [`BYTES_LO`].
+    pub const BYTES_HI: u64 = 0x34;
+    /// RO: address of the CCW after the last one fetched, low half.
+    pub const CPA_OUT_LO: u64 = 0x38;
+    /// RO: see [`CPA_OUT_LO`].
+    pub const CPA_OUT_HI: u64 = 0x3c;
+
+    /// The ID register's value ("ccw!" little-endian).
+    pub const ID_VALUE: u32 = 0x2177_6363;
+    /// Start the channel program at CPA.
+    pub const DOORBELL_START: u32 = 1;
+    /// Stop the running program (it ends with unit exception, reason halted).
+    pub const DOORBELL_HALT: u32 = 2;
+    /// No program, no status.
+    pub const STATE_IDLE: u32 = 0;
+    /// A program is running.
+    pub const STATE_BUSY: u32 = 1;
+    /// A program ended; its status waits for ACK.
+    pub const STATE_PENDING: u32 = 2;
+}
+
+/// Why a ccw device could not be created.
+#[derive(Debug, Error)]
+pub enum CcwError {
+    /// An option is out of range or malformed.
+    #[error("{0}")]
+    Option(String),
+    /// The store could not be created or opened.
+    #[error("backing store: {0}")]
+    Store(std::io::Error),
+    /// The PCI function could not be built.
+    #[error(transparent)]
+    Pci(#[from] crate::pci::device::PciDeviceError),
+    /// A worker thread could not start.
+    #[error("starting a subchannel worker: {0}")]
+    Thread(std::io::Error),
+}
+
+/// How to build a ccw device.
+#[derive(Debug)]
+pub struct CcwConfig {
+    /// Subchannels (1 to [`MAX_SUBCHANNELS`]).
+    pub subchannels: u32,
+    /// The backing store.
+    pub store: Store,
+}
+
+/// The ccw device's config space.
+pub fn config(subchannels: u32) -> ConfigSpaceBuilder {
+    let ids = PciIds {
+        vendor_id: VENDOR_ID,
+        device_id: DEVICE_ID,
+        subsystem_vendor_id: VENDOR_ID,
+        subsystem_id: DEVICE_ID,
+        revision: 1,
+        // Mass storage, other.
+        class: ClassCode { base: 0x01, sub: 0x80, prog_if: 0 },
+    };
+    ConfigSpaceBuilder::new(ids)
+        .bar(0, Bar::mem32(BAR0_SIZE))
+        .interrupt_pin(1)
+        .power_management()
+        .msi(1, false, true)
+        .msix(subchannels as u16, 0, MSIX_TABLE_OFFSET, 0, MSIX_PBA_OFFSET)
+}
+
+/// Creates a ccw device.
+pub fn create(cfg: CcwConfig) -> Result<PciDevice<Ccw>, CcwError> {
+    if cfg.subchannels == 0 || cfg.subchannels > MAX_SUBCHANNELS {
+        return Err(CcwError::Option(format!("subchannels must be 1 to {MAX_SUBCHANNELS}")));
+    }
+    PciDevice::try_new(config(cfg.subchannels), |irq| Ccw::new(irq, cfg))
+}
+
+/// Registers of one subchannel.
+#[derive(Debug, Default)]
+struct SubRegs {
+    cpa: u64,
+    status_addr: u64,
+    state: u32,
+    last: Option<Status>,
+    programs: u32,
+}
+
+#[derive(Debug)]
+struct Subchannel {
+    index: u16,
+    regs: Mutex<SubRegs>,
+    stop: StopFlag,
+    pinned: PinnedRanges,
+}
+
+impl Subchannel {
+    fn regs(&self) -> MutexGuard<'_, SubRegs> {
+        self.regs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A program to run.
+struct Job {
+    ctx: DeviceContext,
+    cpa: u64,
+    status_addr: u64,
+    generation: u64,
+}
+
+/// State shared by the register side and the workers.
+struct Shared {
+    irq: IrqHandle,
+    store: Store,
+    subchannels: Vec<Subchannel>,
+    ctx: Mutex<Option<DeviceContext>>,
+    /// Bumped by reset and detach: a program of an older generation reports nothing.
+    generation: AtomicU64,
+    counters: BusCounters,
+    programs: AtomicU64,
+}
+
+impl Shared {
+    fn ctx(&self) -> MutexGuard<'_, Option<DeviceContext>> {
+        self.ctx.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn irq_status(&self) -> u32 {
+        self.subchannels
+            .iter()
+            .enumerate()
+            .filter(|(_, sc)| sc.regs().state == regs::STATE_PENDING)
+            .fold(0, |bits, (i, _)| bits | 1 << i)
+    }
+
+    /// A program ended: status block, registers, interrupt.
+    fn complete(&self, sc: &Subchannel, job: &Job, status: Status) {
+        if self.generation.load(Ordering::Acquire) != job.generation {
+            return; // reset meanwhile: the program's subchannel state is gone
+        }
+        if job.status_addr != 0 {
+            if let Err(e) = job.ctx.write_guest(job.status_addr, &status.encode()) {
+                log::debug!("ccw: subchannel {}: status block at {:#x}: {e}", sc.index, job.status_addr);
+            }
+        }
+        {
+            let mut r = sc.regs();
+            r.state = regs::STATE_PENDING;
+            r.last = Some(status);
+            r.programs = r.programs.wrapping_add(1);
+        }
+        self.programs.fetch_add(1, Ordering::Relaxed);
+        match self.irq.mode() {
+            crate::irq::IrqMode::Msix => self.irq.raise(sc.index),
+            crate::irq::IrqMode::Msi => self.irq.raise(0),
+            _ => self.irq.intx_assert(),
+        };
+    }
+}
+
+/// The ccw PCI function (serve it through [`PciDevice`]; see [`create`]).
+pub struct Ccw {
+    shared: Arc<Shared>,
+    workers: Vec<(Option<Sender<Job>>, Option<JoinHandle<()>>)>,
+}
+
+impl std::fmt::Debug for Ccw {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ccw").field("subchannels", &self.shared.subchannels.len()).finish_non_exhaustive()
+    }
+}
+
+fn worker(shared: &Shared, index: usize, jobs: &Receiver<Job>) {
+    let sc = &shared.subchannels[index];
+    for job in jobs {
+        let mut bus = PinningBus {
+            ctx: &job.ctx,
+            store: &shared.store,
+            stop: &sc.stop,
+            pinned: &sc.pinned,
+            counters: &shared.counters,
+        };
+        let status = program::run(&mut bus, job.cpa);
+        shared.complete(sc, &job, status);
+    }
+}
+
+impl Ccw {
+    fn new(irq: IrqHandle, cfg: CcwConfig) -> Result<Ccw, CcwError> {
+        let subchannels = (0..cfg.subchannels)
+            .map(|i| Subchannel {
+                index: i as u16,
+                regs: Mutex::new(SubRegs::default()),
+                stop: StopFlag::default(),
+                pinned: PinnedRanges::default(),
+            })
+            .collect();
+        let shared = Arc::new(Shared {
+            irq,
+            store: cfg.store,
+            subchannels,
+            ctx: Mutex::new(None),
+            generation: AtomicU64::new(0),
+            counters: BusCounters::default(),
+            programs: AtomicU64::new(0),
+        });
+        let mut workers = Vec::new();
+        for i in 0..cfg.subchannels as usize {
+            let (tx, rx) = unbounded();
+            let s = shared.clone();
+            let thread = std::thread::Builder::new()
+                .name(format!("umdev-ccw-sch{i}"))
+                .spawn(move || worker(&s, i, &rx))
+                .map_err(CcwError::Thread)?;
+            workers.push((Some(tx), Some(thread)));
+        }
+        Ok(Ccw { shared, workers })
+    }
+
+    /// Programs completed by all subchannels.
+    pub fn programs(&self) -> u64 {
+        self.shared.programs.load(Ordering::Relaxed)
+    }
+
+    /// Pin calls made for data transfers.
+    pub fn pin_calls(&self) -> u32 {
+        self.shared.counters.pin_calls.load(Ordering::Relaxed)
+    }
+
+    fn global_read(&self, offset: u64) -> u32 {
+        match offset {
+            regs::ID => regs::ID_VALUE,
+            regs::VERSION => 1,
+            regs::SUBCHANNELS => self.shared.subchannels.len() as u32,
+            regs::PIN_MODE => {
+                let lock = self.shared.ctx().as_ref().is_some_and(|c| c.dma.mode() == PinMode::Lock);
+                u32::from(lock)
+            }
+            regs::STORE_SIZE_LO => self.shared.store.size() as u32,
+            regs::STORE_SIZE_HI => (self.shared.store.size() >> 32) as u32,
+            regs::IRQ_STATUS => self.shared.irq_status(),
+            _ => 0,
+        }
+    }
+
+    fn subchannel_read(&self, sc: &Subchannel, reg: u64) -> u32 {
+        let r = sc.regs();
+        let last = r.last.unwrap_or(Status {
+            dstat: 0,
+            cstat: 0,
+            residual: 0,
+            cpa: 0,
+            reason: Reason::Ok,
+            ccws: 0,
+            bytes: 0,
+        });
+        match reg {
+            regs::CPA_LO => r.cpa as u32,
+            regs::CPA_HI => (r.cpa >> 32) as u32,
+            regs::STATUS_LO => r.status_addr as u32,
+            regs::STATUS_HI => (r.status_addr >> 32) as u32,
+            regs::STATE => r.state,
+            regs::DSTAT_CSTAT => u32::from(last.dstat) | u32::from(last.cstat) << 8,
+            regs::RESIDUAL => last.residual,
+            regs::REASON => last.reason as u32,
+            regs::CCWS => last.ccws,
+            regs::PROGRAMS => r.programs,
+            regs::BYTES_LO => last.bytes as u32,
+            regs::BYTES_HI => (last.bytes >> 32) as u32,
+            regs::CPA_OUT_LO => last.cpa as u32,
+            regs::CPA_OUT_HI => (last.cpa >> 32) as u32,
+            _ => 0,
+        }
+    }
+
+    fn subchannel_write(&self, index: usize, reg: u64, value: u32) {
+        let sc = &self.shared.subchannels[index];
+        let set_lo = |old: &mut u64| *old = (*old & !0xffff_ffff) | u64::from(value);
+        let set_hi = |old: &mut u64| *old = (*old & 0xffff_ffff) | u64::from(value) << 32;
+        match reg {
+            regs::CPA_LO => set_lo(&mut sc.regs().cpa),
+            regs::CPA_HI => set_hi(&mut sc.regs().cpa),
+            regs::STATUS_LO => set_lo(&mut sc.regs().status_addr),
+            regs::STATUS_HI => set_hi(&mut sc.regs().status_addr),
+            regs::DOORBELL if value == regs::DOORBELL_START => self.start(index),
+            regs::DOORBELL if value == regs::DOORBELL_HALT => sc.stop.request(Reason::Halted),
+            regs::ACK => {
+                {
+                    let mut r = sc.regs();
+                    if r.state == regs::STATE_PENDING {
+                        r.state = regs::STATE_IDLE;
+                    }
+                }
+                if self.shared.irq_status() == 0 {
+                    self.shared.irq.intx_deassert();
+                }
+            }
+            _ => log::debug!("ccw: write of {value:#x} to subchannel {index} register {reg:#x} ignored"),
+        }
+    }
+
+    /// Doorbell START: queues the program if the subchannel is idle (a start while busy or
+    /// with status pending is ignored, as SSCH would refuse it).
+    fn start(&self, index: usize) {
+        let sc = &self.shared.subchannels[index];
+        let Some(ctx) = self.shared.ctx().clone() else {
+            log::debug!("ccw: start on subchannel {index} with no client");
+            return;
+        };
+        let mut r = sc.regs();
+        if r.state != regs::STATE_IDLE {
+            log::debug!("ccw: start on subchannel {index} refused: not idle");
+            return;
+        }
+        let Some(tx) = self.workers.get(index).and_then(|w| w.0.as_ref()) else { return };
+        sc.stop.clear();
+        let job = Job { ctx, cpa: r.cpa, status_addr: r.status_addr, generation: self.shared.generation.load(Ordering::Acquire) };
+        r.state = regs::STATE_BUSY;
+        if tx.send(job).is_err() {
+            r.state = regs::STATE_IDLE;
+        }
+    }
+
+    /// Stops every running program and forgets all subchannel state.
+    fn stop_all(&self) {
+        self.shared.generation.fetch_add(1, Ordering::AcqRel);
+        for sc in &self.shared.subchannels {
+            sc.stop.request(Reason::Halted);
+            *sc.regs() = SubRegs::default();
+        }
+        self.shared.irq.intx_deassert();
+    }
+}
+
+/// Reads a little-endian 32-bit register access (the adapter checked the bounds).
+fn check_dword(offset: u64, len: usize) -> Result<(), DeviceError> {
+    if len == 4 && offset % 4 == 0 {
+        Ok(())
+    } else {
+        Err(DeviceError::BadAccess { region: 0, offset, len: len as u64 })
+    }
+}
+
+impl PciFunction for Ccw {
+    fn bar_read(&self, _bar: u8, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
+        check_dword(offset, data.len())?;
+        let value = if offset < regs::SUBCHANNEL_BASE {
+            self.global_read(offset)
+        } else {
+            let index = ((offset - regs::SUBCHANNEL_BASE) / regs::SUBCHANNEL_STRIDE) as usize;
+            match self.shared.subchannels.get(index) {
+                Some(sc) => self.subchannel_read(sc, (offset - regs::SUBCHANNEL_BASE) % regs::SUBCHANNEL_STRIDE),
+                None => 0,
+            }
+        };
+        data.copy_from_slice(&value.to_le_bytes());
+        Ok(())
+    }
+
+    fn bar_write(&self, _bar: u8, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        check_dword(offset, data.len())?;
+        let value = u32::from_le_bytes([data[0], data[1], data[2], data[3]]);
+        if offset >= regs::SUBCHANNEL_BASE {
+            let index = ((offset - regs::SUBCHANNEL_BASE) / regs::SUBCHANNEL_STRIDE) as usize;
+            if index < self.shared.subchannels.len() {
+                self.subchannel_write(index, (offset - regs::SUBCHANNEL_BASE) % regs::SUBCHANNEL_STRIDE, value);
+            }
+        }
+        Ok(())
+    }
+
+    fn reset(&self) {
+        self.stop_all();
+    }
+
+    fn attach(&self, ctx: &DeviceContext) {
+        *self.shared.ctx() = Some(ctx.clone());
+    }
+
+    fn detach(&self) {
+        self.stop_all();
+        *self.shared.ctx() = None;
+    }
+
+    fn dma_unmap(&self, iova: u64, len: u64) {
+        // Stop the programs holding pins in the range; they drop their pins at the next
+        // piece and complete with unit exception, so the engine's unmap completes promptly.
+        for sc in &self.shared.subchannels {
+            if sc.pinned.overlaps(iova, len) {
+                sc.stop.request(Reason::Unmapped);
+            }
+        }
+    }
+}
+
+impl Drop for Ccw {
+    fn drop(&mut self) {
+        self.stop_all();
+        for (tx, thread) in &mut self.workers {
+            drop(tx.take());
+            if let Some(t) = thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+/// Parses a size with an optional K, M or G suffix (powers of 1024).
+fn parse_size(text: &str) -> Option<u64> {
+    let (digits, shift) = match text.as_bytes().last()? {
+        b'K' | b'k' => (&text[..text.len() - 1], 10),
+        b'M' | b'm' => (&text[..text.len() - 1], 20),
+        b'G' | b'g' => (&text[..text.len() - 1], 30),
+        _ => (text, 0),
+    };
+    digits.parse::<u64>().ok()?.checked_mul(1 << shift)
+}
+
+/// The `ccw` device type. Options: `size=64M` (RAM disk size, K/M/G suffixes, at most 64 GiB),
+/// `file=/path` (back the store with an existing file instead), `subchannels=4` (1 to 16).
+pub struct CcwType {
+    pool: Arc<crate::types::Pool>,
+}
+
+impl CcwType {
+    /// The type, with room for `capacity` instances.
+    pub fn new(capacity: u32) -> Self {
+        CcwType { pool: crate::types::Pool::new(capacity) }
+    }
+
+    fn config(options: &crate::types::InstanceOptions) -> Result<CcwConfig, String> {
+        let p = &options.params;
+        let subchannels = match p.get("subchannels") {
+            Some(v) => v.parse::<u32>().ok().filter(|n| (1..=MAX_SUBCHANNELS).contains(n)).ok_or_else(|| {
+                format!("subchannels={v}: must be 1 to {MAX_SUBCHANNELS}")
+            })?,
+            None => DEFAULT_SUBCHANNELS,
+        };
+        let store = match (p.get("file"), p.get("size")) {
+            (Some(_), Some(_)) => return Err("give size or file, not both".into()),
+            (Some(path), None) => Store::file(std::path::Path::new(path)).map_err(|e| format!("file={path}: {e}"))?,
+            (None, size) => {
+                let bytes = match size {
+                    Some(s) => parse_size(s).filter(|&n| n > 0 && n <= 64 << 30).ok_or_else(|| {
+                        format!("size={s}: a size from 1 byte to 64G (K, M, G suffixes)")
+                    })?,
+                    None => DEFAULT_STORE_SIZE,
+                };
+                Store::ram(bytes).map_err(|e| format!("RAM disk of {bytes} bytes: {e}"))?
+            }
+        };
+        Ok(CcwConfig { subchannels, store })
+    }
+}
+
+impl crate::types::DeviceType for CcwType {
+    fn name(&self) -> &str {
+        TYPE_NAME
+    }
+
+    fn description(&self) -> &str {
+        "channel-I/O DMA engine: CCW programs with IDAW scatter lists, pinned one call per CCW (docs/ccw.md)"
+    }
+
+    fn available_instances(&self) -> u32 {
+        self.pool.free()
+    }
+
+    fn create(
+        &self,
+        options: &crate::types::InstanceOptions,
+    ) -> Result<Arc<dyn crate::VfioDevice>, crate::types::TypeError> {
+        use crate::types::TypeError;
+        options.only(TYPE_NAME, &["size", "file", "subchannels"])?;
+        let bad = |why: String| TypeError::BadOption { ty: TYPE_NAME.into(), why };
+        let config = Self::config(options).map_err(bad)?;
+        let reservation = self.pool.reserve(1).ok_or_else(|| TypeError::Exhausted(TYPE_NAME.into()))?;
+        let device = create(config).map_err(|e| TypeError::Create { ty: TYPE_NAME.into(), why: e.to_string() })?;
+        Ok(Arc::new(crate::types::Reserved::new(device, reservation)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_suffixes() {
+        assert_eq!(parse_size("4096"), Some(4096));
+        assert_eq!(parse_size("64M"), Some(64 << 20));
+        assert_eq!(parse_size("2g"), Some(2 << 30));
+        assert_eq!(parse_size("1K"), Some(1024));
+        assert_eq!(parse_size("x"), None);
+        assert_eq!(parse_size(""), None);
+        assert_eq!(parse_size("99999999999999999G"), None);
+    }
+}

@@ -1,0 +1,804 @@
+//! The channel-program interpreter: fetches and checks CCWs and IDAW lists, and hands each
+//! data transfer to a [`Bus`] as a list of guest pieces.
+//!
+//! It knows nothing of pinning or of the backing store: the device's bus pins and copies, a
+//! test or fuzz bus can model guest memory with a `Vec`. Every way a program can be wrong ends
+//! in a [`Status`] with a documented [`Reason`]; nothing panics and nothing loops forever
+//! (at most [`MAX_CCWS`] CCWs execute, and revisiting a CCW is a loop).
+
+use smallvec::SmallVec;
+
+/// Bytes of one CCW.
+pub const CCW_SIZE: u64 = 16;
+/// Most CCWs one program may execute (TICs included), as vfio-ccw's chain limit.
+pub const MAX_CCWS: usize = 256;
+/// Most bytes one CCW may move (16 MiB: 4096 4K IDAWs).
+pub const MAX_CCW_COUNT: u32 = 16 << 20;
+
+/// Command codes.
+pub mod cmd {
+    /// Guest memory to the store.
+    pub const WRITE: u8 = 0x01;
+    /// The store to guest memory.
+    pub const READ: u8 = 0x02;
+    /// No data transfer.
+    pub const NOP: u8 = 0x03;
+    /// 32 bytes of sense data to guest memory.
+    pub const SENSE: u8 = 0x04;
+    /// Set the store position from an 8-byte little-endian value in guest memory.
+    pub const SEEK: u8 = 0x07;
+    /// Transfer in channel: continue at the data address.
+    pub const TIC: u8 = 0x08;
+}
+
+/// CCW flag bits.
+pub mod flags {
+    /// Chain data: not supported (program check).
+    pub const CD: u8 = 0x80;
+    /// Chain command: another CCW follows.
+    pub const CC: u8 = 0x40;
+    /// Suppress incorrect-length indication.
+    pub const SLI: u8 = 0x20;
+    /// The data address points at an IDAW list.
+    pub const IDA: u8 = 0x04;
+    /// IDAWs address 2 KiB blocks instead of 4 KiB.
+    pub const IDA_2K: u8 = 0x02;
+    /// Bits a CCW may set.
+    pub const KNOWN: u8 = CD | CC | SLI | IDA | IDA_2K;
+}
+
+/// Device status bits of a [`Status`].
+pub mod dstat {
+    /// Channel end.
+    pub const CE: u8 = 0x08;
+    /// Device end.
+    pub const DE: u8 = 0x04;
+    /// Unit check: the device refused (see the reason).
+    pub const UC: u8 = 0x02;
+    /// Unit exception: the program was stopped from outside (halt, unmap, reset).
+    pub const UE: u8 = 0x01;
+}
+
+/// Subchannel status bits of a [`Status`].
+pub mod cstat {
+    /// The CCW count differed from what the device moves (SENSE without SLI).
+    pub const INCORRECT_LENGTH: u8 = 0x40;
+    /// A malformed program, CCW or IDAW, or an address outside guest memory.
+    pub const PROGRAM_CHECK: u8 = 0x20;
+    /// The guest memory does not permit the access (a READ into read-only memory).
+    pub const PROTECTION_CHECK: u8 = 0x10;
+}
+
+/// Why a program ended the way it did (the status block's reason field).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Reason {
+    /// Normal completion.
+    Ok = 0,
+    /// A CCW address not 8-byte aligned.
+    CcwMisaligned = 1,
+    /// A CCW lies outside guest memory.
+    CcwUnmapped = 2,
+    /// Reserved bits set, or chain data asked for.
+    BadCcw = 3,
+    /// An unknown command code.
+    BadCommand = 4,
+    /// Count 0 or above [`MAX_CCW_COUNT`].
+    BadCount = 5,
+    /// More than [`MAX_CCWS`] CCWs.
+    ChainTooLong = 6,
+    /// A TIC to a TIC.
+    TicToTic = 7,
+    /// A CCW executed twice: the program loops.
+    TicLoop = 8,
+    /// The IDAW list is not 8-byte aligned.
+    IdalMisaligned = 9,
+    /// The IDAW list runs into memory outside guest memory.
+    IdalUnmapped = 10,
+    /// An IDAW after the first is not block aligned.
+    IdawMisaligned = 11,
+    /// The data lies outside guest memory.
+    DataUnmapped = 12,
+    /// The data is read-only and the command writes it.
+    DataReadOnly = 13,
+    /// The transfer runs past the end of the store.
+    EndOfStore = 14,
+    /// A SEEK beyond the end of the store.
+    SeekOutOfRange = 15,
+    /// Stopped: the guest memory it used was unmapped.
+    Unmapped = 16,
+    /// Stopped by a halt or a reset.
+    Halted = 17,
+    /// The device could not pin or copy for a reason of its own (lock limit, ...).
+    DeviceError = 18,
+}
+
+impl Reason {
+    /// Every reason, by code.
+    pub const ALL: [Reason; 19] = [
+        Reason::Ok,
+        Reason::CcwMisaligned,
+        Reason::CcwUnmapped,
+        Reason::BadCcw,
+        Reason::BadCommand,
+        Reason::BadCount,
+        Reason::ChainTooLong,
+        Reason::TicToTic,
+        Reason::TicLoop,
+        Reason::IdalMisaligned,
+        Reason::IdalUnmapped,
+        Reason::IdawMisaligned,
+        Reason::DataUnmapped,
+        Reason::DataReadOnly,
+        Reason::EndOfStore,
+        Reason::SeekOutOfRange,
+        Reason::Unmapped,
+        Reason::Halted,
+        Reason::DeviceError,
+    ];
+
+    /// The reason with this code.
+    pub fn from_code(code: u32) -> Option<Reason> {
+        Self::ALL.get(code as usize).copied()
+    }
+}
+
+/// How a program ended: written to the guest's status block and mirrored in registers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Status {
+    /// Device status bits ([`dstat`]).
+    pub dstat: u8,
+    /// Subchannel status bits ([`cstat`]).
+    pub cstat: u8,
+    /// Bytes of the last CCW's count not transferred.
+    pub residual: u32,
+    /// Address of the CCW after the last one fetched (the SCSW's CPA convention).
+    pub cpa: u64,
+    /// Why.
+    pub reason: Reason,
+    /// CCWs executed (TICs included).
+    pub ccws: u32,
+    /// Data bytes moved by the whole program.
+    pub bytes: u64,
+}
+
+/// Bytes of the status block in guest memory.
+pub const STATUS_SIZE: usize = 32;
+
+impl Status {
+    /// The 32-byte status block (little-endian): dstat u8, cstat u8, reserved u16,
+    /// residual u32, cpa u64, reason u32, ccws u32, bytes u64.
+    pub fn encode(&self) -> [u8; STATUS_SIZE] {
+        let mut b = [0u8; STATUS_SIZE];
+        b[0] = self.dstat;
+        b[1] = self.cstat;
+        b[4..8].copy_from_slice(&self.residual.to_le_bytes());
+        b[8..16].copy_from_slice(&self.cpa.to_le_bytes());
+        b[16..20].copy_from_slice(&(self.reason as u32).to_le_bytes());
+        b[20..24].copy_from_slice(&self.ccws.to_le_bytes());
+        b[24..32].copy_from_slice(&self.bytes.to_le_bytes());
+        b
+    }
+
+    /// Decodes a status block written by [`Status::encode`]; `None` for an unknown reason.
+    pub fn decode(b: &[u8; STATUS_SIZE]) -> Option<Status> {
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let u64_at = |i: usize| u64::from(u32_at(i)) | u64::from(u32_at(i + 4)) << 32;
+        Some(Status {
+            dstat: b[0],
+            cstat: b[1],
+            residual: u32_at(4),
+            cpa: u64_at(8),
+            reason: Reason::from_code(u32_at(16))?,
+            ccws: u32_at(20),
+            bytes: u64_at(24),
+        })
+    }
+
+    /// True for a clean completion.
+    pub fn ok(&self) -> bool {
+        self.reason == Reason::Ok
+    }
+}
+
+/// Which way data moves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// The store (or sense data) to guest memory: the guest pages are written.
+    ToGuest,
+    /// Guest memory to the store: the guest pages are read.
+    FromGuest,
+}
+
+/// A contiguous piece of guest memory one IDAW (or a direct address) covers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Piece {
+    /// Guest address.
+    pub addr: u64,
+    /// Bytes.
+    pub len: u32,
+}
+
+/// The pieces of one CCW's data, in order (one per IDAW, or one for a direct address).
+pub type Pieces = SmallVec<[Piece; 8]>;
+
+/// Why a bus operation failed; the interpreter turns it into a status.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BusError {
+    /// Outside guest memory.
+    Unmapped,
+    /// The memory does not permit this access.
+    ReadOnly,
+    /// Past the end of the store.
+    EndOfStore,
+    /// Stopped from outside (unmap, halt, reset).
+    Stopped(Reason),
+    /// Anything else the device hit.
+    Device,
+}
+
+/// What the interpreter needs from the device.
+pub trait Bus {
+    /// Reads guest memory (CCWs, IDAW lists, SEEK arguments).
+    fn fetch(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), BusError>;
+    /// Moves `pieces` between guest memory and the store at `store_pos`.
+    fn transfer(&mut self, dir: Direction, pieces: &[Piece], store_pos: u64) -> Result<(), BusError>;
+    /// Copies `data` (sense bytes) into the guest `pieces`.
+    fn deliver(&mut self, pieces: &[Piece], data: &[u8]) -> Result<(), BusError>;
+    /// Bytes in the store.
+    fn store_size(&self) -> u64;
+    /// Checked before each CCW: `Some` stops the program with that reason.
+    fn stopped(&self) -> Option<Reason> {
+        None
+    }
+}
+
+/// A decoded CCW.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ccw {
+    /// Command code.
+    pub cmd: u8,
+    /// Flag bits.
+    pub flags: u8,
+    /// Reserved (must be 0).
+    pub reserved: u16,
+    /// Byte count.
+    pub count: u32,
+    /// Data address, or IDAW list address with IDA.
+    pub addr: u64,
+}
+
+impl Ccw {
+    /// Decodes 16 little-endian bytes.
+    pub fn decode(b: &[u8; CCW_SIZE as usize]) -> Ccw {
+        Ccw {
+            cmd: b[0],
+            flags: b[1],
+            reserved: u16::from_le_bytes([b[2], b[3]]),
+            count: u32::from_le_bytes([b[4], b[5], b[6], b[7]]),
+            addr: u64::from_le_bytes([b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]]),
+        }
+    }
+
+    /// Encodes to 16 little-endian bytes.
+    pub fn encode(&self) -> [u8; CCW_SIZE as usize] {
+        let mut b = [0u8; CCW_SIZE as usize];
+        b[0] = self.cmd;
+        b[1] = self.flags;
+        b[2..4].copy_from_slice(&self.reserved.to_le_bytes());
+        b[4..8].copy_from_slice(&self.count.to_le_bytes());
+        b[8..16].copy_from_slice(&self.addr.to_le_bytes());
+        b
+    }
+}
+
+/// Bytes of the sense data SENSE delivers.
+pub const SENSE_SIZE: usize = 32;
+
+/// Pieces of `count` bytes at `addr` (direct addressing): one piece, or an error if it wraps.
+fn direct_pieces(addr: u64, count: u32) -> Result<Pieces, Reason> {
+    addr.checked_add(u64::from(count) - 1).ok_or(Reason::DataUnmapped)?;
+    Ok(smallvec::smallvec![Piece { addr, len: count }])
+}
+
+/// Reads and checks the IDAW list at `idal` for `count` bytes in blocks of `block` bytes.
+fn idaw_pieces(bus: &mut dyn Bus, idal: u64, count: u32, block: u64) -> Result<Pieces, Reason> {
+    if idal % 8 != 0 {
+        return Err(Reason::IdalMisaligned);
+    }
+    let mut pieces = Pieces::new();
+    let mut left = u64::from(count);
+    let mut at = idal;
+    // The list is fetched in slices (not per IDAW) to keep bus calls few for long lists.
+    let mut buf = [0u8; 256];
+    let mut have = 0usize;
+    let mut used = 0usize;
+    while left > 0 {
+        if used == have {
+            let idaws_left = left.div_ceil(block).min(32) as usize + 1;
+            let n = (idaws_left * 8).min(buf.len());
+            bus.fetch(at, &mut buf[..n]).map_err(|_| Reason::IdalUnmapped)?;
+            at = at.checked_add(n as u64).ok_or(Reason::IdalUnmapped)?;
+            have = n;
+            used = 0;
+        }
+        let idaw = u64::from_le_bytes(buf[used..used + 8].try_into().map_err(|_| Reason::IdalUnmapped)?);
+        used += 8;
+        let in_block = idaw % block;
+        if !pieces.is_empty() && in_block != 0 {
+            return Err(Reason::IdawMisaligned);
+        }
+        let len = (block - in_block).min(left);
+        idaw.checked_add(len - 1).ok_or(Reason::DataUnmapped)?;
+        pieces.push(Piece { addr: idaw, len: len as u32 });
+        left -= len;
+    }
+    Ok(pieces)
+}
+
+/// Runs the channel program at `cpa` to completion.
+pub fn run(bus: &mut dyn Bus, cpa: u64) -> Status {
+    let mut status = Status { dstat: 0, cstat: 0, residual: 0, cpa, reason: Reason::Ok, ccws: 0, bytes: 0 };
+    let mut visited: SmallVec<[u64; 32]> = SmallVec::new();
+    let mut pos = 0u64;
+    let mut ccw_addr = cpa;
+    let mut after_tic = false;
+    let program_check = |status: &mut Status, reason| {
+        status.cstat |= cstat::PROGRAM_CHECK;
+        status.reason = reason;
+    };
+    loop {
+        status.cpa = ccw_addr.wrapping_add(CCW_SIZE);
+        if let Some(reason) = bus.stopped() {
+            status.dstat |= dstat::UE;
+            status.reason = reason;
+            return status;
+        }
+        if visited.len() >= MAX_CCWS {
+            program_check(&mut status, Reason::ChainTooLong);
+            return status;
+        }
+        if ccw_addr % 8 != 0 {
+            program_check(&mut status, Reason::CcwMisaligned);
+            return status;
+        }
+        let mut raw = [0u8; CCW_SIZE as usize];
+        if ccw_addr.checked_add(CCW_SIZE).is_none() || bus.fetch(ccw_addr, &mut raw).is_err() {
+            program_check(&mut status, Reason::CcwUnmapped);
+            return status;
+        }
+        // The interpreter runs at most MAX_CCWS CCWs, so a linear search is cheap.
+        if visited.contains(&ccw_addr) {
+            program_check(&mut status, Reason::TicLoop);
+            return status;
+        }
+        visited.push(ccw_addr);
+        status.ccws += 1;
+        let ccw = Ccw::decode(&raw);
+        if ccw.reserved != 0 || ccw.flags & !flags::KNOWN != 0 || ccw.flags & flags::CD != 0 {
+            program_check(&mut status, Reason::BadCcw);
+            return status;
+        }
+        if ccw.cmd == cmd::TIC {
+            if after_tic {
+                program_check(&mut status, Reason::TicToTic);
+                return status;
+            }
+            after_tic = true;
+            ccw_addr = ccw.addr;
+            continue;
+        }
+        after_tic = false;
+        if let Err(reason) = execute(bus, &ccw, &mut pos, &mut status) {
+            match reason {
+                Reason::BadCommand | Reason::EndOfStore | Reason::SeekOutOfRange | Reason::DeviceError => {
+                    status.dstat |= dstat::UC;
+                    status.reason = reason;
+                }
+                Reason::DataReadOnly => {
+                    status.cstat |= cstat::PROTECTION_CHECK;
+                    status.reason = reason;
+                }
+                Reason::Unmapped | Reason::Halted => {
+                    status.dstat |= dstat::UE;
+                    status.reason = reason;
+                }
+                other => program_check(&mut status, other),
+            }
+            return status;
+        }
+        if ccw.flags & flags::CC == 0 || status.cstat & cstat::INCORRECT_LENGTH != 0 {
+            status.dstat |= dstat::CE | dstat::DE;
+            return status;
+        }
+        ccw_addr = ccw_addr.wrapping_add(CCW_SIZE);
+    }
+}
+
+/// Executes one non-TIC CCW.
+fn execute(bus: &mut dyn Bus, ccw: &Ccw, pos: &mut u64, status: &mut Status) -> Result<(), Reason> {
+    // The residual describes the last CCW executed.
+    status.residual = 0;
+    match ccw.cmd {
+        cmd::NOP => return Ok(()),
+        cmd::READ | cmd::WRITE | cmd::SENSE | cmd::SEEK => {}
+        _ => return Err(Reason::BadCommand),
+    }
+    if ccw.count == 0 || ccw.count > MAX_CCW_COUNT {
+        return Err(Reason::BadCount);
+    }
+    status.residual = ccw.count;
+    let pieces = if ccw.flags & flags::IDA != 0 {
+        let block = if ccw.flags & flags::IDA_2K != 0 { 2048 } else { 4096 };
+        idaw_pieces(bus, ccw.addr, ccw.count, block)?
+    } else {
+        direct_pieces(ccw.addr, ccw.count)?
+    };
+    let map_err = |e: BusError| match e {
+        BusError::Unmapped => Reason::DataUnmapped,
+        BusError::ReadOnly => Reason::DataReadOnly,
+        BusError::EndOfStore => Reason::EndOfStore,
+        BusError::Stopped(reason) => reason,
+        BusError::Device => Reason::DeviceError,
+    };
+    match ccw.cmd {
+        cmd::READ | cmd::WRITE => {
+            let end = pos.checked_add(u64::from(ccw.count)).ok_or(Reason::EndOfStore)?;
+            if end > bus.store_size() {
+                return Err(Reason::EndOfStore);
+            }
+            let dir = if ccw.cmd == cmd::READ { Direction::ToGuest } else { Direction::FromGuest };
+            bus.transfer(dir, &pieces, *pos).map_err(map_err)?;
+            *pos = end;
+            status.residual = 0;
+            status.bytes += u64::from(ccw.count);
+        }
+        cmd::SEEK => {
+            let mut arg = [0u8; 8];
+            let n = (ccw.count as usize).min(8);
+            gather(bus, &pieces, &mut arg[..n]).map_err(map_err)?;
+            if ccw.count < 8 && ccw.flags & flags::SLI == 0 {
+                status.cstat |= cstat::INCORRECT_LENGTH;
+                return Ok(());
+            }
+            let target = u64::from_le_bytes(arg);
+            if target > bus.store_size() {
+                return Err(Reason::SeekOutOfRange);
+            }
+            *pos = target;
+            status.residual = ccw.count - n as u32;
+        }
+        _ => {
+            // SENSE: this device keeps no sense state; it delivers zeros.
+            let n = (ccw.count as usize).min(SENSE_SIZE);
+            bus.deliver(&pieces, &[0u8; SENSE_SIZE][..n]).map_err(map_err)?;
+            status.residual = ccw.count - n as u32;
+            status.bytes += n as u64;
+            if ccw.count as usize != SENSE_SIZE && ccw.flags & flags::SLI == 0 {
+                status.cstat |= cstat::INCORRECT_LENGTH;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads the first `out.len()` bytes of the guest pieces.
+fn gather(bus: &mut dyn Bus, pieces: &[Piece], out: &mut [u8]) -> Result<(), BusError> {
+    let mut done = 0;
+    for p in pieces {
+        if done == out.len() {
+            break;
+        }
+        let n = (p.len as usize).min(out.len() - done);
+        bus.fetch(p.addr, &mut out[done..done + n])?;
+        done += n;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// Guest memory as a byte vector starting at address 0, plus a store: the model the
+    /// interpreter is checked against.
+    pub(crate) struct VecBus {
+        pub(crate) mem: Vec<u8>,
+        pub(crate) read_only: std::ops::Range<u64>,
+        pub(crate) store: Vec<u8>,
+    }
+
+    impl VecBus {
+        pub(crate) fn new(mem: usize, store: usize) -> Self {
+            VecBus { mem: vec![0; mem], read_only: 0..0, store: vec![0; store] }
+        }
+
+        fn range(&self, addr: u64, len: usize) -> Result<std::ops::Range<usize>, BusError> {
+            let end = addr.checked_add(len as u64).ok_or(BusError::Unmapped)?;
+            if end > self.mem.len() as u64 {
+                return Err(BusError::Unmapped);
+            }
+            Ok(addr as usize..end as usize)
+        }
+
+        pub(crate) fn put(&mut self, addr: u64, bytes: &[u8]) {
+            self.mem[addr as usize..addr as usize + bytes.len()].copy_from_slice(bytes);
+        }
+
+        pub(crate) fn ccw(&mut self, at: u64, cmd: u8, flags: u8, count: u32, addr: u64) {
+            self.put(at, &Ccw { cmd, flags, reserved: 0, count, addr }.encode());
+        }
+    }
+
+    impl Bus for VecBus {
+        fn fetch(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), BusError> {
+            let r = self.range(addr, buf.len())?;
+            buf.copy_from_slice(&self.mem[r]);
+            Ok(())
+        }
+        fn transfer(&mut self, dir: Direction, pieces: &[Piece], store_pos: u64) -> Result<(), BusError> {
+            let mut pos = store_pos as usize;
+            for p in pieces {
+                let r = self.range(p.addr, p.len as usize)?;
+                let overlaps_ro = p.addr < self.read_only.end && self.read_only.start < p.addr + u64::from(p.len);
+                if dir == Direction::ToGuest && overlaps_ro {
+                    return Err(BusError::ReadOnly);
+                }
+                let n = p.len as usize;
+                match dir {
+                    Direction::ToGuest => self.mem[r].copy_from_slice(&self.store[pos..pos + n]),
+                    Direction::FromGuest => self.store[pos..pos + n].copy_from_slice(&self.mem[r]),
+                }
+                pos += n;
+            }
+            Ok(())
+        }
+        fn deliver(&mut self, pieces: &[Piece], data: &[u8]) -> Result<(), BusError> {
+            let mut done = 0;
+            for p in pieces {
+                let n = (p.len as usize).min(data.len() - done);
+                let r = self.range(p.addr, n)?;
+                self.mem[r].copy_from_slice(&data[done..done + n]);
+                done += n;
+            }
+            Ok(())
+        }
+        fn store_size(&self) -> u64 {
+            self.store.len() as u64
+        }
+    }
+}
+
+#[cfg(test)]
+mod interpreter_tests {
+    use super::tests::VecBus;
+    use super::*;
+
+    const P: u64 = 0x1000;
+
+    fn normal(s: &Status) {
+        assert_eq!((s.dstat, s.cstat, s.reason), (dstat::CE | dstat::DE, 0, Reason::Ok), "{s:?}");
+    }
+
+    fn pattern(n: usize) -> Vec<u8> {
+        (0..n).map(|i| (i % 251) as u8).collect()
+    }
+
+    #[test]
+    fn write_then_read_direct() {
+        let mut bus = VecBus::new(64 * P as usize, 1 << 20);
+        bus.put(0x8000, &pattern(5000));
+        bus.put(0x900, &0u64.to_le_bytes());
+        bus.ccw(0x100, cmd::WRITE, flags::CC, 5000, 0x8000);
+        bus.ccw(0x110, cmd::SEEK, flags::CC, 8, 0x900);
+        bus.ccw(0x120, cmd::NOP, flags::CC, 1, 0);
+        bus.ccw(0x130, cmd::READ, 0, 5000, 0x20000);
+        let s = run(&mut bus, 0x100);
+        normal(&s);
+        assert_eq!((s.cpa, s.ccws, s.bytes, s.residual), (0x140, 4, 10000, 0));
+        assert!(bus.store[..5000] == pattern(5000)[..], "the WRITE reached the store");
+        assert!(bus.mem[0x20000..0x20000 + 5000] == pattern(5000)[..], "the READ brought it back");
+    }
+
+    #[test]
+    fn idaws_scatter_with_an_unaligned_first_block() {
+        let mut bus = VecBus::new(64 * P as usize, 1 << 20);
+        bus.store[..10000].copy_from_slice(&pattern(10000));
+        // 10000 bytes: 0x5f00 (256 bytes to the block end), then 0x9000, 0x2000 (4K each), 0x30000...
+        let idaws = [0x5f00u64, 0x9000, 0x2000, 0x30000];
+        for (i, a) in idaws.iter().enumerate() {
+            bus.put(0x400 + 8 * i as u64, &a.to_le_bytes());
+        }
+        bus.ccw(0x100, cmd::READ, flags::IDA, 10000, 0x400);
+        let s = run(&mut bus, 0x100);
+        normal(&s);
+        let p = pattern(10000);
+        assert_eq!(&bus.mem[0x5f00..0x6000], &p[..256]);
+        assert_eq!(&bus.mem[0x9000..0xa000], &p[256..4352]);
+        assert_eq!(&bus.mem[0x2000..0x3000], &p[4352..8448]);
+        assert_eq!(&bus.mem[0x30000..0x30000 + 1552], &p[8448..]);
+        assert_eq!(bus.mem[0x30000 + 1552], 0, "no byte past the count");
+    }
+
+    #[test]
+    fn two_k_idaws_may_share_a_page() {
+        let mut bus = VecBus::new(64 * P as usize, 1 << 20);
+        bus.put(0x8000, &pattern(6144));
+        for (i, a) in [0x1800u64, 0x1000, 0x4800].iter().enumerate() {
+            bus.put(0x400 + 8 * i as u64, &a.to_le_bytes());
+        }
+        bus.ccw(0x100, cmd::WRITE, flags::IDA | flags::IDA_2K, 6144, 0x400);
+        // The data comes from those 2K blocks in IDAW order.
+        let mut expect = Vec::new();
+        for a in [0x1800usize, 0x1000, 0x4800] {
+            bus.mem[a..a + 2048].copy_from_slice(&pattern(2048));
+            expect.extend_from_slice(&pattern(2048));
+        }
+        let s = run(&mut bus, 0x100);
+        normal(&s);
+        assert_eq!(&bus.store[..6144], &expect[..]);
+    }
+
+    #[test]
+    fn seek_positions_the_store() {
+        let mut bus = VecBus::new(64 * P as usize, 1 << 20);
+        bus.store[0x7000..0x7010].copy_from_slice(&[9; 16]);
+        bus.put(0x900, &0x7000u64.to_le_bytes());
+        bus.ccw(0x100, cmd::SEEK, flags::CC, 8, 0x900);
+        bus.ccw(0x110, cmd::READ, 0, 16, 0xa00);
+        normal(&run(&mut bus, 0x100));
+        assert_eq!(&bus.mem[0xa00..0xa10], &[9; 16]);
+        // A seek past the end is a unit check.
+        bus.put(0x900, &(2u64 << 20).to_le_bytes());
+        let s = run(&mut bus, 0x100);
+        assert_eq!((s.dstat, s.reason), (dstat::UC, Reason::SeekOutOfRange));
+    }
+
+    #[test]
+    fn tic_continues_elsewhere_but_never_to_a_tic_or_in_a_loop() {
+        let mut bus = VecBus::new(64 * P as usize, 1 << 20);
+        bus.ccw(0x100, cmd::NOP, flags::CC, 1, 0);
+        bus.ccw(0x110, cmd::TIC, 0, 0, 0x800);
+        bus.ccw(0x800, cmd::NOP, 0, 1, 0);
+        let s = run(&mut bus, 0x100);
+        normal(&s);
+        assert_eq!((s.cpa, s.ccws), (0x810, 3));
+        // TIC to a TIC.
+        bus.ccw(0x800, cmd::TIC, 0, 0, 0x900);
+        let s = run(&mut bus, 0x100);
+        assert_eq!((s.cstat, s.reason, s.cpa), (cstat::PROGRAM_CHECK, Reason::TicToTic, 0x810));
+        // A backward TIC: the program would loop forever.
+        bus.ccw(0x800, cmd::NOP, flags::CC, 1, 0);
+        bus.ccw(0x810, cmd::TIC, 0, 0, 0x100);
+        let s = run(&mut bus, 0x100);
+        assert_eq!((s.cstat, s.reason), (cstat::PROGRAM_CHECK, Reason::TicLoop));
+        // A TIC to itself.
+        bus.ccw(0x100, cmd::TIC, 0, 0, 0x100);
+        assert_eq!(run(&mut bus, 0x100).reason, Reason::TicLoop);
+    }
+
+    #[test]
+    fn chains_are_bounded() {
+        let mut bus = VecBus::new(64 * P as usize, 1 << 20);
+        for i in 0..MAX_CCWS as u64 {
+            bus.ccw(0x1000 + 16 * i, cmd::NOP, flags::CC, 1, 0);
+        }
+        bus.ccw(0x1000 + 16 * MAX_CCWS as u64, cmd::NOP, 0, 1, 0);
+        let s = run(&mut bus, 0x1000);
+        assert_eq!((s.cstat, s.reason, s.ccws), (cstat::PROGRAM_CHECK, Reason::ChainTooLong, MAX_CCWS as u32));
+        // Exactly MAX_CCWS is fine.
+        bus.ccw(0x1000 + 16 * (MAX_CCWS as u64 - 1), cmd::NOP, 0, 1, 0);
+        normal(&run(&mut bus, 0x1000));
+    }
+
+    #[test]
+    fn malformed_ccws_and_idaws_are_program_checks() {
+        let cases: Vec<(&str, Box<dyn Fn(&mut VecBus) -> u64>, Reason)> = vec![
+            ("misaligned CCW", Box::new(|_: &mut VecBus| 0x104), Reason::CcwMisaligned),
+            ("CCW outside memory", Box::new(|_: &mut VecBus| 0x100_0000), Reason::CcwUnmapped),
+            ("CCW address wraps", Box::new(|_: &mut VecBus| u64::MAX - 7), Reason::CcwUnmapped),
+            ("reserved bits", Box::new(|b: &mut VecBus| { b.put(0x100, &[cmd::NOP, 0, 1, 0, 1, 0, 0, 0]); 0x100 }), Reason::BadCcw),
+            ("unknown flag", Box::new(|b: &mut VecBus| { b.ccw(0x100, cmd::NOP, 0x01, 1, 0); 0x100 }), Reason::BadCcw),
+            ("chain data", Box::new(|b: &mut VecBus| { b.ccw(0x100, cmd::READ, flags::CD, 1, 0x1000); 0x100 }), Reason::BadCcw),
+            ("zero count", Box::new(|b: &mut VecBus| { b.ccw(0x100, cmd::READ, 0, 0, 0x1000); 0x100 }), Reason::BadCount),
+            ("count too large", Box::new(|b: &mut VecBus| { b.ccw(0x100, cmd::READ, 0, MAX_CCW_COUNT + 1, 0x1000); 0x100 }), Reason::BadCount),
+            ("data outside memory", Box::new(|b: &mut VecBus| { b.ccw(0x100, cmd::READ, 0, 0x2000, 0x3f000); 0x100 }), Reason::DataUnmapped),
+            ("data address wraps", Box::new(|b: &mut VecBus| { b.ccw(0x100, cmd::READ, 0, 0x2000, u64::MAX - 0xfff); 0x100 }), Reason::DataUnmapped),
+            ("misaligned IDAL", Box::new(|b: &mut VecBus| { b.ccw(0x100, cmd::READ, flags::IDA, 16, 0x404); 0x100 }), Reason::IdalMisaligned),
+            ("IDAL runs out of memory", Box::new(|b: &mut VecBus| { b.ccw(0x100, cmd::READ, flags::IDA, 0x3000, 0x3fff8); b.put(0x3fff8, &0x1000u64.to_le_bytes()); 0x100 }), Reason::IdalUnmapped),
+            ("second IDAW misaligned", Box::new(|b: &mut VecBus| {
+                b.put(0x400, &0x1800u64.to_le_bytes());
+                b.put(0x408, &0x2010u64.to_le_bytes());
+                b.ccw(0x100, cmd::READ, flags::IDA, 4096, 0x400);
+                0x100
+            }), Reason::IdawMisaligned),
+            ("IDAW outside memory", Box::new(|b: &mut VecBus| {
+                b.put(0x400, &0x80_0000u64.to_le_bytes());
+                b.ccw(0x100, cmd::READ, flags::IDA, 16, 0x400);
+                0x100
+            }), Reason::DataUnmapped),
+        ];
+        for (what, setup, reason) in cases {
+            let mut bus = VecBus::new(64 * P as usize, 1 << 20);
+            let cpa = setup(&mut bus);
+            let s = run(&mut bus, cpa);
+            assert_eq!((s.cstat, s.reason), (cstat::PROGRAM_CHECK, reason), "{what}: {s:?}");
+            assert_eq!(s.dstat & (dstat::CE | dstat::DE), 0, "{what}: no normal ending");
+        }
+    }
+
+    #[test]
+    fn device_refusals_are_unit_checks_and_read_only_is_a_protection_check() {
+        let mut bus = VecBus::new(64 * P as usize, 0x1000);
+        bus.ccw(0x100, 0x05, 0, 1, 0x1000);
+        let s = run(&mut bus, 0x100);
+        assert_eq!((s.dstat, s.reason), (dstat::UC, Reason::BadCommand));
+        bus.ccw(0x100, cmd::READ, 0, 0x1001, 0x2000);
+        assert_eq!(run(&mut bus, 0x100).reason, Reason::EndOfStore);
+        bus.read_only = 0x2000..0x3000;
+        bus.ccw(0x100, cmd::READ, 0, 16, 0x2ff8);
+        let s = run(&mut bus, 0x100);
+        assert_eq!((s.cstat, s.reason), (cstat::PROTECTION_CHECK, Reason::DataReadOnly));
+        // Writing the store from read-only memory is fine.
+        bus.ccw(0x100, cmd::WRITE, 0, 16, 0x2ff8);
+        normal(&run(&mut bus, 0x100));
+    }
+
+    #[test]
+    fn sense_length_and_sli() {
+        let mut bus = VecBus::new(64 * P as usize, 0x1000);
+        bus.mem[0x2000..0x2040].fill(0xff);
+        bus.ccw(0x100, cmd::SENSE, 0, 32, 0x2000);
+        normal(&run(&mut bus, 0x100));
+        assert_eq!(&bus.mem[0x2000..0x2020], &[0; 32]);
+        // A short SENSE without SLI: incorrect length, and the chain stops there.
+        bus.ccw(0x100, cmd::SENSE, flags::CC, 16, 0x2000);
+        bus.ccw(0x110, cmd::NOP, 0, 1, 0);
+        let s = run(&mut bus, 0x100);
+        assert_eq!((s.cstat, s.dstat, s.residual, s.ccws), (cstat::INCORRECT_LENGTH, dstat::CE | dstat::DE, 0, 1));
+        bus.ccw(0x100, cmd::SENSE, flags::CC | flags::SLI, 64, 0x2000);
+        let s = run(&mut bus, 0x100);
+        normal(&s);
+        assert_eq!((s.ccws, s.residual), (2, 0));
+    }
+
+    #[test]
+    fn a_stop_request_ends_the_program_with_unit_exception() {
+        struct Stopping(VecBus);
+        impl Bus for Stopping {
+            fn fetch(&mut self, a: u64, b: &mut [u8]) -> Result<(), BusError> {
+                self.0.fetch(a, b)
+            }
+            fn transfer(&mut self, d: Direction, p: &[Piece], s: u64) -> Result<(), BusError> {
+                self.0.transfer(d, p, s)
+            }
+            fn deliver(&mut self, p: &[Piece], d: &[u8]) -> Result<(), BusError> {
+                self.0.deliver(p, d)
+            }
+            fn store_size(&self) -> u64 {
+                self.0.store_size()
+            }
+            fn stopped(&self) -> Option<Reason> {
+                Some(Reason::Halted)
+            }
+        }
+        let mut bus = Stopping(VecBus::new(64 * P as usize, 0x1000));
+        bus.0.ccw(0x100, cmd::NOP, 0, 1, 0);
+        let s = run(&mut bus, 0x100);
+        assert_eq!((s.dstat, s.reason, s.ccws), (dstat::UE, Reason::Halted, 0));
+    }
+
+    #[test]
+    fn the_status_block_encodes_little_endian() {
+        let s = Status { dstat: 0x0c, cstat: 0x20, residual: 7, cpa: 0x1122, reason: Reason::TicLoop, ccws: 3, bytes: 9 };
+        let b = s.encode();
+        assert_eq!(Status::decode(&b), Some(s));
+        for (code, r) in Reason::ALL.iter().enumerate() {
+            assert_eq!(*r as usize, code);
+        }
+        assert_eq!((b[0], b[1]), (0x0c, 0x20));
+        assert_eq!(u32::from_le_bytes(b[4..8].try_into().unwrap()), 7);
+        assert_eq!(u64::from_le_bytes(b[8..16].try_into().unwrap()), 0x1122);
+        assert_eq!(u32::from_le_bytes(b[16..20].try_into().unwrap()), 8);
+    }
+}
