@@ -22,9 +22,9 @@ use crossbeam::channel::{unbounded, Receiver, Sender};
 use thiserror::Error;
 use umdev_pinning::PinMode;
 
-pub use self::store::Store;
 use self::bus::{BusCounters, PinnedRanges, PinningBus, StopFlag};
 use self::program::{Reason, Status};
+pub use self::store::Store;
 use crate::device::{DeviceContext, DeviceError};
 use crate::irq::IrqHandle;
 use crate::pci::bar::Bar;
@@ -252,10 +252,16 @@ impl Shared {
     }
 }
 
+/// A subchannel's worker thread and its job queue.
+struct Worker {
+    jobs: Option<Sender<Job>>,
+    thread: Option<JoinHandle<()>>,
+}
+
 /// The ccw PCI function (serve it through [`PciDevice`]; see [`create`]).
 pub struct Ccw {
     shared: Arc<Shared>,
-    workers: Vec<(Option<Sender<Job>>, Option<JoinHandle<()>>)>,
+    workers: Vec<Worker>,
 }
 
 impl std::fmt::Debug for Ccw {
@@ -306,7 +312,7 @@ impl Ccw {
                 .name(format!("umdev-ccw-sch{i}"))
                 .spawn(move || worker(&s, i, &rx))
                 .map_err(CcwError::Thread)?;
-            workers.push((Some(tx), Some(thread)));
+            workers.push(Worker { jobs: Some(tx), thread: Some(thread) });
         }
         Ok(Ccw { shared, workers })
     }
@@ -406,9 +412,14 @@ impl Ccw {
             log::debug!("ccw: start on subchannel {index} refused: not idle");
             return;
         }
-        let Some(tx) = self.workers.get(index).and_then(|w| w.0.as_ref()) else { return };
+        let Some(tx) = self.workers.get(index).and_then(|w| w.jobs.as_ref()) else { return };
         sc.stop.clear();
-        let job = Job { ctx, cpa: r.cpa, status_addr: r.status_addr, generation: self.shared.generation.load(Ordering::Acquire) };
+        let job = Job {
+            ctx,
+            cpa: r.cpa,
+            status_addr: r.status_addr,
+            generation: self.shared.generation.load(Ordering::Acquire),
+        };
         r.state = regs::STATE_BUSY;
         if tx.send(job).is_err() {
             r.state = regs::STATE_IDLE;
@@ -443,7 +454,9 @@ impl PciFunction for Ccw {
         } else {
             let index = ((offset - regs::SUBCHANNEL_BASE) / regs::SUBCHANNEL_STRIDE) as usize;
             match self.shared.subchannels.get(index) {
-                Some(sc) => self.subchannel_read(sc, (offset - regs::SUBCHANNEL_BASE) % regs::SUBCHANNEL_STRIDE),
+                Some(sc) => {
+                    self.subchannel_read(sc, (offset - regs::SUBCHANNEL_BASE) % regs::SUBCHANNEL_STRIDE)
+                }
                 None => 0,
             }
         };
@@ -457,7 +470,11 @@ impl PciFunction for Ccw {
         if offset >= regs::SUBCHANNEL_BASE {
             let index = ((offset - regs::SUBCHANNEL_BASE) / regs::SUBCHANNEL_STRIDE) as usize;
             if index < self.shared.subchannels.len() {
-                self.subchannel_write(index, (offset - regs::SUBCHANNEL_BASE) % regs::SUBCHANNEL_STRIDE, value);
+                self.subchannel_write(
+                    index,
+                    (offset - regs::SUBCHANNEL_BASE) % regs::SUBCHANNEL_STRIDE,
+                    value,
+                );
             }
         }
         Ok(())
@@ -490,9 +507,9 @@ impl PciFunction for Ccw {
 impl Drop for Ccw {
     fn drop(&mut self) {
         self.stop_all();
-        for (tx, thread) in &mut self.workers {
-            drop(tx.take());
-            if let Some(t) = thread.take() {
+        for w in &mut self.workers {
+            drop(w.jobs.take());
+            if let Some(t) = w.thread.take() {
                 let _ = t.join();
             }
         }
@@ -525,19 +542,23 @@ impl CcwType {
     fn config(options: &crate::types::InstanceOptions) -> Result<CcwConfig, String> {
         let p = &options.params;
         let subchannels = match p.get("subchannels") {
-            Some(v) => v.parse::<u32>().ok().filter(|n| (1..=MAX_SUBCHANNELS).contains(n)).ok_or_else(|| {
-                format!("subchannels={v}: must be 1 to {MAX_SUBCHANNELS}")
-            })?,
+            Some(v) => v
+                .parse::<u32>()
+                .ok()
+                .filter(|n| (1..=MAX_SUBCHANNELS).contains(n))
+                .ok_or_else(|| format!("subchannels={v}: must be 1 to {MAX_SUBCHANNELS}"))?,
             None => DEFAULT_SUBCHANNELS,
         };
         let store = match (p.get("file"), p.get("size")) {
             (Some(_), Some(_)) => return Err("give size or file, not both".into()),
-            (Some(path), None) => Store::file(std::path::Path::new(path)).map_err(|e| format!("file={path}: {e}"))?,
+            (Some(path), None) => {
+                Store::file(std::path::Path::new(path)).map_err(|e| format!("file={path}: {e}"))?
+            }
             (None, size) => {
                 let bytes = match size {
-                    Some(s) => parse_size(s).filter(|&n| n > 0 && n <= 64 << 30).ok_or_else(|| {
-                        format!("size={s}: a size from 1 byte to 64G (K, M, G suffixes)")
-                    })?,
+                    Some(s) => parse_size(s)
+                        .filter(|&n| n > 0 && n <= 64 << 30)
+                        .ok_or_else(|| format!("size={s}: a size from 1 byte to 64G (K, M, G suffixes)"))?,
                     None => DEFAULT_STORE_SIZE,
                 };
                 Store::ram(bytes).map_err(|e| format!("RAM disk of {bytes} bytes: {e}"))?
@@ -569,7 +590,8 @@ impl crate::types::DeviceType for CcwType {
         let bad = |why: String| TypeError::BadOption { ty: TYPE_NAME.into(), why };
         let config = Self::config(options).map_err(bad)?;
         let reservation = self.pool.reserve(1).ok_or_else(|| TypeError::Exhausted(TYPE_NAME.into()))?;
-        let device = create(config).map_err(|e| TypeError::Create { ty: TYPE_NAME.into(), why: e.to_string() })?;
+        let device =
+            create(config).map_err(|e| TypeError::Create { ty: TYPE_NAME.into(), why: e.to_string() })?;
         Ok(Arc::new(crate::types::Reserved::new(device, reservation)))
     }
 }

@@ -540,7 +540,8 @@ pub(crate) mod tests {
             let mut pos = store_pos as usize;
             for p in pieces {
                 let r = self.range(p.addr, p.len as usize)?;
-                let overlaps_ro = p.addr < self.read_only.end && self.read_only.start < p.addr + u64::from(p.len);
+                let overlaps_ro =
+                    p.addr < self.read_only.end && self.read_only.start < p.addr + u64::from(p.len);
                 if dir == Direction::ToGuest && overlaps_ro {
                     return Err(BusError::ReadOnly);
                 }
@@ -685,7 +686,10 @@ mod interpreter_tests {
         }
         bus.ccw(0x1000 + 16 * MAX_CCWS as u64, cmd::NOP, 0, 1, 0);
         let s = run(&mut bus, 0x1000);
-        assert_eq!((s.cstat, s.reason, s.ccws), (cstat::PROGRAM_CHECK, Reason::ChainTooLong, MAX_CCWS as u32));
+        assert_eq!(
+            (s.cstat, s.reason, s.ccws),
+            (cstat::PROGRAM_CHECK, Reason::ChainTooLong, MAX_CCWS as u32)
+        );
         // Exactly MAX_CCWS is fine.
         bus.ccw(0x1000 + 16 * (MAX_CCWS as u64 - 1), cmd::NOP, 0, 1, 0);
         normal(&run(&mut bus, 0x1000));
@@ -693,30 +697,103 @@ mod interpreter_tests {
 
     #[test]
     fn malformed_ccws_and_idaws_are_program_checks() {
-        let cases: Vec<(&str, Box<dyn Fn(&mut VecBus) -> u64>, Reason)> = vec![
+        type Setup = Box<dyn Fn(&mut VecBus) -> u64>;
+        let cases: Vec<(&str, Setup, Reason)> = vec![
             ("misaligned CCW", Box::new(|_: &mut VecBus| 0x104), Reason::CcwMisaligned),
             ("CCW outside memory", Box::new(|_: &mut VecBus| 0x100_0000), Reason::CcwUnmapped),
             ("CCW address wraps", Box::new(|_: &mut VecBus| u64::MAX - 7), Reason::CcwUnmapped),
-            ("reserved bits", Box::new(|b: &mut VecBus| { b.put(0x100, &[cmd::NOP, 0, 1, 0, 1, 0, 0, 0]); 0x100 }), Reason::BadCcw),
-            ("unknown flag", Box::new(|b: &mut VecBus| { b.ccw(0x100, cmd::NOP, 0x01, 1, 0); 0x100 }), Reason::BadCcw),
-            ("chain data", Box::new(|b: &mut VecBus| { b.ccw(0x100, cmd::READ, flags::CD, 1, 0x1000); 0x100 }), Reason::BadCcw),
-            ("zero count", Box::new(|b: &mut VecBus| { b.ccw(0x100, cmd::READ, 0, 0, 0x1000); 0x100 }), Reason::BadCount),
-            ("count too large", Box::new(|b: &mut VecBus| { b.ccw(0x100, cmd::READ, 0, MAX_CCW_COUNT + 1, 0x1000); 0x100 }), Reason::BadCount),
-            ("data outside memory", Box::new(|b: &mut VecBus| { b.ccw(0x100, cmd::READ, 0, 0x2000, 0x3f000); 0x100 }), Reason::DataUnmapped),
-            ("data address wraps", Box::new(|b: &mut VecBus| { b.ccw(0x100, cmd::READ, 0, 0x2000, u64::MAX - 0xfff); 0x100 }), Reason::DataUnmapped),
-            ("misaligned IDAL", Box::new(|b: &mut VecBus| { b.ccw(0x100, cmd::READ, flags::IDA, 16, 0x404); 0x100 }), Reason::IdalMisaligned),
-            ("IDAL runs out of memory", Box::new(|b: &mut VecBus| { b.ccw(0x100, cmd::READ, flags::IDA, 0x3000, 0x3fff8); b.put(0x3fff8, &0x1000u64.to_le_bytes()); 0x100 }), Reason::IdalUnmapped),
-            ("second IDAW misaligned", Box::new(|b: &mut VecBus| {
-                b.put(0x400, &0x1800u64.to_le_bytes());
-                b.put(0x408, &0x2010u64.to_le_bytes());
-                b.ccw(0x100, cmd::READ, flags::IDA, 4096, 0x400);
-                0x100
-            }), Reason::IdawMisaligned),
-            ("IDAW outside memory", Box::new(|b: &mut VecBus| {
-                b.put(0x400, &0x80_0000u64.to_le_bytes());
-                b.ccw(0x100, cmd::READ, flags::IDA, 16, 0x400);
-                0x100
-            }), Reason::DataUnmapped),
+            (
+                "reserved bits",
+                Box::new(|b: &mut VecBus| {
+                    b.put(0x100, &[cmd::NOP, 0, 1, 0, 1, 0, 0, 0]);
+                    0x100
+                }),
+                Reason::BadCcw,
+            ),
+            (
+                "unknown flag",
+                Box::new(|b: &mut VecBus| {
+                    b.ccw(0x100, cmd::NOP, 0x01, 1, 0);
+                    0x100
+                }),
+                Reason::BadCcw,
+            ),
+            (
+                "chain data",
+                Box::new(|b: &mut VecBus| {
+                    b.ccw(0x100, cmd::READ, flags::CD, 1, 0x1000);
+                    0x100
+                }),
+                Reason::BadCcw,
+            ),
+            (
+                "zero count",
+                Box::new(|b: &mut VecBus| {
+                    b.ccw(0x100, cmd::READ, 0, 0, 0x1000);
+                    0x100
+                }),
+                Reason::BadCount,
+            ),
+            (
+                "count too large",
+                Box::new(|b: &mut VecBus| {
+                    b.ccw(0x100, cmd::READ, 0, MAX_CCW_COUNT + 1, 0x1000);
+                    0x100
+                }),
+                Reason::BadCount,
+            ),
+            (
+                "data outside memory",
+                Box::new(|b: &mut VecBus| {
+                    b.ccw(0x100, cmd::READ, 0, 0x2000, 0x3f000);
+                    0x100
+                }),
+                Reason::DataUnmapped,
+            ),
+            (
+                "data address wraps",
+                Box::new(|b: &mut VecBus| {
+                    b.ccw(0x100, cmd::READ, 0, 0x2000, u64::MAX - 0xfff);
+                    0x100
+                }),
+                Reason::DataUnmapped,
+            ),
+            (
+                "misaligned IDAL",
+                Box::new(|b: &mut VecBus| {
+                    b.ccw(0x100, cmd::READ, flags::IDA, 16, 0x404);
+                    0x100
+                }),
+                Reason::IdalMisaligned,
+            ),
+            (
+                "IDAL runs out of memory",
+                Box::new(|b: &mut VecBus| {
+                    b.ccw(0x100, cmd::READ, flags::IDA, 0x3000, 0x3fff8);
+                    b.put(0x3fff8, &0x1000u64.to_le_bytes());
+                    0x100
+                }),
+                Reason::IdalUnmapped,
+            ),
+            (
+                "second IDAW misaligned",
+                Box::new(|b: &mut VecBus| {
+                    b.put(0x400, &0x1800u64.to_le_bytes());
+                    b.put(0x408, &0x2010u64.to_le_bytes());
+                    b.ccw(0x100, cmd::READ, flags::IDA, 4096, 0x400);
+                    0x100
+                }),
+                Reason::IdawMisaligned,
+            ),
+            (
+                "IDAW outside memory",
+                Box::new(|b: &mut VecBus| {
+                    b.put(0x400, &0x80_0000u64.to_le_bytes());
+                    b.ccw(0x100, cmd::READ, flags::IDA, 16, 0x400);
+                    0x100
+                }),
+                Reason::DataUnmapped,
+            ),
         ];
         for (what, setup, reason) in cases {
             let mut bus = VecBus::new(64 * P as usize, 1 << 20);
@@ -755,7 +832,10 @@ mod interpreter_tests {
         bus.ccw(0x100, cmd::SENSE, flags::CC, 16, 0x2000);
         bus.ccw(0x110, cmd::NOP, 0, 1, 0);
         let s = run(&mut bus, 0x100);
-        assert_eq!((s.cstat, s.dstat, s.residual, s.ccws), (cstat::INCORRECT_LENGTH, dstat::CE | dstat::DE, 0, 1));
+        assert_eq!(
+            (s.cstat, s.dstat, s.residual, s.ccws),
+            (cstat::INCORRECT_LENGTH, dstat::CE | dstat::DE, 0, 1)
+        );
         bus.ccw(0x100, cmd::SENSE, flags::CC | flags::SLI, 64, 0x2000);
         let s = run(&mut bus, 0x100);
         normal(&s);
@@ -790,7 +870,15 @@ mod interpreter_tests {
 
     #[test]
     fn the_status_block_encodes_little_endian() {
-        let s = Status { dstat: 0x0c, cstat: 0x20, residual: 7, cpa: 0x1122, reason: Reason::TicLoop, ccws: 3, bytes: 9 };
+        let s = Status {
+            dstat: 0x0c,
+            cstat: 0x20,
+            residual: 7,
+            cpa: 0x1122,
+            reason: Reason::TicLoop,
+            ccws: 3,
+            bytes: 9,
+        };
         let b = s.encode();
         assert_eq!(Status::decode(&b), Some(s));
         for (code, r) in Reason::ALL.iter().enumerate() {

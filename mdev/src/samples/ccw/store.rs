@@ -34,7 +34,8 @@ impl Store {
     }
 
     fn map(file: File, size: u64) -> io::Result<Store> {
-        let len = usize::try_from(size).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "store too large"))?;
+        let len = usize::try_from(size)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "store too large"))?;
         let region = MmapRegion::from_file(FileOffset::new(file, 0), len).map_err(io::Error::other)?;
         Ok(Store { region, size })
     }
