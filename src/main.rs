@@ -1,5 +1,7 @@
 //! `umdev`: the vfio-user mediated-device server and its tools.
 
+mod affinity;
+mod ccwbench;
 mod demo;
 mod manage;
 mod pinbench;
@@ -145,6 +147,19 @@ enum Command {
         #[arg(long)]
         quick: bool,
     },
+    /// Benchmark the ccw device end to end: 2 MiB scattered programs against memcpy, 4 KiB
+    /// program latency against a REGION_READ round trip; track and lock modes.
+    Ccwbench {
+        /// One JSON object instead of tables.
+        #[arg(long)]
+        json: bool,
+        /// Fewer samples (for a smoke run).
+        #[arg(long)]
+        quick: bool,
+        /// Only this pin mode (track or lock); both by default.
+        #[arg(long)]
+        mode: Option<String>,
+    },
     /// Benchmark run-split pinning against per-page pinning.
     Pinbench {
         /// One JSON object per line instead of a table.
@@ -168,6 +183,18 @@ fn main() {
     let dirs = manage::Dirs::resolve(cli.run_dir, cli.state_dir);
     let result = match cli.command {
         Command::Demo => demo::run(),
+        Command::Ccwbench { json, quick, mode } => mode
+            .as_deref()
+            .map(str::parse::<umdev_pinning::PinMode>)
+            .transpose()
+            .and_then(|only| ccwbench::run(quick, only))
+            .map(|r| {
+                if json {
+                    println!("{}", serde_json::to_string(&r).expect("report serializes"));
+                } else {
+                    ccwbench::print(&r);
+                }
+            }),
         Command::Protobench { json, quick } => protobench::run(quick).map(|r| {
             if json {
                 println!("{}", serde_json::to_string(&r).expect("report serializes"));

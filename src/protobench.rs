@@ -16,29 +16,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nix::sched::{sched_setaffinity, CpuSet};
-use nix::unistd::Pid;
 use serde::Serialize;
 use umdev_mdev::types::{InstanceOptions, Registry};
 use umdev_server::client::{dma_map_payload, dma_unmap_payload, le32, le64, region_write_payload, RawClient};
 use umdev_server::wire::{flags, Command};
 use umdev_server::{Daemon, InstanceConfig};
 
-/// Pins the calling thread (and the threads it creates from now on) to `cpu`.
-fn pin_to(cpu: usize) -> Result<(), String> {
-    let mut set = CpuSet::new();
-    set.set(cpu).map_err(|e| e.to_string())?;
-    sched_setaffinity(Pid::from_raw(0), &set).map_err(|e| format!("sched_setaffinity({cpu}): {e}"))
-}
-
-fn unpin() -> Result<(), String> {
-    let mut set = CpuSet::new();
-    let n = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    for cpu in 0..n {
-        set.set(cpu).map_err(|e| e.to_string())?;
-    }
-    sched_setaffinity(Pid::from_raw(0), &set).map_err(|e| e.to_string())
-}
+use crate::affinity::{pin_to, unpin};
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
@@ -352,7 +336,7 @@ pub struct Report {
 
 pub fn run(quick: bool) -> Result<Report, String> {
     let dir = tempfile_dir()?;
-    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let cpus = crate::affinity::cpus();
     let (blocks, per_block) = if quick { (4, 500) } else { (10, 2000) };
     let mut latency_rows = vec![latency(dir.path(), (0, 0), Duration::ZERO, blocks, per_block)?];
     if cpus >= 2 {

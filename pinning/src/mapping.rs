@@ -142,14 +142,20 @@ impl Mapping {
     /// Adds a pin to pages `[page, page + npages)`; in lock mode, locks and charges the
     /// pages going from 0 to 1 first. On failure nothing has changed.
     pub(crate) fn pin_run(&self, pins: &mut MappingPins, page: u64, npages: u64) -> Result<(), RunFailure> {
+        if self.policy.mode == PinMode::Track {
+            // The hot path: one pass over the counts.
+            return pins
+                .table
+                .try_increment(page, npages)
+                .map(drop)
+                .map_err(|page| RunFailure::Overflow { page });
+        }
         if let Some(page) = pins.table.find_saturated(page, npages) {
             return Err(RunFailure::Overflow { page });
         }
-        if self.policy.mode == PinMode::Lock {
-            let mut fresh: Released = SmallVec::new();
-            pins.table.for_each_unpinned(page, npages, |s, l| fresh.push((s, l)));
-            self.lock_fresh(&fresh)?;
-        }
+        let mut fresh: Released = SmallVec::new();
+        pins.table.for_each_unpinned(page, npages, |s, l| fresh.push((s, l)));
+        self.lock_fresh(&fresh)?;
         pins.table.increment(page, npages);
         Ok(())
     }

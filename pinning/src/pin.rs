@@ -15,7 +15,7 @@ use smallvec::SmallVec;
 use thiserror::Error;
 use vm_memory::VolatileSlice;
 
-use crate::lock::OverLimit;
+use crate::lock::{OverLimit, PinMode};
 use crate::mapping::{Mapping, MappingPins, MappingState, Released, RunFailure};
 use crate::page::{iova_of, iova_of_checked, Prot, PAGE_SHIFT, PAGE_SIZE};
 use crate::space::{DmaSpace, MappingTable};
@@ -292,6 +292,10 @@ impl<'a> Planner<'a> {
 
     /// Cuts an array into maximal runs.
     fn plan_array(mut self, pfns: &[u64]) -> Result<Plan, PinError> {
+        // One allocation for long scattered arrays instead of repeated doubling.
+        if pfns.len() > self.plan.runs.inline_size() {
+            self.plan.runs.reserve(pfns.len().min(4096));
+        }
         let mut i = 0;
         while i < pfns.len() {
             let start = pfns[i];
@@ -354,6 +358,13 @@ fn unpin_runs(mappings: &[Arc<Mapping>], locked: &mut Locked<'_>, runs: &[Pinned
     for run in runs.iter().rev() {
         let pins = locked.get(run.slot);
         let mapping = &mappings[run.slot];
+        if mapping.policy.mode == PinMode::Track {
+            // The hot path: one checked pass; only a guard whose pins were taken from it
+            // falls through to the page-by-page release below.
+            if pins.table.try_decrement(run.page, run.npages).is_ok() {
+                continue;
+            }
+        }
         if pins.table.find_unpinned(run.page, run.npages).is_none() {
             mapping.unpin_run(pins, run.page, run.npages, &mut released[run.slot]);
         } else {

@@ -142,6 +142,88 @@ impl PinTable {
         }
     }
 
+    /// Adds one pin to every page of the range unless one of them is saturated; then
+    /// returns that page and changes nothing. One pass (one chunk lookup per segment).
+    /// Returns how many pages went from 0 to 1.
+    pub(crate) fn try_increment(&mut self, first: u64, npages: u64) -> Result<u64, u64> {
+        let mut new_pages = 0u64;
+        for seg in segments(first, npages) {
+            let chunk = match self.chunks.get_mut(&seg.chunk) {
+                Some(chunk) => chunk,
+                None => {
+                    let fresh = self.spare.take().unwrap_or_else(Chunk::new_boxed);
+                    self.chunks.entry(seg.chunk).or_insert(fresh)
+                }
+            };
+            let counts = &mut chunk.counts[seg.start..seg.start + seg.len];
+            if counts.iter().fold(0, |acc, &c| acc | Count::from(c == Count::MAX)) != 0 {
+                let at = counts.iter().position(|&c| c == Count::MAX).unwrap_or(0);
+                let failed = seg.page + at as u64;
+                // Undo the segments of this run already counted.
+                if seg.page > first {
+                    self.pinned_pages += new_pages;
+                    self.pins += seg.page - first;
+                    self.decrement(first, seg.page - first, None);
+                }
+                return Err(failed);
+            }
+            let mut fresh = 0u32;
+            for c in counts.iter_mut() {
+                fresh += u32::from(*c == 0);
+                *c += 1;
+            }
+            chunk.live += fresh;
+            new_pages += u64::from(fresh);
+        }
+        self.pinned_pages += new_pages;
+        self.pins += npages;
+        Ok(new_pages)
+    }
+
+    /// Removes one pin from every page of the range unless one of them is not pinned; then
+    /// returns that page and changes nothing. One pass (one chunk lookup per segment).
+    pub(crate) fn try_decrement(&mut self, first: u64, npages: u64) -> Result<u64, u64> {
+        let mut freed_pages = 0u64;
+        for seg in segments(first, npages) {
+            let unpinned = match self.chunks.get_mut(&seg.chunk) {
+                None => Some(seg.page),
+                Some(chunk) => {
+                    let counts = &mut chunk.counts[seg.start..seg.start + seg.len];
+                    if counts.iter().fold(0, |acc, &c| acc | Count::from(c == 0)) != 0 {
+                        counts.iter().position(|&c| c == 0).map(|i| seg.page + i as u64)
+                    } else {
+                        let mut freed = 0u32;
+                        for c in counts.iter_mut() {
+                            *c -= 1;
+                            freed += u32::from(*c == 0);
+                        }
+                        chunk.live -= freed;
+                        freed_pages += u64::from(freed);
+                        if chunk.live == 0 {
+                            let empty = self.chunks.remove(&seg.chunk);
+                            if self.spare.is_none() {
+                                self.spare = empty;
+                            }
+                        }
+                        None
+                    }
+                }
+            };
+            if let Some(page) = unpinned {
+                // Put back the segments of this run already taken.
+                if seg.page > first {
+                    self.pinned_pages -= freed_pages;
+                    self.pins -= seg.page - first;
+                    self.increment(first, seg.page - first);
+                }
+                return Err(page);
+            }
+        }
+        self.pinned_pages -= freed_pages;
+        self.pins -= npages;
+        Ok(freed_pages)
+    }
+
     /// Adds one pin to every page of the range. The caller has checked
     /// [`PinTable::find_saturated`]. Returns how many pages went from 0 to 1.
     pub(crate) fn increment(&mut self, first: u64, npages: u64) -> u64 {
@@ -290,6 +372,28 @@ mod tests {
         assert_eq!(t.pinned_pages(), 0);
         // Both chunks emptied: one kept as spare, one freed.
         assert_eq!(t.bookkeeping_bytes() / CHUNK_BYTES, 1);
+    }
+
+    #[test]
+    fn checked_passes_change_nothing_on_failure() {
+        let mut t = PinTable::default();
+        t.increment(1000, 30);
+        for _ in 1..MAX_PIN_COUNT {
+            t.increment(1020, 1);
+        }
+        // A run across the chunk boundary (512) that hits the saturated page 1020.
+        assert_eq!(t.try_increment(500, 521), Err(1020));
+        assert_eq!((t.count(500), t.count(1000), t.count(1020)), (0, 1, MAX_PIN_COUNT));
+        assert_eq!(t.pins(), 30 + u64::from(MAX_PIN_COUNT) - 1);
+        assert_eq!(t.try_increment(1000, 10), Ok(0));
+        assert_eq!(t.count(1005), 2);
+        // try_decrement: page 999 is not pinned.
+        assert_eq!(t.try_decrement(999, 5), Err(999));
+        assert_eq!(t.try_decrement(1000, 40), Err(1030));
+        assert_eq!(t.count(1000), 2);
+        assert_eq!(t.try_decrement(1000, 10), Ok(0));
+        assert_eq!(t.try_decrement(1000, 30), Ok(29));
+        assert_eq!(t.pinned_pages(), 1);
     }
 
     #[test]

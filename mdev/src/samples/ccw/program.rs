@@ -302,36 +302,37 @@ fn direct_pieces(addr: u64, count: u32) -> Result<Pieces, Reason> {
 }
 
 /// Reads and checks the IDAW list at `idal` for `count` bytes in blocks of `block` bytes.
+///
+/// Reads exactly the IDAWs the count needs (never past the list's end), in slices of up to
+/// 512: one bus call for the list of a 2 MiB transfer after the first IDAW.
 fn idaw_pieces(bus: &mut dyn Bus, idal: u64, count: u32, block: u64) -> Result<Pieces, Reason> {
     if idal % 8 != 0 {
         return Err(Reason::IdalMisaligned);
     }
-    let mut pieces = Pieces::new();
-    let mut left = u64::from(count);
-    let mut at = idal;
-    // The list is fetched in slices (not per IDAW) to keep bus calls few for long lists.
-    let mut buf = [0u8; 256];
-    let mut have = 0usize;
-    let mut used = 0usize;
+    let mut first = [0u8; 8];
+    bus.fetch(idal, &mut first).map_err(|_| Reason::IdalUnmapped)?;
+    let idaw0 = u64::from_le_bytes(first);
+    let len0 = (block - idaw0 % block).min(u64::from(count));
+    idaw0.checked_add(len0 - 1).ok_or(Reason::DataUnmapped)?;
+    let mut pieces: Pieces = smallvec::smallvec![Piece { addr: idaw0, len: len0 as u32 }];
+    let mut left = u64::from(count) - len0;
+    let mut at = idal + 8;
+    let mut buf = [0u8; 4096];
     while left > 0 {
-        if used == have {
-            let idaws_left = left.div_ceil(block).min(32) as usize + 1;
-            let n = (idaws_left * 8).min(buf.len());
-            bus.fetch(at, &mut buf[..n]).map_err(|_| Reason::IdalUnmapped)?;
-            at = at.checked_add(n as u64).ok_or(Reason::IdalUnmapped)?;
-            have = n;
-            used = 0;
+        let n = left.div_ceil(block).min(512) as usize * 8;
+        at.checked_add(n as u64).ok_or(Reason::IdalUnmapped)?;
+        bus.fetch(at, &mut buf[..n]).map_err(|_| Reason::IdalUnmapped)?;
+        at += n as u64;
+        for raw in buf[..n].chunks_exact(8) {
+            let idaw = u64::from_le_bytes(raw.try_into().map_err(|_| Reason::IdalUnmapped)?);
+            if idaw % block != 0 {
+                return Err(Reason::IdawMisaligned);
+            }
+            let len = block.min(left);
+            idaw.checked_add(len - 1).ok_or(Reason::DataUnmapped)?;
+            pieces.push(Piece { addr: idaw, len: len as u32 });
+            left -= len;
         }
-        let idaw = u64::from_le_bytes(buf[used..used + 8].try_into().map_err(|_| Reason::IdalUnmapped)?);
-        used += 8;
-        let in_block = idaw % block;
-        if !pieces.is_empty() && in_block != 0 {
-            return Err(Reason::IdawMisaligned);
-        }
-        let len = (block - in_block).min(left);
-        idaw.checked_add(len - 1).ok_or(Reason::DataUnmapped)?;
-        pieces.push(Piece { addr: idaw, len: len as u32 });
-        left -= len;
     }
     Ok(pieces)
 }
@@ -676,6 +677,17 @@ mod interpreter_tests {
         // A TIC to itself.
         bus.ccw(0x100, cmd::TIC, 0, 0, 0x100);
         assert_eq!(run(&mut bus, 0x100).reason, Reason::TicLoop);
+    }
+
+    #[test]
+    fn an_idaw_list_ending_at_the_edge_of_memory_is_read_exactly() {
+        let mut bus = VecBus::new(64 * P as usize, 1 << 20);
+        // Two IDAWs, the second the last 8 bytes of guest memory: nothing past them is read.
+        let end = 64 * P;
+        bus.put(end - 16, &(0x1800u64).to_le_bytes());
+        bus.put(end - 8, &(0x3000u64).to_le_bytes());
+        bus.ccw(0x100, cmd::READ, flags::IDA, 2048 + 100, end - 16);
+        normal(&run(&mut bus, 0x100));
     }
 
     #[test]
