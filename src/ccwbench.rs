@@ -35,6 +35,12 @@ pub struct ModeReport {
     /// The same, guest to store (WRITE).
     pub big_write_programs_per_sec: f64,
     pub big_write_gb_per_sec: f64,
+    /// Median over rounds of (device GB/s / 2 MiB memcpy GB/s) measured in the same round.
+    pub big_read_vs_memcpy: f64,
+    pub big_write_vs_memcpy: f64,
+    /// Median over rounds of (device GB/s / plain memcpy of the same scattered blocks).
+    pub big_read_vs_same_copy: f64,
+    pub big_write_vs_same_copy: f64,
     /// 4 KiB programs on one subchannel, per CPU placement.
     pub small: Vec<LatencyRow>,
 }
@@ -55,7 +61,11 @@ pub struct LatencyRow {
 /// The whole run.
 #[derive(Debug, Serialize)]
 pub struct Report {
+    /// Median 2 MiB memcpy bandwidth over the rounds (the floor).
     pub memcpy_gb_per_sec: f64,
+    /// Median bandwidth of plain memcpy doing the programs' own data movement: the same
+    /// scattered 4 KiB blocks and store regions, one thread, no protocol or pinning.
+    pub same_copy_gb_per_sec: f64,
     pub modes: Vec<ModeReport>,
 }
 
@@ -69,20 +79,63 @@ fn p99(v: &mut [f64]) -> f64 {
     v[(v.len() - 1) * 99 / 100]
 }
 
-/// memcpy bandwidth of 2 MiB copies between two warm buffers, in GB/s (median of rounds).
-fn memcpy_floor(rounds: usize) -> f64 {
-    let src = vec![7u8; 2 << 20];
-    let mut dst = vec![0u8; 2 << 20];
-    let mut samples = Vec::new();
-    for _ in 0..rounds {
-        let t = Instant::now();
-        for _ in 0..16 {
-            dst.copy_from_slice(black_box(&src));
-            black_box(&mut dst);
-        }
-        samples.push(16.0 * (2 << 20) as f64 / t.elapsed().as_secs_f64() / 1e9);
+/// memcpy bandwidth of 2 MiB copies between two warm buffers, in GB/s.
+fn memcpy_floor(src: &[u8], dst: &mut [u8]) -> f64 {
+    let t = Instant::now();
+    for _ in 0..16 {
+        dst.copy_from_slice(black_box(src));
+        black_box(&mut *dst);
     }
-    median(&mut samples)
+    16.0 * src.len() as f64 / t.elapsed().as_secs_f64() / 1e9
+}
+
+/// The programs' data movement done by plain memcpy in one thread: for each of the big
+/// subchannels in turn, 512 scattered 4 KiB blocks to or from its 2 MiB of store.
+struct SameCopy {
+    store: Vec<u8>,
+    guest: Vec<u8>,
+    blocks: Vec<Vec<usize>>,
+}
+
+impl SameCopy {
+    fn new(big: u32) -> SameCopy {
+        let blocks = (0..big)
+            .map(|sc| scattered_blocks(sc).into_iter().map(|a| (a - DATA_BASE) as usize).collect())
+            .collect();
+        SameCopy {
+            store: vec![1u8; big as usize * (2 << 20)],
+            guest: vec![2u8; big as usize * (8 << 20)],
+            blocks,
+        }
+    }
+
+    /// GB/s for `programs` programs in direction `dir`.
+    fn run(&mut self, dir: u8, programs: usize) -> f64 {
+        let t = Instant::now();
+        for p in 0..programs {
+            let sc = p % self.blocks.len();
+            let store = &mut self.store[sc * (2 << 20)..(sc + 1) * (2 << 20)];
+            for (k, &b) in self.blocks[sc].iter().enumerate() {
+                let s = &mut store[k * 4096..(k + 1) * 4096];
+                if dir == cmd::READ {
+                    self.guest[b..b + 4096].copy_from_slice(black_box(s));
+                } else {
+                    s.copy_from_slice(black_box(&self.guest[b..b + 4096]));
+                }
+            }
+            black_box(&mut self.guest);
+        }
+        programs as f64 * (2 << 20) as f64 / t.elapsed().as_secs_f64() / 1e9
+    }
+}
+
+/// The 512 scattered 4 KiB blocks (no two adjacent, random order) of big subchannel `sc`.
+fn scattered_blocks(sc: u32) -> Vec<u64> {
+    let mut rng = Rng::new(512 + u64::from(sc));
+    let base = DATA_BASE + u64::from(sc) * (8 << 20);
+    let mut blocks: Vec<u64> = (0..512).map(|k| base + 2 * 4096 * k).collect();
+    rng.shuffle(&mut blocks);
+    blocks
 }
 
 /// A lean guest for the hot loops: rust-vmm's client waits for a reply to every register
@@ -250,14 +303,14 @@ fn start_instance(
     started.map(|d| (d, socket))
 }
 
-fn bench_mode(mode: PinMode, rounds: usize) -> Result<ModeReport, String> {
+fn bench_mode(mode: PinMode, rounds: usize) -> Result<(ModeReport, f64, f64), String> {
     let dir = std::env::temp_dir().join(format!("umdev-ccwbench-{}-{mode}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let result = (|| {
         let (daemon, socket) = start_instance(&dir, "big", mode, None)?;
         let big = run_big(&socket, rounds);
         daemon.shutdown();
-        let (read, write) = big?;
+        let big = big?;
         let mut placements = vec![("one CPU", 0, 0)];
         if crate::affinity::cpus() >= 2 {
             placements.push(("two CPUs", 0, 1));
@@ -271,14 +324,22 @@ fn bench_mode(mode: PinMode, rounds: usize) -> Result<ModeReport, String> {
             daemon.shutdown();
             small.push(row?);
         }
-        Ok(ModeReport {
-            mode: mode.to_string(),
-            big_read_programs_per_sec: read,
-            big_read_gb_per_sec: read * (2 << 20) as f64 / 1e9,
-            big_write_programs_per_sec: write,
-            big_write_gb_per_sec: write * (2 << 20) as f64 / 1e9,
-            small,
-        })
+        Ok((
+            ModeReport {
+                mode: mode.to_string(),
+                big_read_programs_per_sec: big.read_pps,
+                big_read_gb_per_sec: big.read_pps * (2 << 20) as f64 / 1e9,
+                big_write_programs_per_sec: big.write_pps,
+                big_write_gb_per_sec: big.write_pps * (2 << 20) as f64 / 1e9,
+                big_read_vs_memcpy: big.read_vs_memcpy,
+                big_write_vs_memcpy: big.write_vs_memcpy,
+                big_read_vs_same_copy: big.read_vs_same,
+                big_write_vs_same_copy: big.write_vs_same,
+                small,
+            },
+            big.memcpy,
+            big.same,
+        ))
     })();
     let _ = std::fs::remove_dir_all(&dir);
     result
@@ -292,11 +353,7 @@ const SMALL_SC: u32 = SUBCHANNELS - 1;
 fn big_programs(g: &mut Lean, dir: u8, n: usize) -> Result<f64, String> {
     let big = SUBCHANNELS - 1;
     for sc in 0..big {
-        // 512 scattered 4 KiB blocks (no two adjacent, random order) per subchannel.
-        let mut rng = Rng::new(512 + u64::from(sc));
-        let base = DATA_BASE + u64::from(sc) * (8 << 20);
-        let mut blocks: Vec<u64> = (0..512).map(|k| base + 2 * 4096 * k).collect();
-        rng.shuffle(&mut blocks);
+        let blocks = scattered_blocks(sc);
         // Each subchannel works on its own 2 MiB of the store, as I/O to different blocks does.
         let arg = SCRATCH + 8 * u64::from(sc);
         g.put(arg, &(u64::from(sc) << 21).to_le_bytes())?;
@@ -349,19 +406,64 @@ fn wait_any(efds: &[&EventFd], timeout: Duration) {
     let _ = poll(&mut fds, PollTimeout::try_from(timeout).unwrap_or(PollTimeout::MAX));
 }
 
-/// 2 MiB programs in flight on four subchannels, READ then WRITE; programs/s each.
-fn run_big(socket: &Path, rounds: usize) -> Result<(f64, f64), String> {
+/// Big-program throughput: per round, the device's rate alternating with both floors.
+struct BigResult {
+    read_pps: f64,
+    write_pps: f64,
+    read_vs_memcpy: f64,
+    write_vs_memcpy: f64,
+    read_vs_same: f64,
+    write_vs_same: f64,
+    memcpy: f64,
+    same: f64,
+}
+
+/// 2 MiB programs in flight on four subchannels, READ then WRITE, each round paired with a
+/// 2 MiB memcpy and with plain memcpy of the same blocks.
+fn run_big(socket: &Path, rounds: usize) -> Result<BigResult, String> {
     let mut g = Lean::connect(socket, SUBCHANNELS)?;
     // Fault guest memory in once, as a running guest's would be.
     g.put(DATA_BASE, &vec![1u8; 32 << 20])?;
-    let per_round = 8;
-    let mut rate = |dir| -> Result<f64, String> {
+    // 32 programs (64 MiB) a round: enough to amortise the cache refill after the floors.
+    let per_round = 32;
+    let (src, mut dst) = (vec![7u8; 2 << 20], vec![0u8; 2 << 20]);
+    let mut same = SameCopy::new(SUBCHANNELS - 1);
+    let mut rounds_of = |dir| -> Result<(f64, f64, f64, f64, f64), String> {
         big_programs(&mut g, dir, per_round)?; // warm-up
-        let mut samples: Vec<f64> =
-            (0..rounds).map(|_| big_programs(&mut g, dir, per_round)).collect::<Result<_, _>>()?;
-        Ok(median(&mut samples))
+        same.run(dir, per_round);
+        let (mut pps, mut vs_memcpy, mut vs_same, mut memcpy, mut same_gbs) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            let floor = memcpy_floor(&src, &mut dst);
+            let copy = same.run(dir, per_round);
+            let rate = big_programs(&mut g, dir, per_round)?;
+            let gbs = rate * (2 << 20) as f64 / 1e9;
+            pps.push(rate);
+            vs_memcpy.push(gbs / floor);
+            vs_same.push(gbs / copy);
+            memcpy.push(floor);
+            same_gbs.push(copy);
+        }
+        Ok((
+            median(&mut pps),
+            median(&mut vs_memcpy),
+            median(&mut vs_same),
+            median(&mut memcpy),
+            median(&mut same_gbs),
+        ))
     };
-    Ok((rate(cmd::READ)?, rate(cmd::WRITE)?))
+    let (read_pps, read_vs_memcpy, read_vs_same, memcpy_r, same_r) = rounds_of(cmd::READ)?;
+    let (write_pps, write_vs_memcpy, write_vs_same, memcpy_w, same_w) = rounds_of(cmd::WRITE)?;
+    Ok(BigResult {
+        read_pps,
+        write_pps,
+        read_vs_memcpy,
+        write_vs_memcpy,
+        read_vs_same,
+        write_vs_same,
+        memcpy: (memcpy_r + memcpy_w) / 2.0,
+        same: (same_r + same_w) / 2.0,
+    })
 }
 
 /// 4 KiB programs on one subchannel: posted doorbell to interrupt (the ACK posted after),
@@ -401,35 +503,62 @@ fn run_small(socket: &Path, rounds: usize, placement: &str) -> Result<LatencyRow
 
 pub fn run(quick: bool, only: Option<PinMode>) -> Result<Report, String> {
     let rounds = if quick { 5 } else { 41 };
-    let memcpy = memcpy_floor(rounds);
-    let modes = [PinMode::Track, PinMode::Lock]
+    let results = [PinMode::Track, PinMode::Lock]
         .into_iter()
         .filter(|m| only.is_none_or(|o| o == *m))
         .map(|m| bench_mode(m, rounds))
         .collect::<Result<Vec<_>, _>>()?;
-    // Measure the floor again after, and keep the higher: the ratio is then conservative.
-    let memcpy = memcpy.max(memcpy_floor(rounds));
-    Ok(Report { memcpy_gb_per_sec: memcpy, modes })
+    let first = results.first().ok_or("no mode measured")?;
+    let (memcpy, same) = (first.1, first.2);
+    Ok(Report {
+        memcpy_gb_per_sec: memcpy,
+        same_copy_gb_per_sec: same,
+        modes: results.into_iter().map(|r| r.0).collect(),
+    })
 }
 
 pub fn print(r: &Report) {
     println!(
-        "memcpy of 2 MiB, same run: {:.2} GB/s; 2 MiB programs (SEEK + one 512-IDAW CCW) in flight on {} subchannels\n",
-        r.memcpy_gb_per_sec,
+        "2 MiB programs: a SEEK and one CCW with 512 scattered 4 KiB IDAWs, in flight on {} subchannels.",
         SUBCHANNELS - 1
     );
-    println!("{:<6} {:>24} {:>24}", "mode", "2 MiB/512 IDAWs READ", "2 MiB/512 IDAWs WRITE");
+    println!("Floors, measured in every round beside the device (medians):");
+    println!("  memcpy of 2 MiB (warm buffers):                        {:.2} GB/s", r.memcpy_gb_per_sec);
+    println!(
+        "  memcpy of the programs' own blocks (one thread, no I/O): {:.2} GB/s\n",
+        r.same_copy_gb_per_sec
+    );
+    println!(
+        "{:<6} {:<6} {:>10} {:>10} {:>14} {:>16}",
+        "mode", "dir", "prog/s", "GB/s", "vs 2MiB memcpy", "vs same blocks"
+    );
     for m in &r.modes {
-        println!(
-            "{:<6} {:>7.0}/s {:>6.2} GB/s {:>3.0}% {:>7.0}/s {:>6.2} GB/s {:>3.0}%",
-            m.mode,
-            m.big_read_programs_per_sec,
-            m.big_read_gb_per_sec,
-            100.0 * m.big_read_gb_per_sec / r.memcpy_gb_per_sec,
-            m.big_write_programs_per_sec,
-            m.big_write_gb_per_sec,
-            100.0 * m.big_write_gb_per_sec / r.memcpy_gb_per_sec,
-        );
+        for (dir, pps, gbs, vm, vs) in [
+            (
+                "READ",
+                m.big_read_programs_per_sec,
+                m.big_read_gb_per_sec,
+                m.big_read_vs_memcpy,
+                m.big_read_vs_same_copy,
+            ),
+            (
+                "WRITE",
+                m.big_write_programs_per_sec,
+                m.big_write_gb_per_sec,
+                m.big_write_vs_memcpy,
+                m.big_write_vs_same_copy,
+            ),
+        ] {
+            println!(
+                "{:<6} {:<6} {:>10.0} {:>10.2} {:>13.0}% {:>15.0}%",
+                m.mode,
+                dir,
+                pps,
+                gbs,
+                100.0 * vm,
+                100.0 * vs
+            );
+        }
     }
     println!("\n4 KiB programs on one subchannel (us):");
     println!(

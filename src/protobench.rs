@@ -174,56 +174,85 @@ fn latency(
     })
 }
 
-/// DMA map+unmap cost by size.
+/// DMA_MAP and DMA_UNMAP cost by size, in one placement.
 #[derive(Debug, Serialize)]
 pub struct MapRow {
+    pub placement: String,
     pub size_gib: u64,
-    pub map_unmap_p50_us: f64,
-    pub map_unmap_p99_us: f64,
+    /// One DMA_MAP (with its fd) round trip.
+    pub map_p50_us: f64,
+    /// One DMA_UNMAP round trip.
+    pub unmap_p50_us: f64,
+    pub map_p99_us: f64,
+    pub unmap_p99_us: f64,
 }
 
-fn map_costs(dir: &Path, rounds: usize) -> Result<Vec<MapRow>, String> {
-    let (daemon, socket) = start_testdev(dir, "map", 0, Duration::ZERO)?;
-    let mut c = RawClient::connect(&socket).map_err(|e| e.to_string())?;
-    c.negotiate().map_err(|e| e.to_string())?;
-    let sizes = [1u64, 64];
-    let files: Vec<std::fs::File> = sizes
-        .iter()
-        .map(|gib| {
-            let fd = nix::sys::memfd::memfd_create(c"umdev-protobench", nix::sys::memfd::MFdFlags::empty())
-                .map_err(|e| e.to_string())?;
-            let f = std::fs::File::from(fd);
-            f.set_len(gib << 30).map_err(|e| e.to_string())?;
-            Ok(f)
-        })
-        .collect::<Result<_, String>>()?;
-    let mut samples = vec![Vec::new(); sizes.len()];
-    for round in 0..rounds + 10 {
-        for (i, (&gib, file)) in sizes.iter().zip(&files).enumerate() {
-            let size = gib << 30;
-            let t = Instant::now();
-            let r = c
-                .request(2, &dma_map_payload(3, 0, 1 << 40, size), &[file.as_raw_fd()])
-                .map_err(|e| e.to_string())?;
-            let u = c.request(3, &dma_unmap_payload(24, 0, 1 << 40, size), &[]).map_err(|e| e.to_string())?;
-            if r.errno() != 0 || u.errno() != 0 {
-                return Err(format!("map/unmap of {gib} GiB failed: {} {}", r.errno(), u.errno()));
-            }
-            if round >= 10 {
-                samples[i].push(t.elapsed().as_nanos() as f64 / 1000.0);
+fn map_costs(
+    dir: &Path,
+    rounds: usize,
+    (client_cpu, server_cpu): (usize, usize),
+) -> Result<Vec<MapRow>, String> {
+    let name = format!("map-{client_cpu}-{server_cpu}");
+    let (daemon, socket) = start_testdev(dir, &name, server_cpu, Duration::ZERO)?;
+    pin_to(client_cpu)?;
+    let result = (|| {
+        let mut c = RawClient::connect(&socket).map_err(|e| e.to_string())?;
+        c.negotiate().map_err(|e| e.to_string())?;
+        let sizes = [1u64, 64];
+        let files: Vec<std::fs::File> = sizes
+            .iter()
+            .map(|gib| {
+                let fd =
+                    nix::sys::memfd::memfd_create(c"umdev-protobench", nix::sys::memfd::MFdFlags::empty())
+                        .map_err(|e| e.to_string())?;
+                let f = std::fs::File::from(fd);
+                f.set_len(gib << 30).map_err(|e| e.to_string())?;
+                Ok(f)
+            })
+            .collect::<Result<_, String>>()?;
+        let mut maps = vec![Vec::new(); sizes.len()];
+        let mut unmaps = vec![Vec::new(); sizes.len()];
+        for round in 0..rounds + 10 {
+            for (i, (&gib, file)) in sizes.iter().zip(&files).enumerate() {
+                let size = gib << 30;
+                let t = Instant::now();
+                let r = c
+                    .request(2, &dma_map_payload(3, 0, 1 << 40, size), &[file.as_raw_fd()])
+                    .map_err(|e| e.to_string())?;
+                let mapped = t.elapsed();
+                let t = Instant::now();
+                let u =
+                    c.request(3, &dma_unmap_payload(24, 0, 1 << 40, size), &[]).map_err(|e| e.to_string())?;
+                let unmapped = t.elapsed();
+                if r.errno() != 0 || u.errno() != 0 {
+                    return Err(format!("map/unmap of {gib} GiB failed: {} {}", r.errno(), u.errno()));
+                }
+                if round >= 10 {
+                    maps[i].push(mapped.as_nanos() as f64 / 1000.0);
+                    unmaps[i].push(unmapped.as_nanos() as f64 / 1000.0);
+                }
             }
         }
-    }
-    drop(c);
+        let placement = if client_cpu == server_cpu { "one CPU" } else { "two CPUs" };
+        Ok(sizes
+            .iter()
+            .zip(maps.into_iter().zip(unmaps))
+            .map(|(&gib, (m, u))| {
+                let ((m50, m99), (u50, u99)) = (summarize(m), summarize(u));
+                MapRow {
+                    placement: placement.to_string(),
+                    size_gib: gib,
+                    map_p50_us: m50,
+                    unmap_p50_us: u50,
+                    map_p99_us: m99,
+                    unmap_p99_us: u99,
+                }
+            })
+            .collect())
+    })();
+    unpin()?;
     daemon.shutdown();
-    Ok(sizes
-        .iter()
-        .zip(samples)
-        .map(|(&gib, s)| {
-            let (p50, p99) = summarize(s);
-            MapRow { size_gib: gib, map_unmap_p50_us: p50, map_unmap_p99_us: p99 }
-        })
-        .collect())
+    result
 }
 
 /// The many-instances isolation experiment.
@@ -343,7 +372,11 @@ pub fn run(quick: bool) -> Result<Report, String> {
         latency_rows.push(latency(dir.path(), (0, 1), Duration::ZERO, blocks, per_block)?);
         latency_rows.push(latency(dir.path(), (0, 1), Duration::from_micros(50), blocks, per_block)?);
     }
-    let map = map_costs(dir.path(), if quick { 21 } else { 201 })?;
+    let map_rounds = if quick { 21 } else { 201 };
+    let mut map = map_costs(dir.path(), map_rounds, (0, 0))?;
+    if cpus >= 2 {
+        map.extend(map_costs(dir.path(), map_rounds, (0, 1))?);
+    }
     let flood = flood(dir.path(), 64, Duration::from_millis(if quick { 300 } else { 1500 }))?;
     Ok(Report { latency: latency_rows, map, flood })
 }
@@ -381,11 +414,15 @@ pub fn print(r: &Report) {
         );
     }
     println!();
-    println!("DMA_MAP + DMA_UNMAP over the socket, sparse memfd:");
+    println!("DMA_MAP and DMA_UNMAP of a sparse memfd over the socket, each a round trip (us):");
+    println!(
+        "{:<10} {:>6} {:>9} {:>9} {:>11} {:>11}",
+        "placement", "size", "map p50", "map p99", "unmap p50", "unmap p99"
+    );
     for m in &r.map {
         println!(
-            "  {:>3} GiB: p50 {:.1} us, p99 {:.1} us",
-            m.size_gib, m.map_unmap_p50_us, m.map_unmap_p99_us
+            "{:<10} {:>4} G {:>9.1} {:>9.1} {:>11.1} {:>11.1}",
+            m.placement, m.size_gib, m.map_p50_us, m.map_p99_us, m.unmap_p50_us, m.unmap_p99_us
         );
     }
     println!();

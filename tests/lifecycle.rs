@@ -204,3 +204,29 @@ fn definitions_persist_and_auto_ones_start_with_the_daemon() {
     assert!(env.fails(&["start", "--uuid", auto]).contains("no device"));
     daemon.stop();
 }
+
+#[test]
+fn mtty_types_share_one_pool_of_ports_until_exhausted() {
+    let env = Env::new();
+    let daemon = env.daemon();
+    assert_eq!((env.available("mtty-1"), env.available("mtty-2")), (24, 12));
+    let dual = env.ok(&["start", "--type", "mtty-2"]);
+    let dual_uuid = dual.split_whitespace().next().unwrap().to_string();
+    assert_eq!((env.available("mtty-1"), env.available("mtty-2")), (22, 11), "both types follow the pool");
+    // Take the rest: 11 more dual-port instances.
+    for _ in 0..11 {
+        env.ok(&["start", "--type", "mtty-2"]);
+    }
+    assert_eq!((env.available("mtty-1"), env.available("mtty-2")), (0, 0));
+    let err = env.fails(&["start", "--type", "mtty-1"]);
+    assert!(err.contains("no available instances"), "{err}");
+    assert!(env.fails(&["start", "--type", "mtty-2"]).contains("no available instances"));
+    // Removing one frees its two ports, and its socket.
+    env.ok(&["stop", "--uuid", &dual_uuid]);
+    assert_eq!((env.available("mtty-1"), env.available("mtty-2")), (2, 1));
+    assert!(!env.run.join(format!("{dual_uuid}.sock")).exists());
+    env.ok(&["start", "--type", "mtty-1"]);
+    env.ok(&["start", "--type", "mtty-1"]);
+    assert!(env.fails(&["start", "--type", "mtty-1"]).contains("no available instances"));
+    daemon.stop();
+}

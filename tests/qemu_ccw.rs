@@ -69,14 +69,23 @@ fn qemu_guest_runs_channel_programs() {
         at += n;
     }
     q.write(SEEK_ARG, &4096u64.to_le_bytes());
-    let s = run(&mut q, &[Op::new(cmd::SEEK, 8, Data::Direct(SEEK_ARG)), Op::new(cmd::WRITE, 10_000, Data::Idaws(list))]);
-    assert_eq!((s.dstat, s.cstat, s.reason, s.ccws, s.bytes), (dstat::CE | dstat::DE, 0, Reason::Ok, 2, 10_000));
+    let s = run(
+        &mut q,
+        &[Op::new(cmd::SEEK, 8, Data::Direct(SEEK_ARG)), Op::new(cmd::WRITE, 10_000, Data::Idaws(list))],
+    );
+    assert_eq!(
+        (s.dstat, s.cstat, s.reason, s.ccws, s.bytes),
+        (dstat::CE | dstat::DE, 0, Reason::Ok, 2, 10_000)
+    );
     assert_eq!(s.cpa, PROGRAM + 32);
 
     // Read it back to other, scattered blocks: the guest finds its bytes there.
     let back = [0x50_0000u64, 0x50_2000, 0x50_4000];
     let list = idaws(&back, 0, 10_000);
-    let s = run(&mut q, &[Op::new(cmd::SEEK, 8, Data::Direct(SEEK_ARG)), Op::new(cmd::READ, 10_000, Data::Idaws(list))]);
+    let s = run(
+        &mut q,
+        &[Op::new(cmd::SEEK, 8, Data::Direct(SEEK_ARG)), Op::new(cmd::READ, 10_000, Data::Idaws(list))],
+    );
     assert!(s.ok(), "{s:?}");
     let mut got = Vec::new();
     for (i, &b) in back.iter().enumerate() {
