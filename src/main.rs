@@ -27,6 +27,49 @@ struct Cli {
     command: Command,
 }
 
+/// Resource limits of served instances (defaults in parentheses; see docs/reliability.md).
+#[derive(clap::Args, Clone)]
+struct LimitArgs {
+    /// DMA mappings a client may hold (4096; each is a VMA: instances x this must stay below vm.max_map_count).
+    #[arg(long)]
+    max_dma_maps: Option<u32>,
+    /// Pins a device may hold at once, repeats counted (16777216).
+    #[arg(long)]
+    max_pins: Option<u64>,
+    /// Bytes one region access or message carries at most (1048576; also bounds the message size).
+    #[arg(long)]
+    max_data_xfer: Option<u32>,
+    /// fds one message may carry, e.g. SET_IRQS eventfds (16; QEMU accepts at most 16).
+    #[arg(long)]
+    max_msg_fds: Option<u32>,
+}
+
+impl LimitArgs {
+    fn apply(&self, config: &mut umdev_server::InstanceConfig) -> Result<(), String> {
+        let l = &mut config.limits;
+        if let Some(n) = self.max_dma_maps {
+            l.max_dma_maps = n.max(1);
+            config.dma.max_mappings = n.max(1) as usize;
+        }
+        if let Some(n) = self.max_pins {
+            config.dma.max_pins = n.max(1);
+        }
+        if let Some(n) = self.max_data_xfer {
+            if !(4096..=64 << 20).contains(&n) {
+                return Err("--max-data-xfer must be 4096 to 64 MiB (QEMU accepts at most 64 MiB)".into());
+            }
+            l.max_data_xfer_size = n;
+        }
+        if let Some(n) = self.max_msg_fds {
+            if !(1..=253).contains(&n) {
+                return Err("--max-msg-fds must be 1 to 253".into());
+            }
+            l.max_msg_fds = n;
+        }
+        Ok(())
+    }
+}
+
 /// Options of every instance-creating command.
 #[derive(clap::Args)]
 struct CreateArgs {
@@ -66,6 +109,11 @@ enum Command {
         /// Opt-in adaptive busy-polling after each reply, up to this many microseconds.
         #[arg(long, default_value_t = 0)]
         busy_poll_us: u64,
+        /// Instances (and so vfio-user connections, one each) the daemon serves at most.
+        #[arg(long, default_value_t = 256)]
+        max_instances: usize,
+        #[command(flatten)]
+        limits: LimitArgs,
     },
     /// Start an instance of a type, or a defined device by UUID.
     Start {
@@ -136,6 +184,8 @@ enum Command {
         /// Opt-in adaptive busy-polling after each reply, up to this many microseconds.
         #[arg(long, default_value_t = 0)]
         busy_poll_us: u64,
+        #[command(flatten)]
+        limits: LimitArgs,
     },
     /// Benchmark the vfio-user server: round-trip latency against a bare socket, DMA map cost
     /// by size, isolation between 64 instances.
@@ -203,8 +253,10 @@ fn main() {
             }
         }),
         Command::Types { json } => manage::types(&dirs, json),
-        Command::Daemon { busy_poll_us } => {
-            manage::daemon(&dirs, std::time::Duration::from_micros(busy_poll_us))
+        Command::Daemon { busy_poll_us, max_instances, limits } => {
+            let mut template = umdev_server::InstanceConfig::new("", "");
+            template.busy_poll = std::time::Duration::from_micros(busy_poll_us);
+            limits.apply(&mut template).and_then(|()| manage::daemon(&dirs, template, max_instances))
         }
         Command::Start { type_name, uuid, create } => {
             create.options().and_then(|o| manage::start(&dirs, type_name, uuid.as_deref(), o))
@@ -216,15 +268,15 @@ fn main() {
         }
         Command::Undefine { uuid } => manage::undefine(&dirs, &uuid),
         Command::Stats { uuid } => manage::stats(&dirs, &uuid),
-        Command::Run { type_name, socket, create, busy_poll_us } => create.options().and_then(|options| {
-            let args = run::RunArgs {
-                type_name,
-                socket,
-                options,
-                busy_poll: std::time::Duration::from_micros(busy_poll_us),
-            };
-            run::run(&umdev_mdev::types::Registry::builtin(), args)
-        }),
+        Command::Run { type_name, socket, create, busy_poll_us, limits } => {
+            create.options().and_then(|options| {
+                let mut config = umdev_server::InstanceConfig::new(type_name.clone(), &socket);
+                config.busy_poll = std::time::Duration::from_micros(busy_poll_us);
+                config.dma.mode = options.pin_mode();
+                limits.apply(&mut config)?;
+                run::run(&umdev_mdev::types::Registry::builtin(), &type_name, &options, config)
+            })
+        }
         Command::Pinbench { json, rounds, batch_us } => pinbench_cmd(json, rounds, batch_us),
     };
     if let Err(e) = result {

@@ -68,15 +68,28 @@ fn parse_uuid(s: &str) -> Result<Uuid, String> {
     Uuid::parse_str(s).map_err(|_| format!("{s:?} is not a UUID"))
 }
 
-/// `umdev daemon`: serves the control socket and instances until SIGINT/SIGTERM.
-pub fn daemon(dirs: &Dirs, busy_poll: std::time::Duration) -> Result<(), String> {
+/// `umdev daemon`: serves the control socket and instances until SIGINT/SIGTERM. `template`
+/// carries the limits every instance gets.
+pub fn daemon(dirs: &Dirs, template: InstanceConfig, max_instances: usize) -> Result<(), String> {
     std::fs::create_dir_all(&dirs.run).map_err(|e| format!("creating {}: {e}", dirs.run.display()))?;
     let mut signals =
         Signals::new([SIGINT, SIGTERM]).map_err(|e| format!("installing signal handlers: {e}"))?;
-    let mut template = InstanceConfig::new("", "");
-    template.busy_poll = busy_poll;
-    let manager =
-        Arc::new(Manager::new(Registry::builtin(), &dirs.run, Definitions::new(&dirs.state), template));
+    let vma_budget = std::fs::read_to_string("/proc/sys/vm/max_map_count")
+        .ok()
+        .and_then(|s| s.trim().parse::<usize>().ok())
+        .unwrap_or(65530);
+    let worst = max_instances.saturating_mul(template.limits.max_dma_maps as usize);
+    if worst > vma_budget / 2 {
+        eprintln!(
+            "umdev: warning: {max_instances} instances x {} mappings each could use {worst} VMAs; the kernel allows \
+             {vma_budget} per process (vm.max_map_count): lower --max-dma-maps or --max-instances, or raise it",
+            template.limits.max_dma_maps
+        );
+    }
+    let manager = Arc::new(
+        Manager::new(Registry::builtin(), &dirs.run, Definitions::new(&dirs.state), template)
+            .with_max_instances(max_instances),
+    );
     let control = ControlServer::start(manager.clone(), &dirs.control()).map_err(|e| e.to_string())?;
     for (uuid, e) in manager.autostart() {
         eprintln!("umdev: could not start defined device {uuid}: {e}");

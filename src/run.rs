@@ -1,9 +1,6 @@
 //! `umdev run`: serve one instance in the foreground, the command a QEMU user runs beside
 //! `-device vfio-user-pci,socket=...`.
 
-use std::path::PathBuf;
-use std::time::Duration;
-
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use umdev_mdev::types::{InstanceOptions, Registry};
@@ -21,30 +18,24 @@ pub fn parse_params(pairs: &[String]) -> Result<std::collections::BTreeMap<Strin
         .collect()
 }
 
-/// What `umdev run` was asked for.
-pub struct RunArgs {
-    pub type_name: String,
-    pub socket: PathBuf,
-    pub options: InstanceOptions,
-    pub busy_poll: Duration,
-}
-
-/// Serves one instance until SIGINT or SIGTERM.
-pub fn run(registry: &Registry, args: RunArgs) -> Result<(), String> {
-    let ty = registry.find(&args.type_name).map_err(|e| e.to_string())?;
-    let device = ty.create(&args.options).map_err(|e| e.to_string())?;
+/// Serves one instance of `type_name` with `config` until SIGINT or SIGTERM.
+pub fn run(
+    registry: &Registry,
+    type_name: &str,
+    options: &InstanceOptions,
+    config: InstanceConfig,
+) -> Result<(), String> {
+    let ty = registry.find(type_name).map_err(|e| e.to_string())?;
+    let device = ty.create(options).map_err(|e| e.to_string())?;
     let mut signals =
         Signals::new([SIGINT, SIGTERM]).map_err(|e| format!("installing signal handlers: {e}"))?;
     let daemon = Daemon::new();
-    let mut config = InstanceConfig::new(args.type_name.clone(), &args.socket);
-    config.dma.mode = args.options.pin_mode();
-    config.busy_poll = args.busy_poll;
+    let socket = config.socket.clone();
     daemon.start(device, config).map_err(|e| e.to_string())?;
     eprintln!(
-        "umdev: serving a {} device on {} (Ctrl-C to stop)\n  qemu-system-x86_64 ... -device '{{\"driver\":\"vfio-user-pci\",\"socket\":{{\"type\":\"unix\",\"path\":\"{}\"}}}}'",
-        args.type_name,
-        args.socket.display(),
-        args.socket.display()
+        "umdev: serving a {type_name} device on {} (Ctrl-C to stop)\n  qemu-system-x86_64 ... -device '{{\"driver\":\"vfio-user-pci\",\"socket\":{{\"type\":\"unix\",\"path\":\"{}\"}}}}'",
+        socket.display(),
+        socket.display()
     );
     if let Some(signal) = signals.forever().next() {
         eprintln!("umdev: signal {signal}, shutting down");

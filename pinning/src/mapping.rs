@@ -57,6 +57,25 @@ pub(crate) struct PinPolicy {
     pub(crate) mode: PinMode,
     pub(crate) account: Arc<LockAccount>,
     pub(crate) counters: crossbeam::utils::CachePadded<Counters>,
+    /// Pins held across the space, against `max_pins`.
+    pub(crate) held: crossbeam::utils::CachePadded<AtomicU64>,
+    pub(crate) max_pins: u64,
+}
+
+impl PinPolicy {
+    /// Reserves `pins` under the space's limit; `Err(held)` if they do not fit.
+    pub(crate) fn reserve(&self, pins: u64) -> Result<(), u64> {
+        self.held
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                held.checked_add(pins).filter(|&total| total <= self.max_pins)
+            })
+            .map(drop)
+    }
+
+    /// Returns pins reserved earlier.
+    pub(crate) fn release(&self, pins: u64) {
+        self.held.fetch_sub(pins, Ordering::AcqRel);
+    }
 }
 
 /// Why pinning one run failed; `page` is the page offset within the mapping.

@@ -73,6 +73,16 @@ pub enum PinError {
         /// IOVA page number.
         pfn: u64,
     },
+    /// The call would take the space past its `max_pins`.
+    #[error("{requested} more pins would exceed the space's limit of {max} ({held} held)")]
+    PinLimit {
+        /// Pins the call asked for.
+        requested: u64,
+        /// Pins held.
+        held: u64,
+        /// The limit.
+        max: u64,
+    },
     /// The page already holds the maximum number of pins.
     #[error("page {index} (pfn {pfn:#x}) already holds the maximum of {max} pins", max = crate::MAX_PIN_COUNT)]
     CountOverflow {
@@ -112,7 +122,7 @@ impl PinError {
             PinError::Permission { .. } => libc::EPERM,
             PinError::NoHostMemory { .. } => libc::EFAULT,
             PinError::Unmapping { .. } => libc::EBUSY,
-            PinError::CountOverflow { .. } => libc::ENOSPC,
+            PinError::CountOverflow { .. } | PinError::PinLimit { .. } => libc::ENOSPC,
             PinError::LockLimit { .. } => libc::ENOMEM,
             PinError::Lock { source, .. } => source.raw_os_error().unwrap_or(libc::ENOMEM),
         }
@@ -353,8 +363,10 @@ impl<'a> Locked<'a> {
 }
 
 /// Removes one pin per page of `runs` (all known to be pinned), then munlocks and refunds.
-fn unpin_runs(mappings: &[Arc<Mapping>], locked: &mut Locked<'_>, runs: &[PinnedRun]) {
+/// Returns the pins removed.
+fn unpin_runs(mappings: &[Arc<Mapping>], locked: &mut Locked<'_>, runs: &[PinnedRun]) -> u64 {
     let mut released: SmallVec<[Released; 2]> = mappings.iter().map(|_| Released::new()).collect();
+    let mut removed = 0u64;
     for run in runs.iter().rev() {
         let pins = locked.get(run.slot);
         let mapping = &mappings[run.slot];
@@ -362,11 +374,13 @@ fn unpin_runs(mappings: &[Arc<Mapping>], locked: &mut Locked<'_>, runs: &[Pinned
             // The hot path: one checked pass; only a guard whose pins were taken from it
             // falls through to the page-by-page release below.
             if pins.table.try_decrement(run.page, run.npages).is_ok() {
+                removed += run.npages;
                 continue;
             }
         }
         if pins.table.find_unpinned(run.page, run.npages).is_none() {
             mapping.unpin_run(pins, run.page, run.npages, &mut released[run.slot]);
+            removed += run.npages;
         } else {
             // Someone unpinned pages this guard owns (unpin_pages on pins it did not take).
             // Release what is still pinned, page by page, rather than underflow a count.
@@ -374,6 +388,7 @@ fn unpin_runs(mappings: &[Arc<Mapping>], locked: &mut Locked<'_>, runs: &[Pinned
             for page in run.page..run.page + run.npages {
                 if pins.table.count(page) > 0 {
                     mapping.unpin_run(pins, page, 1, &mut released[run.slot]);
+                    removed += 1;
                 }
             }
         }
@@ -381,6 +396,7 @@ fn unpin_runs(mappings: &[Arc<Mapping>], locked: &mut Locked<'_>, runs: &[Pinned
     for (slot, m) in mappings.iter().enumerate() {
         m.release(locked.get(slot), &released[slot]);
     }
+    removed
 }
 
 fn run_error(run: &PinnedRun, failure: RunFailure) -> PinError {
@@ -443,9 +459,17 @@ impl DmaSpace {
         let plan = plan.inspect_err(|_| {
             counters.pin_failures.fetch_add(1, Ordering::Relaxed);
         })?;
+        let policy = &self.inner.policy;
+        if let Err(held) = policy.reserve(plan.pages) {
+            counters.pin_failures.fetch_add(1, Ordering::Relaxed);
+            return Err(PinError::PinLimit { requested: plan.pages, held, max: policy.max_pins });
+        }
         let mut locked = Locked::take(&plan.mappings);
         let result = Self::pin_runs(&plan, &mut locked);
         drop(locked);
+        if result.is_err() {
+            policy.release(plan.pages);
+        }
         match result {
             Ok(()) => {
                 counters.pin_calls.fetch_add(1, Ordering::Relaxed);
@@ -474,6 +498,7 @@ impl DmaSpace {
         for (done, run) in plan.runs.iter().enumerate() {
             let mapping = &plan.mappings[run.slot];
             if let Err(failure) = mapping.pin_run(locked.get(run.slot), run.page, run.npages) {
+                // The call's reservation is returned whole by the caller.
                 unpin_runs(&plan.mappings, locked, &plan.runs[..done]);
                 return Err(run_error(run, failure));
             }
@@ -536,6 +561,9 @@ impl DmaSpace {
         }
         for (slot, m) in plan.mappings.iter().enumerate() {
             m.release(locked.get(slot), &released[slot]);
+        }
+        if let Some(m) = plan.mappings.first() {
+            m.policy.release(plan.pages);
         }
         Ok(())
     }
@@ -717,10 +745,11 @@ impl Drop for PinnedPages {
             return;
         }
         let mut locked = Locked::take(&self.mappings);
-        unpin_runs(&self.mappings, &mut locked, &self.runs);
+        let removed = unpin_runs(&self.mappings, &mut locked, &self.runs);
         drop(locked);
         if let Some(m) = self.mappings.first() {
             m.policy.counters.unpin_calls.fetch_add(1, Ordering::Relaxed);
+            m.policy.release(removed);
         }
     }
 }
@@ -842,6 +871,30 @@ mod tests {
         assert_eq!(counts(&space, 1..6), vec![0, 0, 0, crate::MAX_PIN_COUNT, 0]);
         drop(held);
         assert_eq!(space.stats().pins_held, 0);
+    }
+
+    #[test]
+    fn the_space_wide_pin_limit_fails_calls_cleanly() {
+        let (space, _f) = space_with(DmaSpaceConfig { max_pins: 10, ..Default::default() });
+        let a = space.pin_range(0, 6, Prot::READ).unwrap();
+        let err = space.pin_pages(&[1, 1, 2, 3, 4], Prot::READ).unwrap_err();
+        assert!(matches!(err, PinError::PinLimit { requested: 5, held: 6, max: 10 }), "{err}");
+        assert_eq!(err.errno(), libc::ENOSPC);
+        let b = space.pin_pages(&[1, 1, 2, 3], Prot::READ).unwrap();
+        drop(a);
+        // Pins released by a guard, by unpin_pages and by a forgotten guard's unpin all count.
+        let c = space.pin_range(0, 6, Prot::READ).unwrap();
+        c.forget();
+        assert!(space.pin_range(0, 1, Prot::READ).is_err());
+        space.unpin_range(0, 6).unwrap();
+        drop(b);
+        let full = space.pin_range(0, 10, Prot::READ).unwrap();
+        drop(full);
+        // A guard whose pins were taken from it releases only what it still held.
+        let d = space.pin_range(0, 4, Prot::READ).unwrap();
+        space.unpin_range(0, 2).unwrap();
+        drop(d);
+        space.pin_range(0, 10, Prot::READ).unwrap().unpin();
     }
 
     #[test]

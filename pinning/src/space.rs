@@ -32,7 +32,8 @@ pub type UnmapNotifier = Arc<dyn Fn(u64, u64) + Send + Sync>;
 /// How a [`DmaSpace`] behaves; `Default` gives the documented defaults.
 #[derive(Clone, Debug)]
 pub struct DmaSpaceConfig {
-    /// Most mappings at once (default 65535, what QEMU asks for as `max_dma_maps`).
+    /// Most mappings at once (default 4096; each is a VMA, counted against the process's
+    /// `vm.max_map_count`).
     pub max_mappings: usize,
     /// How pins hold their pages (default [`PinMode::Track`]).
     pub mode: PinMode,
@@ -45,16 +46,20 @@ pub struct DmaSpaceConfig {
     /// Most pages one pin or unpin call may name (default 262144, 1 GiB): one call holds a
     /// mapping's lock for its whole duration.
     pub max_pages_per_call: u64,
+    /// Most pins the space holds at once, repeats counted (default 16M: 64 GiB of pages
+    /// pinned once). Bounds what a device driven by a client can hold.
+    pub max_pins: u64,
 }
 
 impl Default for DmaSpaceConfig {
     fn default() -> Self {
         DmaSpaceConfig {
-            max_mappings: 65535,
+            max_mappings: 4096,
             mode: PinMode::Track,
             account: Arc::new(LockAccount::for_this_process()),
             unmap_timeout: Duration::from_secs(2),
             max_pages_per_call: 1 << 18,
+            max_pins: 1 << 24,
         }
     }
 }
@@ -296,6 +301,8 @@ impl DmaSpace {
             mode: config.mode,
             account: config.account.clone(),
             counters: Default::default(),
+            held: Default::default(),
+            max_pins: config.max_pins,
         });
         let inner = SpaceInner { config, policy, table: RwLock::default(), notifier: RwLock::default() };
         DmaSpace { inner: Arc::new(inner) }

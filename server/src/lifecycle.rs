@@ -40,6 +40,9 @@ pub enum LifecycleError {
     /// No definition has this UUID.
     #[error("no device with UUID {0} is defined")]
     NotDefined(Uuid),
+    /// The daemon already serves its maximum number of instances.
+    #[error("the daemon already serves its maximum of {0} instances (umdev daemon --max-instances)")]
+    TooManyInstances(usize),
     /// Neither a type nor a definition to start from.
     #[error("give a type, or the UUID of a defined device")]
     NoType,
@@ -74,6 +77,7 @@ impl LifecycleError {
             LifecycleError::Exhausted(_) => libc::EUSERS,
             LifecycleError::DuplicateUuid(_) | LifecycleError::AlreadyDefined(_) => libc::EEXIST,
             LifecycleError::Busy(_) => libc::EBUSY,
+            LifecycleError::TooManyInstances(_) => libc::ENOSPC,
             LifecycleError::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
             _ => libc::EINVAL,
         }
@@ -229,6 +233,7 @@ pub struct Manager {
     instances: Mutex<BTreeMap<Uuid, Record>>,
     /// Applied to every instance (limits, timeouts); id, socket and pin mode are set per instance.
     template: InstanceConfig,
+    max_instances: usize,
 }
 
 impl Manager {
@@ -246,7 +251,14 @@ impl Manager {
             definitions,
             instances: Mutex::new(BTreeMap::new()),
             template,
+            max_instances: 256,
         }
+    }
+
+    /// Serves at most `max` instances (default 256); each has at most one client.
+    pub fn with_max_instances(mut self, max: usize) -> Self {
+        self.max_instances = max;
+        self
     }
 
     fn lock(&self) -> MutexGuard<'_, BTreeMap<Uuid, Record>> {
@@ -291,6 +303,9 @@ impl Manager {
         let mut instances = self.lock();
         if instances.contains_key(&uuid) {
             return Err(LifecycleError::DuplicateUuid(uuid));
+        }
+        if instances.len() >= self.max_instances {
+            return Err(LifecycleError::TooManyInstances(self.max_instances));
         }
         let ty = self.registry.find(&mdev_type).map_err(LifecycleError::from_type)?;
         let device = ty.create(&options).map_err(LifecycleError::from_type)?;

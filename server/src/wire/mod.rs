@@ -187,7 +187,9 @@ pub struct Limits {
     /// Most fds accepted with one message (advertised as `max_msg_fds`; default 16, the most
     /// QEMU accepts).
     pub max_msg_fds: u32,
-    /// Most DMA mappings per client (advertised as `max_dma_maps`; default 65535).
+    /// Most DMA mappings per client (advertised as `max_dma_maps`; default 4096). Every
+    /// mapping is a VMA, and the kernel caps VMAs per process (`vm.max_map_count`, 65530 by
+    /// default) across all instances: instances × this must stay below it.
     pub max_dma_maps: u32,
     /// Largest message accepted before VERSION is negotiated (default 16 KiB).
     pub max_version_size: u32,
@@ -200,7 +202,7 @@ impl Default for Limits {
         Limits {
             max_data_xfer_size: 1 << 20,
             max_msg_fds: 16,
-            max_dma_maps: 65535,
+            max_dma_maps: 4096,
             max_version_size: 16 << 10,
             max_write_multi: 200,
         }

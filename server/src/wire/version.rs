@@ -232,7 +232,7 @@ mod tests {
         assert_eq!(caps["max_msg_fds"], 16);
         assert_eq!(caps["max_data_xfer_size"], 1 << 20);
         assert_eq!(caps["pgsizes"], 4096);
-        assert_eq!(caps["max_dma_maps"], 65535);
+        assert_eq!(caps["max_dma_maps"], 4096);
         assert_eq!(caps["migration"]["pgsize"], 4096);
         assert_eq!(caps["write_multiple"], true);
         assert_eq!(*n.reply.last().unwrap(), 0);

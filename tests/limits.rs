@@ -1,0 +1,205 @@
+//! Every limit has a default, a flag, and a clear error when hit; a client mapping the
+//! maximum number of regions or sending maximum-size messages cannot grow the daemon beyond
+//! a documented bound (the figures printed here are in docs/reliability.md).
+
+mod common;
+
+use std::os::fd::AsRawFd;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::raw::*;
+use umdev_server::wire::{flags, Command as Cmd};
+
+struct Served(Child);
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn run(socket: &Path, args: &[&str]) -> Served {
+    let child = Command::new(env!("CARGO_BIN_EXE_umdev"))
+        .arg("run")
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while RawClient::connect(socket).is_err() {
+        assert!(Instant::now() < deadline, "umdev run never listened");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The probe connection above was turned away or served and closed; let it finish.
+    std::thread::sleep(Duration::from_millis(20));
+    Served(child)
+}
+
+fn connect(socket: &Path) -> RawClient {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let mut c = RawClient::connect(socket).unwrap();
+        if c.negotiate().is_ok() {
+            return c;
+        }
+        assert!(Instant::now() < deadline, "could not negotiate");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn each_limit_has_a_flag_and_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+
+    // Mappings per client.
+    let socket = dir.path().join("maps.sock");
+    let _s = run(&socket, &["--type", "testdev", "--max-dma-maps", "3"]);
+    let mut c = connect(&socket);
+    let ram = common::memfd(1 << 20);
+    for i in 0..3u64 {
+        let r =
+            c.request(Cmd::DmaMap as u16, &dma_map_payload(3, 0, i << 20, 4096), &[ram.as_raw_fd()]).unwrap();
+        assert_eq!(r.errno(), 0);
+    }
+    let r = c.request(Cmd::DmaMap as u16, &dma_map_payload(3, 0, 8 << 20, 4096), &[ram.as_raw_fd()]).unwrap();
+    assert_eq!(r.errno(), libc::ENOSPC, "the 4th mapping");
+    // The capability advertised the limit.
+    drop(c);
+
+    // Data per access, and so the message size.
+    let socket = dir.path().join("xfer.sock");
+    let _s = run(&socket, &["--type", "testdev", "--max-data-xfer", "4096"]);
+    let mut c = connect(&socket);
+    let r = c.region_read(0, 0, 4097).unwrap();
+    assert_eq!(r.errno(), libc::E2BIG, "a read over max-data-xfer");
+    assert!(c.alive());
+    // A message above the maximum (the larger of the data limit plus headers and the
+    // 16 KiB a VERSION may take) cannot be followed: the connection is closed.
+    c.send(Cmd::RegionWrite as u16, flags::TYPE_COMMAND, &region_write_payload(0, 0, &vec![0; 32768]), &[])
+        .unwrap();
+    assert!(c.is_closed());
+
+    // fds per message.
+    let socket = dir.path().join("fds.sock");
+    let _s = run(&socket, &["--type", "testdev", "--max-msg-fds", "2"]);
+    let mut c = connect(&socket);
+    let efds: Vec<_> = (0..3)
+        .map(|_| nix::sys::eventfd::EventFd::from_flags(nix::sys::eventfd::EfdFlags::EFD_NONBLOCK).unwrap())
+        .collect();
+    let raw: Vec<i32> = efds.iter().map(|e| e.as_raw_fd()).collect();
+    let r = c.request(Cmd::DeviceSetIrqs as u16, &set_irqs_payload(0x24, 2, 0, 2, &[]), &raw[..2]).unwrap();
+    assert_eq!(r.errno(), 0, "two fds are within the limit");
+    let r = c.request(Cmd::DeviceSetIrqs as u16, &set_irqs_payload(0x24, 2, 0, 3, &[]), &raw).unwrap();
+    assert_eq!(r.errno(), libc::EINVAL, "three are not");
+
+    // Pins per device: a ccw program needing more pins than allowed ends with a device error.
+    let socket = dir.path().join("pins.sock");
+    let _s = run(&socket, &["--type", "ccw", "--max-pins", "64"]);
+    // Let the probe connection's teardown finish before the real client.
+    std::thread::sleep(Duration::from_millis(50));
+    let mut g = umdev::ccw_guest::CcwGuest::connect(&socket).unwrap();
+    use umdev_mdev::samples::ccw::driver::{Data, Op};
+    use umdev_mdev::samples::ccw::program::{cmd, dstat, Reason};
+    let s = g.run(0, &[Op::new(cmd::WRITE, 64 * 4096, Data::Direct(umdev::ccw_guest::DATA_BASE))]).unwrap();
+    assert!(s.ok(), "64 pages fit: {s:?}");
+    let s = g.run(0, &[Op::new(cmd::WRITE, 65 * 4096, Data::Direct(umdev::ccw_guest::DATA_BASE))]).unwrap();
+    assert_eq!((s.dstat, s.reason), (dstat::UC, Reason::DeviceError), "65 do not");
+    drop(g);
+
+    // Instances per daemon.
+    let run_dir = dir.path().join("run");
+    let mut daemon = Command::new(env!("CARGO_BIN_EXE_umdev"))
+        .args(["--run-dir"])
+        .arg(&run_dir)
+        .args(["--state-dir"])
+        .arg(dir.path().join("state"))
+        .args(["daemon", "--max-instances", "2"])
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let umdev = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_umdev")).arg("--run-dir").arg(&run_dir).args(args).output().unwrap()
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !umdev(&["list"]).status.success() {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(umdev(&["start", "--type", "testdev"]).status.success());
+    assert!(umdev(&["start", "--type", "testdev"]).status.success());
+    let third = umdev(&["start", "--type", "testdev"]);
+    assert!(!third.status.success());
+    assert!(String::from_utf8_lossy(&third.stderr).contains("maximum of 2 instances"));
+    let _ = daemon.kill();
+    let _ = daemon.wait();
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("VmRSS:").map(|v| v.trim().trim_end_matches("kB").trim().parse().unwrap())
+        })
+        .unwrap()
+}
+
+/// Measured on a real `umdev run` process, so the figures are the daemon's own.
+#[test]
+fn hostile_clients_cannot_grow_the_daemon_beyond_a_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("bound.sock");
+    let served = run(&socket, &["--type", "testdev"]);
+    let pid = served.0.id();
+    // A client maps the maximum number of regions (4096 by default) of 1 MiB each.
+    let mut c = connect(&socket);
+    let ram = common::memfd(1 << 20);
+    let rss0 = rss_kib(pid);
+    let mut mapped = 0u64;
+    for i in 0..5000u64 {
+        let r = c
+            .request(Cmd::DmaMap as u16, &dma_map_payload(3, 0, i << 20, 1 << 20), &[ram.as_raw_fd()])
+            .unwrap();
+        if r.errno() != 0 {
+            assert_eq!(r.errno(), libc::ENOSPC, "only the limit refuses");
+            break;
+        }
+        mapped += 1;
+    }
+    assert_eq!(mapped, 4096);
+    let rss1 = rss_kib(pid);
+    let per_mapping = (rss1.saturating_sub(rss0) * 1024) as f64 / mapped as f64;
+    eprintln!(
+        "MEASURED max mappings: {mapped} x 1 MiB mapped; daemon RSS +{} KiB ({per_mapping:.0} B per mapping)",
+        rss1.saturating_sub(rss0)
+    );
+    assert!(per_mapping < 4096.0, "bookkeeping per mapping stays small: {per_mapping:.0} B");
+    drop(c);
+
+    // A client sends maximum-size messages (1 MiB region writes, refused for their region
+    // but read whole) and reads: the buffers are bounded by the message limit.
+    let mut c = connect(&socket);
+    let rss2 = rss_kib(pid);
+    let big = region_write_payload(7, 0, &vec![0u8; 1 << 20]);
+    for _ in 0..50 {
+        let r = c.request(Cmd::RegionWrite as u16, &big, &[]).unwrap();
+        assert_eq!(r.errno(), libc::EINVAL, "out of the config region's bounds");
+        let r = c.region_read(7, 0, 1 << 20).unwrap();
+        assert_eq!(r.errno(), libc::EINVAL);
+    }
+    let rss3 = rss_kib(pid);
+    eprintln!(
+        "MEASURED max-size messages: 100 x 1 MiB; daemon RSS {} KiB -> {} KiB (+{} KiB)",
+        rss2,
+        rss3,
+        rss3.saturating_sub(rss2)
+    );
+    // One receive buffer (1 MiB + 64 KiB) and one reply buffer at most.
+    assert!(rss3.saturating_sub(rss2) < 3 << 10, "RSS grew {} KiB", rss3 - rss2);
+    assert!(c.alive());
+}
