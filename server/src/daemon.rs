@@ -12,7 +12,7 @@ use std::os::fd::AsFd;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -109,6 +109,8 @@ struct Instance {
     served: Arc<Served>,
     /// A handle on the connected client's socket, to cut it on stop.
     active: Mutex<Option<UnixStream>>,
+    /// Signalled when the connected client's cleanup is done.
+    idle: Condvar,
     stop: EventFd,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -169,6 +171,16 @@ impl Instance {
         };
         {
             let mut active = lock(&self.active);
+            if active.as_ref().is_some_and(peer_hung_up) {
+                // The previous client has gone and its cleanup (reset, unpin, unmap) is under
+                // way: a client reconnecting at once waits for it instead of being turned away.
+                let wait = self.config.dma.unmap_timeout + HANDOVER_SLACK;
+                active = self
+                    .idle
+                    .wait_timeout_while(active, wait, |a| a.is_some())
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+            }
             if active.is_some() {
                 self.served.stats.rejected.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 log::warn!("instance {id}: a client is already connected; closing the new connection");
@@ -182,6 +194,7 @@ impl Instance {
             let end = serve(stream, &me.served);
             log::info!("instance {}: client gone ({end})", me.config.id);
             *lock(&me.active) = None;
+            me.idle.notify_all();
         });
         match spawned {
             Ok(thread) => {
@@ -212,6 +225,19 @@ impl Instance {
             }
         }
     }
+}
+
+/// How much longer than the unmap timeout a reconnecting client waits for its predecessor's
+/// cleanup.
+const HANDOVER_SLACK: Duration = Duration::from_secs(1);
+
+/// True if the client at the other end of `stream` has closed or shut down its side.
+fn peer_hung_up(stream: &UnixStream) -> bool {
+    // nix has no name for POLLRDHUP (Linux: the peer shut down its writing side).
+    let rdhup = PollFlags::from_bits_retain(libc::POLLRDHUP);
+    let mut fds = [PollFd::new(stream.as_fd(), rdhup)];
+    matches!(poll(&mut fds, PollTimeout::ZERO), Ok(1))
+        && fds[0].revents().is_some_and(|r| r.intersects(rdhup | PollFlags::POLLHUP))
 }
 
 /// Binds `path` mode 0600, replacing a stale socket left by a dead server.
@@ -272,6 +298,7 @@ impl Daemon {
             config: config.clone(),
             served: Arc::new(served),
             active: Mutex::new(None),
+            idle: Condvar::new(),
             stop,
             threads: Mutex::new(Vec::new()),
         });

@@ -239,6 +239,11 @@ impl Shared {
         }
         {
             let mut r = sc.regs();
+            // Checked again under the registers' lock: a reset bumps the generation before
+            // it clears the registers, so it either sees this update or this sees its bump.
+            if self.generation.load(Ordering::Acquire) != job.generation {
+                return;
+            }
             r.state = regs::STATE_PENDING;
             r.last = Some(status);
             r.programs = r.programs.wrapping_add(1);
