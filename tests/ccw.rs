@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::ccw::*;
 use common::Harness;
-use umdev_mdev::samples::ccw::driver::{idaws, Data, Op};
+use umdev_mdev::samples::ccw::driver::{idaws, layout, Data, Op};
 use umdev_mdev::samples::ccw::program::{
     cmd, cstat, dstat, flags, Ccw, Reason, Status, MAX_CCWS, MAX_CCW_COUNT,
 };
@@ -385,4 +385,69 @@ fn unmaps_racing_running_programs_complete_promptly() {
     // Everything still works afterwards.
     g.put(DATA_BASE, &[1; 4096]).unwrap();
     ok(&g.run(0, &[Op::new(cmd::WRITE, 4096, Data::Direct(DATA_BASE))]).unwrap());
+}
+
+#[test]
+fn a_client_truncating_its_memory_under_the_device_cannot_crash_the_server() {
+    let h = harness(&[]);
+    let mut g = CcwGuest::connect(&h.socket).unwrap();
+    let start = |g: &mut CcwGuest| {
+        // Registers only: writing the status area through the file would grow it again.
+        g.sc_write(0, regs::CPA_LO, program_area(0) as u32).unwrap();
+        g.sc_write(0, regs::CPA_HI, 0).unwrap();
+        g.sc_write(0, regs::STATUS_LO, status_area(0) as u32).unwrap();
+        g.sc_write(0, regs::STATUS_HI, 0).unwrap();
+        g.sc_write(0, regs::DOORBELL, regs::DOORBELL_START).unwrap();
+    };
+    let finish = |g: &mut CcwGuest| -> u32 {
+        assert!(wait_eventfd(&g.irqs[0], Duration::from_secs(10)), "no interrupt");
+        let _ = g.irqs[0].read();
+        assert_eq!(g.sc_read(0, regs::STATE).unwrap(), regs::STATE_PENDING);
+        let reason = g.sc_read(0, regs::REASON).unwrap();
+        g.sc_write(0, regs::ACK, 1).unwrap();
+        reason
+    };
+    let remap = |g: &mut CcwGuest| {
+        g.client.dma_unmap(0, RAM_SIZE).unwrap();
+        g.ram.set_len(RAM_SIZE).unwrap();
+        g.client.dma_map(0, 0, RAM_SIZE, g.ram.as_raw_fd()).unwrap();
+    };
+
+    // The program is in guest RAM, then the client shrinks its memfd to nothing: the device's
+    // first access faults (SIGBUS), which must poison the mapping, not kill the server.
+    for (addr, bytes) in
+        layout(program_area(0), idal_area(0), &[Op::new(cmd::WRITE, 4096, Data::Direct(DATA_BASE))])
+    {
+        g.put(addr, &bytes).unwrap();
+    }
+    g.ram.set_len(0).unwrap();
+    start(&mut g);
+    // The CCW fetch itself found the memory gone.
+    assert_eq!(finish(&mut g), Reason::CcwUnmapped as u32);
+    let dma = h.info().dma;
+    assert_eq!((dma.poisoned_mappings, dma.pins_held), (1, 0), "{dma:?}");
+    assert!(umdev_pinning::recovered_faults() > 0);
+
+    // Truncated while a long program runs: it completes or stops with a device error.
+    remap(&mut g);
+    let ops: Vec<Op> =
+        (0..48u64).map(|i| Op::new(cmd::WRITE, 1 << 20, Data::Direct(DATA_BASE + (i << 20)))).collect();
+    for (addr, bytes) in layout(program_area(0), idal_area(0), &ops) {
+        g.put(addr, &bytes).unwrap();
+    }
+    start(&mut g);
+    g.ram.set_len(0).unwrap();
+    let reason = finish(&mut g);
+    let allowed = [Reason::Ok, Reason::DeviceError, Reason::CcwUnmapped].map(|r| r as u32);
+    assert!(allowed.contains(&reason), "reason {reason}");
+
+    // Mapped again whole, everything works; the poisoned mapping is gone.
+    remap(&mut g);
+    assert_eq!(h.info().dma.poisoned_mappings, 0);
+    g.put(DATA_BASE, &[5; 4096]).unwrap();
+    ok(&g.run(0, &[Op::new(cmd::WRITE, 4096, Data::Direct(DATA_BASE))]).unwrap());
+    drop(g);
+    h.wait_idle();
+    let mut g = CcwGuest::connect(&h.socket).unwrap();
+    ok(&g.run(0, &[Op::new(cmd::NOP, 1, Data::Direct(0))]).unwrap());
 }

@@ -5,7 +5,7 @@
 //! moving bulk data should pin their pages themselves and keep the guard for the transfer.
 
 use thiserror::Error;
-use umdev_pinning::{PinError, Prot, PAGE_SIZE};
+use umdev_pinning::{AccessError, PinError, Prot, PAGE_SIZE};
 
 use crate::device::{ClientDmaError, DeviceContext};
 
@@ -20,6 +20,13 @@ pub enum GuestError {
         /// Length.
         len: u64,
     },
+    /// The client truncated the file behind the memory during the access: a read saw
+    /// zeros, a write was lost.
+    #[error("guest memory at {iova:#x} was truncated by the client")]
+    Truncated {
+        /// The piece's first byte.
+        iova: u64,
+    },
     /// Pinning the fd-backed part failed.
     #[error(transparent)]
     Pin(#[from] PinError),
@@ -32,9 +39,9 @@ impl DeviceContext {
     /// Reads `buf.len()` bytes of guest memory at `iova`.
     pub fn read_guest(&self, iova: u64, buf: &mut [u8]) -> Result<(), GuestError> {
         self.access(iova, buf.len(), Prot::READ, |piece_iova, at, n, pinned| match pinned {
-            Some(pins) => {
-                pins.read(piece_iova % PAGE_SIZE, &mut buf[at..at + n]).map_err(|_| unreachable_access())
-            }
+            Some(pins) => pins
+                .read(piece_iova % PAGE_SIZE, &mut buf[at..at + n])
+                .map_err(|e| access_error(e, piece_iova)),
             None => self.client_dma.read(piece_iova, &mut buf[at..at + n]).map_err(GuestError::from),
         })
     }
@@ -43,7 +50,7 @@ impl DeviceContext {
     pub fn write_guest(&self, iova: u64, data: &[u8]) -> Result<(), GuestError> {
         self.access(iova, data.len(), Prot::WRITE, |piece_iova, at, n, pinned| match pinned {
             Some(pins) => {
-                pins.write(piece_iova % PAGE_SIZE, &data[at..at + n]).map_err(|_| unreachable_access())
+                pins.write(piece_iova % PAGE_SIZE, &data[at..at + n]).map_err(|e| access_error(e, piece_iova))
             }
             None => self.client_dma.write(piece_iova, &data[at..at + n]).map_err(GuestError::from),
         })
@@ -83,8 +90,12 @@ impl DeviceContext {
     }
 }
 
-fn unreachable_access() -> GuestError {
-    // The pin covers exactly the pages of the piece with the access asked for, so the guard
-    // accepts the copy; reaching this means an engine bug, reported rather than panicking.
-    GuestError::NotMapped { iova: 0, len: 0 }
+fn access_error(e: AccessError, iova: u64) -> GuestError {
+    match e {
+        AccessError::Poisoned => GuestError::Truncated { iova },
+        // The pin covers exactly the pages of the piece with the access asked for, so the
+        // guard accepts the copy; reaching this means an engine bug, reported rather than
+        // panicking.
+        AccessError::OutOfRange { .. } | AccessError::ReadOnly => GuestError::NotMapped { iova: 0, len: 0 },
+    }
 }

@@ -44,12 +44,14 @@ mod mapping;
 mod mmap;
 pub mod page;
 mod pin;
+mod sigbus;
 mod space;
 mod table;
 
 pub use lock::{has_cap_ipc_lock, process_lock_limit, LockAccount, OverLimit, PinMode};
 pub use mmap::{Backing, MmapError};
 pub use page::{Prot, PAGE_SHIFT, PAGE_SIZE};
+pub use sigbus::recovered_faults;
 pub use pin::{AccessError, PinError, PinnedPages, PinnedRun, Segment, UnpinError};
 pub use space::{
     DmaSpace, DmaSpaceConfig, DmaStats, MapError, MappingInfo, UnmapError, UnmapNotifier, Unmapped,

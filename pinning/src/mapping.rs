@@ -148,6 +148,11 @@ impl Mapping {
         self.memory.as_ref().map(|m| m.addr_at(page * PAGE_SIZE))
     }
 
+    /// True once the client truncated the file behind the mapping (see `sigbus`).
+    pub(crate) fn poisoned(&self) -> bool {
+        self.memory.as_ref().is_some_and(|m| m.poisoned())
+    }
+
     fn hugetlb(&self) -> bool {
         self.memory.as_ref().is_some_and(|m| m.backing().hugetlb)
     }

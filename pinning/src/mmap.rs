@@ -7,6 +7,8 @@ use std::io;
 use std::num::NonZeroUsize;
 use std::os::fd::BorrowedFd;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use nix::sys::mman::{self, MapFlags};
 use nix::sys::stat::{fstat, SFlag};
@@ -14,6 +16,7 @@ use nix::sys::statfs::{fstatfs, HUGETLBFS_MAGIC};
 use thiserror::Error;
 
 use crate::page::{Prot, PAGE_SIZE};
+use crate::sigbus;
 
 /// Why an fd could not become host memory for a mapping.
 #[derive(Debug, Error)]
@@ -73,6 +76,8 @@ pub(crate) struct HostMemory {
     addr: NonNull<u8>,
     len: usize,
     backing: Backing,
+    /// Set by the SIGBUS handler when the file shrank under the mapping (see `sigbus`).
+    poisoned: Arc<AtomicBool>,
 }
 
 // SAFETY: HostMemory is a plain address range in this process's address space; the engine
@@ -108,7 +113,8 @@ impl HostMemory {
         let addr =
             unsafe { mman::mmap(None, length, prot.mmap_flags(), MapFlags::MAP_SHARED, fd, file_offset) }
                 .map_err(|e| MmapError::Mmap(e.into()))?;
-        Ok(HostMemory { addr: addr.cast(), len, backing })
+        let poisoned = sigbus::register(addr.as_ptr() as usize, len, prot);
+        Ok(HostMemory { addr: addr.cast(), len, backing, poisoned })
     }
 
     fn backing_of(fd: BorrowedFd<'_>) -> Result<Backing, MmapError> {
@@ -124,6 +130,12 @@ impl HostMemory {
 
     pub(crate) fn backing(&self) -> Backing {
         self.backing
+    }
+
+    /// True once an access faulted past the end of the file: the client shrank it, and the
+    /// mapping now holds zero pages.
+    pub(crate) fn poisoned(&self) -> bool {
+        self.poisoned.load(Ordering::Acquire)
     }
 
     /// Host address of byte `offset` of the mapping.
@@ -164,6 +176,7 @@ impl HostMemory {
 
 impl Drop for HostMemory {
     fn drop(&mut self) {
+        sigbus::unregister(self.addr.as_ptr() as usize);
         // SAFETY: we own this mapping; the engine drops HostMemory only when no pin can reach
         // it (guards hold the mapping alive; leaked pins keep it alive forever).
         if let Err(e) = unsafe { mman::munmap(self.addr.cast(), self.len) } {

@@ -65,6 +65,15 @@ pub enum PinError {
         /// IOVA page number.
         pfn: u64,
     },
+    /// The client shrank the file behind the page's mapping after mapping it; the mapping
+    /// now holds zero pages (see `DmaStats::poisoned_mappings`) and grants no pins.
+    #[error("page {index} (pfn {pfn:#x}) is in memory whose file the client truncated")]
+    Poisoned {
+        /// Position in the call.
+        index: usize,
+        /// IOVA page number.
+        pfn: u64,
+    },
     /// The page's mapping is being unmapped; no new pins are granted there.
     #[error("page {index} (pfn {pfn:#x}) is being unmapped")]
     Unmapping {
@@ -120,7 +129,7 @@ impl PinError {
             PinError::Empty | PinError::NotMapped { .. } => libc::EINVAL,
             PinError::TooManyPages { .. } => libc::E2BIG,
             PinError::Permission { .. } => libc::EPERM,
-            PinError::NoHostMemory { .. } => libc::EFAULT,
+            PinError::NoHostMemory { .. } | PinError::Poisoned { .. } => libc::EFAULT,
             PinError::Unmapping { .. } => libc::EBUSY,
             PinError::CountOverflow { .. } | PinError::PinLimit { .. } => libc::ENOSPC,
             PinError::LockLimit { .. } => libc::ENOMEM,
@@ -176,6 +185,10 @@ pub enum AccessError {
     /// The pages were pinned without write access.
     #[error("the pages were pinned read-only")]
     ReadOnly,
+    /// The client shrank the file behind the pages while they were pinned: the copy saw
+    /// zero pages (a read) or was lost (a write).
+    #[error("the client truncated the memory behind the pinned pages")]
+    Poisoned,
 }
 
 /// Consecutive entries of a pin call with consecutive page numbers in one mapping, pinned as
@@ -279,6 +292,9 @@ impl<'a> Planner<'a> {
             }
             if mapping.memory.is_none() {
                 return Err(PinError::NoHostMemory { index, pfn });
+            }
+            if mapping.poisoned() {
+                return Err(PinError::Poisoned { index, pfn });
             }
         }
         let slot = match self.plan.mappings.iter().position(|m| Arc::ptr_eq(m, mapping)) {
@@ -648,6 +664,21 @@ impl PinnedPages {
 
     /// Calls `f(host_addr, buf_offset, len)` for each contiguous piece of
     /// `[offset, offset + len)` of the pinned buffer.
+    /// True if the client truncated the memory behind any of the pages since they were
+    /// mapped: accesses to them see zeros and lose writes. Devices that use the host
+    /// addresses directly check this after an access, as the copy helpers do.
+    pub fn poisoned(&self) -> bool {
+        self.mappings.iter().any(|m| m.poisoned())
+    }
+
+    fn check_poisoned(&self) -> Result<(), AccessError> {
+        if self.poisoned() {
+            Err(AccessError::Poisoned)
+        } else {
+            Ok(())
+        }
+    }
+
     fn for_each_piece(&self, offset: u64, len: usize, mut f: impl FnMut(usize, usize, usize)) {
         let mut done = 0usize;
         let start = self.runs.partition_point(|r| ((r.index as u64 + r.npages) * PAGE_SIZE) <= offset);
@@ -672,7 +703,7 @@ impl PinnedPages {
             // client, so its bytes may change under us; only their values are affected.
             unsafe { std::ptr::copy_nonoverlapping(host as *const u8, buf.as_mut_ptr().add(at), n) }
         });
-        Ok(())
+        self.check_poisoned()
     }
 
     /// Copies `buf` into the pinned buffer at `offset`. The pages must have been pinned
@@ -687,7 +718,7 @@ impl PinnedPages {
             // mapping grants, so the pages are mapped writable.
             unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr().add(at), host as *mut u8, n) }
         });
-        Ok(())
+        self.check_poisoned()
     }
 
     /// Copies `dst.len()` bytes at `offset` of the pinned buffer into `dst`: memory shared
@@ -704,7 +735,7 @@ impl PinnedPages {
                 result = Err(AccessError::OutOfRange { offset, len: dst.len() as u64, size: self.size() });
             }
         });
-        result
+        result.and_then(|()| self.check_poisoned())
     }
 
     /// Copies `src` into the pinned buffer at `offset`. The pages must have been pinned
@@ -725,7 +756,7 @@ impl PinnedPages {
                 result = Err(AccessError::OutOfRange { offset, len: src.len() as u64, size: self.size() });
             }
         });
-        result
+        result.and_then(|()| self.check_poisoned())
     }
 
     /// Unpins now (the same as dropping the guard).

@@ -264,6 +264,8 @@ pub struct DmaStats {
     pub notifier_calls: u64,
     /// Heap bytes of pin-count bookkeeping.
     pub bookkeeping_bytes: u64,
+    /// Mappings whose file the client truncated under them (now zero pages, no new pins).
+    pub poisoned_mappings: u64,
 }
 
 pub(crate) type MappingTable = BTreeMap<u64, Arc<Mapping>>;
@@ -588,6 +590,7 @@ impl DmaSpace {
             stats.pins_held += pins.table.pins();
             stats.pinned_pages += pins.table.pinned_pages();
             stats.bookkeeping_bytes += pins.table.bookkeeping_bytes() as u64;
+            stats.poisoned_mappings += u64::from(m.poisoned());
         }
         if self.mode() == PinMode::Lock {
             stats.locked_bytes = stats.pinned_pages * PAGE_SIZE;

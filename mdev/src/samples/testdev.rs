@@ -444,7 +444,7 @@ fn bar1_result(offset: u64, done: nix::Result<usize>, want: usize) -> Result<(),
 
 fn guest_errno(e: &GuestError) -> i32 {
     match e {
-        GuestError::NotMapped { .. } => libc::EFAULT,
+        GuestError::NotMapped { .. } | GuestError::Truncated { .. } => libc::EFAULT,
         GuestError::Pin(p) => p.errno(),
         GuestError::Client(ClientDmaError::Refused(errno)) => *errno,
         GuestError::Client(ClientDmaError::Disconnected(_)) => libc::ENOTCONN,

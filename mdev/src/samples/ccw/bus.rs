@@ -72,7 +72,7 @@ fn guest_error(e: &GuestError) -> BusError {
     match e {
         GuestError::Pin(p) => pin_error(p),
         GuestError::NotMapped { .. } => BusError::Unmapped,
-        GuestError::Client(_) => BusError::Device,
+        GuestError::Client(_) | GuestError::Truncated { .. } => BusError::Device,
     }
 }
 

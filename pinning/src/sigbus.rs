@@ -1,0 +1,165 @@
+//! Surviving a client that truncates the file behind its guest memory.
+//!
+//! Touching a page of a `MAP_SHARED` file mapping that lies past the file's end raises
+//! SIGBUS. A client can shrink its memfd after DMA_MAP (unless it sealed it against
+//! shrinking, as QEMU's memfd backend does), and the next device access would kill the whole
+//! server, every other client's device with it. So every guest mapping is registered here,
+//! and a SIGBUS handler catches faults inside one: it replaces that mapping's whole range
+//! with anonymous zero pages (one `MAP_FIXED` mmap, so a client cannot split VMAs fault by
+//! fault), marks the mapping poisoned, and lets the faulting access retry. Reads then see
+//! zeros and writes go nowhere; the engine refuses new pins on the mapping and the copy
+//! helpers of [`crate::PinnedPages`] report the access failed. Faults anywhere else go to
+//! the handler that was there before (Rust's stack-overflow guard) or kill the process as
+//! they always did.
+//!
+//! The handler takes the registry's read lock. That is sound because SIGBUS from a memory
+//! access is synchronous: the faulting thread is in the middle of a guest-memory copy, never
+//! inside this module holding the lock; another thread holding it finishes without waiting
+//! on the faulting one.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, RwLock};
+
+use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
+
+use crate::page::Prot;
+
+/// A registered guest mapping.
+struct Guarded {
+    len: usize,
+    prot: libc::c_int,
+    poisoned: Arc<AtomicBool>,
+}
+
+static GUARDED: RwLock<BTreeMap<usize, Guarded>> = RwLock::new(BTreeMap::new());
+/// The SIGBUS disposition before ours, for faults that are not ours.
+static PREVIOUS: OnceLock<SigHandler> = OnceLock::new();
+static RECOVERED: AtomicU64 = AtomicU64::new(0);
+
+/// Faults in guest memory survived since the process started.
+pub fn recovered_faults() -> u64 {
+    RECOVERED.load(Ordering::Relaxed)
+}
+
+/// Registers `[start, start + len)` as guest memory; returns its poisoned flag.
+pub(crate) fn register(start: usize, len: usize, prot: Prot) -> Arc<AtomicBool> {
+    install();
+    let poisoned = Arc::new(AtomicBool::new(false));
+    let guarded = Guarded { len, prot: prot.mmap_flags().bits(), poisoned: poisoned.clone() };
+    GUARDED.write().unwrap_or_else(|p| p.into_inner()).insert(start, guarded);
+    poisoned
+}
+
+/// Forgets the mapping at `start`; called before it is unmapped.
+pub(crate) fn unregister(start: usize) {
+    GUARDED.write().unwrap_or_else(|p| p.into_inner()).remove(&start);
+}
+
+fn install() {
+    PREVIOUS.get_or_init(|| {
+        let ours = SigAction::new(
+            SigHandler::SigAction(on_sigbus),
+            // On the alternate stack if the thread has one; no SA_RESETHAND, we stay.
+            SaFlags::SA_SIGINFO | SaFlags::SA_ONSTACK,
+            SigSet::empty(),
+        );
+        // SAFETY: the handler only reads the registry (see the module docs for why a lock is
+        // sound here), calls mmap, and stores to atomics; it chains to the old handler.
+        match unsafe { sigaction(Signal::SIGBUS, &ours) } {
+            Ok(old) => old.handler(),
+            Err(e) => {
+                log::error!("cannot install the SIGBUS handler ({e}): a client truncating its memory can crash the server");
+                SigHandler::SigDfl
+            }
+        }
+    });
+}
+
+extern "C" fn on_sigbus(signal: libc::c_int, info: *mut libc::siginfo_t, context: *mut libc::c_void) {
+    // SAFETY: the kernel passes a valid siginfo for an SA_SIGINFO handler.
+    let addr = unsafe { (*info).si_addr() } as usize;
+    if recover(addr) {
+        return; // the access retries against zero pages
+    }
+    match PREVIOUS.get() {
+        Some(SigHandler::SigAction(previous)) => previous(signal, info, context),
+        Some(SigHandler::Handler(previous)) => previous(signal),
+        _ => {
+            // Default disposition: restore it and return; the access faults again and the
+            // process dies of SIGBUS as it would have without us.
+            let default = SigAction::new(SigHandler::SigDfl, SaFlags::empty(), SigSet::empty());
+            // SAFETY: restoring the default disposition is always sound.
+            let _ = unsafe { sigaction(Signal::SIGBUS, &default) };
+        }
+    }
+}
+
+/// Replaces the guest mapping holding `addr` with zero pages; false if none holds it.
+fn recover(addr: usize) -> bool {
+    let guarded = GUARDED.read().unwrap_or_else(|p| p.into_inner());
+    let Some((&start, g)) = guarded.range(..=addr).next_back() else { return false };
+    if addr - start >= g.len {
+        return false;
+    }
+    let flags = libc::MAP_FIXED | libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+    // SAFETY: [start, start + len) is a live guest mapping the engine owns (registered until
+    // just before its munmap); replacing it in place keeps the range valid for everyone
+    // holding its addresses, who now see zeros instead of faulting.
+    let replaced = unsafe { libc::mmap(start as *mut libc::c_void, g.len, g.prot, flags, -1, 0) };
+    if replaced == libc::MAP_FAILED {
+        return false;
+    }
+    g.poisoned.store(true, Ordering::Release);
+    RECOVERED.fetch_add(1, Ordering::Relaxed);
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsFd;
+
+    use crate::testutil::memfd;
+    use crate::{AccessError, DmaSpace, DmaSpaceConfig, PinError, PinMode, Prot, PAGE_SIZE};
+
+    fn truncated_under_pins(mode: PinMode) {
+        let space = DmaSpace::new(DmaSpaceConfig { mode, ..Default::default() });
+        let file = memfd(4);
+        space.map(0, 4 * PAGE_SIZE, file.as_fd(), 0, Prot::READ_WRITE).unwrap();
+        let pins = space.pin_range(0, 4, Prot::READ_WRITE).unwrap();
+        pins.write(0, &[7; 64]).unwrap();
+        let before = super::recovered_faults();
+
+        // The client shrinks its memfd while the pages are pinned.
+        file.set_len(PAGE_SIZE).unwrap();
+        let mut buf = [0xffu8; 64];
+        assert_eq!(pins.read(2 * PAGE_SIZE, &mut buf), Err(AccessError::Poisoned));
+        assert_eq!(buf, [0; 64], "the read saw zero pages");
+        assert_eq!(pins.write(0, &[1; 8]), Err(AccessError::Poisoned));
+        assert!(pins.poisoned());
+        assert!(super::recovered_faults() > before);
+        assert_eq!(space.stats().poisoned_mappings, 1);
+        // No new pins; the old ones still unpin, and the mapping unmaps.
+        assert!(matches!(space.pin_range(0, 1, Prot::READ), Err(PinError::Poisoned { index: 0, pfn: 0 })));
+        drop(pins);
+        space.unmap(0, 4 * PAGE_SIZE).unwrap();
+
+        // A new mapping of the same fd works as usual.
+        file.set_len(4 * PAGE_SIZE).unwrap();
+        space.map(0, 4 * PAGE_SIZE, file.as_fd(), 0, Prot::READ_WRITE).unwrap();
+        let pins = space.pin_range(0, 4, Prot::READ_WRITE).unwrap();
+        pins.write(3 * PAGE_SIZE, &[9; 8]).unwrap();
+        assert!(!pins.poisoned());
+        assert_eq!(space.stats().poisoned_mappings, 0);
+    }
+
+    #[test]
+    fn a_file_truncated_under_pins_poisons_its_mapping_instead_of_killing_the_process() {
+        truncated_under_pins(PinMode::Track);
+    }
+
+    #[test]
+    fn locked_pages_truncated_under_pins_poison_too() {
+        truncated_under_pins(PinMode::Lock);
+    }
+}
