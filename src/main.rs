@@ -30,9 +30,13 @@ struct Cli {
 /// Resource limits of served instances (defaults in parentheses; see docs/reliability.md).
 #[derive(clap::Args, Clone)]
 struct LimitArgs {
-    /// DMA mappings a client may hold (4096; each is a VMA: instances x this must stay below vm.max_map_count).
+    /// DMA mappings a client may hold (4096).
     #[arg(long)]
     max_dma_maps: Option<u32>,
+    /// DMA mappings all clients of this process may hold together: each is a VMA, a per-process kernel
+    /// resource (half of vm.max_map_count: 32765 by default).
+    #[arg(long)]
+    max_process_mappings: Option<u64>,
     /// Pins a device may hold at once, repeats counted (16777216).
     #[arg(long)]
     max_pins: Option<u64>,
@@ -50,6 +54,9 @@ impl LimitArgs {
         if let Some(n) = self.max_dma_maps {
             l.max_dma_maps = n.max(1);
             config.dma.max_mappings = n.max(1) as usize;
+        }
+        if let Some(n) = self.max_process_mappings {
+            umdev_pinning::set_process_mapping_limit(n);
         }
         if let Some(n) = self.max_pins {
             config.dma.max_pins = n.max(1);

@@ -74,15 +74,13 @@ pub fn daemon(dirs: &Dirs, template: InstanceConfig, max_instances: usize) -> Re
     std::fs::create_dir_all(&dirs.run).map_err(|e| format!("creating {}: {e}", dirs.run.display()))?;
     let mut signals =
         Signals::new([SIGINT, SIGTERM]).map_err(|e| format!("installing signal handlers: {e}"))?;
-    let vma_budget = std::fs::read_to_string("/proc/sys/vm/max_map_count")
-        .ok()
-        .and_then(|s| s.trim().parse::<usize>().ok())
-        .unwrap_or(65530);
-    let worst = max_instances.saturating_mul(template.limits.max_dma_maps as usize);
-    if worst > vma_budget / 2 {
-        eprintln!(
-            "umdev: warning: {max_instances} instances x {} mappings each could use {worst} VMAs; the kernel allows \
-             {vma_budget} per process (vm.max_map_count): lower --max-dma-maps or --max-instances, or raise it",
+    let budget = umdev_pinning::process_mapping_limit();
+    let worst = (max_instances as u64).saturating_mul(u64::from(template.limits.max_dma_maps));
+    if worst > budget {
+        log::info!(
+            "{max_instances} instances x {} mappings each exceed the process's {budget} guest mappings: once \
+             they are used, DMA_MAP fails with ENOMEM for every client (raise vm.max_map_count and \
+             --max-process-mappings to allow more)",
             template.limits.max_dma_maps
         );
     }

@@ -49,10 +49,10 @@ mod space;
 mod table;
 
 pub use lock::{has_cap_ipc_lock, process_lock_limit, LockAccount, OverLimit, PinMode};
-pub use mmap::{Backing, MmapError};
+pub use mmap::{process_mapping_limit, process_mappings, set_process_mapping_limit, Backing, MmapError};
 pub use page::{Prot, PAGE_SHIFT, PAGE_SIZE};
-pub use sigbus::recovered_faults;
 pub use pin::{AccessError, PinError, PinnedPages, PinnedRun, Segment, UnpinError};
+pub use sigbus::recovered_faults;
 pub use space::{
     DmaSpace, DmaSpaceConfig, DmaStats, MapError, MappingInfo, UnmapError, UnmapNotifier, Unmapped,
 };

@@ -7,7 +7,7 @@ use std::io;
 use std::num::NonZeroUsize;
 use std::os::fd::BorrowedFd;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use nix::sys::mman::{self, MapFlags};
@@ -56,9 +56,72 @@ pub enum MmapError {
     /// The length does not fit in this process's address space.
     #[error("size {0:#x} does not fit in the address space")]
     TooLarge(u64),
+    /// The process already holds its budget of guest mappings (see
+    /// [`process_mapping_limit`]): every mapping is a VMA, and VMAs are a per-process kernel
+    /// resource the whole server shares.
+    #[error("the process holds {limit} guest mappings, its limit")]
+    ProcessLimit {
+        /// The limit.
+        limit: u64,
+    },
     /// mmap refused the fd (its open mode, the file system, address space exhaustion, ...).
     #[error("mmap failed: {0}")]
     Mmap(#[source] io::Error),
+}
+
+/// Guest mappings alive in this process.
+static LIVE_MAPPINGS: AtomicU64 = AtomicU64::new(0);
+/// Their limit; 0 until set or first read.
+static MAPPING_LIMIT: AtomicU64 = AtomicU64::new(0);
+
+/// Guest mappings (VMAs) all DMA spaces of this process may hold together. Default: half of
+/// `vm.max_map_count` (65530 unless raised: 32765), leaving the rest to the allocator, thread
+/// stacks, the binary and lock-mode VMA splits, so that clients filling their mapping quota
+/// cannot starve the process of VMAs.
+pub fn process_mapping_limit() -> u64 {
+    match MAPPING_LIMIT.load(Ordering::Relaxed) {
+        0 => {
+            let max_map_count = std::fs::read_to_string("/proc/sys/vm/max_map_count")
+                .ok()
+                .and_then(|s| s.trim().parse::<u64>().ok())
+                .unwrap_or(65530);
+            let limit = (max_map_count / 2).max(1);
+            // A concurrent set wins.
+            let _ = MAPPING_LIMIT.compare_exchange(0, limit, Ordering::Relaxed, Ordering::Relaxed);
+            MAPPING_LIMIT.load(Ordering::Relaxed)
+        }
+        limit => limit,
+    }
+}
+
+/// Sets [`process_mapping_limit`] (at least 1). Mappings already held are kept.
+pub fn set_process_mapping_limit(limit: u64) {
+    MAPPING_LIMIT.store(limit.max(1), Ordering::Relaxed);
+}
+
+/// Guest mappings alive in this process now.
+pub fn process_mappings() -> u64 {
+    LIVE_MAPPINGS.load(Ordering::Relaxed)
+}
+
+/// A reserved place in the process's mapping budget, returned on drop.
+#[derive(Debug)]
+struct BudgetSlot;
+
+impl BudgetSlot {
+    fn reserve() -> Result<BudgetSlot, MmapError> {
+        let limit = process_mapping_limit();
+        LIVE_MAPPINGS
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |live| (live < limit).then_some(live + 1))
+            .map(|_| BudgetSlot)
+            .map_err(|_| MmapError::ProcessLimit { limit })
+    }
+}
+
+impl Drop for BudgetSlot {
+    fn drop(&mut self) {
+        LIVE_MAPPINGS.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// What backs a mapping, as far as pinning cares.
@@ -78,6 +141,8 @@ pub(crate) struct HostMemory {
     backing: Backing,
     /// Set by the SIGBUS handler when the file shrank under the mapping (see `sigbus`).
     poisoned: Arc<AtomicBool>,
+    /// Released after the munmap in `drop`.
+    _slot: BudgetSlot,
 }
 
 // SAFETY: HostMemory is a plain address range in this process's address space; the engine
@@ -108,13 +173,14 @@ impl HostMemory {
         let len = usize::try_from(size).map_err(|_| MmapError::TooLarge(size))?;
         let length = NonZeroUsize::new(len).ok_or(MmapError::TooLarge(size))?;
         let file_offset = libc::off_t::try_from(offset).map_err(|_| MmapError::TooLarge(offset))?;
+        let slot = BudgetSlot::reserve()?;
         // SAFETY: a fresh mapping chosen by the kernel (no MAP_FIXED), so no existing memory is
         // replaced; the fd is a regular file checked above to cover [offset, offset + size).
         let addr =
             unsafe { mman::mmap(None, length, prot.mmap_flags(), MapFlags::MAP_SHARED, fd, file_offset) }
                 .map_err(|e| MmapError::Mmap(e.into()))?;
         let poisoned = sigbus::register(addr.as_ptr() as usize, len, prot);
-        Ok(HostMemory { addr: addr.cast(), len, backing, poisoned })
+        Ok(HostMemory { addr: addr.cast(), len, backing, poisoned, _slot: slot })
     }
 
     fn backing_of(fd: BorrowedFd<'_>) -> Result<Backing, MmapError> {
