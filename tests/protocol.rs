@@ -99,3 +99,26 @@ fn one_daemon_serves_many_instances_at_once() {
     daemon.stop("dev3", false).unwrap();
     assert_eq!(daemon.list().len(), 7);
 }
+
+#[test]
+fn the_bar_memory_fd_a_client_receives_cannot_be_resized() {
+    let h = common::Harness::new("testdev");
+    let mut c = RawClient::connect(&h.socket).unwrap();
+    c.negotiate().unwrap();
+    // DEVICE_GET_REGION_INFO for BAR1, room for the sparse-mmap capability: the fd comes along.
+    let mut p = le32(64).to_vec();
+    p.extend_from_slice(&[0; 4]);
+    p.extend_from_slice(&le32(1));
+    p.extend_from_slice(&[0; 20]);
+    let r = c.request(Command::DeviceGetRegionInfo as u16, &p, &[]).unwrap();
+    assert_eq!(r.errno(), 0);
+    assert_eq!(r.fds.len(), 1, "BAR1's fd");
+    let bar = std::fs::File::from(r.fds.into_iter().next().unwrap());
+    // A hostile client would shrink it under the device or grow it without bound: sealed.
+    for size in [0, 1 << 30] {
+        let err = bar.set_len(size).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EPERM), "resizing to {size}");
+    }
+    assert_eq!(bar.metadata().unwrap().len(), umdev_mdev::samples::testdev::BAR1_SIZE);
+    assert!(c.alive());
+}

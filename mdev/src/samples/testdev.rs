@@ -131,10 +131,18 @@ pub fn config() -> ConfigSpaceBuilder {
 
 /// A new testdev, ready to attach.
 pub fn create() -> Result<PciDevice<TestDev>, TestDevError> {
-    let memfd = nix::sys::memfd::memfd_create(c"umdev-testdev-bar1", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
-        .map_err(|e| TestDevError::Memfd(e.into()))?;
+    use nix::fcntl::{fcntl, FcntlArg, SealFlag};
+    use nix::sys::memfd::MFdFlags;
+    let memfd = nix::sys::memfd::memfd_create(
+        c"umdev-testdev-bar1",
+        MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
+    )
+    .map_err(|e| TestDevError::Memfd(e.into()))?;
     let file = File::from(memfd);
     file.set_len(BAR1_SIZE).map_err(TestDevError::Memfd)?;
+    // The client gets this fd to mmap BAR1: sealed, it cannot resize the device's memory.
+    let seals = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL;
+    fcntl(&file, FcntlArg::F_ADD_SEALS(seals)).map_err(|e| TestDevError::Memfd(e.into()))?;
     let bar1 = Arc::new(OwnedFd::from(file));
     Ok(PciDevice::new(config(), move |irq| TestDev::new(irq, bar1))?)
 }
