@@ -107,3 +107,41 @@ fn qemu_guest_runs_channel_programs() {
     let dma = h.info().dma;
     assert!(dma.pin_calls > 0 && dma.pins_held == 0, "{dma:?}");
 }
+
+#[test]
+fn a_qemu_killed_mid_program_leaves_the_device_to_the_next_one() {
+    let Some(qemu) = qemu_binary() else { return };
+    let h = Harness::with("ccw", Default::default(), |_| {});
+    let setup = |q: &mut Qtest| {
+        q.cmd("irq_intercept_in ioapic");
+        q.cfg_write32(0x10, BAR0 as u32);
+        q.cfg_write16(0x04, 0x0006);
+        assert_eq!(q.readl(BAR0 + regs::ID), regs::ID_VALUE, "{}", q.stderr());
+    };
+    let mut q = Qtest::start(&qemu, &h.socket, 256, h.dir.path()).expect("start QEMU");
+    setup(&mut q);
+    // 48 MiB in 1 MiB CCWs: still running when QEMU dies.
+    let ops: Vec<Op> =
+        (0..48u64).map(|i| Op::new(cmd::WRITE, 1 << 20, Data::Direct(0x100_0000 + (i << 20)))).collect();
+    for (addr, bytes) in layout(PROGRAM, IDAL, &ops) {
+        q.write(addr, &bytes);
+    }
+    q.writel(sc(regs::CPA_LO), PROGRAM as u32);
+    q.writel(sc(regs::STATUS_LO), STATUS as u32);
+    q.writel(sc(regs::DOORBELL), regs::DOORBELL_START);
+    assert_eq!(q.readl(sc(regs::STATE)), regs::STATE_BUSY, "the program is running");
+    q.kill();
+
+    h.wait_idle();
+    let dma = h.info().dma;
+    assert_eq!((dma.pins_held, dma.mappings), (0, 0), "{dma:?}");
+
+    // The next QEMU finds an idle, reset device and runs a program.
+    let mut q = Qtest::start(&qemu, &h.socket, 256, h.dir.path()).expect("start QEMU again");
+    setup(&mut q);
+    assert_eq!(q.readl(sc(regs::STATE)), regs::STATE_IDLE);
+    assert_eq!(q.readl(sc(regs::PROGRAMS)), 0);
+    q.write(0x40_0000, &[7; 4096]);
+    let s = run(&mut q, &[Op::new(cmd::WRITE, 4096, Data::Direct(0x40_0000))]);
+    assert!(s.ok(), "{s:?}");
+}

@@ -72,6 +72,12 @@ impl Qtest {
         Ok(Qtest { child, stdin, lines, irq_events: Vec::new(), stderr_path })
     }
 
+    /// Kills QEMU outright (SIGKILL), as a crashing VMM would go, and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     /// QEMU's stderr so far (for assertion messages).
     pub fn stderr(&self) -> String {
         std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
