@@ -12,6 +12,8 @@
 #![warn(missing_docs)]
 
 mod device;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 pub mod guest;
 pub mod irq;
 pub mod pci;

@@ -39,6 +39,8 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 mod lock;
 mod mapping;
 mod mmap;

@@ -20,6 +20,9 @@ mod connection;
 pub mod control;
 pub mod daemon;
 mod eventfd;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod lifecycle;
 mod link;
 mod session;
