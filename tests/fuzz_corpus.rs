@@ -5,16 +5,21 @@
 //!
 //! `cargo test --release --test fuzz_corpus -- --ignored write_seeds` writes the hand-made
 //! seeds into the corpus as `seed-<name>` files (before fuzzing a fresh corpus).
+//!
+//! The tests run one at a time ([`SERIAL`]): the `session` harness counts the process's open
+//! fds, which a concurrent test creating memfds or eventfds would disturb.
 
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 use std::time::Instant;
 
 type Harness = fn(&[u8]);
 type Seeds = fn() -> Vec<(&'static str, Vec<u8>)>;
 
 /// The fuzz targets: name (as in `fuzz/Cargo.toml`), harness, seeds.
-const TARGETS: [(&str, Harness, Seeds); 3] = [
+const TARGETS: [(&str, Harness, Seeds); 4] = [
     ("dispatch", umdev_server::fuzzing::dispatch, umdev_server::fuzzing::seeds),
+    ("session", umdev_server::fuzzing::session::run, umdev_server::fuzzing::session::seeds),
     ("pinning", umdev_pinning::fuzzing::ops, umdev_pinning::fuzzing::seeds),
     ("ccw", umdev_mdev::fuzzing::ccw, umdev_mdev::fuzzing::seeds),
 ];
@@ -23,8 +28,13 @@ fn corpus_dir(target: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus").join(target)
 }
 
+/// Held by every test in this binary while it runs a harness.
+static SERIAL: Mutex<()> = Mutex::new(());
+
 /// Runs every corpus file and every seed of `target`.
 fn replay(target: &str) {
+    // A test that failed while holding the lock poisons it; the others still run.
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let &(_, run, seeds) = TARGETS.iter().find(|t| t.0 == target).expect("a known target");
     let dir = corpus_dir(target);
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
@@ -51,6 +61,11 @@ fn replay(target: &str) {
 #[test]
 fn dispatch_corpus() {
     replay("dispatch");
+}
+
+#[test]
+fn session_corpus() {
+    replay("session");
 }
 
 #[test]
