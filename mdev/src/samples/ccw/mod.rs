@@ -15,8 +15,9 @@ mod bus;
 mod store;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use crossbeam::channel::{unbounded, Receiver, Sender};
 use thiserror::Error;
@@ -194,6 +195,9 @@ impl Subchannel {
     }
 }
 
+/// How long a detach waits for running programs to stop.
+const DETACH_WAIT: Duration = Duration::from_secs(5);
+
 /// A program to run.
 struct Job {
     ctx: DeviceContext,
@@ -212,11 +216,31 @@ struct Shared {
     generation: AtomicU64,
     counters: BusCounters,
     programs: AtomicU64,
+    /// Jobs queued or running, so a detach can wait for the workers to let go of the
+    /// client's context (and with it the connection's socket).
+    jobs: Mutex<usize>,
+    jobs_done: Condvar,
 }
 
 impl Shared {
     fn ctx(&self) -> MutexGuard<'_, Option<DeviceContext>> {
         self.ctx.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn job_finished(&self) {
+        let mut jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+        *jobs = jobs.saturating_sub(1);
+        self.jobs_done.notify_all();
+    }
+
+    /// Waits (boundedly) until no job is queued or running.
+    fn wait_idle(&self, bound: Duration) {
+        let jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+        let (jobs, _) =
+            self.jobs_done.wait_timeout_while(jobs, bound, |j| *j > 0).unwrap_or_else(|p| p.into_inner());
+        if *jobs > 0 {
+            log::warn!("ccw: {} program(s) still running {bound:?} after a detach", *jobs);
+        }
     }
 
     fn irq_status(&self) -> u32 {
@@ -287,6 +311,8 @@ fn worker(shared: &Shared, index: usize, jobs: &Receiver<Job>) {
         };
         let status = program::run(&mut bus, job.cpa);
         shared.complete(sc, &job, status);
+        drop(job);
+        shared.job_finished();
     }
 }
 
@@ -308,6 +334,8 @@ impl Ccw {
             generation: AtomicU64::new(0),
             counters: BusCounters::default(),
             programs: AtomicU64::new(0),
+            jobs: Mutex::new(0),
+            jobs_done: Condvar::new(),
         });
         let mut workers = Vec::new();
         for i in 0..cfg.subchannels as usize {
@@ -426,8 +454,10 @@ impl Ccw {
             generation: self.shared.generation.load(Ordering::Acquire),
         };
         r.state = regs::STATE_BUSY;
+        *self.shared.jobs.lock().unwrap_or_else(|p| p.into_inner()) += 1;
         if tx.send(job).is_err() {
             r.state = regs::STATE_IDLE;
+            self.shared.job_finished();
         }
     }
 
@@ -495,6 +525,11 @@ impl PciFunction for Ccw {
 
     fn detach(&self) {
         self.stop_all();
+        // Stopped programs end at their next piece, and client DMA fails at once now that
+        // the connection is closed: wait for the workers to drop the client's context, so
+        // nothing of the connection outlives it. (Not in reset: a worker may be waiting for
+        // a client DMA reply that the thread calling reset has to deliver.)
+        self.shared.wait_idle(DETACH_WAIT);
         *self.shared.ctx() = None;
     }
 
