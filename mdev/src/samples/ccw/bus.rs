@@ -1,6 +1,6 @@
 //! The ccw device's [`Bus`]: guest memory through the pinning engine, one pin call per CCW.
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use smallvec::SmallVec;
@@ -64,6 +64,10 @@ pub(crate) struct PinningBus<'a> {
     pub(crate) ctx: &'a DeviceContext,
     pub(crate) store: &'a Store,
     pub(crate) stop: &'a StopFlag,
+    /// The device's generation, and the one this program started in: a reset bumps it, and
+    /// a program of an older generation stops even if a new start cleared the stop flag.
+    pub(crate) generation: &'a AtomicU64,
+    pub(crate) started_in: u64,
     pub(crate) pinned: &'a PinnedRanges,
     pub(crate) counters: &'a BusCounters,
 }
@@ -86,11 +90,21 @@ fn pin_error(e: &PinError) -> BusError {
 }
 
 impl PinningBus<'_> {
+    /// Why the program must stop now, if it must.
+    fn stop_reason(&self) -> Option<Reason> {
+        self.stop.get().or_else(|| {
+            (self.generation.load(Ordering::Acquire) != self.started_in).then_some(Reason::Halted)
+        })
+    }
+
     /// Moves the pieces through the client (memory mapped without an fd).
     fn through_client(&mut self, dir: Direction, pieces: &[Piece], mut pos: u64) -> Result<(), BusError> {
         self.counters.client_transfers.fetch_add(1, Ordering::Relaxed);
         let mut buf = Vec::new();
         for p in pieces {
+            if let Some(reason) = self.stop_reason() {
+                return Err(BusError::Stopped(reason));
+            }
             let store = self.store.slice(pos, p.len as usize).ok_or(BusError::EndOfStore)?;
             buf.resize(p.len as usize, 0);
             match dir {
@@ -139,7 +153,7 @@ impl Bus for PinningBus<'_> {
         let mut pos = store_pos;
         let mut result = Ok(());
         for (p, &page) in pieces.iter().zip(&first_page) {
-            if let Some(reason) = self.stop.get() {
+            if let Some(reason) = self.stop_reason() {
                 result = Err(BusError::Stopped(reason));
                 break;
             }
@@ -178,6 +192,6 @@ impl Bus for PinningBus<'_> {
     }
 
     fn stopped(&self) -> Option<Reason> {
-        self.stop.get()
+        self.stop_reason()
     }
 }

@@ -220,6 +220,10 @@ struct Shared {
     /// client's context (and with it the connection's socket).
     jobs: Mutex<usize>,
     jobs_done: Condvar,
+    /// Held while a subchannel's state changes together with the interrupt it implies
+    /// (completion and raise, ACK and deassert, reset), so the INTx level always matches
+    /// the pending status: taken before any subchannel's registers.
+    line: Mutex<()>,
 }
 
 impl Shared {
@@ -243,6 +247,10 @@ impl Shared {
         }
     }
 
+    fn line(&self) -> MutexGuard<'_, ()> {
+        self.line.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn irq_status(&self) -> u32 {
         self.subchannels
             .iter()
@@ -261,6 +269,7 @@ impl Shared {
                 log::debug!("ccw: subchannel {}: status block at {:#x}: {e}", sc.index, job.status_addr);
             }
         }
+        let _line = self.line();
         {
             let mut r = sc.regs();
             // Checked again under the registers' lock: a reset bumps the generation before
@@ -306,6 +315,8 @@ fn worker(shared: &Shared, index: usize, jobs: &Receiver<Job>) {
             ctx: &job.ctx,
             store: &shared.store,
             stop: &sc.stop,
+            generation: &shared.generation,
+            started_in: job.generation,
             pinned: &sc.pinned,
             counters: &shared.counters,
         };
@@ -336,6 +347,7 @@ impl Ccw {
             programs: AtomicU64::new(0),
             jobs: Mutex::new(0),
             jobs_done: Condvar::new(),
+            line: Mutex::new(()),
         });
         let mut workers = Vec::new();
         for i in 0..cfg.subchannels as usize {
@@ -418,6 +430,7 @@ impl Ccw {
             regs::DOORBELL if value == regs::DOORBELL_START => self.start(index),
             regs::DOORBELL if value == regs::DOORBELL_HALT => sc.stop.request(Reason::Halted),
             regs::ACK => {
+                let _line = self.shared.line();
                 {
                     let mut r = sc.regs();
                     if r.state == regs::STATE_PENDING {
@@ -463,6 +476,7 @@ impl Ccw {
 
     /// Stops every running program and forgets all subchannel state.
     fn stop_all(&self) {
+        let _line = self.shared.line();
         self.shared.generation.fetch_add(1, Ordering::AcqRel);
         for sc in &self.shared.subchannels {
             sc.stop.request(Reason::Halted);
