@@ -23,7 +23,7 @@ use umdev_server::{Daemon, InstanceConfig};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::affinity::{pin_to, unpin};
-use crate::pinbench::Rng;
+use crate::pinbench::{median, Pattern, Rng};
 
 /// One mode's results.
 #[derive(Debug, Serialize)]
@@ -67,11 +67,6 @@ pub struct Report {
     /// scattered 4 KiB blocks and store regions, one thread, no protocol or pinning.
     pub same_copy_gb_per_sec: f64,
     pub modes: Vec<ModeReport>,
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
 }
 
 fn p99(v: &mut [f64]) -> f64 {
@@ -131,11 +126,12 @@ impl SameCopy {
 
 /// The 512 scattered 4 KiB blocks (no two adjacent, random order) of big subchannel `sc`.
 fn scattered_blocks(sc: u32) -> Vec<u64> {
-    let mut rng = Rng::new(512 + u64::from(sc));
     let base = DATA_BASE + u64::from(sc) * (8 << 20);
-    let mut blocks: Vec<u64> = (0..512).map(|k| base + 2 * 4096 * k).collect();
-    rng.shuffle(&mut blocks);
-    blocks
+    Pattern::Scattered
+        .offsets(512, &mut Rng::new(512 + u64::from(sc)))
+        .into_iter()
+        .map(|o| base + o * 4096)
+        .collect()
 }
 
 /// A lean guest for the hot loops: rust-vmm's client waits for a reply to every register
@@ -171,6 +167,9 @@ impl Lean {
         let mut ptr = u64::from(lean.config32(0x34)? as u8);
         while ptr != 0 && lean.config32(ptr)? as u8 != 0x11 {
             ptr = u64::from((lean.config32(ptr)? >> 8) as u8);
+        }
+        if ptr == 0 {
+            return Err("no MSI-X capability".into());
         }
         let control = (lean.config32(ptr)? >> 16) as u16 | 0x8000;
         lean.c.region_write(7, ptr + 2, &control.to_le_bytes()).map_err(e)?;

@@ -15,36 +15,17 @@ use umdev_mdev::samples::ccw::program::cmd;
 use umdev_mdev::types::{InstanceOptions, Registry};
 use umdev_server::{Daemon, InstanceConfig};
 
-use crate::pinbench::Rng;
+use crate::pinbench::{Pattern, Rng};
 
 const BLOCK: u64 = 4096;
 /// Each subchannel owns a slice of guest RAM for its buffers.
 const SLICE: u64 = (RAM_SIZE - DATA_BASE) / 4;
 
 /// Guest blocks for one buffer of `n` blocks in subchannel `sc`'s slice (`half` picks the
-/// out- or in-buffer region), laid out per the pattern.
-fn blocks(pattern: &str, rng: &mut Rng, sc: u32, half: u64, n: u64) -> Vec<u64> {
+/// out- or in-buffer region), laid out per the pattern (pinbench's layouts, block = page).
+fn blocks(pattern: Pattern, rng: &mut Rng, sc: u32, half: u64, n: u64) -> Vec<u64> {
     let base = DATA_BASE + u64::from(sc) * SLICE + half * (SLICE / 2);
-    match pattern {
-        "contiguous" => (0..n).map(|k| base + k * BLOCK).collect(),
-        "scattered" => {
-            let mut v: Vec<u64> = (0..n).map(|k| base + 2 * k * BLOCK).collect();
-            rng.shuffle(&mut v);
-            v
-        }
-        _ => {
-            let mut runs: Vec<Vec<u64>> = Vec::new();
-            let (mut at, mut left) = (0u64, n);
-            while left > 0 {
-                let len = (1 + rng.below(16)).min(left);
-                runs.push((at..at + len).map(|k| base + k * BLOCK).collect());
-                at += len + 1 + rng.below(3);
-                left -= len;
-            }
-            rng.shuffle(&mut runs);
-            runs.concat()
-        }
-    }
+    pattern.offsets(n as usize, rng).into_iter().map(|k| base + k * BLOCK).collect()
 }
 
 fn data_of(blocks: &[u64], first_offset: u64, count: u32) -> Data {
@@ -121,7 +102,8 @@ fn drive(daemon: &Daemon, socket: &std::path::Path) -> Result<(), String> {
     let started = Instant::now();
     let mut total_bytes = 0u64;
     let mut total_programs = 0u64;
-    for pattern in ["contiguous", "scattered", "idaw-mixed"] {
+    for pattern in [Pattern::Contiguous, Pattern::Scattered, Pattern::IdawMixed] {
+        let name = pattern.name();
         let before = daemon.info("demo").ok_or("instance gone")?.dma;
         let t = Instant::now();
         let mut bytes = 0u64;
@@ -146,7 +128,7 @@ fn drive(daemon: &Daemon, socket: &std::path::Path) -> Result<(), String> {
             for (sc, ..) in &plans {
                 let s = g.wait(*sc)?;
                 if !s.ok() {
-                    return Err(format!("{pattern}: WRITE on subchannel {sc} ended {s:?}"));
+                    return Err(format!("{name}: WRITE on subchannel {sc} ended {s:?}"));
                 }
             }
             for (sc, seek, count, back, _) in &plans {
@@ -155,10 +137,10 @@ fn drive(daemon: &Daemon, socket: &std::path::Path) -> Result<(), String> {
             for (sc, _, count, back, content) in &plans {
                 let s = g.wait(*sc)?;
                 if !s.ok() {
-                    return Err(format!("{pattern}: READ on subchannel {sc} ended {s:?}"));
+                    return Err(format!("{name}: READ on subchannel {sc} ended {s:?}"));
                 }
                 if gather(&g, back, *count as usize)? != *content {
-                    return Err(format!("{pattern}: subchannel {sc} read back different bytes"));
+                    return Err(format!("{name}: subchannel {sc} read back different bytes"));
                 }
                 bytes += 2 * u64::from(*count);
                 programs += 2;
@@ -169,7 +151,7 @@ fn drive(daemon: &Daemon, socket: &std::path::Path) -> Result<(), String> {
         let (pages, runs, calls) =
             (after.pages - before.pages, after.runs - before.runs, after.pin_calls - before.pin_calls);
         println!(
-            "{pattern:<11} {programs:>8} {:>9.1} {pages:>9} {runs:>7} {calls:>10} {pages:>14} {:>9.2}",
+            "{name:<11} {programs:>8} {:>9.1} {pages:>9} {runs:>7} {calls:>10} {pages:>14} {:>9.2}",
             bytes as f64 / f64::from(1 << 20),
             bytes as f64 / secs / 1e9
         );

@@ -32,7 +32,7 @@ pub enum Pattern {
 }
 
 impl Pattern {
-    fn name(self) -> &'static str {
+    pub fn name(self) -> &'static str {
         match self {
             Pattern::Contiguous => "contiguous",
             Pattern::Scattered => "scattered",
@@ -42,7 +42,7 @@ impl Pattern {
     }
 
     /// Page offsets (within the mapping) of an `n`-entry array.
-    fn offsets(self, n: usize, rng: &mut Rng) -> Vec<u64> {
+    pub fn offsets(self, n: usize, rng: &mut Rng) -> Vec<u64> {
         match self {
             Pattern::Contiguous => (0..n as u64).collect(),
             Pattern::Scattered => {
@@ -138,13 +138,8 @@ pub struct Effort {
     pub batch: Duration,
 }
 
-impl Default for Effort {
-    fn default() -> Self {
-        Effort { rounds: 31, batch: Duration::from_micros(400) }
-    }
-}
-
-fn median(v: &mut [f64]) -> f64 {
+/// The median of `v` (sorts it).
+pub fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
 }

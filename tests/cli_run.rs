@@ -3,22 +3,10 @@
 mod common;
 
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::process::{run, umdev};
 use common::raw::RawClient;
-
-fn umdev() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_umdev"))
-}
-
-fn wait_for(path: &std::path::Path) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !path.exists() {
-        assert!(Instant::now() < deadline, "{} never appeared", path.display());
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
 
 #[test]
 fn types_lists_the_test_device() {
@@ -35,13 +23,7 @@ fn run_serves_until_sigterm_then_removes_its_socket() {
     for signal in [libc::SIGTERM, libc::SIGINT] {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("dev.sock");
-        let mut child = umdev()
-            .args(["run", "--type", "testdev", "--socket"])
-            .arg(&socket)
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        wait_for(&socket);
+        let mut child = run(&socket, &["--type", "testdev"]);
         let meta = std::fs::metadata(&socket).unwrap();
         assert!(meta.file_type().is_socket());
         assert_eq!(meta.permissions().mode() & 0o777, 0o600, "socket mode");
@@ -74,17 +56,7 @@ fn run_refuses_a_live_socket_and_replaces_a_stale_one() {
     let socket = dir.path().join("dev.sock");
     // A stale socket file (its server died): replaced.
     drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
-    let mut first = umdev()
-        .args(["run", "--type", "testdev", "--socket"])
-        .arg(&socket)
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while RawClient::connect(&socket).is_err() {
-        assert!(Instant::now() < deadline, "the stale socket was not replaced");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let mut first = run(&socket, &["--type", "testdev"]);
     // A second server on the same live socket is refused, with a clear error.
     let second = umdev().args(["run", "--type", "testdev", "--socket"]).arg(&socket).output().unwrap();
     assert!(!second.status.success());

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use common::raw::RawClient;
 use common::testdev::*;
-use common::{memfd, Harness};
+use common::{memfd, read32, wait_eventfd, Harness};
 use vfio_user::Client;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -18,12 +18,6 @@ const BAR0: u32 = 0;
 const CONFIG: u32 = 7;
 const RAM_IOVA: u64 = 0x1000_0000;
 const RAM_SIZE: u64 = 1 << 20;
-
-fn read32(c: &mut Client, region: u32, offset: u64) -> u32 {
-    let mut b = [0u8; 4];
-    c.region_read(region, offset, &mut b).expect("region_read");
-    u32::from_le_bytes(b)
-}
 
 fn write32(c: &mut Client, region: u32, offset: u64, v: u32) {
     c.region_write(region, offset, &v.to_le_bytes()).expect("region_write");
@@ -37,18 +31,6 @@ fn wait_dma(c: &mut Client) -> u32 {
             return s;
         }
         assert!(Instant::now() < deadline, "DMA never completed");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
-/// Waits for the eventfd counter to be non-zero; returns it.
-fn wait_eventfd(e: &EventFd) -> u64 {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        if let Ok(n) = e.read() {
-            return n;
-        }
-        assert!(Instant::now() < deadline, "no interrupt signalled");
         std::thread::sleep(Duration::from_millis(1));
     }
 }

@@ -5,9 +5,10 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
+use common::process::{umdev, ChildGuard};
 use common::raw::RawClient;
 
 struct Env {
@@ -24,7 +25,7 @@ impl Env {
     }
 
     fn umdev(&self, args: &[&str]) -> Output {
-        Command::new(env!("CARGO_BIN_EXE_umdev"))
+        umdev()
             .arg("--run-dir")
             .arg(&self.run)
             .arg("--state-dir")
@@ -49,15 +50,17 @@ impl Env {
     }
 
     fn daemon(&self) -> Daemon {
-        let child = Command::new(env!("CARGO_BIN_EXE_umdev"))
-            .arg("--run-dir")
-            .arg(&self.run)
-            .arg("--state-dir")
-            .arg(&self.state)
-            .arg("daemon")
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
+        let child = ChildGuard(
+            umdev()
+                .arg("--run-dir")
+                .arg(&self.run)
+                .arg("--state-dir")
+                .arg(&self.state)
+                .arg("daemon")
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
         let control = self.run.join("control.sock");
         let deadline = Instant::now() + Duration::from_secs(10);
         while std::os::unix::net::UnixStream::connect(&control).is_err() {
@@ -84,7 +87,7 @@ impl Env {
 }
 
 struct Daemon {
-    child: Child,
+    child: ChildGuard,
 }
 
 impl Daemon {
@@ -96,13 +99,6 @@ impl Daemon {
         .unwrap();
         let status = self.child.wait().unwrap();
         assert!(status.success(), "daemon exit {status}");
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

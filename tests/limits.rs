@@ -6,39 +6,12 @@ mod common;
 
 use std::os::fd::AsRawFd;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use common::process::{run, status_kib, umdev, ChildGuard};
 use common::raw::*;
 use umdev_server::wire::{flags, Command as Cmd};
-
-struct Served(Child);
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn run(socket: &Path, args: &[&str]) -> Served {
-    let child = Command::new(env!("CARGO_BIN_EXE_umdev"))
-        .arg("run")
-        .arg("--socket")
-        .arg(socket)
-        .args(args)
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while RawClient::connect(socket).is_err() {
-        assert!(Instant::now() < deadline, "umdev run never listened");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    // The probe connection above was turned away or served and closed; let it finish.
-    std::thread::sleep(Duration::from_millis(20));
-    Served(child)
-}
 
 fn connect(socket: &Path) -> RawClient {
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -113,18 +86,18 @@ fn each_limit_has_a_flag_and_a_clear_error() {
 
     // Instances per daemon.
     let run_dir = dir.path().join("run");
-    let mut daemon = Command::new(env!("CARGO_BIN_EXE_umdev"))
-        .args(["--run-dir"])
-        .arg(&run_dir)
-        .args(["--state-dir"])
-        .arg(dir.path().join("state"))
-        .args(["daemon", "--max-instances", "2"])
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let umdev = |args: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_umdev")).arg("--run-dir").arg(&run_dir).args(args).output().unwrap()
-    };
+    let daemon = ChildGuard(
+        umdev()
+            .args(["--run-dir"])
+            .arg(&run_dir)
+            .args(["--state-dir"])
+            .arg(dir.path().join("state"))
+            .args(["daemon", "--max-instances", "2"])
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let umdev = |args: &[&str]| umdev().arg("--run-dir").arg(&run_dir).args(args).output().unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     while !umdev(&["list"]).status.success() {
         assert!(Instant::now() < deadline);
@@ -135,18 +108,7 @@ fn each_limit_has_a_flag_and_a_clear_error() {
     let third = umdev(&["start", "--type", "testdev"]);
     assert!(!third.status.success());
     assert!(String::from_utf8_lossy(&third.stderr).contains("maximum of 2 instances"));
-    let _ = daemon.kill();
-    let _ = daemon.wait();
-}
-
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap()
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("VmRSS:").map(|v| v.trim().trim_end_matches("kB").trim().parse().unwrap())
-        })
-        .unwrap()
+    drop(daemon);
 }
 
 /// Measured on a real `umdev run` process, so the figures are the daemon's own.
@@ -159,7 +121,7 @@ fn hostile_clients_cannot_grow_the_daemon_beyond_a_bound() {
     // A client maps the maximum number of regions (4096 by default) of 1 MiB each.
     let mut c = connect(&socket);
     let ram = common::memfd(1 << 20);
-    let rss0 = rss_kib(pid);
+    let rss0 = status_kib(pid, "VmRSS:");
     let mut mapped = 0u64;
     for i in 0..5000u64 {
         let r = c
@@ -172,7 +134,7 @@ fn hostile_clients_cannot_grow_the_daemon_beyond_a_bound() {
         mapped += 1;
     }
     assert_eq!(mapped, 4096);
-    let rss1 = rss_kib(pid);
+    let rss1 = status_kib(pid, "VmRSS:");
     let per_mapping = (rss1.saturating_sub(rss0) * 1024) as f64 / mapped as f64;
     eprintln!(
         "MEASURED max mappings: {mapped} x 1 MiB mapped; daemon RSS +{} KiB ({per_mapping:.0} B per mapping)",
@@ -184,7 +146,7 @@ fn hostile_clients_cannot_grow_the_daemon_beyond_a_bound() {
     // A client sends maximum-size messages (1 MiB region writes, refused for their region
     // but read whole) and reads: the buffers are bounded by the message limit.
     let mut c = connect(&socket);
-    let rss2 = rss_kib(pid);
+    let rss2 = status_kib(pid, "VmRSS:");
     let big = region_write_payload(7, 0, &vec![0u8; 1 << 20]);
     for _ in 0..50 {
         let r = c.request(Cmd::RegionWrite as u16, &big, &[]).unwrap();
@@ -192,7 +154,7 @@ fn hostile_clients_cannot_grow_the_daemon_beyond_a_bound() {
         let r = c.region_read(7, 0, 1 << 20).unwrap();
         assert_eq!(r.errno(), libc::EINVAL);
     }
-    let rss3 = rss_kib(pid);
+    let rss3 = status_kib(pid, "VmRSS:");
     eprintln!(
         "MEASURED max-size messages: 100 x 1 MiB; daemon RSS {} KiB -> {} KiB (+{} KiB)",
         rss2,

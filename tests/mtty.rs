@@ -7,9 +7,9 @@ mod common;
 
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::Harness;
+use common::{read32, wait_eventfd, Harness};
 use umdev_mdev::samples::mtty::{self, regs::*};
 use vfio_user::Client;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -30,24 +30,6 @@ fn inb(c: &mut Client, port: u32, reg: u64) -> u8 {
 
 fn outb(c: &mut Client, port: u32, reg: u64, v: u8) {
     c.region_write(port, reg, &[v]).expect("region_write");
-}
-
-fn read32(c: &mut Client, region: u32, offset: u64) -> u32 {
-    let mut b = [0u8; 4];
-    c.region_read(region, offset, &mut b).expect("region_read");
-    u32::from_le_bytes(b)
-}
-
-/// Waits for the eventfd counter to be non-zero; returns it.
-fn wait_eventfd(e: &EventFd) -> u64 {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        if let Ok(n) = e.read() {
-            return n;
-        }
-        assert!(Instant::now() < deadline, "no interrupt signalled");
-        std::thread::sleep(Duration::from_millis(1));
-    }
 }
 
 /// Nothing signalled (give a stray signal a moment to show up).

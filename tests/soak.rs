@@ -8,36 +8,15 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::ccw::*;
+use common::process::{fd_count, run, status_kib};
 use umdev_mdev::samples::ccw::driver::{idaws, Data, Op};
 use umdev_mdev::samples::ccw::program::cmd;
 
 const CYCLES: usize = 10_000;
 const SAMPLE_EVERY: usize = 500;
-
-struct Daemon(Child);
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn status_kib(pid: u32, field: &str) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix(field).map(|v| v.trim().trim_end_matches("kB").trim().parse().unwrap()))
-        .unwrap()
-}
-
-fn fd_count(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count()
-}
 
 fn maps_count(pid: u32) -> usize {
     std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap().lines().count()
@@ -58,14 +37,7 @@ fn connect(socket: &Path) -> CcwGuest {
 fn ten_thousand_client_lifetimes_leave_the_daemon_as_it_was() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("soak.sock");
-    let daemon = Daemon(
-        Command::new(env!("CARGO_BIN_EXE_umdev"))
-            .args(["run", "--type", "ccw", "--opt", "subchannels=2", "--socket"])
-            .arg(&socket)
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let daemon = run(&socket, &["--type", "ccw", "--opt", "subchannels=2"]);
     let pid = daemon.0.id();
     let data: Vec<u8> = (0..65536u32).map(|i| (i * 7 + i / 4096) as u8).collect();
     // 16 blocks in reverse order: 16 runs of one page each.

@@ -1,17 +1,22 @@
-//! Shared test support: a daemon with one instance on a temporary socket, memfds, fd counts.
+//! Shared test support: a daemon with one instance on a temporary socket, memfds, fd counts,
+//! helpers for rust-vmm's client; real `umdev` processes in `process`.
 #![allow(dead_code)]
 
 pub mod ccw;
+pub mod process;
 pub mod qemu;
 pub mod raw;
 
 use std::fs::File;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use umdev_mdev::types::{InstanceOptions, Registry};
 use umdev_mdev::VfioDevice;
 use umdev_server::{Daemon, InstanceConfig, InstanceInfo};
+use vfio_user::Client;
+use vmm_sys_util::eventfd::EventFd;
 
 /// A daemon serving one instance of a built-in type on a socket in a temporary directory.
 pub struct Harness {
@@ -72,6 +77,25 @@ pub fn memfd(size: u64) -> File {
 /// fds open in this process.
 pub fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+}
+
+/// A 32-bit little-endian read of `region` through rust-vmm's client.
+pub fn read32(c: &mut Client, region: u32, offset: u64) -> u32 {
+    let mut b = [0u8; 4];
+    c.region_read(region, offset, &mut b).expect("region_read");
+    u32::from_le_bytes(b)
+}
+
+/// Waits for the eventfd counter to be non-zero; returns it.
+pub fn wait_eventfd(e: &EventFd) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Ok(n) = e.read() {
+            return n;
+        }
+        assert!(Instant::now() < deadline, "no interrupt signalled");
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 /// testdev's BAR0 registers (docs/testdev.md).

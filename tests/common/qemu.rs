@@ -168,6 +168,17 @@ impl Qtest {
         self.outw(0xcfc + (off & 2) as u16, v);
     }
 
+    /// The IDs on 00:04.0's capability list, in list order (at most 16, should it loop).
+    pub fn cap_ids(&mut self) -> Vec<u8> {
+        let mut caps = Vec::new();
+        let mut ptr = self.cfg_read8(0x34);
+        while ptr != 0 && caps.len() < 16 {
+            caps.push(self.cfg_read8(u32::from(ptr)));
+            ptr = self.cfg_read8(u32::from(ptr) + 1);
+        }
+        caps
+    }
+
     /// Sizes BAR `i` the way a guest does: returns the size mask it reads back.
     pub fn size_bar(&mut self, i: u32) -> u32 {
         let off = 0x10 + 4 * i;
