@@ -209,6 +209,27 @@ impl Mapping {
         Ok(())
     }
 
+    /// Removes a pin from pages `[page, page + npages)` unless one of them is not pinned;
+    /// then returns that page and changes nothing. Sub-runs that reach 0 are appended to
+    /// `released` (lock mode only) for [`Mapping::release`].
+    pub(crate) fn try_unpin_run(
+        &self,
+        pins: &mut MappingPins,
+        page: u64,
+        npages: u64,
+        released: &mut Released,
+    ) -> Result<(), u64> {
+        if self.policy.mode == PinMode::Track {
+            // The hot path: one checked pass over the counts.
+            return pins.table.try_decrement(page, npages).map(drop);
+        }
+        if let Some(page) = pins.table.find_unpinned(page, npages) {
+            return Err(page);
+        }
+        pins.table.decrement(page, npages, Some(&mut |s, l| released.push((s, l))));
+        Ok(())
+    }
+
     /// Removes a pin from pages `[page, page + npages)`, which the caller has checked are
     /// all pinned. Sub-runs that reach 0 are appended to `released` (lock mode only) for
     /// [`Mapping::release`].

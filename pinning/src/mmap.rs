@@ -254,18 +254,12 @@ impl Drop for HostMemory {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testutil::memfd;
     use std::os::fd::AsFd;
-
-    fn memfd(size: u64) -> std::fs::File {
-        let fd = nix::sys::memfd::memfd_create(c"mmap-test", nix::sys::memfd::MFdFlags::empty()).unwrap();
-        let file = std::fs::File::from(fd);
-        file.set_len(size).unwrap();
-        file
-    }
 
     #[test]
     fn maps_and_shares_memory() {
-        let file = memfd(2 * PAGE_SIZE);
+        let file = memfd(2);
         let mem = HostMemory::map(file.as_fd(), PAGE_SIZE, PAGE_SIZE, Prot::READ_WRITE).unwrap();
         assert!(!mem.backing().hugetlb);
         // SAFETY: the address is inside the live, writable mapping.
@@ -279,7 +273,7 @@ mod tests {
 
     #[test]
     fn rejects_past_eof_and_non_files() {
-        let file = memfd(PAGE_SIZE);
+        let file = memfd(1);
         let err = HostMemory::map(file.as_fd(), PAGE_SIZE, PAGE_SIZE, Prot::READ).unwrap_err();
         assert!(matches!(err, MmapError::PastEndOfFile { .. }), "{err}");
         let err = HostMemory::map(file.as_fd(), u64::MAX - 4095, PAGE_SIZE, Prot::READ).unwrap_err();

@@ -15,7 +15,7 @@ use smallvec::SmallVec;
 use thiserror::Error;
 use vm_memory::VolatileSlice;
 
-use crate::lock::{OverLimit, PinMode};
+use crate::lock::OverLimit;
 use crate::mapping::{Mapping, MappingPins, MappingState, Released, RunFailure};
 use crate::page::{iova_of, iova_of_checked, Prot, PAGE_SHIFT, PAGE_SIZE};
 use crate::space::{DmaSpace, MappingTable};
@@ -386,26 +386,17 @@ fn unpin_runs(mappings: &[Arc<Mapping>], locked: &mut Locked<'_>, runs: &[Pinned
     for run in runs.iter().rev() {
         let pins = locked.get(run.slot);
         let mapping = &mappings[run.slot];
-        if mapping.policy.mode == PinMode::Track {
-            // The hot path: one checked pass; only a guard whose pins were taken from it
-            // falls through to the page-by-page release below.
-            if pins.table.try_decrement(run.page, run.npages).is_ok() {
-                removed += run.npages;
-                continue;
-            }
-        }
-        if pins.table.find_unpinned(run.page, run.npages).is_none() {
-            mapping.unpin_run(pins, run.page, run.npages, &mut released[run.slot]);
+        if mapping.try_unpin_run(pins, run.page, run.npages, &mut released[run.slot]).is_ok() {
             removed += run.npages;
-        } else {
-            // Someone unpinned pages this guard owns (unpin_pages on pins it did not take).
-            // Release what is still pinned, page by page, rather than underflow a count.
-            log::error!("pins of the run at IOVA {:#x} were released behind its guard", run.iova);
-            for page in run.page..run.page + run.npages {
-                if pins.table.count(page) > 0 {
-                    mapping.unpin_run(pins, page, 1, &mut released[run.slot]);
-                    removed += 1;
-                }
+            continue;
+        }
+        // Someone unpinned pages this guard owns (unpin_pages on pins it did not take).
+        // Release what is still pinned, page by page, rather than underflow a count.
+        log::error!("pins of the run at IOVA {:#x} were released behind its guard", run.iova);
+        for page in run.page..run.page + run.npages {
+            if pins.table.count(page) > 0 {
+                mapping.unpin_run(pins, page, 1, &mut released[run.slot]);
+                removed += 1;
             }
         }
     }
@@ -413,6 +404,14 @@ fn unpin_runs(mappings: &[Arc<Mapping>], locked: &mut Locked<'_>, runs: &[Pinned
         m.release(locked.get(slot), &released[slot]);
     }
     removed
+}
+
+/// An unpin call's plan, its planning error as an unpin error.
+fn unpin_planned(plan: Result<Plan, PinError>) -> Result<Plan, UnpinError> {
+    plan.map_err(|e| match e {
+        PinError::NotMapped { index, pfn } => UnpinError::NotMapped { index, pfn },
+        other => unreachable!("unpin planning only fails with NotMapped: {other}"),
+    })
 }
 
 fn run_error(run: &PinnedRun, failure: RunFailure) -> PinError {
@@ -526,8 +525,10 @@ impl DmaSpace {
     /// kept with [`PinnedPages::forget`]. If any page is not pinned (counting repeats in
     /// `pfns`), nothing changes.
     pub fn unpin_pages(&self, pfns: &[u64]) -> Result<(), UnpinError> {
-        let plan = Planner::new(&self.read_table(), Prot::empty(), false).plan_array(pfns);
-        self.unpin_plan(pfns.len() as u64, plan)
+        let plan = self.check_unpin_count(pfns.len() as u64).and_then(|()| {
+            unpin_planned(Planner::new(&self.read_table(), Prot::empty(), false).plan_array(pfns))
+        });
+        self.unpin_plan(plan)
     }
 
     /// Drops one pin from each of the `npages` pages from `iova`.
@@ -536,21 +537,23 @@ impl DmaSpace {
         if npages == 0 || pfn.checked_add(npages - 1).and_then(iova_of_checked).is_none() {
             return Err(UnpinError::InvalidCount(npages));
         }
-        let plan = Planner::new(&self.read_table(), Prot::empty(), false).plan_range(pfn, npages);
-        self.unpin_plan(npages, plan)
+        let plan = self.check_unpin_count(npages).and_then(|()| {
+            unpin_planned(Planner::new(&self.read_table(), Prot::empty(), false).plan_range(pfn, npages))
+        });
+        self.unpin_plan(plan)
     }
 
-    fn unpin_plan(&self, npages: u64, plan: Result<Plan, PinError>) -> Result<(), UnpinError> {
-        let counters = self.counters();
-        let result = if npages == 0 || npages > self.config().max_pages_per_call {
+    fn check_unpin_count(&self, npages: u64) -> Result<(), UnpinError> {
+        if npages == 0 || npages > self.config().max_pages_per_call {
             Err(UnpinError::InvalidCount(npages))
         } else {
-            match plan {
-                Ok(plan) => Self::unpin_checked(&plan),
-                Err(PinError::NotMapped { index, pfn }) => Err(UnpinError::NotMapped { index, pfn }),
-                Err(other) => unreachable!("unpin planning only fails with NotMapped: {other}"),
-            }
-        };
+            Ok(())
+        }
+    }
+
+    fn unpin_plan(&self, plan: Result<Plan, UnpinError>) -> Result<(), UnpinError> {
+        let counters = self.counters();
+        let result = plan.and_then(|plan| Self::unpin_checked(&plan));
         let counter = if result.is_ok() { &counters.unpin_calls } else { &counters.unpin_failures };
         counter.fetch_add(1, Ordering::Relaxed);
         result
@@ -562,7 +565,7 @@ impl DmaSpace {
         for (done, run) in plan.runs.iter().enumerate() {
             let mapping = &plan.mappings[run.slot];
             let pins = locked.get(run.slot);
-            if let Some(page) = pins.table.find_unpinned(run.page, run.npages) {
+            if let Err(page) = mapping.try_unpin_run(pins, run.page, run.npages, &mut released[run.slot]) {
                 // Put back what this call took; nothing was munlocked yet.
                 for undo in plan.runs[..done].iter().rev() {
                     locked.get(undo.slot).table.increment(undo.page, undo.npages);
@@ -573,7 +576,6 @@ impl DmaSpace {
                     pfn: (run.iova >> PAGE_SHIFT) + (page - run.page),
                 });
             }
-            mapping.unpin_run(pins, run.page, run.npages, &mut released[run.slot]);
         }
         for (slot, m) in plan.mappings.iter().enumerate() {
             m.release(locked.get(slot), &released[slot]);
@@ -662,8 +664,6 @@ impl PinnedPages {
         }
     }
 
-    /// Calls `f(host_addr, buf_offset, len)` for each contiguous piece of
-    /// `[offset, offset + len)` of the pinned buffer.
     /// True if the client truncated the memory behind any of the pages since they were
     /// mapped: accesses to them see zeros and lose writes. Devices that use the host
     /// addresses directly check this after an access, as the copy helpers do.
@@ -679,6 +679,9 @@ impl PinnedPages {
         }
     }
 
+    /// Calls `f(host_addr, buf_offset, len)` for each contiguous piece of
+    /// `[offset, offset + len)` of the pinned buffer. The caller has checked the range
+    /// ([`PinnedPages::check`]), so the pieces cover `[0, len)` of the caller's buffer.
     fn for_each_piece(&self, offset: u64, len: usize, mut f: impl FnMut(usize, usize, usize)) {
         let mut done = 0usize;
         let start = self.runs.partition_point(|r| ((r.index as u64 + r.npages) * PAGE_SIZE) <= offset);
@@ -695,13 +698,19 @@ impl PinnedPages {
     }
 
     /// Copies `buf.len()` bytes at `offset` of the pinned buffer (entry 0's page first) out.
+    ///
+    /// The pages are shared with the client, which may write them meanwhile: the bytes
+    /// copied are then some mix of old and new, and nothing tells which.
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), AccessError> {
         self.check(offset, buf.len())?;
         self.for_each_piece(offset, buf.len(), |host, at, n| {
             // SAFETY: [host, host + n) lies in pinned pages of a mapping this guard keeps
-            // mapped, readable (every mapping grants read). The source is shared with the
-            // client, so its bytes may change under us; only their values are affected.
-            unsafe { std::ptr::copy_nonoverlapping(host as *const u8, buf.as_mut_ptr().add(at), n) }
+            // mapped while the slice lives, readable (every mapping grants read). The client
+            // may write them during the copy, so no Rust reference to them is made: the copy
+            // goes through VolatileSlice, vm-memory's accessor for memory another party
+            // writes (as a VMM reads guest RAM). Bytes written meanwhile may be torn.
+            let src = unsafe { VolatileSlice::new(host as *mut u8, n) };
+            src.copy_to(&mut buf[at..at + n]);
         });
         self.check_poisoned()
     }
@@ -716,7 +725,8 @@ impl PinnedPages {
         self.for_each_piece(offset, buf.len(), |host, at, n| {
             // SAFETY: as in read; the pin asked for WRITE, which the planner checked the
             // mapping grants, so the pages are mapped writable.
-            unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr().add(at), host as *mut u8, n) }
+            let dst = unsafe { VolatileSlice::new(host as *mut u8, n) };
+            dst.copy_from(&buf[at..at + n]);
         });
         self.check_poisoned()
     }
@@ -725,17 +735,12 @@ impl PinnedPages {
     /// with others (a device's mmapped store, say), copied with memcpy semantics.
     pub fn read_volatile(&self, offset: u64, dst: &VolatileSlice<'_>) -> Result<(), AccessError> {
         self.check(offset, dst.len())?;
-        let mut result = Ok(());
         self.for_each_piece(offset, dst.len(), |host, at, n| {
             // SAFETY: [host, host + n) lies in pinned, readable pages this guard keeps mapped.
             let src = unsafe { VolatileSlice::new(host as *mut u8, n) };
-            if let Ok(d) = dst.subslice(at, n) {
-                src.copy_to_volatile_slice(d);
-            } else {
-                result = Err(AccessError::OutOfRange { offset, len: dst.len() as u64, size: self.size() });
-            }
+            src.copy_to_volatile_slice(dst.subslice(at, n).expect("a piece lies inside the checked range"));
         });
-        result.and_then(|()| self.check_poisoned())
+        self.check_poisoned()
     }
 
     /// Copies `src` into the pinned buffer at `offset`. The pages must have been pinned
@@ -745,18 +750,13 @@ impl PinnedPages {
             return Err(AccessError::ReadOnly);
         }
         self.check(offset, src.len())?;
-        let mut result = Ok(());
         self.for_each_piece(offset, src.len(), |host, at, n| {
             // SAFETY: [host, host + n) lies in pinned pages this guard keeps mapped, writable
             // since the pin asked for WRITE.
             let dst = unsafe { VolatileSlice::new(host as *mut u8, n) };
-            if let Ok(s) = src.subslice(at, n) {
-                s.copy_to_volatile_slice(dst);
-            } else {
-                result = Err(AccessError::OutOfRange { offset, len: src.len() as u64, size: self.size() });
-            }
+            src.subslice(at, n).expect("a piece lies inside the checked range").copy_to_volatile_slice(dst);
         });
-        result.and_then(|()| self.check_poisoned())
+        self.check_poisoned()
     }
 
     /// Unpins now (the same as dropping the guard).

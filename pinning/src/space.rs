@@ -482,7 +482,7 @@ impl DmaSpace {
             let mut pins = m.lock();
             if pins.state != MappingState::Live {
                 drop(pins);
-                Self::set_state(&victims[..claimed], MappingState::Live);
+                Self::unclaim(&victims[..claimed]);
                 return Err(UnmapError::InProgress { iova: m.iova() });
             }
             pins.state = MappingState::Unmapping;
@@ -491,12 +491,16 @@ impl DmaSpace {
             }
         }
         if !busy.is_empty() {
-            self.wait_for_pins(&busy).inspect_err(|_| Self::set_state(&victims, MappingState::Live))?;
+            self.wait_for_pins(&busy).inspect_err(|_| Self::unclaim(&victims))?;
         }
         let mut table = self.write_table();
         let mut unmapped = Unmapped::default();
         for m in &victims {
-            table.remove(&m.first_pfn);
+            // abandon_all may have taken the mapping meanwhile, and a new one may sit at its
+            // IOVA now: remove only the victim itself.
+            if table.get(&m.first_pfn).is_some_and(|t| Arc::ptr_eq(t, m)) {
+                table.remove(&m.first_pfn);
+            }
             m.lock().state = MappingState::Removed;
             unmapped.mappings += 1;
             unmapped.bytes += m.size();
@@ -526,9 +530,14 @@ impl DmaSpace {
         Ok(())
     }
 
-    fn set_state(mappings: &[Arc<Mapping>], state: MappingState) {
+    /// Gives back mappings this unmap claimed: live again, unless abandon_all removed them
+    /// meanwhile.
+    fn unclaim(mappings: &[Arc<Mapping>]) {
         for m in mappings {
-            m.lock().state = state;
+            let mut pins = m.lock();
+            if pins.state == MappingState::Unmapping {
+                pins.state = MappingState::Live;
+            }
         }
     }
 

@@ -89,6 +89,23 @@ impl PinTable {
         (self.chunks.len() + usize::from(self.spare.is_some())) * CHUNK_BYTES + self.chunks.capacity() * slot
     }
 
+    /// Chunk `idx`, allocated (or the spare reused) if absent: one hash lookup on a hit.
+    #[inline]
+    fn chunk_mut(&mut self, idx: u64) -> &mut Chunk {
+        let spare = &mut self.spare;
+        self.chunks.entry(idx).or_insert_with(|| spare.take().unwrap_or_else(Chunk::new_boxed))
+    }
+
+    /// Drops chunk `idx`, whose last pinned page was just unpinned, keeping it as the spare
+    /// if there is none.
+    #[inline]
+    fn retire(&mut self, idx: u64) {
+        let empty = self.chunks.remove(&idx);
+        if self.spare.is_none() {
+            self.spare = empty;
+        }
+    }
+
     /// The pin count of page `page`.
     pub(crate) fn count(&self, page: u64) -> u32 {
         self.chunks
@@ -148,13 +165,7 @@ impl PinTable {
     pub(crate) fn try_increment(&mut self, first: u64, npages: u64) -> Result<u64, u64> {
         let mut new_pages = 0u64;
         for seg in segments(first, npages) {
-            let chunk = match self.chunks.get_mut(&seg.chunk) {
-                Some(chunk) => chunk,
-                None => {
-                    let fresh = self.spare.take().unwrap_or_else(Chunk::new_boxed);
-                    self.chunks.entry(seg.chunk).or_insert(fresh)
-                }
-            };
+            let chunk = self.chunk_mut(seg.chunk);
             let counts = &mut chunk.counts[seg.start..seg.start + seg.len];
             if counts.iter().fold(0, |acc, &c| acc | Count::from(c == Count::MAX)) != 0 {
                 let at = counts.iter().position(|&c| c == Count::MAX).unwrap_or(0);
@@ -200,10 +211,7 @@ impl PinTable {
                         chunk.live -= freed;
                         freed_pages += u64::from(freed);
                         if chunk.live == 0 {
-                            let empty = self.chunks.remove(&seg.chunk);
-                            if self.spare.is_none() {
-                                self.spare = empty;
-                            }
+                            self.retire(seg.chunk);
                         }
                         None
                     }
@@ -229,13 +237,7 @@ impl PinTable {
     pub(crate) fn increment(&mut self, first: u64, npages: u64) -> u64 {
         let mut new_pages = 0u64;
         for seg in segments(first, npages) {
-            let chunk = match self.chunks.get_mut(&seg.chunk) {
-                Some(chunk) => chunk,
-                None => {
-                    let fresh = self.spare.take().unwrap_or_else(Chunk::new_boxed);
-                    self.chunks.entry(seg.chunk).or_insert(fresh)
-                }
-            };
+            let chunk = self.chunk_mut(seg.chunk);
             let mut fresh = 0u32;
             for c in &mut chunk.counts[seg.start..seg.start + seg.len] {
                 fresh += u32::from(*c == 0);
@@ -287,10 +289,7 @@ impl PinTable {
             chunk.live -= freed;
             freed_pages += u64::from(freed);
             if chunk.live == 0 {
-                let empty = self.chunks.remove(&seg.chunk);
-                if self.spare.is_none() {
-                    self.spare = empty;
-                }
+                self.retire(seg.chunk);
             }
         }
         drop(runs);
