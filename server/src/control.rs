@@ -191,14 +191,16 @@ fn accept_loop(manager: &Arc<Manager>, listener: &UnixListener, stop: &std::os::
         }
         let _ = stream.set_nonblocking(false);
         active.fetch_add(1, Ordering::AcqRel);
-        let (manager, active) = (manager.clone(), active.clone());
+        let (manager, slots) = (manager.clone(), active.clone());
         let spawned = std::thread::Builder::new().name("umdev-control-conn".into()).spawn(move || {
             if let Err(e) = serve_connection(&manager, stream) {
                 log::debug!("control connection: {e}");
             }
-            active.fetch_sub(1, Ordering::AcqRel);
+            slots.fetch_sub(1, Ordering::AcqRel);
         });
         if spawned.is_err() {
+            // The connection went with the closure; its slot must come back too.
+            active.fetch_sub(1, Ordering::AcqRel);
             log::warn!("control socket: cannot spawn a connection thread");
         }
     }

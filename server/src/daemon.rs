@@ -12,6 +12,7 @@ use std::os::fd::AsFd;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -112,7 +113,12 @@ struct Instance {
     /// Signalled when the connected client's cleanup is done.
     idle: Condvar,
     stop: EventFd,
+    /// Connection threads (finished ones are pruned as new ones start).
     threads: Mutex<Vec<JoinHandle<()>>>,
+    acceptor: Mutex<Option<JoinHandle<()>>>,
+    /// Set under `active`'s lock when the instance is being stopped: no client is admitted
+    /// after that.
+    stopping: AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -177,12 +183,17 @@ impl Instance {
                 let wait = self.config.dma.unmap_timeout + HANDOVER_SLACK;
                 active = self
                     .idle
-                    .wait_timeout_while(active, wait, |a| a.is_some())
+                    .wait_timeout_while(active, wait, |a| {
+                        a.is_some() && !self.stopping.load(Ordering::Acquire)
+                    })
                     .unwrap_or_else(|p| p.into_inner())
                     .0;
             }
+            if self.stopping.load(Ordering::Acquire) {
+                return log::info!("instance {id}: stopping; closing a new connection");
+            }
             if active.is_some() {
-                self.served.stats.rejected.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.served.stats.rejected.fetch_add(1, Ordering::Relaxed);
                 log::warn!("instance {id}: a client is already connected; closing the new connection");
                 return;
             }
@@ -211,7 +222,16 @@ impl Instance {
 
     /// Stops accepting, cuts the client, waits for the threads, removes the socket.
     fn shut_down(&self) {
+        {
+            let _active = lock(&self.active);
+            self.stopping.store(true, Ordering::Release);
+        }
+        self.idle.notify_all();
         let _ = self.stop.write(1);
+        // The acceptor first: once it is gone, no connection can start behind our back.
+        if let Some(acceptor) = lock(&self.acceptor).take() {
+            let _ = acceptor.join();
+        }
         if let Some(stream) = lock(&self.active).as_ref() {
             let _ = stream.shutdown(std::net::Shutdown::Both);
         }
@@ -301,13 +321,15 @@ impl Daemon {
             idle: Condvar::new(),
             stop,
             threads: Mutex::new(Vec::new()),
+            acceptor: Mutex::new(None),
+            stopping: AtomicBool::new(false),
         });
         let acceptor = instance.clone();
         let thread = std::thread::Builder::new()
             .name(format!("umdev-accept-{}", config.id))
             .spawn(move || acceptor.accept_loop(listener))
             .map_err(io_err)?;
-        lock(&instance.threads).push(thread);
+        *lock(&instance.acceptor) = Some(thread);
         log::info!("instance {} listening on {}", config.id, config.socket.display());
         instances.insert(config.id, instance);
         Ok(())
@@ -319,9 +341,13 @@ impl Daemon {
         let instance = {
             let mut instances = lock(&self.instances);
             let instance = instances.get(id).ok_or_else(|| DaemonError::NotFound(id.to_string()))?;
-            if !force && lock(&instance.active).is_some() {
+            let active = lock(&instance.active);
+            if !force && active.is_some() {
                 return Err(DaemonError::Busy(id.to_string()));
             }
+            // Under the same lock as the check: no client slips in between.
+            instance.stopping.store(true, Ordering::Release);
+            drop(active);
             instances.remove(id).expect("present: checked under the same lock")
         };
         instance.shut_down();

@@ -4,11 +4,11 @@
 //! client sends is closed unless something takes ownership of it.
 
 use std::io;
-use std::io::{IoSlice, IoSliceMut};
+use std::io::IoSlice;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 
-use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
+use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
 
 use crate::wire::framing::Framer;
 use crate::wire::Header;
@@ -30,32 +30,31 @@ impl Receiver {
     /// Receives what is available into `framer`; `Ok(0)` at end of stream. With `wait`
     /// false, returns `WouldBlock` at once if nothing is there.
     pub(crate) fn recv(&mut self, stream: &UnixStream, framer: &mut Framer, wait: bool) -> io::Result<usize> {
-        let flags = if wait {
-            MsgFlags::MSG_CMSG_CLOEXEC
-        } else {
-            MsgFlags::MSG_CMSG_CLOEXEC | MsgFlags::MSG_DONTWAIT
-        };
+        let flags = if wait { libc::MSG_CMSG_CLOEXEC } else { libc::MSG_CMSG_CLOEXEC | libc::MSG_DONTWAIT };
         let spare = framer.spare();
-        let mut iov = [IoSliceMut::new(spare)];
-        self.cmsg.fill(0);
-        let (bytes, fds, truncated) = loop {
-            match recvmsg::<()>(stream.as_raw_fd(), &mut iov, Some(&mut self.cmsg), flags) {
-                Ok(msg) => {
-                    let mut fds = Vec::new();
-                    for cmsg in msg.cmsgs().map_err(io::Error::from)? {
-                        if let ControlMessageOwned::ScmRights(raw) = cmsg {
-                            // SAFETY: the kernel just installed these fds in our table for us;
-                            // nothing else owns them.
-                            fds.extend(raw.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
-                        }
-                    }
-                    break (msg.bytes, fds, msg.flags.contains(MsgFlags::MSG_CTRUNC));
-                }
-                Err(nix::errno::Errno::EINTR) => continue,
-                Err(e) => return Err(e.into()),
+        let mut iov = libc::iovec { iov_base: spare.as_mut_ptr().cast(), iov_len: spare.len() };
+        // SAFETY: an all-zero msghdr is a valid empty header; the fields are set below.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = self.cmsg.as_mut_ptr().cast();
+        msg.msg_controllen = self.cmsg.len() as _;
+        let bytes = loop {
+            // SAFETY: msg points at a live iovec over the framer's spare buffer and at our
+            // control buffer, both valid for the lengths given and not otherwise borrowed.
+            match unsafe { libc::recvmsg(stream.as_raw_fd(), &mut msg, flags) } {
+                n if n >= 0 => break n as usize,
+                _ => match io::Error::last_os_error() {
+                    e if e.kind() == io::ErrorKind::Interrupted => continue,
+                    e => return Err(e),
+                },
             }
         };
-        if truncated {
+        // Take ownership of every fd the kernel installed before looking at anything else:
+        // with the fd table full it installs some, truncates the rest (MSG_CTRUNC), and the
+        // ones it did install must still be closed.
+        let fds = installed_fds(&msg);
+        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 "control message truncated: fds were lost",
@@ -64,6 +63,31 @@ impl Receiver {
         framer.commit(bytes, fds);
         Ok(bytes)
     }
+}
+
+/// The SCM_RIGHTS fds in `msg`'s control data, owned.
+fn installed_fds(msg: &libc::msghdr) -> Vec<OwnedFd> {
+    let mut fds = Vec::new();
+    // SAFETY: msg's control pointer and length describe the buffer recvmsg just filled; the
+    // CMSG macros stay within msg_controllen, and each SCM_RIGHTS payload holds
+    // (cmsg_len - CMSG_LEN(0)) / 4 fds the kernel installed in our table for us alone.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(msg);
+        while !cmsg.is_null() {
+            let header = cmsg.read_unaligned();
+            if header.cmsg_level == libc::SOL_SOCKET && header.cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(cmsg);
+                let n = (header.cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize)
+                    / size_of::<RawFd>();
+                for i in 0..n {
+                    let fd = data.add(i * size_of::<RawFd>()).cast::<RawFd>().read_unaligned();
+                    fds.push(OwnedFd::from_raw_fd(fd));
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(msg, cmsg);
+        }
+    }
+    fds
 }
 
 /// Sends one message: `header`, then `parts`, with `fd` attached to its first byte.
@@ -109,4 +133,60 @@ pub(crate) fn send(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsFd;
+
+    use super::*;
+
+    /// Open fds of this process whose target names `name`.
+    fn open_named(name: &str) -> usize {
+        std::fs::read_dir("/proc/self/fd")
+            .map(|d| {
+                d.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+                    .filter(|t| t.to_string_lossy().contains(name))
+                    .count()
+            })
+            .unwrap_or(0)
+    }
+
+    #[test]
+    fn fds_arrive_owned_and_a_truncated_control_message_leaks_none() {
+        let name = "umdev-socket-ctrunc-test";
+        let memfd = nix::sys::memfd::memfd_create(
+            std::ffi::CString::new(name).unwrap().as_c_str(),
+            nix::sys::memfd::MFdFlags::empty(),
+        )
+        .unwrap();
+        let (client, server) = UnixStream::pair().unwrap();
+        let send_with = |n: usize| {
+            let fds = vec![memfd.as_fd().as_raw_fd(); n];
+            sendmsg::<()>(
+                client.as_raw_fd(),
+                &[IoSlice::new(b"x")],
+                &[ControlMessage::ScmRights(&fds)],
+                MsgFlags::empty(),
+                None,
+            )
+            .unwrap();
+        };
+
+        // Room for all: three fds arrive, owned by the framer.
+        let mut framer = Framer::new(1 << 16, 16);
+        send_with(3);
+        assert_eq!(Receiver::new().recv(&server, &mut framer, true).unwrap(), 1);
+        assert_eq!(open_named(name), 4);
+        drop(framer);
+        assert_eq!(open_named(name), 1);
+
+        // Room for one: the kernel installs one, drops two and flags MSG_CTRUNC; the
+        // installed one must be closed with the error.
+        let mut small = Receiver { cmsg: nix::cmsg_space!([RawFd; 1]) };
+        let mut framer = Framer::new(1 << 16, 16);
+        send_with(3);
+        assert!(small.recv(&server, &mut framer, true).is_err());
+        assert_eq!(open_named(name), 1, "no fd of the truncated message stays open");
+    }
 }

@@ -12,7 +12,7 @@ use crate::wire::Command;
 #[derive(Debug, Default)]
 pub struct ServerStats {
     /// Messages received per command number (index = command; 0 counts unknown commands).
-    pub(crate) messages: [AtomicU64; 19],
+    pub(crate) messages: [AtomicU64; Command::ALL.len() + 1],
     /// Requests answered with an error.
     pub(crate) errors: AtomicU64,
     /// Connections dropped because the stream could not go on.

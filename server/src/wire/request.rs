@@ -162,11 +162,12 @@ pub fn parse<'a>(
     fds: Vec<OwnedFd>,
     limits: &Limits,
 ) -> Result<Request<'a>, ParseError> {
-    let name = match Command::from_u16(header.command) {
+    // Named only on failure: a request that parses allocates nothing here.
+    let name = || match Command::from_u16(header.command) {
         Some(c) => c.name().to_string(),
         None => format!("command {}", header.command),
     };
-    let fail = |errno: i32, what: String| ParseError { errno, command: name.clone(), what };
+    let fail = |errno: i32, what: String| ParseError { errno, command: name(), what };
     let einval = |what: &str| fail(libc::EINVAL, what.to_string());
     let Some(command) = Command::from_u16(header.command) else {
         return Err(fail(libc::ENOSYS, "unknown command".into()));
