@@ -17,7 +17,7 @@ use umdev_mdev::samples::ccw::program::{cmd, Status, STATUS_SIZE};
 use umdev_mdev::samples::ccw::regs;
 use umdev_mdev::types::{InstanceOptions, Registry};
 use umdev_pinning::PinMode;
-use umdev_server::client::{dma_map_payload, region_write_payload, set_irqs_payload, RawClient};
+use umdev_server::client::{dma_map_payload, message, region_write_payload, set_irqs_payload, RawClient};
 use umdev_server::wire::{flags, Command};
 use umdev_server::{Daemon, InstanceConfig};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -231,15 +231,7 @@ impl Lean {
         let mut bytes = Vec::new();
         for &(off, v) in writes {
             let payload = region_write_payload(0, off, &v.to_le_bytes());
-            let header = umdev_server::wire::Header {
-                id: 0,
-                command: Command::RegionWrite as u16,
-                size: (16 + payload.len()) as u32,
-                flags: flags::NO_REPLY,
-                error: 0,
-            };
-            bytes.extend_from_slice(&header.encode());
-            bytes.extend_from_slice(&payload);
+            bytes.extend(message(0, Command::RegionWrite as u16, flags::NO_REPLY, &payload));
         }
         self.c.send_bytes(&bytes, &[]).map_err(|e| e.to_string())
     }

@@ -18,7 +18,9 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use umdev_mdev::types::{InstanceOptions, Registry};
-use umdev_server::client::{dma_map_payload, dma_unmap_payload, le32, le64, region_write_payload, RawClient};
+use umdev_server::client::{
+    dma_map_payload, dma_unmap_payload, le32, le64, message, region_write_payload, RawClient,
+};
 use umdev_server::wire::{flags, Command};
 use umdev_server::{Daemon, InstanceConfig};
 
@@ -56,19 +58,9 @@ fn start_testdev(
 }
 
 fn region_read_request(id: u16) -> Vec<u8> {
-    let mut m = umdev_server::wire::Header {
-        id,
-        command: Command::RegionRead as u16,
-        size: 32,
-        flags: flags::TYPE_COMMAND,
-        error: 0,
-    }
-    .encode()
-    .to_vec();
-    m.extend_from_slice(&le64(0)); // BAR0 offset 0: the ID register
-    m.extend_from_slice(&le32(0));
-    m.extend_from_slice(&le32(4));
-    m
+    // BAR0 offset 0: the ID register.
+    let payload = [&le64(0)[..], &le32(0), &le32(4)].concat();
+    message(id, Command::RegionRead as u16, flags::TYPE_COMMAND, &payload)
 }
 
 /// `n` round trips of `request` answered by `reply.len()` bytes; microseconds each.
@@ -217,12 +209,17 @@ fn map_costs(
                 let size = gib << 30;
                 let t = Instant::now();
                 let r = c
-                    .request(2, &dma_map_payload(3, 0, 1 << 40, size), &[file.as_raw_fd()])
+                    .request(
+                        Command::DmaMap as u16,
+                        &dma_map_payload(3, 0, 1 << 40, size),
+                        &[file.as_raw_fd()],
+                    )
                     .map_err(|e| e.to_string())?;
                 let mapped = t.elapsed();
                 let t = Instant::now();
-                let u =
-                    c.request(3, &dma_unmap_payload(24, 0, 1 << 40, size), &[]).map_err(|e| e.to_string())?;
+                let u = c
+                    .request(Command::DmaUnmap as u16, &dma_unmap_payload(24, 0, 1 << 40, size), &[])
+                    .map_err(|e| e.to_string())?;
                 let unmapped = t.elapsed();
                 if r.errno() != 0 || u.errno() != 0 {
                     return Err(format!("map/unmap of {gib} GiB failed: {} {}", r.errno(), u.errno()));
@@ -314,15 +311,7 @@ fn flood(dir: &Path, instances: usize, window: Duration) -> Result<FloodReport, 
             let mut batch = Vec::new();
             for id in 0..64u16 {
                 let payload = region_write_payload(0, 4, &u32::from(id).to_le_bytes());
-                let h = umdev_server::wire::Header {
-                    id,
-                    command: 10,
-                    size: 16 + payload.len() as u32,
-                    flags: flags::NO_REPLY,
-                    error: 0,
-                };
-                batch.extend_from_slice(&h.encode());
-                batch.extend_from_slice(&payload);
+                batch.extend(message(id, Command::RegionWrite as u16, flags::NO_REPLY, &payload));
             }
             while !stop.load(Ordering::Relaxed) {
                 if flood_stream.write_all(&batch).is_err() {

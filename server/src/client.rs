@@ -83,11 +83,7 @@ impl RawClient {
     pub fn send(&mut self, command: u16, msg_flags: u32, payload: &[u8], fds: &[RawFd]) -> io::Result<u16> {
         let id = self.next_id;
         self.next_id = self.next_id.wrapping_add(1);
-        let header =
-            Header { id, command, size: (HEADER_SIZE + payload.len()) as u32, flags: msg_flags, error: 0 };
-        let mut bytes = header.encode().to_vec();
-        bytes.extend_from_slice(payload);
-        self.send_bytes(&bytes, fds)?;
+        self.send_bytes(&message(id, command, msg_flags, payload), fds)?;
         Ok(id)
     }
 
@@ -183,6 +179,15 @@ impl RawClient {
     pub fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) -> io::Result<Reply> {
         self.request(Command::RegionWrite as u16, &region_write_payload(region, offset, data), &[])
     }
+}
+
+/// The bytes of a whole message: header (sized for `payload`) and payload.
+pub fn message(id: u16, command: u16, msg_flags: u32, payload: &[u8]) -> Vec<u8> {
+    let header =
+        Header { id, command, size: (HEADER_SIZE + payload.len()) as u32, flags: msg_flags, error: 0 };
+    let mut bytes = header.encode().to_vec();
+    bytes.extend_from_slice(payload);
+    bytes
 }
 
 /// A REGION_WRITE payload.

@@ -49,7 +49,7 @@ pub const MAX_FDS: usize = 64;
 pub const MAX_CHUNK_FDS: usize = 20;
 
 /// QEMU 11.1's VERSION request payload (major, minor, JSON, NUL).
-pub const QEMU_VERSION_JSON: &str = r#"{"capabilities": {"pgsizes": 4096, "max_msg_fds": 16, "max_dma_maps": 65535, "max_data_xfer_size": 1048576, "migration": {"max_bitmap_size": 268435456, "pgsize": 4096}, "write_multiple": true}}"#;
+pub const QEMU_VERSION_JSON: &str = crate::client::QEMU_CAPS;
 
 /// The limits [`CONFIG_SMALL_LIMITS`] selects.
 pub fn small_limits() -> Limits {
@@ -170,10 +170,7 @@ pub fn encode(config: u8, chunks: &[Chunk]) -> Vec<u8> {
 
 /// A whole message: header (size computed) and payload.
 pub fn message(id: u16, command: u16, flags: u32, payload: &[u8]) -> Vec<u8> {
-    let size = (HEADER_SIZE + payload.len()) as u32;
-    let mut m = Header { id, command, size, flags, error: 0 }.encode().to_vec();
-    m.extend_from_slice(payload);
-    m
+    crate::client::message(id, command, flags, payload)
 }
 
 /// The QEMU VERSION request ([`QEMU_VERSION_JSON`]) as message `id`.
@@ -186,14 +183,7 @@ pub fn qemu_version(id: u16) -> Vec<u8> {
 
 /// A DMA_MAP request's payload.
 fn dma_map_payload(iova: u64, size: u64, prot: u32) -> Vec<u8> {
-    [
-        &32u32.to_le_bytes()[..],
-        &prot.to_le_bytes(),
-        &0u64.to_le_bytes(),
-        &iova.to_le_bytes(),
-        &size.to_le_bytes(),
-    ]
-    .concat()
+    crate::client::dma_map_payload(prot, 0, iova, size)
 }
 
 /// fds open in this process now (for a leak check around a harness run; not meaningful
