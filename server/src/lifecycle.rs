@@ -326,18 +326,21 @@ impl Manager {
     /// Stops an instance; refused while a client is connected unless `force`, which
     /// disconnects it and resets the device. Frees its socket and capacity.
     pub fn stop(&self, uuid: Uuid, force: bool) -> Result<(), LifecycleError> {
-        let mut instances = self.lock();
-        if !instances.contains_key(&uuid) {
-            return Err(LifecycleError::UnknownUuid(uuid));
+        // Out of the table while it stops (cutting a client and joining its threads can take
+        // the unmap timeout), so other control requests are not held up meanwhile.
+        let record = self.lock().remove(&uuid).ok_or(LifecycleError::UnknownUuid(uuid))?;
+        let stopped = self.daemon.stop(&uuid.to_string(), force);
+        if stopped.is_err() {
+            self.lock().insert(uuid, record);
         }
-        match self.daemon.stop(&uuid.to_string(), force) {
-            Ok(()) => {}
-            Err(DaemonError::Busy(_)) => return Err(LifecycleError::Busy(uuid)),
-            Err(e) => return Err(LifecycleError::Failed(e.to_string())),
+        match stopped {
+            Ok(()) => {
+                log::info!("stopped instance {uuid}");
+                Ok(())
+            }
+            Err(DaemonError::Busy(_)) => Err(LifecycleError::Busy(uuid)),
+            Err(e) => Err(LifecycleError::Failed(e.to_string())),
         }
-        instances.remove(&uuid);
-        log::info!("stopped instance {uuid}");
-        Ok(())
     }
 
     /// The running instances.
