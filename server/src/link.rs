@@ -86,11 +86,12 @@ impl Link {
         self.client_max_xfer.store(bytes.max(1), Ordering::Relaxed);
     }
 
-    /// Hands a client reply to the device thread waiting for it; false if none is.
-    pub(crate) fn deliver(&self, reply: ClientReply) -> bool {
-        let waiter = self.lock_pending().waiters.remove(&reply.header.id);
+    /// Hands a client reply to the device thread waiting for it; false if none is. The
+    /// payload is copied only for a waiter.
+    pub(crate) fn deliver(&self, header: Header, payload: &[u8]) -> bool {
+        let waiter = self.lock_pending().waiters.remove(&header.id);
         match waiter {
-            Some(tx) => tx.send(reply).is_ok(),
+            Some(tx) => tx.send(ClientReply { header, payload: payload.to_vec() }).is_ok(),
             None => false,
         }
     }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use umdev_mdev::{DeviceError, IrqData, RegionFlags, RegionInfo, SetIrqs, VfioDevice};
 use umdev_pinning::{DmaSpace, UnmapError};
 
-use crate::link::{ClientReply, Link};
+use crate::link::Link;
 use crate::stats::ServerStats;
 use crate::wire::framing::Frame;
 use crate::wire::reply::{self, error_header, ok_header};
@@ -91,8 +91,7 @@ impl Session {
         self.stats.bytes_in.fetch_add(u64::from(header.size), Ordering::Relaxed);
         match header.message_type() {
             flags::TYPE_REPLY => {
-                let reply = ClientReply { header, payload: payload.to_vec() };
-                if !self.link.deliver(reply) {
+                if !self.link.deliver(header, payload) {
                     self.stats.stray_replies.fetch_add(1, Ordering::Relaxed);
                     log::warn!(
                         "reply {} (command {}) matches no request; dropped",
