@@ -2,13 +2,15 @@
 //!
 //! Each instance has an acceptor thread and, while a client is connected, a connection
 //! thread; instances share nothing but the process, so a client flooding one instance slows
-//! only that one. One client per instance at a time: a second client is accepted and closed
-//! at once (it sees end-of-file before any reply; QEMU reports the connection closed rather
-//! than waiting out its 5 s reply timeout). Sockets are created mode 0600.
+//! only that one. One client per instance at a time: a second client while a live one is
+//! connected is accepted and closed within half a second (it sees end-of-file before any
+//! reply; QEMU reports the connection closed rather than waiting out its 5 s reply timeout);
+//! a client after one that left, however it left, is served once the cleanup is done.
+//! Sockets are created mode 0600.
 
 use std::collections::BTreeMap;
 use std::io;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -175,9 +177,13 @@ impl Instance {
             Ok(handle) => handle,
             Err(e) => return log::warn!("instance {id}: cannot set up a client socket: {e}"),
         };
+        // Is the client before this one on its way out? Polled on a duplicate of its socket,
+        // outside the lock, so its connection thread can finish meanwhile.
+        let predecessor = lock(&self.active).as_ref().and_then(|s| s.try_clone().ok());
+        let predecessor_gone = predecessor.is_some_and(|p| hangs_up_within(&p, HANGUP_GRACE));
         {
             let mut active = lock(&self.active);
-            if active.as_ref().is_some_and(peer_hung_up) {
+            if predecessor_gone {
                 // The previous client has gone and its cleanup (reset, unpin, unmap) is under
                 // way: a client reconnecting at once waits for it instead of being turned away.
                 let wait = self.config.dma.unmap_timeout + HANDOVER_SLACK;
@@ -251,13 +257,34 @@ impl Instance {
 /// cleanup.
 const HANDOVER_SLACK: Duration = Duration::from_secs(1);
 
-/// True if the client at the other end of `stream` has closed or shut down its side.
-fn peer_hung_up(stream: &UnixStream) -> bool {
-    // nix has no name for POLLRDHUP (Linux: the peer shut down its writing side).
-    let rdhup = PollFlags::from_bits_retain(libc::POLLRDHUP);
-    let mut fds = [PollFd::new(stream.as_fd(), rdhup)];
-    matches!(poll(&mut fds, PollTimeout::ZERO), Ok(1))
-        && fds[0].revents().is_some_and(|r| r.intersects(rdhup | PollFlags::POLLHUP))
+/// How long a new client's arrival gives the connected one to turn out to have gone. A
+/// process's sockets can outlive it by milliseconds: QEMU polls its fds through io_uring,
+/// and the kernel drops a ring's file references in a worker after the process has exited.
+/// A QEMU restarted at once (a management stack, after SIGTERM) would otherwise find its
+/// predecessor apparently still connected and be turned away.
+const HANGUP_GRACE: Duration = Duration::from_millis(500);
+
+/// True if the client at the other end of `stream` has closed or shut down its side, or
+/// does so within `grace`.
+///
+/// Reads the raw `revents`: nix's `PollFd::revents()` returns `None` as soon as the kernel
+/// reports a bit nix has no name for, and POLLRDHUP is such a bit, so a check through it
+/// never saw a hang-up (and a reconnecting client was turned away).
+fn hangs_up_within(stream: &UnixStream, grace: Duration) -> bool {
+    let deadline = std::time::Instant::now() + grace;
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let mut fd = libc::pollfd { fd: stream.as_raw_fd(), events: libc::POLLRDHUP, revents: 0 };
+        // SAFETY: one valid pollfd for a socket we hold, for the duration of the call.
+        let ready = unsafe { libc::poll(&mut fd, 1, left.as_millis().min(i32::MAX as u128) as i32) };
+        if ready == 1 {
+            return fd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0;
+        }
+        let interrupted = ready < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted;
+        if !interrupted || left.is_zero() {
+            return false;
+        }
+    }
 }
 
 /// Binds `path` mode 0600, replacing a stale socket left by a dead server.

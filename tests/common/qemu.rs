@@ -78,6 +78,13 @@ impl Qtest {
         let _ = self.child.wait();
     }
 
+    /// Stops QEMU with SIGTERM, as a management stack does, and reaps it.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        self.child.wait().expect("reaping QEMU")
+    }
+
     /// QEMU's stderr so far (for assertion messages).
     pub fn stderr(&self) -> String {
         std::fs::read_to_string(&self.stderr_path).unwrap_or_default()

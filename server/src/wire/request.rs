@@ -201,13 +201,24 @@ pub fn parse<'a>(
             Ok(argsz)
         }
     };
+    // A query whose fixed part (`len` bytes, argsz first) may be followed by the rest of the
+    // client's argsz-sized buffer: libvfio-user's client sends the room it has for the reply
+    // (capabilities) along with the request, and its server accepts that. The extra bytes
+    // are ignored; beyond argsz they would be a different, malformed message.
+    let query = |len: usize| {
+        let f = at_least(len)?;
+        let argsz = argsz_min(&f, len as u32)?;
+        if payload.len() > argsz as usize {
+            return Err(einval(&format!("payload of {} bytes, longer than its argsz {argsz}", payload.len())));
+        }
+        Ok((f, argsz))
+    };
     match command {
         Command::Version => version::parse_client(payload, header.size as usize)
             .map(Request::Version)
             .map_err(|e| fail(e.errno(), e.to_string())),
         Command::DmaMap => {
-            let f = exact(32)?;
-            argsz_min(&f, 32)?;
+            let (f, _) = query(32)?;
             let flags = f.u32(4);
             if flags & !Prot::READ_WRITE.bits() != 0 {
                 return Err(einval(&format!("unknown flags {flags:#x}")));
@@ -232,8 +243,7 @@ pub fn parse<'a>(
             if flags & UNMAP_FLAG_DIRTY_BITMAP != 0 {
                 return Err(fail(libc::ENOTSUP, "dirty page tracking is not supported".into()));
             }
-            let f = exact(24)?;
-            let argsz = argsz_min(&f, 24)?;
+            let (f, argsz) = query(24)?;
             let (iova, size) = (f.u64(8), f.u64(16));
             if flags & UNMAP_FLAG_ALL != 0 && (iova != 0 || size != 0) {
                 return Err(einval("UNMAP_ALL with an address or size"));
@@ -241,31 +251,28 @@ pub fn parse<'a>(
             Ok(Request::DmaUnmap { argsz, flags, iova, size })
         }
         Command::DeviceGetInfo => {
-            let f = exact(16)?;
-            argsz_min(&f, 16)?;
+            query(16)?;
             Ok(Request::DeviceGetInfo)
         }
         Command::DeviceGetRegionInfo => {
-            let f = exact(32)?;
-            let argsz = argsz_min(&f, 32)?;
+            let (f, argsz) = query(32)?;
             Ok(Request::RegionInfo { index: f.u32(8), argsz })
         }
         Command::DeviceGetRegionIoFds => {
-            let f = exact(16)?;
-            argsz_min(&f, 16)?;
+            let (f, _) = query(16)?;
             if f.u32(4) != 0 || f.u32(12) != 0 {
                 return Err(einval("flags and count must be 0"));
             }
             Ok(Request::RegionIoFds { index: f.u32(8) })
         }
         Command::DeviceGetIrqInfo => {
-            let f = exact(16)?;
-            argsz_min(&f, 16)?;
+            let (f, _) = query(16)?;
             Ok(Request::IrqInfo { index: f.u32(8) })
         }
         Command::DeviceSetIrqs => parse_set_irqs(payload, fds, &fail),
         Command::RegionRead => {
-            let f = exact(16)?;
+            // No argsz here; bytes past the fixed part are ignored, as libvfio-user does.
+            let f = at_least(16)?;
             let count = f.u32(12);
             if count > limits.max_data_xfer_size {
                 return Err(fail(libc::E2BIG, format!("{count} bytes, more than max_data_xfer_size")));
@@ -352,22 +359,22 @@ fn parse_set_irqs<'a>(
         ACTION_TRIGGER => IrqAction::Trigger,
         _ => return Err(einval(format!("flags {flags:#x} must name exactly one action"))),
     };
+    // Bytes past the fixed part carry data only for DATA_BOOL; otherwise they are the rest of
+    // the client's buffer and are ignored (QEMU sends its whole argsz-sized `vfio_irq_set` for
+    // DATA_NONE). Here argsz sizes the request, and clients disagree on whether it counts
+    // the data, so, like libvfio-user's server, only its minimum is checked.
     let data_bytes = &payload[20..];
     let data = match flags & (DATA_NONE | DATA_BOOL | DATA_EVENTFD) {
         DATA_NONE | DATA_BOOL if !fds.is_empty() => {
             return Err(einval(format!("{} fds without DATA_EVENTFD", fds.len())))
         }
-        DATA_NONE if data_bytes.is_empty() => WireIrqData::None,
+        DATA_NONE => WireIrqData::None,
         DATA_BOOL if data_bytes.len() == count as usize => {
             WireIrqData::Bool(data_bytes.iter().map(|&b| b != 0).collect())
         }
         DATA_BOOL => return Err(einval(format!("{} bools for count {count}", data_bytes.len()))),
-        DATA_EVENTFD if !data_bytes.is_empty() => {
-            return Err(einval("DATA_EVENTFD with payload data".into()))
-        }
         DATA_EVENTFD if fds.is_empty() || fds.len() == count as usize => WireIrqData::Fds(fds),
         DATA_EVENTFD => return Err(einval(format!("{} fds for count {count}", fds.len()))),
-        DATA_NONE => return Err(einval("DATA_NONE with payload data".into())),
         _ => return Err(einval(format!("flags {flags:#x} must name exactly one data type"))),
     };
     Ok(Request::SetIrqs { index, start, count, action, data })
@@ -438,11 +445,11 @@ mod tests {
         assert_eq!(errno_of(Command::DeviceSetIrqs, &set_irqs(0x23, 0, &[])), libc::EINVAL, "two data types");
         assert_eq!(errno_of(Command::DeviceSetIrqs, &set_irqs(0x22, 2, &[1])), libc::EINVAL, "bools");
         assert_eq!(errno_of(Command::DeviceSetIrqs, &set_irqs(0x22, 2, &[1, 0])), 0);
-        assert_eq!(
-            errno_of(Command::DeviceSetIrqs, &set_irqs(0x21, 0, &[1])),
-            libc::EINVAL,
-            "NONE with data"
-        );
+        assert_eq!(errno_of(Command::DeviceSetIrqs, &set_irqs(0x21, 0, &[1, 2, 3, 4])), 0, "NONE, bytes ignored");
+        assert_eq!(errno_of(Command::DeviceGetInfo, &[16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]), libc::EINVAL, "past argsz");
+        let mut info = [0u8; 24];
+        info[0] = 24;
+        assert_eq!(errno_of(Command::DeviceGetInfo, &info), 0, "room up to argsz");
         assert_eq!(errno_of(Command::DeviceReset, &[0]), libc::EINVAL);
         assert_eq!(errno_of(Command::DeviceFeature, &[0; 8]), libc::ENOTTY);
         assert_eq!(errno_of(Command::MigDataRead, &[0; 8]), libc::ENOTSUP);
