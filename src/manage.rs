@@ -149,6 +149,9 @@ pub fn start(
     let result = ask(dirs, ControlRequest::Start { mdev_type, uuid, options })?;
     let started: InstanceSummary = serde_json::from_value(result).map_err(|e| e.to_string())?;
     println!("{} {}", started.uuid, started.socket.display());
+    for line in host_endpoints(&started.device) {
+        println!("  {line}");
+    }
     Ok(())
 }
 
@@ -189,6 +192,9 @@ pub fn list(dirs: &Dirs, defined: bool, json: bool) -> Result<(), String> {
         for i in list {
             let connected = if i.connected { " (connected)" } else { "" };
             println!("{} {} {}{connected}", i.uuid, i.mdev_type, i.socket.display());
+            for line in host_endpoints(&i.device) {
+                println!("  {line}");
+            }
         }
     }
     Ok(())
@@ -219,4 +225,19 @@ pub fn define(
 /// `umdev undefine`.
 pub fn undefine(dirs: &Dirs, uuid: &str) -> Result<(), String> {
     Definitions::new(&dirs.state).undefine(&parse_uuid(uuid)?).map_err(|e| e.to_string())
+}
+
+/// One line per host endpoint a device describes (a serial port's pty or socket):
+/// `port N: BACKEND PATH`.
+pub fn host_endpoints(device: &serde_json::Value) -> Vec<String> {
+    let Some(ports) = device["ports"].as_array() else { return Vec::new() };
+    ports
+        .iter()
+        .filter_map(|p| {
+            let path = p["path"].as_str()?;
+            let backend = p["backend"].as_str().unwrap_or("?");
+            let kind = backend.split(':').next().unwrap_or(backend);
+            Some(format!("port {}: {kind} {path}", p["port"]))
+        })
+        .collect()
 }

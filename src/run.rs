@@ -31,12 +31,16 @@ pub fn run(
         Signals::new([SIGINT, SIGTERM]).map_err(|e| format!("installing signal handlers: {e}"))?;
     let daemon = Daemon::new();
     let socket = config.socket.clone();
+    let endpoints = crate::manage::host_endpoints(&device.describe());
     daemon.start(device, config).map_err(|e| e.to_string())?;
     eprintln!(
         "umdev: serving a {type_name} device on {} (Ctrl-C to stop)\n  qemu-system-x86_64 ... -device '{{\"driver\":\"vfio-user-pci\",\"socket\":{{\"type\":\"unix\",\"path\":\"{}\"}}}}'",
         socket.display(),
         socket.display()
     );
+    for line in endpoints {
+        eprintln!("  {line}");
+    }
     if let Some(signal) = signals.forever().next() {
         eprintln!("umdev: signal {signal}, shutting down");
     }

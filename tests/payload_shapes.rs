@@ -29,7 +29,8 @@ fn libvfio_user_clients_region_info_with_its_whole_argsz_buffer() {
     let mut c = RawClient::connect(&h.socket).unwrap();
     c.negotiate().unwrap();
     // First call: 32 bytes, argsz 32, index 1 (testdev's BAR1 has a sparse-mmap capability).
-    let first = c.request(Command::DeviceGetRegionInfo as u16, &query(32, &[0, 0, 0, 0, 1], 32), &[]).unwrap();
+    let first =
+        c.request(Command::DeviceGetRegionInfo as u16, &query(32, &[0, 0, 0, 0, 1], 32), &[]).unwrap();
     assert_eq!(first.errno(), 0);
     assert_eq!(first.payload.len(), 32, "exactly the fixed part when the caps do not fit");
     assert!(first.fds.is_empty(), "no fd without the capability (libvfio-user's client has no room for one)");

@@ -138,8 +138,14 @@ fn back_to_idle(pid: u32, fds: usize, (maps, memfd_maps): (usize, usize), ty: &s
 
 #[test]
 fn every_leave_pattern_is_followed_by_a_served_client() {
-    let patterns =
-        ["before a byte", "mid-header", "mid-payload", "reply never read", "shut down writing", "mapped memory, then gone"];
+    let patterns = [
+        "before a byte",
+        "mid-header",
+        "mid-payload",
+        "reply never read",
+        "shut down writing",
+        "mapped memory, then gone",
+    ];
     let ram = common::memfd(1 << 20);
     for ty in device_types() {
         let dir = tempfile::tempdir().unwrap();
@@ -197,7 +203,11 @@ fn qemu_stopped_with_sigterm_then_a_client_at_once() {
         let mut q = common::qemu::Qtest::start(&qemu, &socket, 64, dir.path()).unwrap();
         for round in 0..3 {
             let vendor = q.cfg_read32(0) & 0xffff;
-            assert!(vendor != 0xffff && vendor != 0, "{ty}: QEMU did not realize the device (round {round})\n{}", q.stderr());
+            assert!(
+                vendor != 0xffff && vendor != 0,
+                "{ty}: QEMU did not realize the device (round {round})\n{}",
+                q.stderr()
+            );
             q.terminate();
             served(&socket, &format!("{ty}: QEMU got SIGTERM (round {round})"));
             // A management stack restarting QEMU at once.

@@ -282,4 +282,10 @@ pub trait VfioDevice: Send + Sync {
     /// drop those pins promptly (the unmap waits a bounded time). Called with no engine lock
     /// held, on the connection thread.
     fn dma_unmap(&self, iova: u64, len: u64);
+
+    /// Device state an operator wants to see (`umdev list --json` shows it as `device`): host
+    /// endpoints such as a serial port's pty, counters. `Null` when there is nothing to show.
+    fn describe(&self) -> serde_json::Value {
+        serde_json::Value::Null
+    }
 }

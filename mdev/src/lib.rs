@@ -19,6 +19,7 @@ pub mod irq;
 pub mod pci;
 pub mod samples;
 pub mod types;
+pub mod unix_socket;
 
 pub use device::{
     ClientDma, ClientDmaError, DeviceContext, DeviceError, DeviceFlags, DeviceInfo, IrqAction, IrqData,

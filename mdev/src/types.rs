@@ -202,6 +202,9 @@ impl<D: VfioDevice> VfioDevice for Reserved<D> {
     fn dma_unmap(&self, iova: u64, len: u64) {
         self.device.dma_unmap(iova, len)
     }
+    fn describe(&self) -> serde_json::Value {
+        self.device.describe()
+    }
 }
 
 /// The test device type: capacity 64.

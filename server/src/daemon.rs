@@ -11,7 +11,6 @@
 use std::collections::BTreeMap;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -105,6 +104,10 @@ pub struct InstanceInfo {
     pub protocol: StatsSnapshot,
     /// Pinning-engine counters of its DMA space.
     pub dma: DmaStats,
+    /// What the device shows of itself ([`VfioDevice::describe`]): a serial port's pty
+    /// path, say.
+    #[serde(skip_serializing_if = "serde_json::Value::is_null")]
+    pub device: serde_json::Value,
 }
 
 struct Instance {
@@ -135,6 +138,7 @@ impl Instance {
             connected: lock(&self.active).is_some(),
             protocol: self.served.stats.snapshot(),
             dma: self.served.dma.stats(),
+            device: self.served.device.describe(),
         }
     }
 
@@ -289,25 +293,12 @@ fn hangs_up_within(stream: &UnixStream, grace: Duration) -> bool {
 
 /// Binds `path` mode 0600, replacing a stale socket left by a dead server.
 pub(crate) fn bind(path: &Path) -> Result<UnixListener, DaemonError> {
-    let io_err = |what, source| DaemonError::Io { what, path: path.to_path_buf(), source };
-    let listener = match UnixListener::bind(path) {
-        Ok(l) => l,
-        Err(e) if e.kind() == io::ErrorKind::AddrInUse => {
-            let meta = std::fs::symlink_metadata(path).map_err(|e| io_err("inspecting", e))?;
-            if !meta.file_type().is_socket() {
-                return Err(DaemonError::NotASocket(path.to_path_buf()));
-            }
-            if UnixStream::connect(path).is_ok() {
-                return Err(DaemonError::SocketInUse(path.to_path_buf()));
-            }
-            std::fs::remove_file(path).map_err(|e| io_err("removing stale socket", e))?;
-            UnixListener::bind(path).map_err(|e| io_err("binding", e))?
-        }
-        Err(e) => return Err(io_err("binding", e)),
-    };
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(|e| io_err("chmod", e))?;
-    listener.set_nonblocking(true).map_err(|e| io_err("configuring", e))?;
-    Ok(listener)
+    use umdev_mdev::unix_socket::{bind_private, BindError};
+    bind_private(path).map_err(|e| match e {
+        BindError::InUse(path) => DaemonError::SocketInUse(path),
+        BindError::NotASocket(path) => DaemonError::NotASocket(path),
+        BindError::Io { what, path, source } => DaemonError::Io { what, path, source },
+    })
 }
 
 /// Device instances served by this process.

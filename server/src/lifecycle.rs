@@ -203,6 +203,9 @@ pub struct InstanceSummary {
     pub connected: bool,
     /// Options it was created with.
     pub options: InstanceOptions,
+    /// What the device shows of itself: a serial port's pty path, say.
+    #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
+    pub device: serde_json::Value,
 }
 
 /// A type, as `umdev types` shows it.
@@ -320,7 +323,8 @@ impl Manager {
             uuid,
             Record { mdev_type: mdev_type.clone(), options: options.clone(), socket: socket.clone() },
         );
-        Ok(InstanceSummary { uuid, mdev_type, socket, connected: false, options })
+        let device = self.daemon.info(&uuid.to_string()).map(|i| i.device).unwrap_or_default();
+        Ok(InstanceSummary { uuid, mdev_type, socket, connected: false, options, device })
     }
 
     /// Stops an instance; refused while a client is connected unless `force`, which
@@ -347,12 +351,16 @@ impl Manager {
     pub fn list(&self) -> Vec<InstanceSummary> {
         self.lock()
             .iter()
-            .map(|(uuid, r)| InstanceSummary {
-                uuid: *uuid,
-                mdev_type: r.mdev_type.clone(),
-                socket: r.socket.clone(),
-                connected: self.daemon.info(&uuid.to_string()).is_some_and(|i| i.connected),
-                options: r.options.clone(),
+            .map(|(uuid, r)| {
+                let info = self.daemon.info(&uuid.to_string());
+                InstanceSummary {
+                    uuid: *uuid,
+                    mdev_type: r.mdev_type.clone(),
+                    socket: r.socket.clone(),
+                    connected: info.as_ref().is_some_and(|i| i.connected),
+                    options: r.options.clone(),
+                    device: info.map(|i| i.device).unwrap_or_default(),
+                }
             })
             .collect()
     }

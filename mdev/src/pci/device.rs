@@ -56,6 +56,11 @@ pub trait PciFunction: Send + Sync + 'static {
     fn dma_unmap(&self, iova: u64, len: u64) {
         let _ = (iova, len);
     }
+
+    /// What `umdev list --json` shows of the device (see [`VfioDevice::describe`]).
+    fn describe(&self) -> serde_json::Value {
+        serde_json::Value::Null
+    }
 }
 
 /// Why a [`PciDevice`] cannot be built.
@@ -317,6 +322,10 @@ impl<F: PciFunction> VfioDevice for PciDevice<F> {
 
     fn dma_unmap(&self, iova: u64, len: u64) {
         self.function.dma_unmap(iova, len);
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        self.function.describe()
     }
 }
 

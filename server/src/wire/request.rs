@@ -209,7 +209,10 @@ pub fn parse<'a>(
         let f = at_least(len)?;
         let argsz = argsz_min(&f, len as u32)?;
         if payload.len() > argsz as usize {
-            return Err(einval(&format!("payload of {} bytes, longer than its argsz {argsz}", payload.len())));
+            return Err(einval(&format!(
+                "payload of {} bytes, longer than its argsz {argsz}",
+                payload.len()
+            )));
         }
         Ok((f, argsz))
     };
@@ -445,8 +448,16 @@ mod tests {
         assert_eq!(errno_of(Command::DeviceSetIrqs, &set_irqs(0x23, 0, &[])), libc::EINVAL, "two data types");
         assert_eq!(errno_of(Command::DeviceSetIrqs, &set_irqs(0x22, 2, &[1])), libc::EINVAL, "bools");
         assert_eq!(errno_of(Command::DeviceSetIrqs, &set_irqs(0x22, 2, &[1, 0])), 0);
-        assert_eq!(errno_of(Command::DeviceSetIrqs, &set_irqs(0x21, 0, &[1, 2, 3, 4])), 0, "NONE, bytes ignored");
-        assert_eq!(errno_of(Command::DeviceGetInfo, &[16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]), libc::EINVAL, "past argsz");
+        assert_eq!(
+            errno_of(Command::DeviceSetIrqs, &set_irqs(0x21, 0, &[1, 2, 3, 4])),
+            0,
+            "NONE, bytes ignored"
+        );
+        assert_eq!(
+            errno_of(Command::DeviceGetInfo, &[16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]),
+            libc::EINVAL,
+            "past argsz"
+        );
         let mut info = [0u8; 24];
         info[0] = 24;
         assert_eq!(errno_of(Command::DeviceGetInfo, &info), 0, "room up to argsz");

@@ -1,0 +1,328 @@
+//! What each port's serial line is connected to on the host: a loopback plug (the kernel
+//! sample's behaviour, the default), nothing, a pseudo-terminal, or a UNIX socket.
+//!
+//! A host peer is served by one thread per port that moves bytes between the peer's fd and
+//! the port's two bounded queues ([`super::HOST_QUEUE`] bytes each way). The queues belong to
+//! the port, not to the peer: a peer that goes and comes back loses nothing queued. The
+//! thread reads from the peer only while the queue toward the guest has room, so the guest
+//! paces the host; it writes to the peer only what the peer takes, so a peer that never
+//! reads stalls that port's transmitter and nothing else.
+
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use nix::sys::eventfd::{EfdFlags, EventFd};
+
+use super::{MttyError, Shared};
+
+/// Where a port's line goes, as given in `--opt backend=...` or `--opt portN=...`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// Every transmitted byte arrives on the same port's receiver (the kernel sample's
+    /// loopback; the default).
+    Loopback,
+    /// Transmitted bytes vanish; nothing arrives.
+    Null,
+    /// A host pseudo-terminal; its path is in the device's description.
+    Pty,
+    /// A UNIX listening socket (mode 0600) at this path: one host client at a time sees the
+    /// port's bytes both ways.
+    Socket(PathBuf),
+    /// The host side stays in this process, reached through [`super::HostPort`] (for
+    /// embedding and tests; not offered on the command line).
+    Queue,
+}
+
+impl Backend {
+    /// Parses `loopback`, `null`, `pty` or `socket:PATH`.
+    pub fn parse(spec: &str) -> Result<Backend, String> {
+        match spec {
+            "loopback" => Ok(Backend::Loopback),
+            "null" => Ok(Backend::Null),
+            "pty" => Ok(Backend::Pty),
+            _ => match spec.strip_prefix("socket:") {
+                Some("") => Err("socket: needs a path (socket:PATH)".into()),
+                Some(path) => Ok(Backend::Socket(PathBuf::from(path))),
+                None => Err(format!("unknown backend {spec:?} (loopback, null, pty or socket:PATH)")),
+            },
+        }
+    }
+
+    /// Its name, as parsed.
+    pub fn name(&self) -> String {
+        match self {
+            Backend::Loopback => "loopback".into(),
+            Backend::Null => "null".into(),
+            Backend::Pty => "pty".into(),
+            Backend::Socket(path) => format!("socket:{}", path.display()),
+            Backend::Queue => "queue".into(),
+        }
+    }
+}
+
+/// An opened host endpoint, before its thread starts.
+pub(super) enum Endpoint {
+    /// The pty's master side; the slave is held open so the master never sees a hang-up
+    /// while no host program has the terminal open.
+    Pty { master: OwnedFd, _slave: OwnedFd, path: PathBuf },
+    /// The listening socket.
+    Socket { listener: UnixListener, path: PathBuf },
+}
+
+impl Endpoint {
+    /// Opens what `backend` needs on the host (nothing for in-process lines).
+    pub(super) fn open(backend: &Backend) -> Result<Option<Endpoint>, MttyError> {
+        match backend {
+            Backend::Pty => open_pty().map(Some).map_err(MttyError::Backend),
+            Backend::Socket(path) => {
+                let listener = crate::unix_socket::bind_private(path)
+                    .map_err(|e| MttyError::Backend(format!("socket backend: {e}")))?;
+                Ok(Some(Endpoint::Socket { listener, path: path.clone() }))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// The host path a user attaches to.
+    pub(super) fn path(&self) -> &Path {
+        match self {
+            Endpoint::Pty { path, .. } | Endpoint::Socket { path, .. } => path,
+        }
+    }
+}
+
+fn open_pty() -> Result<Endpoint, String> {
+    use nix::sys::termios::{cfmakeraw, tcgetattr, tcsetattr, SetArg};
+    let pty = nix::pty::openpty(None, None).map_err(|e| format!("openpty: {e}"))?;
+    // Raw, so bytes cross unchanged until a program (screen, minicom) sets its own modes.
+    let mut modes = tcgetattr(&pty.slave).map_err(|e| format!("pty modes: {e}"))?;
+    cfmakeraw(&mut modes);
+    tcsetattr(&pty.slave, SetArg::TCSANOW, &modes).map_err(|e| format!("pty modes: {e}"))?;
+    let path = nix::unistd::ttyname(&pty.slave).map_err(|e| format!("pty name: {e}"))?;
+    set_nonblocking(pty.master.as_fd()).map_err(|e| format!("pty: {e}"))?;
+    Ok(Endpoint::Pty { master: pty.master, _slave: pty.slave, path })
+}
+
+fn set_nonblocking(fd: BorrowedFd<'_>) -> io::Result<()> {
+    use nix::fcntl::{fcntl, FcntlArg, OFlag};
+    let flags = fcntl(fd, FcntlArg::F_GETFL)?;
+    fcntl(fd, FcntlArg::F_SETFL(OFlag::from_bits_retain(flags) | OFlag::O_NONBLOCK))?;
+    Ok(())
+}
+
+/// A running host endpoint: its thread, and how to stop it.
+#[derive(Debug)]
+pub(super) struct HostThread {
+    stop: Arc<AtomicBool>,
+    wake: Arc<EventFd>,
+    thread: Option<JoinHandle<()>>,
+    /// The socket to remove when the port goes.
+    socket: Option<PathBuf>,
+    /// Whether a host peer is attached now (sockets; a pty always counts as attached).
+    pub(super) connected: Arc<AtomicBool>,
+}
+
+impl HostThread {
+    /// The eventfd the port signals when its queues change.
+    pub(super) fn wake_fd() -> Result<Arc<EventFd>, MttyError> {
+        EventFd::from_flags(EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)
+            .map(Arc::new)
+            .map_err(|e| MttyError::Backend(format!("eventfd: {e}")))
+    }
+
+    /// Starts serving `endpoint` for `port` of `shared`.
+    pub(super) fn start(
+        shared: Arc<Shared>,
+        port: usize,
+        endpoint: Endpoint,
+        wake: Arc<EventFd>,
+    ) -> Result<HostThread, MttyError> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let connected = Arc::new(AtomicBool::new(matches!(endpoint, Endpoint::Pty { .. })));
+        let socket = match &endpoint {
+            Endpoint::Socket { path, .. } => Some(path.clone()),
+            Endpoint::Pty { .. } => None,
+        };
+        let worker =
+            Worker { shared, port, wake: wake.clone(), stop: stop.clone(), connected: connected.clone() };
+        let thread = std::thread::Builder::new()
+            .name(format!("umdev-mtty-host{port}"))
+            .spawn(move || worker.run(endpoint))
+            .map_err(|e| MttyError::Backend(format!("host thread: {e}")))?;
+        Ok(HostThread { stop, wake, thread: Some(thread), socket, connected })
+    }
+}
+
+impl Drop for HostThread {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        let _ = self.wake.write(1);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        if let Some(path) = &self.socket {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// While host bytes wait for the receiver, the port is re-checked this often (a receiver the
+/// guest ignores starts to overrun).
+const TICK: Duration = Duration::from_millis(100);
+
+struct Worker {
+    shared: Arc<Shared>,
+    port: usize,
+    wake: Arc<EventFd>,
+    stop: Arc<AtomicBool>,
+    connected: Arc<AtomicBool>,
+}
+
+/// The connected peer: the pty master, or the socket's current client.
+struct Peer {
+    fd: OwnedFd,
+    /// The peer hung up; what it sent before is still read, as room allows.
+    hung_up: bool,
+}
+
+impl Worker {
+    fn run(self, endpoint: Endpoint) {
+        match endpoint {
+            Endpoint::Pty { master, _slave: slave, .. } => {
+                self.serve(None, Some(Peer { fd: master, hung_up: false }));
+                drop(slave); // held open until the port goes
+            }
+            Endpoint::Socket { listener, .. } => self.serve(Some(listener), None),
+        }
+    }
+
+    fn serve(&self, listener: Option<UnixListener>, mut peer: Option<Peer>) {
+        let mut out = [0u8; super::HOST_QUEUE];
+        let mut input = [0u8; super::HOST_QUEUE];
+        while !self.stop.load(Ordering::Acquire) {
+            let state = self.shared.host_state(self.port);
+            let mut fds = Vec::with_capacity(3);
+            fds.push(PollFd::new(self.wake.as_fd(), PollFlags::POLLIN));
+            let listen_at = listener.as_ref().map(|l| {
+                fds.push(PollFd::new(l.as_fd(), PollFlags::POLLIN));
+                fds.len() - 1
+            });
+            let peer_at = match &peer {
+                Some(p) if !(p.hung_up && state.room == 0) => {
+                    let mut events = PollFlags::empty();
+                    if state.room > 0 {
+                        events |= PollFlags::POLLIN;
+                    }
+                    if state.to_host > 0 && !p.hung_up {
+                        events |= PollFlags::POLLOUT;
+                    }
+                    fds.push(PollFd::new(p.fd.as_fd(), events));
+                    Some(fds.len() - 1)
+                }
+                _ => None,
+            };
+            let timeout =
+                if state.waiting { PollTimeout::from(TICK.as_millis() as u16) } else { PollTimeout::NONE };
+            match poll(&mut fds, timeout) {
+                Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+                Err(e) => {
+                    log::error!("mtty port {}: poll: {e}", self.port);
+                    std::thread::sleep(TICK);
+                    continue;
+                }
+            }
+            let ready = |i: Option<usize>| i.and_then(|i| fds[i].revents()).unwrap_or(PollFlags::empty());
+            let (wake, listen, peer_events) = (ready(Some(0)), ready(listen_at), ready(peer_at));
+            drop(fds);
+            if wake.contains(PollFlags::POLLIN) {
+                let _ = self.wake.read();
+            }
+            if listen.contains(PollFlags::POLLIN) {
+                if let Some(l) = &listener {
+                    self.accept(l, &mut peer);
+                }
+            }
+            if peer_at.is_some() && !peer_events.is_empty() {
+                let gone = match peer.as_mut() {
+                    Some(p) => self.exchange(p, peer_events, &mut input, &mut out),
+                    None => false,
+                };
+                if gone {
+                    peer = None;
+                    self.connected.store(false, Ordering::Release);
+                    log::info!("mtty port {}: host client gone", self.port);
+                }
+            }
+            if state.waiting {
+                self.shared.host_tick(self.port);
+            }
+        }
+    }
+
+    /// One host client at a time: a second one is closed at once.
+    fn accept(&self, listener: &UnixListener, peer: &mut Option<Peer>) {
+        match listener.accept() {
+            Ok((stream, _)) if peer.is_none() => match stream.set_nonblocking(true) {
+                Ok(()) => {
+                    log::info!("mtty port {}: host client connected", self.port);
+                    *peer = Some(Peer { fd: OwnedFd::from(stream), hung_up: false });
+                    self.connected.store(true, Ordering::Release);
+                }
+                Err(e) => log::warn!("mtty port {}: host client: {e}", self.port),
+            },
+            Ok((stream, _)) => {
+                log::warn!("mtty port {}: a host client is already attached; closing the new one", self.port);
+                drop::<UnixStream>(stream);
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => {
+                log::warn!("mtty port {}: accept: {e}", self.port);
+                std::thread::sleep(TICK);
+            }
+        }
+    }
+
+    /// Moves bytes between the peer and the port; true when the peer is gone for good.
+    fn exchange(&self, peer: &mut Peer, events: PollFlags, input: &mut [u8], out: &mut [u8]) -> bool {
+        if events.intersects(PollFlags::POLLIN | PollFlags::POLLHUP | PollFlags::POLLERR) {
+            let room = self.shared.host_state(self.port).room.min(input.len());
+            if room > 0 {
+                match nix::unistd::read(&peer.fd, &mut input[..room]) {
+                    Ok(0) => return true,
+                    Ok(n) => {
+                        self.shared.host_send(self.port, &input[..n]);
+                    }
+                    Err(nix::errno::Errno::EAGAIN | nix::errno::Errno::EINTR) => {}
+                    Err(e) => {
+                        log::debug!("mtty port {}: host read: {e}", self.port);
+                        return true;
+                    }
+                }
+            } else if events.intersects(PollFlags::POLLHUP | PollFlags::POLLERR) {
+                // Keep what it sent until the guest makes room; stop polling it meanwhile.
+                peer.hung_up = true;
+            }
+        }
+        if events.contains(PollFlags::POLLOUT) {
+            let n = self.shared.host_peek(self.port, out);
+            if n > 0 {
+                match nix::unistd::write(&peer.fd, &out[..n]) {
+                    Ok(written) => self.shared.host_consumed(self.port, written),
+                    Err(nix::errno::Errno::EAGAIN | nix::errno::Errno::EINTR) => {}
+                    Err(e) => {
+                        log::debug!("mtty port {}: host write: {e}", self.port);
+                        return true;
+                    }
+                }
+            }
+        }
+        false
+    }
+}
