@@ -226,3 +226,48 @@ fn mtty_types_share_one_pool_of_ports_until_exhausted() {
     assert!(env.fails(&["start", "--type", "mtty-1"]).contains("no available instances"));
     daemon.stop();
 }
+
+#[test]
+fn mtty_port_backends_through_start_and_definitions() {
+    let env = Env::new();
+    let tty_socket = env.run.parent().unwrap().join("tty1.sock");
+    let port1 = format!("port1=socket:{}", tty_socket.display());
+    let defined = "5a1e4c36-0f8e-4a5e-9d2f-00000000dddd";
+    env.ok(&[
+        "define",
+        "--type",
+        "mtty-2",
+        "--uuid",
+        defined,
+        "--auto",
+        "--opt",
+        "port0=pty",
+        "--opt",
+        &port1,
+    ]);
+    let daemon = env.daemon();
+    // The auto definition came up with its backends: a pty for port 0, the socket for port 1.
+    let listed = env.list();
+    let inst = listed.iter().find(|i| i["uuid"] == defined).expect("auto-started");
+    let ports = inst["device"]["ports"].as_array().unwrap();
+    assert_eq!(ports[0]["backend"], "pty");
+    assert!(ports[0]["path"].as_str().unwrap().starts_with("/dev/pts/"), "{inst}");
+    assert_eq!(ports[1]["backend"], format!("socket:{}", tty_socket.display()));
+    assert_eq!(ports[1]["host_connected"], false);
+    assert!(tty_socket.exists());
+    // `umdev list` prints the endpoints, `umdev start` too.
+    assert!(env.ok(&["list"]).contains("port 0: pty /dev/pts/"));
+    let started = env.ok(&["start", "--type", "mtty-1", "--opt", "backend=pty"]);
+    assert!(
+        started.lines().nth(1).is_some_and(|l| l.trim().starts_with("port 0: pty /dev/pts/")),
+        "{started}"
+    );
+    assert!(env.fails(&["start", "--type", "mtty-1", "--opt", "backend=serial"]).contains("unknown backend"));
+    // The same socket path twice: the second instance is refused, the first keeps it.
+    assert!(env
+        .fails(&["start", "--type", "mtty-1", "--opt", &port1.replace("port1", "port0")])
+        .contains("in use"));
+    env.ok(&["stop", "--uuid", defined]);
+    assert!(!tty_socket.exists(), "the port's socket goes with the instance");
+    daemon.stop();
+}

@@ -776,3 +776,55 @@ fn a_pty_backend_is_a_host_terminal() {
     assert!(got == data, "host to guest: {} of {} bytes intact", got.len(), data.len());
     assert_eq!(rig.stats(0).dropped, 0);
 }
+
+#[test]
+fn a_flooding_host_peer_changes_only_its_port() {
+    use std::io::Write;
+    use std::os::unix::net::UnixStream;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("flood.sock");
+    let rig = rig_with(&[Backend::Loopback, Backend::Socket(path.clone())]);
+    open_port(&rig, 0);
+    open_port(&rig, 1);
+    let mut peer = UnixStream::connect(&path).unwrap();
+    peer.set_nonblocking(true).unwrap();
+    let chunk = [0x55u8; 65536];
+    let mut sent = 0usize;
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < deadline && sent < 16 << 20 {
+        match peer.write(&chunk) {
+            Ok(n) => sent += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(10))
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(
+        sent < 4 << 20,
+        "the port stopped reading: only socket buffers and its queue took bytes ({sent})"
+    );
+    // The other port is unaffected and prompt.
+    let started = Instant::now();
+    for i in 0..100u8 {
+        rig.outb(0, THR, i);
+        assert_eq!(rig.inb(0, RBR), i);
+    }
+    assert!(started.elapsed() < Duration::from_secs(1));
+    // The flooded port delivers, paced by the guest, and nothing was dropped.
+    assert_eq!(guest_read_n(&rig, 1, 1000), vec![0x55; 1000]);
+    assert_eq!(rig.stats(1).dropped, 0);
+    // The peer closes in the middle of it all: the port goes on and serves the next peer.
+    drop(peer);
+    let described = || rig.dev.describe()["ports"][1]["host_connected"] == true;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while described() {
+        // Draining what was queued lets the thread read on to the peer's end of file.
+        guest_read_n(&rig, 1, 4096);
+        assert!(Instant::now() < deadline, "the departed peer is never noticed");
+    }
+    let mut next = UnixStream::connect(&path).unwrap();
+    next.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+    rig.outb(1, THR, b'?');
+    assert_eq!(read_n(&mut next, 1), b"?");
+}
