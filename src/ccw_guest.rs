@@ -55,8 +55,8 @@ pub struct CcwGuest {
 }
 
 impl CcwGuest {
-    /// Connects, maps `RAM_SIZE` of memfd RAM at IOVA 0, enables MSI-X with one eventfd per
-    /// subchannel.
+    /// Connects, maps `RAM_SIZE` of memfd RAM at IOVA 0, enables memory decode and bus
+    /// mastering, and MSI-X with one eventfd per subchannel.
     pub fn connect(socket: &Path) -> Result<CcwGuest, Error> {
         let mut client = Client::new(socket).map_err(|e| format!("connect: {e}"))?;
         let fd = nix::sys::memfd::memfd_create(c"umdev-guest-ram", nix::sys::memfd::MFdFlags::empty())
@@ -69,6 +69,8 @@ impl CcwGuest {
             return Err("not a ccw device".into());
         }
         g.subchannels = g.read(regs::SUBCHANNELS)?;
+        // Memory decode and bus mastering, as a PCI driver enables them before any DMA.
+        g.client.region_write(7, 4, &0x0006u16.to_le_bytes()).map_err(|e| format!("COMMAND: {e}"))?;
         let mut ptr = u64::from(g.config32(0x34)? as u8);
         while ptr != 0 && g.config32(ptr)? as u8 != 0x11 {
             ptr = u64::from((g.config32(ptr)? >> 8) as u8);

@@ -258,6 +258,7 @@ fn a_read_into_read_only_memory_is_a_protection_check() {
     h.wait_idle();
     let mut raw = RawClient::connect(&h.socket).unwrap();
     raw.negotiate().unwrap();
+    raw.enable_bus_master().unwrap();
     let ram = common::memfd(RAM_SIZE);
     let rom = common::memfd(0x10000);
     assert_eq!(

@@ -67,7 +67,9 @@ fn rust_vmm_client_drives_testdev() {
     assert_eq!(read32(&mut c, BAR0, SCRATCH), 0xfeed_f00d);
     assert_eq!(read32(&mut c, CONFIG, 0), 0x75d1_1234);
 
-    // Guest RAM from a memfd; the device fills it through pinned pages.
+    // Guest RAM from a memfd; the device fills it through pinned pages once the driver has
+    // turned bus mastering on.
+    c.region_write(CONFIG, 4, &0x0006u16.to_le_bytes()).expect("COMMAND: memory + bus master");
     let ram = memfd(RAM_SIZE);
     c.dma_map(0, RAM_IOVA, RAM_SIZE, ram.as_raw_fd()).expect("dma_map");
     write32(&mut c, BAR0, DMA_ADDR_LO, (RAM_IOVA + 0x1234) as u32);

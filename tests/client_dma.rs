@@ -65,6 +65,7 @@ fn the_server_keeps_serving_while_its_dma_request_is_pending() {
     let h = Harness::new("testdev");
     let mut c = RawClient::connect(&h.socket).unwrap();
     c.negotiate().unwrap();
+    c.enable_bus_master().unwrap();
     // A region mapped without an fd: the device can reach it only through the client.
     let r = c.request(Command::DmaMap as u16, &dma_map_payload(3, 0, MSG_IOVA, 0x20000), &[]).unwrap();
     assert_eq!(r.errno(), 0);
@@ -136,6 +137,7 @@ fn a_client_that_never_answers_does_not_wedge_the_device() {
     let h = Harness::new("testdev");
     let mut c = RawClient::connect(&h.socket).unwrap();
     c.negotiate().unwrap();
+    c.enable_bus_master().unwrap();
     c.request(Command::DmaMap as u16, &dma_map_payload(3, 0, MSG_IOVA, 0x1000), &[]).unwrap();
     write_reg(&mut c, DMA_ADDR_LO, MSG_IOVA as u32);
     write_reg(&mut c, DMA_LEN, 16);

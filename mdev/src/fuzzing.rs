@@ -24,8 +24,8 @@ use std::collections::HashSet;
 use std::ops::Range;
 
 use crate::samples::ccw::program::{
-    self, cmd, cstat, dstat, flags, Bus, BusError, Ccw, Direction, Piece, Reason, Status, CCW_SIZE, MAX_CCWS,
-    MAX_CCW_COUNT, SENSE_SIZE,
+    self, cmd, cstat, dstat, flags, Bus, BusError, Ccw, Direction, Partial, Piece, Reason, Status, CCW_SIZE,
+    MAX_CCWS, MAX_CCW_COUNT, SENSE_SIZE,
 };
 
 /// Largest guest memory an input describes.
@@ -244,7 +244,7 @@ impl Bus for FuzzBus {
         Ok(())
     }
 
-    fn transfer(&mut self, dir: Direction, pieces: &[Piece], store_pos: u64) -> Result<(), BusError> {
+    fn transfer(&mut self, dir: Direction, pieces: &[Piece], store_pos: u64) -> Result<(), Partial> {
         let total = Self::check_pieces(pieces);
         assert!(
             store_pos.checked_add(total).is_some_and(|end| end <= self.store.len() as u64),
@@ -255,12 +255,14 @@ impl Bus for FuzzBus {
         self.injected()?;
         let mut pos = store_pos as usize;
         for p in pieces {
-            let r = self.range(p.addr, p.len as usize)?;
+            // A piece that cannot be reached stops the transfer; what moved before counts.
+            let moved = (pos - store_pos as usize) as u64;
+            let r = self.range(p.addr, p.len as usize).map_err(|error| Partial { error, moved })?;
             let n = p.len as usize;
             match dir {
                 Direction::ToGuest => {
                     if self.read_only(p.addr, n) {
-                        return Err(BusError::ReadOnly);
+                        return Err(Partial { error: BusError::ReadOnly, moved });
                     }
                     self.mem[r].copy_from_slice(&self.store[pos..pos + n]);
                 }
@@ -351,6 +353,7 @@ fn check_consistent(s: &Status, ctx: &str) {
         }
         Reason::DataReadOnly => (0, &[cstat::PROTECTION_CHECK]),
         Reason::Unmapped | Reason::Halted => (dstat::UE, &[0]),
+        Reason::BusMasterOff => (0, &[cstat::CHANNEL_CONTROL_CHECK]),
         _ => (0, &[cstat::PROGRAM_CHECK]),
     };
     assert!(
@@ -382,7 +385,12 @@ fn reference(bus: &mut dyn Bus, cpa: u64) -> Status {
         // CPA out: 16 bytes past the CCW being fetched, even if the fetch fails.
         s.cpa = at.wrapping_add(CCW_SIZE);
         if let Some(reason) = bus.stopped() {
-            return end(s, dstat::UE, 0, reason);
+            // docs/ccw.md: Halted and Unmapped are unit exceptions, bus mastering off a
+            // channel-control check.
+            return match reason {
+                Reason::BusMasterOff => end(s, 0, cstat::CHANNEL_CONTROL_CHECK, reason),
+                _ => end(s, dstat::UE, 0, reason),
+            };
         }
         if s.ccws as usize == MAX_CCWS {
             return check(s, Reason::ChainTooLong);
@@ -400,6 +408,10 @@ fn reference(bus: &mut dyn Bus, cpa: u64) -> Status {
         s.ccws += 1;
         let ccw = Ccw::decode(&raw);
         if ccw.reserved != 0 || ccw.flags & (flags::CD | 0x01 | 0x08 | 0x10) != 0 {
+            return check(s, Reason::BadCcw);
+        }
+        // docs/ccw.md: a TIC's flags and count must be zero.
+        if ccw.cmd == cmd::TIC && (ccw.flags != 0 || ccw.count != 0) {
             return check(s, Reason::BadCcw);
         }
         if ccw.cmd == cmd::TIC {
@@ -431,6 +443,9 @@ fn reference(bus: &mut dyn Bus, cpa: u64) -> Status {
                 BusError::ReadOnly => end(s, 0, cstat::PROTECTION_CHECK, Reason::DataReadOnly),
                 BusError::EndOfStore => end(s, dstat::UC, 0, Reason::EndOfStore),
                 BusError::Device => end(s, dstat::UC, 0, Reason::DeviceError),
+                BusError::Stopped(Reason::BusMasterOff) => {
+                    end(s, 0, cstat::CHANNEL_CONTROL_CHECK, Reason::BusMasterOff)
+                }
                 BusError::Stopped(reason) => end(s, dstat::UE, 0, reason),
             };
             match ccw.cmd {
@@ -440,8 +455,12 @@ fn reference(bus: &mut dyn Bus, cpa: u64) -> Status {
                         return end(s, dstat::UC, 0, Reason::EndOfStore);
                     }
                     let dir = if ccw.cmd == cmd::READ { Direction::ToGuest } else { Direction::FromGuest };
-                    if let Err(e) = bus.transfer(dir, &pieces, pos) {
-                        return failed(s, e);
+                    if let Err(partial) = bus.transfer(dir, &pieces, pos) {
+                        // docs/ccw.md: the bytes that moved count in BYTES; the residual is
+                        // the count minus them.
+                        s.residual = ccw.count - partial.moved as u32;
+                        s.bytes += partial.moved;
+                        return failed(s, partial.error);
                     }
                     pos += count;
                     s.residual = 0;
@@ -462,20 +481,19 @@ fn reference(bus: &mut dyn Bus, cpa: u64) -> Status {
                         }
                         done += k;
                     }
-                    // docs/ccw.md: without SLI, a SEEK shorter than 8 is an incorrect length
-                    // and does not seek; a longer one seeks, then flags incorrect length.
-                    if ccw.count < 8 && ccw.flags & flags::SLI == 0 {
+                    // docs/ccw.md: the residual is the count minus the 8 bytes taken (0 for a
+                    // short SEEK); a count other than 8 is an incorrect length without SLI;
+                    // a short SEEK never moves the position, a long one does.
+                    s.residual = ccw.count - n as u32;
+                    if ccw.count != 8 && ccw.flags & flags::SLI == 0 {
                         s.cstat |= cstat::INCORRECT_LENGTH;
-                    } else {
+                    }
+                    if n == 8 {
                         let target = u64::from_le_bytes(arg);
                         if target > bus.store_size() {
                             return end(s, dstat::UC, 0, Reason::SeekOutOfRange);
                         }
                         pos = target;
-                        s.residual = ccw.count - n as u32;
-                        if ccw.count > 8 && ccw.flags & flags::SLI == 0 {
-                            s.cstat |= cstat::INCORRECT_LENGTH;
-                        }
                     }
                 }
                 _ => {

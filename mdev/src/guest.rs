@@ -1,11 +1,12 @@
-//! Byte access to guest memory for devices, whichever way the client mapped it.
+//! Guest memory for devices: pins, and byte access whichever way the client mapped it.
 //!
-//! fd-backed memory is reached by a short pin (pin, copy, unpin) through the DMA space;
-//! memory the client mapped without an fd goes through the client ([`crate::ClientDma`]). Devices
-//! moving bulk data should pin their pages themselves and keep the guard for the transfer.
+//! fd-backed memory is pinned through the DMA space; byte access pins briefly (pin, copy,
+//! unpin), and memory the client mapped without an fd goes through the client
+//! ([`crate::ClientDma`]). Devices moving bulk data pin their pages themselves and keep the
+//! guard for the transfer. Every entry point refuses while the device's bus mastering is off.
 
 use thiserror::Error;
-use umdev_pinning::{AccessError, PinError, Prot, PAGE_SIZE};
+use umdev_pinning::{AccessError, PinError, PinnedPages, Prot, PAGE_SIZE};
 
 use crate::device::{ClientDmaError, DeviceContext};
 
@@ -33,9 +34,38 @@ pub enum GuestError {
     /// The client refused or could not do the transfer.
     #[error(transparent)]
     Client(#[from] ClientDmaError),
+    /// Bus mastering is off (PCI COMMAND.BME clear): the device may not reach guest memory.
+    #[error("bus mastering is off")]
+    BusMasterOff,
+    /// The range's memory does not permit the access (a write to memory mapped read-only).
+    #[error("guest range [{iova:#x}, +{len:#x}) does not permit this access")]
+    Permission {
+        /// First byte.
+        iova: u64,
+        /// Length.
+        len: u64,
+    },
 }
 
 impl DeviceContext {
+    /// Pins the guest pages `pfns` (IOVA page numbers, any order) for `prot` access with one
+    /// call to the engine, which cuts them into contiguous runs; see
+    /// [`umdev_pinning::DmaSpace::pin_pages`].
+    pub fn pin_pages(&self, pfns: &[u64], prot: Prot) -> Result<PinnedPages, GuestError> {
+        if !self.bus_master() {
+            return Err(GuestError::BusMasterOff);
+        }
+        Ok(self.dma.pin_pages(pfns, prot)?)
+    }
+
+    /// Pins `npages` pages from `iova`; see [`umdev_pinning::DmaSpace::pin_range`].
+    pub fn pin_range(&self, iova: u64, npages: u64, prot: Prot) -> Result<PinnedPages, GuestError> {
+        if !self.bus_master() {
+            return Err(GuestError::BusMasterOff);
+        }
+        Ok(self.dma.pin_range(iova, npages, prot)?)
+    }
+
     /// Reads `buf.len()` bytes of guest memory at `iova`.
     pub fn read_guest(&self, iova: u64, buf: &mut [u8]) -> Result<(), GuestError> {
         self.access(iova, buf.len(), Prot::READ, |piece_iova, at, n, pinned| match pinned {
@@ -58,6 +88,9 @@ impl DeviceContext {
 
     /// Splits `[iova, iova + len)` at mapping boundaries and calls `f(iova, offset, len,
     /// pins)` per piece; `pins` is `Some` for fd-backed pieces (pinned from the piece's page).
+    /// The whole range is checked first (mapped, with the access permitted), so an access
+    /// that cannot complete touches nothing: a status block that runs off the end of RAM is
+    /// not half written.
     fn access(
         &self,
         iova: u64,
@@ -69,7 +102,19 @@ impl DeviceContext {
         if len == 0 {
             return Ok(());
         }
+        if !self.bus_master() {
+            return Err(GuestError::BusMasterOff);
+        }
         iova.checked_add(len as u64 - 1).ok_or_else(not_mapped)?;
+        let mut checked = 0usize;
+        while checked < len {
+            let here = iova + checked as u64;
+            let mapping = self.dma.lookup(here).ok_or_else(not_mapped)?;
+            if !mapping.prot.contains(prot) {
+                return Err(GuestError::Permission { iova, len: len as u64 });
+            }
+            checked += ((mapping.iova + (mapping.size - 1) - here) as usize + 1).min(len - checked);
+        }
         let mut done = 0usize;
         while done < len {
             let here = iova + done as u64;

@@ -22,8 +22,8 @@ pub mod types;
 pub mod unix_socket;
 
 pub use device::{
-    ClientDma, ClientDmaError, DeviceContext, DeviceError, DeviceFlags, DeviceInfo, IrqAction, IrqData,
-    IrqFlags, IrqInfo, RegionFlags, RegionInfo, RegionMmap, SetIrqs, SparseArea, VfioDevice,
+    BusMaster, ClientDma, ClientDmaError, DeviceContext, DeviceError, DeviceFlags, DeviceInfo, IrqAction,
+    IrqData, IrqFlags, IrqInfo, RegionFlags, RegionInfo, RegionMmap, SetIrqs, SparseArea, VfioDevice,
 };
 pub use device::{
     VFIO_PCI_BAR0_REGION_INDEX, VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_ERR_IRQ_INDEX,

@@ -5,7 +5,7 @@
 //! the mlock state and the lock account consistent with one another.
 
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -81,10 +81,27 @@ impl PinPolicy {
 /// Why pinning one run failed; `page` is the page offset within the mapping.
 #[derive(Debug)]
 pub(crate) enum RunFailure {
-    Overflow { page: u64 },
-    OverLimit { page: u64, over: OverLimit },
-    Lock { page: u64, error: io::Error },
+    Overflow {
+        page: u64,
+    },
+    OverLimit {
+        page: u64,
+        over: OverLimit,
+    },
+    Lock {
+        page: u64,
+        error: io::Error,
+    },
+    /// An unmap wants the mapping: a long lock-mode pin gives way (all-or-nothing).
+    Unmapping {
+        page: u64,
+    },
 }
+
+/// Lock mode mlocks a fresh run in pieces of at most this many pages (1 MiB), checking
+/// between pieces whether an unmap is waiting for the mapping: an unmap never waits longer
+/// than one piece for a pin call, however long the run.
+pub(crate) const MLOCK_PIECE: u64 = 256;
 
 /// Sub-runs `(page offset, pages)` whose last pin was dropped, awaiting munlock.
 pub(crate) type Released = SmallVec<[(u64, u64); 8]>;
@@ -102,6 +119,9 @@ pub(crate) struct Mapping {
     pins: Mutex<MappingPins>,
     /// Signalled when an unmapping mapping's last pin drops.
     drained: Condvar,
+    /// Unmaps waiting to claim the mapping (set before they take its lock): a lock-mode pin
+    /// in progress stops at its next piece and fails `Unmapping`.
+    claims: AtomicU32,
 }
 
 static NEXT_MAPPING_ID: AtomicU64 = AtomicU64::new(1);
@@ -123,6 +143,7 @@ impl Mapping {
             policy,
             pins: Mutex::new(MappingPins { table: PinTable::default(), state: MappingState::Live }),
             drained: Condvar::new(),
+            claims: AtomicU32::new(0),
         }
     }
 
@@ -155,6 +176,15 @@ impl Mapping {
 
     fn hugetlb(&self) -> bool {
         self.memory.as_ref().is_some_and(|m| m.backing().hugetlb)
+    }
+
+    /// Takes the pin state for an unmap: a lock-mode pin call holding it gives way at its
+    /// next mlock piece instead of finishing a long run first.
+    pub(crate) fn lock_for_unmap(&self) -> MutexGuard<'_, MappingPins> {
+        self.claims.fetch_add(1, Ordering::AcqRel);
+        let pins = self.lock();
+        self.claims.fetch_sub(1, Ordering::AcqRel);
+        pins
     }
 
     /// Locks the pin state. A poisoned lock means a panic mid-update elsewhere; the
@@ -196,17 +226,39 @@ impl Mapping {
             return Ok(()); // hugetlb: never swapped, accounted only.
         };
         let counters = &self.policy.counters;
-        for (done, &(start, len)) in fresh.iter().enumerate() {
-            counters.mlock_calls.fetch_add(1, Ordering::Relaxed);
-            if let Err(error) = memory.mlock(start * PAGE_SIZE, len * PAGE_SIZE) {
-                for &(s, l) in &fresh[..done] {
+        // Locked so far, as (start, pages), to undo on failure.
+        let mut locked: SmallVec<[(u64, u64); 8]> = SmallVec::new();
+        let mut failure = None;
+        'runs: for &(start, len) in fresh {
+            let mut page = start;
+            while page < start + len {
+                if self.claims.load(Ordering::Acquire) != 0 {
+                    failure = Some(RunFailure::Unmapping { page });
+                    break 'runs;
+                }
+                let n = MLOCK_PIECE.min(start + len - page);
+                counters.mlock_calls.fetch_add(1, Ordering::Relaxed);
+                if let Err(error) = memory.mlock(page * PAGE_SIZE, n * PAGE_SIZE) {
+                    failure = Some(RunFailure::Lock { page, error });
+                    break 'runs;
+                }
+                match locked.last_mut() {
+                    Some(last) if last.0 + last.1 == page => last.1 += n,
+                    _ => locked.push((page, n)),
+                }
+                page += n;
+            }
+        }
+        match failure {
+            None => Ok(()),
+            Some(failure) => {
+                for &(s, l) in &locked {
                     self.munlock(memory, s, l);
                 }
                 account.refund(bytes);
-                return Err(RunFailure::Lock { page: start, error });
+                Err(failure)
             }
         }
-        Ok(())
     }
 
     /// Removes a pin from pages `[page, page + npages)` unless one of them is not pinned;

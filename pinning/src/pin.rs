@@ -430,6 +430,10 @@ fn run_error(run: &PinnedRun, failure: RunFailure) -> PinError {
             let (index, pfn) = at(page);
             PinError::Lock { index, pfn, source: error }
         }
+        RunFailure::Unmapping { page } => {
+            let (index, pfn) = at(page);
+            PinError::Unmapping { index, pfn }
+        }
     }
 }
 

@@ -479,7 +479,7 @@ impl DmaSpace {
         // Claim every victim: no new pins from here on.
         let mut busy = Vec::new();
         for (claimed, m) in victims.iter().enumerate() {
-            let mut pins = m.lock();
+            let mut pins = m.lock_for_unmap();
             if pins.state != MappingState::Live {
                 drop(pins);
                 Self::unclaim(&victims[..claimed]);

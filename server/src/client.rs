@@ -155,6 +155,16 @@ impl RawClient {
             || matches!(self.stream.read(&mut b), Err(ref e) if e.kind() == io::ErrorKind::ConnectionReset)
     }
 
+    /// Sets COMMAND to memory + I/O decode and bus mastering, as a PCI driver does before
+    /// any DMA (a device reaches guest memory only with bus mastering on).
+    pub fn enable_bus_master(&mut self) -> io::Result<()> {
+        let r = self.region_write(7, 4, &0x0007u16.to_le_bytes())?;
+        match r.errno() {
+            0 => Ok(()),
+            e => Err(io::Error::from_raw_os_error(e)),
+        }
+    }
+
     /// DEVICE_GET_INFO, which must succeed: proof the connection is alive and in sync.
     pub fn alive(&mut self) -> bool {
         let mut p = Vec::new();

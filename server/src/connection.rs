@@ -67,10 +67,7 @@ pub(crate) fn serve(stream: UnixStream, served: &Served) -> Disconnect {
             device.dma_unmap(iova, len);
         }
     })));
-    device.attach(DeviceContext {
-        dma: served.dma.clone(),
-        client_dma: Arc::new(ClientDmaPort { link: link.clone() }),
-    });
+    device.attach(DeviceContext::new(served.dma.clone(), Arc::new(ClientDmaPort { link: link.clone() })));
 
     let end = run(&stream, served, link.clone());
     if let Disconnect::Framing(_) = end {

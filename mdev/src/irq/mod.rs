@@ -495,7 +495,8 @@ impl State {
         if vector >= self.msix.vectors() {
             return Delivery::Lost;
         }
-        if self.control.msix_function_mask || self.msix.is_masked(vector) {
+        // A message is a bus-master write: held, like a masked one, while BME is off.
+        if self.control.msix_function_mask || self.msix.is_masked(vector) || !self.control.bus_master {
             self.msix.set_pending(vector, true);
             return Delivery::Pending;
         }
@@ -506,7 +507,7 @@ impl State {
         if u32::from(vector) >= self.control.msi_vectors.min(self.msi_fds.len() as u32) {
             return Delivery::Lost;
         }
-        if self.msi_mask & (1 << vector) != 0 {
+        if self.msi_mask & (1 << vector) != 0 || !self.control.bus_master {
             self.msi_pending |= 1 << vector;
             return Delivery::Pending;
         }
@@ -542,6 +543,9 @@ impl State {
     /// Delivers everything that is pending and now deliverable.
     fn flush(&mut self) {
         self.flush_intx();
+        if !self.control.bus_master {
+            return; // messages wait for bus mastering
+        }
         if self.control.msix_enabled && !self.control.msix_function_mask {
             for v in 0..self.msix.vectors() {
                 if self.msix.is_pending(v) && !self.msix.is_masked(v) {

@@ -78,17 +78,17 @@ fn assign(irqs: &Interrupts, index: u32, start: u32, n: u32) -> Vec<EventFd> {
     fds
 }
 
+/// Interrupt control with bus mastering on (MSI and MSI-X need it).
+fn on() -> IrqControl {
+    IrqControl { bus_master: true, ..IrqControl::default() }
+}
+
 fn msi_on(vectors: u32, mask: u32) -> IrqControl {
-    IrqControl { msi_enabled: true, msi_vectors: vectors, msi_mask: mask, ..IrqControl::default() }
+    IrqControl { msi_enabled: true, msi_vectors: vectors, msi_mask: mask, ..on() }
 }
 
 fn msix_on(function_mask: bool) -> IrqControl {
-    IrqControl {
-        msix_enabled: true,
-        msix_function_mask: function_mask,
-        msi_vectors: 1,
-        ..IrqControl::default()
-    }
+    IrqControl { msix_enabled: true, msix_function_mask: function_mask, msi_vectors: 1, ..on() }
 }
 
 fn errno(r: Result<(), DeviceError>) -> i32 {
@@ -165,7 +165,7 @@ fn intx_respects_command_intx_disable() {
     let irqs = full();
     let dev = irqs.handle();
     let fd = assign(&irqs, INTX, 0, 1).remove(0);
-    irqs.apply_control(IrqControl { intx_disabled: true, ..IrqControl::default() });
+    irqs.apply_control(IrqControl { intx_disabled: true, ..on() });
     assert_eq!(dev.intx_assert(), Delivery::Pending);
     assert_eq!(take(&fd), 0);
     assert!(irqs.status().intx_asserted, "the status bit shows the condition anyway");
@@ -293,7 +293,7 @@ fn msi_mask_holds_pending_and_fires_on_unmask() {
     // Disabling MSI drops pending bits.
     irqs.apply_control(msi_on(4, 0b1));
     dev.raise(0);
-    irqs.apply_control(IrqControl { msi_mask: 0b1, ..IrqControl::default() });
+    irqs.apply_control(IrqControl { msi_mask: 0b1, ..on() });
     assert_eq!(irqs.status().msi_pending, 0);
 }
 

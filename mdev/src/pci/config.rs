@@ -382,13 +382,20 @@ bitflags! {
         const BAR = 1 << 5;
         /// INTERRUPT_LINE.
         const INTERRUPT_LINE = 1 << 6;
+        /// COMMAND.BME (bus master enable).
+        const BUS_MASTER = 1 << 7;
     }
 }
 
 impl ConfigChanges {
     /// Whether the interrupt layer must see the new [`IrqControl`].
     pub fn affects_interrupts(&self) -> bool {
-        self.intersects(ConfigChanges::INTX_DISABLE | ConfigChanges::MSI | ConfigChanges::MSIX)
+        self.intersects(
+            ConfigChanges::INTX_DISABLE
+                | ConfigChanges::BUS_MASTER
+                | ConfigChanges::MSI
+                | ConfigChanges::MSIX,
+        )
     }
 }
 
@@ -397,6 +404,9 @@ impl ConfigChanges {
 pub struct IrqControl {
     /// COMMAND.INTX_DISABLE is set.
     pub intx_disabled: bool,
+    /// COMMAND.BME is set: MSI and MSI-X messages (bus-master writes) may be sent. While it
+    /// is clear they are held pending.
+    pub bus_master: bool,
     /// MSI is enabled.
     pub msi_enabled: bool,
     /// MSI vectors enabled by Multiple Message Enable (0 without an MSI capability).
@@ -507,10 +517,18 @@ impl ConfigSpace {
         self.data.copy_from_slice(&self.reset_data);
     }
 
+    /// Whether COMMAND.BME (bus master enable) is set.
+    pub fn bus_master(&self) -> bool {
+        self.command() & COMMAND_MASTER != 0
+    }
+
     /// The interrupt-relevant state the guest has written.
     pub fn irq_control(&self) -> IrqControl {
-        let mut control =
-            IrqControl { intx_disabled: self.command() & COMMAND_INTX_DISABLE != 0, ..IrqControl::default() };
+        let mut control = IrqControl {
+            intx_disabled: self.command() & COMMAND_INTX_DISABLE != 0,
+            bus_master: self.bus_master(),
+            ..IrqControl::default()
+        };
         if let Some((at, msi)) = self.msi {
             let ctrl = self.u16_at(at + MsiCap::CONTROL);
             control.msi_enabled = ctrl & MSI_CTRL_ENABLE != 0;
@@ -686,6 +704,7 @@ impl Watched {
         let mut changes = ConfigChanges::empty();
         changes.set(ConfigChanges::COMMAND, self.command != after.command);
         changes.set(ConfigChanges::INTX_DISABLE, self.irq.intx_disabled != after.irq.intx_disabled);
+        changes.set(ConfigChanges::BUS_MASTER, self.irq.bus_master != after.irq.bus_master);
         changes.set(
             ConfigChanges::MSI,
             (self.irq.msi_enabled, self.irq.msi_vectors, self.irq.msi_mask)

@@ -16,8 +16,8 @@ use super::caps::MsixCap;
 use super::config::{ConfigChanges, ConfigError, ConfigSpace, ConfigSpaceBuilder};
 use super::regs::NUM_BARS;
 use crate::device::{
-    DeviceContext, DeviceError, DeviceFlags, DeviceInfo, IrqInfo, RegionFlags, RegionInfo, RegionMmap,
-    SetIrqs, VfioDevice, VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_NUM_IRQS, VFIO_PCI_NUM_REGIONS,
+    BusMaster, DeviceContext, DeviceError, DeviceFlags, DeviceInfo, IrqInfo, RegionFlags, RegionInfo,
+    RegionMmap, SetIrqs, VfioDevice, VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_NUM_IRQS, VFIO_PCI_NUM_REGIONS,
 };
 use crate::irq::{Interrupts, IrqHandle};
 
@@ -83,6 +83,8 @@ pub enum PciDeviceError {
 /// the [`VfioDevice`] interface.
 pub struct PciDevice<F> {
     config: Mutex<ConfigSpace>,
+    /// COMMAND.BME, shared with every context handed to the function.
+    bus_master: BusMaster,
     irqs: Interrupts,
     function: F,
     regions: Vec<RegionInfo>,
@@ -119,7 +121,8 @@ impl<F: PciFunction> PciDevice<F> {
             }
         }
         regions[VFIO_PCI_CONFIG_REGION_INDEX as usize] = RegionInfo::read_write(config.size() as u64);
-        Ok(PciDevice { config: Mutex::new(config), irqs, function, regions, msix })
+        let bus_master = BusMaster::new(config.bus_master());
+        Ok(PciDevice { config: Mutex::new(config), bus_master, irqs, function, regions, msix })
     }
 
     /// The function.
@@ -153,6 +156,9 @@ impl<F: PciFunction> PciDevice<F> {
         let changes = config
             .write(offset, data)
             .map_err(|_| bad_access(VFIO_PCI_CONFIG_REGION_INDEX, offset, data.len()))?;
+        if changes.contains(ConfigChanges::COMMAND) {
+            self.bus_master.set(config.bus_master());
+        }
         if changes.affects_interrupts() {
             self.irqs.apply_control(config.irq_control());
         }
@@ -203,7 +209,14 @@ impl<F: PciFunction> PciDevice<F> {
     fn reset_all(&self) {
         self.function.reset();
         self.irqs.reset();
-        self.config().reset();
+        let mut config = self.config();
+        config.reset();
+        self.bus_master.set(config.bus_master());
+    }
+
+    /// Whether the guest has bus mastering on (COMMAND.BME).
+    pub fn bus_master(&self) -> bool {
+        self.bus_master.enabled()
     }
 }
 
@@ -312,7 +325,8 @@ impl<F: PciFunction> VfioDevice for PciDevice<F> {
     }
 
     fn attach(&self, context: DeviceContext) {
-        self.function.attach(&context);
+        // Every guest access the function makes through this context follows COMMAND.BME.
+        self.function.attach(&context.with_bus_master(self.bus_master.clone()));
     }
 
     fn detach(&self) {

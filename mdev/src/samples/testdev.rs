@@ -454,6 +454,8 @@ fn guest_errno(e: &GuestError) -> i32 {
     match e {
         GuestError::NotMapped { .. } | GuestError::Truncated { .. } => libc::EFAULT,
         GuestError::Pin(p) => p.errno(),
+        GuestError::Permission { .. } => libc::EPERM,
+        GuestError::BusMasterOff => libc::EACCES,
         GuestError::Client(ClientDmaError::Refused(errno)) => *errno,
         GuestError::Client(ClientDmaError::Disconnected(_)) => libc::ENOTCONN,
         GuestError::Client(ClientDmaError::WouldDeadlock) => libc::EDEADLK,

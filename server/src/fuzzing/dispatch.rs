@@ -144,10 +144,7 @@ impl Harness {
                 device.dma_unmap(iova, len);
             }
         })));
-        device.attach(DeviceContext {
-            dma: dma.clone(),
-            client_dma: Arc::new(ClientDmaPort { link: link.clone() }),
-        });
+        device.attach(DeviceContext::new(dma.clone(), Arc::new(ClientDmaPort { link: link.clone() })));
         let session = Session::new(device.clone(), dma.clone(), limits.clone(), link.clone(), stats);
         Harness {
             framer: Framer::new(limits.max_version_size, limits.max_msg_fds as usize),

@@ -169,8 +169,15 @@ fn config_writes_drive_interrupts() {
     assert_ne!(read_config(&dev, STATUS as u64, 2) & u32::from(STATUS_INTERRUPT), 0);
     irq.intx_deassert();
 
-    // The guest enables MSI: the next raise goes to the MSI eventfd.
+    // The guest enables MSI, with bus mastering still off: the message is held (it is a
+    // bus-master write) and sent when the guest turns bus mastering on.
     dev.region_write(VFIO_PCI_CONFIG_REGION_INDEX, msi_at + 2, &MSI_CTRL_ENABLE.to_le_bytes()).unwrap();
+    assert_eq!(irq.raise(0), Delivery::Pending);
+    assert!(fd.read().is_err(), "no MSI with bus mastering off");
+    assert!(!dev.bus_master());
+    dev.region_write(VFIO_PCI_CONFIG_REGION_INDEX, COMMAND as u64, &[0x4, 0]).unwrap();
+    assert!(dev.bus_master());
+    assert_eq!(fd.read().unwrap(), 1, "delivered once bus mastering is on");
     assert_eq!(irq.raise(0), Delivery::Signalled);
     assert_eq!(fd.read().unwrap(), 1);
 
@@ -195,7 +202,10 @@ fn config_writes_drive_interrupts() {
     assert_eq!(read_config(&dev, msi_at + 0xc, 4), 0b100);
     dev.region_write(VFIO_PCI_CONFIG_REGION_INDEX, COMMAND as u64, &[0x6, 0x4]).unwrap();
     assert_eq!(read_config(&dev, msi_at + 0xc, 4), 0b100);
-    assert_eq!(dev.irq_handle().stats().msi, 2);
+    assert_eq!(dev.irq_handle().stats().msi, 3);
+    // A reset clears COMMAND: bus mastering is off again.
+    dev.reset().unwrap();
+    assert!(!dev.bus_master());
 }
 
 #[test]

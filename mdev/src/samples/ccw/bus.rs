@@ -6,7 +6,7 @@ use std::sync::Mutex;
 use smallvec::SmallVec;
 use umdev_pinning::{PinError, Prot, PAGE_SIZE};
 
-use super::program::{Bus, BusError, Direction, Piece, Reason};
+use super::program::{Bus, BusError, Direction, Partial, Piece, Reason};
 use super::store::Store;
 use crate::device::DeviceContext;
 use crate::guest::GuestError;
@@ -76,6 +76,8 @@ fn guest_error(e: &GuestError) -> BusError {
     match e {
         GuestError::Pin(p) => pin_error(p),
         GuestError::NotMapped { .. } => BusError::Unmapped,
+        GuestError::Permission { .. } => BusError::ReadOnly,
+        GuestError::BusMasterOff => BusError::Stopped(Reason::BusMasterOff),
         GuestError::Client(_) | GuestError::Truncated { .. } => BusError::Device,
     }
 }
@@ -89,38 +91,78 @@ fn pin_error(e: &PinError) -> BusError {
     }
 }
 
+/// Data moves in blocks of at most this many bytes (an IDAW block is smaller or equal): a
+/// halt, an unmap or bus mastering turned off is honoured before the next one, and the
+/// residual of a CCW that stops counts every block that moved.
+pub(crate) const DATA_BLOCK: usize = 4096;
+
 impl PinningBus<'_> {
     /// Why the program must stop now, if it must.
     fn stop_reason(&self) -> Option<Reason> {
+        if !self.ctx.bus_master() {
+            return Some(Reason::BusMasterOff);
+        }
         self.stop.get().or_else(|| {
             (self.generation.load(Ordering::Acquire) != self.started_in).then_some(Reason::Halted)
         })
     }
 
-    /// Moves the pieces through the client (memory mapped without an fd).
-    fn through_client(&mut self, dir: Direction, pieces: &[Piece], mut pos: u64) -> Result<(), BusError> {
+    /// Moves the pieces through the client (memory mapped without an fd), block by block.
+    fn through_client(&mut self, dir: Direction, pieces: &[Piece], pos: u64) -> Result<(), Partial> {
         self.counters.client_transfers.fetch_add(1, Ordering::Relaxed);
-        let mut buf = Vec::new();
+        let mut buf = [0u8; DATA_BLOCK];
+        let mut moved = 0u64;
         for p in pieces {
-            if let Some(reason) = self.stop_reason() {
-                return Err(BusError::Stopped(reason));
-            }
-            let store = self.store.slice(pos, p.len as usize).ok_or(BusError::EndOfStore)?;
-            buf.resize(p.len as usize, 0);
-            match dir {
-                Direction::ToGuest => {
-                    store.copy_to(&mut buf[..]);
-                    self.ctx.write_guest(p.addr, &buf).map_err(|e| guest_error(&e))?;
+            for (addr, len) in blocks(p) {
+                if let Some(reason) = self.stop_reason() {
+                    return Err(Partial { error: BusError::Stopped(reason), moved });
                 }
-                Direction::FromGuest => {
-                    self.ctx.read_guest(p.addr, &mut buf).map_err(|e| guest_error(&e))?;
-                    store.copy_from(&buf[..]);
+                let fail = |error| Partial { error, moved };
+                let store = self.store.slice(pos + moved, len).ok_or(fail(BusError::EndOfStore))?;
+                let buf = &mut buf[..len];
+                match dir {
+                    Direction::ToGuest => {
+                        store.copy_to(&mut buf[..]);
+                        self.ctx.write_guest(addr, buf).map_err(|e| fail(guest_error(&e)))?;
+                    }
+                    Direction::FromGuest => {
+                        self.ctx.read_guest(addr, buf).map_err(|e| fail(guest_error(&e)))?;
+                        store.copy_from(&buf[..]);
+                    }
                 }
+                moved += len as u64;
             }
-            pos += u64::from(p.len);
         }
         Ok(())
     }
+}
+
+/// The blocks of a piece: at most [`DATA_BLOCK`] bytes each, never across a page boundary.
+fn blocks(p: &Piece) -> impl Iterator<Item = (u64, usize)> {
+    let end = p.addr + u64::from(p.len);
+    let mut at = p.addr;
+    std::iter::from_fn(move || {
+        if at >= end {
+            return None;
+        }
+        let len = (DATA_BLOCK as u64 - at % DATA_BLOCK as u64).min(end - at);
+        let block = (at, len as usize);
+        at += len;
+        Some(block)
+    })
+}
+
+/// The contiguous IOVA ranges of a page array, as the engine will cut it into runs.
+fn page_ranges(pfns: &[u64]) -> SmallVec<[(u64, u64); 4]> {
+    let mut ranges: SmallVec<[(u64, u64); 4]> = SmallVec::new();
+    for &pfn in pfns {
+        let (start, end) = (pfn * PAGE_SIZE, (pfn + 1) * PAGE_SIZE);
+        match ranges.last_mut() {
+            Some(last) if last.1 == start => last.1 = end,
+            _ => ranges.push((start, end)),
+        }
+    }
+    ranges
 }
 
 impl Bus for PinningBus<'_> {
@@ -128,7 +170,7 @@ impl Bus for PinningBus<'_> {
         self.ctx.read_guest(addr, buf).map_err(|e| guest_error(&e))
     }
 
-    fn transfer(&mut self, dir: Direction, pieces: &[Piece], store_pos: u64) -> Result<(), BusError> {
+    fn transfer(&mut self, dir: Direction, pieces: &[Piece], store_pos: u64) -> Result<(), Partial> {
         // The page of every piece, in order: ONE pin call for the whole CCW; the engine cuts
         // it into contiguous runs.
         let mut pfns: SmallVec<[u64; 64]> = SmallVec::new();
@@ -143,38 +185,53 @@ impl Bus for PinningBus<'_> {
             Direction::ToGuest => Prot::WRITE,
             Direction::FromGuest => Prot::READ,
         };
+        if let Some(reason) = self.stop_reason() {
+            return Err(BusError::Stopped(reason).into());
+        }
+        // Announced before the pin call: an unmap arriving while the engine pins (a long
+        // lock-mode call) or right after it returns finds these pages and stops the program.
+        self.pinned.set(page_ranges(&pfns));
         self.counters.pin_calls.fetch_add(1, Ordering::Relaxed);
-        let pins = match self.ctx.dma.pin_pages(&pfns, prot) {
+        let pins = match self.ctx.pin_pages(&pfns, prot) {
             Ok(pins) => pins,
-            Err(PinError::NoHostMemory { .. }) => return self.through_client(dir, pieces, store_pos),
-            Err(e) => return Err(pin_error(&e)),
+            Err(GuestError::Pin(PinError::NoHostMemory { .. })) => {
+                self.pinned.set(SmallVec::new());
+                return self.through_client(dir, pieces, store_pos);
+            }
+            Err(e) => {
+                self.pinned.set(SmallVec::new());
+                return Err(guest_error(&e).into());
+            }
         };
-        self.pinned.set(pins.runs().iter().map(|r| (r.iova(), r.iova() + r.len())).collect());
-        let mut pos = store_pos;
+        let mut moved = 0u64;
         let mut result = Ok(());
-        for (p, &page) in pieces.iter().zip(&first_page) {
-            if let Some(reason) = self.stop_reason() {
-                result = Err(BusError::Stopped(reason));
-                break;
+        'copy: for (p, &page) in pieces.iter().zip(&first_page) {
+            // The piece's pages sit consecutively in the guard from index `page`.
+            let piece_page = (p.addr / PAGE_SIZE) * PAGE_SIZE;
+            for (addr, len) in blocks(p) {
+                if let Some(reason) = self.stop_reason() {
+                    result = Err(BusError::Stopped(reason));
+                    break 'copy;
+                }
+                let Some(store) = self.store.slice(store_pos + moved, len) else {
+                    result = Err(BusError::EndOfStore);
+                    break 'copy;
+                };
+                let at = page as u64 * PAGE_SIZE + (addr - piece_page);
+                let copied = match dir {
+                    Direction::ToGuest => pins.write_volatile(at, &store),
+                    Direction::FromGuest => pins.read_volatile(at, &store),
+                };
+                if copied.is_err() {
+                    result = Err(BusError::Device);
+                    break 'copy;
+                }
+                moved += len as u64;
             }
-            let Some(store) = self.store.slice(pos, p.len as usize) else {
-                result = Err(BusError::EndOfStore);
-                break;
-            };
-            let at = page as u64 * PAGE_SIZE + p.addr % PAGE_SIZE;
-            let copied = match dir {
-                Direction::ToGuest => pins.write_volatile(at, &store),
-                Direction::FromGuest => pins.read_volatile(at, &store),
-            };
-            if copied.is_err() {
-                result = Err(BusError::Device);
-                break;
-            }
-            pos += u64::from(p.len);
         }
         drop(pins);
         self.pinned.set(SmallVec::new());
-        result
+        result.map_err(|error| Partial { error, moved })
     }
 
     fn deliver(&mut self, pieces: &[Piece], data: &[u8]) -> Result<(), BusError> {

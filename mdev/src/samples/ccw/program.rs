@@ -67,6 +67,8 @@ pub mod cstat {
     pub const PROGRAM_CHECK: u8 = 0x20;
     /// The guest memory does not permit the access (a READ into read-only memory).
     pub const PROTECTION_CHECK: u8 = 0x10;
+    /// The channel could not reach guest memory at all: bus mastering is off.
+    pub const CHANNEL_CONTROL_CHECK: u8 = 0x04;
 }
 
 /// Why a program ended the way it did (the status block's reason field).
@@ -111,11 +113,13 @@ pub enum Reason {
     Halted = 17,
     /// The device could not pin or copy for a reason of its own (lock limit, ...).
     DeviceError = 18,
+    /// Bus mastering is off (PCI COMMAND.BME clear): the device may not touch guest memory.
+    BusMasterOff = 19,
 }
 
 impl Reason {
     /// Every reason, by code.
-    pub const ALL: [Reason; 19] = [
+    pub const ALL: [Reason; 20] = [
         Reason::Ok,
         Reason::CcwMisaligned,
         Reason::CcwUnmapped,
@@ -135,11 +139,29 @@ impl Reason {
         Reason::Unmapped,
         Reason::Halted,
         Reason::DeviceError,
+        Reason::BusMasterOff,
     ];
 
     /// The reason with this code.
     pub fn from_code(code: u32) -> Option<Reason> {
         Self::ALL.get(code as usize).copied()
+    }
+
+    /// The status bits a program ending for this reason reports: CE|DE for Ok, unit check
+    /// for the device's refusals, unit exception when stopped from outside, a protection
+    /// check for read-only memory, a channel-control check with bus mastering off, and a
+    /// program check for everything wrong with the program itself.
+    pub fn status_bits(self) -> (u8, u8) {
+        match self {
+            Reason::Ok => (dstat::CE | dstat::DE, 0),
+            Reason::BadCommand | Reason::EndOfStore | Reason::SeekOutOfRange | Reason::DeviceError => {
+                (dstat::UC, 0)
+            }
+            Reason::DataReadOnly => (0, cstat::PROTECTION_CHECK),
+            Reason::Unmapped | Reason::Halted => (dstat::UE, 0),
+            Reason::BusMasterOff => (0, cstat::CHANNEL_CONTROL_CHECK),
+            _ => (0, cstat::PROGRAM_CHECK),
+        }
     }
 }
 
@@ -222,6 +244,23 @@ pub struct Piece {
 /// The pieces of one CCW's data, in order (one per IDAW, or one for a direct address).
 pub type Pieces = SmallVec<[Piece; 8]>;
 
+/// A transfer that stopped partway: why, and how many bytes reached the store or the guest
+/// before it stopped (the residual is the count minus these).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Partial {
+    /// Why it stopped.
+    pub error: BusError,
+    /// Bytes moved, in IDAW order, before it stopped.
+    pub moved: u64,
+}
+
+impl From<BusError> for Partial {
+    /// A transfer that moved nothing.
+    fn from(error: BusError) -> Partial {
+        Partial { error, moved: 0 }
+    }
+}
+
 /// Why a bus operation failed; the interpreter turns it into a status.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BusError {
@@ -241,13 +280,16 @@ pub enum BusError {
 pub trait Bus {
     /// Reads guest memory (CCWs, IDAW lists, SEEK arguments).
     fn fetch(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), BusError>;
-    /// Moves `pieces` between guest memory and the store at `store_pos`.
-    fn transfer(&mut self, dir: Direction, pieces: &[Piece], store_pos: u64) -> Result<(), BusError>;
+    /// Moves `pieces` between guest memory and the store at `store_pos`. A transfer that
+    /// stops partway (a halt, an unmap, memory that fails mid-way) reports the bytes that
+    /// moved before it stopped.
+    fn transfer(&mut self, dir: Direction, pieces: &[Piece], store_pos: u64) -> Result<(), Partial>;
     /// Copies `data` (sense bytes) into the guest `pieces`.
     fn deliver(&mut self, pieces: &[Piece], data: &[u8]) -> Result<(), BusError>;
     /// Bytes in the store.
     fn store_size(&self) -> u64;
-    /// Checked before each CCW: `Some` stops the program with that reason.
+    /// Checked before each CCW (and by the bus before each data block): `Some` stops the
+    /// program with that reason.
     fn stopped(&self) -> Option<Reason> {
         None
     }
@@ -344,15 +386,11 @@ pub fn run(bus: &mut dyn Bus, cpa: u64) -> Status {
     let mut pos = 0u64;
     let mut ccw_addr = cpa;
     let mut after_tic = false;
-    let program_check = |status: &mut Status, reason| {
-        status.cstat |= cstat::PROGRAM_CHECK;
-        status.reason = reason;
-    };
+    let program_check = |status: &mut Status, reason| end(status, reason);
     loop {
         status.cpa = ccw_addr.wrapping_add(CCW_SIZE);
         if let Some(reason) = bus.stopped() {
-            status.dstat |= dstat::UE;
-            status.reason = reason;
+            end(&mut status, reason);
             return status;
         }
         if visited.len() >= MAX_CCWS {
@@ -376,7 +414,11 @@ pub fn run(bus: &mut dyn Bus, cpa: u64) -> Status {
         visited.push(ccw_addr);
         status.ccws += 1;
         let ccw = Ccw::decode(&raw);
-        if ccw.reserved != 0 || ccw.flags & !flags::KNOWN != 0 || ccw.flags & flags::CD != 0 {
+        // A TIC carries only its target: flags, count and reserved bytes must be zero, as a
+        // format-1 TIC must on the architecture (QEMU's channel subsystem checks the same).
+        let tic_malformed = ccw.cmd == cmd::TIC && (ccw.flags != 0 || ccw.count != 0);
+        if tic_malformed || ccw.reserved != 0 || ccw.flags & !flags::KNOWN != 0 || ccw.flags & flags::CD != 0
+        {
             program_check(&mut status, Reason::BadCcw);
             return status;
         }
@@ -391,21 +433,7 @@ pub fn run(bus: &mut dyn Bus, cpa: u64) -> Status {
         }
         after_tic = false;
         if let Err(reason) = execute(bus, &ccw, &mut pos, &mut status) {
-            match reason {
-                Reason::BadCommand | Reason::EndOfStore | Reason::SeekOutOfRange | Reason::DeviceError => {
-                    status.dstat |= dstat::UC;
-                    status.reason = reason;
-                }
-                Reason::DataReadOnly => {
-                    status.cstat |= cstat::PROTECTION_CHECK;
-                    status.reason = reason;
-                }
-                Reason::Unmapped | Reason::Halted => {
-                    status.dstat |= dstat::UE;
-                    status.reason = reason;
-                }
-                other => program_check(&mut status, other),
-            }
+            end(&mut status, reason);
             return status;
         }
         if ccw.flags & flags::CC == 0 || status.cstat & cstat::INCORRECT_LENGTH != 0 {
@@ -414,6 +442,14 @@ pub fn run(bus: &mut dyn Bus, cpa: u64) -> Status {
         }
         ccw_addr = ccw_addr.wrapping_add(CCW_SIZE);
     }
+}
+
+/// Ends the program for `reason`, with its status bits.
+fn end(status: &mut Status, reason: Reason) {
+    let (dstat, cstat) = reason.status_bits();
+    status.dstat |= dstat;
+    status.cstat |= cstat;
+    status.reason = reason;
 }
 
 /// Executes one non-TIC CCW.
@@ -449,17 +485,29 @@ fn execute(bus: &mut dyn Bus, ccw: &Ccw, pos: &mut u64, status: &mut Status) -> 
                 return Err(Reason::EndOfStore);
             }
             let dir = if ccw.cmd == cmd::READ { Direction::ToGuest } else { Direction::FromGuest };
-            bus.transfer(dir, &pieces, *pos).map_err(map_err)?;
+            if let Err(partial) = bus.transfer(dir, &pieces, *pos) {
+                // Byte-accurate: what reached the store or the guest counts, the rest is
+                // the residual.
+                let moved = partial.moved.min(u64::from(ccw.count));
+                status.residual = ccw.count - moved as u32;
+                status.bytes += moved;
+                return Err(map_err(partial.error));
+            }
             *pos = end;
             status.residual = 0;
             status.bytes += u64::from(ccw.count);
         }
         cmd::SEEK => {
+            // The device takes the first 8 bytes of the operand. A shorter operand cannot name
+            // a position: it is read but does not move it. Either way BYTES counts no operand.
             let mut arg = [0u8; 8];
             let n = (ccw.count as usize).min(8);
             gather(bus, &pieces, &mut arg[..n]).map_err(map_err)?;
-            if ccw.count < 8 && ccw.flags & flags::SLI == 0 {
+            status.residual = ccw.count - n as u32;
+            if ccw.count != 8 && ccw.flags & flags::SLI == 0 {
                 status.cstat |= cstat::INCORRECT_LENGTH;
+            }
+            if n < 8 {
                 return Ok(());
             }
             let target = u64::from_le_bytes(arg);
@@ -467,11 +515,6 @@ fn execute(bus: &mut dyn Bus, ccw: &Ccw, pos: &mut u64, status: &mut Status) -> 
                 return Err(Reason::SeekOutOfRange);
             }
             *pos = target;
-            status.residual = ccw.count - n as u32;
-            if ccw.count > 8 && ccw.flags & flags::SLI == 0 {
-                // The device took its 8 bytes; the longer count is still an incorrect length.
-                status.cstat |= cstat::INCORRECT_LENGTH;
-            }
         }
         _ => {
             // SENSE: this device keeps no sense state; it delivers zeros.
@@ -541,14 +584,15 @@ pub(crate) mod tests {
             buf.copy_from_slice(&self.mem[r]);
             Ok(())
         }
-        fn transfer(&mut self, dir: Direction, pieces: &[Piece], store_pos: u64) -> Result<(), BusError> {
+        fn transfer(&mut self, dir: Direction, pieces: &[Piece], store_pos: u64) -> Result<(), Partial> {
             let mut pos = store_pos as usize;
             for p in pieces {
-                let r = self.range(p.addr, p.len as usize)?;
+                let moved = (pos - store_pos as usize) as u64;
+                let r = self.range(p.addr, p.len as usize).map_err(|error| Partial { error, moved })?;
                 let overlaps_ro =
                     p.addr < self.read_only.end && self.read_only.start < p.addr + u64::from(p.len);
                 if dir == Direction::ToGuest && overlaps_ro {
-                    return Err(BusError::ReadOnly);
+                    return Err(Partial { error: BusError::ReadOnly, moved });
                 }
                 let n = p.len as usize;
                 match dir {
@@ -876,7 +920,7 @@ mod interpreter_tests {
             fn fetch(&mut self, a: u64, b: &mut [u8]) -> Result<(), BusError> {
                 self.0.fetch(a, b)
             }
-            fn transfer(&mut self, d: Direction, p: &[Piece], s: u64) -> Result<(), BusError> {
+            fn transfer(&mut self, d: Direction, p: &[Piece], s: u64) -> Result<(), Partial> {
                 self.0.transfer(d, p, s)
             }
             fn deliver(&mut self, p: &[Piece], d: &[u8]) -> Result<(), BusError> {

@@ -496,6 +496,7 @@ fn intx_is_a_level_over_both_ports() {
 #[test]
 fn msi_raises_for_each_new_condition() {
     let rig = rig(2);
+    rig.set_cfg(COMMAND as u64, 2, u64::from(COMMAND_IO | crate::pci::regs::COMMAND_MASTER));
     let intx = rig.eventfd(INTX);
     let msi_cap = rig.cfg(CAPABILITY_LIST as u64, 1);
     let control = rig.cfg(msi_cap + 2, 2);

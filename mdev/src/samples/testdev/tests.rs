@@ -70,8 +70,11 @@ fn rig() -> Rig {
     space.map(RAM, RAM_PAGES * PAGE_SIZE, ram.as_fd(), 0, Prot::READ_WRITE).unwrap();
     space.map_message_only(MSG, MSG_SIZE, Prot::READ_WRITE).unwrap();
     let client = Arc::new(FakeClient { mem: Mutex::new(vec![0; MSG_SIZE as usize]) });
-    dev.attach(DeviceContext { dma: space.clone(), client_dma: client.clone() });
-    Rig { dev, space, ram, client }
+    dev.attach(DeviceContext::new(space.clone(), client.clone()));
+    let rig = Rig { dev, space, ram, client };
+    // As a driver does before any DMA (and MSI): memory decode and bus mastering.
+    rig.write(CONFIG, COMMAND as u64, 2, u64::from(COMMAND_MEMORY | COMMAND_MASTER));
+    rig
 }
 
 impl Rig {
@@ -424,8 +427,14 @@ fn reset_clears_registers_memory_and_interrupts() {
     // The eventfds were dropped: an interrupt goes nowhere.
     rig.set_reg(regs::IRQ_RAISE, 0);
     assert_eq!(take(&intx), 0);
-    // Still attached: DMA works after reset.
+    // Still attached, but the reset cleared bus mastering: DMA is refused (EACCES) and
+    // touches nothing until the driver turns it back on.
+    let before = ram_bytes(&rig, RAM, 32);
+    assert_eq!(rig.dma(regs::CMD_FILL, RAM, 32, 2), (regs::STATUS_ERROR, libc::EACCES as u32));
+    assert_eq!(ram_bytes(&rig, RAM, 32), before, "no DMA with bus mastering off");
+    rig.write(CONFIG, COMMAND as u64, 2, u64::from(COMMAND_MEMORY | COMMAND_MASTER));
     assert_eq!(rig.dma(regs::CMD_FILL, RAM, 32, 2).0, regs::STATUS_DONE);
+    assert_eq!(ram_bytes(&rig, RAM, 32), vec![2; 32]);
 }
 
 #[test]
