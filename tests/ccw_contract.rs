@@ -459,3 +459,61 @@ fn msix_control(g: &mut CcwGuest) -> u16 {
     }
     (read32(ptr) >> 16) as u16
 }
+
+#[test]
+fn failing_ccws_report_their_count_as_residual_and_intx_follows_irq_status() {
+    let mut r = rig(PinMode::Track, MIB);
+    let cpa = program_area(0);
+    let one = |g: &mut CcwGuest, ccw: Ccw| {
+        g.put(cpa, &ccw.encode()).unwrap();
+        g.start_at(0, cpa).unwrap();
+        g.wait(0).unwrap()
+    };
+    let s = one(&mut r.g, Ccw { cmd: 0x05, flags: 0, reserved: 0, count: 100, addr: DATA_BASE });
+    assert_eq!((s.reason, s.residual, s.ccws), (Reason::BadCommand, 100, 1));
+    let s = one(&mut r.g, Ccw { cmd: cmd::READ, flags: 0, reserved: 0, count: MAX + 1, addr: DATA_BASE });
+    assert_eq!((s.reason, s.residual), (Reason::BadCount, MAX + 1));
+    let s = one(&mut r.g, Ccw { cmd: cmd::READ, flags: 0x01, reserved: 0, count: 64, addr: DATA_BASE });
+    assert_eq!((s.reason, s.residual), (Reason::BadCcw, 64));
+    let s =
+        one(&mut r.g, Ccw { cmd: cmd::WRITE, flags: 0, reserved: 0, count: 2 * MIB as u32, addr: DATA_BASE });
+    assert_eq!((s.reason, s.residual, s.bytes), (Reason::EndOfStore, 2 * MIB as u32, 0));
+    // An out-of-range SEEK is a unit check only, even with a count that would be an
+    // incorrect length.
+    r.g.put(SCRATCH, &(2 * MIB).to_le_bytes()).unwrap();
+    let s = one(&mut r.g, Ccw { cmd: cmd::SEEK, flags: 0, reserved: 0, count: 16, addr: SCRATCH });
+    assert_eq!((s.reason, s.dstat, s.cstat, s.residual), (Reason::SeekOutOfRange, dstat::UC, 0, 16));
+
+    // INTx is a level on IRQ_STATUS in every mode: a completion under MSI-X, then the driver
+    // turns MSI-X off with the status still pending, and INTx fires.
+    let intx = vmm_sys_util::eventfd::EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap();
+    r.g.client.set_irqs(0, 0x20 | 0x04, 0, 1, &[intx.as_raw_fd()]).unwrap();
+    r.g.put(cpa, &Ccw { cmd: cmd::NOP, flags: 0, reserved: 0, count: 0, addr: 0 }.encode()).unwrap();
+    r.g.start_at(0, cpa).unwrap();
+    assert!(wait_eventfd(&r.g.irqs[0], Duration::from_secs(5)), "MSI-X vector 0");
+    assert!(!wait_eventfd(&intx, Duration::from_millis(20)), "no INTx while MSI-X is on");
+    let control = msix_control(&mut r.g);
+    let at = msix_cap(&mut r.g) + 2;
+    r.g.client.region_write(7, at, &(control & !0x8000).to_le_bytes()).unwrap();
+    assert!(wait_eventfd(&intx, Duration::from_secs(5)), "INTx after MSI-X was turned off");
+    assert_eq!(r.g.read(regs::IRQ_STATUS).unwrap(), 1);
+    r.g.sc_write(0, regs::ACK, 1).unwrap();
+    assert_eq!(r.g.read(regs::IRQ_STATUS).unwrap(), 0);
+    let mut b = [0u8; 2];
+    r.g.client.region_read(7, 6, &mut b).unwrap();
+    assert_eq!(u16::from_le_bytes(b) & 0x8, 0, "ACK deasserted INTx (STATUS.INTERRUPT)");
+}
+
+/// Offset of the MSI-X capability.
+fn msix_cap(g: &mut CcwGuest) -> u64 {
+    let mut read32 = |off: u64| {
+        let mut b = [0u8; 4];
+        g.client.region_read(7, off, &mut b).unwrap();
+        u32::from_le_bytes(b)
+    };
+    let mut ptr = u64::from(read32(0x34) as u8);
+    while ptr != 0 && read32(ptr) as u8 != 0x11 {
+        ptr = u64::from((read32(ptr) >> 8) as u8);
+    }
+    ptr
+}

@@ -264,6 +264,13 @@ grep 16550A /proc/tty/driver/serial | sed 's/^/SERIAL /'
     let (status, console) = g.finish();
     assert!(status.success(), "{status}: {}", console.join("\n"));
     assert!(console.iter().any(|l| l == "ECHO-RECEIVED 65536"), "{console:?}");
+    // The guest driver saw no overrun, break or buffer overrun on either port.
+    let serial: Vec<&String> =
+        console.iter().filter(|l| l.starts_with("SERIAL") && !l.contains("port:000003F8")).collect();
+    assert_eq!(serial.len(), 2, "{console:?}");
+    for l in serial {
+        assert!(!l.contains("oe:") && !l.contains("brk:") && !l.contains("bo:"), "{l}");
+    }
 }
 
 /// A predicate that turns true once `d` has passed since its creation (to drain a stream).

@@ -37,9 +37,20 @@ fn map_count(pid: u32) -> (usize, usize) {
 }
 
 /// Mappings beyond the idle count that are not a leak: glibc keeps the stacks of exited
-/// threads mapped for reuse (a stack and its guard page each), and connection and device
-/// threads come and go.
-const THREAD_STACK_CACHE: usize = 16;
+/// threads mapped for reuse (a stack and its guard page each, up to 40 MiB of them: 20 of
+/// Rust's 2 MiB thread stacks), and connection, handover and device threads come and go. A
+/// leak per round would show hundreds.
+const THREAD_STACK_CACHE: usize = 48;
+
+/// The tests here run one at a time: a test that forks (spawning QEMU or umdev) while another
+/// has just closed a client socket gives the child a copy of that socket until it execs, and
+/// the server rightly sees the client as still connected. Real clients do not fork under
+/// their own connections; the tests must not either.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// The VERSION message QEMU sends.
 fn version_message(id: u16) -> Vec<u8> {
@@ -138,6 +149,7 @@ fn back_to_idle(pid: u32, fds: usize, (maps, memfd_maps): (usize, usize), ty: &s
 
 #[test]
 fn every_leave_pattern_is_followed_by_a_served_client() {
+    let _serial = serial();
     let patterns = [
         "before a byte",
         "mid-header",
@@ -173,6 +185,7 @@ fn every_leave_pattern_is_followed_by_a_served_client() {
 
 #[test]
 fn a_second_client_while_one_is_live_is_closed_at_once() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("dev.sock");
     let _child = run(&socket, &["--type", "testdev"]);
@@ -181,7 +194,7 @@ fn a_second_client_while_one_is_live_is_closed_at_once() {
     let started = Instant::now();
     let mut second = RawClient::connect(&socket).unwrap();
     assert!(second.is_closed(), "the second client must be turned away");
-    assert!(started.elapsed() < Duration::from_secs(2), "turned away at once, not after a wait");
+    assert!(started.elapsed() < Duration::from_millis(300), "turned away at once, not after a wait");
     assert!(live.alive(), "the live client is unaffected");
     drop(live);
     served(&socket, "the live client left");
@@ -191,6 +204,7 @@ fn a_second_client_while_one_is_live_is_closed_at_once() {
 /// are served. Three times per device type. Skips only when QEMU cannot be fetched.
 #[test]
 fn qemu_stopped_with_sigterm_then_a_client_at_once() {
+    let _serial = serial();
     let Some(qemu) = common::qemu::qemu_binary() else { return };
     for ty in device_types() {
         let dir = tempfile::tempdir().unwrap();

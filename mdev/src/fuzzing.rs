@@ -273,7 +273,7 @@ impl Bus for FuzzBus {
         Ok(())
     }
 
-    fn deliver(&mut self, pieces: &[Piece], data: &[u8]) -> Result<(), BusError> {
+    fn deliver(&mut self, pieces: &[Piece], data: &[u8]) -> Result<(), Partial> {
         let total = Self::check_pieces(pieces);
         assert!(!data.is_empty() && data.len() <= SENSE_SIZE, "{} sense bytes", data.len());
         assert!(data.len() as u64 <= total, "{} sense bytes for {total} bytes of pieces", data.len());
@@ -287,9 +287,10 @@ impl Bus for FuzzBus {
             if n == 0 {
                 break;
             }
-            let r = self.range(p.addr, n)?;
+            let moved = done as u64;
+            let r = self.range(p.addr, n).map_err(|error| Partial { error, moved })?;
             if self.read_only(p.addr, n) {
-                return Err(BusError::ReadOnly);
+                return Err(Partial { error: BusError::ReadOnly, moved });
             }
             self.mem[r].copy_from_slice(&data[done..done + n]);
             done += n;
@@ -407,6 +408,9 @@ fn reference(bus: &mut dyn Bus, cpa: u64) -> Status {
         }
         s.ccws += 1;
         let ccw = Ccw::decode(&raw);
+        // docs/ccw.md: the residual is the CCW's count until it moves data; 0 for a TIC or a
+        // NOP.
+        s.residual = if ccw.cmd == cmd::NOP || ccw.cmd == cmd::TIC { 0 } else { ccw.count };
         if ccw.reserved != 0 || ccw.flags & (flags::CD | 0x01 | 0x08 | 0x10) != 0 {
             return check(s, Reason::BadCcw);
         }
@@ -423,7 +427,6 @@ fn reference(bus: &mut dyn Bus, cpa: u64) -> Status {
             continue;
         }
         after_tic = false;
-        s.residual = 0;
         if ccw.cmd == cmd::NOP {
             // docs/ccw.md: a NOP's count is ignored (0 included), as for control commands.
         } else {
@@ -433,7 +436,6 @@ fn reference(bus: &mut dyn Bus, cpa: u64) -> Status {
             if ccw.count == 0 || ccw.count > MAX_CCW_COUNT {
                 return check(s, Reason::BadCount);
             }
-            s.residual = ccw.count;
             let pieces = match reference_pieces(bus, &ccw) {
                 Ok(pieces) => pieces,
                 Err(reason) => return check(s, reason),
@@ -484,10 +486,6 @@ fn reference(bus: &mut dyn Bus, cpa: u64) -> Status {
                     // docs/ccw.md: the residual is the count minus the 8 bytes taken (0 for a
                     // short SEEK); a count other than 8 is an incorrect length without SLI;
                     // a short SEEK never moves the position, a long one does.
-                    s.residual = ccw.count - n as u32;
-                    if ccw.count != 8 && ccw.flags & flags::SLI == 0 {
-                        s.cstat |= cstat::INCORRECT_LENGTH;
-                    }
                     if n == 8 {
                         let target = u64::from_le_bytes(arg);
                         if target > bus.store_size() {
@@ -495,11 +493,17 @@ fn reference(bus: &mut dyn Bus, cpa: u64) -> Status {
                         }
                         pos = target;
                     }
+                    s.residual = ccw.count - n as u32;
+                    if ccw.count != 8 && ccw.flags & flags::SLI == 0 {
+                        s.cstat |= cstat::INCORRECT_LENGTH;
+                    }
                 }
                 _ => {
                     let n = (ccw.count as usize).min(SENSE_SIZE);
-                    if let Err(e) = bus.deliver(&pieces, &[0u8; SENSE_SIZE][..n]) {
-                        return failed(s, e);
+                    if let Err(partial) = bus.deliver(&pieces, &[0u8; SENSE_SIZE][..n]) {
+                        s.residual = ccw.count - partial.moved as u32;
+                        s.bytes += partial.moved;
+                        return failed(s, partial.error);
                     }
                     s.residual = ccw.count - n as u32;
                     s.bytes += n as u64;

@@ -31,9 +31,12 @@ pub enum BindError {
 }
 
 /// Binds `path` mode 0600, non-blocking, replacing a stale socket left by a dead process.
+///
+/// The socket is created 0600: Linux gives the socket file the mode of the socket itself,
+/// set here before `bind`, so there is no moment when anyone else could connect.
 pub fn bind_private(path: &Path) -> Result<UnixListener, BindError> {
     let io_err = |what, source| BindError::Io { what, path: path.to_path_buf(), source };
-    let listener = match UnixListener::bind(path) {
+    let listener = match bind_0600(path) {
         Ok(l) => l,
         Err(e) if e.kind() == io::ErrorKind::AddrInUse => {
             let meta = std::fs::symlink_metadata(path).map_err(|e| io_err("inspecting", e))?;
@@ -44,13 +47,26 @@ pub fn bind_private(path: &Path) -> Result<UnixListener, BindError> {
                 return Err(BindError::InUse(path.to_path_buf()));
             }
             std::fs::remove_file(path).map_err(|e| io_err("removing stale socket", e))?;
-            UnixListener::bind(path).map_err(|e| io_err("binding", e))?
+            bind_0600(path).map_err(|e| io_err("binding", e))?
         }
         Err(e) => return Err(io_err("binding", e)),
     };
+    // Belt and braces (the mode was set before bind).
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(|e| io_err("chmod", e))?;
     listener.set_nonblocking(true).map_err(|e| io_err("configuring", e))?;
     Ok(listener)
+}
+
+/// A listening socket at `path` whose file is created mode 0600.
+fn bind_0600(path: &Path) -> io::Result<UnixListener> {
+    use nix::sys::socket::{bind, listen, socket, AddressFamily, Backlog, SockFlag, SockType, UnixAddr};
+    use std::os::fd::AsRawFd;
+    let fd = socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+    nix::sys::stat::fchmod(&fd, nix::sys::stat::Mode::from_bits_truncate(0o600))?;
+    let addr = UnixAddr::new(path)?;
+    bind(fd.as_raw_fd(), &addr)?;
+    listen(&fd, Backlog::new(128).unwrap_or(Backlog::MAXCONN))?;
+    Ok(UnixListener::from(fd))
 }
 
 #[cfg(test)]

@@ -3,9 +3,10 @@
 //! Each instance has an acceptor thread and, while a client is connected, a connection
 //! thread; instances share nothing but the process, so a client flooding one instance slows
 //! only that one. One client per instance at a time: a second client while a live one is
-//! connected is accepted and closed within half a second (it sees end-of-file before any
-//! reply; QEMU reports the connection closed rather than waiting out its 5 s reply timeout);
-//! a client after one that left, however it left, is served once the cleanup is done.
+//! connected is accepted and closed at once (it sees end-of-file before any reply; QEMU
+//! reports the connection closed rather than waiting out its 5 s reply timeout); a client
+//! after one that left, however it left (its process exited included), is served once the
+//! cleanup is done.
 //! Sockets are created mode 0600.
 
 use std::collections::BTreeMap;
@@ -113,18 +114,73 @@ pub struct InstanceInfo {
 struct Instance {
     config: InstanceConfig,
     served: Arc<Served>,
-    /// A handle on the connected client's socket, to cut it on stop.
-    active: Mutex<Option<UnixStream>>,
+    /// The connected client: a handle on its socket (to cut it on stop) and its process.
+    active: Mutex<Option<Active>>,
+    /// Clients waiting for a handover now.
+    handovers: std::sync::atomic::AtomicUsize,
     /// Signalled when the connected client's cleanup is done.
     idle: Condvar,
     stop: EventFd,
-    /// Connection threads (finished ones are pruned as new ones start).
+    /// Connection and handover threads (finished ones are pruned as new ones start).
     threads: Mutex<Vec<JoinHandle<()>>>,
     acceptor: Mutex<Option<JoinHandle<()>>>,
     /// Set under `active`'s lock when the instance is being stopped: no client is admitted
     /// after that.
     stopping: AtomicBool,
 }
+
+/// The connected client.
+struct Active {
+    stream: UnixStream,
+    /// Its process (SO_PEERCRED), when known in this pid namespace.
+    pid: Option<i32>,
+}
+
+impl Active {
+    /// False once the client's process has exited (or is a zombie): its socket is about to
+    /// close even if it has not yet. Unknown processes count as gone, so that a client whose
+    /// predecessor lingers is given the grace rather than turned away.
+    fn process_alive(&self) -> bool {
+        let Some(pid) = self.pid else { return false };
+        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            // The state follows the parenthesised command name.
+            Ok(stat) => stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with(['Z', 'X'])),
+            Err(_) => false,
+        }
+    }
+}
+
+/// What the connected-client slot holds, as a new client sees it.
+enum Slot {
+    /// No client: serve the new one.
+    Free,
+    /// A client that is still there: the new one is turned away at once.
+    Live,
+    /// A client that hung up; its cleanup is under way.
+    Leaving,
+    /// A client whose process has exited but whose socket has not closed yet.
+    ProcessGone,
+}
+
+impl Slot {
+    fn of(active: &Option<Active>) -> Slot {
+        match active {
+            None => Slot::Free,
+            Some(a) if hangs_up_within(&a.stream, Duration::ZERO) => Slot::Leaving,
+            Some(a) if !a.process_alive() => Slot::ProcessGone,
+            Some(_) => Slot::Live,
+        }
+    }
+}
+
+/// The client process at the other end of `stream`.
+fn peer_pid(stream: &UnixStream) -> Option<i32> {
+    let creds = nix::sys::socket::getsockopt(stream, nix::sys::socket::sockopt::PeerCredentials).ok()?;
+    (creds.pid() > 0).then_some(creds.pid())
+}
+
+/// At most this many clients wait for a handover at once; more are turned away.
+const MAX_HANDOVERS: usize = 4;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -171,44 +227,113 @@ impl Instance {
         }
     }
 
+    /// Decides at once what to do with a new client: serve it (no one connected), turn it
+    /// away (a live client is connected), or, if the connected client has gone or its
+    /// process has exited, hand over once the old connection's cleanup is done. Handovers
+    /// wait on a thread of their own, so the acceptor never blocks.
     fn admit(self: Arc<Self>, stream: UnixStream) {
         let id = &self.config.id;
         let setup = stream
             .set_nonblocking(false)
-            .and_then(|()| stream.set_write_timeout(Some(self.config.send_timeout)))
-            .and_then(|()| stream.try_clone());
-        let handle = match setup {
+            .and_then(|()| stream.set_write_timeout(Some(self.config.send_timeout)));
+        if let Err(e) = setup {
+            return log::warn!("instance {id}: cannot set up a client socket: {e}");
+        }
+        {
+            let mut active = lock(&self.active);
+            match Slot::of(&active) {
+                Slot::Free => return self.clone().connect(&mut active, stream),
+                Slot::Live => {
+                    drop(active);
+                    return self.turn_away("a client is already connected");
+                }
+                Slot::Leaving | Slot::ProcessGone => {}
+            }
+        }
+        if self.handovers.fetch_add(1, Ordering::AcqRel) >= MAX_HANDOVERS {
+            self.handovers.fetch_sub(1, Ordering::AcqRel);
+            return self.turn_away("too many clients waiting for a handover");
+        }
+        let me = self.clone();
+        let spawned = std::thread::Builder::new().name(format!("umdev-handover-{id}")).spawn(move || {
+            me.hand_over(stream);
+            me.handovers.fetch_sub(1, Ordering::AcqRel);
+        });
+        match spawned {
+            Ok(thread) => self.keep(thread),
+            Err(e) => {
+                self.handovers.fetch_sub(1, Ordering::AcqRel);
+                log::error!("instance {id}: cannot spawn a handover thread: {e}");
+            }
+        }
+    }
+
+    /// Waits until the client before `stream` has gone and its cleanup (reset, unpin,
+    /// unmap) is done, then serves `stream`; as long as the connected client is on its way
+    /// out, a client that arrived earlier but went away itself does not keep this one out.
+    fn hand_over(self: &Arc<Self>, stream: UnixStream) {
+        let budget = HANGUP_GRACE + self.config.dma.unmap_timeout + HANDOVER_SLACK;
+        let deadline = std::time::Instant::now() + budget;
+        loop {
+            if hangs_up_within(&stream, Duration::ZERO) {
+                return log::debug!("instance {}: a client waiting for a handover left", self.config.id);
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let mut active = lock(&self.active);
+            if self.stopping.load(Ordering::Acquire) {
+                return log::info!("instance {}: stopping; closing a new connection", self.config.id);
+            }
+            match Slot::of(&active) {
+                Slot::Free => return self.clone().connect(&mut active, stream),
+                Slot::Live => {
+                    drop(active);
+                    return self.turn_away("a client is already connected");
+                }
+                _ if left.is_zero() => {
+                    drop(active);
+                    return self.turn_away("the previous client's cleanup did not finish in time");
+                }
+                Slot::Leaving => {
+                    // Its cleanup is under way: wait for it (or for the next change).
+                    let _ = self.idle.wait_timeout(active, left).unwrap_or_else(|p| p.into_inner());
+                }
+                Slot::ProcessGone => {
+                    // Its process exited; its socket lingers (QEMU's io_uring holds the file
+                    // for milliseconds). Wait for it to close.
+                    let Some(predecessor) = active.as_ref().and_then(|a| a.stream.try_clone().ok()) else {
+                        continue;
+                    };
+                    drop(active);
+                    if !hangs_up_within_or_stop(&predecessor, &self.stop, left.min(HANGUP_GRACE)) {
+                        return self
+                            .turn_away("the previous client's process exited but its connection lingers");
+                    }
+                }
+            }
+        }
+    }
+
+    fn turn_away(&self, why: &str) {
+        let id = &self.config.id;
+        if self.stopping.load(Ordering::Acquire) {
+            return log::info!("instance {id}: stopping; closing a new connection");
+        }
+        self.served.stats.rejected.fetch_add(1, Ordering::Relaxed);
+        log::warn!("instance {id}: {why}; closing the new connection");
+    }
+
+    /// Makes `stream` the connected client (the slot, held by the caller's lock, is free)
+    /// and serves it on a new connection thread.
+    fn connect(self: Arc<Self>, active: &mut MutexGuard<'_, Option<Active>>, stream: UnixStream) {
+        let id = &self.config.id;
+        if self.stopping.load(Ordering::Acquire) {
+            return log::info!("instance {id}: stopping; closing a new connection");
+        }
+        let handle = match stream.try_clone() {
             Ok(handle) => handle,
             Err(e) => return log::warn!("instance {id}: cannot set up a client socket: {e}"),
         };
-        // Is the client before this one on its way out? Polled on a duplicate of its socket,
-        // outside the lock, so its connection thread can finish meanwhile.
-        let predecessor = lock(&self.active).as_ref().and_then(|s| s.try_clone().ok());
-        let predecessor_gone = predecessor.is_some_and(|p| hangs_up_within(&p, HANGUP_GRACE));
-        {
-            let mut active = lock(&self.active);
-            if predecessor_gone {
-                // The previous client has gone and its cleanup (reset, unpin, unmap) is under
-                // way: a client reconnecting at once waits for it instead of being turned away.
-                let wait = self.config.dma.unmap_timeout + HANDOVER_SLACK;
-                active = self
-                    .idle
-                    .wait_timeout_while(active, wait, |a| {
-                        a.is_some() && !self.stopping.load(Ordering::Acquire)
-                    })
-                    .unwrap_or_else(|p| p.into_inner())
-                    .0;
-            }
-            if self.stopping.load(Ordering::Acquire) {
-                return log::info!("instance {id}: stopping; closing a new connection");
-            }
-            if active.is_some() {
-                self.served.stats.rejected.fetch_add(1, Ordering::Relaxed);
-                log::warn!("instance {id}: a client is already connected; closing the new connection");
-                return;
-            }
-            *active = Some(handle);
-        }
+        **active = Some(Active { pid: peer_pid(&handle), stream: handle });
         let me = self.clone();
         let spawned = std::thread::Builder::new().name(format!("umdev-conn-{id}")).spawn(move || {
             log::info!("instance {}: client connected", me.config.id);
@@ -218,16 +343,20 @@ impl Instance {
             me.idle.notify_all();
         });
         match spawned {
-            Ok(thread) => {
-                let mut threads = lock(&self.threads);
-                threads.retain(|t| !t.is_finished());
-                threads.push(thread);
-            }
+            Ok(thread) => self.keep(thread),
             Err(e) => {
                 log::error!("instance {id}: cannot spawn a connection thread: {e}");
-                *lock(&self.active) = None;
+                **active = None;
+                self.idle.notify_all();
             }
         }
+    }
+
+    /// Keeps `thread` for the join at shutdown, pruning finished ones.
+    fn keep(&self, thread: JoinHandle<()>) {
+        let mut threads = lock(&self.threads);
+        threads.retain(|t| !t.is_finished());
+        threads.push(thread);
     }
 
     /// Stops accepting, cuts the client, waits for the threads, removes the socket.
@@ -242,8 +371,8 @@ impl Instance {
         if let Some(acceptor) = lock(&self.acceptor).take() {
             let _ = acceptor.join();
         }
-        if let Some(stream) = lock(&self.active).as_ref() {
-            let _ = stream.shutdown(std::net::Shutdown::Both);
+        if let Some(active) = lock(&self.active).as_ref() {
+            let _ = active.stream.shutdown(std::net::Shutdown::Both);
         }
         let threads = std::mem::take(&mut *lock(&self.threads));
         for t in threads {
@@ -261,12 +390,12 @@ impl Instance {
 /// cleanup.
 const HANDOVER_SLACK: Duration = Duration::from_secs(1);
 
-/// How long a new client's arrival gives the connected one to turn out to have gone. A
-/// process's sockets can outlive it by milliseconds: QEMU polls its fds through io_uring,
-/// and the kernel drops a ring's file references in a worker after the process has exited.
-/// A QEMU restarted at once (a management stack, after SIGTERM) would otherwise find its
-/// predecessor apparently still connected and be turned away.
-const HANGUP_GRACE: Duration = Duration::from_millis(500);
+/// How long a client whose predecessor's process has exited waits for the predecessor's
+/// socket to close. A process's sockets can outlive it by milliseconds: QEMU polls its fds
+/// through io_uring, and the kernel drops a ring's file references in a worker after the
+/// process has exited. A QEMU restarted at once (a management stack, after SIGTERM) would
+/// otherwise find its predecessor apparently still connected and be turned away.
+const HANGUP_GRACE: Duration = Duration::from_secs(2);
 
 /// True if the client at the other end of `stream` has closed or shut down its side, or
 /// does so within `grace`.
@@ -275,14 +404,30 @@ const HANGUP_GRACE: Duration = Duration::from_millis(500);
 /// reports a bit nix has no name for, and POLLRDHUP is such a bit, so a check through it
 /// never saw a hang-up (and a reconnecting client was turned away).
 fn hangs_up_within(stream: &UnixStream, grace: Duration) -> bool {
+    poll_hangup(stream, None, grace)
+}
+
+/// As [`hangs_up_within`], but gives up (false) as soon as `stop` is signalled.
+fn hangs_up_within_or_stop(stream: &UnixStream, stop: &EventFd, grace: Duration) -> bool {
+    poll_hangup(stream, Some(stop), grace)
+}
+
+fn poll_hangup(stream: &UnixStream, stop: Option<&EventFd>, grace: Duration) -> bool {
     let deadline = std::time::Instant::now() + grace;
     loop {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
-        let mut fd = libc::pollfd { fd: stream.as_raw_fd(), events: libc::POLLRDHUP, revents: 0 };
-        // SAFETY: one valid pollfd for a socket we hold, for the duration of the call.
-        let ready = unsafe { libc::poll(&mut fd, 1, left.as_millis().min(i32::MAX as u128) as i32) };
-        if ready == 1 {
-            return fd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0;
+        let mut fds = [
+            libc::pollfd { fd: stream.as_raw_fd(), events: libc::POLLRDHUP, revents: 0 },
+            libc::pollfd { fd: stop.map_or(-1, |s| s.as_fd().as_raw_fd()), events: libc::POLLIN, revents: 0 },
+        ];
+        // SAFETY: two valid pollfds (a negative fd is ignored by poll) for fds we hold for the
+        // duration of the call.
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), 2, left.as_millis().min(i32::MAX as u128) as i32) };
+        if ready > 0 {
+            if fds[1].revents != 0 {
+                return false;
+            }
+            return fds[0].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0;
         }
         let interrupted = ready < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted;
         if !interrupted || left.is_zero() {
@@ -336,6 +481,7 @@ impl Daemon {
             config: config.clone(),
             served: Arc::new(served),
             active: Mutex::new(None),
+            handovers: std::sync::atomic::AtomicUsize::new(0),
             idle: Condvar::new(),
             stop,
             threads: Mutex::new(Vec::new()),

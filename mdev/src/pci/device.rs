@@ -207,6 +207,9 @@ impl<F: PciFunction> PciDevice<F> {
     }
 
     fn reset_all(&self) {
+        // Bus mastering goes first: from here on the function can start no guest access (its
+        // programs stop at their next block), whatever its own reset does.
+        self.bus_master.set(false);
         self.function.reset();
         self.irqs.reset();
         let mut config = self.config();

@@ -43,6 +43,11 @@ impl StopFlag {
         self.0.store(0, Ordering::Release);
     }
 
+    /// Withdraws a request for `reason`, if it is the one pending.
+    pub(crate) fn withdraw(&self, reason: Reason) {
+        let _ = self.0.compare_exchange(reason as u32, 0, Ordering::AcqRel, Ordering::Acquire);
+    }
+
     pub(crate) fn get(&self) -> Option<Reason> {
         match self.0.load(Ordering::Acquire) {
             0 => None,
@@ -231,14 +236,25 @@ impl Bus for PinningBus<'_> {
         }
         drop(pins);
         self.pinned.set(SmallVec::new());
+        if result.is_ok() {
+            // An unmap that found these pins after the last block was checked asked this
+            // program to stop; its pins are gone now, so it has nothing left to stop (a halt
+            // request stays).
+            self.stop.withdraw(Reason::Unmapped);
+        }
         result.map_err(|error| Partial { error, moved })
     }
 
-    fn deliver(&mut self, pieces: &[Piece], data: &[u8]) -> Result<(), BusError> {
+    fn deliver(&mut self, pieces: &[Piece], data: &[u8]) -> Result<(), Partial> {
         let mut done = 0;
         for p in pieces {
             let n = (p.len as usize).min(data.len() - done);
-            self.ctx.write_guest(p.addr, &data[done..done + n]).map_err(|e| guest_error(&e))?;
+            if n == 0 {
+                break;
+            }
+            self.ctx
+                .write_guest(p.addr, &data[done..done + n])
+                .map_err(|e| Partial { error: guest_error(&e), moved: done as u64 })?;
             done += n;
         }
         Ok(())

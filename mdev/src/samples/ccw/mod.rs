@@ -283,10 +283,17 @@ impl Shared {
         }
         self.programs.fetch_add(1, Ordering::Relaxed);
         match self.irq.mode() {
-            crate::irq::IrqMode::Msix => self.irq.raise(sc.index),
-            crate::irq::IrqMode::Msi => self.irq.raise(0),
-            _ => self.irq.intx_assert(),
-        };
+            crate::irq::IrqMode::Msix => {
+                self.irq.raise(sc.index);
+            }
+            crate::irq::IrqMode::Msi => {
+                self.irq.raise(0);
+            }
+            _ => {}
+        }
+        // INTx is a level that follows IRQ_STATUS in every mode: a driver that falls back
+        // from MSI to INTx with status pending gets its interrupt.
+        self.irq.intx_assert();
     }
 }
 

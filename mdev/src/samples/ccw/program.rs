@@ -284,8 +284,8 @@ pub trait Bus {
     /// stops partway (a halt, an unmap, memory that fails mid-way) reports the bytes that
     /// moved before it stopped.
     fn transfer(&mut self, dir: Direction, pieces: &[Piece], store_pos: u64) -> Result<(), Partial>;
-    /// Copies `data` (sense bytes) into the guest `pieces`.
-    fn deliver(&mut self, pieces: &[Piece], data: &[u8]) -> Result<(), BusError>;
+    /// Copies `data` (sense bytes) into the guest `pieces`; on failure, how many landed.
+    fn deliver(&mut self, pieces: &[Piece], data: &[u8]) -> Result<(), Partial>;
     /// Bytes in the store.
     fn store_size(&self) -> u64;
     /// Checked before each CCW (and by the bus before each data block): `Some` stops the
@@ -337,6 +337,17 @@ impl Ccw {
 /// Bytes of the sense data SENSE delivers.
 pub const SENSE_SIZE: usize = 32;
 
+/// The reason for a failed read of program structures (a CCW, an IDAW list): `unmapped` when
+/// the memory is not there; a stop (halt, unmap, bus mastering off) or a device failure as
+/// for data.
+fn fetch_error(e: BusError, unmapped: Reason) -> Reason {
+    match e {
+        BusError::Unmapped | BusError::ReadOnly | BusError::EndOfStore => unmapped,
+        BusError::Stopped(reason) => reason,
+        BusError::Device => Reason::DeviceError,
+    }
+}
+
 /// Pieces of `count` bytes at `addr` (direct addressing): one piece, or an error if it wraps.
 fn direct_pieces(addr: u64, count: u32) -> Result<Pieces, Reason> {
     addr.checked_add(u64::from(count) - 1).ok_or(Reason::DataUnmapped)?;
@@ -352,7 +363,7 @@ fn idaw_pieces(bus: &mut dyn Bus, idal: u64, count: u32, block: u64) -> Result<P
         return Err(Reason::IdalMisaligned);
     }
     let mut first = [0u8; 8];
-    bus.fetch(idal, &mut first).map_err(|_| Reason::IdalUnmapped)?;
+    bus.fetch(idal, &mut first).map_err(|e| fetch_error(e, Reason::IdalUnmapped))?;
     let idaw0 = u64::from_le_bytes(first);
     let len0 = (block - idaw0 % block).min(u64::from(count));
     idaw0.checked_add(len0 - 1).ok_or(Reason::DataUnmapped)?;
@@ -363,7 +374,7 @@ fn idaw_pieces(bus: &mut dyn Bus, idal: u64, count: u32, block: u64) -> Result<P
     while left > 0 {
         let n = left.div_ceil(block).min(512) as usize * 8;
         at.checked_add(n as u64).ok_or(Reason::IdalUnmapped)?;
-        bus.fetch(at, &mut buf[..n]).map_err(|_| Reason::IdalUnmapped)?;
+        bus.fetch(at, &mut buf[..n]).map_err(|e| fetch_error(e, Reason::IdalUnmapped))?;
         at += n as u64;
         for raw in buf[..n].chunks_exact(8) {
             let idaw = u64::from_le_bytes(raw.try_into().map_err(|_| Reason::IdalUnmapped)?);
@@ -402,8 +413,12 @@ pub fn run(bus: &mut dyn Bus, cpa: u64) -> Status {
             return status;
         }
         let mut raw = [0u8; CCW_SIZE as usize];
-        if ccw_addr.checked_add(CCW_SIZE).is_none() || bus.fetch(ccw_addr, &mut raw).is_err() {
+        if ccw_addr.checked_add(CCW_SIZE).is_none() {
             program_check(&mut status, Reason::CcwUnmapped);
+            return status;
+        }
+        if let Err(e) = bus.fetch(ccw_addr, &mut raw) {
+            end(&mut status, fetch_error(e, Reason::CcwUnmapped));
             return status;
         }
         // The interpreter runs at most MAX_CCWS CCWs, so a linear search is cheap.
@@ -414,6 +429,9 @@ pub fn run(bus: &mut dyn Bus, cpa: u64) -> Status {
         visited.push(ccw_addr);
         status.ccws += 1;
         let ccw = Ccw::decode(&raw);
+        // The residual describes the last CCW executed: its whole count until it has moved
+        // data (a CCW that fails moved nothing), 0 for a TIC and a NOP.
+        status.residual = if matches!(ccw.cmd, cmd::TIC | cmd::NOP) { 0 } else { ccw.count };
         // A TIC carries only its target: flags, count and reserved bytes must be zero, as a
         // format-1 TIC must on the architecture (QEMU's channel subsystem checks the same).
         let tic_malformed = ccw.cmd == cmd::TIC && (ccw.flags != 0 || ccw.count != 0);
@@ -452,10 +470,8 @@ fn end(status: &mut Status, reason: Reason) {
     status.reason = reason;
 }
 
-/// Executes one non-TIC CCW.
+/// Executes one non-TIC CCW; `status.residual` holds its count (0 for a NOP).
 fn execute(bus: &mut dyn Bus, ccw: &Ccw, pos: &mut u64, status: &mut Status) -> Result<(), Reason> {
-    // The residual describes the last CCW executed.
-    status.residual = 0;
     match ccw.cmd {
         cmd::NOP => return Ok(()),
         cmd::READ | cmd::WRITE | cmd::SENSE | cmd::SEEK => {}
@@ -464,7 +480,6 @@ fn execute(bus: &mut dyn Bus, ccw: &Ccw, pos: &mut u64, status: &mut Status) -> 
     if ccw.count == 0 || ccw.count > MAX_CCW_COUNT {
         return Err(Reason::BadCount);
     }
-    status.residual = ccw.count;
     let pieces = if ccw.flags & flags::IDA != 0 {
         let block = if ccw.flags & flags::IDA_2K != 0 { 2048 } else { 4096 };
         idaw_pieces(bus, ccw.addr, ccw.count, block)?
@@ -503,23 +518,27 @@ fn execute(bus: &mut dyn Bus, ccw: &Ccw, pos: &mut u64, status: &mut Status) -> 
             let mut arg = [0u8; 8];
             let n = (ccw.count as usize).min(8);
             gather(bus, &pieces, &mut arg[..n]).map_err(map_err)?;
+            if n == 8 {
+                let target = u64::from_le_bytes(arg);
+                if target > bus.store_size() {
+                    return Err(Reason::SeekOutOfRange);
+                }
+                *pos = target;
+            }
             status.residual = ccw.count - n as u32;
             if ccw.count != 8 && ccw.flags & flags::SLI == 0 {
                 status.cstat |= cstat::INCORRECT_LENGTH;
             }
-            if n < 8 {
-                return Ok(());
-            }
-            let target = u64::from_le_bytes(arg);
-            if target > bus.store_size() {
-                return Err(Reason::SeekOutOfRange);
-            }
-            *pos = target;
         }
         _ => {
             // SENSE: this device keeps no sense state; it delivers zeros.
             let n = (ccw.count as usize).min(SENSE_SIZE);
-            bus.deliver(&pieces, &[0u8; SENSE_SIZE][..n]).map_err(map_err)?;
+            if let Err(partial) = bus.deliver(&pieces, &[0u8; SENSE_SIZE][..n]) {
+                let moved = partial.moved.min(n as u64);
+                status.residual = ccw.count - moved as u32;
+                status.bytes += moved;
+                return Err(map_err(partial.error));
+            }
             status.residual = ccw.count - n as u32;
             status.bytes += n as u64;
             if ccw.count as usize != SENSE_SIZE && ccw.flags & flags::SLI == 0 {
@@ -603,11 +622,11 @@ pub(crate) mod tests {
             }
             Ok(())
         }
-        fn deliver(&mut self, pieces: &[Piece], data: &[u8]) -> Result<(), BusError> {
+        fn deliver(&mut self, pieces: &[Piece], data: &[u8]) -> Result<(), Partial> {
             let mut done = 0;
             for p in pieces {
                 let n = (p.len as usize).min(data.len() - done);
-                let r = self.range(p.addr, n)?;
+                let r = self.range(p.addr, n).map_err(|error| Partial { error, moved: done as u64 })?;
                 self.mem[r].copy_from_slice(&data[done..done + n]);
                 done += n;
             }
@@ -923,7 +942,7 @@ mod interpreter_tests {
             fn transfer(&mut self, d: Direction, p: &[Piece], s: u64) -> Result<(), Partial> {
                 self.0.transfer(d, p, s)
             }
-            fn deliver(&mut self, p: &[Piece], d: &[u8]) -> Result<(), BusError> {
+            fn deliver(&mut self, p: &[Piece], d: &[u8]) -> Result<(), Partial> {
                 self.0.deliver(p, d)
             }
             fn store_size(&self) -> u64 {

@@ -9,7 +9,7 @@
 //! reads stalls that port's transmitter and nothing else.
 
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -49,6 +49,9 @@ impl Backend {
             "pty" => Ok(Backend::Pty),
             _ => match spec.strip_prefix("socket:") {
                 Some("") => Err("socket: needs a path (socket:PATH)".into()),
+                Some(path) if !path.starts_with('/') => Err(format!(
+                    "socket:{path}: the path must be absolute (the daemon's directory is not yours)"
+                )),
                 Some(path) => Ok(Backend::Socket(PathBuf::from(path))),
                 None => Err(format!("unknown backend {spec:?} (loopback, null, pty or socket:PATH)")),
             },
@@ -74,6 +77,17 @@ pub(super) enum Endpoint {
     Pty { master: OwnedFd, _slave: OwnedFd, path: PathBuf },
     /// The listening socket.
     Socket { listener: UnixListener, path: PathBuf },
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        // A socket goes with its endpoint: a device that failed to start (another port's
+        // backend refused, say) leaves no socket file behind. A running port's socket is
+        // removed when its thread, which owns the endpoint, ends.
+        if let Endpoint::Socket { path, .. } = self {
+            let _ = std::fs::remove_file(path);
+        }
+    }
 }
 
 impl Endpoint {
@@ -123,8 +137,6 @@ pub(super) struct HostThread {
     stop: Arc<AtomicBool>,
     wake: Arc<EventFd>,
     thread: Option<JoinHandle<()>>,
-    /// The socket to remove when the port goes.
-    socket: Option<PathBuf>,
     /// Whether a host peer is attached now (sockets; a pty always counts as attached).
     pub(super) connected: Arc<AtomicBool>,
 }
@@ -145,18 +157,14 @@ impl HostThread {
         wake: Arc<EventFd>,
     ) -> Result<HostThread, MttyError> {
         let stop = Arc::new(AtomicBool::new(false));
-        let connected = Arc::new(AtomicBool::new(matches!(endpoint, Endpoint::Pty { .. })));
-        let socket = match &endpoint {
-            Endpoint::Socket { path, .. } => Some(path.clone()),
-            Endpoint::Pty { .. } => None,
-        };
+        let connected = Arc::new(AtomicBool::new(false));
         let worker =
             Worker { shared, port, wake: wake.clone(), stop: stop.clone(), connected: connected.clone() };
         let thread = std::thread::Builder::new()
             .name(format!("umdev-mtty-host{port}"))
             .spawn(move || worker.run(endpoint))
             .map_err(|e| MttyError::Backend(format!("host thread: {e}")))?;
-        Ok(HostThread { stop, wake, thread: Some(thread), socket, connected })
+        Ok(HostThread { stop, wake, thread: Some(thread), connected })
     }
 }
 
@@ -165,10 +173,8 @@ impl Drop for HostThread {
         self.stop.store(true, Ordering::Release);
         let _ = self.wake.write(1);
         if let Some(thread) = self.thread.take() {
+            // The thread owns the endpoint: its socket file goes when the thread ends.
             let _ = thread.join();
-        }
-        if let Some(path) = &self.socket {
-            let _ = std::fs::remove_file(path);
         }
     }
 }
@@ -185,51 +191,89 @@ struct Worker {
     connected: Arc<AtomicBool>,
 }
 
-/// The connected peer: the pty master, or the socket's current client.
+/// The connected peer: the pty master, or the socket's current client. Its two directions
+/// close independently: a client that shuts down its writing side still gets the guest's
+/// output, and one that stops reading still has what it sent delivered.
 struct Peer {
     fd: OwnedFd,
-    /// The peer hung up; what it sent before is still read, as room allows.
-    hung_up: bool,
+    /// A socket client (sent to with MSG_NOSIGNAL) rather than the pty master.
+    socket: bool,
+    /// End of file seen: nothing more will come from the peer.
+    read_closed: bool,
+    /// Writing failed (the peer closed): bytes for the host stay queued for the next one.
+    write_closed: bool,
+    /// The peer hung up while the queue toward the guest was full: not polled (poll would
+    /// report the hang-up again at once) until the guest makes room.
+    parked: bool,
+    /// A pty that reported an error is left alone until then (it is never dropped).
+    backoff_until: Option<std::time::Instant>,
+}
+
+impl Peer {
+    fn new(fd: OwnedFd, socket: bool) -> Peer {
+        Peer { fd, socket, read_closed: false, write_closed: false, parked: false, backoff_until: None }
+    }
+
+    /// A socket client that can neither send nor receive any more is gone.
+    fn gone(&self) -> bool {
+        self.socket && self.read_closed && self.write_closed
+    }
 }
 
 impl Worker {
     fn run(self, endpoint: Endpoint) {
-        match endpoint {
-            Endpoint::Pty { master, _slave: slave, .. } => {
-                self.serve(None, Some(Peer { fd: master, hung_up: false }));
-                drop(slave); // held open until the port goes
-            }
+        // The endpoint (pty slave held open, socket file) lives until the thread ends.
+        match &endpoint {
+            Endpoint::Pty { master, .. } => match master.try_clone() {
+                Ok(master) => self.serve(None, Some(Peer::new(master, false))),
+                Err(e) => log::error!("mtty port {}: pty: {e}", self.port),
+            },
             Endpoint::Socket { listener, .. } => self.serve(Some(listener), None),
         }
     }
 
-    fn serve(&self, listener: Option<UnixListener>, mut peer: Option<Peer>) {
+    fn serve(&self, listener: Option<&UnixListener>, mut peer: Option<Peer>) {
         let mut out = [0u8; super::HOST_QUEUE];
         let mut input = [0u8; super::HOST_QUEUE];
         while !self.stop.load(Ordering::Acquire) {
             let state = self.shared.host_state(self.port);
+            let now = std::time::Instant::now();
             let mut fds = Vec::with_capacity(3);
             fds.push(PollFd::new(self.wake.as_fd(), PollFlags::POLLIN));
             let listen_at = listener.as_ref().map(|l| {
                 fds.push(PollFd::new(l.as_fd(), PollFlags::POLLIN));
                 fds.len() - 1
             });
-            let peer_at = match &peer {
-                Some(p) if !(p.hung_up && state.room == 0) => {
-                    let mut events = PollFlags::empty();
-                    if state.room > 0 {
-                        events |= PollFlags::POLLIN;
+            let mut timeout = if state.waiting { Some(TICK) } else { None };
+            let peer_at = match peer.as_mut() {
+                Some(p) => {
+                    if p.parked && state.room > 0 {
+                        p.parked = false;
                     }
-                    if state.to_host > 0 && !p.hung_up {
-                        events |= PollFlags::POLLOUT;
+                    if let Some(until) = p.backoff_until.filter(|&u| u > now) {
+                        timeout = Some(timeout.map_or(until - now, |t| t.min(until - now)));
+                        None
+                    } else if p.parked {
+                        None
+                    } else {
+                        p.backoff_until = None;
+                        let mut events = PollFlags::empty();
+                        if state.room > 0 && !p.read_closed {
+                            events |= PollFlags::POLLIN;
+                        }
+                        if state.to_host > 0 && !p.write_closed {
+                            events |= PollFlags::POLLOUT;
+                        }
+                        // With no events, poll still reports a hang-up or an error.
+                        fds.push(PollFd::new(p.fd.as_fd(), events));
+                        Some(fds.len() - 1)
                     }
-                    fds.push(PollFd::new(p.fd.as_fd(), events));
-                    Some(fds.len() - 1)
                 }
-                _ => None,
+                None => None,
             };
-            let timeout =
-                if state.waiting { PollTimeout::from(TICK.as_millis() as u16) } else { PollTimeout::NONE };
+            let timeout = timeout.map_or(PollTimeout::NONE, |t| {
+                PollTimeout::try_from(t.max(Duration::from_millis(1))).unwrap_or(PollTimeout::MAX)
+            });
             match poll(&mut fds, timeout) {
                 Ok(_) | Err(nix::errno::Errno::EINTR) => {}
                 Err(e) => {
@@ -245,16 +289,13 @@ impl Worker {
                 let _ = self.wake.read();
             }
             if listen.contains(PollFlags::POLLIN) {
-                if let Some(l) = &listener {
+                if let Some(l) = listener {
                     self.accept(l, &mut peer);
                 }
             }
-            if peer_at.is_some() && !peer_events.is_empty() {
-                let gone = match peer.as_mut() {
-                    Some(p) => self.exchange(p, peer_events, &mut input, &mut out),
-                    None => false,
-                };
-                if gone {
+            if let Some(p) = peer.as_mut().filter(|_| !peer_events.is_empty()) {
+                self.exchange(p, peer_events, &mut input, &mut out);
+                if p.gone() {
                     peer = None;
                     self.connected.store(false, Ordering::Release);
                     log::info!("mtty port {}: host client gone", self.port);
@@ -272,7 +313,7 @@ impl Worker {
             Ok((stream, _)) if peer.is_none() => match stream.set_nonblocking(true) {
                 Ok(()) => {
                     log::info!("mtty port {}: host client connected", self.port);
-                    *peer = Some(Peer { fd: OwnedFd::from(stream), hung_up: false });
+                    *peer = Some(Peer::new(OwnedFd::from(stream), true));
                     self.connected.store(true, Ordering::Release);
                 }
                 Err(e) => log::warn!("mtty port {}: host client: {e}", self.port),
@@ -289,40 +330,62 @@ impl Worker {
         }
     }
 
-    /// Moves bytes between the peer and the port; true when the peer is gone for good.
-    fn exchange(&self, peer: &mut Peer, events: PollFlags, input: &mut [u8], out: &mut [u8]) -> bool {
-        if events.intersects(PollFlags::POLLIN | PollFlags::POLLHUP | PollFlags::POLLERR) {
+    /// Moves bytes between the peer and the port.
+    fn exchange(&self, peer: &mut Peer, events: PollFlags, input: &mut [u8], out: &mut [u8]) {
+        let hung_up = events.intersects(PollFlags::POLLHUP | PollFlags::POLLERR);
+        if !peer.read_closed && (events.contains(PollFlags::POLLIN) || hung_up) {
             let room = self.shared.host_state(self.port).room.min(input.len());
-            if room > 0 {
+            if room == 0 {
+                // Keep what it sent until the guest makes room.
+                peer.parked = true;
+            } else {
                 match nix::unistd::read(&peer.fd, &mut input[..room]) {
-                    Ok(0) => return true,
+                    Ok(0) => peer.read_closed = true,
                     Ok(n) => {
                         self.shared.host_send(self.port, &input[..n]);
                     }
                     Err(nix::errno::Errno::EAGAIN | nix::errno::Errno::EINTR) => {}
-                    Err(e) => {
-                        log::debug!("mtty port {}: host read: {e}", self.port);
-                        return true;
-                    }
+                    Err(e) => self.failed(peer, "read", e),
                 }
-            } else if events.intersects(PollFlags::POLLHUP | PollFlags::POLLERR) {
-                // Keep what it sent until the guest makes room; stop polling it meanwhile.
-                peer.hung_up = true;
             }
         }
-        if events.contains(PollFlags::POLLOUT) {
+        if hung_up && peer.read_closed {
+            // Both ways shut: nothing more can be written either.
+            peer.write_closed = true;
+        }
+        if events.contains(PollFlags::POLLOUT) && !peer.write_closed {
             let n = self.shared.host_peek(self.port, out);
             if n > 0 {
-                match nix::unistd::write(&peer.fd, &out[..n]) {
+                let written = if peer.socket {
+                    nix::sys::socket::send(
+                        peer.fd.as_raw_fd(),
+                        &out[..n],
+                        nix::sys::socket::MsgFlags::MSG_NOSIGNAL,
+                    )
+                } else {
+                    nix::unistd::write(&peer.fd, &out[..n])
+                };
+                match written {
                     Ok(written) => self.shared.host_consumed(self.port, written),
                     Err(nix::errno::Errno::EAGAIN | nix::errno::Errno::EINTR) => {}
-                    Err(e) => {
-                        log::debug!("mtty port {}: host write: {e}", self.port);
-                        return true;
-                    }
+                    Err(e) => self.failed(peer, "write", e),
                 }
             }
         }
-        false
+        if !peer.socket && (peer.read_closed || peer.write_closed) {
+            // A pty is never dropped: the terminal stays where it was printed. Its master can
+            // report end of file or EIO when a host program hangs it up; try again later.
+            peer.read_closed = false;
+            peer.write_closed = false;
+            peer.backoff_until = Some(std::time::Instant::now() + TICK);
+        }
+    }
+
+    fn failed(&self, peer: &mut Peer, what: &str, e: nix::errno::Errno) {
+        log::debug!("mtty port {}: host {what}: {e}", self.port);
+        match what {
+            "read" => peer.read_closed = true,
+            _ => peer.write_closed = true,
+        }
     }
 }

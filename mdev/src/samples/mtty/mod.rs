@@ -579,7 +579,9 @@ impl PciFunction for Mtty {
                 if let Some(path) = &p.path {
                     port["path"] = path.display().to_string().into();
                 }
-                if let Some(host) = &p.host {
+                // Only a socket knows whether a host peer is there (umdev holds a pty open
+                // itself, so a terminal program attached to it cannot be told apart).
+                if let (Some(host), Backend::Socket(_)) = (&p.host, &p.backend) {
                     port["host_connected"] = host.connected.load(std::sync::atomic::Ordering::Acquire).into();
                 }
                 port

@@ -103,6 +103,12 @@ pub(super) struct Uart {
     /// When the guest last read RBR (or the port was reset): a receiver nobody reads, with
     /// receive interrupts off, is ignored and overruns like a real line.
     last_read: Instant,
+    /// The guest has accessed the port since the last reset: before that (a guest still
+    /// booting, no client at all) host bytes wait rather than overrun.
+    touched: bool,
+    /// Host bytes arriving at an ignored receiver are lost at the line's pace, counted in
+    /// character times from this instant.
+    line_clock: Instant,
     /// Enabled conditions pending after the last recompute (IER bits), for MSI edges.
     pub(super) last_pending: u8,
     /// THRE was cleared and set again within this access (a THR write).
@@ -133,6 +139,8 @@ impl Uart {
             rx_deadline: None,
             rx_timeout: false,
             last_read: now,
+            touched: false,
+            line_clock: now,
             last_pending: 0,
             thre_rearmed: false,
             line,
@@ -263,6 +271,7 @@ impl Uart {
 
     /// Reads register `reg` (0-7) with its side effects.
     pub(super) fn read(&mut self, reg: u64, now: Instant) -> u8 {
+        self.touched = true;
         match reg {
             RBR if self.dlab() => self.divisor as u8,
             RBR => {
@@ -301,6 +310,7 @@ impl Uart {
 
     /// Writes register `reg` (0-7).
     pub(super) fn write(&mut self, reg: u64, value: u8, now: Instant) {
+        self.touched = true;
         match reg {
             THR if self.dlab() => self.divisor = (self.divisor & 0xff00) | u16::from(value),
             THR => self.transmit(value, now),
@@ -381,9 +391,11 @@ impl Uart {
             return;
         }
         let internal = self.loopback();
+        // A break holds the line at space: what the transmitter sends meanwhile is lost.
+        let on_break = self.lcr & LCR_SBC != 0 && !internal;
         while let Some(&byte) = self.tx.front() {
             match &mut self.line {
-                _ if internal => {}
+                _ if internal || on_break => {}
                 Line::Loopback | Line::Null => {}
                 Line::Host(host) => {
                     if host.to_host.len() >= HOST_QUEUE {
@@ -397,7 +409,7 @@ impl Uart {
             }
             self.tx.pop_front();
             self.stats.tx += 1;
-            if internal || matches!(self.line, Line::Loopback) {
+            if internal || (!on_break && matches!(self.line, Line::Loopback)) {
                 self.receive(RxChar { byte, brk: false }, now);
             }
         }
@@ -443,24 +455,38 @@ impl Uart {
     }
 
     /// Moves bytes the host sent into the receiver while it has room. The host is paced by
-    /// the guest (nothing lost) unless the guest ignores the port: receive interrupts off
-    /// and no RBR read for [`IGNORED_AFTER`]; then bytes arrive as on a real line, and
-    /// overrun.
+    /// the guest (nothing lost) unless the guest ignores the port: it has accessed the port
+    /// since the last reset, has receive interrupts off and has read no byte for
+    /// [`IGNORED_AFTER`]. Then bytes keep arriving at the programmed line rate, as on a real
+    /// line, and overrun.
     pub(super) fn feed_rx(&mut self, now: Instant) {
         if self.loopback() {
             return; // the line input is disconnected in loopback
         }
-        let ignored =
-            self.ier & IER_RDI == 0 && now.saturating_duration_since(self.last_read) >= IGNORED_AFTER;
+        let ignored = self.touched
+            && self.ier & IER_RDI == 0
+            && now.saturating_duration_since(self.last_read) >= IGNORED_AFTER;
+        // Characters the line could have carried since the clock last moved (at most a
+        // queue's worth): as many an ignored receiver loses now.
+        let char_time = (self.char_timeout() / 4).max(Duration::from_micros(1));
+        let mut arrived = 0usize;
+        if ignored {
+            let elapsed = now.saturating_duration_since(self.line_clock);
+            arrived = (elapsed.as_nanos() / char_time.as_nanos()).min(HOST_QUEUE as u128) as usize;
+        }
+        if !ignored || arrived > 0 {
+            self.line_clock = now;
+        }
         let depth = self.fifo_depth();
         let Line::Host(host) = &mut self.line else { return };
-        let was_full = host.to_guest.len() >= HOST_QUEUE;
+        let before = host.to_guest.len();
         let mut moved = false;
         while let Some(&byte) = host.to_guest.front() {
             if self.rx.len() < depth {
                 self.rx.push_back(RxChar { byte, brk: false });
                 self.stats.rx += 1;
-            } else if ignored {
+            } else if arrived > 0 {
+                arrived -= 1;
                 // As `overrun_with`, inline: `host` borrows the line.
                 if !self.overrun {
                     self.stats.overruns += 1;
@@ -477,7 +503,9 @@ impl Uart {
             host.to_guest.pop_front();
             moved = true;
         }
-        if was_full && host.to_guest.len() < HOST_QUEUE {
+        // The host thread waits for room only once the queue is full: wake it when half has
+        // drained, not for every byte.
+        if before > HOST_QUEUE / 2 && host.to_guest.len() <= HOST_QUEUE / 2 {
             host.wake();
         }
         if moved {
