@@ -162,6 +162,8 @@ impl Lean {
         if r.errno() != 0 {
             return Err(format!("DMA_MAP failed: errno {}", r.errno()));
         }
+        // Memory decode and bus mastering, as a driver enables them before any DMA.
+        c.enable_bus_master().map_err(e)?;
         let mut lean = Lean { c, ram, irqs: Vec::new() };
         // MSI-X on, one eventfd per subchannel.
         let mut ptr = u64::from(lean.config32(0x34)? as u8);
@@ -381,20 +383,23 @@ fn big_programs(g: &mut Lean, dir: u8, n: usize) -> Result<f64, String> {
         if done < n {
             // Sleep until some subchannel interrupts.
             let any: Vec<_> = g.irqs[..big as usize].iter().collect();
-            wait_any(&any, Duration::from_secs(5));
+            if !wait_any(&any, Duration::from_secs(5)) {
+                return Err(format!("no interrupt in 5 s with {} of {n} programs done", done));
+            }
         }
     }
     Ok(n as f64 / t.elapsed().as_secs_f64())
 }
 
-fn wait_any(efds: &[&EventFd], timeout: Duration) {
+/// Waits until one of `efds` is signalled; false after `timeout`.
+fn wait_any(efds: &[&EventFd], timeout: Duration) -> bool {
     let borrowed: Vec<_> = efds
         .iter()
         // SAFETY: the eventfds outlive the borrows.
         .map(|e| unsafe { std::os::fd::BorrowedFd::borrow_raw(e.as_raw_fd()) })
         .collect();
     let mut fds: Vec<PollFd> = borrowed.iter().map(|b| PollFd::new(b.as_fd(), PollFlags::POLLIN)).collect();
-    let _ = poll(&mut fds, PollTimeout::try_from(timeout).unwrap_or(PollTimeout::MAX));
+    poll(&mut fds, PollTimeout::try_from(timeout).unwrap_or(PollTimeout::MAX)).unwrap_or(0) > 0
 }
 
 /// Big-program throughput: per round, the device's rate alternating with both floors.
