@@ -15,7 +15,7 @@ use umdev::ccw_guest::{idal_area, program_area, status_area, wait_eventfd, DATA_
 use umdev_mdev::samples::ccw::driver::{layout, Data, Op};
 use umdev_mdev::samples::ccw::program::{cmd, Status, STATUS_SIZE};
 use umdev_mdev::samples::ccw::regs;
-use umdev_mdev::types::{InstanceOptions, Registry};
+use umdev_mdev::types::InstanceOptions;
 use umdev_pinning::PinMode;
 use umdev_server::client::{dma_map_payload, message, region_write_payload, set_irqs_payload, RawClient};
 use umdev_server::wire::{flags, Command};
@@ -283,8 +283,10 @@ fn start_instance(
         let mut options = InstanceOptions::default();
         options.params.insert("subchannels".into(), SUBCHANNELS.to_string());
         options.params.insert("size".into(), "64M".into());
-        let device =
-            Registry::builtin().find("ccw").and_then(|t| t.create(&options)).map_err(|e| e.to_string())?;
+        let device = umdev::builtin_registry()
+            .find("ccw")
+            .and_then(|t| t.create(&options))
+            .map_err(|e| e.to_string())?;
         let daemon = Daemon::new();
         let mut config = InstanceConfig::new(name, &socket);
         config.dma.mode = mode;

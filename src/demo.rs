@@ -12,7 +12,7 @@ use std::time::Instant;
 use umdev::ccw_guest::{CcwGuest, DATA_BASE, RAM_SIZE, SCRATCH};
 use umdev_mdev::samples::ccw::driver::{idaws, Data, Op};
 use umdev_mdev::samples::ccw::program::cmd;
-use umdev_mdev::types::{InstanceOptions, Registry};
+use umdev_mdev::types::InstanceOptions;
 use umdev_server::{Daemon, InstanceConfig};
 
 use crate::pinbench::{Pattern, Rng};
@@ -75,7 +75,7 @@ pub fn run() -> Result<(), String> {
     options.params.insert("subchannels".into(), "4".into());
     options.params.insert("size".into(), "256M".into());
     let device =
-        Registry::builtin().find("ccw").and_then(|t| t.create(&options)).map_err(|e| e.to_string())?;
+        umdev::builtin_registry().find("ccw").and_then(|t| t.create(&options)).map_err(|e| e.to_string())?;
     let daemon = Daemon::new();
     daemon.start(device, InstanceConfig::new("demo", &socket)).map_err(|e| e.to_string())?;
     let result = drive(&daemon, &socket);

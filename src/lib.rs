@@ -1,6 +1,23 @@
-//! Support code of the `umdev` binary that tests and tools share: a guest-side driver for
-//! the ccw device over vfio-user.
+//! Support code of the `umdev` binary that tests and tools share: the device types it
+//! serves, and a guest-side driver for the ccw device over vfio-user.
 
 #![warn(missing_docs)]
 
 pub mod ccw_guest;
+
+use std::sync::Arc;
+
+use umdev_mdev::samples::{ccw, mtty, testdev};
+use umdev_mdev::types::{Pool, Registry};
+
+/// The device types `umdev` serves: testdev, mtty-1 and mtty-2 (one pool of 24 ports, as
+/// the kernel's mtty sample), ccw. The framework knows no device; this list is the binary's.
+pub fn builtin_registry() -> Registry {
+    let mtty_ports = Pool::new(mtty::MAX_PORTS);
+    Registry::with_types(vec![
+        Arc::new(testdev::TestDevType::new(64)),
+        Arc::new(mtty::MttyType::single(mtty_ports.clone())),
+        Arc::new(mtty::MttyType::dual(mtty_ports)),
+        Arc::new(ccw::CcwType::new(64)),
+    ])
+}

@@ -281,7 +281,7 @@ fn main() {
                 config.busy_poll = std::time::Duration::from_micros(busy_poll_us);
                 config.dma.mode = options.pin_mode();
                 limits.apply(&mut config)?;
-                run::run(&umdev_mdev::types::Registry::builtin(), &type_name, &options, config)
+                run::run(&umdev::builtin_registry(), &type_name, &options, config)
             })
         }
         Command::Pinbench { json, rounds, batch_us } => pinbench_cmd(json, rounds, batch_us),

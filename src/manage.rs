@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
-use umdev_mdev::types::{InstanceOptions, Registry};
+use umdev_mdev::types::InstanceOptions;
 use umdev_server::control::{request, ControlError, ControlRequest, ControlResponse, ControlServer};
 use umdev_server::lifecycle::{Definition, Definitions, InstanceSummary, Manager, StartPolicy, TypeSummary};
 use umdev_server::InstanceConfig;
@@ -85,7 +85,7 @@ pub fn daemon(dirs: &Dirs, template: InstanceConfig, max_instances: usize) -> Re
         );
     }
     let manager = Arc::new(
-        Manager::new(Registry::builtin(), &dirs.run, Definitions::new(&dirs.state), template)
+        Manager::new(umdev::builtin_registry(), &dirs.run, Definitions::new(&dirs.state), template)
             .with_max_instances(max_instances),
     );
     let control = ControlServer::start(manager.clone(), &dirs.control()).map_err(|e| e.to_string())?;
@@ -114,7 +114,7 @@ pub fn types(dirs: &Dirs, json: bool) -> Result<(), String> {
         }
         Ok(answer) => return Err(answer.error.unwrap_or_default()),
         Err(ControlError::NotRunning(_)) => {
-            let registry = Registry::builtin();
+            let registry = umdev::builtin_registry();
             let manager = Manager::new(
                 registry,
                 "/nonexistent",
@@ -208,7 +208,7 @@ pub fn define(
     auto: bool,
     options: InstanceOptions,
 ) -> Result<(), String> {
-    if Registry::builtin().find(mdev_type).is_err() {
+    if umdev::builtin_registry().find(mdev_type).is_err() {
         return Err(format!("unknown device type {mdev_type:?} (see `umdev types`)"));
     }
     let uuid = match uuid {

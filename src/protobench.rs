@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use umdev_mdev::types::{InstanceOptions, Registry};
+use umdev_mdev::types::InstanceOptions;
 use umdev_server::client::{
     dma_map_payload, dma_unmap_payload, le32, le64, message, region_write_payload, RawClient,
 };
@@ -44,7 +44,7 @@ fn start_testdev(
     busy_poll: Duration,
 ) -> Result<(Daemon, std::path::PathBuf), String> {
     pin_to(server_cpu)?;
-    let device = Registry::builtin()
+    let device = umdev::builtin_registry()
         .find("testdev")
         .and_then(|t| t.create(&InstanceOptions::default()))
         .map_err(|e| e.to_string())?;
@@ -266,7 +266,7 @@ pub struct FloodReport {
 
 fn flood(dir: &Path, instances: usize, window: Duration) -> Result<FloodReport, String> {
     let daemon = Daemon::new();
-    let registry = Registry::builtin();
+    let registry = umdev::builtin_registry();
     let mut sockets = Vec::new();
     for i in 0..instances {
         // Instance 0 (the flooded one) lives on CPU 1, the rest on CPU 0.

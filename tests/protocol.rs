@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use common::raw::*;
 use common::testdev::*;
-use umdev_mdev::types::{InstanceOptions, Registry};
+use umdev_mdev::types::InstanceOptions;
 use umdev_server::wire::{flags, Command};
 use umdev_server::{Daemon, InstanceConfig};
 
@@ -67,8 +67,11 @@ fn one_daemon_serves_many_instances_at_once() {
     let daemon = Arc::new(Daemon::new());
     let sockets: Vec<_> = (0..8)
         .map(|i| {
-            let device =
-                Registry::builtin().find("testdev").unwrap().create(&InstanceOptions::default()).unwrap();
+            let device = umdev::builtin_registry()
+                .find("testdev")
+                .unwrap()
+                .create(&InstanceOptions::default())
+                .unwrap();
             let socket = dir.path().join(format!("{i}.sock"));
             daemon.start(device, InstanceConfig::new(format!("dev{i}"), &socket)).unwrap();
             socket

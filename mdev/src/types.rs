@@ -157,101 +157,14 @@ impl Drop for Reservation {
     }
 }
 
-/// Wraps a device with the capacity it holds, so dropping the device gives it back.
-pub struct Reserved<D: VfioDevice> {
-    /// The device.
-    pub device: D,
-    _reservation: Reservation,
-}
-
-impl<D: VfioDevice> Reserved<D> {
-    /// `device`, holding `reservation` for its lifetime.
-    pub fn new(device: D, reservation: Reservation) -> Self {
-        Reserved { device, _reservation: reservation }
-    }
-}
-
-impl<D: VfioDevice> VfioDevice for Reserved<D> {
-    fn device_info(&self) -> crate::DeviceInfo {
-        self.device.device_info()
-    }
-    fn region_info(&self, index: u32) -> Option<crate::RegionInfo> {
-        self.device.region_info(index)
-    }
-    fn region_read(&self, index: u32, offset: u64, data: &mut [u8]) -> Result<(), crate::DeviceError> {
-        self.device.region_read(index, offset, data)
-    }
-    fn region_write(&self, index: u32, offset: u64, data: &[u8]) -> Result<(), crate::DeviceError> {
-        self.device.region_write(index, offset, data)
-    }
-    fn irq_info(&self, index: u32) -> Option<crate::IrqInfo> {
-        self.device.irq_info(index)
-    }
-    fn set_irqs(&self, request: crate::SetIrqs) -> Result<(), crate::DeviceError> {
-        self.device.set_irqs(request)
-    }
-    fn reset(&self) -> Result<(), crate::DeviceError> {
-        self.device.reset()
-    }
-    fn attach(&self, context: crate::DeviceContext) {
-        self.device.attach(context)
-    }
-    fn detach(&self) {
-        self.device.detach()
-    }
-    fn dma_unmap(&self, iova: u64, len: u64) {
-        self.device.dma_unmap(iova, len)
-    }
-    fn describe(&self) -> serde_json::Value {
-        self.device.describe()
-    }
-}
-
-/// The test device type: capacity 64.
-struct TestDevType {
-    pool: Arc<Pool>,
-}
-
-impl DeviceType for TestDevType {
-    fn name(&self) -> &str {
-        crate::samples::testdev::TYPE_NAME
-    }
-    fn description(&self) -> &str {
-        "test device: registers, DMA through pins or the client, INTx/MSI/MSI-X, sparse-mmap BAR (docs/testdev.md)"
-    }
-    fn available_instances(&self) -> u32 {
-        self.pool.free()
-    }
-    fn create(&self, options: &InstanceOptions) -> Result<Arc<dyn VfioDevice>, TypeError> {
-        options.only(self.name(), &[])?;
-        let reservation = self.pool.reserve(1).ok_or_else(|| TypeError::Exhausted(self.name().into()))?;
-        let device = crate::samples::testdev::create()
-            .map_err(|e| TypeError::Create { ty: self.name().into(), why: e.to_string() })?;
-        Ok(Arc::new(Reserved::new(device, reservation)))
-    }
-}
-
-/// The parent: every type this build offers.
+/// The parent: the types a server offers.
 pub struct Registry {
     types: Vec<Arc<dyn DeviceType>>,
 }
 
 impl Registry {
-    /// The built-in types.
-    pub fn builtin() -> Registry {
-        // mtty-1 and mtty-2 draw on one pool of ports, as in the kernel's mtty sample.
-        let mtty_ports = Pool::new(crate::samples::mtty::MAX_PORTS);
-        Registry {
-            types: vec![
-                Arc::new(TestDevType { pool: Pool::new(64) }),
-                Arc::new(crate::samples::mtty::MttyType::single(mtty_ports.clone())),
-                Arc::new(crate::samples::mtty::MttyType::dual(mtty_ports)),
-                Arc::new(crate::samples::ccw::CcwType::new(64)),
-            ],
-        }
-    }
-
-    /// A registry of exactly `types` (for embedding umdev with one's own devices).
+    /// A registry of exactly `types`. The framework knows no device: a binary lists the
+    /// types it serves (umdev's own list is `umdev::builtin_registry`).
     pub fn with_types(types: Vec<Arc<dyn DeviceType>>) -> Registry {
         Registry { types }
     }
@@ -272,18 +185,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn capacity_follows_creation_and_removal() {
-        let registry = Registry::builtin();
-        let ty = registry.find("testdev").unwrap();
-        let before = ty.available_instances();
-        let a = ty.create(&InstanceOptions::default()).unwrap();
-        assert_eq!(ty.available_instances(), before - 1);
-        drop(a);
-        assert_eq!(ty.available_instances(), before);
+    fn options_are_checked_by_name() {
+        let mut options = InstanceOptions::default();
+        assert!(options.only("t", &["size"]).is_ok());
+        options.params.insert("size".into(), "1".into());
+        assert!(options.only("t", &["size"]).is_ok());
+        assert!(matches!(options.only("t", &[]), Err(TypeError::BadOption { .. })));
+        assert_eq!(TypeError::Exhausted("t".into()).errno(), libc::EUSERS);
+        assert_eq!(TypeError::UnknownType("t".into()).errno(), libc::ENOENT);
+        let registry = Registry::with_types(Vec::new());
         assert!(matches!(registry.find("nope"), Err(TypeError::UnknownType(_))));
-        let mut bad = InstanceOptions::default();
-        bad.params.insert("size".into(), "1".into());
-        assert!(matches!(ty.create(&bad), Err(TypeError::BadOption { .. })));
     }
 
     #[test]

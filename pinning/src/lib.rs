@@ -48,6 +48,7 @@ pub mod page;
 mod pin;
 mod sigbus;
 mod space;
+pub mod sync;
 mod table;
 
 pub use lock::{has_cap_ipc_lock, process_lock_limit, LockAccount, OverLimit, PinMode};

@@ -190,7 +190,7 @@ impl Mapping {
     /// Locks the pin state. A poisoned lock means a panic mid-update elsewhere; the
     /// table is still the best record of what is pinned, so keep using it.
     pub(crate) fn lock(&self) -> MutexGuard<'_, MappingPins> {
-        self.pins.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        crate::sync::lock(&self.pins)
     }
 
     /// Adds a pin to pages `[page, page + npages)`; in lock mode, locks and charges the
@@ -329,10 +329,7 @@ impl Mapping {
             if left == 0 || now >= deadline {
                 return left;
             }
-            pins = match self.drained.wait_timeout(pins, deadline - now) {
-                Ok((guard, _)) => guard,
-                Err(poisoned) => poisoned.into_inner().0,
-            };
+            pins = crate::sync::wait_timeout(&self.drained, pins, deadline - now).0;
         }
     }
 }

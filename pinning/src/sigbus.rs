@@ -47,13 +47,13 @@ pub(crate) fn register(start: usize, len: usize, prot: Prot) -> Arc<AtomicBool> 
     install();
     let poisoned = Arc::new(AtomicBool::new(false));
     let guarded = Guarded { len, prot: prot.mmap_flags().bits(), poisoned: poisoned.clone() };
-    GUARDED.write().unwrap_or_else(|p| p.into_inner()).insert(start, guarded);
+    crate::sync::write(&GUARDED).insert(start, guarded);
     poisoned
 }
 
 /// Forgets the mapping at `start`; called before it is unmapped.
 pub(crate) fn unregister(start: usize) {
-    GUARDED.write().unwrap_or_else(|p| p.into_inner()).remove(&start);
+    crate::sync::write(&GUARDED).remove(&start);
 }
 
 fn install() {
@@ -97,7 +97,7 @@ extern "C" fn on_sigbus(signal: libc::c_int, info: *mut libc::siginfo_t, context
 
 /// Replaces the guest mapping holding `addr` with zero pages; false if none holds it.
 fn recover(addr: usize) -> bool {
-    let guarded = GUARDED.read().unwrap_or_else(|p| p.into_inner());
+    let guarded = crate::sync::read(&GUARDED);
     let Some((&start, g)) = guarded.range(..=addr).next_back() else { return false };
     if addr - start >= g.len {
         return false;

@@ -331,16 +331,16 @@ impl DmaSpace {
     }
 
     pub(crate) fn read_table(&self) -> RwLockReadGuard<'_, MappingTable> {
-        self.inner.table.read().unwrap_or_else(|p| p.into_inner())
+        crate::sync::read(&self.inner.table)
     }
 
     fn write_table(&self) -> RwLockWriteGuard<'_, MappingTable> {
-        self.inner.table.write().unwrap_or_else(|p| p.into_inner())
+        crate::sync::write(&self.inner.table)
     }
 
     /// Registers the device's unmap notifier, replacing any earlier one.
     pub fn set_unmap_notifier(&self, notifier: Option<UnmapNotifier>) {
-        *self.inner.notifier.write().unwrap_or_else(|p| p.into_inner()) = notifier;
+        *crate::sync::write(&self.inner.notifier) = notifier;
     }
 
     /// Maps `size` bytes of `fd` from `offset` at `iova`, `MAP_SHARED` with `prot`.
@@ -511,7 +511,7 @@ impl DmaSpace {
     fn wait_for_pins(&self, busy: &[Arc<Mapping>]) -> Result<(), UnmapError> {
         let counters = self.counters();
         counters.unmap_waits.fetch_add(1, Ordering::Relaxed);
-        let notifier = self.inner.notifier.read().unwrap_or_else(|p| p.into_inner()).clone();
+        let notifier = crate::sync::read(&self.inner.notifier).clone();
         if let Some(notify) = notifier {
             for m in busy {
                 counters.notifier_calls.fetch_add(1, Ordering::Relaxed);

@@ -24,6 +24,7 @@ use nix::sys::eventfd::{EfdFlags, EventFd};
 use serde::Serialize;
 use thiserror::Error;
 use umdev_mdev::VfioDevice;
+use umdev_pinning::sync::{lock, wait_timeout};
 use umdev_pinning::{DmaSpace, DmaSpaceConfig, DmaStats};
 
 use crate::connection::{serve, Served};
@@ -182,10 +183,6 @@ fn peer_pid(stream: &UnixStream) -> Option<i32> {
 /// At most this many clients wait for a handover at once; more are turned away.
 const MAX_HANDOVERS: usize = 4;
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 impl Instance {
     fn info(&self) -> InstanceInfo {
         InstanceInfo {
@@ -295,7 +292,7 @@ impl Instance {
                 }
                 Slot::Leaving => {
                     // Its cleanup is under way: wait for it (or for the next change).
-                    let _ = self.idle.wait_timeout(active, left).unwrap_or_else(|p| p.into_inner());
+                    let _ = wait_timeout(&self.idle, active, left);
                 }
                 Slot::ProcessGone => {
                     // Its process exited; its socket lingers (QEMU's io_uring holds the file

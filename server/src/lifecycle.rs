@@ -265,7 +265,7 @@ impl Manager {
     }
 
     fn lock(&self) -> MutexGuard<'_, BTreeMap<Uuid, Record>> {
-        self.instances.lock().unwrap_or_else(|p| p.into_inner())
+        umdev_pinning::sync::lock(&self.instances)
     }
 
     /// The definitions store.

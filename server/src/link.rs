@@ -76,7 +76,7 @@ impl Link {
         parts: &[&[u8]],
         fd: Option<BorrowedFd<'_>>,
     ) -> io::Result<()> {
-        let _guard = self.write.lock().unwrap_or_else(|p| p.into_inner());
+        let _guard = umdev_pinning::sync::lock(&self.write);
         crate::socket::send(&self.stream, header, parts, fd)?;
         self.stats.bytes_out.fetch_add(u64::from(header.size), Ordering::Relaxed);
         Ok(())
@@ -104,7 +104,7 @@ impl Link {
     }
 
     fn lock_pending(&self) -> std::sync::MutexGuard<'_, Pending> {
-        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+        umdev_pinning::sync::lock(&self.pending)
     }
 
     /// Sends a request to the client and waits for its reply.

@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use umdev_mdev::types::{InstanceOptions, Registry};
+use umdev_mdev::types::InstanceOptions;
 use umdev_mdev::VfioDevice;
 use umdev_server::{Daemon, InstanceConfig, InstanceInfo};
 use vfio_user::Client;
@@ -37,7 +37,8 @@ impl Harness {
         options: InstanceOptions,
         tune: impl FnOnce(&mut InstanceConfig),
     ) -> Harness {
-        let device = Registry::builtin().find(type_name).expect("type").create(&options).expect("create");
+        let device =
+            umdev::builtin_registry().find(type_name).expect("type").create(&options).expect("create");
         Self::with_device(device, tune)
     }
 

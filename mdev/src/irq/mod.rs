@@ -21,6 +21,7 @@
 //! All state sits behind one mutex, held for bookkeeping and the non-blocking eventfd
 //! writes only. Lock order: config space, then this.
 
+pub mod msix;
 mod validate;
 mod watcher;
 
@@ -33,7 +34,7 @@ use crate::device::{
     VFIO_PCI_INTX_IRQ_INDEX, VFIO_PCI_MSIX_IRQ_INDEX, VFIO_PCI_MSI_IRQ_INDEX, VFIO_PCI_NUM_IRQS,
     VFIO_PCI_REQ_IRQ_INDEX,
 };
-use crate::pci::{ConfigSpace, IrqControl, IrqStatus, MsiCap, MsixCap, MsixError, MsixTable};
+pub use msix::{MsixEntry, MsixError, MsixTable};
 use validate::{validate, IndexShape};
 use watcher::UnmaskWatcher;
 
@@ -80,19 +81,65 @@ pub struct IrqStats {
 }
 
 /// What was declared in config space.
-#[derive(Clone, Copy, Debug)]
-struct Layout {
-    intx: bool,
-    msi: Option<MsiCap>,
-    msix: Option<MsixCap>,
+/// The interrupt-relevant state of config space, as the guest last wrote it (the PCI layer
+/// derives it from COMMAND and the capabilities).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IrqControl {
+    /// COMMAND.INTX_DISABLE is set.
+    pub intx_disabled: bool,
+    /// COMMAND.BME is set: MSI and MSI-X messages (bus-master writes) may be sent. While it
+    /// is clear they are held pending.
+    pub bus_master: bool,
+    /// MSI is enabled.
+    pub msi_enabled: bool,
+    /// MSI vectors enabled by Multiple Message Enable (0 without an MSI capability).
+    pub msi_vectors: u32,
+    /// MSI-X is enabled.
+    pub msix_enabled: bool,
+    /// MSI-X function mask is set.
+    pub msix_function_mask: bool,
 }
+
+/// Interrupt state this layer owns that config space shows: the INTx status bit and the
+/// MSI mask and pending registers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IrqStatus {
+    /// INTx is asserted (STATUS bit 3).
+    pub intx_asserted: bool,
+    /// MSI per-vector mask bits.
+    pub msi_mask: u32,
+    /// MSI per-vector pending bits.
+    pub msi_pending: u32,
+}
+
+/// What a function declares: its INTx pin and its MSI and MSI-X capabilities.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IrqLayout {
+    /// An INTx pin is declared.
+    pub intx: bool,
+    /// MSI: vectors capable and per-vector masking.
+    pub msi: Option<MsiLayout>,
+    /// MSI-X: table entries.
+    pub msix: Option<u16>,
+}
+
+/// An MSI capability, as the interrupt layer needs it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MsiLayout {
+    /// Vectors the function is capable of (1 to 32).
+    pub vectors: u32,
+    /// The capability has Mask Bits and Pending Bits registers.
+    pub per_vector_mask: bool,
+}
+
+type Layout = IrqLayout;
 
 impl Layout {
     fn vectors(&self, index: u32) -> u32 {
         match index {
             VFIO_PCI_INTX_IRQ_INDEX => u32::from(self.intx),
             VFIO_PCI_MSI_IRQ_INDEX => self.msi.map_or(0, |m| m.vectors),
-            VFIO_PCI_MSIX_IRQ_INDEX => self.msix.map_or(0, |m| u32::from(m.vectors)),
+            VFIO_PCI_MSIX_IRQ_INDEX => self.msix.map_or(0, u32::from),
             VFIO_PCI_ERR_IRQ_INDEX | VFIO_PCI_REQ_IRQ_INDEX => 1,
             _ => 0,
         }
@@ -152,12 +199,7 @@ pub struct IrqHandle {
 impl Interrupts {
     /// The interrupts `config` declares: INTx if it has a pin, its MSI and MSI-X
     /// capabilities, ERR and REQ. Everything starts disabled.
-    pub fn new(config: &ConfigSpace) -> Self {
-        let layout = Layout {
-            intx: config.interrupt_pin() != 0,
-            msi: config.msi().map(|(_, m)| m),
-            msix: config.msix().map(|(_, m)| m),
-        };
+    pub fn new(layout: IrqLayout) -> Self {
         let state = State::new(&layout, IrqStats::default());
         Interrupts {
             shared: Arc::new(Shared { layout, state: Mutex::new(state) }),
@@ -271,7 +313,6 @@ impl Interrupts {
     pub fn apply_control(&self, control: IrqControl) {
         let mut st = self.shared.lock();
         let old = std::mem::replace(&mut st.control, control);
-        st.msi_mask = control.msi_mask;
         if !control.msi_enabled {
             st.msi_pending = 0;
         }
@@ -282,6 +323,16 @@ impl Interrupts {
         if old != control {
             log::debug!("interrupt control {control:?}, mode {:?}", st.mode(&self.shared.layout));
         }
+        st.flush();
+    }
+
+    /// The guest wrote the MSI Mask Bits register: this layer owns the mask (SET_IRQS MASK
+    /// and UNMASK change the same bits), so the write lands here; a newly unmasked pending
+    /// vector fires.
+    pub fn set_msi_mask(&self, mask: u32) {
+        let mut st = self.shared.lock();
+        let bits = vector_bits(self.shared.layout.msi.map_or(0, |m| m.vectors));
+        st.msi_mask = mask & bits;
         st.flush();
     }
 
@@ -329,7 +380,7 @@ impl Interrupts {
 
     /// Registers (`Some`) or removes (`None`) the INTx unmask eventfd.
     fn set_unmask_fd(&self, fd: Option<EventFd>) -> Result<(), DeviceError> {
-        let mut slot = self.watcher.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slot = umdev_pinning::sync::lock(&self.watcher);
         if let Some(old) = slot.take() {
             old.stop();
         }
@@ -423,7 +474,7 @@ impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         // The state stays consistent across a panic in another holder (every update is
         // a few plain stores), so a poisoned lock is still usable.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        umdev_pinning::sync::lock(&self.state)
     }
 
     /// INTx TRIGGER and MASK/UNMASK with NONE/BOOL/EVENTFD data (not disable).
@@ -472,7 +523,7 @@ impl State {
             msi_mask: 0,
             msi_pending: 0,
             msix_fds: none_vec(layout.vectors(VFIO_PCI_MSIX_IRQ_INDEX)),
-            msix: MsixTable::new(layout.msix.map_or(0, |m| m.vectors)),
+            msix: MsixTable::new(layout.msix.unwrap_or(0)),
             err: None,
             req: None,
             stats,

@@ -5,40 +5,28 @@ use std::time::{Duration, Instant};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::*;
-use crate::pci::{Bar, ClassCode, ConfigSpaceBuilder, PciIds};
-
 const INTX: u32 = VFIO_PCI_INTX_IRQ_INDEX;
 const MSI: u32 = VFIO_PCI_MSI_IRQ_INDEX;
 const MSIX: u32 = VFIO_PCI_MSIX_IRQ_INDEX;
 const ERR: u32 = VFIO_PCI_ERR_IRQ_INDEX;
 const REQ: u32 = VFIO_PCI_REQ_IRQ_INDEX;
 
-fn ids() -> PciIds {
-    PciIds {
-        vendor_id: 0x1234,
-        device_id: 0x1,
-        subsystem_vendor_id: 0,
-        subsystem_id: 0,
-        revision: 0,
-        class: ClassCode { base: 0xff, sub: 0, prog_if: 0 },
-    }
-}
-
-/// INTA#, MSI with 4 maskable vectors, MSI-X with 8 vectors (table at 0, PBA at 0x800).
+/// INTA#, MSI with 4 maskable vectors, MSI-X with 8 vectors.
 fn full() -> Interrupts {
-    let config = ConfigSpaceBuilder::new(ids())
-        .bar(0, Bar::mem32(4096))
-        .interrupt_pin(1)
-        .msi(4, true, true)
-        .msix(8, 0, 0, 0, 0x800)
-        .build()
-        .unwrap();
-    Interrupts::new(&config)
+    Interrupts::new(IrqLayout {
+        intx: true,
+        msi: Some(MsiLayout { vectors: 4, per_vector_mask: true }),
+        msix: Some(8),
+    })
 }
 
 /// No pin, MSI with 2 vectors and no per-vector masking.
 fn bare_msi() -> Interrupts {
-    Interrupts::new(&ConfigSpaceBuilder::new(ids()).msi(2, false, false).build().unwrap())
+    Interrupts::new(IrqLayout {
+        intx: false,
+        msi: Some(MsiLayout { vectors: 2, per_vector_mask: false }),
+        msix: None,
+    })
 }
 
 fn efd() -> EventFd {
@@ -83,8 +71,8 @@ fn on() -> IrqControl {
     IrqControl { bus_master: true, ..IrqControl::default() }
 }
 
-fn msi_on(vectors: u32, mask: u32) -> IrqControl {
-    IrqControl { msi_enabled: true, msi_vectors: vectors, msi_mask: mask, ..on() }
+fn msi_on(vectors: u32) -> IrqControl {
+    IrqControl { msi_enabled: true, msi_vectors: vectors, ..on() }
 }
 
 fn msix_on(function_mask: bool) -> IrqControl {
@@ -256,14 +244,14 @@ fn msi_delivers_per_vector() {
     let irqs = full();
     let dev = irqs.handle();
     let fds = assign(&irqs, MSI, 0, 4);
-    irqs.apply_control(msi_on(4, 0));
+    irqs.apply_control(msi_on(4));
     assert_eq!(dev.mode(), IrqMode::Msi);
     assert_eq!(dev.raise(2), Delivery::Signalled);
     assert_eq!(dev.raise(0), Delivery::Signalled);
     assert_eq!(fds.iter().map(take).collect::<Vec<_>>(), [1, 0, 1, 0]);
     assert_eq!(dev.raise(4), Delivery::Lost, "beyond the vectors");
     // Only 2 vectors enabled by MME: vector 3 is lost.
-    irqs.apply_control(msi_on(2, 0));
+    irqs.apply_control(msi_on(2));
     assert_eq!(dev.raise(3), Delivery::Lost);
     let stats = dev.stats();
     assert_eq!((stats.msi, stats.lost), (2, 2));
@@ -274,12 +262,13 @@ fn msi_mask_holds_pending_and_fires_on_unmask() {
     let irqs = full();
     let dev = irqs.handle();
     let fds = assign(&irqs, MSI, 0, 4);
-    // The guest masks vector 1 through config space.
-    irqs.apply_control(msi_on(4, 0b10));
+    // The guest masks vector 1 through config space (the PCI layer forwards the write).
+    irqs.apply_control(msi_on(4));
+    irqs.set_msi_mask(0b10);
     assert_eq!(dev.raise(1), Delivery::Pending);
     assert_eq!(take(&fds[1]), 0);
     assert_eq!(irqs.status().msi_pending, 0b10);
-    irqs.apply_control(msi_on(4, 0));
+    irqs.set_msi_mask(0);
     assert_eq!(take(&fds[1]), 1);
     assert_eq!(irqs.status().msi_pending, 0);
 
@@ -290,10 +279,13 @@ fn msi_mask_holds_pending_and_fires_on_unmask() {
     set(&irqs, MSI, 2, 2, IrqAction::Unmask, IrqData::Bool(vec![false, true]));
     assert_eq!(take(&fds[3]), 1);
 
+    // Masks beyond the implemented vectors are dropped.
+    irqs.set_msi_mask(u32::MAX);
+    assert_eq!(irqs.status().msi_mask, 0b1111);
     // Disabling MSI drops pending bits.
-    irqs.apply_control(msi_on(4, 0b1));
+    irqs.set_msi_mask(0b1);
     dev.raise(0);
-    irqs.apply_control(IrqControl { msi_mask: 0b1, ..on() });
+    irqs.apply_control(on());
     assert_eq!(irqs.status().msi_pending, 0);
 }
 
@@ -377,10 +369,10 @@ fn mode_follows_config_msix_then_msi_then_intx() {
     let intx = assign(&irqs, INTX, 0, 1).remove(0);
     let msi = assign(&irqs, MSI, 0, 1).remove(0);
     let msix = assign(&irqs, MSIX, 0, 1).remove(0);
-    irqs.apply_control(IrqControl { msix_enabled: true, ..msi_on(1, 0) });
+    irqs.apply_control(IrqControl { msix_enabled: true, ..msi_on(1) });
     dev.raise(0);
     assert_eq!((take(&intx), take(&msi), take(&msix)), (0, 0, 1));
-    irqs.apply_control(msi_on(1, 0));
+    irqs.apply_control(msi_on(1));
     dev.raise(0);
     assert_eq!((take(&intx), take(&msi), take(&msix)), (0, 1, 0));
     // INTx asserted while MSI is on is held, and fires when MSI goes off.
@@ -395,7 +387,7 @@ fn deassign_with_zero_fds_and_disable_with_count_zero() {
     let irqs = full();
     let dev = irqs.handle();
     let fds = assign(&irqs, MSI, 0, 4);
-    irqs.apply_control(msi_on(4, 0));
+    irqs.apply_control(msi_on(4));
     // De-assign vectors 1 and 2 (QEMU's "-1" run).
     set(&irqs, MSI, 1, 2, IrqAction::Trigger, IrqData::Eventfds(vec![]));
     for v in 0..4 {
@@ -455,12 +447,12 @@ fn nothing_installed_counts_as_lost_without_panicking() {
     irqs.apply_control(msix_on(false));
     irqs.msix_table_write(12, &0u32.to_le_bytes()).unwrap(); // unmask vector 0, no fd
     assert_eq!(dev.raise(0), Delivery::Lost);
-    irqs.apply_control(msi_on(4, 0));
+    irqs.apply_control(msi_on(4));
     assert_eq!(dev.raise(1), Delivery::Lost);
     assert_eq!(dev.signal_req(), Delivery::Lost);
     assert_eq!(dev.stats().lost, 3);
 
-    let bare = Interrupts::new(&ConfigSpaceBuilder::new(ids()).build().unwrap());
+    let bare = Interrupts::new(IrqLayout::default());
     assert_eq!(bare.handle().mode(), IrqMode::None);
     assert_eq!(bare.handle().raise(0), Delivery::Lost);
     assert_eq!(bare.handle().intx_assert(), Delivery::Lost);

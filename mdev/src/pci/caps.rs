@@ -72,9 +72,8 @@ impl MsiCap {
             cap.set32(8, 0, u32::MAX);
         }
         cap.set16(self.data_offset(), 0, u16::MAX);
-        if let Some(mask) = self.mask_offset() {
-            cap.set32(mask, 0, self.vector_bits());
-        }
+        // The Mask Bits and Pending Bits registers are the interrupt layer's (the adapter
+        // answers and forwards them): nothing here is writable.
         cap
     }
 }

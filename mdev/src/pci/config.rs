@@ -15,6 +15,7 @@ use thiserror::Error;
 use super::bar::Bar;
 use super::caps::{CapImage, MsiCap, MsixCap, PcieCap, PmCap};
 use super::regs::*;
+use crate::irq::IrqControl;
 
 /// Identity of a function: the read-only ID registers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -372,7 +373,7 @@ bitflags! {
         const COMMAND = 1 << 0;
         /// COMMAND.INTX_DISABLE.
         const INTX_DISABLE = 1 << 1;
-        /// MSI enable, Multiple Message Enable or mask bits.
+        /// MSI enable or Multiple Message Enable.
         const MSI = 1 << 2;
         /// MSI-X enable or function mask.
         const MSIX = 1 << 3;
@@ -399,36 +400,17 @@ impl ConfigChanges {
     }
 }
 
-/// The interrupt-relevant state of config space, as the guest last wrote it.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct IrqControl {
-    /// COMMAND.INTX_DISABLE is set.
-    pub intx_disabled: bool,
-    /// COMMAND.BME is set: MSI and MSI-X messages (bus-master writes) may be sent. While it
-    /// is clear they are held pending.
-    pub bus_master: bool,
-    /// MSI is enabled.
-    pub msi_enabled: bool,
-    /// MSI vectors enabled by Multiple Message Enable (0 without an MSI capability).
-    pub msi_vectors: u32,
-    /// MSI per-vector mask bits (0 without per-vector masking).
-    pub msi_mask: u32,
-    /// MSI-X is enabled.
-    pub msix_enabled: bool,
-    /// MSI-X function mask is set.
-    pub msix_function_mask: bool,
-}
-
-/// Interrupt state owned by the interrupt layer that config space shows: the INTx
-/// status bit and the MSI mask and pending registers.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct IrqStatus {
-    /// INTx is asserted (STATUS bit 3).
-    pub intx_asserted: bool,
-    /// MSI per-vector mask bits.
-    pub msi_mask: u32,
-    /// MSI per-vector pending bits.
-    pub msi_pending: u32,
+/// Where config space shows registers the interrupt layer owns ([`crate::irq`]): the
+/// adapter answers reads of them from there and forwards writes, config space stores none
+/// of their bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IrqRegisters {
+    /// The MSI Mask Bits register (with per-vector masking).
+    pub msi_mask: Option<usize>,
+    /// The MSI Pending Bits register (with per-vector masking).
+    pub msi_pending: Option<usize>,
+    /// The bits of implemented MSI vectors.
+    pub msi_vector_bits: u32,
 }
 
 /// The emulated configuration space of one function.
@@ -517,6 +499,12 @@ impl ConfigSpace {
         self.data.copy_from_slice(&self.reset_data);
     }
 
+    /// The STATUS register as config space holds it (the INTERRUPT bit is the interrupt
+    /// layer's: see [`IrqRegisters`]).
+    pub fn status(&self) -> u16 {
+        self.u16_at(STATUS)
+    }
+
     /// Whether COMMAND.BME (bus master enable) is set.
     pub fn bus_master(&self) -> bool {
         self.command() & COMMAND_MASTER != 0
@@ -529,11 +517,10 @@ impl ConfigSpace {
             bus_master: self.bus_master(),
             ..IrqControl::default()
         };
-        if let Some((at, msi)) = self.msi {
+        if let Some((at, _)) = self.msi {
             let ctrl = self.u16_at(at + MsiCap::CONTROL);
             control.msi_enabled = ctrl & MSI_CTRL_ENABLE != 0;
             control.msi_vectors = 1 << ((ctrl & MSI_CTRL_MME_MASK) >> MSI_CTRL_MME_SHIFT);
-            control.msi_mask = msi.mask_offset().map_or(0, |m| self.u32_at(at + m));
         }
         if let Some((at, _)) = self.msix {
             let ctrl = self.u16_at(at + MsixCap::CONTROL);
@@ -543,19 +530,13 @@ impl ConfigSpace {
         control
     }
 
-    /// Shows the interrupt layer's state: STATUS.INTERRUPT and, with per-vector masking,
-    /// the MSI mask and pending registers. Call before reads and writes so they see it.
-    pub fn set_irq_status(&mut self, status: IrqStatus) {
-        let mut sts = self.u16_at(STATUS) & !STATUS_INTERRUPT;
-        if status.intx_asserted {
-            sts |= STATUS_INTERRUPT;
-        }
-        self.set_u16(STATUS, sts);
-        if let Some((at, msi)) = self.msi {
-            if let (Some(mask), Some(pending)) = (msi.mask_offset(), msi.pending_offset()) {
-                self.set_u32(at + mask, status.msi_mask & msi.vector_bits());
-                self.set_u32(at + pending, status.msi_pending & msi.vector_bits());
-            }
+    /// The registers the interrupt layer owns, for the adapter to answer.
+    pub fn irq_registers(&self) -> IrqRegisters {
+        let msi = self.msi.map(|(at, msi)| (at, msi));
+        IrqRegisters {
+            msi_mask: msi.and_then(|(at, m)| m.mask_offset().map(|o| at + o)),
+            msi_pending: msi.and_then(|(at, m)| m.pending_offset().map(|o| at + o)),
+            msi_vector_bits: msi.map_or(0, |(_, m)| m.vector_bits()),
         }
     }
 
@@ -669,10 +650,6 @@ impl ConfigSpace {
         u16::from_le_bytes([self.data[at], self.data[at + 1]])
     }
 
-    fn u32_at(&self, at: usize) -> u32 {
-        u32::from_le_bytes([self.data[at], self.data[at + 1], self.data[at + 2], self.data[at + 3]])
-    }
-
     fn set_u16(&mut self, at: usize, value: u16) {
         self.data[at..at + 2].copy_from_slice(&value.to_le_bytes());
     }
@@ -707,8 +684,7 @@ impl Watched {
         changes.set(ConfigChanges::BUS_MASTER, self.irq.bus_master != after.irq.bus_master);
         changes.set(
             ConfigChanges::MSI,
-            (self.irq.msi_enabled, self.irq.msi_vectors, self.irq.msi_mask)
-                != (after.irq.msi_enabled, after.irq.msi_vectors, after.irq.msi_mask),
+            (self.irq.msi_enabled, self.irq.msi_vectors) != (after.irq.msi_enabled, after.irq.msi_vectors),
         );
         changes.set(
             ConfigChanges::MSIX,

@@ -14,12 +14,12 @@ use umdev_pinning::PAGE_SIZE;
 
 use super::caps::MsixCap;
 use super::config::{ConfigChanges, ConfigError, ConfigSpace, ConfigSpaceBuilder};
-use super::regs::NUM_BARS;
+use super::regs::{NUM_BARS, STATUS, STATUS_INTERRUPT};
 use crate::device::{
     BusMaster, DeviceContext, DeviceError, DeviceFlags, DeviceInfo, IrqInfo, RegionFlags, RegionInfo,
     RegionMmap, SetIrqs, VfioDevice, VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_NUM_IRQS, VFIO_PCI_NUM_REGIONS,
 };
-use crate::irq::{Interrupts, IrqHandle};
+use crate::irq::{Interrupts, IrqHandle, IrqLayout, MsiLayout};
 
 /// The device-specific part of a PCI function: its BARs' registers and its work.
 ///
@@ -89,6 +89,9 @@ pub struct PciDevice<F> {
     function: F,
     regions: Vec<RegionInfo>,
     msix: Option<MsixCap>,
+    /// Held for the device's life and dropped with it: the capacity an instance takes from
+    /// its type's pool ([`crate::types::Reservation`]), say.
+    held: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 impl<F: PciFunction> PciDevice<F> {
@@ -107,7 +110,13 @@ impl<F: PciFunction> PciDevice<F> {
         make: impl FnOnce(IrqHandle) -> Result<F, E>,
     ) -> Result<Self, E> {
         let config = builder.build().map_err(PciDeviceError::from)?;
-        let irqs = Interrupts::new(&config);
+        let irqs = Interrupts::new(IrqLayout {
+            intx: config.interrupt_pin() != 0,
+            msi: config
+                .msi()
+                .map(|(_, m)| MsiLayout { vectors: m.vectors, per_vector_mask: m.per_vector_mask }),
+            msix: config.msix().map(|(_, m)| m.vectors),
+        });
         let function = make(irqs.handle())?;
         let msix = config.msix().map(|(_, m)| m);
         let mut regions: Vec<RegionInfo> = (0..VFIO_PCI_NUM_REGIONS).map(|_| RegionInfo::absent()).collect();
@@ -122,7 +131,14 @@ impl<F: PciFunction> PciDevice<F> {
         }
         regions[VFIO_PCI_CONFIG_REGION_INDEX as usize] = RegionInfo::read_write(config.size() as u64);
         let bus_master = BusMaster::new(config.bus_master());
-        Ok(PciDevice { config: Mutex::new(config), bus_master, irqs, function, regions, msix })
+        Ok(PciDevice { config: Mutex::new(config), bus_master, irqs, function, regions, msix, held: None })
+    }
+
+    /// The device, keeping `value` alive until it drops (an instance's share of its type's
+    /// capacity, released when the instance goes).
+    pub fn holding(mut self, value: impl std::any::Any + Send + Sync) -> Self {
+        self.held = Some(Box::new(value));
+        self
     }
 
     /// The function.
@@ -137,25 +153,45 @@ impl<F: PciFunction> PciDevice<F> {
 
     fn config(&self) -> MutexGuard<'_, ConfigSpace> {
         // Config space is plain bytes, consistent after any panic of a holder.
-        self.config.lock().unwrap_or_else(|p| p.into_inner())
+        umdev_pinning::sync::lock(&self.config)
     }
 
+    /// Reads config space; the registers the interrupt layer owns (STATUS.INTERRUPT, MSI
+    /// Mask and Pending Bits) are answered from it.
     fn config_read(&self, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
+        let config = self.config();
+        config
+            .read(offset, data)
+            .map_err(|_| bad_access(VFIO_PCI_CONFIG_REGION_INDEX, offset, data.len()))?;
         let status = self.irqs.status();
-        let mut config = self.config();
-        config.set_irq_status(status);
-        config.read(offset, data).map_err(|_| bad_access(VFIO_PCI_CONFIG_REGION_INDEX, offset, data.len()))
+        let mut sts = config.status() & !STATUS_INTERRUPT;
+        if status.intx_asserted {
+            sts |= STATUS_INTERRUPT;
+        }
+        overlay(data, offset, STATUS as u64, &sts.to_le_bytes());
+        let owned = config.irq_registers();
+        if let Some(at) = owned.msi_mask {
+            overlay(data, offset, at as u64, &(status.msi_mask & owned.msi_vector_bits).to_le_bytes());
+        }
+        if let Some(at) = owned.msi_pending {
+            overlay(data, offset, at as u64, &(status.msi_pending & owned.msi_vector_bits).to_le_bytes());
+        }
+        Ok(())
     }
 
+    /// Writes config space; a write to the MSI Mask Bits goes to the interrupt layer, which
+    /// owns them (config space stores none of their bits).
     fn config_write(&self, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
-        let status = self.irqs.status();
         let mut config = self.config();
-        // The write starts from the interrupt layer's MSI mask bits, which SET_IRQS may
-        // have changed since the last access.
-        config.set_irq_status(status);
         let changes = config
             .write(offset, data)
             .map_err(|_| bad_access(VFIO_PCI_CONFIG_REGION_INDEX, offset, data.len()))?;
+        if let Some(at) = config.irq_registers().msi_mask {
+            let mut mask = self.irqs.status().msi_mask.to_le_bytes();
+            if underlay(&mut mask, offset, at as u64, data) {
+                self.irqs.set_msi_mask(u32::from_le_bytes(mask));
+            }
+        }
         if changes.contains(ConfigChanges::COMMAND) {
             self.bus_master.set(config.bus_master());
         }
@@ -221,6 +257,31 @@ impl<F: PciFunction> PciDevice<F> {
     pub fn bus_master(&self) -> bool {
         self.bus_master.enabled()
     }
+}
+
+/// Copies the bytes of register `reg` (at `reg_at`) that fall inside an access of
+/// `data.len()` bytes at `offset` into `data`.
+fn overlay(data: &mut [u8], offset: u64, reg_at: u64, reg: &[u8]) {
+    for (i, byte) in data.iter_mut().enumerate() {
+        let at = offset + i as u64;
+        if at >= reg_at && at < reg_at + reg.len() as u64 {
+            *byte = reg[(at - reg_at) as usize];
+        }
+    }
+}
+
+/// The opposite of [`overlay`]: takes the bytes of a write of `data` at `offset` that fall
+/// inside register `reg` (at `reg_at`); true if any did.
+fn underlay(reg: &mut [u8], offset: u64, reg_at: u64, data: &[u8]) -> bool {
+    let mut hit = false;
+    for (i, &byte) in data.iter().enumerate() {
+        let at = offset + i as u64;
+        if at >= reg_at && at < reg_at + reg.len() as u64 {
+            reg[(at - reg_at) as usize] = byte;
+            hit = true;
+        }
+    }
+    hit
 }
 
 /// A region access's direction and buffer.

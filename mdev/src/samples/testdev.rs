@@ -277,7 +277,7 @@ impl TestDev {
             log::debug!("testdev: DMA_CMD {cmd} while busy ignored");
             return;
         }
-        let ctx = self.inner.ctx.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let ctx = umdev_pinning::sync::lock(&self.inner.ctx).clone();
         let (ctx, jobs) = match (cmd, ctx, &self.jobs) {
             (CMD_FILL | CMD_CHECKSUM, _, _) if regs.dma_len > MAX_DMA_LEN => {
                 return self.inner.complete(regs, Err(libc::EINVAL));
@@ -359,7 +359,7 @@ impl TestDev {
 impl Inner {
     fn regs(&self) -> MutexGuard<'_, Regs> {
         // Registers are plain values, consistent after a panic of a holder.
-        self.regs.lock().unwrap_or_else(|p| p.into_inner())
+        umdev_pinning::sync::lock(&self.regs)
     }
 
     /// Raises the device interrupt: ISR and IRQ_COUNT, then MSI-X vector 0, MSI or INTx.
@@ -520,11 +520,11 @@ impl PciFunction for TestDev {
     }
 
     fn attach(&self, ctx: &DeviceContext) {
-        *self.inner.ctx.lock().unwrap_or_else(|p| p.into_inner()) = Some(ctx.clone());
+        *umdev_pinning::sync::lock(&self.inner.ctx) = Some(ctx.clone());
     }
 
     fn detach(&self) {
-        *self.inner.ctx.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        *umdev_pinning::sync::lock(&self.inner.ctx) = None;
         self.clear();
     }
 
@@ -541,3 +541,39 @@ impl PciFunction for TestDev {
 
 #[cfg(test)]
 mod tests;
+
+/// The `testdev` device type: capacity 64 instances.
+#[derive(Debug)]
+pub struct TestDevType {
+    pool: std::sync::Arc<crate::types::Pool>,
+}
+
+impl TestDevType {
+    /// A type allowing `capacity` instances at once.
+    pub fn new(capacity: u32) -> TestDevType {
+        TestDevType { pool: crate::types::Pool::new(capacity) }
+    }
+}
+
+impl crate::types::DeviceType for TestDevType {
+    fn name(&self) -> &str {
+        TYPE_NAME
+    }
+    fn description(&self) -> &str {
+        "test device: registers, DMA through pins or the client, INTx/MSI/MSI-X, sparse-mmap BAR (docs/testdev.md)"
+    }
+    fn available_instances(&self) -> u32 {
+        self.pool.free()
+    }
+    fn create(
+        &self,
+        options: &crate::types::InstanceOptions,
+    ) -> Result<std::sync::Arc<dyn crate::VfioDevice>, crate::types::TypeError> {
+        use crate::types::TypeError;
+        options.only(self.name(), &[])?;
+        let reservation = self.pool.reserve(1).ok_or_else(|| TypeError::Exhausted(self.name().into()))?;
+        let device =
+            create().map_err(|e| TypeError::Create { ty: self.name().into(), why: e.to_string() })?;
+        Ok(std::sync::Arc::new(device.holding(reservation)))
+    }
+}

@@ -19,13 +19,13 @@ pub(crate) struct PinnedRanges {
 
 impl PinnedRanges {
     fn set(&self, ranges: SmallVec<[(u64, u64); 4]>) {
-        *self.ranges.lock().unwrap_or_else(|p| p.into_inner()) = ranges;
+        *umdev_pinning::sync::lock(&self.ranges) = ranges;
     }
 
     /// True if any held range overlaps `[iova, iova + len)`.
     pub(crate) fn overlaps(&self, iova: u64, len: u64) -> bool {
         let end = iova.saturating_add(len);
-        self.ranges.lock().unwrap_or_else(|p| p.into_inner()).iter().any(|&(s, e)| s < end && iova < e)
+        umdev_pinning::sync::lock(&self.ranges).iter().any(|&(s, e)| s < end && iova < e)
     }
 }
 

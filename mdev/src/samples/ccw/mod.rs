@@ -191,7 +191,7 @@ struct Subchannel {
 
 impl Subchannel {
     fn regs(&self) -> MutexGuard<'_, SubRegs> {
-        self.regs.lock().unwrap_or_else(|p| p.into_inner())
+        umdev_pinning::sync::lock(&self.regs)
     }
 }
 
@@ -228,27 +228,26 @@ struct Shared {
 
 impl Shared {
     fn ctx(&self) -> MutexGuard<'_, Option<DeviceContext>> {
-        self.ctx.lock().unwrap_or_else(|p| p.into_inner())
+        umdev_pinning::sync::lock(&self.ctx)
     }
 
     fn job_finished(&self) {
-        let mut jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+        let mut jobs = umdev_pinning::sync::lock(&self.jobs);
         *jobs = jobs.saturating_sub(1);
         self.jobs_done.notify_all();
     }
 
     /// Waits (boundedly) until no job is queued or running.
     fn wait_idle(&self, bound: Duration) {
-        let jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
-        let (jobs, _) =
-            self.jobs_done.wait_timeout_while(jobs, bound, |j| *j > 0).unwrap_or_else(|p| p.into_inner());
+        let jobs = umdev_pinning::sync::lock(&self.jobs);
+        let (jobs, _) = umdev_pinning::sync::wait_timeout_while(&self.jobs_done, jobs, bound, |j| *j > 0);
         if *jobs > 0 {
             log::warn!("ccw: {} program(s) still running {bound:?} after a detach", *jobs);
         }
     }
 
     fn line(&self) -> MutexGuard<'_, ()> {
-        self.line.lock().unwrap_or_else(|p| p.into_inner())
+        umdev_pinning::sync::lock(&self.line)
     }
 
     fn irq_status(&self) -> u32 {
@@ -474,7 +473,7 @@ impl Ccw {
             generation: self.shared.generation.load(Ordering::Acquire),
         };
         r.state = regs::STATE_BUSY;
-        *self.shared.jobs.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        *umdev_pinning::sync::lock(&self.shared.jobs) += 1;
         if tx.send(job).is_err() {
             r.state = regs::STATE_IDLE;
             self.shared.job_finished();
@@ -653,7 +652,7 @@ impl crate::types::DeviceType for CcwType {
         let reservation = self.pool.reserve(1).ok_or_else(|| TypeError::Exhausted(TYPE_NAME.into()))?;
         let device =
             create(config).map_err(|e| TypeError::Create { ty: TYPE_NAME.into(), why: e.to_string() })?;
-        Ok(Arc::new(crate::types::Reserved::new(device, reservation)))
+        Ok(Arc::new(device.holding(reservation)))
     }
 }
 

@@ -40,7 +40,7 @@ use uart::{HostLine, Line, Uart};
 use crate::device::{DeviceError, VfioDevice};
 use crate::irq::{IrqHandle, IrqMode};
 use crate::pci::{Bar, ClassCode, ConfigSpaceBuilder, PciDevice, PciDeviceError, PciFunction, PciIds};
-use crate::types::{DeviceType, InstanceOptions, Pool, Reserved, TypeError};
+use crate::types::{DeviceType, InstanceOptions, Pool, TypeError};
 
 /// Type name of the one-port card.
 pub const TYPE_1: &str = "mtty-1";
@@ -277,7 +277,7 @@ struct HostState {
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         // Register values and byte queues: consistent after a panic of a holder.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        umdev_pinning::sync::lock(&self.state)
     }
 
     /// Recomputes the interrupt after any change: INTx follows the level; with MSI, every
@@ -397,12 +397,9 @@ fn timer(shared: &Shared) {
         st = match next {
             Some(deadline) => {
                 let wait = deadline.saturating_duration_since(now);
-                match shared.wake.wait_timeout(st, wait) {
-                    Ok((guard, _)) => guard,
-                    Err(p) => p.into_inner().0,
-                }
+                umdev_pinning::sync::wait_timeout(&shared.wake, st, wait).0
             }
-            None => shared.wake.wait(st).unwrap_or_else(|p| p.into_inner()),
+            None => umdev_pinning::sync::wait(&shared.wake, st),
         };
     }
 }
@@ -676,6 +673,6 @@ impl DeviceType for MttyType {
             self.pool.reserve(self.ports).ok_or_else(|| TypeError::Exhausted(self.name().into()))?;
         let device = create_with(&backends)
             .map_err(|e| TypeError::Create { ty: self.name().into(), why: e.to_string() })?;
-        Ok(Arc::new(Reserved::new(device, reservation)))
+        Ok(Arc::new(device.holding(reservation)))
     }
 }

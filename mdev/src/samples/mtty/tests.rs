@@ -613,7 +613,12 @@ fn reset_restores_the_uart_and_keeps_the_lines() {
 
 #[test]
 fn ports_come_from_one_pool_across_both_types() {
-    let registry = Registry::builtin();
+    // As a binary lists them: both types on one pool.
+    let ports = Pool::new(MAX_PORTS);
+    let registry = Registry::with_types(vec![
+        Arc::new(MttyType::single(ports.clone())),
+        Arc::new(MttyType::dual(ports)),
+    ]);
     let one = registry.find(TYPE_1).unwrap();
     let two = registry.find(TYPE_2).unwrap();
     let avail = || (one.available_instances(), two.available_instances());

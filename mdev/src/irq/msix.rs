@@ -8,7 +8,8 @@
 
 use thiserror::Error;
 
-use super::caps::MsixCap;
+/// Bytes of one MSI-X table entry.
+pub const ENTRY_SIZE: usize = 16;
 
 /// Why an MSI-X table or PBA access was refused.
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -128,8 +129,7 @@ impl MsixTable {
 
     /// Reads table bytes at `offset` (from the table's start); any size within the table.
     pub fn read_table(&self, offset: u64, data: &mut [u8]) -> Result<(), MsixError> {
-        let start =
-            self.check("table", offset, data.len(), self.entries.len() * MsixCap::ENTRY_SIZE as usize)?;
+        let start = self.check("table", offset, data.len(), self.entries.len() * ENTRY_SIZE)?;
         for (i, byte) in data.iter_mut().enumerate() {
             let at = start + i;
             let dword = self.entries[at / 16].dword((at % 16) / 4);
@@ -141,7 +141,7 @@ impl MsixTable {
     /// Writes table bytes at `offset`: an aligned dword or qword, as the spec requires.
     pub fn write_table(&mut self, offset: u64, data: &[u8]) -> Result<(), MsixError> {
         let len = data.len();
-        let start = self.check("table", offset, len, self.entries.len() * MsixCap::ENTRY_SIZE as usize)?;
+        let start = self.check("table", offset, len, self.entries.len() * ENTRY_SIZE)?;
         if !matches!(len, 4 | 8) || start % len != 0 {
             return Err(MsixError::BadAccess { what: "table", offset, len });
         }

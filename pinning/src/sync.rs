@@ -1,0 +1,48 @@
+//! Poison-tolerant locking, the one way umdev takes a lock.
+//!
+//! Every lock in umdev guards state that stays consistent across a panic of a holder (plain
+//! stores, counters, queues: no multi-step invariant is left half done), so a poisoned lock
+//! is still the best record there is. These helpers take the guard either way instead of
+//! spreading `.lock().unwrap_or_else(|p| p.into_inner())` through the code.
+
+use std::sync::{Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard, WaitTimeoutResult};
+use std::time::Duration;
+
+/// Locks `m`, poisoned or not.
+pub fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Read-locks `l`, poisoned or not.
+pub fn read<T: ?Sized>(l: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    l.read().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Write-locks `l`, poisoned or not.
+pub fn write<T: ?Sized>(l: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    l.write().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Waits on `cv` with `guard`, poisoned or not.
+pub fn wait<'a, T>(cv: &Condvar, guard: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
+    cv.wait(guard).unwrap_or_else(|p| p.into_inner())
+}
+
+/// Waits on `cv` with `guard` for at most `timeout`, poisoned or not.
+pub fn wait_timeout<'a, T>(
+    cv: &Condvar,
+    guard: MutexGuard<'a, T>,
+    timeout: Duration,
+) -> (MutexGuard<'a, T>, WaitTimeoutResult) {
+    cv.wait_timeout(guard, timeout).unwrap_or_else(|p| p.into_inner())
+}
+
+/// Waits on `cv` while `condition` holds, for at most `timeout`, poisoned or not.
+pub fn wait_timeout_while<'a, T>(
+    cv: &Condvar,
+    guard: MutexGuard<'a, T>,
+    timeout: Duration,
+    condition: impl FnMut(&mut T) -> bool,
+) -> (MutexGuard<'a, T>, WaitTimeoutResult) {
+    cv.wait_timeout_while(guard, timeout, condition).unwrap_or_else(|p| p.into_inner())
+}
