@@ -9,8 +9,10 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
 
+use crate::wire::structs::{DeviceInfo, DmaMap, DmaUnmap, IrqSet, RegionAccess, Version};
 use crate::wire::{flags, Command, Header, HEADER_SIZE};
 use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
+use vm_memory::{ByteValued, Le16, Le32, Le64};
 
 /// QEMU 11.1.3's VERSION JSON, byte for byte.
 pub const QEMU_CAPS: &str = r#"{"capabilities": {"pgsizes": 4096, "max_msg_fds": 16, "max_dma_maps": 65535, "max_data_xfer_size": 1048576, "migration": {"max_bitmap_size": 268435456, "pgsize": 4096}, "write_multiple": true}}"#;
@@ -133,7 +135,7 @@ impl RawClient {
 
     /// VERSION with `json` as capabilities.
     pub fn negotiate_with(&mut self, json: &str) -> io::Result<Reply> {
-        let mut p = vec![0, 0, 0, 0];
+        let mut p = Version { major: Le16::from(0), minor: Le16::from(0) }.as_slice().to_vec();
         p.extend_from_slice(json.as_bytes());
         p.push(0);
         let r = self.request(Command::Version as u16, &p, &[])?;
@@ -167,10 +169,8 @@ impl RawClient {
 
     /// DEVICE_GET_INFO, which must succeed: proof the connection is alive and in sync.
     pub fn alive(&mut self) -> bool {
-        let mut p = Vec::new();
-        p.extend_from_slice(&le32(16));
-        p.extend_from_slice(&[0; 12]);
-        match self.request(Command::DeviceGetInfo as u16, &p, &[]) {
+        let info = DeviceInfo { argsz: Le32::from(size_of::<DeviceInfo>() as u32), ..Default::default() };
+        match self.request(Command::DeviceGetInfo as u16, info.as_slice(), &[]) {
             Ok(r) => r.errno() == 0 && r.payload.len() == 16,
             Err(_) => false,
         }
@@ -178,11 +178,9 @@ impl RawClient {
 
     /// REGION_READ.
     pub fn region_read(&mut self, region: u32, offset: u64, count: u32) -> io::Result<Reply> {
-        let mut p = Vec::new();
-        p.extend_from_slice(&le64(offset));
-        p.extend_from_slice(&le32(region));
-        p.extend_from_slice(&le32(count));
-        self.request(Command::RegionRead as u16, &p, &[])
+        let access =
+            RegionAccess { offset: Le64::from(offset), region: Le32::from(region), count: Le32::from(count) };
+        self.request(Command::RegionRead as u16, access.as_slice(), &[])
     }
 
     /// REGION_WRITE.
@@ -202,43 +200,47 @@ pub fn message(id: u16, command: u16, msg_flags: u32, payload: &[u8]) -> Vec<u8>
 
 /// A REGION_WRITE payload.
 pub fn region_write_payload(region: u32, offset: u64, data: &[u8]) -> Vec<u8> {
-    let mut p = Vec::new();
-    p.extend_from_slice(&le64(offset));
-    p.extend_from_slice(&le32(region));
-    p.extend_from_slice(&le32(data.len() as u32));
-    p.extend_from_slice(data);
-    p
+    let access = RegionAccess {
+        offset: Le64::from(offset),
+        region: Le32::from(region),
+        count: Le32::from(data.len() as u32),
+    };
+    [access.as_slice(), data].concat()
 }
 
 /// A DMA_MAP payload.
 pub fn dma_map_payload(flags: u32, offset: u64, iova: u64, size: u64) -> Vec<u8> {
-    let mut p = Vec::new();
-    p.extend_from_slice(&le32(32));
-    p.extend_from_slice(&le32(flags));
-    p.extend_from_slice(&le64(offset));
-    p.extend_from_slice(&le64(iova));
-    p.extend_from_slice(&le64(size));
-    p
+    DmaMap {
+        argsz: Le32::from(size_of::<DmaMap>() as u32),
+        flags: Le32::from(flags),
+        offset: Le64::from(offset),
+        addr: Le64::from(iova),
+        size: Le64::from(size),
+    }
+    .as_slice()
+    .to_vec()
 }
 
 /// A DMA_UNMAP payload.
 pub fn dma_unmap_payload(argsz: u32, flags: u32, iova: u64, size: u64) -> Vec<u8> {
-    let mut p = Vec::new();
-    p.extend_from_slice(&le32(argsz));
-    p.extend_from_slice(&le32(flags));
-    p.extend_from_slice(&le64(iova));
-    p.extend_from_slice(&le64(size));
-    p
+    DmaUnmap {
+        argsz: Le32::from(argsz),
+        flags: Le32::from(flags),
+        addr: Le64::from(iova),
+        size: Le64::from(size),
+    }
+    .as_slice()
+    .to_vec()
 }
 
 /// A SET_IRQS payload (argsz covers `data`).
 pub fn set_irqs_payload(flags: u32, index: u32, start: u32, count: u32, data: &[u8]) -> Vec<u8> {
-    let mut p = Vec::new();
-    p.extend_from_slice(&le32(20 + data.len() as u32));
-    p.extend_from_slice(&le32(flags));
-    p.extend_from_slice(&le32(index));
-    p.extend_from_slice(&le32(start));
-    p.extend_from_slice(&le32(count));
-    p.extend_from_slice(data);
-    p
+    let set = IrqSet {
+        argsz: Le32::from((size_of::<IrqSet>() + data.len()) as u32),
+        flags: Le32::from(flags),
+        index: Le32::from(index),
+        start: Le32::from(start),
+        count: Le32::from(count),
+    };
+    [set.as_slice(), data].concat()
 }

@@ -22,6 +22,7 @@ use umdev_mdev::{ClientDma, ClientDmaError};
 
 use crate::stats::ServerStats;
 use crate::wire::reply::{dma_transfer, request_header};
+use crate::wire::structs::{read_struct, DmaTransfer};
 use crate::wire::{Command, Header};
 
 /// Bytes per server-to-client DMA message. QEMU 11 cuts larger replies short (it treats a
@@ -156,13 +157,15 @@ fn check(reply: &ClientReply, iova: u64, count: usize, data: bool) -> Result<(),
     if !data && p.is_empty() {
         return Ok(());
     }
-    let want = if data { 16 + count } else { 16 };
-    if p.len() != want {
+    let fixed = size_of::<DmaTransfer>();
+    if p.len() != if data { fixed + count } else { fixed } {
         return Err(ClientDmaError::BadReply);
     }
-    let addr = u64::from_le_bytes(p[0..8].try_into().map_err(|_| ClientDmaError::BadReply)?);
-    // QEMU puts a u32 count and 4 bytes of padding where the specification has a u64.
-    let n = u32::from_le_bytes(p[8..12].try_into().map_err(|_| ClientDmaError::BadReply)?);
+    let t: DmaTransfer = read_struct(p).ok_or(ClientDmaError::BadReply)?;
+    let addr = t.addr.to_native();
+    // QEMU puts a u32 count and 4 bytes of padding where the specification has a u64: only
+    // the low 32 bits are the count.
+    let n = t.count.to_native() as u32;
     if addr != iova || n as usize != count {
         return Err(ClientDmaError::BadReply);
     }
@@ -176,7 +179,7 @@ impl ClientDma for ClientDmaPort {
             let at = iova.checked_add((i * chunk) as u64).ok_or(ClientDmaError::Refused(libc::EINVAL))?;
             let reply = self.link.request(Command::DmaRead, &[&dma_transfer(at, piece.len() as u64)])?;
             check(&reply, at, piece.len(), true)?;
-            piece.copy_from_slice(&reply.payload[16..]);
+            piece.copy_from_slice(&reply.payload[size_of::<DmaTransfer>()..]);
         }
         Ok(())
     }

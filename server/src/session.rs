@@ -225,8 +225,10 @@ impl Session {
                 let head = reply::region_access(offset, region, count);
                 self.scratch.clear();
                 self.scratch.extend_from_slice(&head);
-                self.scratch.resize(16 + count as usize, 0);
-                self.device.region_read(region, offset, &mut self.scratch[16..]).map_err(device_errno)?;
+                self.scratch.resize(head.len() + count as usize, 0);
+                self.device
+                    .region_read(region, offset, &mut self.scratch[head.len()..])
+                    .map_err(device_errno)?;
                 Ok(Reply::Scratch)
             }
             Request::RegionWrite { region, offset, data } => {
@@ -240,7 +242,7 @@ impl Session {
                     return Err(libc::EINVAL);
                 }
                 self.write_multi(&writes)?;
-                Ok(Reply::Payload((writes.len() as u64).to_le_bytes().to_vec()))
+                Ok(Reply::Payload(reply::region_write_multi(writes.len() as u64)))
             }
             Request::DeviceReset => {
                 self.device.reset().map(|()| Reply::Payload(Vec::new())).map_err(device_errno)

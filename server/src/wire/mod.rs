@@ -4,15 +4,20 @@
 //! Everything here is pure: bytes in, typed values out (and back). The socket layer
 //! (the crate's socket module) and the framer ([`framing`]) deliver whole messages; [`request`]
 //! parses a client's request; [`reply`] encodes the server's answers; [`version`] handles
-//! the capability JSON of VERSION.
+//! the capability JSON of VERSION; [`structs`] lays out the fixed parts of messages.
+
+use vm_memory::{ByteValued, Le16, Le32};
 
 pub mod framing;
 pub mod reply;
 pub mod request;
+pub mod structs;
 pub mod version;
 
+use structs::{read_struct, RegionAccess, WireHeader, WriteMulti, WriteMultiEntry};
+
 /// Bytes in a message header.
-pub const HEADER_SIZE: usize = 16;
+pub const HEADER_SIZE: usize = size_of::<WireHeader>();
 
 /// Header flag bits.
 pub mod flags {
@@ -46,19 +51,27 @@ pub struct Header {
 impl Header {
     /// Decodes a header from its 16 bytes.
     pub fn decode(bytes: &[u8; HEADER_SIZE]) -> Header {
-        let u16_at = |i: usize| u16::from_le_bytes([bytes[i], bytes[i + 1]]);
-        let u32_at = |i: usize| u32::from_le_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]);
-        Header { id: u16_at(0), command: u16_at(2), size: u32_at(4), flags: u32_at(8), error: u32_at(12) }
+        let h: WireHeader = read_struct(bytes).expect("the array is a whole header");
+        Header {
+            id: h.id.to_native(),
+            command: h.command.to_native(),
+            size: h.size.to_native(),
+            flags: h.flags.to_native(),
+            error: h.error.to_native(),
+        }
     }
 
     /// Encodes the header.
     pub fn encode(&self) -> [u8; HEADER_SIZE] {
+        let h = WireHeader {
+            id: Le16::from(self.id),
+            command: Le16::from(self.command),
+            size: Le32::from(self.size),
+            flags: Le32::from(self.flags),
+            error: Le32::from(self.error),
+        };
         let mut b = [0u8; HEADER_SIZE];
-        b[0..2].copy_from_slice(&self.id.to_le_bytes());
-        b[2..4].copy_from_slice(&self.command.to_le_bytes());
-        b[4..8].copy_from_slice(&self.size.to_le_bytes());
-        b[8..12].copy_from_slice(&self.flags.to_le_bytes());
-        b[12..16].copy_from_slice(&self.error.to_le_bytes());
+        b.copy_from_slice(h.as_slice());
         b
     }
 
@@ -213,8 +226,9 @@ impl Limits {
     /// Largest message accepted after negotiation: a REGION_WRITE of `max_data_xfer_size`
     /// bytes, or a full REGION_WRITE_MULTI, whichever is larger.
     pub fn max_message_size(&self) -> u32 {
-        let write = HEADER_SIZE as u32 + 16 + self.max_data_xfer_size;
-        let multi = HEADER_SIZE as u32 + 8 + 24 * self.max_write_multi;
+        let write = (HEADER_SIZE + size_of::<RegionAccess>()) as u32 + self.max_data_xfer_size;
+        let multi = (HEADER_SIZE + size_of::<WriteMulti>()) as u32
+            + size_of::<WriteMultiEntry>() as u32 * self.max_write_multi;
         write.max(multi).max(self.max_version_size)
     }
 }

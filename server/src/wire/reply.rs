@@ -6,15 +6,19 @@
 //! only when `argsz` leaves room for it, and reports the size it needs.
 
 use umdev_mdev::{IrqInfo, RegionFlags, RegionInfo};
+use vm_memory::{ByteValued, Le16, Le32, Le64};
 
+use super::structs::{self, CapHeader, DmaTransfer, RegionAccess, SparseMmapArea, SparseMmapCap, WriteMulti};
 use super::{flags, Command, Header, HEADER_SIZE};
 
 /// `VFIO_REGION_INFO_FLAG_CAPS`.
 pub const REGION_FLAG_CAPS: u32 = 1 << 3;
 /// `VFIO_REGION_INFO_CAP_SPARSE_MMAP`.
 pub const CAP_SPARSE_MMAP: u16 = 1;
+/// Version of the sparse-mmap capability.
+pub const CAP_SPARSE_MMAP_VERSION: u16 = 1;
 /// Bytes of `vfio_region_info`.
-pub const REGION_INFO_SIZE: usize = 32;
+pub const REGION_INFO_SIZE: usize = size_of::<structs::RegionInfo>();
 
 /// The header of a successful reply to `request` carrying `payload_len` bytes.
 pub fn ok_header(request: &Header, payload_len: usize) -> Header {
@@ -49,100 +53,122 @@ pub fn request_header(id: u16, command: Command, payload_len: usize) -> Header {
     }
 }
 
-/// Little-endian field writer.
-#[derive(Default)]
-pub struct Out {
-    /// The bytes so far.
-    pub bytes: Vec<u8>,
-}
-
-impl Out {
-    /// Appends a u16.
-    pub fn u16(&mut self, v: u16) -> &mut Self {
-        self.bytes.extend_from_slice(&v.to_le_bytes());
-        self
-    }
-    /// Appends a u32.
-    pub fn u32(&mut self, v: u32) -> &mut Self {
-        self.bytes.extend_from_slice(&v.to_le_bytes());
-        self
-    }
-    /// Appends a u64.
-    pub fn u64(&mut self, v: u64) -> &mut Self {
-        self.bytes.extend_from_slice(&v.to_le_bytes());
-        self
-    }
-}
-
 /// DEVICE_GET_INFO reply payload.
 pub fn device_info(info: &umdev_mdev::DeviceInfo) -> Vec<u8> {
-    let mut o = Out::default();
-    o.u32(16).u32(info.flags.bits()).u32(info.num_regions).u32(info.num_irqs);
-    o.bytes
+    structs::DeviceInfo {
+        argsz: Le32::from(size_of::<structs::DeviceInfo>() as u32),
+        flags: Le32::from(info.flags.bits()),
+        num_regions: Le32::from(info.num_regions),
+        num_irqs: Le32::from(info.num_irqs),
+    }
+    .as_slice()
+    .to_vec()
 }
 
 /// DEVICE_GET_REGION_INFO reply payload, and whether the region's fd goes with it (only
 /// with a complete answer).
 pub fn region_info(index: u32, info: &RegionInfo, argsz: u32) -> (Vec<u8>, bool) {
     let areas = info.mmap.as_ref().map_or(&[][..], |m| &m.areas[..]);
-    let caps_len = if areas.is_empty() { 0 } else { 16 + 16 * areas.len() };
+    let caps_len = if areas.is_empty() {
+        0
+    } else {
+        size_of::<SparseMmapCap>() + size_of::<SparseMmapArea>() * areas.len()
+    };
     let full = REGION_INFO_SIZE + caps_len;
     let fits = argsz as usize >= full;
+    let with_caps = caps_len > 0 && fits;
     let mut flags = info.flags.bits();
     // CAPS only with the chain itself: QEMU rejects CAPS with a cap_offset below 32. A client
     // with too small a buffer learns the size it needs from argsz and asks again.
-    if caps_len > 0 && fits {
+    if with_caps {
         flags |= REGION_FLAG_CAPS;
     }
-    let cap_offset = if caps_len > 0 && fits { REGION_INFO_SIZE as u32 } else { 0 };
-    let file_offset = info.mmap.as_ref().map_or(0, |m| m.offset);
-    let mut o = Out::default();
-    o.u32(full as u32).u32(flags).u32(index).u32(cap_offset).u64(info.size).u64(file_offset);
-    if caps_len > 0 && fits {
-        o.u16(CAP_SPARSE_MMAP).u16(1).u32(0).u32(areas.len() as u32).u32(0);
+    let fixed = structs::RegionInfo {
+        argsz: Le32::from(full as u32),
+        flags: Le32::from(flags),
+        index: Le32::from(index),
+        cap_offset: Le32::from(if with_caps { REGION_INFO_SIZE as u32 } else { 0 }),
+        size: Le64::from(info.size),
+        offset: Le64::from(info.mmap.as_ref().map_or(0, |m| m.offset)),
+    };
+    let mut bytes = Vec::with_capacity(if with_caps { full } else { REGION_INFO_SIZE });
+    bytes.extend_from_slice(fixed.as_slice());
+    if with_caps {
+        let cap = SparseMmapCap {
+            header: CapHeader {
+                id: Le16::from(CAP_SPARSE_MMAP),
+                version: Le16::from(CAP_SPARSE_MMAP_VERSION),
+                // The only capability: the chain ends here.
+                next: Le32::from(0),
+            },
+            nr_areas: Le32::from(areas.len() as u32),
+            reserved: Le32::from(0),
+        };
+        bytes.extend_from_slice(cap.as_slice());
         for a in areas {
-            o.u64(a.offset).u64(a.size);
+            let area = SparseMmapArea { offset: Le64::from(a.offset), size: Le64::from(a.size) };
+            bytes.extend_from_slice(area.as_slice());
         }
     }
     let send_fd = fits && info.flags.contains(RegionFlags::MMAP) && info.mmap.is_some();
-    (o.bytes, send_fd)
+    (bytes, send_fd)
 }
 
 /// DEVICE_GET_REGION_IO_FDS reply payload: this server offers no ioeventfds.
 pub fn region_io_fds(index: u32) -> Vec<u8> {
-    let mut o = Out::default();
-    o.u32(16).u32(0).u32(index).u32(0);
-    o.bytes
+    structs::RegionIoFds {
+        argsz: Le32::from(size_of::<structs::RegionIoFds>() as u32),
+        flags: Le32::from(0),
+        index: Le32::from(index),
+        count: Le32::from(0),
+    }
+    .as_slice()
+    .to_vec()
 }
 
 /// DEVICE_GET_IRQ_INFO reply payload.
 pub fn irq_info(index: u32, info: &IrqInfo) -> Vec<u8> {
-    let mut o = Out::default();
-    o.u32(16).u32(info.flags.bits()).u32(index).u32(info.count);
-    o.bytes
+    structs::IrqInfo {
+        argsz: Le32::from(size_of::<structs::IrqInfo>() as u32),
+        flags: Le32::from(info.flags.bits()),
+        index: Le32::from(index),
+        count: Le32::from(info.count),
+    }
+    .as_slice()
+    .to_vec()
 }
 
 /// DMA_UNMAP reply payload: the request's fields echoed.
 pub fn dma_unmap(argsz: u32, flags: u32, iova: u64, size: u64) -> Vec<u8> {
-    let mut o = Out::default();
-    o.u32(argsz.min(24)).u32(flags).u64(iova).u64(size);
-    o.bytes
+    structs::DmaUnmap {
+        argsz: Le32::from(argsz.min(size_of::<structs::DmaUnmap>() as u32)),
+        flags: Le32::from(flags),
+        addr: Le64::from(iova),
+        size: Le64::from(size),
+    }
+    .as_slice()
+    .to_vec()
 }
 
 /// The fixed part of a REGION_READ / REGION_WRITE reply.
 pub fn region_access(offset: u64, region: u32, count: u32) -> [u8; 16] {
-    let mut b = [0u8; 16];
-    b[0..8].copy_from_slice(&offset.to_le_bytes());
-    b[8..12].copy_from_slice(&region.to_le_bytes());
-    b[12..16].copy_from_slice(&count.to_le_bytes());
+    let access =
+        RegionAccess { offset: Le64::from(offset), region: Le32::from(region), count: Le32::from(count) };
+    let mut b = [0u8; size_of::<RegionAccess>()];
+    b.copy_from_slice(access.as_slice());
     b
+}
+
+/// REGION_WRITE_MULTI reply payload: the number of writes done.
+pub fn region_write_multi(done: u64) -> Vec<u8> {
+    WriteMulti { count: Le64::from(done) }.as_slice().to_vec()
 }
 
 /// The fixed part of a DMA_READ / DMA_WRITE request: address and count.
 pub fn dma_transfer(iova: u64, count: u64) -> [u8; 16] {
-    let mut b = [0u8; 16];
-    b[0..8].copy_from_slice(&iova.to_le_bytes());
-    b[8..16].copy_from_slice(&count.to_le_bytes());
+    let transfer = DmaTransfer { addr: Le64::from(iova), count: Le64::from(count) };
+    let mut b = [0u8; size_of::<DmaTransfer>()];
+    b.copy_from_slice(transfer.as_slice());
     b
 }
 
@@ -187,6 +213,55 @@ mod tests {
         let (b, fd) = region_info(0, &RegionInfo::read_write(4096), 32);
         assert_eq!((b.len(), fd), (32, false));
         assert_eq!(u32::from_le_bytes(b[0..4].try_into().unwrap()), 32);
+    }
+
+    #[test]
+    fn fixed_replies_byte_for_byte() {
+        let info = umdev_mdev::DeviceInfo {
+            flags: umdev_mdev::DeviceFlags::from_bits_retain(3),
+            num_regions: 9,
+            num_irqs: 5,
+        };
+        assert_eq!(device_info(&info), [16, 0, 0, 0, 3, 0, 0, 0, 9, 0, 0, 0, 5, 0, 0, 0]);
+        assert_eq!(region_io_fds(2), [16, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0]);
+        let irq = IrqInfo { flags: umdev_mdev::IrqFlags::from_bits_retain(7), count: 4 };
+        assert_eq!(irq_info(1, &irq), [16, 0, 0, 0, 7, 0, 0, 0, 1, 0, 0, 0, 4, 0, 0, 0]);
+        let unmap =
+            [&24u32.to_le_bytes()[..], &2u32.to_le_bytes(), &0x5000u64.to_le_bytes(), &8u64.to_le_bytes()];
+        assert_eq!(dma_unmap(40, 2, 0x5000, 8), unmap.concat(), "argsz capped at 24");
+        assert_eq!(dma_unmap(8, 2, 0x5000, 8)[0..4], 8u32.to_le_bytes());
+        assert_eq!(
+            region_access(0x0807_0605_0403_0201, 7, 4),
+            [1, 2, 3, 4, 5, 6, 7, 8, 7, 0, 0, 0, 4, 0, 0, 0]
+        );
+        assert_eq!(region_write_multi(3), 3u64.to_le_bytes());
+        assert_eq!(
+            dma_transfer(0x1000, 0x20),
+            [&0x1000u64.to_le_bytes()[..], &0x20u64.to_le_bytes()].concat()[..]
+        );
+    }
+
+    #[test]
+    fn full_region_info_byte_for_byte() {
+        let (full, _) = region_info(1, &sparse_region(), 4096);
+        let flags = (RegionFlags::READ | RegionFlags::WRITE | RegionFlags::MMAP).bits() | REGION_FLAG_CAPS;
+        let expected = [
+            &64u32.to_le_bytes()[..],
+            &flags.to_le_bytes(),
+            &1u32.to_le_bytes(),
+            &32u32.to_le_bytes(),
+            &8192u64.to_le_bytes(),
+            &0x1000u64.to_le_bytes(),
+            &1u16.to_le_bytes(),
+            &1u16.to_le_bytes(),
+            &0u32.to_le_bytes(),
+            &1u32.to_le_bytes(),
+            &0u32.to_le_bytes(),
+            &0u64.to_le_bytes(),
+            &4096u64.to_le_bytes(),
+        ]
+        .concat();
+        assert_eq!(full, expected);
     }
 
     #[test]

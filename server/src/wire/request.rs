@@ -5,14 +5,22 @@
 //! negotiated) are the dispatcher's. A [`ParseError`] always leaves the stream in sync: the
 //! framer has consumed the whole message, so the connection answers with the errno and goes on.
 
+use std::mem::offset_of;
 use std::os::fd::OwnedFd;
 
 use thiserror::Error;
 use umdev_mdev::IrqAction;
 use umdev_pinning::Prot;
+use vm_memory::ByteValued;
 
+use super::structs::{
+    read_struct, DeviceInfo, DmaMap, DmaUnmap, IrqInfo, IrqSet, RegionAccess, RegionInfo, RegionIoFds,
+    WriteMulti, WriteMultiEntry,
+};
 use super::version::{self, ClientCaps};
 use super::{Command, Header, Limits};
+
+pub use super::structs::MULTI_DATA_MAX;
 
 /// A malformed request; the reply carries `errno`.
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -138,21 +146,53 @@ pub const UNMAP_FLAG_DIRTY_BITMAP: u32 = 1 << 0;
 /// `VFIO_DMA_UNMAP_FLAG_ALL`.
 pub const UNMAP_FLAG_ALL: u32 = 1 << 1;
 /// Entry size of REGION_WRITE_MULTI.
-pub const MULTI_ENTRY_SIZE: usize = 24;
-/// Data bytes per REGION_WRITE_MULTI entry.
-pub const MULTI_DATA_MAX: usize = 8;
+pub const MULTI_ENTRY_SIZE: usize = size_of::<WriteMultiEntry>();
 
-struct Fields<'a> {
-    bytes: &'a [u8],
+/// The fixed part `T` at the start of `payload`, which must hold it. The error is the EINVAL
+/// reason.
+fn fixed<T: ByteValued + Default>(payload: &[u8]) -> Result<T, String> {
+    read_struct(payload)
+        .ok_or_else(|| format!("payload of {} bytes, expected at least {}", payload.len(), size_of::<T>()))
 }
 
-impl Fields<'_> {
-    fn u32(&self, at: usize) -> u32 {
-        u32::from_le_bytes(self.bytes[at..at + 4].try_into().expect("length checked by the caller"))
+/// A query's fixed part, which starts with `argsz`, the size of the client's buffer.
+trait Query: ByteValued + Default {
+    fn argsz(&self) -> u32;
+}
+
+macro_rules! query {
+    ($($t:ty),*) => {$(
+        impl Query for $t {
+            fn argsz(&self) -> u32 {
+                self.argsz.to_native()
+            }
+        }
+    )*};
+}
+query!(DmaMap, DmaUnmap, DeviceInfo, RegionInfo, RegionIoFds, IrqInfo);
+
+/// Checks a query's `argsz` against its fixed part and the payload, and returns it.
+///
+/// The fixed part may be followed by the rest of the client's argsz-sized buffer:
+/// libvfio-user's client sends the room it has for the reply (capabilities) along with the
+/// request, and its server accepts that. The extra bytes are ignored; beyond argsz they would
+/// be a different, malformed message.
+fn within_argsz<T: Query>(fixed: &T, payload: &[u8]) -> Result<u32, String> {
+    let (argsz, min) = (fixed.argsz(), size_of::<T>() as u32);
+    if argsz < min {
+        return Err(format!("argsz {argsz} below {min}"));
     }
-    fn u64(&self, at: usize) -> u64 {
-        u64::from_le_bytes(self.bytes[at..at + 8].try_into().expect("length checked by the caller"))
+    if payload.len() > argsz as usize {
+        return Err(format!("payload of {} bytes, longer than its argsz {argsz}", payload.len()));
     }
+    Ok(argsz)
+}
+
+/// A query's fixed part, its `argsz` checked ([`within_argsz`]).
+fn query<T: Query>(payload: &[u8]) -> Result<(T, u32), String> {
+    let f = fixed::<T>(payload)?;
+    let argsz = within_argsz(&f, payload)?;
+    Ok((f, argsz))
 }
 
 /// Parses one request. `fds` came with the message; they are consumed (closed on error).
@@ -169,6 +209,7 @@ pub fn parse<'a>(
     };
     let fail = |errno: i32, what: String| ParseError { errno, command: name(), what };
     let einval = |what: &str| fail(libc::EINVAL, what.to_string());
+    let invalid = |what: String| fail(libc::EINVAL, what);
     let Some(command) = Command::from_u16(header.command) else {
         return Err(fail(libc::ENOSYS, "unknown command".into()));
     };
@@ -181,48 +222,18 @@ pub fn parse<'a>(
     }
     let exact = |len: usize| {
         if payload.len() == len {
-            Ok(Fields { bytes: payload })
+            Ok(())
         } else {
             Err(einval(&format!("payload of {} bytes, expected {len}", payload.len())))
         }
-    };
-    let at_least = |len: usize| {
-        if payload.len() >= len {
-            Ok(Fields { bytes: payload })
-        } else {
-            Err(einval(&format!("payload of {} bytes, expected at least {len}", payload.len())))
-        }
-    };
-    let argsz_min = |f: &Fields<'_>, min: u32| {
-        let argsz = f.u32(0);
-        if argsz < min {
-            Err(einval(&format!("argsz {argsz} below {min}")))
-        } else {
-            Ok(argsz)
-        }
-    };
-    // A query whose fixed part (`len` bytes, argsz first) may be followed by the rest of the
-    // client's argsz-sized buffer: libvfio-user's client sends the room it has for the reply
-    // (capabilities) along with the request, and its server accepts that. The extra bytes
-    // are ignored; beyond argsz they would be a different, malformed message.
-    let query = |len: usize| {
-        let f = at_least(len)?;
-        let argsz = argsz_min(&f, len as u32)?;
-        if payload.len() > argsz as usize {
-            return Err(einval(&format!(
-                "payload of {} bytes, longer than its argsz {argsz}",
-                payload.len()
-            )));
-        }
-        Ok((f, argsz))
     };
     match command {
         Command::Version => version::parse_client(payload, header.size as usize)
             .map(Request::Version)
             .map_err(|e| fail(e.errno(), e.to_string())),
         Command::DmaMap => {
-            let (f, _) = query(32)?;
-            let flags = f.u32(4);
+            let (f, _) = query::<DmaMap>(payload).map_err(invalid)?;
+            let flags = f.flags.to_native();
             if flags & !Prot::READ_WRITE.bits() != 0 {
                 return Err(einval(&format!("unknown flags {flags:#x}")));
             }
@@ -230,73 +241,72 @@ pub fn parse<'a>(
                 return Err(einval(&format!("{} fds for one mapping", fds.len())));
             }
             Ok(Request::DmaMap {
-                offset: f.u64(8),
-                iova: f.u64(16),
-                size: f.u64(24),
+                offset: f.offset.to_native(),
+                iova: f.addr.to_native(),
+                size: f.size.to_native(),
                 prot: Prot::from_bits_truncate(flags),
                 fd: fds.into_iter().next(),
             })
         }
         Command::DmaUnmap => {
-            let f = at_least(24)?;
-            let flags = f.u32(4);
+            let f = fixed::<DmaUnmap>(payload).map_err(invalid)?;
+            let flags = f.flags.to_native();
             if flags & !(UNMAP_FLAG_DIRTY_BITMAP | UNMAP_FLAG_ALL) != 0 {
                 return Err(einval(&format!("unknown flags {flags:#x}")));
             }
             if flags & UNMAP_FLAG_DIRTY_BITMAP != 0 {
                 return Err(fail(libc::ENOTSUP, "dirty page tracking is not supported".into()));
             }
-            let (f, argsz) = query(24)?;
-            let (iova, size) = (f.u64(8), f.u64(16));
+            let argsz = within_argsz(&f, payload).map_err(invalid)?;
+            let (iova, size) = (f.addr.to_native(), f.size.to_native());
             if flags & UNMAP_FLAG_ALL != 0 && (iova != 0 || size != 0) {
                 return Err(einval("UNMAP_ALL with an address or size"));
             }
             Ok(Request::DmaUnmap { argsz, flags, iova, size })
         }
         Command::DeviceGetInfo => {
-            query(16)?;
+            query::<DeviceInfo>(payload).map_err(invalid)?;
             Ok(Request::DeviceGetInfo)
         }
         Command::DeviceGetRegionInfo => {
-            let (f, argsz) = query(32)?;
-            Ok(Request::RegionInfo { index: f.u32(8), argsz })
+            let (f, argsz) = query::<RegionInfo>(payload).map_err(invalid)?;
+            Ok(Request::RegionInfo { index: f.index.to_native(), argsz })
         }
         Command::DeviceGetRegionIoFds => {
-            let (f, _) = query(16)?;
-            if f.u32(4) != 0 || f.u32(12) != 0 {
+            let (f, _) = query::<RegionIoFds>(payload).map_err(invalid)?;
+            if f.flags.to_native() != 0 || f.count.to_native() != 0 {
                 return Err(einval("flags and count must be 0"));
             }
-            Ok(Request::RegionIoFds { index: f.u32(8) })
+            Ok(Request::RegionIoFds { index: f.index.to_native() })
         }
         Command::DeviceGetIrqInfo => {
-            let (f, _) = query(16)?;
-            Ok(Request::IrqInfo { index: f.u32(8) })
+            let (f, _) = query::<IrqInfo>(payload).map_err(invalid)?;
+            Ok(Request::IrqInfo { index: f.index.to_native() })
         }
         Command::DeviceSetIrqs => parse_set_irqs(payload, fds, &fail),
         Command::RegionRead => {
             // No argsz here; bytes past the fixed part are ignored, as libvfio-user does.
-            let f = at_least(16)?;
-            let count = f.u32(12);
+            let f = fixed::<RegionAccess>(payload).map_err(invalid)?;
+            let count = f.count.to_native();
             if count > limits.max_data_xfer_size {
                 return Err(fail(libc::E2BIG, format!("{count} bytes, more than max_data_xfer_size")));
             }
-            Ok(Request::RegionRead { offset: f.u64(0), region: f.u32(8), count })
+            Ok(Request::RegionRead { offset: f.offset.to_native(), region: f.region.to_native(), count })
         }
         Command::RegionWrite => {
-            let f = at_least(16)?;
-            let count = f.u32(12);
+            let f = fixed::<RegionAccess>(payload).map_err(invalid)?;
+            let count = f.count.to_native();
             if count > limits.max_data_xfer_size {
                 return Err(fail(libc::E2BIG, format!("{count} bytes, more than max_data_xfer_size")));
             }
-            let data = &payload[16..];
+            let data = &payload[size_of::<RegionAccess>()..];
             if data.len() != count as usize {
                 return Err(einval(&format!("count {count} but {} data bytes", data.len())));
             }
-            Ok(Request::RegionWrite { offset: f.u64(0), region: f.u32(8), data })
+            Ok(Request::RegionWrite { offset: f.offset.to_native(), region: f.region.to_native(), data })
         }
         Command::RegionWriteMulti => {
-            let f = at_least(8)?;
-            let n = f.u64(0);
+            let n = fixed::<WriteMulti>(payload).map_err(invalid)?.count.to_native();
             if n == 0 || n > u64::from(limits.max_write_multi) {
                 return Err(fail(
                     libc::E2BIG,
@@ -304,15 +314,17 @@ pub fn parse<'a>(
                 ));
             }
             let n = n as usize;
-            exact(8 + n * MULTI_ENTRY_SIZE)?;
+            exact(size_of::<WriteMulti>() + n * MULTI_ENTRY_SIZE)?;
             let mut writes = Vec::with_capacity(n);
-            for entry in payload[8..].chunks_exact(MULTI_ENTRY_SIZE) {
-                let e = Fields { bytes: entry };
-                let count = e.u32(12) as usize;
+            for entry in payload[size_of::<WriteMulti>()..].chunks_exact(MULTI_ENTRY_SIZE) {
+                let e: WriteMultiEntry = read_struct(entry).expect("chunks of the entry size");
+                let count = e.count.to_native() as usize;
                 if count > MULTI_DATA_MAX {
                     return Err(einval(&format!("entry of {count} bytes, at most {MULTI_DATA_MAX}")));
                 }
-                writes.push(MultiWrite { offset: e.u64(0), region: e.u32(8), data: &entry[16..16 + count] });
+                // The data borrowed from the payload, not from the copy `e`.
+                let data = &entry[offset_of!(WriteMultiEntry, data)..][..count];
+                writes.push(MultiWrite { offset: e.offset.to_native(), region: e.region.to_native(), data });
             }
             Ok(Request::RegionWriteMulti(writes))
         }
@@ -345,13 +357,12 @@ fn parse_set_irqs<'a>(
 ) -> Result<Request<'a>, ParseError> {
     use irq_flags::*;
     let einval = |what: String| fail(libc::EINVAL, what);
-    if payload.len() < 20 {
-        return Err(einval(format!("payload of {} bytes, expected at least 20", payload.len())));
-    }
-    let f = Fields { bytes: payload };
-    let (argsz, flags, index, start, count) = (f.u32(0), f.u32(4), f.u32(8), f.u32(12), f.u32(16));
-    if argsz < 20 {
-        return Err(einval(format!("argsz {argsz} below 20")));
+    let f = fixed::<IrqSet>(payload).map_err(einval)?;
+    let [argsz, flags, index, start, count] =
+        [f.argsz, f.flags, f.index, f.start, f.count].map(|v| v.to_native());
+    let min = size_of::<IrqSet>() as u32;
+    if argsz < min {
+        return Err(einval(format!("argsz {argsz} below {min}")));
     }
     if flags & !0x3f != 0 {
         return Err(einval(format!("unknown flags {flags:#x}")));
@@ -366,7 +377,7 @@ fn parse_set_irqs<'a>(
     // the client's buffer and are ignored (QEMU sends its whole argsz-sized `vfio_irq_set` for
     // DATA_NONE). Here argsz sizes the request, and clients disagree on whether it counts
     // the data, so, like libvfio-user's server, only its minimum is checked.
-    let data_bytes = &payload[20..];
+    let data_bytes = &payload[size_of::<IrqSet>()..];
     let data = match flags & (DATA_NONE | DATA_BOOL | DATA_EVENTFD) {
         DATA_NONE | DATA_BOOL if !fds.is_empty() => {
             return Err(einval(format!("{} fds without DATA_EVENTFD", fds.len())))

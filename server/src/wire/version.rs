@@ -6,7 +6,9 @@
 
 use serde_json::{Map, Value};
 use thiserror::Error;
+use vm_memory::{ByteValued, Le16};
 
+use super::structs::{read_struct, Version};
 use super::Limits;
 
 /// The only major version there is.
@@ -80,11 +82,10 @@ fn uint(caps: &Map<String, Value>, key: &'static str, max: u64) -> Result<Option
 /// Parses a VERSION payload (`major u16, minor u16, JSON + NUL`, the JSON optional).
 /// `request_size` is the whole message's size.
 pub fn parse_client(payload: &[u8], request_size: usize) -> Result<ClientCaps, VersionError> {
-    if payload.len() < 4 {
+    let Some(fixed) = read_struct::<Version>(payload) else {
         return Err(VersionError::Short(payload.len()));
-    }
-    let major = u16::from_le_bytes([payload[0], payload[1]]);
-    let minor = u16::from_le_bytes([payload[2], payload[3]]);
+    };
+    let (major, minor) = (fixed.major.to_native(), fixed.minor.to_native());
     if major != MAJOR {
         return Err(VersionError::Major(major));
     }
@@ -95,7 +96,7 @@ pub fn parse_client(payload: &[u8], request_size: usize) -> Result<ClientCaps, V
         write_multiple: false,
         request_size,
     };
-    let json = &payload[4..];
+    let json = &payload[size_of::<Version>()..];
     if json.is_empty() {
         return Ok(client);
     }
@@ -168,7 +169,7 @@ pub fn negotiate(client: ClientCaps, limits: &Limits) -> Negotiated {
     if write_multiple {
         entries.insert(2, ("write_multiple", Value::Bool(true)));
     }
-    let budget = client.request_size.saturating_sub(super::HEADER_SIZE + 4);
+    let budget = client.request_size.saturating_sub(super::HEADER_SIZE + size_of::<Version>());
     let encode = |entries: &[(&str, Value)]| -> Vec<u8> {
         let caps: Map<String, Value> = entries.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
         let mut text = serde_json::to_vec(&serde_json::json!({ "capabilities": caps })).unwrap_or_default();
@@ -191,9 +192,9 @@ pub fn negotiate(client: ClientCaps, limits: &Limits) -> Negotiated {
             }
         }
     }
-    let mut payload = Vec::with_capacity(4 + reply.len());
-    payload.extend_from_slice(&MAJOR.to_le_bytes());
-    payload.extend_from_slice(&MINOR.to_le_bytes());
+    let fixed = Version { major: Le16::from(MAJOR), minor: Le16::from(MINOR) };
+    let mut payload = Vec::with_capacity(size_of::<Version>() + reply.len());
+    payload.extend_from_slice(fixed.as_slice());
     payload.extend_from_slice(&reply);
     Negotiated { client, write_multiple: write_multiple_kept, reply: payload }
 }
