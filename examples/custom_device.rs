@@ -7,7 +7,8 @@
 //!   -device '{"driver":"vfio-user-pci","socket":{"type":"unix","path":"/tmp/custom.sock"}}'
 //! ```
 //!
-//! The guest sees a PCI device `1234:c0de` with one 4 KiB memory BAR:
+//! The guest sees a PCI device `1234:c0de` with one 4 KiB memory BAR of 32-bit registers
+//! (aligned 32-bit accesses only; other offsets read 0):
 //!
 //! | offset | name     | access | meaning                                        |
 //! |--------|----------|--------|------------------------------------------------|
@@ -19,27 +20,28 @@
 //! Three pieces make a device:
 //! 1. a [`ConfigSpaceBuilder`] declaring what the guest's PCI scan sees (IDs, BARs,
 //!    capabilities) — the framework emulates config space from it, sizing and all;
-//! 2. a [`PciFunction`]: your BAR registers and reset;
+//! 2. a [`SimpleFunction`]: your registers (declared in a [`RegMap`]) and reset. It gets
+//!    `&mut self`: the framework serializes calls, so there is no locking to write;
 //! 3. a [`PciDevice`] gluing the two into a `VfioDevice` the server can serve.
 
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use umdev_mdev::irq::IrqHandle;
-use umdev_mdev::pci::{Bar, ClassCode, ConfigSpaceBuilder, PciDevice, PciFunction, PciIds};
+use umdev_mdev::pci::{Bar, ClassCode, ConfigSpaceBuilder, PciDevice, PciIds, Reg, RegMap, SimpleFunction};
 use umdev_mdev::DeviceError;
 use umdev_server::{Daemon, InstanceConfig};
 
-// The register map of BAR0 (see the table above).
-const REG_ID: u64 = 0x0;
-const REG_SCRATCH: u64 = 0x4;
-const REG_COUNTER: u64 = 0x8;
-const REG_DOORBELL: u64 = 0xc;
-const ID_VALUE: u32 = 0x504d_5845;
-/// BARs are powers of two; 4 KiB is the smallest that a guest maps on its own page.
-const BAR0_SIZE: u64 = 4096;
+/// BAR0's registers (see the table above).
+#[derive(Clone, Copy)]
+enum R {
+    Id,
+    Scratch,
+    Counter,
+    Doorbell,
+}
+const ID_VALUE: u64 = 0x504d_5845;
 
 /// Step 1: the config space. Everything here is read-only to the guest except what PCI
 /// makes writable (COMMAND, BAR addresses, the MSI capability's control fields, ...).
@@ -53,72 +55,55 @@ fn config() -> ConfigSpaceBuilder {
         revision: 1,
         class: ClassCode { base: 0xff, sub: 0, prog_if: 0 }, // "unclassified"
     };
-    ConfigSpaceBuilder::new(ids)
-        // BAR0: 4 KiB of 32-bit memory space holding our registers.
-        .bar(0, Bar::mem32(BAR0_SIZE))
-        // An MSI capability with 1 vector and 64-bit addresses. No INTx pin is declared,
-        // so interrupts only flow once the guest enables MSI.
-        .msi(1, false, true)
+    // BAR0: 4 KiB of 32-bit memory space (a BAR is a power of two; 4 KiB is the smallest a
+    // guest maps on a page of its own) and MSI with 1 vector. No INTx pin is declared, so
+    // interrupts flow once the guest enables MSI.
+    ConfigSpaceBuilder::new(ids).bar(0, Bar::mem32(4096)).msi(1, false, true)
 }
 
-/// Step 2: the function. Methods take `&self` (the server may call in while your own
-/// threads run), so state sits in atomics or a mutex.
+/// Step 2: the function: plain fields, `&mut self` everywhere.
 struct Doorbell {
     /// How the function raises interrupts; handed over by `PciDevice::new`.
     irq: IrqHandle,
-    scratch: AtomicU32,
-    counter: AtomicU32,
+    /// Checks every access (width, alignment, bounds, read-only and write-only registers)
+    /// and hands us register accesses.
+    map: RegMap<R>,
+    scratch: u32,
+    counter: u32,
 }
 
-impl Doorbell {
-    /// We accept aligned 32-bit accesses only. The adapter has already checked that the
-    /// access lies inside the BAR, but the guest chooses size and alignment: refuse
-    /// anything else with an error (the client sees EINVAL) rather than panicking.
-    fn check(bar: u8, offset: u64, len: usize) -> Result<(), DeviceError> {
-        if bar != 0 || len != 4 || offset % 4 != 0 {
-            return Err(DeviceError::BadAccess { region: u32::from(bar), offset, len: len as u64 });
-        }
-        Ok(())
-    }
-}
-
-impl PciFunction for Doorbell {
-    fn bar_read(&self, bar: u8, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
-        Self::check(bar, offset, data.len())?;
-        let value = match offset {
-            REG_ID => ID_VALUE,
-            REG_SCRATCH => self.scratch.load(Ordering::Relaxed),
-            REG_COUNTER => self.counter.load(Ordering::Relaxed),
-            _ => 0, // DOORBELL is write-only; unused offsets read 0, as on most hardware
-        };
-        data.copy_from_slice(&value.to_le_bytes()); // PCI registers are little-endian
-        Ok(())
+impl SimpleFunction for Doorbell {
+    fn bar_read(&mut self, _bar: u8, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
+        self.map.read(offset, data, |hit| match hit.key {
+            R::Id => ID_VALUE,
+            R::Scratch => u64::from(self.scratch),
+            R::Counter => u64::from(self.counter),
+            R::Doorbell => 0, // write-only: the map never asks
+        })
     }
 
-    fn bar_write(&self, bar: u8, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
-        Self::check(bar, offset, data.len())?;
-        let mut bytes = [0u8; 4];
-        bytes.copy_from_slice(data);
-        let value = u32::from_le_bytes(bytes);
-        match offset {
-            REG_SCRATCH => self.scratch.store(value, Ordering::Relaxed),
-            REG_DOORBELL => {
-                self.counter.fetch_add(1, Ordering::Relaxed);
-                // `raise` picks the mechanism the guest enabled in config space (here:
-                // MSI, or nothing). A masked vector is held pending and sent on unmask.
-                let delivery = self.irq.raise(0);
-                eprintln!("custom_device: doorbell rung, interrupt {delivery:?}");
-            }
-            _ => {} // writes to read-only or unused registers are ignored
+    fn bar_write(&mut self, _bar: u8, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        let mut rang = false;
+        let scratch = &mut self.scratch;
+        self.map.write(offset, data, |hit, value, _mask| match hit.key {
+            R::Scratch => *scratch = value as u32,
+            R::Doorbell => rang = true,
+            R::Id | R::Counter => {} // read-only: the map never calls with them
+        })?;
+        if rang {
+            self.counter = self.counter.wrapping_add(1);
+            // `raise` picks the mechanism the guest enabled in config space (here: MSI, or
+            // nothing). A masked vector is held pending and sent on unmask.
+            let delivery = self.irq.raise(0);
+            eprintln!("custom_device: doorbell rung, interrupt {delivery:?}");
         }
         Ok(())
     }
 
     /// DEVICE_RESET, and every client disconnect: back to the power-on state. The
-    /// adapter resets config space and interrupts right after.
-    fn reset(&self) {
-        self.scratch.store(0, Ordering::Relaxed);
-        self.counter.store(0, Ordering::Relaxed);
+    /// framework resets config space and interrupts right after.
+    fn reset(&mut self) {
+        (self.scratch, self.counter) = (0, 0);
     }
 }
 
@@ -129,23 +114,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let Some(socket) = std::env::args_os().nth(1) else {
         return Err("usage: custom_device SOCKET_PATH".into());
     };
-
+    let regs =
+        [Reg::ro(R::Id, 0x0), Reg::rw(R::Scratch, 0x4), Reg::ro(R::Counter, 0x8), Reg::wo(R::Doorbell, 0xc)];
+    let map = RegMap::new(0, 4096, 4, &[4], true, &regs)?;
     // `PciDevice::new` builds the config space, then calls us back with the interrupt
-    // handle to build the function: the device and its interrupts are wired together.
-    let device = PciDevice::new(config(), |irq| Doorbell {
-        irq,
-        scratch: AtomicU32::new(0),
-        counter: AtomicU32::new(0),
-    })?;
+    // handle; the `Mutex` is how the framework serializes a `SimpleFunction`'s calls.
+    let device = PciDevice::new(config(), |irq| Mutex::new(Doorbell { irq, map, scratch: 0, counter: 0 }))?;
 
     // Take the signals before serving, so Ctrl-C always reaches us.
     let mut signals = Signals::new([SIGINT, SIGTERM])?;
     let daemon = Daemon::new();
     daemon.start(Arc::new(device), InstanceConfig::new("custom", &socket))?;
     eprintln!("custom_device: serving on {} (Ctrl-C to stop)", socket.to_string_lossy());
-
     signals.forever().next();
-    // Disconnects the client, stops the instance and removes the socket.
-    daemon.shutdown();
+    daemon.shutdown(); // disconnects the client, stops the instance, removes the socket
     Ok(())
 }

@@ -146,7 +146,7 @@ fn rust_vmm_client_loops_bytes_through_both_ports() {
 #[test]
 fn a_host_line_sees_what_the_guest_sends_and_keeps_it_across_a_disconnect() {
     let device = Arc::new(mtty::create_with(&[Backend::Loopback, Backend::Queue]).expect("create"));
-    let host = device.function().host(1).expect("port 1 is a queue");
+    let host = mtty::HostPort::of(&device, 1).expect("port 1 is a queue");
     let h = Harness::with_device(device, |_| {});
     let mut c = Client::new(&h.socket).expect("connect");
     outb(&mut c, 1, LCR, LCR_WLEN8);

@@ -17,6 +17,7 @@ pub mod fuzzing;
 pub mod guest;
 pub mod irq;
 pub mod pci;
+pub mod request;
 pub mod samples;
 pub mod types;
 pub mod unix_socket;

@@ -118,7 +118,13 @@ impl Session {
                 log::debug!("refused message {}: {e}", header.id);
                 Err(e.errno)
             }
-            Ok(request) => self.dispatch(&header, request),
+            // A device that panics handling a request fails that request (EIO); the
+            // connection, the device and the server go on.
+            Ok(request) => umdev_mdev::request::serve(
+                format_args!("the device handling message {} (command {})", header.id, header.command),
+                || self.dispatch(&header, request),
+            )
+            .unwrap_or(Err(libc::EIO)),
         };
         self.answer(&header, outcome)
     }

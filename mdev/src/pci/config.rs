@@ -532,7 +532,7 @@ impl ConfigSpace {
 
     /// The registers the interrupt layer owns, for the adapter to answer.
     pub fn irq_registers(&self) -> IrqRegisters {
-        let msi = self.msi.map(|(at, msi)| (at, msi));
+        let msi = self.msi;
         IrqRegisters {
             msi_mask: msi.and_then(|(at, m)| m.mask_offset().map(|o| at + o)),
             msi_pending: msi.and_then(|(at, m)| m.pending_offset().map(|o| at + o)),

@@ -5,14 +5,21 @@
 //!
 //! - [`config`]: [`ConfigSpaceBuilder`] to declare a function, [`ConfigSpace`] to emulate it;
 //! - [`bar`] and [`caps`]: what can be declared, and how each register behaves;
-//! - [`device`]: [`PciFunction`] and [`PciDevice`];
+//! - [`device`]: [`PciFunction`] (`&self`, for devices with threads of their own) and
+//!   [`PciDevice`];
+//! - [`simple`]: [`SimpleFunction`] (`&mut self`, served through `Mutex`, `RwLock` or
+//!   [`Shared`]: no locking code in the device);
+//! - [`regmap`]: [`RegMap`], a BAR's registers declared once and every access checked
+//!   and cut the same way;
 //! - [`regs`]: register offsets and bits.
 
 pub mod bar;
 pub mod caps;
 pub mod config;
 pub mod device;
+pub mod regmap;
 pub mod regs;
+pub mod simple;
 
 pub use bar::{Bar, BarKind};
 pub use caps::{MsiCap, MsixCap, PcieCap, PmCap};
@@ -20,3 +27,5 @@ pub use config::{
     ClassCode, ConfigChanges, ConfigError, ConfigSpace, ConfigSpaceBuilder, IrqRegisters, PciIds,
 };
 pub use device::{PciDevice, PciDeviceError, PciFunction};
+pub use regmap::{Access, Hit, Reg, RegMap};
+pub use simple::{Shared, SharedRef, SimpleFunction, Waker, WeakShared};

@@ -17,6 +17,8 @@ use std::thread::JoinHandle;
 use crossbeam::channel::{unbounded, Receiver, Sender};
 use thiserror::Error;
 
+use crate::request::{self, Completion, Permit, Requests};
+
 use crate::device::{ClientDmaError, DeviceContext, DeviceError, RegionMmap, SparseArea};
 use crate::guest::GuestError;
 use crate::irq::IrqHandle;
@@ -147,15 +149,44 @@ pub fn create() -> Result<PciDevice<TestDev>, TestDevError> {
     Ok(PciDevice::new(config(), move |irq| TestDev::new(irq, bar1))?)
 }
 
-/// One DMA command for the worker.
+/// How long a detach waits for the command in flight to let go.
+const DETACH_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// One DMA command for the worker, and how it ends.
 #[derive(Debug)]
 struct Job {
+    inner: Arc<Inner>,
     cmd: u32,
     addr: u64,
     len: u32,
     pattern: u8,
     generation: u64,
     ctx: DeviceContext,
+}
+
+impl Completion for Job {
+    type Outcome = Result<u32, i32>;
+
+    fn complete(self, outcome: Result<u32, i32>) {
+        let mut regs = self.inner.regs();
+        if self.inner.generation.load(Ordering::Acquire) != self.generation {
+            return; // reset meanwhile: the registers are no longer this job's
+        }
+        if let Err(errno) = outcome {
+            log::debug!(
+                "testdev: DMA {} at {:#x}+{:#x} failed: errno {errno}",
+                self.cmd,
+                self.addr,
+                self.len
+            );
+        }
+        self.inner.complete(&mut regs, outcome);
+    }
+
+    /// The device failed internally (the command's handling panicked): EIO.
+    fn fail(self) {
+        self.complete(Err(libc::EIO));
+    }
 }
 
 /// The BAR0 and BAR2 registers.
@@ -192,7 +223,9 @@ struct Inner {
 pub struct TestDev {
     inner: Arc<Inner>,
     bar1: Arc<OwnedFd>,
-    jobs: Option<Sender<Job>>,
+    jobs: Option<Sender<Permit<Job>>>,
+    /// Commands in flight: a detach waits for them.
+    requests: Requests,
     worker: Option<JoinHandle<()>>,
 }
 
@@ -212,7 +245,7 @@ impl TestDev {
             .spawn(move || worker(&worker_inner, &rx))
             .map_err(|e| log::error!("testdev: cannot start the DMA worker ({e}); DMA commands will fail"))
             .ok();
-        TestDev { inner, bar1, jobs: worker.is_some().then_some(tx), worker }
+        TestDev { inner, bar1, jobs: worker.is_some().then_some(tx), requests: Requests::new(), worker }
     }
 
     fn bar0_read(&self, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
@@ -288,6 +321,7 @@ impl TestDev {
             _ => return self.inner.complete(regs, Err(libc::EINVAL)),
         };
         let job = Job {
+            inner: self.inner.clone(),
             cmd,
             addr: regs.dma_addr,
             len: regs.dma_len,
@@ -299,7 +333,10 @@ impl TestDev {
         regs.result = 0;
         regs.busy = Some((job.addr, job.addr.saturating_add(u64::from(job.len))));
         self.inner.abort.store(false, Ordering::Release);
-        if jobs.send(job).is_err() {
+        let permit = self.requests.begin(job);
+        if let Err(unsent) = jobs.send(permit) {
+            // The worker is gone: completed here, under the registers' lock the caller holds.
+            drop(unsent.0.into_inner());
             self.inner.complete(regs, Err(libc::EIO));
         }
     }
@@ -398,17 +435,13 @@ impl Drop for TestDev {
     }
 }
 
-fn worker(inner: &Inner, jobs: &Receiver<Job>) {
-    for job in jobs {
-        let outcome = run(inner, &job);
-        let mut regs = inner.regs();
-        if inner.generation.load(Ordering::Acquire) != job.generation {
-            continue; // reset meanwhile: the registers are no longer this job's
+fn worker(inner: &Inner, jobs: &Receiver<Permit<Job>>) {
+    for permit in jobs {
+        let job = permit.get();
+        match request::serve("a testdev DMA command", || run(inner, job)) {
+            Some(outcome) => permit.complete(outcome),
+            None => drop(permit), // fails it: EIO
         }
-        if let Err(errno) = outcome {
-            log::debug!("testdev: DMA {} at {:#x}+{:#x} failed: errno {errno}", job.cmd, job.addr, job.len);
-        }
-        inner.complete(&mut regs, outcome);
     }
 }
 
@@ -526,6 +559,11 @@ impl PciFunction for TestDev {
     fn detach(&self) {
         *umdev_pinning::sync::lock(&self.inner.ctx) = None;
         self.clear();
+        // The command in flight stops at its next chunk: wait for it to let go of the
+        // client's context, so nothing of the connection outlives it.
+        if !self.requests.wait_idle(DETACH_WAIT) {
+            log::warn!("testdev: a DMA command is still running {DETACH_WAIT:?} after a detach");
+        }
     }
 
     fn dma_unmap(&self, iova: u64, len: u64) {

@@ -18,6 +18,11 @@ pub(crate) struct PinnedRanges {
 }
 
 impl PinnedRanges {
+    /// Forgets every range (the program let go of its pins).
+    pub(crate) fn clear(&self) {
+        self.set(SmallVec::new());
+    }
+
     fn set(&self, ranges: SmallVec<[(u64, u64); 4]>) {
         *umdev_pinning::sync::lock(&self.ranges) = ranges;
     }

@@ -15,11 +15,13 @@ mod bus;
 mod store;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crossbeam::channel::{unbounded, Receiver, Sender};
+
+use crate::request::{self, Completion, Permit, Requests};
 use thiserror::Error;
 use umdev_pinning::PinMode;
 
@@ -199,11 +201,38 @@ impl Subchannel {
 const DETACH_WAIT: Duration = Duration::from_secs(5);
 
 /// A program to run.
+/// One channel program in flight: what its subchannel's worker runs, and how it ends.
 struct Job {
+    shared: Arc<Shared>,
+    index: usize,
     ctx: DeviceContext,
     cpa: u64,
     status_addr: u64,
     generation: u64,
+}
+
+impl Completion for Job {
+    type Outcome = Status;
+
+    fn complete(self, status: Status) {
+        self.shared.complete(&self, status);
+    }
+
+    /// The device failed internally (its handling of the program panicked): the program
+    /// ends with unit check, reason `DeviceError`, nothing counted (docs/ccw.md).
+    fn fail(self) {
+        let (dstat, cstat) = Reason::DeviceError.status_bits();
+        let status = Status {
+            dstat,
+            cstat,
+            residual: 0,
+            cpa: self.cpa.wrapping_add(program::CCW_SIZE),
+            reason: Reason::DeviceError,
+            ccws: 0,
+            bytes: 0,
+        };
+        self.shared.complete(&self, status);
+    }
 }
 
 /// State shared by the register side and the workers.
@@ -216,10 +245,9 @@ struct Shared {
     generation: AtomicU64,
     counters: BusCounters,
     programs: AtomicU64,
-    /// Jobs queued or running, so a detach can wait for the workers to let go of the
+    /// Programs queued or running, so a detach can wait for the workers to let go of the
     /// client's context (and with it the connection's socket).
-    jobs: Mutex<usize>,
-    jobs_done: Condvar,
+    requests: Requests,
     /// Held while a subchannel's state changes together with the interrupt it implies
     /// (completion and raise, ACK and deassert, reset), so the INTx level always matches
     /// the pending status: taken before any subchannel's registers.
@@ -231,18 +259,13 @@ impl Shared {
         umdev_pinning::sync::lock(&self.ctx)
     }
 
-    fn job_finished(&self) {
-        let mut jobs = umdev_pinning::sync::lock(&self.jobs);
-        *jobs = jobs.saturating_sub(1);
-        self.jobs_done.notify_all();
-    }
-
-    /// Waits (boundedly) until no job is queued or running.
+    /// Waits (boundedly) until no program is queued or running.
     fn wait_idle(&self, bound: Duration) {
-        let jobs = umdev_pinning::sync::lock(&self.jobs);
-        let (jobs, _) = umdev_pinning::sync::wait_timeout_while(&self.jobs_done, jobs, bound, |j| *j > 0);
-        if *jobs > 0 {
-            log::warn!("ccw: {} program(s) still running {bound:?} after a detach", *jobs);
+        if !self.requests.wait_idle(bound) {
+            log::warn!(
+                "ccw: {} program(s) still running {bound:?} after a detach",
+                self.requests.in_flight()
+            );
         }
     }
 
@@ -259,7 +282,8 @@ impl Shared {
     }
 
     /// A program ended: status block, registers, interrupt.
-    fn complete(&self, sc: &Subchannel, job: &Job, status: Status) {
+    fn complete(&self, job: &Job, status: Status) {
+        let sc = &self.subchannels[job.index];
         if self.generation.load(Ordering::Acquire) != job.generation {
             return; // reset meanwhile: the program's subchannel state is gone
         }
@@ -298,7 +322,7 @@ impl Shared {
 
 /// A subchannel's worker thread and its job queue.
 struct Worker {
-    jobs: Option<Sender<Job>>,
+    jobs: Option<Sender<Permit<Job>>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -314,22 +338,29 @@ impl std::fmt::Debug for Ccw {
     }
 }
 
-fn worker(shared: &Shared, index: usize, jobs: &Receiver<Job>) {
+fn worker(shared: &Shared, index: usize, jobs: &Receiver<Permit<Job>>) {
     let sc = &shared.subchannels[index];
-    for job in jobs {
-        let mut bus = PinningBus {
-            ctx: &job.ctx,
-            store: &shared.store,
-            stop: &sc.stop,
-            generation: &shared.generation,
-            started_in: job.generation,
-            pinned: &sc.pinned,
-            counters: &shared.counters,
-        };
-        let status = program::run(&mut bus, job.cpa);
-        shared.complete(sc, &job, status);
-        drop(job);
-        shared.job_finished();
+    for permit in jobs {
+        let job = permit.get();
+        let status = request::serve("a ccw channel program", || {
+            let mut bus = PinningBus {
+                ctx: &job.ctx,
+                store: &shared.store,
+                stop: &sc.stop,
+                generation: &shared.generation,
+                started_in: job.generation,
+                pinned: &sc.pinned,
+                counters: &shared.counters,
+            };
+            program::run(&mut bus, job.cpa)
+        });
+        match status {
+            Some(status) => permit.complete(status),
+            None => {
+                sc.pinned.clear(); // a panic may have left the ranges announced
+                drop(permit); // fails the program: DeviceError
+            }
+        }
     }
 }
 
@@ -351,8 +382,7 @@ impl Ccw {
             generation: AtomicU64::new(0),
             counters: BusCounters::default(),
             programs: AtomicU64::new(0),
-            jobs: Mutex::new(0),
-            jobs_done: Condvar::new(),
+            requests: Requests::new(),
             line: Mutex::new(()),
         });
         let mut workers = Vec::new();
@@ -467,16 +497,19 @@ impl Ccw {
         let Some(tx) = self.workers.get(index).and_then(|w| w.jobs.as_ref()) else { return };
         sc.stop.clear();
         let job = Job {
+            shared: self.shared.clone(),
+            index,
             ctx,
             cpa: r.cpa,
             status_addr: r.status_addr,
             generation: self.shared.generation.load(Ordering::Acquire),
         };
         r.state = regs::STATE_BUSY;
-        *umdev_pinning::sync::lock(&self.shared.jobs) += 1;
-        if tx.send(job).is_err() {
-            r.state = regs::STATE_IDLE;
-            self.shared.job_finished();
+        let permit = self.shared.requests.begin(job);
+        // Unlocked first: a permit that fails completes under the registers' lock.
+        drop(r);
+        if let Err(unsent) = tx.send(permit) {
+            drop(unsent); // the worker is gone: the program fails (DeviceError)
         }
     }
 

@@ -20,7 +20,8 @@ use std::time::Duration;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 
-use super::{MttyError, Shared};
+use super::{Mtty, MttyError};
+use crate::pci::SharedRef;
 
 /// Where a port's line goes, as given in `--opt backend=...` or `--opt portN=...`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -131,14 +132,13 @@ fn set_nonblocking(fd: BorrowedFd<'_>) -> io::Result<()> {
     Ok(())
 }
 
-/// A running host endpoint: its thread, and how to stop it.
+/// A running host endpoint: its thread, and how to wake it.
 #[derive(Debug)]
 pub(super) struct HostThread {
-    stop: Arc<AtomicBool>,
     wake: Arc<EventFd>,
     thread: Option<JoinHandle<()>>,
-    /// Whether a host peer is attached now (sockets; a pty always counts as attached).
-    pub(super) connected: Arc<AtomicBool>,
+    /// Whether a host peer is attached now (sockets).
+    connected: Arc<AtomicBool>,
 }
 
 impl HostThread {
@@ -149,30 +149,37 @@ impl HostThread {
             .map_err(|e| MttyError::Backend(format!("eventfd: {e}")))
     }
 
-    /// Starts serving `endpoint` for `port` of `shared`.
+    /// Starts serving `endpoint` for `port` of the card.
     pub(super) fn start(
-        shared: Arc<Shared>,
+        mtty: SharedRef<Mtty>,
         port: usize,
         endpoint: Endpoint,
         wake: Arc<EventFd>,
     ) -> Result<HostThread, MttyError> {
-        let stop = Arc::new(AtomicBool::new(false));
         let connected = Arc::new(AtomicBool::new(false));
-        let worker =
-            Worker { shared, port, wake: wake.clone(), stop: stop.clone(), connected: connected.clone() };
+        let worker = Worker { mtty, port, wake: wake.clone(), connected: connected.clone() };
         let thread = std::thread::Builder::new()
             .name(format!("umdev-mtty-host{port}"))
             .spawn(move || worker.run(endpoint))
             .map_err(|e| MttyError::Backend(format!("host thread: {e}")))?;
-        Ok(HostThread { stop, wake, thread: Some(thread), connected })
+        Ok(HostThread { wake, thread: Some(thread), connected })
+    }
+
+    /// Wakes the thread (it then sees that the device is going, or a queue changed).
+    pub(super) fn wake(&self) {
+        let _ = self.wake.write(1);
+    }
+
+    /// Whether a host peer is attached.
+    pub(super) fn connected(&self) -> bool {
+        self.connected.load(Ordering::Acquire)
     }
 }
 
 impl Drop for HostThread {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        let _ = self.wake.write(1);
-        if let Some(thread) = self.thread.take() {
+        self.wake();
+        if let Some(thread) = self.thread.take().filter(|t| t.thread().id() != std::thread::current().id()) {
             // The thread owns the endpoint: its socket file goes when the thread ends.
             let _ = thread.join();
         }
@@ -184,10 +191,9 @@ impl Drop for HostThread {
 const TICK: Duration = Duration::from_millis(100);
 
 struct Worker {
-    shared: Arc<Shared>,
+    mtty: SharedRef<Mtty>,
     port: usize,
     wake: Arc<EventFd>,
-    stop: Arc<AtomicBool>,
     connected: Arc<AtomicBool>,
 }
 
@@ -235,8 +241,8 @@ impl Worker {
     fn serve(&self, listener: Option<&UnixListener>, mut peer: Option<Peer>) {
         let mut out = [0u8; super::HOST_QUEUE];
         let mut input = [0u8; super::HOST_QUEUE];
-        while !self.stop.load(Ordering::Acquire) {
-            let state = self.shared.host_state(self.port);
+        while !self.mtty.closed() {
+            let state = self.mtty.lock().host_state(self.port);
             let now = std::time::Instant::now();
             let mut fds = Vec::with_capacity(3);
             fds.push(PollFd::new(self.wake.as_fd(), PollFlags::POLLIN));
@@ -302,7 +308,7 @@ impl Worker {
                 }
             }
             if state.waiting {
-                self.shared.host_tick(self.port);
+                self.mtty.lock().host_tick(self.port);
             }
         }
     }
@@ -334,7 +340,7 @@ impl Worker {
     fn exchange(&self, peer: &mut Peer, events: PollFlags, input: &mut [u8], out: &mut [u8]) {
         let hung_up = events.intersects(PollFlags::POLLHUP | PollFlags::POLLERR);
         if !peer.read_closed && (events.contains(PollFlags::POLLIN) || hung_up) {
-            let room = self.shared.host_state(self.port).room.min(input.len());
+            let room = self.mtty.lock().host_state(self.port).room.min(input.len());
             if room == 0 {
                 // Keep what it sent until the guest makes room.
                 peer.parked = true;
@@ -342,7 +348,7 @@ impl Worker {
                 match nix::unistd::read(&peer.fd, &mut input[..room]) {
                     Ok(0) => peer.read_closed = true,
                     Ok(n) => {
-                        self.shared.host_send(self.port, &input[..n]);
+                        self.mtty.lock().host_send(self.port, &input[..n]);
                     }
                     Err(nix::errno::Errno::EAGAIN | nix::errno::Errno::EINTR) => {}
                     Err(e) => self.failed(peer, "read", e),
@@ -354,7 +360,7 @@ impl Worker {
             peer.write_closed = true;
         }
         if events.contains(PollFlags::POLLOUT) && !peer.write_closed {
-            let n = self.shared.host_peek(self.port, out);
+            let n = self.mtty.lock().host_peek(self.port, out);
             if n > 0 {
                 let written = if peer.socket {
                     nix::sys::socket::send(
@@ -366,7 +372,7 @@ impl Worker {
                     nix::unistd::write(&peer.fd, &out[..n])
                 };
                 match written {
-                    Ok(written) => self.shared.host_consumed(self.port, written),
+                    Ok(written) => self.mtty.lock().host_consumed(self.port, written),
                     Err(nix::errno::Errno::EAGAIN | nix::errno::Errno::EINTR) => {}
                     Err(e) => self.failed(peer, "write", e),
                 }

@@ -26,7 +26,7 @@ mod tests;
 mod uart;
 
 use std::path::PathBuf;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -39,7 +39,10 @@ use uart::{HostLine, Line, Uart};
 
 use crate::device::{DeviceError, VfioDevice};
 use crate::irq::{IrqHandle, IrqMode};
-use crate::pci::{Bar, ClassCode, ConfigSpaceBuilder, PciDevice, PciDeviceError, PciFunction, PciIds};
+use crate::pci::{
+    Bar, ClassCode, ConfigSpaceBuilder, PciDevice, PciDeviceError, PciIds, Reg, RegMap, Shared, SharedRef,
+    SimpleFunction, Waker, WeakShared,
+};
 use crate::types::{DeviceType, InstanceOptions, Pool, TypeError};
 
 /// Type name of the one-port card.
@@ -235,32 +238,19 @@ pub fn config(ports: usize) -> Result<ConfigSpaceBuilder, MttyError> {
     Ok(builder.interrupt_pin(1).msi(1, false, true))
 }
 
+/// An mtty card as the server serves it: the [`Mtty`] state, shared with its timer and
+/// host threads.
+pub type MttyDevice = PciDevice<Shared<Mtty>>;
+
 /// A new card with `ports` (1 or 2) ports, each on a loopback line.
-pub fn create(ports: usize) -> Result<PciDevice<Mtty>, MttyError> {
+pub fn create(ports: usize) -> Result<MttyDevice, MttyError> {
     create_with(&vec![Backend::Loopback; ports])
 }
 
 /// A new card with one port per entry of `backends` (1 or 2).
-pub fn create_with(backends: &[Backend]) -> Result<PciDevice<Mtty>, MttyError> {
+pub fn create_with(backends: &[Backend]) -> Result<MttyDevice, MttyError> {
     let config = config(backends.len())?;
-    PciDevice::try_new(config, |irq| Mtty::new(irq, backends))
-}
-
-/// All ports, under one lock: the interrupt is their OR.
-#[derive(Debug)]
-struct State {
-    ports: Vec<Uart>,
-    /// The deadline the timer thread sleeps until (`None`: until woken).
-    timer_sleep: Option<Instant>,
-    stop: bool,
-}
-
-#[derive(Debug)]
-struct Shared {
-    state: Mutex<State>,
-    /// Wakes the timer thread: a nearer deadline, or stop.
-    wake: Condvar,
-    irq: IrqHandle,
+    PciDevice::try_new(config, |irq| Mtty::start(irq, backends))
 }
 
 /// What a host peer's thread needs to know of its port before it polls.
@@ -274,18 +264,107 @@ struct HostState {
     waiting: bool,
 }
 
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        // Register values and byte queues: consistent after a panic of a holder.
-        umdev_pinning::sync::lock(&self.state)
+/// How one port is served.
+#[derive(Debug)]
+struct PortBackend {
+    backend: Backend,
+    /// The host path of a pty or socket.
+    path: Option<PathBuf>,
+    /// The thread serving a host peer.
+    host: Option<HostThread>,
+}
+
+/// The mtty function: one or two 16550A ports. All its state is here, plain data: the
+/// framework serializes the server's calls and its threads' (see [`Shared`]).
+#[derive(Debug)]
+pub struct Mtty {
+    uarts: Vec<Uart>,
+    ports: Vec<PortBackend>,
+    /// Each port's 8 byte-wide registers; any access of 1 to 8 bytes is those byte
+    /// accesses, lowest address first.
+    map: RegMap<u8>,
+    irq: IrqHandle,
+    /// Wakes the timer thread (a nearer deadline).
+    waker: Waker,
+    /// The deadline the timer thread sleeps until (`None`: until woken).
+    timer_sleep: Option<Instant>,
+    timer: Option<JoinHandle<()>>,
+}
+
+impl Mtty {
+    /// The state with its lines open, shared with its timer and host threads once those
+    /// have started.
+    fn start(irq: IrqHandle, backends: &[Backend]) -> Result<Shared<Mtty>, MttyError> {
+        let now = Instant::now();
+        let mut uarts = Vec::new();
+        let mut endpoints = Vec::new();
+        let mut ports = Vec::new();
+        for backend in backends {
+            let endpoint = Endpoint::open(backend)?;
+            let (line, wake) = match backend {
+                Backend::Loopback => (Line::Loopback, None),
+                Backend::Null => (Line::Null, None),
+                Backend::Queue => (Line::Host(HostLine::new(None)), None),
+                Backend::Pty | Backend::Socket(_) => {
+                    let wake = HostThread::wake_fd()?;
+                    (Line::Host(HostLine::new(Some(wake.clone()))), Some(wake))
+                }
+            };
+            uarts.push(Uart::new(line, now));
+            let path = endpoint.as_ref().map(|e| e.path().to_path_buf());
+            ports.push(PortBackend { backend: backend.clone(), path, host: None });
+            endpoints.push((endpoint, wake));
+        }
+        let regs: Vec<Reg<u8>> = (0..PORT_BAR_SIZE as u8).map(|r| Reg::rw(r, u64::from(r))).collect();
+        let map = RegMap::new(0, PORT_BAR_SIZE, 1, &[1, 2, 3, 4, 5, 6, 7, 8], false, &regs)
+            .map_err(|e| MttyError::Backend(e.to_string()))?;
+        let shared =
+            Shared::new(|waker| Mtty { uarts, ports, map, irq, waker, timer_sleep: None, timer: None });
+        for (port, (endpoint, wake)) in endpoints.into_iter().enumerate() {
+            if let (Some(endpoint), Some(wake)) = (endpoint, wake) {
+                let path = endpoint.path().display().to_string();
+                let host = HostThread::start(shared.share(), port, endpoint, wake)?;
+                let mut mtty = shared.lock();
+                log::info!("mtty port {port}: {} at {path}", mtty.ports[port].backend.name());
+                mtty.ports[port].host = Some(host);
+            }
+        }
+        let timer_ref = shared.share();
+        let timer = std::thread::Builder::new()
+            .name("umdev-mtty-timer".into())
+            .spawn(move || timer(&timer_ref))
+            .map_err(|e| log::error!("mtty: cannot start the timer thread ({e}); no character timeouts"))
+            .ok();
+        shared.lock().timer = timer;
+        Ok(shared)
+    }
+
+    /// Number of ports (1 or 2).
+    pub fn ports(&self) -> usize {
+        self.ports.len()
+    }
+
+    /// Port `port`'s backend.
+    pub fn backend(&self, port: usize) -> Option<&Backend> {
+        self.ports.get(port).map(|p| &p.backend)
+    }
+
+    /// The host path of port `port`'s pty or socket.
+    pub fn host_path(&self, port: usize) -> Option<&std::path::Path> {
+        self.ports.get(port)?.path.as_deref()
+    }
+
+    /// Port `port`'s line counters.
+    pub fn stats(&self, port: usize) -> Option<PortStats> {
+        self.uarts.get(port).map(|u| u.stats)
     }
 
     /// Recomputes the interrupt after any change: INTx follows the level; with MSI, every
     /// newly pending condition raises a message. Wakes the timer for a nearer deadline.
-    fn update(&self, st: &mut State) {
+    fn update(&mut self) {
         let mut any = false;
         let mut new = false;
-        for port in &mut st.ports {
+        for port in &mut self.uarts {
             let pending = port.pending();
             let mut fresh = pending & !port.last_pending;
             if port.thre_rearmed {
@@ -306,29 +385,27 @@ impl Shared {
             let delivery = self.irq.raise(0);
             log::trace!("mtty: MSI {delivery:?}");
         }
-        let earliest = st.ports.iter().filter_map(|p| p.rx_deadline).min();
+        let earliest = self.uarts.iter().filter_map(|p| p.rx_deadline).min();
         if let Some(deadline) = earliest {
-            if st.timer_sleep.is_none_or(|sleep| deadline < sleep) {
-                self.wake.notify_one();
+            if self.timer_sleep.is_none_or(|sleep| deadline < sleep) {
+                self.waker.wake();
             }
         }
     }
 
     /// Runs `f` on port `port`'s host line (if it has one) and recomputes the interrupt.
-    fn with_host<R>(&self, port: usize, f: impl FnOnce(&mut Uart, Instant) -> R) -> Option<R> {
-        let mut st = self.lock();
-        let uart = st.ports.get_mut(port)?;
+    fn with_host<R>(&mut self, port: usize, f: impl FnOnce(&mut Uart, Instant) -> R) -> Option<R> {
+        let uart = self.uarts.get_mut(port)?;
         if !matches!(uart.line, Line::Host(_)) {
             return None;
         }
         let result = f(uart, Instant::now());
-        self.update(&mut st);
+        self.update();
         Some(result)
     }
 
     fn host_state(&self, port: usize) -> HostState {
-        let st = self.lock();
-        match st.ports.get(port).map(|u| (&u.line, u.host_waiting())) {
+        match self.uarts.get(port).map(|u| (&u.line, u.host_waiting())) {
             Some((Line::Host(h), waiting)) => HostState {
                 room: HOST_QUEUE.saturating_sub(h.to_guest.len()),
                 to_host: h.to_host.len(),
@@ -339,7 +416,7 @@ impl Shared {
     }
 
     /// Queues what the host sent toward the guest, as much as fits; returns how much.
-    fn host_send(&self, port: usize, bytes: &[u8]) -> usize {
+    fn host_send(&mut self, port: usize, bytes: &[u8]) -> usize {
         self.with_host(port, |uart, now| {
             let Line::Host(h) = &mut uart.line else { return 0 };
             let n = bytes.len().min(HOST_QUEUE.saturating_sub(h.to_guest.len()));
@@ -352,8 +429,7 @@ impl Shared {
 
     /// Copies the oldest bytes queued toward the host into `buf`; returns how many.
     fn host_peek(&self, port: usize, buf: &mut [u8]) -> usize {
-        let st = self.lock();
-        let Some(Line::Host(h)) = st.ports.get(port).map(|u| &u.line) else { return 0 };
+        let Some(Line::Host(h)) = self.uarts.get(port).map(|u| &u.line) else { return 0 };
         let n = buf.len().min(h.to_host.len());
         for (dst, src) in buf.iter_mut().zip(h.to_host.iter()) {
             *dst = *src;
@@ -362,7 +438,7 @@ impl Shared {
     }
 
     /// The host took `n` bytes: the transmitter may go on.
-    fn host_consumed(&self, port: usize, n: usize) {
+    fn host_consumed(&mut self, port: usize, n: usize) {
         self.with_host(port, |uart, now| {
             if let Line::Host(h) = &mut uart.line {
                 h.to_host.drain(..n.min(h.to_host.len()));
@@ -372,231 +448,139 @@ impl Shared {
     }
 
     /// Re-checks a port whose receiver host bytes wait for.
-    fn host_tick(&self, port: usize) {
+    fn host_tick(&mut self, port: usize) {
         self.with_host(port, |uart, now| uart.feed_rx(now));
+    }
+
+    /// One access to port `bar`'s registers, then the interrupt is recomputed.
+    fn access(
+        &mut self,
+        bar: u8,
+        access: impl FnOnce(&RegMap<u8>, &mut Uart, Instant) -> Result<(), DeviceError>,
+    ) -> Result<(), DeviceError> {
+        let uart = self.uarts.get_mut(usize::from(bar)).ok_or(DeviceError::NoSuchRegion(u32::from(bar)))?;
+        let result = access(&self.map, uart, Instant::now());
+        self.update();
+        result
     }
 }
 
 /// The timer thread: expires character timeouts.
-fn timer(shared: &Shared) {
-    let mut st = shared.lock();
-    loop {
-        if st.stop {
-            return;
-        }
+fn timer(shared: &SharedRef<Mtty>) {
+    let mut mtty = shared.lock();
+    while !shared.closed() {
         let now = Instant::now();
         let mut expired = false;
-        for port in &mut st.ports {
+        for port in &mut mtty.uarts {
             expired |= port.expire(now);
         }
         if expired {
-            shared.update(&mut st);
+            mtty.update();
         }
-        let next = st.ports.iter().filter_map(|p| p.rx_deadline).min();
-        st.timer_sleep = next;
-        st = match next {
-            Some(deadline) => {
-                let wait = deadline.saturating_duration_since(now);
-                umdev_pinning::sync::wait_timeout(&shared.wake, st, wait).0
-            }
-            None => umdev_pinning::sync::wait(&shared.wake, st),
+        let next = mtty.uarts.iter().filter_map(|p| p.rx_deadline).min();
+        mtty.timer_sleep = next;
+        mtty = match next {
+            Some(deadline) => shared.wait_timeout(mtty, deadline.saturating_duration_since(now)),
+            None => shared.wait(mtty),
         };
     }
 }
 
 /// The in-process host side of a port whose backend is [`Backend::Queue`]: what a pty or
-/// socket peer would do, as calls. A cheap handle.
+/// socket peer would do, as calls. A cheap handle; it does not keep the device alive.
 #[derive(Clone, Debug)]
 pub struct HostPort {
-    shared: Arc<Shared>,
+    mtty: WeakShared<Mtty>,
     port: usize,
 }
 
 impl HostPort {
+    /// The host side of `port` of `device`, if its backend is [`Backend::Queue`].
+    pub fn of(device: &MttyDevice, port: usize) -> Option<HostPort> {
+        let function = device.function();
+        matches!(function.lock().backend(port)?, Backend::Queue)
+            .then(|| HostPort { mtty: function.weak(), port })
+    }
+
     /// Sends bytes toward the guest, as many as the port's queue takes (at most
     /// [`HOST_QUEUE`] queued); returns how many.
     pub fn send(&self, bytes: &[u8]) -> usize {
-        self.shared.host_send(self.port, bytes)
+        self.mtty.with(|m| m.host_send(self.port, bytes)).unwrap_or(0)
     }
 
     /// Takes every byte the guest transmitted that is queued for the host, oldest first.
     pub fn recv(&self) -> Vec<u8> {
-        let mut buf = vec![0u8; HOST_QUEUE];
-        let n = self.shared.host_peek(self.port, &mut buf);
-        self.shared.host_consumed(self.port, n);
-        buf.truncate(n);
-        buf
+        self.mtty
+            .with(|m| {
+                let mut buf = vec![0u8; HOST_QUEUE];
+                let n = m.host_peek(self.port, &mut buf);
+                m.host_consumed(self.port, n);
+                buf.truncate(n);
+                buf
+            })
+            .unwrap_or_default()
     }
 }
 
-/// How one port is served.
-#[derive(Debug)]
-struct PortBackend {
-    backend: Backend,
-    /// The host path of a pty or socket.
-    path: Option<PathBuf>,
-    /// The thread serving a host peer (dropped first on drop: it takes the state lock).
-    host: Option<HostThread>,
-}
+impl SimpleFunction for Mtty {
+    fn bar_read(&mut self, bar: u8, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
+        self.access(bar, |map, uart, now| {
+            map.read(offset, data, |hit| u64::from(uart.read(u64::from(hit.key), now)))
+        })
+    }
 
-/// The mtty function: one or two 16550A ports (serve it through [`PciDevice`]; see
-/// [`create`]).
-#[derive(Debug)]
-pub struct Mtty {
-    shared: Arc<Shared>,
-    ports: Vec<PortBackend>,
-    timer: Option<JoinHandle<()>>,
-}
+    fn bar_write(&mut self, bar: u8, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        self.access(bar, |map, uart, now| {
+            map.write(offset, data, |hit, value, _| uart.write(u64::from(hit.key), value as u8, now))
+        })
+    }
 
-impl Mtty {
-    fn new(irq: IrqHandle, backends: &[Backend]) -> Result<Mtty, MttyError> {
+    fn reset(&mut self) {
         let now = Instant::now();
-        let mut lines = Vec::new();
-        let mut endpoints = Vec::new();
-        for backend in backends {
-            let endpoint = Endpoint::open(backend)?;
-            let (line, wake) = match backend {
-                Backend::Loopback => (Line::Loopback, None),
-                Backend::Null => (Line::Null, None),
-                Backend::Queue => (Line::Host(HostLine::new(None)), None),
-                Backend::Pty | Backend::Socket(_) => {
-                    let wake = HostThread::wake_fd()?;
-                    (Line::Host(HostLine::new(Some(wake.clone()))), Some(wake))
-                }
-            };
-            lines.push(line);
-            endpoints.push((endpoint, wake));
-        }
-        let state = State {
-            ports: lines.into_iter().map(|l| Uart::new(l, now)).collect(),
-            timer_sleep: None,
-            stop: false,
-        };
-        let shared = Arc::new(Shared { state: Mutex::new(state), wake: Condvar::new(), irq });
-        let mut ports = Vec::new();
-        for (port, (backend, (endpoint, wake))) in backends.iter().zip(endpoints).enumerate() {
-            let path = endpoint.as_ref().map(|e| e.path().to_path_buf());
-            let host = match (endpoint, wake) {
-                (Some(endpoint), Some(wake)) => {
-                    Some(HostThread::start(shared.clone(), port, endpoint, wake)?)
-                }
-                _ => None,
-            };
-            if let Some(path) = &path {
-                log::info!("mtty port {port}: {} at {}", backend.name(), path.display());
-            }
-            ports.push(PortBackend { backend: backend.clone(), path, host });
-        }
-        let timer_shared = shared.clone();
-        let timer = std::thread::Builder::new()
-            .name("umdev-mtty-timer".into())
-            .spawn(move || timer(&timer_shared))
-            .map_err(|e| log::error!("mtty: cannot start the timer thread ({e}); no character timeouts"))
-            .ok();
-        Ok(Mtty { shared, ports, timer })
-    }
-
-    /// Number of ports (1 or 2).
-    pub fn ports(&self) -> usize {
-        self.ports.len()
-    }
-
-    /// Port `port`'s backend.
-    pub fn backend(&self, port: usize) -> Option<&Backend> {
-        self.ports.get(port).map(|p| &p.backend)
-    }
-
-    /// The host path of port `port`'s pty or socket.
-    pub fn host_path(&self, port: usize) -> Option<&std::path::Path> {
-        self.ports.get(port)?.path.as_deref()
-    }
-
-    /// The in-process host side of port `port`, if its backend is [`Backend::Queue`].
-    pub fn host(&self, port: usize) -> Option<HostPort> {
-        matches!(self.ports.get(port)?.backend, Backend::Queue)
-            .then(|| HostPort { shared: self.shared.clone(), port })
-    }
-
-    /// Port `port`'s line counters.
-    pub fn stats(&self, port: usize) -> Option<PortStats> {
-        self.shared.lock().ports.get(port).map(|u| u.stats)
-    }
-
-    /// Runs `access` on port `bar` for each byte of `[offset, offset + len)`, then
-    /// recomputes the interrupt.
-    fn access(
-        &self,
-        bar: u8,
-        offset: u64,
-        len: usize,
-        mut access: impl FnMut(&mut Uart, u64, usize, Instant),
-    ) -> Result<(), DeviceError> {
-        let bad = || DeviceError::BadAccess { region: u32::from(bar), offset, len: len as u64 };
-        let end = offset.checked_add(len as u64).ok_or_else(bad)?;
-        if end > PORT_BAR_SIZE {
-            return Err(bad());
-        }
-        let mut st = self.shared.lock();
-        let port = st.ports.get_mut(usize::from(bar)).ok_or(DeviceError::NoSuchRegion(u32::from(bar)))?;
-        let now = Instant::now();
-        // A wide access is the byte accesses it spans, lowest address first.
-        for (i, reg) in (offset..end).enumerate() {
-            access(port, reg, i, now);
-        }
-        self.shared.update(&mut st);
-        Ok(())
-    }
-}
-
-impl PciFunction for Mtty {
-    fn bar_read(&self, bar: u8, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
-        self.access(bar, offset, data.len(), |port, reg, i, now| data[i] = port.read(reg, now))
-    }
-
-    fn bar_write(&self, bar: u8, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
-        self.access(bar, offset, data.len(), |port, reg, i, now| port.write(reg, data[i], now))
-    }
-
-    fn reset(&self) {
-        let mut st = self.shared.lock();
-        let now = Instant::now();
-        st.ports.iter_mut().for_each(|p| p.reset(now));
-        self.shared.update(&mut st);
+        self.uarts.iter_mut().for_each(|p| p.reset(now));
+        self.update();
     }
 
     fn describe(&self) -> serde_json::Value {
-        let stats: Vec<PortStats> = self.shared.lock().ports.iter().map(|u| u.stats).collect();
         let ports: Vec<serde_json::Value> = self
             .ports
             .iter()
-            .zip(stats)
+            .zip(&self.uarts)
             .enumerate()
-            .map(|(i, (p, stats))| {
-                let mut port = serde_json::json!({ "port": i, "backend": p.backend.name(), "stats": stats });
+            .map(|(i, (p, uart))| {
+                let mut port =
+                    serde_json::json!({ "port": i, "backend": p.backend.name(), "stats": uart.stats });
                 if let Some(path) = &p.path {
                     port["path"] = path.display().to_string().into();
                 }
                 // Only a socket knows whether a host peer is there (umdev holds a pty open
                 // itself, so a terminal program attached to it cannot be told apart).
                 if let (Some(host), Backend::Socket(_)) = (&p.host, &p.backend) {
-                    port["host_connected"] = host.connected.load(std::sync::atomic::Ordering::Acquire).into();
+                    port["host_connected"] = host.connected().into();
                 }
                 port
             })
             .collect();
         serde_json::json!({ "ports": ports })
     }
+
+    fn close(&mut self) {
+        // The host threads sleep in poll: wake them to see that the device is going.
+        for port in &self.ports {
+            if let Some(host) = &port.host {
+                host.wake();
+            }
+        }
+    }
 }
 
 impl Drop for Mtty {
     fn drop(&mut self) {
-        // Host threads first: they take the state lock.
+        // Every thread has let go of the state by now (see `Shared`): reap them.
         for port in &mut self.ports {
             port.host.take();
         }
-        self.shared.lock().stop = true;
-        self.shared.wake.notify_all();
-        if let Some(timer) = self.timer.take() {
+        if let Some(timer) = self.timer.take().filter(|t| t.thread().id() != std::thread::current().id()) {
             if timer.join().is_err() {
                 log::error!("mtty: the timer thread panicked");
             }

@@ -18,7 +18,7 @@ const FAST: u16 = 1;
 const LCR_8N1: u8 = LCR_WLEN8;
 
 struct Rig {
-    dev: PciDevice<Mtty>,
+    dev: MttyDevice,
 }
 
 fn rig(ports: usize) -> Rig {
@@ -81,11 +81,11 @@ impl Rig {
 
     /// The in-process host side of a [`Backend::Queue`] port.
     fn host(&self, port: usize) -> HostPort {
-        self.dev.function().host(port).unwrap()
+        HostPort::of(&self.dev, port).unwrap()
     }
 
     fn stats(&self, port: usize) -> PortStats {
-        self.dev.function().stats(port).unwrap()
+        self.dev.function().lock().stats(port).unwrap()
     }
 }
 
@@ -135,8 +135,8 @@ fn identity_and_config_space_are_the_kernel_samples() {
     assert_eq!(one.dev.region_info(1).unwrap().size, 0);
     one.set_cfg(0x14, 4, 0xffff_ffff);
     assert_eq!(one.cfg(0x14, 4), 0, "a one-port card has no BAR1");
-    assert_eq!(one.dev.function().ports(), 1);
-    assert!(one.dev.function().backend(1).is_none());
+    assert_eq!(one.dev.function().lock().ports(), 1);
+    assert!(one.dev.function().lock().backend(1).is_none());
     assert!(matches!(create(0), Err(MttyError::Ports(0))));
     assert!(matches!(create(3), Err(MttyError::Ports(3))));
 }
@@ -452,6 +452,7 @@ fn wide_accesses_are_byte_accesses_in_order() {
     assert_eq!(b[3..], [LCR_8N1, MCR_RTS, 0x60, 0xb0, 0x77]);
     // Outside the BAR, or a port the card lacks.
     assert!(rig.dev.region_read(0, 7, &mut [0; 2]).is_err());
+    use crate::pci::PciFunction;
     let f = rig.dev.function();
     assert!(matches!(f.bar_read(0, 8, &mut [0]), Err(DeviceError::BadAccess { .. })));
     assert!(matches!(f.bar_read(0, u64::MAX, &mut [0; 2]), Err(DeviceError::BadAccess { .. })));
@@ -702,7 +703,7 @@ fn a_socket_backend_serves_one_host_client_and_keeps_what_is_queued() {
     let path = dir.path().join("tty1.sock");
     let rig = rig_with(&[Backend::Loopback, Backend::Socket(path.clone())]);
     assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
-    assert_eq!(rig.dev.function().host_path(1), Some(path.as_path()));
+    assert_eq!(rig.dev.function().lock().host_path(1), Some(path.as_path()));
     open_port(&rig, 1);
     // The guest talks before any host client: queued for the first one.
     for &b in b"early" {
@@ -749,7 +750,7 @@ fn a_pty_backend_is_a_host_terminal() {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let rig = rig_with(&[Backend::Pty]);
-    let path = rig.dev.function().host_path(0).unwrap().to_path_buf();
+    let path = rig.dev.function().lock().host_path(0).unwrap().to_path_buf();
     assert!(path.starts_with("/dev/pts"), "{}", path.display());
     open_port(&rig, 0);
     let mut tty = std::fs::OpenOptions::new()

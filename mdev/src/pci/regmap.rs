@@ -1,0 +1,301 @@
+//! Register maps: a BAR's registers declared once (offset, width, access, arrays of them),
+//! and every access checked and cut into register accesses the same way for every device.
+//!
+//! A map has a register *unit* (1 byte for a UART, 4 for most devices): registers are
+//! `unit` bytes wide and unit-aligned. An access of an accepted width (and, if the map says
+//! so, aligned to it) is cut at unit boundaries, lowest address first; each piece reaches
+//! the device's handler as one register access, a partial one carrying the byte mask it
+//! covers. Reads of write-only registers return 0 and writes to read-only ones are ignored
+//! without reaching the handler; offsets no register covers read 0 and ignore writes. Any
+//! other width, a misaligned access where alignment is required, or an access outside the
+//! map is refused ([`DeviceError::BadAccess`], EINVAL to the client).
+
+use crate::device::DeviceError;
+
+/// How the guest may access a register.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// Reads see the register; writes are ignored.
+    ReadOnly,
+    /// Writes reach the register; reads return 0.
+    WriteOnly,
+    /// Both.
+    ReadWrite,
+}
+
+/// One register, or an array of `count` registers `stride` bytes apart (a block per
+/// channel, say).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reg<K> {
+    /// What the handler is told.
+    pub key: K,
+    /// Offset of the first register.
+    pub offset: u64,
+    /// Access rules.
+    pub access: Access,
+    /// Registers in the array (1 for a plain register).
+    pub count: u32,
+    /// Bytes between the array's registers.
+    pub stride: u64,
+}
+
+impl<K: Copy> Reg<K> {
+    /// A read-only register.
+    pub const fn ro(key: K, offset: u64) -> Reg<K> {
+        Reg { key, offset, access: Access::ReadOnly, count: 1, stride: 0 }
+    }
+
+    /// A write-only register.
+    pub const fn wo(key: K, offset: u64) -> Reg<K> {
+        Reg { key, offset, access: Access::WriteOnly, count: 1, stride: 0 }
+    }
+
+    /// A read-write register.
+    pub const fn rw(key: K, offset: u64) -> Reg<K> {
+        Reg { key, offset, access: Access::ReadWrite, count: 1, stride: 0 }
+    }
+
+    /// This register repeated `count` times, `stride` bytes apart.
+    pub const fn array(self, count: u32, stride: u64) -> Reg<K> {
+        Reg { key: self.key, offset: self.offset, access: self.access, count, stride }
+    }
+}
+
+/// Which register an access reached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hit<K> {
+    /// The register's key.
+    pub key: K,
+    /// Its index in its array (0 for a plain register).
+    pub index: u32,
+}
+
+/// A BAR's register map.
+#[derive(Clone, Debug)]
+pub struct RegMap<K: Copy> {
+    region: u32,
+    size: u64,
+    unit: u64,
+    widths: &'static [usize],
+    aligned: bool,
+    regs: Vec<Reg<K>>,
+    /// Per unit of the map: 1 + the index into `regs` and the array index, or 0 for a hole.
+    lookup: Vec<(u16, u32)>,
+}
+
+/// Why a register map cannot be built.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RegMapError {
+    /// The unit is not 1, 2, 4 or 8, or the size is not a multiple of it.
+    #[error("a register unit of {unit} bytes cannot map {size} bytes")]
+    Unit {
+        /// The unit.
+        unit: u64,
+        /// The size.
+        size: u64,
+    },
+    /// A register is misaligned, outside the map, or over another.
+    #[error("register at {offset:#x} (element {index}) is misaligned, outside the map or overlaps another")]
+    Placement {
+        /// Its offset.
+        offset: u64,
+        /// The array element.
+        index: u32,
+    },
+}
+
+impl<K: Copy> RegMap<K> {
+    /// A map of BAR `region`, `size` bytes of `unit`-byte registers, accepting accesses of
+    /// `widths` bytes (aligned to their width if `aligned`).
+    pub fn new(
+        region: u32,
+        size: u64,
+        unit: u64,
+        widths: &'static [usize],
+        aligned: bool,
+        regs: &[Reg<K>],
+    ) -> Result<RegMap<K>, RegMapError> {
+        if !matches!(unit, 1 | 2 | 4 | 8) || size % unit != 0 || size / unit > u64::from(u32::MAX) {
+            return Err(RegMapError::Unit { unit, size });
+        }
+        let mut lookup = vec![(0u16, 0u32); (size / unit) as usize];
+        for (i, reg) in regs.iter().enumerate() {
+            for index in 0..reg.count {
+                let offset = u64::from(index).checked_mul(reg.stride).and_then(|o| o.checked_add(reg.offset));
+                let bad = || RegMapError::Placement { offset: reg.offset, index };
+                let offset = offset.filter(|&o| o % unit == 0 && o < size).ok_or_else(bad)?;
+                let slot = &mut lookup[(offset / unit) as usize];
+                if slot.0 != 0 {
+                    return Err(bad());
+                }
+                *slot = (i as u16 + 1, index);
+            }
+        }
+        Ok(RegMap { region, size, unit, widths, aligned, regs: regs.to_vec(), lookup })
+    }
+
+    /// Bytes the map covers.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// The pieces of an access: `(unit offset, byte range in the register, byte range in
+    /// the access)`, after checking width, alignment and bounds.
+    fn pieces(
+        &self,
+        offset: u64,
+        len: usize,
+    ) -> Result<impl Iterator<Item = (u64, std::ops::Range<usize>, std::ops::Range<usize>)>, DeviceError>
+    {
+        let bad = || DeviceError::BadAccess { region: self.region, offset, len: len as u64 };
+        if !self.widths.contains(&len) || (self.aligned && offset % len as u64 != 0) {
+            return Err(bad());
+        }
+        let end = offset.checked_add(len as u64).filter(|&e| e <= self.size).ok_or_else(bad)?;
+        let unit = self.unit;
+        let mut at = offset;
+        Ok(std::iter::from_fn(move || {
+            if at >= end {
+                return None;
+            }
+            let reg = at - at % unit;
+            let within = (at - reg) as usize;
+            let n = (unit - (at - reg)).min(end - at) as usize;
+            let piece = (reg, within..within + n, (at - offset) as usize..(at - offset) as usize + n);
+            at += n as u64;
+            Some(piece)
+        }))
+    }
+
+    fn hit(&self, reg_offset: u64) -> Option<(Hit<K>, Access)> {
+        let (slot, index) = self.lookup[(reg_offset / self.unit) as usize];
+        let reg = self.regs.get(usize::from(slot).checked_sub(1)?)?;
+        Some((Hit { key: reg.key, index }, reg.access))
+    }
+
+    /// A read of `data.len()` bytes at `offset`: `read(hit)` gives each register's value
+    /// (little-endian, `unit` bytes).
+    pub fn read(
+        &self,
+        offset: u64,
+        data: &mut [u8],
+        mut read: impl FnMut(Hit<K>) -> u64,
+    ) -> Result<(), DeviceError> {
+        for (reg, in_reg, in_data) in self.pieces(offset, data.len())? {
+            let value = match self.hit(reg) {
+                Some((hit, Access::ReadOnly | Access::ReadWrite)) => read(hit),
+                _ => 0, // write-only, or no register here
+            };
+            data[in_data].copy_from_slice(&value.to_le_bytes()[in_reg]);
+        }
+        Ok(())
+    }
+
+    /// A write of `data` at `offset`: `write(hit, value, mask)` is called per register,
+    /// `mask` having ones where the access covered the register (a partial write merges:
+    /// `old & !mask | value & mask`).
+    pub fn write(
+        &self,
+        offset: u64,
+        data: &[u8],
+        mut write: impl FnMut(Hit<K>, u64, u64),
+    ) -> Result<(), DeviceError> {
+        for (reg, in_reg, in_data) in self.pieces(offset, data.len())? {
+            match self.hit(reg) {
+                Some((hit, Access::WriteOnly | Access::ReadWrite)) => {
+                    let (mut value, mut mask) = ([0u8; 8], [0u8; 8]);
+                    value[in_reg.clone()].copy_from_slice(&data[in_data]);
+                    mask[in_reg].fill(0xff);
+                    write(hit, u64::from_le_bytes(value), u64::from_le_bytes(mask));
+                }
+                Some((hit, Access::ReadOnly)) => {
+                    log::debug!("write to read-only register {:#x} (element {}) ignored", reg, hit.index);
+                }
+                None => log::debug!("write to {reg:#x}, where no register is, ignored"),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Merges a (possibly partial) register write into `old`.
+pub fn merge(old: u64, value: u64, mask: u64) -> u64 {
+    (old & !mask) | (value & mask)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    enum K {
+        Id,
+        Scratch,
+        Door,
+        Chan,
+    }
+
+    fn map(widths: &'static [usize], aligned: bool) -> RegMap<K> {
+        RegMap::new(
+            0,
+            0x100,
+            4,
+            widths,
+            aligned,
+            &[
+                Reg::ro(K::Id, 0),
+                Reg::rw(K::Scratch, 4),
+                Reg::wo(K::Door, 8),
+                Reg::rw(K::Chan, 0x40).array(4, 0x10),
+            ],
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn accesses_are_cut_into_register_accesses() {
+        let m = map(&[1, 2, 4, 8], false);
+        let mut scratch = 0u64;
+        let mut b = [0u8; 8];
+        // An 8-byte read at 0 covers ID and SCRATCH.
+        m.read(0, &mut b, |h| if h.key == K::Id { 0x1122_3344 } else { 0xaabb_ccdd }).unwrap();
+        assert_eq!(b, [0x44, 0x33, 0x22, 0x11, 0xdd, 0xcc, 0xbb, 0xaa]);
+        // A 2-byte write straddling SCRATCH's top and DOORBELL's bottom: two partial writes.
+        let mut writes = Vec::new();
+        m.write(7, &[1, 2], |h, v, mask| writes.push((h.key, v, mask))).unwrap();
+        assert_eq!(writes, [(K::Scratch, 0x0100_0000, 0xff00_0000), (K::Door, 0x02, 0xff)]);
+        m.write(4, &[5, 0, 0, 0], |_, v, mask| scratch = merge(scratch, v, mask)).unwrap();
+        assert_eq!(scratch, 5);
+        // Write-only reads 0, read-only ignores writes, holes read 0.
+        let mut b = [0xffu8; 4];
+        m.read(8, &mut b, |_| unreachable!("write-only")).unwrap();
+        assert_eq!(b, [0; 4]);
+        m.write(0, &[1; 4], |_, _, _| unreachable!("read-only")).unwrap();
+        m.read(0x20, &mut b, |_| unreachable!("hole")).unwrap();
+        assert_eq!(b, [0; 4]);
+        // Arrays know their element.
+        let mut hits = Vec::new();
+        m.read(0x60, &mut b, |h| {
+            hits.push(h);
+            0
+        })
+        .unwrap();
+        assert_eq!(hits, [Hit { key: K::Chan, index: 2 }]);
+    }
+
+    #[test]
+    fn widths_alignment_and_bounds_are_refused_as_declared() {
+        let m = map(&[4], true);
+        let refused = |r: Result<(), DeviceError>| matches!(r, Err(DeviceError::BadAccess { .. }));
+        assert!(refused(m.read(2, &mut [0; 4], |_| 0)), "misaligned");
+        assert!(refused(m.read(0, &mut [0; 2], |_| 0)), "width");
+        assert!(refused(m.read(0x100, &mut [0; 4], |_| 0)), "outside");
+        assert!(refused(m.write(u64::MAX - 1, &[0; 4], |_, _, _| ())), "wraps");
+        assert!(m.read(0xfc, &mut [0; 4], |_| 0).is_ok());
+        // Bad declarations.
+        assert!(RegMap::new(0, 0x10, 3, &[4], true, &[Reg::ro(K::Id, 0)]).is_err());
+        assert!(RegMap::new(0, 0x10, 4, &[4], true, &[Reg::ro(K::Id, 2)]).is_err());
+        assert!(RegMap::new(0, 0x10, 4, &[4], true, &[Reg::ro(K::Id, 0), Reg::rw(K::Scratch, 0)]).is_err());
+        assert!(RegMap::new(0, 0x10, 4, &[4], true, &[Reg::ro(K::Chan, 0).array(8, 4)]).is_err());
+    }
+}
