@@ -62,7 +62,7 @@ fn config() -> ConfigSpaceBuilder {
 }
 
 /// Step 2: the function: plain fields, `&mut self` everywhere.
-struct Doorbell {
+pub struct Doorbell {
     /// How the function raises interrupts; handed over by `PciDevice::new`.
     irq: IrqHandle,
     /// Checks every access (width, alignment, bounds, read-only and write-only registers)
@@ -107,24 +107,28 @@ impl SimpleFunction for Doorbell {
     }
 }
 
-/// Step 3: serve it. `umdev_server::Daemon` hosts any number of devices, each on its own
-/// UNIX socket; this is what `umdev run` does for the built-in types.
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    env_logger::init(); // RUST_LOG=debug shows every vfio-user message
-    let Some(socket) = std::env::args_os().nth(1) else {
-        return Err("usage: custom_device SOCKET_PATH".into());
-    };
+/// Steps 1 and 2 together: the device, ready to serve.
+pub fn device() -> Result<PciDevice<Mutex<Doorbell>>, Box<dyn std::error::Error>> {
     let regs =
         [Reg::ro(R::Id, 0x0), Reg::rw(R::Scratch, 0x4), Reg::ro(R::Counter, 0x8), Reg::wo(R::Doorbell, 0xc)];
     let map = RegMap::new(0, 4096, 4, &[4], true, &regs)?;
     // `PciDevice::new` builds the config space, then calls us back with the interrupt
     // handle; the `Mutex` is how the framework serializes a `SimpleFunction`'s calls.
-    let device = PciDevice::new(config(), |irq| Mutex::new(Doorbell { irq, map, scratch: 0, counter: 0 }))?;
+    Ok(PciDevice::new(config(), |irq| Mutex::new(Doorbell { irq, map, scratch: 0, counter: 0 }))?)
+}
 
+/// Step 3: serve it. `umdev_server::Daemon` hosts any number of devices, each on its own
+/// UNIX socket; this is what `umdev run` does for the built-in types.
+#[allow(dead_code)] // when tests/contract.rs includes this file
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    env_logger::init(); // RUST_LOG=debug shows every vfio-user message
+    let Some(socket) = std::env::args_os().nth(1) else {
+        return Err("usage: custom_device SOCKET_PATH".into());
+    };
     // Take the signals before serving, so Ctrl-C always reaches us.
     let mut signals = Signals::new([SIGINT, SIGTERM])?;
     let daemon = Daemon::new();
-    daemon.start(Arc::new(device), InstanceConfig::new("custom", &socket))?;
+    daemon.start(Arc::new(device()?), InstanceConfig::new("custom", &socket))?;
     eprintln!("custom_device: serving on {} (Ctrl-C to stop)", socket.to_string_lossy());
     signals.forever().next();
     daemon.shutdown(); // disconnects the client, stops the instance, removes the socket

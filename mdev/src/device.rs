@@ -271,7 +271,7 @@ impl BusMaster {
 /// Guest memory is reached only through these methods, which refuse while bus mastering is
 /// off ([`crate::guest::GuestError::BusMasterOff`]): pin pages ([`DeviceContext::pin_pages`],
 /// [`DeviceContext::pin_range`]) to move bulk data through the guard, or copy bytes
-/// ([`DeviceContext::read_guest`], [`DeviceContext::write_guest`]).
+/// ([`DeviceContext::read_pinned`], [`DeviceContext::read_either`], [`DeviceContext::read_obj`], ...).
 #[derive(Clone)]
 pub struct DeviceContext {
     /// The client's DMA space: fd-backed guest memory is pinned here.

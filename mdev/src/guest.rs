@@ -1,12 +1,22 @@
-//! Guest memory for devices: pins, and byte access whichever way the client mapped it.
+//! Guest memory for devices: pins, byte copies and typed objects, each by a path the device
+//! names.
 //!
-//! fd-backed memory is pinned through the DMA space; byte access pins briefly (pin, copy,
-//! unpin), and memory the client mapped without an fd goes through the client
-//! ([`crate::ClientDma`]). Devices moving bulk data pin their pages themselves and keep the
-//! guard for the transfer. Every entry point refuses while the device's bus mastering is off.
+//! - **Pinned** (`pin_pages`, `pin_range`, `read_pinned`, `write_pinned`): memory the client
+//!   mapped with an fd, through the pinning engine. Memory mapped without an fd fails
+//!   ([`GuestError::NoHostMemory`]): a device never gets the slow path by surprise.
+//! - **Through the client** (`read_via_client`, `write_via_client`): vfio-user DMA_READ and
+//!   DMA_WRITE, for memory mapped without an fd; only from a device thread.
+//! - **Either** (`read_either`, `write_either`, and the typed `read_obj`/`write_obj`): pinned
+//!   where the client gave an fd, through the client elsewhere, for devices that take
+//!   whatever the VMM mapped (ccw and testdev do, as their documents say).
+//!
+//! Byte copies pin briefly (pin, copy, unpin); devices moving bulk data pin their pages
+//! themselves and keep the guard for the transfer. Every entry point refuses while the
+//! device's bus mastering is off.
 
 use thiserror::Error;
 use umdev_pinning::{AccessError, PinError, PinnedPages, Prot, PAGE_SIZE};
+use vm_memory::ByteValued;
 
 use crate::device::{ClientDmaError, DeviceContext};
 
@@ -37,6 +47,14 @@ pub enum GuestError {
     /// Bus mastering is off (PCI COMMAND.BME clear): the device may not reach guest memory.
     #[error("bus mastering is off")]
     BusMasterOff,
+    /// Part of the range was mapped without an fd and the device asked for pinned memory.
+    #[error("guest range [{iova:#x}, +{len:#x}) has no host memory (mapped without an fd)")]
+    NoHostMemory {
+        /// First byte.
+        iova: u64,
+        /// Length.
+        len: u64,
+    },
     /// The range's memory does not permit the access (a write to memory mapped read-only).
     #[error("guest range [{iova:#x}, +{len:#x}) does not permit this access")]
     Permission {
@@ -66,9 +84,54 @@ impl DeviceContext {
         Ok(self.dma.pin_range(iova, npages, prot)?)
     }
 
-    /// Reads `buf.len()` bytes of guest memory at `iova`.
-    pub fn read_guest(&self, iova: u64, buf: &mut [u8]) -> Result<(), GuestError> {
-        self.access(iova, buf.len(), Prot::READ, |piece_iova, at, n, pinned| match pinned {
+    /// Reads `buf.len()` bytes of fd-backed guest memory at `iova`, pinned for the copy.
+    pub fn read_pinned(&self, iova: u64, buf: &mut [u8]) -> Result<(), GuestError> {
+        self.copy_in(iova, buf, Path::Pinned)
+    }
+
+    /// Writes `data` to fd-backed guest memory at `iova`, pinned for the copy.
+    pub fn write_pinned(&self, iova: u64, data: &[u8]) -> Result<(), GuestError> {
+        self.copy_out(iova, data, Path::Pinned)
+    }
+
+    /// Reads guest memory at `iova` through the client (vfio-user DMA_READ), whatever the
+    /// mapping; from a device thread only.
+    pub fn read_via_client(&self, iova: u64, buf: &mut [u8]) -> Result<(), GuestError> {
+        self.copy_in(iova, buf, Path::Client)
+    }
+
+    /// Writes guest memory at `iova` through the client (vfio-user DMA_WRITE).
+    pub fn write_via_client(&self, iova: u64, data: &[u8]) -> Result<(), GuestError> {
+        self.copy_out(iova, data, Path::Client)
+    }
+
+    /// Reads guest memory at `iova`: pinned where the client gave an fd, through the
+    /// client elsewhere.
+    pub fn read_either(&self, iova: u64, buf: &mut [u8]) -> Result<(), GuestError> {
+        self.copy_in(iova, buf, Path::Either)
+    }
+
+    /// Writes guest memory at `iova`: pinned where the client gave an fd, through the
+    /// client elsewhere.
+    pub fn write_either(&self, iova: u64, data: &[u8]) -> Result<(), GuestError> {
+        self.copy_out(iova, data, Path::Either)
+    }
+
+    /// Reads a `T` (a `#[repr(C)]` guest structure) at `iova`, as
+    /// [`read_either`](Self::read_either).
+    pub fn read_obj<T: ByteValued>(&self, iova: u64) -> Result<T, GuestError> {
+        let mut value = T::zeroed();
+        self.read_either(iova, value.as_mut_slice())?;
+        Ok(value)
+    }
+
+    /// Writes a `T` at `iova`, whole or not at all, as [`write_either`](Self::write_either).
+    pub fn write_obj<T: ByteValued>(&self, iova: u64, value: &T) -> Result<(), GuestError> {
+        self.write_either(iova, value.as_slice())
+    }
+
+    fn copy_in(&self, iova: u64, buf: &mut [u8], path: Path) -> Result<(), GuestError> {
+        self.access(iova, buf.len(), Prot::READ, path, |piece_iova, at, n, pinned| match pinned {
             Some(pins) => pins
                 .read(piece_iova % PAGE_SIZE, &mut buf[at..at + n])
                 .map_err(|e| access_error(e, piece_iova)),
@@ -76,9 +139,8 @@ impl DeviceContext {
         })
     }
 
-    /// Writes `data` to guest memory at `iova`.
-    pub fn write_guest(&self, iova: u64, data: &[u8]) -> Result<(), GuestError> {
-        self.access(iova, data.len(), Prot::WRITE, |piece_iova, at, n, pinned| match pinned {
+    fn copy_out(&self, iova: u64, data: &[u8], path: Path) -> Result<(), GuestError> {
+        self.access(iova, data.len(), Prot::WRITE, path, |piece_iova, at, n, pinned| match pinned {
             Some(pins) => {
                 pins.write(piece_iova % PAGE_SIZE, &data[at..at + n]).map_err(|e| access_error(e, piece_iova))
             }
@@ -96,6 +158,7 @@ impl DeviceContext {
         iova: u64,
         len: usize,
         prot: Prot,
+        path: Path,
         mut f: impl FnMut(u64, usize, usize, Option<&umdev_pinning::PinnedPages>) -> Result<(), GuestError>,
     ) -> Result<(), GuestError> {
         let not_mapped = || GuestError::NotMapped { iova, len: len as u64 };
@@ -113,6 +176,9 @@ impl DeviceContext {
             if !mapping.prot.contains(prot) {
                 return Err(GuestError::Permission { iova, len: len as u64 });
             }
+            if path == Path::Pinned && !mapping.has_memory {
+                return Err(GuestError::NoHostMemory { iova, len: len as u64 });
+            }
             checked += ((mapping.iova + (mapping.size - 1) - here) as usize + 1).min(len - checked);
         }
         let mut done = 0usize;
@@ -121,7 +187,7 @@ impl DeviceContext {
             let mapping = self.dma.lookup(here).ok_or_else(not_mapped)?;
             let mapping_end = mapping.iova + (mapping.size - 1);
             let n = ((mapping_end - here) as usize + 1).min(len - done);
-            if mapping.has_memory {
+            if mapping.has_memory && path != Path::Client {
                 let first = here / PAGE_SIZE;
                 let last = (here + n as u64 - 1) / PAGE_SIZE;
                 let pins = self.dma.pin_range(first * PAGE_SIZE, last - first + 1, prot)?;
@@ -133,6 +199,14 @@ impl DeviceContext {
         }
         Ok(())
     }
+}
+
+/// Which way a copy goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    Pinned,
+    Client,
+    Either,
 }
 
 fn access_error(e: AccessError, iova: u64) -> GuestError {

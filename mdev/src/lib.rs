@@ -11,6 +11,8 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
+#[cfg(feature = "contract")]
+pub mod contract;
 mod device;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;

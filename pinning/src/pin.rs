@@ -701,6 +701,18 @@ impl PinnedPages {
         }
     }
 
+    /// Reads a `T` (a `#[repr(C)]` guest structure) at byte `offset` of the pinned pages.
+    pub fn read_obj<T: vm_memory::ByteValued>(&self, offset: u64) -> Result<T, AccessError> {
+        let mut value = T::zeroed();
+        self.read(offset, value.as_mut_slice())?;
+        Ok(value)
+    }
+
+    /// Writes a `T` at byte `offset` of the pinned pages (which must be pinned for write).
+    pub fn write_obj<T: vm_memory::ByteValued>(&self, offset: u64, value: &T) -> Result<(), AccessError> {
+        self.write(offset, value.as_slice())
+    }
+
     /// Copies `buf.len()` bytes at `offset` of the pinned buffer (entry 0's page first) out.
     ///
     /// The pages are shared with the client, which may write them meanwhile: the bytes

@@ -87,6 +87,7 @@ fn guest_error(e: &GuestError) -> BusError {
         GuestError::Pin(p) => pin_error(p),
         GuestError::NotMapped { .. } => BusError::Unmapped,
         GuestError::Permission { .. } => BusError::ReadOnly,
+        GuestError::NoHostMemory { .. } => BusError::Unmapped,
         GuestError::BusMasterOff => BusError::Stopped(Reason::BusMasterOff),
         GuestError::Client(_) | GuestError::Truncated { .. } => BusError::Device,
     }
@@ -133,10 +134,10 @@ impl PinningBus<'_> {
                 match dir {
                     Direction::ToGuest => {
                         store.copy_to(&mut buf[..]);
-                        self.ctx.write_guest(addr, buf).map_err(|e| fail(guest_error(&e)))?;
+                        self.ctx.write_either(addr, buf).map_err(|e| fail(guest_error(&e)))?;
                     }
                     Direction::FromGuest => {
-                        self.ctx.read_guest(addr, buf).map_err(|e| fail(guest_error(&e)))?;
+                        self.ctx.read_either(addr, buf).map_err(|e| fail(guest_error(&e)))?;
                         store.copy_from(&buf[..]);
                     }
                 }
@@ -177,7 +178,7 @@ fn page_ranges(pfns: &[u64]) -> SmallVec<[(u64, u64); 4]> {
 
 impl Bus for PinningBus<'_> {
     fn fetch(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), BusError> {
-        self.ctx.read_guest(addr, buf).map_err(|e| guest_error(&e))
+        self.ctx.read_either(addr, buf).map_err(|e| guest_error(&e))
     }
 
     fn transfer(&mut self, dir: Direction, pieces: &[Piece], store_pos: u64) -> Result<(), Partial> {
@@ -258,7 +259,7 @@ impl Bus for PinningBus<'_> {
                 break;
             }
             self.ctx
-                .write_guest(p.addr, &data[done..done + n])
+                .write_either(p.addr, &data[done..done + n])
                 .map_err(|e| Partial { error: guest_error(&e), moved: done as u64 })?;
             done += n;
         }

@@ -33,6 +33,7 @@ use crate::irq::IrqHandle;
 use crate::pci::bar::Bar;
 use crate::pci::config::{ClassCode, ConfigSpaceBuilder, PciIds};
 use crate::pci::device::{PciDevice, PciFunction};
+use crate::pci::regmap::{Reg, RegMap};
 
 /// The type name.
 pub const TYPE_NAME: &str = "ccw";
@@ -288,7 +289,7 @@ impl Shared {
             return; // reset meanwhile: the program's subchannel state is gone
         }
         if job.status_addr != 0 {
-            if let Err(e) = job.ctx.write_guest(job.status_addr, &status.encode()) {
+            if let Err(e) = job.ctx.write_obj(job.status_addr, &status.block()) {
                 log::debug!("ccw: subchannel {}: status block at {:#x}: {e}", sc.index, job.status_addr);
             }
         }
@@ -330,6 +331,7 @@ struct Worker {
 pub struct Ccw {
     shared: Arc<Shared>,
     workers: Vec<Worker>,
+    map: RegMap<CcwReg>,
 }
 
 impl std::fmt::Debug for Ccw {
@@ -395,7 +397,7 @@ impl Ccw {
                 .map_err(CcwError::Thread)?;
             workers.push(Worker { jobs: Some(tx), thread: Some(thread) });
         }
-        Ok(Ccw { shared, workers })
+        Ok(Ccw { shared, workers, map: register_map(cfg.subchannels) })
     }
 
     /// Programs completed by all subchannels.
@@ -526,46 +528,57 @@ impl Ccw {
 }
 
 /// Reads a little-endian 32-bit register access (the adapter checked the bounds).
-fn check_dword(offset: u64, len: usize) -> Result<(), DeviceError> {
-    if len == 4 && offset % 4 == 0 {
-        Ok(())
-    } else {
-        Err(DeviceError::BadAccess { region: 0, offset, len: len as u64 })
+/// A register of BAR0: global, or one of a subchannel's block (its index is the array
+/// element), by offset.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CcwReg {
+    Global(u64),
+    Sub(u64),
+}
+
+/// BAR0's register map (docs/ccw.md): aligned 32-bit accesses only; offsets with no
+/// register read 0 and ignore writes, as do write-only and read-only registers.
+fn register_map(subchannels: u32) -> RegMap<CcwReg> {
+    use regs::*;
+    let sub = |r: u64, access: fn(CcwReg, u64) -> Reg<CcwReg>| {
+        access(CcwReg::Sub(r), SUBCHANNEL_BASE + r).array(subchannels, SUBCHANNEL_STRIDE)
+    };
+    let mut map: Vec<Reg<CcwReg>> =
+        [ID, VERSION, SUBCHANNELS, PIN_MODE, STORE_SIZE_LO, STORE_SIZE_HI, IRQ_STATUS]
+            .into_iter()
+            .map(|r| Reg::ro(CcwReg::Global(r), r))
+            .collect();
+    for r in [CPA_LO, CPA_HI, STATUS_LO, STATUS_HI] {
+        map.push(sub(r, Reg::rw));
     }
+    for r in [DOORBELL, ACK] {
+        map.push(sub(r, Reg::wo));
+    }
+    for r in
+        [STATE, DSTAT_CSTAT, RESIDUAL, REASON, CCWS, PROGRAMS, BYTES_LO, BYTES_HI, CPA_OUT_LO, CPA_OUT_HI]
+    {
+        map.push(sub(r, Reg::ro));
+    }
+    // The whole BAR: accesses to the MSI-X table and PBA are the framework's and never reach here.
+    RegMap::new(0, BAR0_SIZE, 4, &[4], true, &map).expect("a valid register map")
 }
 
 impl PciFunction for Ccw {
     fn bar_read(&self, _bar: u8, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
-        check_dword(offset, data.len())?;
-        let value = if offset < regs::SUBCHANNEL_BASE {
-            self.global_read(offset)
-        } else {
-            let index = ((offset - regs::SUBCHANNEL_BASE) / regs::SUBCHANNEL_STRIDE) as usize;
-            match self.shared.subchannels.get(index) {
-                Some(sc) => {
-                    self.subchannel_read(sc, (offset - regs::SUBCHANNEL_BASE) % regs::SUBCHANNEL_STRIDE)
-                }
-                None => 0,
-            }
-        };
-        data.copy_from_slice(&value.to_le_bytes());
-        Ok(())
+        self.map.read(offset, data, |hit| {
+            u64::from(match hit.key {
+                CcwReg::Global(r) => self.global_read(r),
+                CcwReg::Sub(r) => self.subchannel_read(&self.shared.subchannels[hit.index as usize], r),
+            })
+        })
     }
 
     fn bar_write(&self, _bar: u8, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
-        check_dword(offset, data.len())?;
-        let value = u32::from_le_bytes([data[0], data[1], data[2], data[3]]);
-        if offset >= regs::SUBCHANNEL_BASE {
-            let index = ((offset - regs::SUBCHANNEL_BASE) / regs::SUBCHANNEL_STRIDE) as usize;
-            if index < self.shared.subchannels.len() {
-                self.subchannel_write(
-                    index,
-                    (offset - regs::SUBCHANNEL_BASE) % regs::SUBCHANNEL_STRIDE,
-                    value,
-                );
+        self.map.write(offset, data, |hit, value, _| {
+            if let CcwReg::Sub(r) = hit.key {
+                self.subchannel_write(hit.index as usize, r, value as u32);
             }
-        }
-        Ok(())
+        })
     }
 
     fn reset(&self) {
@@ -632,7 +645,9 @@ impl CcwType {
         CcwType { pool: crate::types::Pool::new(capacity) }
     }
 
-    fn config(options: &crate::types::InstanceOptions) -> Result<CcwConfig, String> {
+    /// The configuration an instance with these options would get, or why the
+    /// options are refused (the same check `create` makes).
+    pub fn config(options: &crate::types::InstanceOptions) -> Result<CcwConfig, String> {
         let p = &options.params;
         let subchannels = match p.get("subchannels") {
             Some(v) => v

@@ -7,6 +7,7 @@
 //! (at most [`MAX_CCWS`] CCWs execute, and revisiting a CCW is a loop).
 
 use smallvec::SmallVec;
+use vm_memory::{ByteValued, Le16, Le32, Le64};
 
 /// Bytes of one CCW.
 pub const CCW_SIZE: u64 = 16;
@@ -187,34 +188,74 @@ pub struct Status {
 /// Bytes of the status block in guest memory.
 pub const STATUS_SIZE: usize = 32;
 
+/// The status block as it sits in guest memory (docs/ccw.md, "Status block").
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StatusBlock {
+    /// Device status.
+    pub dstat: u8,
+    /// Subchannel status.
+    pub cstat: u8,
+    /// Reserved (0).
+    pub reserved: Le16,
+    /// Residual count of the last CCW executed.
+    pub residual: Le32,
+    /// CPA out.
+    pub cpa: Le64,
+    /// Reason code.
+    pub reason: Le32,
+    /// CCWs executed.
+    pub ccws: Le32,
+    /// Data bytes moved.
+    pub bytes: Le64,
+}
+
+// SAFETY: plain little-endian integers in a `repr(C)` struct whose fields sit at their
+// natural alignment with no padding (the size is checked below); every bit pattern is a
+// valid value.
+unsafe impl ByteValued for StatusBlock {}
+const _: () = assert!(size_of::<StatusBlock>() == STATUS_SIZE);
+
 impl Status {
-    /// The 32-byte status block (little-endian): dstat u8, cstat u8, reserved u16,
-    /// residual u32, cpa u64, reason u32, ccws u32, bytes u64.
+    /// The status block for guest memory.
+    pub fn block(&self) -> StatusBlock {
+        StatusBlock {
+            dstat: self.dstat,
+            cstat: self.cstat,
+            reserved: Le16::from(0),
+            residual: self.residual.into(),
+            cpa: self.cpa.into(),
+            reason: (self.reason as u32).into(),
+            ccws: self.ccws.into(),
+            bytes: self.bytes.into(),
+        }
+    }
+
+    /// The 32 bytes of the status block.
     pub fn encode(&self) -> [u8; STATUS_SIZE] {
         let mut b = [0u8; STATUS_SIZE];
-        b[0] = self.dstat;
-        b[1] = self.cstat;
-        b[4..8].copy_from_slice(&self.residual.to_le_bytes());
-        b[8..16].copy_from_slice(&self.cpa.to_le_bytes());
-        b[16..20].copy_from_slice(&(self.reason as u32).to_le_bytes());
-        b[20..24].copy_from_slice(&self.ccws.to_le_bytes());
-        b[24..32].copy_from_slice(&self.bytes.to_le_bytes());
+        b.copy_from_slice(self.block().as_slice());
         b
     }
 
-    /// Decodes a status block written by [`Status::encode`]; `None` for an unknown reason.
-    pub fn decode(b: &[u8; STATUS_SIZE]) -> Option<Status> {
-        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-        let u64_at = |i: usize| u64::from(u32_at(i)) | u64::from(u32_at(i + 4)) << 32;
+    /// A status read back from a status block; `None` for an unknown reason.
+    pub fn from_block(block: &StatusBlock) -> Option<Status> {
         Some(Status {
-            dstat: b[0],
-            cstat: b[1],
-            residual: u32_at(4),
-            cpa: u64_at(8),
-            reason: Reason::from_code(u32_at(16))?,
-            ccws: u32_at(20),
-            bytes: u64_at(24),
+            dstat: block.dstat,
+            cstat: block.cstat,
+            residual: block.residual.into(),
+            cpa: block.cpa.into(),
+            reason: Reason::from_code(block.reason.into())?,
+            ccws: block.ccws.into(),
+            bytes: block.bytes.into(),
         })
+    }
+
+    /// Decodes the 32 bytes of a status block; `None` for an unknown reason.
+    pub fn decode(b: &[u8; STATUS_SIZE]) -> Option<Status> {
+        let mut block = StatusBlock::default();
+        block.as_mut_slice().copy_from_slice(b);
+        Self::from_block(&block)
     }
 
     /// True for a clean completion.
@@ -310,26 +351,84 @@ pub struct Ccw {
     pub addr: u64,
 }
 
+/// A CCW as it sits in guest memory (docs/ccw.md, "CCW").
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RawCcw {
+    /// Command code.
+    pub cmd: u8,
+    /// Flags.
+    pub flags: u8,
+    /// Reserved (0).
+    pub reserved: Le16,
+    /// Byte count.
+    pub count: Le32,
+    /// Data or IDAW list address.
+    pub addr: Le64,
+}
+
+// SAFETY: plain little-endian integers in a `repr(C)` struct whose fields sit at their
+// natural alignment with no padding (the size is checked below); every bit pattern is a
+// valid value.
+unsafe impl ByteValued for RawCcw {}
+const _: () = assert!(size_of::<RawCcw>() == CCW_SIZE as usize);
+
+/// An IDAW: the guest address of one data block.
+pub type Idaw = Le64;
+
+/// IDAWs read with one fetch.
+const IDAW_SLICE: usize = 512;
+
+/// A slice of an IDAW list, as read from guest memory.
+#[repr(C)]
+struct IdawSlice([Idaw; IDAW_SLICE]);
+
+// SAFETY: an array of plain little-endian integers; every bit pattern is valid.
+unsafe impl ByteValued for IdawSlice {}
+
+impl Clone for IdawSlice {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl Copy for IdawSlice {}
+
+impl From<RawCcw> for Ccw {
+    fn from(raw: RawCcw) -> Ccw {
+        Ccw {
+            cmd: raw.cmd,
+            flags: raw.flags,
+            reserved: raw.reserved.into(),
+            count: raw.count.into(),
+            addr: raw.addr.into(),
+        }
+    }
+}
+
+impl From<Ccw> for RawCcw {
+    fn from(c: Ccw) -> RawCcw {
+        RawCcw {
+            cmd: c.cmd,
+            flags: c.flags,
+            reserved: c.reserved.into(),
+            count: c.count.into(),
+            addr: c.addr.into(),
+        }
+    }
+}
+
 impl Ccw {
     /// Decodes 16 little-endian bytes.
     pub fn decode(b: &[u8; CCW_SIZE as usize]) -> Ccw {
-        Ccw {
-            cmd: b[0],
-            flags: b[1],
-            reserved: u16::from_le_bytes([b[2], b[3]]),
-            count: u32::from_le_bytes([b[4], b[5], b[6], b[7]]),
-            addr: u64::from_le_bytes([b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]]),
-        }
+        let mut raw = RawCcw::default();
+        raw.as_mut_slice().copy_from_slice(b);
+        raw.into()
     }
 
     /// Encodes to 16 little-endian bytes.
     pub fn encode(&self) -> [u8; CCW_SIZE as usize] {
         let mut b = [0u8; CCW_SIZE as usize];
-        b[0] = self.cmd;
-        b[1] = self.flags;
-        b[2..4].copy_from_slice(&self.reserved.to_le_bytes());
-        b[4..8].copy_from_slice(&self.count.to_le_bytes());
-        b[8..16].copy_from_slice(&self.addr.to_le_bytes());
+        b.copy_from_slice(RawCcw::from(*self).as_slice());
         b
     }
 }
@@ -362,22 +461,24 @@ fn idaw_pieces(bus: &mut dyn Bus, idal: u64, count: u32, block: u64) -> Result<P
     if idal % 8 != 0 {
         return Err(Reason::IdalMisaligned);
     }
-    let mut first = [0u8; 8];
-    bus.fetch(idal, &mut first).map_err(|e| fetch_error(e, Reason::IdalUnmapped))?;
-    let idaw0 = u64::from_le_bytes(first);
+    let mut first = Idaw::default();
+    bus.fetch(idal, first.as_mut_slice()).map_err(|e| fetch_error(e, Reason::IdalUnmapped))?;
+    let idaw0 = u64::from(first);
     let len0 = (block - idaw0 % block).min(u64::from(count));
     idaw0.checked_add(len0 - 1).ok_or(Reason::DataUnmapped)?;
     let mut pieces: Pieces = smallvec::smallvec![Piece { addr: idaw0, len: len0 as u32 }];
     let mut left = u64::from(count) - len0;
     let mut at = idal + 8;
-    let mut buf = [0u8; 4096];
+    let mut list = IdawSlice::zeroed();
     while left > 0 {
-        let n = left.div_ceil(block).min(512) as usize * 8;
-        at.checked_add(n as u64).ok_or(Reason::IdalUnmapped)?;
-        bus.fetch(at, &mut buf[..n]).map_err(|e| fetch_error(e, Reason::IdalUnmapped))?;
-        at += n as u64;
-        for raw in buf[..n].chunks_exact(8) {
-            let idaw = u64::from_le_bytes(raw.try_into().map_err(|_| Reason::IdalUnmapped)?);
+        let n = left.div_ceil(block).min(IDAW_SLICE as u64) as usize;
+        let bytes = n * size_of::<Idaw>();
+        at.checked_add(bytes as u64).ok_or(Reason::IdalUnmapped)?;
+        let fetched = bus.fetch(at, &mut list.as_mut_slice()[..bytes]);
+        fetched.map_err(|e| fetch_error(e, Reason::IdalUnmapped))?;
+        at += bytes as u64;
+        for &idaw in &list.0[..n] {
+            let idaw = u64::from(idaw);
             if idaw % block != 0 {
                 return Err(Reason::IdawMisaligned);
             }
@@ -412,12 +513,12 @@ pub fn run(bus: &mut dyn Bus, cpa: u64) -> Status {
             program_check(&mut status, Reason::CcwMisaligned);
             return status;
         }
-        let mut raw = [0u8; CCW_SIZE as usize];
+        let mut raw = RawCcw::default();
         if ccw_addr.checked_add(CCW_SIZE).is_none() {
             program_check(&mut status, Reason::CcwUnmapped);
             return status;
         }
-        if let Err(e) = bus.fetch(ccw_addr, &mut raw) {
+        if let Err(e) = bus.fetch(ccw_addr, raw.as_mut_slice()) {
             end(&mut status, fetch_error(e, Reason::CcwUnmapped));
             return status;
         }
@@ -428,7 +529,7 @@ pub fn run(bus: &mut dyn Bus, cpa: u64) -> Status {
         }
         visited.push(ccw_addr);
         status.ccws += 1;
-        let ccw = Ccw::decode(&raw);
+        let ccw = Ccw::from(raw);
         // The residual describes the last CCW executed: its whole count until it has moved
         // data (a CCW that fails moved nothing), 0 for a TIC and a NOP.
         status.residual = if matches!(ccw.cmd, cmd::TIC | cmd::NOP) { 0 } else { ccw.count };

@@ -1,0 +1,102 @@
+//! Every built-in device and the author's example pass the device contract
+//! (`umdev_mdev::contract`): bounds and widths, reset to power-on values with interrupts off,
+//! no guest access with bus mastering off, DMA unmap while busy, nothing left after detach.
+//! One test, the devices one after another: the contract counts the process's fds and threads.
+
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+
+use umdev_mdev::contract::{check, Contract, Probe};
+use umdev_mdev::samples::ccw::driver::{layout, Data, Op};
+use umdev_mdev::samples::ccw::program::cmd;
+use umdev_mdev::samples::ccw::{self, regs as ccw_regs};
+use umdev_mdev::samples::{mtty, testdev};
+use umdev_mdev::types::InstanceOptions;
+
+#[path = "../examples/custom_device.rs"]
+#[allow(dead_code)]
+mod custom_device;
+
+const ANY: &[usize] = &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16];
+
+fn ccw_sc(sc: u64, reg: u64) -> u64 {
+    ccw_regs::SUBCHANNEL_BASE + sc * ccw_regs::SUBCHANNEL_STRIDE + reg
+}
+
+/// Runs `ops` on subchannel 0 of a ccw device and waits for its status.
+fn ccw_run(p: &Probe<'_>, ops: &[Op], wait: bool) {
+    for (addr, bytes) in layout(0x1000, 0x8000, ops) {
+        p.ram.write_all_at(&bytes, addr).unwrap();
+    }
+    p.write32(0, ccw_sc(0, ccw_regs::CPA_LO), 0x1000);
+    p.write32(0, ccw_sc(0, ccw_regs::STATUS_LO), 0x3000);
+    p.write32(0, ccw_sc(0, ccw_regs::DOORBELL), ccw_regs::DOORBELL_START);
+    if wait {
+        p.wait("the ccw program", || p.read32(0, ccw_sc(0, ccw_regs::STATE)) == ccw_regs::STATE_PENDING);
+        p.write32(0, ccw_sc(0, ccw_regs::ACK), 1);
+    }
+}
+
+#[test]
+fn every_device_keeps_the_contract() {
+    let _ = env_logger::builder().is_test(true).try_init();
+
+    // testdev: DMA fills through pins.
+    let t = Arc::new(testdev::create().unwrap());
+    check(
+        t,
+        &Contract {
+            widths: vec![(0, &[1, 2, 4, 8]), (1, ANY), (2, &[1, 2, 4])],
+            volatile: vec![(0, testdev::regs::ISR, 4)],
+            touch_guest: Some(Box::new(|p: &Probe<'_>| {
+                use testdev::regs::*;
+                p.write32(0, DMA_ADDR_LO, 0x1000);
+                p.write32(0, DMA_ADDR_HI, 0);
+                p.write32(0, DMA_LEN, 4096);
+                p.write32(0, DMA_PATTERN, 0x77);
+                p.write32(0, DMA_CMD, CMD_FILL);
+                p.wait("the testdev fill", || p.read32(0, DMA_STATUS) != STATUS_BUSY);
+            })),
+            make_busy: None,
+        },
+    );
+
+    // ccw: a program that writes guest RAM; a 16 MiB READ to be busy with.
+    let options = InstanceOptions::default();
+    let config = ccw::CcwType::config(&options).unwrap();
+    let c: Arc<dyn umdev_mdev::VfioDevice> = Arc::new(ccw::create(config).unwrap());
+    check(
+        c,
+        &Contract {
+            widths: vec![(0, &[4])],
+            volatile: vec![],
+            touch_guest: Some(Box::new(|p: &Probe<'_>| {
+                ccw_run(p, &[Op::new(cmd::READ, 8192, Data::Direct(0x10_0000))], true);
+            })),
+            make_busy: Some(Box::new(|p: &Probe<'_>| {
+                ccw_run(p, &[Op::new(cmd::READ, 16 << 20, Data::Direct(0x20_0000))], false);
+                p.wait("pins held", || {
+                    p.dma.stats().pins_held > 0
+                        || p.read32(0, ccw_sc(0, ccw_regs::STATE)) != ccw_regs::STATE_BUSY
+                });
+            })),
+        },
+    );
+
+    // mtty-2: no DMA; RBR, IIR, LSR and MSR have read side effects.
+    let m = Arc::new(mtty::create(2).unwrap());
+    let volatile = [0u64, 2, 5, 6].iter().flat_map(|&r| [(0, r, 1), (1, r, 1)]).collect();
+    check(
+        m,
+        &Contract {
+            widths: vec![(0, &[1, 2, 3, 4, 5, 6, 7, 8]), (1, &[1, 2, 3, 4, 5, 6, 7, 8])],
+            volatile,
+            touch_guest: None,
+            make_busy: None,
+        },
+    );
+
+    // The author's example.
+    let e = Arc::new(custom_device::device().unwrap());
+    check(e, &Contract { widths: vec![(0, &[4])], volatile: vec![], touch_guest: None, make_busy: None });
+}
