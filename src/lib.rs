@@ -1,7 +1,7 @@
 //! Support code of the `umdev` binary that tests and tools share: the device types it
 //! serves, and a guest-side driver for the ccw device over vfio-user.
 
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub mod ccw_guest;
 

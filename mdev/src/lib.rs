@@ -9,7 +9,7 @@
 //! pinning engine's [`umdev_pinning::DmaSpace`]).
 
 #![deny(unsafe_op_in_unsafe_fn)]
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 #[cfg(feature = "contract")]
 pub mod contract;

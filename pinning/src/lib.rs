@@ -37,7 +37,7 @@
 //! ```
 
 #![deny(unsafe_op_in_unsafe_fn)]
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;

@@ -13,7 +13,7 @@
 //! What it is not: a device model (see `umdev-mdev`) or a VMM-side client.
 
 #![deny(unsafe_op_in_unsafe_fn)]
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub mod client;
 mod connection;
