@@ -2,7 +2,10 @@
 //!
 //! Mediated devices emulated in user space: the boundary between a device and the vfio-user
 //! server ([`VfioDevice`], [`DeviceContext`]), and the shared machinery devices are built
-//! from.
+//! from: PCI config space and register maps ([`pci`]), interrupts ([`irq`]), typed guest
+//! access ([`guest`]), request permits ([`request`]), device types ([`types`]) and, with the
+//! `contract` feature, the device contract as a test (`contract`). The built-in devices are
+//! in [`samples`]; which of them a binary serves is the binary's choice.
 //!
 //! What it is not: it speaks no protocol (the server crate turns vfio-user messages into
 //! calls on [`VfioDevice`]) and manages no memory (devices reach guest memory through the

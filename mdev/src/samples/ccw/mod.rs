@@ -5,7 +5,7 @@
 //! program ([`program`]): every data-transfer CCW names its guest blocks directly or through
 //! an IDAW list, and all of its pages are pinned with ONE call to the pinning engine, which
 //! cuts them into contiguous runs. Data moves between the pinned pages and the backing store
-//! ([`store`]); a status block goes to guest memory and the subchannel's interrupt fires
+//! ([`Store`]); a status block goes to guest memory and the subchannel's interrupt fires
 //! (MSI-X vector = subchannel, else MSI, else INTx). The register ABI is in `docs/ccw.md`.
 
 pub mod driver;
@@ -201,7 +201,6 @@ impl Subchannel {
 /// How long a detach waits for running programs to stop.
 const DETACH_WAIT: Duration = Duration::from_secs(5);
 
-/// A program to run.
 /// One channel program in flight: what its subchannel's worker runs, and how it ends.
 struct Job {
     shared: Arc<Shared>,
@@ -706,7 +705,97 @@ impl crate::types::DeviceType for CcwType {
 
 #[cfg(test)]
 mod tests {
+    use std::fs::File;
+    use std::os::fd::AsFd;
+    use std::os::unix::fs::FileExt;
+
+    use umdev_pinning::{DmaSpace, Prot};
+
     use super::*;
+    use crate::device::{ClientDma, ClientDmaError, VfioDevice};
+    use crate::pci::regs::{COMMAND, COMMAND_MASTER, COMMAND_MEMORY};
+    use crate::VFIO_PCI_CONFIG_REGION_INDEX;
+
+    struct NoClient;
+
+    impl ClientDma for NoClient {
+        fn read(&self, _iova: u64, _buf: &mut [u8]) -> Result<(), ClientDmaError> {
+            Err(ClientDmaError::Refused(libc::ENODEV))
+        }
+
+        fn write(&self, _iova: u64, _data: &[u8]) -> Result<(), ClientDmaError> {
+            Err(ClientDmaError::Refused(libc::ENODEV))
+        }
+    }
+
+    /// docs/ccw.md, reason 18: a program whose handling failed inside the device (its
+    /// permit dropped unfinished, as after a panic) ends with DeviceError, CCWS, BYTES and
+    /// the residual 0, CPA out = CPA + 16, in the status block and the registers, and the
+    /// subchannel takes the next program.
+    #[test]
+    fn a_program_the_device_drops_ends_with_device_error() {
+        let device = create(CcwConfig { subchannels: 1, store: Store::ram(1 << 20).unwrap() }).unwrap();
+        let ram = File::from(
+            nix::sys::memfd::memfd_create(c"ccw-test-ram", nix::sys::memfd::MFdFlags::MFD_CLOEXEC).unwrap(),
+        );
+        ram.set_len(1 << 20).unwrap();
+        let dma = DmaSpace::new(Default::default());
+        dma.map(0, 1 << 20, ram.as_fd(), 0, Prot::READ_WRITE).unwrap();
+        let command = (COMMAND_MEMORY | COMMAND_MASTER).to_le_bytes();
+        device.region_write(VFIO_PCI_CONFIG_REGION_INDEX, COMMAND as u64, &command).unwrap();
+        device.attach(DeviceContext::new(dma.clone(), Arc::new(NoClient)));
+        ram.write_all_at(&[0xff; 32], 0x3000).unwrap();
+
+        let ccw = device.function();
+        let job = |cpa| Job {
+            shared: ccw.shared.clone(),
+            index: 0,
+            ctx: ccw.shared.ctx().clone().unwrap(),
+            cpa,
+            status_addr: 0x3000,
+            generation: ccw.shared.generation.load(Ordering::Acquire),
+        };
+        ccw.shared.subchannels[0].regs().state = regs::STATE_BUSY;
+        drop(ccw.shared.requests.begin(job(0x2000)));
+
+        assert_eq!(ccw.shared.requests.in_flight(), 0);
+        let mut block = [0u8; 32];
+        ram.read_exact_at(&mut block, 0x3000).unwrap();
+        let status = Status::decode(&block).unwrap();
+        let (dstat, cstat) = Reason::DeviceError.status_bits();
+        assert_eq!((status.reason, status.dstat, status.cstat), (Reason::DeviceError, dstat, cstat));
+        assert_eq!((status.ccws, status.bytes, status.residual, status.cpa), (0, 0, 0, 0x2010));
+        let read = |offset: u64| {
+            let mut v = [0u8; 4];
+            device.region_read(0, regs::SUBCHANNEL_BASE + offset, &mut v).unwrap();
+            u32::from_le_bytes(v)
+        };
+        assert_eq!(read(regs::STATE), regs::STATE_PENDING);
+        assert_eq!(read(regs::REASON), Reason::DeviceError as u32);
+        assert_eq!((read(regs::CPA_OUT_LO), read(regs::BYTES_LO)), (0x2010, 0));
+
+        // The subchannel goes on: ACK, then a real program (one NOP) runs to the end.
+        let write = |offset: u64, value: u32| {
+            device.region_write(0, regs::SUBCHANNEL_BASE + offset, &value.to_le_bytes()).unwrap();
+        };
+        write(regs::ACK, 1);
+        assert_eq!(read(regs::STATE), regs::STATE_IDLE);
+        for (addr, bytes) in
+            driver::layout(0x2000, 0x4000, &[driver::Op::new(program::cmd::NOP, 1, driver::Data::Direct(0))])
+        {
+            ram.write_all_at(&bytes, addr).unwrap();
+        }
+        write(regs::CPA_LO, 0x2000);
+        write(regs::STATUS_LO, 0x3000);
+        write(regs::DOORBELL, regs::DOORBELL_START);
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while read(regs::STATE) != regs::STATE_PENDING {
+            assert!(std::time::Instant::now() < deadline, "the next program never ended");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!((read(regs::REASON), read(regs::CCWS)), (0, 1));
+        device.detach();
+    }
 
     #[test]
     fn sizes_parse_with_suffixes() {

@@ -281,6 +281,37 @@ fn dma_errors_report_the_errno() {
     assert_eq!(rig.dma(regs::CMD_FILL, RAM, 16, 1), (regs::STATUS_ERROR, libc::ENODEV as u32));
 }
 
+/// docs/testdev.md: a command whose handling failed inside the device (its permit
+/// dropped unfinished, as after a panic) ends with status 3, EIO and an interrupt, and
+/// the next command runs.
+#[test]
+fn a_command_the_device_drops_ends_with_eio() {
+    let rig = rig();
+    let intx = rig.eventfd(VFIO_PCI_INTX_IRQ_INDEX, 0);
+    let dev = rig.dev.function();
+    let ctx = umdev_pinning::sync::lock(&dev.inner.ctx).clone().unwrap();
+    let generation = dev.inner.generation.load(Ordering::Acquire);
+    dev.inner.regs().status = regs::STATUS_BUSY;
+    let job = Job {
+        inner: dev.inner.clone(),
+        cmd: regs::CMD_FILL,
+        addr: RAM,
+        len: 16,
+        pattern: 1,
+        generation,
+        ctx,
+    };
+    drop(dev.requests.begin(job));
+    assert_eq!(dev.requests.in_flight(), 0);
+    assert_eq!(
+        (rig.reg(regs::DMA_STATUS), rig.reg(regs::DMA_RESULT)),
+        (regs::STATUS_ERROR, libc::EIO as u32)
+    );
+    assert_eq!(take(&intx), 1);
+    assert_eq!(rig.dma(regs::CMD_FILL, RAM, 16, 0x77), (regs::STATUS_DONE, 0));
+    assert_eq!(ram_bytes(&rig, RAM, 16), [0x77; 16]);
+}
+
 #[test]
 fn msix_and_msi_deliver_the_completion() {
     let rig = rig();
