@@ -28,8 +28,16 @@ pub trait Completion: Send + 'static {
 
 #[derive(Debug, Default)]
 struct Inner {
-    open: Mutex<usize>,
+    open: Mutex<Count>,
     done: Condvar,
+}
+
+/// Requests in flight, and the threads waiting for none (so a request that ends wakes
+/// nobody, without a syscall, when no one waits: the common case).
+#[derive(Debug, Default)]
+struct Count {
+    open: usize,
+    waiters: usize,
 }
 
 /// The requests a device has in flight.
@@ -46,20 +54,22 @@ impl Requests {
 
     /// Takes on a request that ends through `completion`.
     pub fn begin<C: Completion>(&self, completion: C) -> Permit<C> {
-        *sync::lock(&self.inner.open) += 1;
+        sync::lock(&self.inner.open).open += 1;
         Permit { completion: Some(completion), inner: self.inner.clone() }
     }
 
     /// Requests in flight now.
     pub fn in_flight(&self) -> usize {
-        *sync::lock(&self.inner.open)
+        sync::lock(&self.inner.open).open
     }
 
     /// Waits until no request is in flight, at most `bound`; false if some still are.
     pub fn wait_idle(&self, bound: Duration) -> bool {
-        let open = sync::lock(&self.inner.open);
-        let (open, _) = sync::wait_timeout_while(&self.inner.done, open, bound, |n| *n > 0);
-        *open == 0
+        let mut count = sync::lock(&self.inner.open);
+        count.waiters += 1;
+        let (mut count, _) = sync::wait_timeout_while(&self.inner.done, count, bound, |c| c.open > 0);
+        count.waiters -= 1;
+        count.open == 0
     }
 }
 
@@ -95,9 +105,11 @@ impl<C: Completion> Drop for Permit<C> {
         if let Some(completion) = self.completion.take() {
             completion.fail();
         }
-        let mut open = sync::lock(&self.inner.open);
-        *open = open.saturating_sub(1);
-        self.inner.done.notify_all();
+        let mut count = sync::lock(&self.inner.open);
+        count.open = count.open.saturating_sub(1);
+        if count.open == 0 && count.waiters > 0 {
+            self.inner.done.notify_all();
+        }
     }
 }
 

@@ -167,6 +167,17 @@ impl<K: Copy> RegMap<K> {
         }))
     }
 
+    /// `offset` if the access is exactly one whole register the map accepts.
+    #[inline]
+    fn whole_register(&self, offset: u64, len: usize) -> Option<u64> {
+        let whole = len as u64 == self.unit
+            && offset % self.unit == 0
+            && offset < self.size
+            && self.widths.contains(&len);
+        whole.then_some(offset)
+    }
+
+    #[inline]
     fn hit(&self, reg_offset: u64) -> Option<(Hit<K>, Access)> {
         let (slot, index) = self.lookup[(reg_offset / self.unit) as usize];
         let reg = self.regs.get(usize::from(slot).checked_sub(1)?)?;
@@ -175,12 +186,22 @@ impl<K: Copy> RegMap<K> {
 
     /// A read of `data.len()` bytes at `offset`: `read(hit)` gives each register's value
     /// (little-endian, `unit` bytes).
+    #[inline]
     pub fn read(
         &self,
         offset: u64,
         data: &mut [u8],
         mut read: impl FnMut(Hit<K>) -> u64,
     ) -> Result<(), DeviceError> {
+        if let Some(reg) = self.whole_register(offset, data.len()) {
+            // The common case, one aligned register: no cutting.
+            let value = match self.hit(reg) {
+                Some((hit, Access::ReadOnly | Access::ReadWrite)) => read(hit),
+                _ => 0,
+            };
+            data.copy_from_slice(&value.to_le_bytes()[..data.len()]);
+            return Ok(());
+        }
         for (reg, in_reg, in_data) in self.pieces(offset, data.len())? {
             let value = match self.hit(reg) {
                 Some((hit, Access::ReadOnly | Access::ReadWrite)) => read(hit),
@@ -194,6 +215,7 @@ impl<K: Copy> RegMap<K> {
     /// A write of `data` at `offset`: `write(hit, value, mask)` is called per register,
     /// `mask` having ones where the access covered the register (a partial write merges:
     /// `old & !mask | value & mask`).
+    #[inline]
     pub fn write(
         &self,
         offset: u64,
