@@ -24,6 +24,7 @@ pub mod irq;
 pub mod pci;
 pub mod request;
 pub mod samples;
+pub mod store;
 pub mod types;
 pub mod unix_socket;
 

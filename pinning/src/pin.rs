@@ -775,6 +775,40 @@ impl PinnedPages {
         self.check_poisoned()
     }
 
+    /// `[offset, offset + len)` of the pinned buffer as host memory, one slice per
+    /// contiguous piece (a run, host-adjacent runs merged), for I/O straight to or from the
+    /// pages (`preadv` into them, say). `prot` is what the caller will do to the memory:
+    /// asking for [`Prot::WRITE`] on pages pinned read-only fails. The slices borrow the
+    /// guard, so the pages stay pinned while they live; a caller that wrote through them
+    /// checks [`PinnedPages::poisoned`] after.
+    pub fn io_slices(
+        &self,
+        offset: u64,
+        len: usize,
+        prot: Prot,
+    ) -> Result<SmallVec<[VolatileSlice<'_>; 8]>, AccessError> {
+        if prot.contains(Prot::WRITE) && !self.prot.contains(Prot::WRITE) {
+            return Err(AccessError::ReadOnly);
+        }
+        self.check(offset, len)?;
+        let mut out: SmallVec<[VolatileSlice<'_>; 8]> = SmallVec::new();
+        let mut next_host = 0usize;
+        self.for_each_piece(offset, len, |host, _, n| {
+            if let Some(last) = out.last_mut().filter(|_| host == next_host) {
+                // SAFETY: the previous slice ends where this piece starts: together they are
+                // one range of pinned pages this guard keeps mapped.
+                *last = unsafe { VolatileSlice::new(last.ptr_guard_mut().as_ptr(), last.len() + n) };
+            } else {
+                // SAFETY: [host, host + n) lies in pinned pages of a mapping this guard keeps
+                // mapped (and writable if WRITE was asked for, checked above) while the
+                // slice, which borrows the guard, lives.
+                out.push(unsafe { VolatileSlice::new(host as *mut u8, n) });
+            }
+            next_host = host + n;
+        });
+        Ok(out)
+    }
+
     /// Unpins now (the same as dropping the guard).
     pub fn unpin(self) {}
 

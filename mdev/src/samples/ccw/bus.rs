@@ -7,9 +7,9 @@ use smallvec::SmallVec;
 use umdev_pinning::{PinError, Prot, PAGE_SIZE};
 
 use super::program::{Bus, BusError, Direction, Partial, Piece, Reason};
-use super::store::Store;
 use crate::device::DeviceContext;
 use crate::guest::GuestError;
+use crate::store::{Durability, Store};
 
 /// The IOVA ranges a subchannel holds pins in, so an unmap can tell whether it is affected.
 #[derive(Debug, Default)]
@@ -118,6 +118,11 @@ impl PinningBus<'_> {
         })
     }
 
+    /// True if `len` bytes at `pos` lie inside the store.
+    fn in_store(&self, pos: u64, len: usize) -> bool {
+        pos.checked_add(len as u64).is_some_and(|end| end <= self.store.size())
+    }
+
     /// Moves the pieces through the client (memory mapped without an fd), block by block.
     fn through_client(&mut self, dir: Direction, pieces: &[Piece], pos: u64) -> Result<(), Partial> {
         self.counters.client_transfers.fetch_add(1, Ordering::Relaxed);
@@ -129,16 +134,18 @@ impl PinningBus<'_> {
                     return Err(Partial { error: BusError::Stopped(reason), moved });
                 }
                 let fail = |error| Partial { error, moved };
-                let store = self.store.slice(pos + moved, len).ok_or(fail(BusError::EndOfStore))?;
+                if !self.in_store(pos + moved, len) {
+                    return Err(fail(BusError::EndOfStore));
+                }
                 let buf = &mut buf[..len];
                 match dir {
                     Direction::ToGuest => {
-                        store.copy_to(&mut buf[..]);
+                        self.store.read(pos + moved, buf).map_err(|_| fail(BusError::Device))?;
                         self.ctx.write_either(addr, buf).map_err(|e| fail(guest_error(&e)))?;
                     }
                     Direction::FromGuest => {
                         self.ctx.read_either(addr, buf).map_err(|e| fail(guest_error(&e)))?;
-                        store.copy_from(&buf[..]);
+                        self.store.write(pos + moved, buf).map_err(|_| fail(BusError::Device))?;
                     }
                 }
                 moved += len as u64;
@@ -224,16 +231,24 @@ impl Bus for PinningBus<'_> {
                     result = Err(BusError::Stopped(reason));
                     break 'copy;
                 }
-                let Some(store) = self.store.slice(store_pos + moved, len) else {
+                if !self.in_store(store_pos + moved, len) {
                     result = Err(BusError::EndOfStore);
                     break 'copy;
-                };
+                }
+                // The block straight between the store and the pinned pages.
                 let at = page as u64 * PAGE_SIZE + (addr - piece_page);
+                let pos = store_pos + moved;
                 let copied = match dir {
-                    Direction::ToGuest => pins.write_volatile(at, &store),
-                    Direction::FromGuest => pins.read_volatile(at, &store),
+                    Direction::ToGuest => pins
+                        .io_slices(at, len, Prot::WRITE)
+                        .map_err(|_| ())
+                        .and_then(|s| self.store.read_vectored(pos, &s).map_err(|_| ())),
+                    Direction::FromGuest => pins
+                        .io_slices(at, len, Prot::READ)
+                        .map_err(|_| ())
+                        .and_then(|s| self.store.write_vectored(pos, &s, Durability::Cached).map_err(|_| ())),
                 };
-                if copied.is_err() {
+                if copied.is_err() || pins.poisoned() {
                     result = Err(BusError::Device);
                     break 'copy;
                 }

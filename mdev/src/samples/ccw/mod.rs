@@ -12,7 +12,6 @@ pub mod driver;
 pub mod program;
 
 mod bus;
-mod store;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -27,13 +26,13 @@ use umdev_pinning::PinMode;
 
 use self::bus::{BusCounters, PinnedRanges, PinningBus, StopFlag};
 use self::program::{Reason, Status};
-pub use self::store::Store;
 use crate::device::{DeviceContext, DeviceError};
 use crate::irq::IrqHandle;
 use crate::pci::bar::Bar;
 use crate::pci::config::{ClassCode, ConfigSpaceBuilder, PciIds};
 use crate::pci::device::{PciDevice, PciFunction};
 use crate::pci::regmap::{Reg, RegMap};
+pub use crate::store::Store;
 
 /// The type name.
 pub const TYPE_NAME: &str = "ccw";
@@ -659,7 +658,7 @@ impl CcwType {
         let store = match (p.get("file"), p.get("size")) {
             (Some(_), Some(_)) => return Err("give size or file, not both".into()),
             (Some(path), None) => {
-                Store::file(std::path::Path::new(path)).map_err(|e| format!("file={path}: {e}"))?
+                Store::open(std::path::Path::new(path)).map_err(|e| format!("file={path}: {e}"))?
             }
             (None, size) => {
                 let bytes = match size {
@@ -728,25 +727,68 @@ mod tests {
         }
     }
 
+    /// A ccw device with one subchannel, attached to 1 MiB of guest RAM at IOVA 0, bus
+    /// mastering on.
+    struct Rig {
+        device: PciDevice<Ccw>,
+        ram: File,
+    }
+
+    impl Rig {
+        fn new(store: Store) -> Rig {
+            let device = create(CcwConfig { subchannels: 1, store }).unwrap();
+            let ram = File::from(
+                nix::sys::memfd::memfd_create(c"ccw-test-ram", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
+                    .unwrap(),
+            );
+            ram.set_len(1 << 20).unwrap();
+            let dma = DmaSpace::new(Default::default());
+            dma.map(0, 1 << 20, ram.as_fd(), 0, Prot::READ_WRITE).unwrap();
+            let command = (COMMAND_MEMORY | COMMAND_MASTER).to_le_bytes();
+            device.region_write(VFIO_PCI_CONFIG_REGION_INDEX, COMMAND as u64, &command).unwrap();
+            device.attach(DeviceContext::new(dma, Arc::new(NoClient)));
+            Rig { device, ram }
+        }
+
+        fn read(&self, offset: u64) -> u32 {
+            let mut v = [0u8; 4];
+            self.device.region_read(0, regs::SUBCHANNEL_BASE + offset, &mut v).unwrap();
+            u32::from_le_bytes(v)
+        }
+
+        fn write(&self, offset: u64, value: u32) {
+            self.device.region_write(0, regs::SUBCHANNEL_BASE + offset, &value.to_le_bytes()).unwrap();
+        }
+
+        /// Lays out `ops` at 0x2000 (IDAW lists at 0x4000), runs them, waits, ACKs; the
+        /// registers' (REASON, CCWS, BYTES).
+        fn run(&self, ops: &[driver::Op]) -> (u32, u32, u32) {
+            for (addr, bytes) in driver::layout(0x2000, 0x4000, ops) {
+                self.ram.write_all_at(&bytes, addr).unwrap();
+            }
+            self.write(regs::CPA_LO, 0x2000);
+            self.write(regs::STATUS_LO, 0x3000);
+            self.write(regs::DOORBELL, regs::DOORBELL_START);
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            while self.read(regs::STATE) != regs::STATE_PENDING {
+                assert!(std::time::Instant::now() < deadline, "the program never ended");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let out = (self.read(regs::REASON), self.read(regs::CCWS), self.read(regs::BYTES_LO));
+            self.write(regs::ACK, 1);
+            out
+        }
+    }
+
     /// docs/ccw.md, reason 18: a program whose handling failed inside the device (its
     /// permit dropped unfinished, as after a panic) ends with DeviceError, CCWS, BYTES and
     /// the residual 0, CPA out = CPA + 16, in the status block and the registers, and the
     /// subchannel takes the next program.
     #[test]
     fn a_program_the_device_drops_ends_with_device_error() {
-        let device = create(CcwConfig { subchannels: 1, store: Store::ram(1 << 20).unwrap() }).unwrap();
-        let ram = File::from(
-            nix::sys::memfd::memfd_create(c"ccw-test-ram", nix::sys::memfd::MFdFlags::MFD_CLOEXEC).unwrap(),
-        );
-        ram.set_len(1 << 20).unwrap();
-        let dma = DmaSpace::new(Default::default());
-        dma.map(0, 1 << 20, ram.as_fd(), 0, Prot::READ_WRITE).unwrap();
-        let command = (COMMAND_MEMORY | COMMAND_MASTER).to_le_bytes();
-        device.region_write(VFIO_PCI_CONFIG_REGION_INDEX, COMMAND as u64, &command).unwrap();
-        device.attach(DeviceContext::new(dma.clone(), Arc::new(NoClient)));
-        ram.write_all_at(&[0xff; 32], 0x3000).unwrap();
-
-        let ccw = device.function();
+        let rig = Rig::new(Store::ram(1 << 20).unwrap());
+        rig.ram.write_all_at(&[0xff; 32], 0x3000).unwrap();
+        let ccw = rig.device.function();
         let job = |cpa| Job {
             shared: ccw.shared.clone(),
             index: 0,
@@ -760,41 +802,61 @@ mod tests {
 
         assert_eq!(ccw.shared.requests.in_flight(), 0);
         let mut block = [0u8; 32];
-        ram.read_exact_at(&mut block, 0x3000).unwrap();
+        rig.ram.read_exact_at(&mut block, 0x3000).unwrap();
         let status = Status::decode(&block).unwrap();
         let (dstat, cstat) = Reason::DeviceError.status_bits();
         assert_eq!((status.reason, status.dstat, status.cstat), (Reason::DeviceError, dstat, cstat));
         assert_eq!((status.ccws, status.bytes, status.residual, status.cpa), (0, 0, 0, 0x2010));
-        let read = |offset: u64| {
-            let mut v = [0u8; 4];
-            device.region_read(0, regs::SUBCHANNEL_BASE + offset, &mut v).unwrap();
-            u32::from_le_bytes(v)
-        };
-        assert_eq!(read(regs::STATE), regs::STATE_PENDING);
-        assert_eq!(read(regs::REASON), Reason::DeviceError as u32);
-        assert_eq!((read(regs::CPA_OUT_LO), read(regs::BYTES_LO)), (0x2010, 0));
+        assert_eq!(rig.read(regs::STATE), regs::STATE_PENDING);
+        assert_eq!(rig.read(regs::REASON), Reason::DeviceError as u32);
+        assert_eq!((rig.read(regs::CPA_OUT_LO), rig.read(regs::BYTES_LO)), (0x2010, 0));
 
         // The subchannel goes on: ACK, then a real program (one NOP) runs to the end.
-        let write = |offset: u64, value: u32| {
-            device.region_write(0, regs::SUBCHANNEL_BASE + offset, &value.to_le_bytes()).unwrap();
+        rig.write(regs::ACK, 1);
+        assert_eq!(rig.read(regs::STATE), regs::STATE_IDLE);
+        let nop = driver::Op::new(program::cmd::NOP, 1, driver::Data::Direct(0));
+        assert_eq!(rig.run(&[nop]), (0, 1, 0));
+        rig.device.detach();
+    }
+
+    /// A file store is read and written in place (straight between the file and the pinned
+    /// pages), scattered IDAWs included, and keeps the data after the device is gone.
+    #[test]
+    fn a_file_store_holds_what_programs_wrote() {
+        use driver::{idaws, Data, Op};
+        use program::cmd;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("store.img");
+        File::create(&path).unwrap().set_len(256 << 10).unwrap();
+        let rig = Rig::new(Store::open(&path).unwrap());
+        let data: Vec<u8> = (0..3 * 4096u32).map(|i| (i % 251) as u8).collect();
+        let blocks = [0x21000u64, 0x10000, 0x33000];
+        for (i, b) in blocks.iter().enumerate() {
+            rig.ram.write_all_at(&data[i * 4096..(i + 1) * 4096], *b).unwrap();
+        }
+        let len = 3 * 4096 - 100;
+        let seek = |pos: u64| {
+            rig.ram.write_all_at(&pos.to_le_bytes(), 0x8000).unwrap();
+            Op::new(cmd::SEEK, 8, Data::Direct(0x8000))
         };
-        write(regs::ACK, 1);
-        assert_eq!(read(regs::STATE), regs::STATE_IDLE);
-        for (addr, bytes) in
-            driver::layout(0x2000, 0x4000, &[driver::Op::new(program::cmd::NOP, 1, driver::Data::Direct(0))])
-        {
-            ram.write_all_at(&bytes, addr).unwrap();
+        let write = Op::new(cmd::WRITE, len, Data::Idaws(idaws(&blocks, 0, len)));
+        assert_eq!(rig.run(&[seek(8192), write]), (0, 2, len));
+        let on_disk = std::fs::read(&path).unwrap();
+        assert_eq!(on_disk[8192..8192 + len as usize], data[..len as usize]);
+        assert!(on_disk[..8192].iter().all(|&b| b == 0));
+
+        let back = [0x50000u64, 0x60000, 0x52000];
+        let read = Op::new(cmd::READ, len, Data::Idaws(idaws(&back, 0, len)));
+        assert_eq!(rig.run(&[seek(8192), read]), (0, 2, len));
+        let mut got = vec![0u8; len as usize];
+        for (i, b) in back.iter().enumerate() {
+            let n = (len as usize - i * 4096).min(4096);
+            rig.ram.read_exact_at(&mut got[i * 4096..i * 4096 + n], *b).unwrap();
         }
-        write(regs::CPA_LO, 0x2000);
-        write(regs::STATUS_LO, 0x3000);
-        write(regs::DOORBELL, regs::DOORBELL_START);
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while read(regs::STATE) != regs::STATE_PENDING {
-            assert!(std::time::Instant::now() < deadline, "the next program never ended");
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        assert_eq!((read(regs::REASON), read(regs::CCWS)), (0, 1));
-        device.detach();
+        assert_eq!(got, data[..len as usize]);
+        rig.device.detach();
+        drop(rig);
+        assert_eq!(std::fs::read(&path).unwrap()[8192..8192 + len as usize], data[..len as usize]);
     }
 
     #[test]

@@ -1,0 +1,365 @@
+//! Backing stores for block devices: bytes addressed by position, on a RAM disk (a sparse
+//! memfd) or on a host file or block device, moved with vectors of guest memory.
+//!
+//! A device pins the guest pages of a transfer and hands the store their host slices (one
+//! per contiguous run): a file or block device is read and written with one
+//! `preadv2`/`pwritev2` per call, straight between the page cache and guest memory, with no
+//! bounce buffer; a RAM disk is mmapped and each slice is one copy. The ccw and nvme
+//! devices use it.
+//!
+//! What it is not: a cache or an I/O scheduler. Calls are synchronous on the caller's
+//! thread; durability is the host's (`flush` is `fdatasync`).
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, FileTypeExt};
+use std::path::Path;
+
+use vm_memory::mmap::MmapRegion;
+use vm_memory::{FileOffset, VolatileMemory, VolatileSlice};
+
+/// Slices per `preadv2`/`pwritev2` (the kernel's `UIO_MAXIOV`).
+const MAX_IOV: usize = 1024;
+
+/// What holds a store's bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreKind {
+    /// A sparse memfd, mmapped: gone when the store is.
+    Ram,
+    /// A regular host file, read and written in place.
+    File,
+    /// A host block device.
+    BlockDevice,
+}
+
+/// How a write reaches the store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Durability {
+    /// Into the host's page cache (a volatile write cache: `flush` makes it durable).
+    Cached,
+    /// Durable before the call returns (`RWF_DSYNC`): forced unit access.
+    Sync,
+}
+
+/// Bytes of a store, addressed by position.
+#[derive(Debug)]
+pub struct Store {
+    file: File,
+    kind: StoreKind,
+    size: u64,
+    /// The RAM disk's mapping.
+    ram: Option<MmapRegion>,
+}
+
+impl Store {
+    /// A zero-filled RAM disk of `size` bytes (sparse: memory is used as it is written).
+    pub fn ram(size: u64) -> io::Result<Store> {
+        let fd = nix::sys::memfd::memfd_create(c"umdev-store", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)?;
+        let file = File::from(fd);
+        file.set_len(size)?;
+        let len = usize::try_from(size).map_err(|_| invalid("store too large"))?;
+        if len == 0 {
+            return Err(invalid("a store of 0 bytes"));
+        }
+        let region =
+            MmapRegion::from_file(FileOffset::new(file.try_clone()?, 0), len).map_err(io::Error::other)?;
+        Ok(Store { file, kind: StoreKind::Ram, size, ram: Some(region) })
+    }
+
+    /// The regular file or block device at `path`, read and written in place; its size is
+    /// the store's.
+    pub fn open(path: &Path) -> io::Result<Store> {
+        let file = std::fs::OpenOptions::new().read(true).write(true).open(path)?;
+        let meta = file.metadata()?;
+        let (kind, size) = if meta.file_type().is_block_device() {
+            // A block device's size is where its end is.
+            let end = nix::unistd::lseek(&file, 0, nix::unistd::Whence::SeekEnd)?;
+            (StoreKind::BlockDevice, end as u64)
+        } else if meta.is_file() {
+            (StoreKind::File, meta.len())
+        } else {
+            return Err(invalid("not a regular file or a block device"));
+        };
+        if size == 0 {
+            return Err(invalid("the backing file is empty"));
+        }
+        Ok(Store { file, kind, size, ram: None })
+    }
+
+    /// Bytes in the store.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// What holds the bytes.
+    pub fn kind(&self) -> StoreKind {
+        self.kind
+    }
+
+    fn check(&self, pos: u64, len: u64) -> io::Result<()> {
+        match pos.checked_add(len) {
+            Some(end) if end <= self.size => Ok(()),
+            _ => Err(invalid("beyond the end of the store")),
+        }
+    }
+
+    fn ram_slice(region: &MmapRegion, pos: u64, len: usize) -> io::Result<VolatileSlice<'_>> {
+        region.get_slice(pos as usize, len).map_err(|_| invalid("beyond the end of the store"))
+    }
+
+    /// Reads the store from `pos` into `bufs`, in order, whole. A file that ends early
+    /// (truncated under us) fails with `UnexpectedEof`.
+    pub fn read_vectored(&self, pos: u64, bufs: &[VolatileSlice<'_>]) -> io::Result<()> {
+        let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+        self.check(pos, total)?;
+        if let Some(region) = &self.ram {
+            let mut at = pos;
+            for buf in bufs {
+                Self::ram_slice(region, at, buf.len())?.copy_to_volatile_slice(*buf);
+                at += buf.len() as u64;
+            }
+            return Ok(());
+        }
+        self.vectored(pos, bufs, Direction::Read, 0)
+    }
+
+    /// Writes `bufs`, in order, to the store from `pos`, whole.
+    pub fn write_vectored(
+        &self,
+        pos: u64,
+        bufs: &[VolatileSlice<'_>],
+        durability: Durability,
+    ) -> io::Result<()> {
+        let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+        self.check(pos, total)?;
+        if let Some(region) = &self.ram {
+            let mut at = pos;
+            for buf in bufs {
+                buf.copy_to_volatile_slice(Self::ram_slice(region, at, buf.len())?);
+                at += buf.len() as u64;
+            }
+            return Ok(());
+        }
+        let flags = match durability {
+            Durability::Cached => 0,
+            Durability::Sync => libc::RWF_DSYNC,
+        };
+        self.vectored(pos, bufs, Direction::Write, flags)
+    }
+
+    /// Reads `buf.len()` bytes at `pos` into a private buffer.
+    pub fn read(&self, pos: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.check(pos, buf.len() as u64)?;
+        match &self.ram {
+            Some(region) => {
+                Self::ram_slice(region, pos, buf.len())?.copy_to(buf);
+                Ok(())
+            }
+            None => self.file.read_exact_at(buf, pos),
+        }
+    }
+
+    /// Writes `data` at `pos` from a private buffer.
+    pub fn write(&self, pos: u64, data: &[u8]) -> io::Result<()> {
+        self.check(pos, data.len() as u64)?;
+        match &self.ram {
+            Some(region) => {
+                Self::ram_slice(region, pos, data.len())?.copy_from(data);
+                Ok(())
+            }
+            None => self.file.write_all_at(data, pos),
+        }
+    }
+
+    /// Makes every completed write durable (`fdatasync`; nothing to do for RAM).
+    pub fn flush(&self) -> io::Result<()> {
+        match self.kind {
+            StoreKind::Ram => Ok(()),
+            StoreKind::File | StoreKind::BlockDevice => self.file.sync_data(),
+        }
+    }
+
+    /// Zeroes `[pos, pos + len)`, giving the space back where the host can (a hole in a
+    /// file or the memfd, a discard with zeroing on a block device); reads return zeros
+    /// after.
+    pub fn write_zeroes(&self, pos: u64, len: u64) -> io::Result<()> {
+        self.check(pos, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+        // SAFETY: fallocate on an fd this store owns, with an in-range offset and length;
+        // it touches no memory of ours.
+        let rc =
+            unsafe { libc::fallocate(self.file.as_raw_fd(), mode, pos as libc::off_t, len as libc::off_t) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let err = io::Error::last_os_error();
+        match err.raw_os_error() {
+            // The filesystem cannot punch holes: write the zeros.
+            Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) => self.write_zeros_slowly(pos, len),
+            _ => Err(err),
+        }
+    }
+
+    fn write_zeros_slowly(&self, pos: u64, len: u64) -> io::Result<()> {
+        static ZEROS: [u8; 64 << 10] = [0; 64 << 10];
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(ZEROS.len() as u64) as usize;
+            self.write(pos + done, &ZEROS[..n])?;
+            done += n as u64;
+        }
+        Ok(())
+    }
+
+    fn vectored(
+        &self,
+        pos: u64,
+        bufs: &[VolatileSlice<'_>],
+        dir: Direction,
+        flags: libc::c_int,
+    ) -> io::Result<()> {
+        let mut iov: smallvec::SmallVec<[libc::iovec; 16]> = bufs
+            .iter()
+            .filter(|b| b.len() > 0)
+            .map(|b| libc::iovec { iov_base: b.ptr_guard_mut().as_ptr().cast(), iov_len: b.len() })
+            .collect();
+        let mut first = 0usize;
+        let mut at = pos;
+        while first < iov.len() {
+            let batch = &iov[first..iov.len().min(first + MAX_IOV)];
+            // SAFETY: every iovec describes a VolatileSlice the caller lends us for the call:
+            // memory that stays mapped while the slices live (pinned guest pages, say), and
+            // that the kernel reads (write) or writes (read) like DMA would. No Rust
+            // reference to it exists.
+            let n = unsafe {
+                match dir {
+                    Direction::Read => libc::preadv2(
+                        self.file.as_raw_fd(),
+                        batch.as_ptr(),
+                        batch.len() as libc::c_int,
+                        at as libc::off_t,
+                        flags,
+                    ),
+                    Direction::Write => libc::pwritev2(
+                        self.file.as_raw_fd(),
+                        batch.as_ptr(),
+                        batch.len() as libc::c_int,
+                        at as libc::off_t,
+                        flags,
+                    ),
+                }
+            };
+            if n < 0 {
+                let err = io::Error::last_os_error();
+                if err.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(err);
+            }
+            if n == 0 {
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the backing file ended early"));
+            }
+            // Step over what moved: whole iovecs, then into a partly done one.
+            let mut n = n as usize;
+            at += n as u64;
+            while n > 0 {
+                let v = &mut iov[first];
+                if n >= v.iov_len {
+                    n -= v.iov_len;
+                    first += 1;
+                } else {
+                    // SAFETY: stays inside the iovec's buffer (n < iov_len).
+                    v.iov_base = unsafe { v.iov_base.cast::<u8>().add(n) }.cast();
+                    v.iov_len -= n;
+                    n = 0;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Direction {
+    Read,
+    Write,
+}
+
+fn invalid(what: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, what.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slices(buf: &mut [u8], cuts: &[usize]) -> Vec<VolatileSlice<'static>> {
+        let mut out = Vec::new();
+        let mut at = 0;
+        for &n in cuts {
+            // SAFETY: the test keeps `buf` alive (and unaliased) while the slices are used.
+            out.push(unsafe { VolatileSlice::new(buf.as_mut_ptr().add(at), n) });
+            at += n;
+        }
+        out
+    }
+
+    fn roundtrip(store: &Store) {
+        let mut data: Vec<u8> = (0..20_000u32).map(|i| (i * 7) as u8).collect();
+        let cuts = [100, 4096, 1, 8000, 20_000 - 12_197];
+        store.write_vectored(3000, &slices(&mut data, &cuts), Durability::Cached).unwrap();
+        let mut back = vec![0u8; 20_000];
+        store.read_vectored(3000, &slices(&mut back, &[7, 19_993])).unwrap();
+        assert_eq!(back, data);
+        let mut one = [0u8; 4];
+        store.read(2998, &mut one).unwrap();
+        assert_eq!(one, [0, 0, 0, 7]);
+        store.write_zeroes(4000, 5000).unwrap();
+        store.read_vectored(3000, &slices(&mut back, &[20_000])).unwrap();
+        assert!(back[1000..6000].iter().all(|&b| b == 0));
+        assert_eq!(back[..1000], data[..1000]);
+        assert_eq!(back[6000..], data[6000..]);
+        store.flush().unwrap();
+        // Past the end: refused, nothing moves.
+        let end = store.size();
+        assert!(store.read_vectored(end - 10, &slices(&mut back, &[11])).is_err());
+        assert!(store.write_vectored(end, &slices(&mut data, &[1]), Durability::Sync).is_err());
+        assert!(store.write_zeroes(u64::MAX, 2).is_err());
+    }
+
+    #[test]
+    fn a_ram_store_moves_vectors() {
+        let store = Store::ram(1 << 20).unwrap();
+        assert_eq!(store.kind(), StoreKind::Ram);
+        roundtrip(&store);
+    }
+
+    #[test]
+    fn a_file_store_moves_vectors_and_keeps_the_data() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disk.img");
+        File::create(&path).unwrap().set_len(1 << 20).unwrap();
+        let store = Store::open(&path).unwrap();
+        assert_eq!((store.kind(), store.size()), (StoreKind::File, 1 << 20));
+        roundtrip(&store);
+        drop(store);
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(bytes[3000], 0);
+        assert_eq!(bytes[3001], 7);
+        assert_eq!(bytes.len(), 1 << 20);
+    }
+
+    #[test]
+    fn an_empty_or_odd_file_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("empty");
+        File::create(&path).unwrap();
+        assert!(Store::open(&path).is_err());
+        assert!(Store::open(dir.path()).is_err());
+        assert!(Store::ram(0).is_err());
+    }
+}
