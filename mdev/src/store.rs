@@ -224,7 +224,7 @@ impl Store {
     ) -> io::Result<()> {
         let mut iov: smallvec::SmallVec<[libc::iovec; 16]> = bufs
             .iter()
-            .filter(|b| b.len() > 0)
+            .filter(|b| !b.is_empty())
             .map(|b| libc::iovec { iov_base: b.ptr_guard_mut().as_ptr().cast(), iov_len: b.len() })
             .collect();
         let mut first = 0usize;
