@@ -180,6 +180,17 @@ impl Registry {
     }
 }
 
+/// Parses a size with an optional K, M or G suffix (powers of 1024).
+pub fn parse_size(text: &str) -> Option<u64> {
+    let (digits, shift) = match text.as_bytes().last()? {
+        b'K' | b'k' => (&text[..text.len() - 1], 10),
+        b'M' | b'm' => (&text[..text.len() - 1], 20),
+        b'G' | b'g' => (&text[..text.len() - 1], 30),
+        _ => (text, 0),
+    };
+    digits.parse::<u64>().ok()?.checked_mul(1 << shift)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -195,6 +206,17 @@ mod tests {
         assert_eq!(TypeError::UnknownType("t".into()).errno(), libc::ENOENT);
         let registry = Registry::with_types(Vec::new());
         assert!(matches!(registry.find("nope"), Err(TypeError::UnknownType(_))));
+    }
+
+    #[test]
+    fn sizes_parse_with_suffixes() {
+        assert_eq!(parse_size("4096"), Some(4096));
+        assert_eq!(parse_size("64M"), Some(64 << 20));
+        assert_eq!(parse_size("2g"), Some(2 << 30));
+        assert_eq!(parse_size("1K"), Some(1024));
+        assert_eq!(parse_size("x"), None);
+        assert_eq!(parse_size(""), None);
+        assert_eq!(parse_size("99999999999999999G"), None);
     }
 
     #[test]

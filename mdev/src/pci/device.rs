@@ -61,6 +61,12 @@ pub trait PciFunction: Send + Sync + 'static {
     fn describe(&self) -> serde_json::Value {
         serde_json::Value::Null
     }
+
+    /// The guest turned bus mastering on or off (COMMAND.BME). Guest access is already
+    /// gated by the context; a device whose workers wait for it to come back wakes them.
+    fn bus_master_changed(&self, on: bool) {
+        let _ = on;
+    }
 }
 
 /// Why a [`PciDevice`] cannot be built.
@@ -192,14 +198,21 @@ impl<F: PciFunction> PciDevice<F> {
                 self.irqs.set_msi_mask(u32::from_le_bytes(mask));
             }
         }
-        if changes.contains(ConfigChanges::COMMAND) {
-            self.bus_master.set(config.bus_master());
-        }
+        let bus_master_changed = changes.contains(ConfigChanges::COMMAND) && {
+            let (was, is) = (self.bus_master.enabled(), config.bus_master());
+            self.bus_master.set(is);
+            was != is
+        };
         if changes.affects_interrupts() {
             self.irqs.apply_control(config.irq_control());
         }
         if changes.contains(ConfigChanges::POWER_STATE) {
             log::debug!("power state D{}", config.power_state());
+        }
+        let on = config.bus_master();
+        drop(config);
+        if bus_master_changed {
+            self.function.bus_master_changed(on);
         }
         Ok(())
     }

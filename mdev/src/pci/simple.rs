@@ -53,6 +53,11 @@ pub trait SimpleFunction: Send + 'static {
         serde_json::Value::Null
     }
 
+    /// The guest turned bus mastering on or off (see [`PciFunction::bus_master_changed`]).
+    fn bus_master_changed(&mut self, on: bool) {
+        let _ = on;
+    }
+
     /// The device is going (its [`Shared`] is dropping): tell threads that sleep elsewhere
     /// than on the state's condition variable (in `poll`, say) to look at
     /// [`SharedRef::closed`]. Threads waiting on the state are woken anyway.
@@ -86,6 +91,9 @@ macro_rules! forward_simple {
         }
         fn describe(&$self) -> serde_json::Value {
             $read.describe()
+        }
+        fn bus_master_changed(&$self, on: bool) {
+            $write.bus_master_changed(on)
         }
     };
 }
@@ -126,6 +134,9 @@ impl<T: PciFunction + ?Sized> PciFunction for Arc<T> {
     }
     fn describe(&self) -> serde_json::Value {
         (**self).describe()
+    }
+    fn bus_master_changed(&self, on: bool) {
+        (**self).bus_master_changed(on)
     }
 }
 

@@ -7,4 +7,5 @@
 
 pub mod ccw;
 pub mod mtty;
+pub mod nvme;
 pub mod testdev;

@@ -620,17 +620,6 @@ impl Drop for Ccw {
     }
 }
 
-/// Parses a size with an optional K, M or G suffix (powers of 1024).
-fn parse_size(text: &str) -> Option<u64> {
-    let (digits, shift) = match text.as_bytes().last()? {
-        b'K' | b'k' => (&text[..text.len() - 1], 10),
-        b'M' | b'm' => (&text[..text.len() - 1], 20),
-        b'G' | b'g' => (&text[..text.len() - 1], 30),
-        _ => (text, 0),
-    };
-    digits.parse::<u64>().ok()?.checked_mul(1 << shift)
-}
-
 /// The `ccw` device type. Options: `size=64M` (RAM disk size, K/M/G suffixes, at most 64 GiB),
 /// `file=/path` (back the store with an existing file instead), `subchannels=4` (1 to 16).
 pub struct CcwType {
@@ -662,7 +651,7 @@ impl CcwType {
             }
             (None, size) => {
                 let bytes = match size {
-                    Some(s) => parse_size(s)
+                    Some(s) => crate::types::parse_size(s)
                         .filter(|&n| n > 0 && n <= 64 << 30)
                         .ok_or_else(|| format!("size={s}: a size from 1 byte to 64G (K, M, G suffixes)"))?,
                     None => DEFAULT_STORE_SIZE,
@@ -857,16 +846,5 @@ mod tests {
         rig.device.detach();
         drop(rig);
         assert_eq!(std::fs::read(&path).unwrap()[8192..8192 + len as usize], data[..len as usize]);
-    }
-
-    #[test]
-    fn sizes_parse_with_suffixes() {
-        assert_eq!(parse_size("4096"), Some(4096));
-        assert_eq!(parse_size("64M"), Some(64 << 20));
-        assert_eq!(parse_size("2g"), Some(2 << 30));
-        assert_eq!(parse_size("1K"), Some(1024));
-        assert_eq!(parse_size("x"), None);
-        assert_eq!(parse_size(""), None);
-        assert_eq!(parse_size("99999999999999999G"), None);
     }
 }

@@ -1,0 +1,259 @@
+//! A submission queue's worker: fetch, execute, complete, in queue order.
+//!
+//! Each command runs on a [`Permit`]: completing it posts the command's completion entry;
+//! dropping it unfinished (a panic in the command's handling, caught by
+//! [`request::serve`]) posts Internal Error instead, so the host always gets an answer.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::ctrl::{stop, Ctrl, DoorbellMode};
+use super::queue::{completion, PostError, RingError, Signal, Sq};
+use super::spec::{Cqe, Sqe, Status};
+use super::{admin, io};
+use crate::device::DeviceContext;
+use crate::guest::GuestError;
+use crate::request::{self, Completion, Permit, Requests};
+
+/// How long an idle worker sleeps between looks (it is woken by doorbells anyway).
+const IDLE: Duration = Duration::from_millis(500);
+/// With mapped doorbells: how long a worker spins after its last command, then how often
+/// it looks at the page.
+const POLL_SPIN: Duration = Duration::from_micros(50);
+const POLL_INTERVAL: Duration = Duration::from_micros(200);
+
+/// A worker's lifetime, counted so a disable can wait for workers boundedly.
+pub struct Alive;
+
+impl Completion for Alive {
+    type Outcome = ();
+    fn complete(self, (): ()) {}
+    fn fail(self) {}
+}
+
+/// What executing a command produced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Complete with this status and dword 0.
+    Done(Status, u32),
+    /// Held by the controller, completed later (an Asynchronous Event Request).
+    Held,
+}
+
+impl Outcome {
+    /// Success with dword 0 `dw0`.
+    pub fn ok(dw0: u32) -> Outcome {
+        Outcome::Done(Status::SUCCESS, dw0)
+    }
+}
+
+impl From<Status> for Outcome {
+    fn from(s: Status) -> Outcome {
+        Outcome::Done(s, 0)
+    }
+}
+
+/// One queue's worker.
+pub struct QueueWorker {
+    /// The controller.
+    pub ctrl: Arc<Ctrl>,
+    /// The queue.
+    pub sq: Arc<Sq>,
+    /// The client's DMA context.
+    pub ctx: DeviceContext,
+    /// The controller generation the queue belongs to.
+    pub generation: u64,
+    requests: Requests,
+}
+
+/// A command in flight: how it completes.
+pub struct Command {
+    worker: Arc<QueueWorker>,
+    sqe: Sqe,
+}
+
+impl Completion for Command {
+    type Outcome = Outcome;
+
+    fn complete(self, outcome: Outcome) {
+        if let Outcome::Done(status, dw0) = outcome {
+            self.worker.finish(&self.sqe, status, dw0);
+        }
+    }
+
+    /// The handling of the command failed inside the controller: Internal Error.
+    fn fail(self) {
+        self.worker.finish(&self.sqe, Status::INTERNAL_ERROR, 0);
+    }
+}
+
+impl QueueWorker {
+    /// A worker for `sq`.
+    pub fn new(ctrl: Arc<Ctrl>, sq: Arc<Sq>, ctx: DeviceContext, generation: u64) -> Arc<QueueWorker> {
+        Arc::new(QueueWorker { ctrl, sq, ctx, generation, requests: Requests::new() })
+    }
+
+    /// The queue's statistics.
+    pub fn stats(&self) -> &super::stats::QueueStats {
+        &self.ctrl.stats[usize::from(self.sq.id)]
+    }
+
+    fn stopping(&self) -> bool {
+        self.sq.stop.load(Ordering::Acquire) != stop::RUN
+    }
+
+    /// Whether this queue's work still counts (no disable since it started).
+    pub fn current(&self) -> bool {
+        self.ctrl.generation.load(Ordering::Acquire) == self.generation
+    }
+
+    /// Serves the queue until told to stop.
+    pub fn run(self: Arc<Self>) {
+        let id = self.sq.id;
+        let doorbell = &self.ctrl.sq_doorbells[usize::from(id)];
+        doorbell.set_worker(Some(std::thread::current()));
+        let mut head = 0u32;
+        let mut last_work = Instant::now();
+        let mut bad_tail = None;
+        while !self.stopping() {
+            if self.ctrl.fatal() || !self.ctx.bus_master() {
+                doorbell.wait(head, Duration::from_millis(10));
+                continue;
+            }
+            let tail = self.ctrl.sq_tail(id);
+            if tail >= self.sq.entries {
+                // Only a mapped doorbell can hold this (a written one is checked).
+                if bad_tail != Some(tail) {
+                    bad_tail = Some(tail);
+                    self.ctrl.event(
+                        super::spec::event::TYPE_ERROR,
+                        super::spec::event::INVALID_DOORBELL_VALUE,
+                        1,
+                    );
+                }
+                self.idle(head, last_work);
+                continue;
+            }
+            if tail == head {
+                self.idle(head, last_work);
+                continue;
+            }
+            let sqe = match self.sq.fetch(&self.ctx, head) {
+                Ok(sqe) => sqe,
+                Err(RingError::Guest(GuestError::BusMasterOff)) => continue,
+                Err(RingError::Guest(e)) => {
+                    self.ctrl.fail(&format!("SQ {id} entry {head} cannot be read: {e}"));
+                    continue;
+                }
+            };
+            head = (head + 1) % self.sq.entries;
+            last_work = Instant::now();
+            let aborted = self.sq.advance(head, sqe.cid());
+            let permit = self.requests.begin(Command { worker: self.clone(), sqe });
+            if aborted {
+                permit.complete(Status::ABORT_REQUESTED.into());
+                continue;
+            }
+            self.execute(permit);
+            self.raise_due(false);
+        }
+        if self.sq.stop.load(Ordering::Acquire) == stop::DELETE {
+            self.abort_remaining(head);
+        }
+        doorbell.set_worker(None);
+    }
+
+    fn execute(self: &Arc<Self>, permit: Permit<Command>) {
+        let sqe = permit.get().sqe;
+        let outcome = request::serve(
+            format_args!("nvme command {:#04x} on queue {}", sqe.opcode(), self.sq.id),
+            || {
+                if self.sq.id == 0 {
+                    admin::execute(self, &sqe)
+                } else {
+                    io::execute(self, &sqe)
+                }
+            },
+        );
+        match outcome {
+            Some(outcome) => permit.complete(outcome),
+            None => drop(permit), // Internal Error
+        }
+    }
+
+    /// Nothing to fetch: interrupts held by coalescing go out, then sleep until a doorbell.
+    fn idle(&self, head: u32, last_work: Instant) {
+        let wait = match self.raise_due(true) {
+            Some(deadline) => deadline.saturating_duration_since(Instant::now()).min(IDLE),
+            None => IDLE,
+        };
+        let id = usize::from(self.sq.id);
+        match self.ctrl.config.doorbells {
+            DoorbellMode::Message => self.ctrl.sq_doorbells[id].wait(head, wait),
+            DoorbellMode::Mapped => {
+                if last_work.elapsed() < POLL_SPIN {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::park_timeout(wait.min(POLL_INTERVAL));
+                }
+            }
+        }
+    }
+
+    /// Raises the CQ's vector if coalesced entries are due (all of them with `idle`, when the
+    /// queue has nothing more to do and the aggregation time is 0); when the rest are due.
+    fn raise_due(&self, idle: bool) -> Option<Instant> {
+        let cq = &self.sq.cq;
+        let deadline = cq.deadline()?;
+        if cq.due(false) {
+            self.ctrl.interrupt(cq);
+            return None;
+        }
+        let _ = idle;
+        Some(deadline)
+    }
+
+    /// Posts the completion of `sqe`, raising the interrupt it calls for.
+    pub fn finish(&self, sqe: &Sqe, status: Status, dw0: u32) {
+        self.stats().command(!status.ok());
+        if !status.ok() {
+            self.ctrl.admin().log_error(self.sq.id, sqe, status);
+        }
+        let cqe = completion(&self.sq, sqe.cid(), status, dw0);
+        self.post(cqe, true);
+    }
+
+    /// Posts `cqe` on the queue's CQ; with `wait`, a full CQ is waited for until a stop.
+    pub fn post(&self, cqe: Cqe, wait: bool) {
+        let cq = self.sq.cq.clone();
+        let head = || self.ctrl.cq_head(cq.id);
+        let stop = || self.sq.stop.load(Ordering::Acquire) == stop::RESET || !self.current();
+        if !self.current() {
+            return;
+        }
+        match cq.post(&self.ctx, cqe, &head, &stop, wait) {
+            Ok(Signal::Now) => self.ctrl.interrupt(&cq),
+            Ok(Signal::By(_)) | Ok(Signal::None) => {}
+            Err(PostError::Full) => {
+                log::debug!("nvme: CQ {} full: completion of cid {} dropped", cq.id, u16::from(cqe.cid))
+            }
+            Err(PostError::Ring(RingError::Guest(e))) => {
+                self.ctrl.fail(&format!("CQ {} cannot be written: {e}", cq.id));
+            }
+        }
+    }
+
+    /// Delete I/O SQ with commands still queued: each completes as aborted.
+    fn abort_remaining(self: &Arc<Self>, mut head: u32) {
+        let tail = self.ctrl.sq_tail(self.sq.id);
+        let mut left = self.sq.entries;
+        while head != tail && tail < self.sq.entries && left > 0 {
+            let Ok(sqe) = self.sq.fetch(&self.ctx, head) else { break };
+            head = (head + 1) % self.sq.entries;
+            self.sq.advance(head, sqe.cid());
+            self.finish(&sqe, Status::ABORTED_SQ_DELETION, 0);
+            left -= 1;
+        }
+    }
+}
