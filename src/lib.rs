@@ -7,11 +7,12 @@ pub mod ccw_guest;
 
 use std::sync::Arc;
 
-use umdev_mdev::samples::{ccw, mtty, testdev};
+use umdev_mdev::samples::{ccw, mtty, nvme, testdev};
 use umdev_mdev::types::{Pool, Registry};
 
 /// The device types `umdev` serves: testdev, mtty-1 and mtty-2 (one pool of 24 ports, as
-/// the kernel's mtty sample), ccw. The framework knows no device; this list is the binary's.
+/// the kernel's mtty sample), ccw, nvme. The framework knows no device; this list is the
+/// binary's.
 pub fn builtin_registry() -> Registry {
     let mtty_ports = Pool::new(mtty::MAX_PORTS);
     Registry::with_types(vec![
@@ -19,5 +20,6 @@ pub fn builtin_registry() -> Registry {
         Arc::new(mtty::MttyType::single(mtty_ports.clone())),
         Arc::new(mtty::MttyType::dual(mtty_ports)),
         Arc::new(ccw::CcwType::new(64)),
+        Arc::new(nvme::NvmeType::new(64)),
     ])
 }

@@ -10,7 +10,9 @@ use umdev_mdev::contract::{check, Contract, Probe};
 use umdev_mdev::samples::ccw::driver::{layout, Data, Op};
 use umdev_mdev::samples::ccw::program::cmd;
 use umdev_mdev::samples::ccw::{self, regs as ccw_regs};
-use umdev_mdev::samples::{mtty, testdev};
+use umdev_mdev::samples::nvme::driver::{Driver, Transport};
+use umdev_mdev::samples::nvme::spec::{admin_op, reg, Sqe};
+use umdev_mdev::samples::{mtty, nvme, testdev};
 use umdev_mdev::types::InstanceOptions;
 
 #[path = "../examples/custom_device.rs"]
@@ -35,6 +37,47 @@ fn ccw_run(p: &Probe<'_>, ops: &[Op], wait: bool) {
         p.wait("the ccw program", || p.read32(0, ccw_sc(0, ccw_regs::STATE)) == ccw_regs::STATE_PENDING);
         p.write32(0, ccw_sc(0, ccw_regs::ACK), 1);
     }
+}
+
+/// The nvme driver over the contract's probe (no interrupts: it polls).
+struct ProbeBus<'a>(&'a Probe<'a>);
+
+impl Transport for ProbeBus<'_> {
+    fn read32(&mut self, offset: u64) -> Result<u32, String> {
+        Ok(self.0.read32(0, offset))
+    }
+    fn write32(&mut self, offset: u64, value: u32) -> Result<(), String> {
+        self.0.write32(0, offset, value);
+        Ok(())
+    }
+    fn put(&mut self, addr: u64, bytes: &[u8]) -> Result<(), String> {
+        self.0.ram.write_all_at(bytes, addr).map_err(|e| e.to_string())
+    }
+    fn get(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), String> {
+        self.0.ram.read_exact_at(buf, addr).map_err(|e| e.to_string())
+    }
+    fn wait_interrupt(&mut self, _vector: u16, _timeout: std::time::Duration) -> Option<bool> {
+        None
+    }
+}
+
+/// nvme: enables the controller on an admin queue at 64/128 KiB and rings an Identify
+/// (the same bytes every time, so guest RAM is unchanged when the device may not touch it).
+fn nvme_identify(p: &Probe<'_>) {
+    p.write32(0, reg::CC, 0);
+    p.wait("nvme disabled", || p.read32(0, reg::CSTS) & reg::CSTS_RDY == 0);
+    p.write32(0, reg::AQA, 31 | 31 << 16);
+    p.write32(0, reg::ASQ, 0x1_0000);
+    p.write32(0, reg::ASQ + 4, 0);
+    p.write32(0, reg::ACQ, 0x2_0000);
+    p.write32(0, reg::ACQ + 4, 0);
+    p.write32(0, reg::CC, 6 << 16 | 4 << 20 | reg::CC_EN);
+    p.wait("nvme ready", || p.read32(0, reg::CSTS) & reg::CSTS_RDY != 0);
+    let mut sqe = Sqe::new(admin_op::IDENTIFY, 1);
+    sqe.prp1 = 0x3_0000.into();
+    sqe.set_dw(10, 1);
+    p.ram.write_all_at(vm_memory::ByteValued::as_slice(&sqe), 0x1_0000).unwrap();
+    p.write32(0, reg::DOORBELLS, 1);
 }
 
 #[test]
@@ -93,6 +136,27 @@ fn every_device_keeps_the_contract() {
             volatile,
             touch_guest: None,
             make_busy: None,
+        },
+    );
+
+    // nvme: an Identify writes guest RAM; I/O queues keep their rings pinned.
+    let config = nvme::NvmeConfig {
+        namespaces: vec![Some(nvme::namespace::Backing::Ram(1 << 20))],
+        ..Default::default()
+    };
+    let n = Arc::new(nvme::create(config).unwrap());
+    check(
+        n,
+        &Contract {
+            widths: vec![(0, &[4, 8])],
+            volatile: vec![],
+            touch_guest: Some(Box::new(nvme_identify)),
+            make_busy: Some(Box::new(|p: &Probe<'_>| {
+                let mut d = Driver::new(ProbeBus(p));
+                d.enable().unwrap();
+                d.create_io_queues(2, 64, true).unwrap(); // INTx: one vector
+                assert!(p.dma.stats().pins_held > 0, "nvme: the rings are pinned");
+            })),
         },
     );
 
