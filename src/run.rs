@@ -32,7 +32,7 @@ pub fn run(
     let daemon = Daemon::new();
     let socket = config.socket.clone();
     let endpoints = crate::manage::host_endpoints(&device.describe());
-    daemon.start(device, config).map_err(|e| e.to_string())?;
+    daemon.start(device.clone(), config).map_err(|e| e.to_string())?;
     eprintln!(
         "umdev: serving a {type_name} device on {} (Ctrl-C to stop)\n  qemu-system-x86_64 ... -device '{{\"driver\":\"vfio-user-pci\",\"socket\":{{\"type\":\"unix\",\"path\":\"{}\"}}}}'",
         socket.display(),
@@ -45,5 +45,10 @@ pub fn run(
         eprintln!("umdev: signal {signal}, shutting down");
     }
     daemon.shutdown();
+    // What the device did, for the log (`umdev stats` shows the same while it runs).
+    let state = device.describe();
+    if !state.is_null() {
+        eprintln!("umdev: {type_name} on exit: {state}");
+    }
     Ok(())
 }

@@ -44,6 +44,10 @@ pub struct GuestSpec<'a> {
     pub mem_mib: u32,
     /// The whole run, boot included.
     pub timeout: Duration,
+    /// Extra kernel arguments (`pci=nomsi`, say).
+    pub append: &'a str,
+    /// Extra QEMU arguments (`-smp 2`, say), one per element.
+    pub qemu_args: Vec<&'a str>,
 }
 
 impl Default for GuestSpec<'_> {
@@ -54,6 +58,8 @@ impl Default for GuestSpec<'_> {
             script: "",
             mem_mib: 256,
             timeout: Duration::from_secs(90),
+            append: "",
+            qemu_args: Vec::new(),
         }
     }
 }
@@ -81,6 +87,12 @@ impl Guest {
         }
         for module in &spec.modules {
             cmd.arg("--module").arg(module);
+        }
+        if !spec.append.is_empty() {
+            cmd.arg("--append").arg(spec.append);
+        }
+        for arg in &spec.qemu_args {
+            cmd.arg("--qemu-arg").arg(arg);
         }
         cmd.arg(&script).stdout(Stdio::piped()).stderr(Stdio::inherit());
         let mut child = ChildGuard(cmd.spawn().expect("starting the guest harness"));
