@@ -4,6 +4,7 @@
 #![deny(missing_docs)]
 
 pub mod ccw_guest;
+pub mod nvme_guest;
 
 use std::sync::Arc;
 

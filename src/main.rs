@@ -4,6 +4,7 @@ mod affinity;
 mod ccwbench;
 mod demo;
 mod manage;
+mod nvmebench;
 mod pinbench;
 mod protobench;
 mod run;
@@ -217,6 +218,24 @@ enum Command {
         #[arg(long)]
         mode: Option<String>,
     },
+    /// Benchmark the nvme controller end to end: 4 KiB random I/O at queue depth 1 and 32 on
+    /// 1 and 2 queues, 128 KiB sequential I/O, server CPU per I/O, against memcpy and a
+    /// posted-doorbell-to-interrupt floor.
+    Nvmebench {
+        /// One JSON object instead of tables.
+        #[arg(long)]
+        json: bool,
+        /// Shorter runs (for a smoke run).
+        #[arg(long)]
+        quick: bool,
+        /// Only the workloads whose name starts with this (`4k-randread`, `128k`, ...).
+        #[arg(long)]
+        only: Option<String>,
+        /// An nvme option for the server under test, key=value (repeatable), e.g.
+        /// `poll_us=0` or `doorbells=mmap`.
+        #[arg(long = "opt")]
+        opts: Vec<String>,
+    },
     /// Benchmark run-split pinning against per-page pinning.
     Pinbench {
         /// One JSON object per line instead of a table.
@@ -252,6 +271,15 @@ fn main() {
                     ccwbench::print(&r);
                 }
             }),
+        Command::Nvmebench { json, quick, only, opts } => {
+            nvmebench::run(quick, only.as_deref(), &opts).map(|r| {
+                if json {
+                    println!("{}", serde_json::to_string(&r).expect("report serializes"));
+                } else {
+                    nvmebench::print(&r);
+                }
+            })
+        }
         Command::Protobench { json, quick } => protobench::run(quick).map(|r| {
             if json {
                 println!("{}", serde_json::to_string(&r).expect("report serializes"));

@@ -371,9 +371,10 @@ pub fn run(quick: bool) -> Result<Report, String> {
 }
 
 /// A private directory for the sockets, removed on drop.
-struct TempDir(std::path::PathBuf);
+pub struct TempDir(std::path::PathBuf);
 impl TempDir {
-    fn path(&self) -> &Path {
+    /// The directory.
+    pub fn path(&self) -> &Path {
         &self.0
     }
 }
@@ -382,6 +383,13 @@ impl Drop for TempDir {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
+/// A fresh private directory under the temp dir, named for this process and `what`.
+pub fn tempfile_dir_for(what: &str) -> Result<TempDir, String> {
+    let dir = std::env::temp_dir().join(format!("umdev-{what}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    Ok(TempDir(dir))
+}
+
 fn tempfile_dir() -> Result<TempDir, String> {
     let dir = std::env::temp_dir().join(format!("umdev-protobench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;

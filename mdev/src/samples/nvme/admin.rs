@@ -138,7 +138,7 @@ impl AdminState {
             let cqe = completion(sq, cid, Status::SUCCESS, dw0);
             let head = || ctrl.cq_head(0);
             let never = || false;
-            match sq.cq.post(ctx, cqe, &head, &never, false) {
+            match sq.cq.post(ctx, cqe, &head, &never, false, 0) {
                 Ok(_) => {
                     ctrl.interrupt(&sq.cq);
                     self.aers.remove(0);

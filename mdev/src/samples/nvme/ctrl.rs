@@ -46,6 +46,9 @@ pub struct ControllerConfig {
     pub doorbells: DoorbellMode,
     /// The serial number (Identify SN).
     pub serial: String,
+    /// How long a worker watches its doorbell after work before it sleeps (0: it sleeps
+    /// at once).
+    pub poll: Duration,
 }
 
 /// The controller registers the guest writes.

@@ -61,6 +61,8 @@ pub const MAX_IO_QUEUES: u16 = 64;
 pub const DEFAULT_ENTRIES: u32 = 1024;
 /// See [`DEFAULT_ENTRIES`].
 pub const MAX_ENTRIES: u32 = 4096;
+/// How long a worker watches its doorbell after work, by default (`poll_us`).
+pub const DEFAULT_POLL: std::time::Duration = std::time::Duration::from_micros(50);
 
 /// Why an nvme device could not be made.
 #[derive(Debug, Error)]
@@ -91,6 +93,8 @@ pub struct NvmeConfig {
     pub doorbells: DoorbellMode,
     /// Serial number; `None`: derived from the file namespaces' paths, or random.
     pub serial: Option<String>,
+    /// How long a queue's worker watches its doorbell after work before sleeping.
+    pub poll: std::time::Duration,
 }
 
 impl Default for NvmeConfig {
@@ -102,6 +106,7 @@ impl Default for NvmeConfig {
             max_entries: DEFAULT_ENTRIES,
             doorbells: DoorbellMode::Message,
             serial: None,
+            poll: DEFAULT_POLL,
         }
     }
 }
@@ -157,6 +162,14 @@ impl NvmeConfig {
                 _ => return Err(format!("doorbells={v}: message or mmap")),
             };
         }
+        if let Some(v) = p.get("poll_us") {
+            let us = v
+                .parse::<u64>()
+                .ok()
+                .filter(|&n| n <= 10_000)
+                .ok_or_else(|| format!("poll_us={v}: 0 to 10000"))?;
+            config.poll = std::time::Duration::from_micros(us);
+        }
         if let Some(v) = p.get("serial") {
             if v.is_empty() || v.len() > 20 || !v.bytes().all(|c| c.is_ascii_graphic()) {
                 return Err(format!("serial={v}: 1 to 20 printable ASCII characters"));
@@ -168,8 +181,10 @@ impl NvmeConfig {
 
     /// The option names the type takes.
     pub fn option_names() -> Vec<String> {
-        let mut names: Vec<String> =
-            ["lba", "queues", "entries", "doorbells", "serial"].iter().map(|s| s.to_string()).collect();
+        let mut names: Vec<String> = ["lba", "queues", "entries", "doorbells", "serial", "poll_us"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
         names.extend((1..=MAX_NAMESPACES).map(|n| format!("ns{n}")));
         names
     }
@@ -276,6 +291,7 @@ pub fn create(config: NvmeConfig) -> Result<PciDevice<Nvme>, NvmeError> {
         max_entries: config.max_entries,
         doorbells: config.doorbells,
         serial,
+        poll: config.poll,
     };
     let regs: Vec<Reg<u64>> = [
         (reg::CAP, false),
@@ -443,7 +459,8 @@ impl Drop for Nvme {
 
 /// The `nvme` device type. Options: `ns1=ram:1G` .. `ns16=file:/path` (namespaces: a RAM
 /// disk or a host file or block device), `lba=512|4096`, `queues=4` (I/O queue pairs, 1 to
-/// 64), `entries=1024` (per queue, 2 to 4096), `doorbells=message|mmap`, `serial=`.
+/// 64), `entries=1024` (per queue, 2 to 4096), `doorbells=message|mmap`, `serial=`,
+/// `poll_us=50` (how long a worker watches its doorbell after work before sleeping).
 pub struct NvmeType {
     pool: Arc<crate::types::Pool>,
 }

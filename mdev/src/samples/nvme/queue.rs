@@ -71,7 +71,18 @@ impl Doorbell {
     }
 
     /// Sleeps until the value differs from `seen`, `wake` is called, or `timeout` passes.
-    pub fn wait(&self, seen: u32, timeout: Duration) {
+    /// It first watches for `spin` without sleeping: a doorbell then costs the writer no
+    /// wake-up.
+    pub fn wait(&self, seen: u32, timeout: Duration, spin: Duration) {
+        if !spin.is_zero() {
+            let until = Instant::now() + spin;
+            while Instant::now() < until {
+                if self.value.load(Ordering::Acquire) != seen {
+                    return;
+                }
+                std::hint::spin_loop();
+            }
+        }
         self.sleeping.store(true, Ordering::SeqCst);
         if self.value.load(Ordering::SeqCst) == seen {
             std::thread::park_timeout(timeout);
@@ -200,7 +211,7 @@ fn truncated(iova: u64) -> GuestError {
 /// The IOVA ranges a command holds pins in, so an unmap can tell whether it is affected.
 #[derive(Debug, Default)]
 pub struct HeldRanges {
-    ranges: Mutex<SmallVec<[(u64, u64); 4]>>,
+    ranges: Mutex<SmallVec<[(u64, u64); 16]>>,
     /// An unmap hit them: the command ends with a data transfer error.
     pub hit: AtomicBool,
 }
@@ -208,7 +219,7 @@ pub struct HeldRanges {
 impl HeldRanges {
     /// Announces the pages about to be pinned.
     pub fn announce(&self, pfns: &[u64]) {
-        let mut ranges: SmallVec<[(u64, u64); 4]> = SmallVec::new();
+        let mut ranges: SmallVec<[(u64, u64); 16]> = SmallVec::new();
         for &pfn in pfns {
             let (start, end) = (pfn * PAGE, (pfn + 1) * PAGE);
             match ranges.last_mut() {
@@ -331,13 +342,18 @@ pub struct Coalescing {
     pub time: u8,
 }
 
+/// Completions a burst may post before its interrupt, without coalescing configured...
+pub const BATCH: u32 = 8;
+/// ...and how long the first of them may wait for the others.
+pub const BATCH_TIME: Duration = Duration::from_micros(10);
+
 /// What a completion queue did about interrupts for an entry.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Signal {
     /// Raise the queue's vector now.
     Now,
-    /// Held by coalescing: raise by this deadline (or when the threshold is reached).
-    By(Instant),
+    /// Held (a burst, or coalescing): raised by [`Cq::due`].
+    Held,
     /// The queue has interrupts disabled.
     None,
 }
@@ -348,6 +364,8 @@ struct CqState {
     phase: bool,
     /// Entries posted since the last interrupt (coalescing).
     unsignalled: u32,
+    /// When the first of them was posted.
+    first_held: Option<Instant>,
     deadline: Option<Instant>,
 }
 
@@ -391,7 +409,13 @@ impl Cq {
             vector,
             interrupts,
             ring: Ring::new(base, entries, CQE_SIZE, Prot::READ_WRITE),
-            state: Mutex::new(CqState { tail: 0, phase: true, unsignalled: 0, deadline: None }),
+            state: Mutex::new(CqState {
+                tail: 0,
+                phase: true,
+                unsignalled: 0,
+                first_held: None,
+                deadline: None,
+            }),
             coalescing: Mutex::new(Coalescing::default()),
             tail_seen: AtomicU32::new(0),
             posted: AtomicU64::new(0),
@@ -405,6 +429,11 @@ impl Cq {
 
     /// Posts `cqe` (its phase tag set here) if the queue has room given the host's `head`.
     /// With `wait`, a full queue is retried every millisecond until `stop` says otherwise.
+    /// `queued` is how many more commands the poster has waiting in its SQ. Without
+    /// coalescing configured, the interrupt of a burst may wait while more commands wait
+    /// than completions are held (so the host always has completions to reap before the
+    /// queue runs dry), for at most [`BATCH`] entries and [`BATCH_TIME`], or until the
+    /// poster runs out of work ([`Cq::due`]): a burst costs one interrupt, not one per entry.
     pub fn post(
         &self,
         ctx: &DeviceContext,
@@ -412,6 +441,7 @@ impl Cq {
         head: &dyn Fn() -> u32,
         stop: &dyn Fn() -> bool,
         wait: bool,
+        queued: u32,
     ) -> Result<Signal, PostError> {
         loop {
             let mut st = crate::sync::lock(&self.state);
@@ -432,40 +462,53 @@ impl Cq {
             }
             self.tail_seen.store(next, Ordering::Release);
             self.posted.fetch_add(1, Ordering::Relaxed);
-            return Ok(self.signal(&mut st));
+            return Ok(self.signal(&mut st, queued));
         }
     }
 
-    fn signal(&self, st: &mut CqState) -> Signal {
+    fn signal(&self, st: &mut CqState, queued: u32) -> Signal {
         if !self.interrupts {
             return Signal::None;
         }
         let c = *crate::sync::lock(&self.coalescing);
         st.unsignalled += 1;
-        if (c.threshold == 0 && c.time == 0) || st.unsignalled > u32::from(c.threshold) {
+        let now = Instant::now();
+        let first = *st.first_held.get_or_insert(now);
+        let hold = match (c.threshold, c.time) {
+            // No coalescing: a burst of cheap commands shares an interrupt, briefly.
+            (0, 0) => {
+                queued > st.unsignalled && st.unsignalled < BATCH && now.duration_since(first) < BATCH_TIME
+            }
+            (t, _) => st.unsignalled <= u32::from(t),
+        };
+        if !hold {
             st.unsignalled = 0;
+            st.first_held = None;
             st.deadline = None;
             return Signal::Now;
         }
-        let deadline = *st
-            .deadline
-            .get_or_insert_with(|| Instant::now() + Duration::from_micros(100 * u64::from(c.time)));
-        Signal::By(deadline)
+        if c.time > 0 && st.deadline.is_none() {
+            st.deadline = Some(now + Duration::from_micros(100 * u64::from(c.time)));
+        }
+        Signal::Held
     }
 
-    /// Entries held by coalescing whose time is up (or all of them, with `force`): true if
-    /// the vector should be raised now.
-    pub fn due(&self, force: bool) -> bool {
+    /// Whether held entries should interrupt now: their aggregation time is up, or the
+    /// poster has nothing left to do (`idle`) and no aggregation time is set. Resets the
+    /// count if so.
+    pub fn due(&self, idle: bool) -> bool {
         let mut st = crate::sync::lock(&self.state);
-        let due = st.unsignalled > 0 && (force || st.deadline.is_some_and(|d| Instant::now() >= d));
+        let time_up = st.deadline.is_some_and(|d| Instant::now() >= d);
+        let due = st.unsignalled > 0 && (time_up || (idle && st.deadline.is_none()));
         if due {
             st.unsignalled = 0;
+            st.first_held = None;
             st.deadline = None;
         }
         due
     }
 
-    /// When held entries are due, if any are.
+    /// When held entries must interrupt by, if an aggregation time holds them.
     pub fn deadline(&self) -> Option<Instant> {
         crate::sync::lock(&self.state).deadline
     }

@@ -4,7 +4,7 @@
 //! dropping it unfinished (a panic in the command's handling, caught by
 //! [`request::serve`]) posts Internal Error instead, so the host always gets an answer.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -22,6 +22,32 @@ const IDLE: Duration = Duration::from_millis(500);
 /// it looks at the page.
 const POLL_SPIN: Duration = Duration::from_micros(50);
 const POLL_INTERVAL: Duration = Duration::from_micros(200);
+
+/// Workers watching their doorbell without sleeping now, across the process.
+static SPINNERS: AtomicUsize = AtomicUsize::new(0);
+
+/// A worker's turn to watch its doorbell without sleeping; given back on drop.
+struct Spinner;
+
+impl Spinner {
+    /// A turn, if fewer workers spin than the process has spare CPUs.
+    fn take() -> Option<Spinner> {
+        static SPARE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        let spare = *SPARE.get_or_init(|| {
+            std::thread::available_parallelism().map_or(1, |n| n.get()).saturating_sub(1).max(1)
+        });
+        SPINNERS
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < spare).then_some(n + 1))
+            .ok()
+            .map(|_| Spinner)
+    }
+}
+
+impl Drop for Spinner {
+    fn drop(&mut self) {
+        SPINNERS.fetch_sub(1, Ordering::AcqRel);
+    }
+}
 
 /// A worker's lifetime, counted so a disable can wait for workers boundedly.
 pub struct Alive;
@@ -118,7 +144,7 @@ impl QueueWorker {
         let mut bad_tail = None;
         while !self.stopping() {
             if self.ctrl.fatal() || !self.ctx.bus_master() {
-                doorbell.wait(head, Duration::from_millis(10));
+                doorbell.wait(head, Duration::from_millis(10), Duration::ZERO);
                 continue;
             }
             let tail = self.ctrl.sq_tail(id);
@@ -182,15 +208,30 @@ impl QueueWorker {
         }
     }
 
-    /// Nothing to fetch: interrupts held by coalescing go out, then sleep until a doorbell.
+    /// Nothing to fetch: held interrupts go out, then sleep until a doorbell (or until
+    /// coalescing's aggregation time is up).
     fn idle(&self, head: u32, last_work: Instant) {
-        let wait = match self.raise_due(true) {
+        self.raise_due(true);
+        let wait = match self.sq.cq.deadline() {
             Some(deadline) => deadline.saturating_duration_since(Instant::now()).min(IDLE),
             None => IDLE,
         };
         let id = usize::from(self.sq.id);
         match self.ctrl.config.doorbells {
-            DoorbellMode::Message => self.ctrl.sq_doorbells[id].wait(head, wait),
+            DoorbellMode::Message => {
+                let doorbell = &self.ctrl.sq_doorbells[id];
+                let spin = self.ctrl.config.poll;
+                // Right after work the next doorbell is likely close: watch for it (a
+                // doorbell that finds its worker awake costs no wake-up), if a CPU is free
+                // for it. At most one worker per spare CPU watches at a time.
+                if !spin.is_zero() && last_work.elapsed() < spin {
+                    if let Some(_spinning) = Spinner::take() {
+                        doorbell.wait(head, wait, spin.saturating_sub(last_work.elapsed()));
+                        return;
+                    }
+                }
+                doorbell.wait(head, wait, Duration::ZERO)
+            }
             DoorbellMode::Mapped => {
                 if last_work.elapsed() < POLL_SPIN {
                     std::hint::spin_loop();
@@ -201,17 +242,11 @@ impl QueueWorker {
         }
     }
 
-    /// Raises the CQ's vector if coalesced entries are due (all of them with `idle`, when the
-    /// queue has nothing more to do and the aggregation time is 0); when the rest are due.
-    fn raise_due(&self, idle: bool) -> Option<Instant> {
-        let cq = &self.sq.cq;
-        let deadline = cq.deadline()?;
-        if cq.due(false) {
-            self.ctrl.interrupt(cq);
-            return None;
+    /// Raises the CQ's vector if held completions are due (see [`super::queue::Cq::due`]).
+    fn raise_due(&self, idle: bool) {
+        if self.sq.cq.due(idle) {
+            self.ctrl.interrupt(&self.sq.cq);
         }
-        let _ = idle;
-        Some(deadline)
     }
 
     /// Posts the completion of `sqe`, raising the interrupt it calls for.
@@ -226,15 +261,19 @@ impl QueueWorker {
 
     /// Posts `cqe` on the queue's CQ; with `wait`, a full CQ is waited for until a stop.
     pub fn post(&self, cqe: Cqe, wait: bool) {
+        // Commands still waiting: their completions may share this one's interrupt.
+        let (tail, head) = (self.ctrl.sq_tail(self.sq.id), self.sq.head.load(Ordering::Acquire));
+        let queued =
+            if tail < self.sq.entries { (tail + self.sq.entries - head) % self.sq.entries } else { 0 };
         let cq = self.sq.cq.clone();
         let head = || self.ctrl.cq_head(cq.id);
         let stop = || self.sq.stop.load(Ordering::Acquire) == stop::RESET || !self.current();
         if !self.current() {
             return;
         }
-        match cq.post(&self.ctx, cqe, &head, &stop, wait) {
+        match cq.post(&self.ctx, cqe, &head, &stop, wait, queued) {
             Ok(Signal::Now) => self.ctrl.interrupt(&cq),
-            Ok(Signal::By(_)) | Ok(Signal::None) => {}
+            Ok(Signal::Held) | Ok(Signal::None) => {}
             Err(PostError::Full) => {
                 log::debug!("nvme: CQ {} full: completion of cid {} dropped", cq.id, u16::from(cqe.cid))
             }

@@ -1,0 +1,503 @@
+//! `umdev nvmebench`: the nvme controller end to end over vfio-user, as QEMU drives it
+//! (doorbells as posted REGION_WRITEs, MSI-X eventfds), against floors measured in the same
+//! run: memcpy bandwidth, and a posted REGION_WRITE that raises an eventfd interrupt (a
+//! testdev register). The server runs as its own `umdev run` process, so its CPU time per
+//! I/O is the process's own (utime + stime from /proc, what getrusage reports).
+//!
+//! Workloads on a RAM namespace, filled first: 4 KiB random reads and writes at queue depth
+//! 1 and 32 on 1 and 2 queue pairs; 128 KiB sequential reads and writes at queue depth 8.
+//! Each 128 KiB buffer is 32 guest pages in 8 runs of 4 at scattered addresses (a PRP list
+//! per command; what a guest's block layer hands a driver looks like this).
+
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use serde::Serialize;
+use umdev::nvme_guest::{wait_eventfd, NvmeGuest};
+use umdev_mdev::samples::nvme::driver::Driver;
+use umdev_mdev::samples::nvme::spec::Sqe;
+use umdev_mdev::samples::testdev;
+use umdev_server::client::{region_write_payload, set_irqs_payload, RawClient};
+use umdev_server::wire::{flags, Command as Cmd};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::pinbench::{median, Rng};
+
+/// The namespace.
+const NS_BYTES: u64 = 256 << 20;
+/// Guest RAM of the benchmark's "guest".
+const RAM: u64 = 160 << 20;
+const BIG: usize = 128 << 10;
+const QUEUE_ENTRIES: u32 = 256;
+
+/// One workload's result.
+#[derive(Debug, Serialize)]
+pub struct Row {
+    /// `4k-randread`, `128k-seqwrite`, ...
+    pub workload: String,
+    /// Commands in flight per queue.
+    pub qd: usize,
+    /// I/O queue pairs used.
+    pub queues: u16,
+    /// Completed I/Os per second.
+    pub iops: f64,
+    /// Data per second, GB/s.
+    pub gb_per_sec: f64,
+    /// Submission to completion, per I/O.
+    pub latency_p50_us: f64,
+    /// See [`Row::latency_p50_us`].
+    pub latency_p99_us: f64,
+    /// The server process's CPU time (user + system) per I/O.
+    pub server_cpu_us_per_io: f64,
+}
+
+/// Floors measured in the same run.
+#[derive(Debug, Serialize)]
+pub struct Floors {
+    /// memcpy of 2 MiB between warm buffers.
+    pub memcpy_2m_gb_per_sec: f64,
+    /// memcpy of 128 KiB blocks, sequential through a region the namespace's size into
+    /// rotating destination buffers: the data movement of a 128 KiB sequential read.
+    pub memcpy_128k_stream_gb_per_sec: f64,
+    /// A posted REGION_WRITE that raises an MSI-X interrupt, to the eventfd: p50.
+    pub doorbell_irq_p50_us: f64,
+    /// See [`Floors::doorbell_irq_p50_us`].
+    pub doorbell_irq_p99_us: f64,
+}
+
+/// The whole report.
+#[derive(Debug, Serialize)]
+pub struct Report {
+    /// The floors.
+    pub floors: Floors,
+    /// The workloads.
+    pub rows: Vec<Row>,
+    /// What the server's statistics say of the run (pages, runs, pin calls).
+    pub server: serde_json::Value,
+}
+
+/// A `umdev run` child, killed on drop.
+struct Server {
+    child: Child,
+    socket: PathBuf,
+}
+
+impl Server {
+    fn start(dir: &Path, name: &str, args: &[&str]) -> Result<Server, String> {
+        let socket = dir.join(format!("{name}.sock"));
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let child = Command::new(exe)
+            .arg("run")
+            .arg("--socket")
+            .arg(&socket)
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("starting umdev run: {e}"))?;
+        let server = Server { child, socket };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !server.socket.exists() {
+            if Instant::now() > deadline {
+                return Err(format!("umdev run {args:?} never listened"));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        Ok(server)
+    }
+
+    /// User + system CPU time of the process so far.
+    fn cpu(&self) -> Duration {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap_or_default();
+        // Fields after the command name (which may hold spaces): utime is the 14th field.
+        let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+        // After the name: state, ppid, ..., utime (the 12th), stime (the 13th).
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let field = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        let ticks = field(11) + field(12);
+        let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).ok().flatten().unwrap_or(100) as u64;
+        Duration::from_nanos(ticks * 1_000_000_000 / hz)
+    }
+
+    /// Stops the server; the device statistics it prints on exit.
+    fn stop(mut self) -> serde_json::Value {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::SIGTERM,
+        );
+        let mut err = String::new();
+        if let Some(mut e) = self.child.stderr.take() {
+            let _ = std::io::Read::read_to_string(&mut e, &mut err);
+        }
+        let _ = self.child.wait();
+        err.lines()
+            .find_map(|l| l.split_once(" on exit: ").map(|(_, j)| j.to_string()))
+            .and_then(|j| serde_json::from_str(&j).ok())
+            .unwrap_or(serde_json::Value::Null)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Guest pages of slot `slot` of queue `q`: one page for 4 KiB, 32 pages in runs of 4 at
+/// scattered addresses for 128 KiB.
+fn buffer_pages(q: u16, slot: usize, big: bool) -> Vec<u64> {
+    let base = Driver::<NvmeGuest>::DATA + (u64::from(q) * 64 + slot as u64) * (BIG as u64 * 2);
+    if !big {
+        return vec![base];
+    }
+    // 8 runs of 4 pages, in a scrambled order over a 256 KiB window.
+    let order = [5u64, 0, 7, 2, 4, 1, 6, 3];
+    order.iter().flat_map(|&r| (0..4).map(move |p| base + (r * 8 + p) * 4096)).collect()
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    RandRead,
+    RandWrite,
+    SeqRead,
+    SeqWrite,
+}
+
+impl Kind {
+    fn name(self, big: bool) -> String {
+        let size = if big { "128k" } else { "4k" };
+        let what = match self {
+            Kind::RandRead => "randread",
+            Kind::RandWrite => "randwrite",
+            Kind::SeqRead => "seqread",
+            Kind::SeqWrite => "seqwrite",
+        };
+        format!("{size}-{what}")
+    }
+    fn read(self) -> bool {
+        matches!(self, Kind::RandRead | Kind::SeqRead)
+    }
+}
+
+/// Keeps `qd` commands in flight on each of `queues` queue pairs for `duration`.
+fn workload(
+    d: &mut Driver<NvmeGuest>,
+    server: &Server,
+    kind: Kind,
+    big: bool,
+    qd: usize,
+    queues: u16,
+    duration: Duration,
+) -> Result<Row, String> {
+    let len = if big { BIG } else { 4096 };
+    let blocks = (len / 512) as u32;
+    let ns_blocks = NS_BYTES / 512;
+    let mut rng = Rng::new(0x5eed ^ qd as u64 ^ u64::from(queues) << 8);
+    let mut seq = 0u64;
+    let mut next_lba = |rng: &mut Rng| -> u64 {
+        match kind {
+            Kind::SeqRead | Kind::SeqWrite => {
+                let lba = seq;
+                seq = (seq + u64::from(blocks)) % ns_blocks;
+                lba
+            }
+            _ => (rng.next_u64() % (ns_blocks / u64::from(blocks))) * u64::from(blocks),
+        }
+    };
+    // PRPs per slot, written once.
+    let mut prps = Vec::new();
+    for q in 1..=queues {
+        let mut per_queue = Vec::new();
+        for slot in 0..qd {
+            let pages = buffer_pages(q, slot, big);
+            per_queue.push(d.prps(q, slot as u32, &pages, 0, len)?);
+        }
+        prps.push(per_queue);
+    }
+    let mut submitted_at = vec![vec![Instant::now(); qd]; usize::from(queues)];
+    let mut lat = Vec::with_capacity(1 << 16);
+    let submit = |d: &mut Driver<NvmeGuest>, q: u16, slot: usize, lba: u64| -> Result<(), String> {
+        let (prp1, prp2) = prps[usize::from(q - 1)][slot];
+        let mut sqe: Sqe = Driver::<NvmeGuest>::rw_command(kind.read(), 1, lba, blocks, prp1, prp2);
+        sqe.cdw0 = ((u32::from(sqe.cdw0) & 0xffff) | (slot as u32) << 16).into();
+        d.push(q, &sqe)
+    };
+    for q in 1..=queues {
+        for (slot, at) in submitted_at[usize::from(q - 1)].iter_mut().enumerate() {
+            let lba = next_lba(&mut rng);
+            submit(d, q, slot, lba)?;
+            *at = Instant::now();
+        }
+        d.ring(q)?;
+    }
+    let cpu0 = server.cpu();
+    let start = Instant::now();
+    let mut done = 0u64;
+    let mut draining = false;
+    let mut in_flight = usize::from(queues) * qd;
+    while in_flight > 0 {
+        let mut got = false;
+        for q in 1..=queues {
+            let mut reaped = 0;
+            while let Some(cqe) = d.poll_one(q)? {
+                let now = Instant::now();
+                let slot = usize::from(u16::from(cqe.cid));
+                if !cqe.status().ok() {
+                    return Err(format!("I/O failed: status {:#x}", cqe.status().0));
+                }
+                lat.push(now.duration_since(submitted_at[usize::from(q - 1)][slot]).as_secs_f64() * 1e6);
+                done += 1;
+                reaped += 1;
+                if draining {
+                    in_flight -= 1;
+                } else {
+                    let lba = next_lba(&mut rng);
+                    submit(d, q, slot, lba)?;
+                    submitted_at[usize::from(q - 1)][slot] = Instant::now();
+                }
+            }
+            if reaped > 0 {
+                got = true;
+                d.release(q)?;
+                if !draining {
+                    d.ring(q)?;
+                }
+            }
+        }
+        if !draining && start.elapsed() >= duration {
+            draining = true;
+        }
+        if !got {
+            wait_any(&d.t.irqs[1..=usize::from(queues)], Duration::from_millis(100));
+        }
+    }
+    let elapsed = start.elapsed();
+    let cpu = server.cpu().saturating_sub(cpu0);
+    let mut lat_sorted = lat.clone();
+    lat_sorted.sort_by(|a, b| a.total_cmp(b));
+    let pct = |p: f64| lat_sorted.get(((lat_sorted.len() as f64 - 1.0) * p) as usize).copied().unwrap_or(0.0);
+    Ok(Row {
+        workload: kind.name(big),
+        qd,
+        queues,
+        iops: done as f64 / elapsed.as_secs_f64(),
+        gb_per_sec: done as f64 * len as f64 / elapsed.as_secs_f64() / 1e9,
+        latency_p50_us: pct(0.5),
+        latency_p99_us: pct(0.99),
+        server_cpu_us_per_io: cpu.as_secs_f64() * 1e6 / done.max(1) as f64,
+    })
+}
+
+/// Writes the whole namespace once, 128 KiB at a time, 8 in flight, so reads find
+/// allocated memory.
+fn fill(d: &mut Driver<NvmeGuest>) -> Result<(), String> {
+    let blocks = (BIG / 512) as u32;
+    let prps: Vec<(u64, u64)> = (0..8)
+        .map(|slot| d.prps(1, slot, &buffer_pages(1, slot as usize, true), 0, BIG))
+        .collect::<Result<_, _>>()?;
+    for batch in 0..(NS_BYTES / BIG as u64 / 8) {
+        for (slot, &(prp1, prp2)) in prps.iter().enumerate() {
+            let lba = (batch * 8 + slot as u64) * u64::from(blocks);
+            d.push(1, &Driver::<NvmeGuest>::rw_command(false, 1, lba, blocks, prp1, prp2))?;
+        }
+        d.ring(1)?;
+        for _ in 0..8 {
+            let cqe = d.wait(1, Duration::from_secs(10))?;
+            if !cqe.status().ok() {
+                return Err(format!("filling the namespace: status {:#x}", cqe.status().0));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn wait_any(efds: &[EventFd], timeout: Duration) {
+    // SAFETY: the eventfds outlive the borrows.
+    let fds: Vec<BorrowedFd<'_>> =
+        efds.iter().map(|e| unsafe { BorrowedFd::borrow_raw(e.as_raw_fd()) }).collect();
+    let mut polls: Vec<PollFd<'_>> = fds.iter().map(|f| PollFd::new(*f, PollFlags::POLLIN)).collect();
+    if poll(&mut polls, PollTimeout::try_from(timeout).unwrap_or(PollTimeout::MAX)).unwrap_or(0) > 0 {
+        for e in efds {
+            let _ = e.read();
+        }
+    }
+}
+
+/// memcpy floors: 2 MiB warm, and 128 KiB blocks streamed through a namespace-sized region.
+fn memcpy_floors(rounds: usize) -> (f64, f64) {
+    let src = vec![7u8; NS_BYTES as usize];
+    let mut dst = vec![0u8; 16 * BIG];
+    let mut warm = vec![0u8; 2 << 20];
+    let mut a = Vec::new();
+    let mut b = Vec::new();
+    for _ in 0..rounds {
+        let n = 64;
+        let t = Instant::now();
+        for _ in 0..n {
+            warm.copy_from_slice(std::hint::black_box(&src[..2 << 20]));
+            std::hint::black_box(&mut warm);
+        }
+        a.push((n * (2 << 20)) as f64 / t.elapsed().as_secs_f64() / 1e9);
+        let t = Instant::now();
+        for (i, block) in src.chunks_exact(BIG).enumerate() {
+            let at = (i % 16) * BIG;
+            dst[at..at + BIG].copy_from_slice(std::hint::black_box(block));
+            std::hint::black_box(&mut dst);
+        }
+        b.push(src.len() as f64 / t.elapsed().as_secs_f64() / 1e9);
+        std::hint::black_box(&dst);
+    }
+    (median(&mut a), median(&mut b))
+}
+
+/// A posted write to testdev's IRQ_RAISE, to its MSI-X eventfd.
+fn doorbell_irq_floor(socket: &Path, n: usize) -> Result<(f64, f64), String> {
+    let mut c = RawClient::connect(socket).map_err(|e| e.to_string())?;
+    c.negotiate().map_err(|e| e.to_string())?;
+    c.enable_bus_master().map_err(|e| e.to_string())?;
+    let mut ptr = config8(&mut c, 0x34)?;
+    while ptr != 0 && config8(&mut c, ptr)? != 0x11 {
+        ptr = config8(&mut c, ptr + 1)?;
+    }
+    if ptr == 0 {
+        return Err("testdev: no MSI-X".into());
+    }
+    c.region_write(7, u64::from(ptr) + 2, &0x8000u16.to_le_bytes()).map_err(|e| e.to_string())?;
+    let efd = EventFd::new(EFD_NONBLOCK).map_err(|e| e.to_string())?;
+    let set = set_irqs_payload(0x24, 2, 0, 1, &[]);
+    c.request(Cmd::DeviceSetIrqs as u16, &set, &[efd.as_raw_fd()]).map_err(|e| e.to_string())?;
+    let payload = region_write_payload(0, testdev::regs::IRQ_RAISE, &1u32.to_le_bytes());
+    let mut v = Vec::with_capacity(n);
+    for i in 0..n + 100 {
+        let t = Instant::now();
+        c.send(Cmd::RegionWrite as u16, flags::NO_REPLY, &payload, &[]).map_err(|e| e.to_string())?;
+        if !wait_eventfd(&efd, Duration::from_secs(5)) {
+            return Err("testdev: no interrupt".into());
+        }
+        if i >= 100 {
+            v.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    Ok((v[v.len() / 2], v[v.len() * 99 / 100]))
+}
+
+fn config8(c: &mut RawClient, off: u32) -> Result<u32, String> {
+    let r = c.region_read(7, u64::from(off), 1).map_err(|e| e.to_string())?;
+    Ok(u32::from(*r.payload.get(16).ok_or("short config read")?))
+}
+
+/// Runs the benchmark.
+pub fn run(quick: bool, only: Option<&str>, opts: &[String]) -> Result<Report, String> {
+    let dir = crate::protobench::tempfile_dir_for("nvmebench")?;
+    let duration = if quick { Duration::from_millis(400) } else { Duration::from_secs(2) };
+    let ns = format!("ns1=ram:{}M", NS_BYTES >> 20);
+    let entries = format!("entries={QUEUE_ENTRIES}");
+    let mut args: Vec<&str> = vec!["--type", "nvme", "--opt", &ns, "--opt", "queues=2", "--opt", &entries];
+    for o in opts {
+        args.extend(["--opt", o.as_str()]);
+    }
+    let server = Server::start(dir.path(), "nvme", &args)?;
+    let floor_server = Server::start(dir.path(), "testdev", &["--type", "testdev"])?;
+    log::info!("nvmebench: server pid {}", server.child.id());
+
+    let mut d = NvmeGuest::connect(&server.socket, RAM, 3)?.driver();
+    d.enable()?;
+    d.create_io_queues(2, QUEUE_ENTRIES, false)?;
+    fill(&mut d)?;
+
+    let rounds = if quick { 2 } else { 5 };
+    let (m2, m128) = memcpy_floors(rounds);
+    let (f50, f99) = doorbell_irq_floor(&floor_server.socket, if quick { 2000 } else { 20000 })?;
+    let mut rows = Vec::new();
+    let wanted = |kind: Kind, big: bool| only.is_none_or(|o| kind.name(big).starts_with(o));
+    for kind in [Kind::RandRead, Kind::RandWrite] {
+        for queues in [1u16, 2] {
+            for qd in [1usize, 32] {
+                if wanted(kind, false) {
+                    rows.push(workload(&mut d, &server, kind, false, qd, queues, duration)?);
+                }
+            }
+        }
+    }
+    for kind in [Kind::SeqRead, Kind::SeqWrite] {
+        for queues in [1u16, 2] {
+            if wanted(kind, true) {
+                rows.push(workload(&mut d, &server, kind, true, 8, queues, duration)?);
+            }
+        }
+    }
+    // The floors again, after: the median of both sittings is reported.
+    let (m2b, m128b) = memcpy_floors(rounds);
+    let (f50b, f99b) = doorbell_irq_floor(&floor_server.socket, if quick { 2000 } else { 20000 })?;
+    drop(d);
+    let stats = server.stop();
+    drop(floor_server);
+    Ok(Report {
+        floors: Floors {
+            memcpy_2m_gb_per_sec: (m2 + m2b) / 2.0,
+            memcpy_128k_stream_gb_per_sec: (m128 + m128b) / 2.0,
+            doorbell_irq_p50_us: (f50 + f50b) / 2.0,
+            doorbell_irq_p99_us: (f99 + f99b) / 2.0,
+        },
+        rows,
+        server: stats.get("io").cloned().unwrap_or(serde_json::Value::Null),
+    })
+}
+
+/// Prints the report as tables.
+pub fn print(r: &Report) {
+    let f = &r.floors;
+    println!("nvme over vfio-user: RAM namespace, doorbells as posted REGION_WRITEs, MSI-X per queue.");
+    println!("Floors, measured in this run (mean of before and after):");
+    println!("  memcpy of 2 MiB (warm buffers):                        {:6.2} GB/s", f.memcpy_2m_gb_per_sec);
+    println!(
+        "  memcpy of 128 KiB blocks streamed over 256 MiB:        {:6.2} GB/s",
+        f.memcpy_128k_stream_gb_per_sec
+    );
+    println!(
+        "  posted REGION_WRITE -> MSI-X eventfd (testdev):         p50 {:.1} us, p99 {:.1} us",
+        f.doorbell_irq_p50_us, f.doorbell_irq_p99_us
+    );
+    println!();
+    println!("workload        qd queues       IOPS    GB/s  lat p50  lat p99  server CPU/IO   vs floor");
+    for row in &r.rows {
+        let vs = if row.workload.starts_with("128k") {
+            format!("{:.0}% of memcpy", 100.0 * row.gb_per_sec / f.memcpy_128k_stream_gb_per_sec)
+        } else if row.qd == 1 {
+            format!("{:.2}x doorbell", row.latency_p50_us / f.doorbell_irq_p50_us)
+        } else {
+            String::new()
+        };
+        println!(
+            "{:<14} {:>3} {:>6} {:>10.0} {:>7.2} {:>6.1}us {:>6.1}us {:>11.2}us   {}",
+            row.workload,
+            row.qd,
+            row.queues,
+            row.iops,
+            row.gb_per_sec,
+            row.latency_p50_us,
+            row.latency_p99_us,
+            row.server_cpu_us_per_io,
+            vs
+        );
+    }
+    let io = &r.server;
+    if !io.is_null() {
+        println!();
+        println!(
+            "server: {} commands, {} pages in {} runs, {} pin calls ({:.1} pages, {:.2} runs per command)",
+            io["commands"],
+            io["pages"],
+            io["runs"],
+            io["pin_calls"],
+            io["mean_pages_per_command"].as_f64().unwrap_or(0.0),
+            io["mean_runs_per_command"].as_f64().unwrap_or(0.0)
+        );
+    }
+}
