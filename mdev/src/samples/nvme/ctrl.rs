@@ -125,6 +125,9 @@ pub struct Ctrl {
     pub born: Instant,
     /// Shutdown notifications seen, and resets without one (SMART).
     pub unsafe_shutdowns: AtomicU64,
+    /// Doorbell writes that arrived as REGION_WRITE messages (with the doorbell page mapped
+    /// into the guest, there should be none).
+    pub doorbell_messages: AtomicU64,
 }
 
 impl Ctrl {
@@ -153,6 +156,7 @@ impl Ctrl {
             workers: Requests::new(),
             born: Instant::now(),
             unsafe_shutdowns: AtomicU64::new(0),
+            doorbell_messages: AtomicU64::new(0),
             config,
         }
     }
@@ -399,6 +403,9 @@ impl Ctrl {
 
     /// A doorbell write: `index` counts 4-byte doorbells from 0x1000.
     pub fn doorbell(&self, index: u64, value: u32) {
+        // One writer (the connection thread): a plain increment.
+        let n = &self.doorbell_messages;
+        n.store(n.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
         let qid = (index / 2) as usize;
         let is_cq = index % 2 == 1;
         let dbs = if is_cq { &self.cq_doorbells } else { &self.sq_doorbells };

@@ -438,6 +438,7 @@ impl PciFunction for Nvme {
             "queues_live": c.live_queues(),
             "doorbells": match c.config.doorbells { DoorbellMode::Message => "message", DoorbellMode::Mapped => "mmap" },
             "admin_commands": Totals::of(c.stats.iter().take(1)).commands,
+            "doorbell_messages": c.doorbell_messages.load(std::sync::atomic::Ordering::Relaxed),
             "io": self.totals().to_json(),
         })
     }

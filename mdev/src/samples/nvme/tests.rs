@@ -656,3 +656,25 @@ fn a_file_namespace_keeps_its_data_and_flush_reaches_the_file() {
     again.t.get(DATA + 0x10_0000, &mut got).unwrap();
     assert_eq!(got, data[..4096]);
 }
+
+#[test]
+fn with_bus_mastering_off_commands_wait_and_go_on_when_it_is_back() {
+    let mut d = up(Rig::new(), 1);
+    let off = u64::from(COMMAND_MEMORY);
+    d.t.dev.region_write(CONFIG, COMMAND as u64, &off.to_le_bytes()[..2]).unwrap();
+    let calls = d.t.dma.stats().pin_calls;
+    d.t.put(DATA, &[0x5a; 4096]).unwrap();
+    let sqe = Driver::<Rig>::rw_command(false, 1, 0, 8, DATA, 0);
+    d.submit(1, &sqe).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(d.poll_one(1).unwrap().is_none(), "nothing completes while bus mastering is off");
+    assert_eq!(d.t.dma.stats().pin_calls, calls, "nothing pinned");
+    let on = u64::from(COMMAND_MEMORY | COMMAND_MASTER);
+    d.t.dev.region_write(CONFIG, COMMAND as u64, &on.to_le_bytes()[..2]).unwrap();
+    let cqe = d.wait(1, Duration::from_secs(5)).unwrap();
+    assert_eq!(cqe.status(), Status::SUCCESS);
+    assert_eq!(d.rw(1, true, 1, 0, 8, 512, &[DATA + 0x1000], 0).unwrap(), Status::SUCCESS);
+    let mut back = [0u8; 4096];
+    d.t.get(DATA + 0x1000, &mut back).unwrap();
+    assert_eq!(back, [0x5a; 4096]);
+}

@@ -271,15 +271,25 @@ impl QueueWorker {
         if !self.current() {
             return;
         }
-        match cq.post(&self.ctx, cqe, &head, &stop, wait, queued) {
-            Ok(Signal::Now) => self.ctrl.interrupt(&cq),
-            Ok(Signal::Held) | Ok(Signal::None) => {}
-            Err(PostError::Full) => {
-                log::debug!("nvme: CQ {} full: completion of cid {} dropped", cq.id, u16::from(cqe.cid))
+        loop {
+            match cq.post(&self.ctx, cqe, &head, &stop, wait, queued) {
+                Ok(Signal::Now) => self.ctrl.interrupt(&cq),
+                Ok(Signal::Held) | Ok(Signal::None) => {}
+                Err(PostError::Full) => {
+                    log::debug!("nvme: CQ {} full: completion of cid {} dropped", cq.id, u16::from(cqe.cid))
+                }
+                // Bus mastering is off: the completion waits for it (or for a stop).
+                Err(PostError::Ring(RingError::Guest(GuestError::BusMasterOff))) if wait && !stop() => {
+                    // Woken by bus_master_changed (the worker's doorbell wakes this thread).
+                    std::thread::park_timeout(Duration::from_millis(10));
+                    continue;
+                }
+                Err(PostError::Ring(RingError::Guest(GuestError::BusMasterOff))) => {}
+                Err(PostError::Ring(RingError::Guest(e))) => {
+                    self.ctrl.fail(&format!("CQ {} cannot be written: {e}", cq.id));
+                }
             }
-            Err(PostError::Ring(RingError::Guest(e))) => {
-                self.ctrl.fail(&format!("CQ {} cannot be written: {e}", cq.id));
-            }
+            return;
         }
     }
 
