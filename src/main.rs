@@ -247,6 +247,14 @@ enum Command {
         /// Target microseconds per timed batch.
         #[arg(long, default_value_t = 400)]
         batch_us: u64,
+        /// Instead of the grid: T threads pinning single pages and 64-entry IDAW lists, on one
+        /// mapping and on one mapping each, for each T of this list (e.g. `1,2,4,16`).
+        #[arg(long, value_delimiter = ',')]
+        threads: Option<Vec<usize>>,
+        /// Also draw ns per call against pages (runs, per-page, translate; log-log) into this
+        /// SVG file.
+        #[arg(long)]
+        svg: Option<std::path::PathBuf>,
     },
 }
 
@@ -312,37 +320,12 @@ fn main() {
                 run::run(&umdev::builtin_registry(), &type_name, &options, config)
             })
         }
-        Command::Pinbench { json, rounds, batch_us } => pinbench_cmd(json, rounds, batch_us),
+        Command::Pinbench { json, rounds, batch_us, threads, svg } => {
+            pinbench::command(&pinbench::Options { json, rounds, batch_us, threads, svg })
+        }
     };
     if let Err(e) = result {
         eprintln!("umdev: {e}");
         std::process::exit(1);
     }
-}
-
-fn pinbench_cmd(json: bool, rounds: usize, batch_us: u64) -> Result<(), String> {
-    let effort =
-        pinbench::Effort { rounds: rounds.max(1), batch: std::time::Duration::from_micros(batch_us.max(1)) };
-    let rows = pinbench::run(effort, |row| {
-        if json {
-            println!("{}", serde_json::to_string(row).expect("rows serialize"));
-        }
-    })?;
-    let memory = pinbench::memory_report()?;
-    if json {
-        println!("{}", serde_json::to_string(&memory).expect("report serializes"));
-    } else {
-        pinbench::print_table(&rows);
-        println!();
-        println!(
-            "bookkeeping: {} bytes of heap for 1 GiB pinned ({:.4}% of pinned memory); {} bytes per mapping",
-            memory.heap_per_gib_pinned, memory.percent_of_pinned, memory.heap_per_mapping
-        );
-        println!(
-            "map+unmap (engine, no socket): 1 GiB sparse memfd {:.1} us, 64 GiB sparse memfd {:.1} us (medians)",
-            memory.map_unmap_1g_ns / 1000.0,
-            memory.map_unmap_64g_ns / 1000.0
-        );
-    }
-    Ok(())
 }

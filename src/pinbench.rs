@@ -13,6 +13,8 @@ use nix::sys::memfd::{memfd_create, MFdFlags};
 use serde::Serialize;
 use umdev_pinning::{DmaSpace, DmaSpaceConfig, LockAccount, PinMode, PinnedPages, Prot, PAGE_SIZE};
 
+mod plot;
+
 /// Pages in each benchmark mapping: room for 512 scattered pages and their gaps.
 const MAPPING_PAGES: u64 = 4096; // 16 MiB, 8 huge pages
 const IOVA_BASE: u64 = 1 << 32;
@@ -124,6 +126,9 @@ pub struct Row {
     pub runs_ns: f64,
     pub per_page_ns: f64,
     pub ratio: f64,
+    /// The same array through [`DmaSpace::translate_pages`]: the same lookups and address
+    /// arithmetic, no pins (what an unsafe translator costs here), alternated with the pin rows.
+    pub translate_ns: f64,
     /// Runs in the array (not in the JSON line contract, but useful in the table).
     #[serde(skip)]
     pub runs: usize,
@@ -170,16 +175,16 @@ fn calibrate(target: Duration, mut f: impl FnMut()) -> u64 {
     }
 }
 
-/// Measures alternating `a` and `b`; returns their median ns per call.
-fn alternate(effort: Effort, mut a: impl FnMut(), mut b: impl FnMut()) -> (f64, f64) {
-    let ia = calibrate(effort.batch, &mut a);
-    let ib = calibrate(effort.batch, &mut b);
-    let (mut ta, mut tb) = (Vec::new(), Vec::new());
+/// Measures the closures in turn, round after round; returns each one's median ns per call.
+fn alternate<const N: usize>(effort: Effort, mut fs: [&mut dyn FnMut(); N]) -> [f64; N] {
+    let iters: Vec<u64> = fs.iter_mut().map(|f| calibrate(effort.batch, f)).collect();
+    let mut samples: Vec<Vec<f64>> = vec![Vec::with_capacity(effort.rounds); N];
     for _ in 0..effort.rounds {
-        ta.push(time(ia, &mut a));
-        tb.push(time(ib, &mut b));
+        for (k, f) in fs.iter_mut().enumerate() {
+            samples[k].push(time(iters[k], f));
+        }
     }
-    (median(&mut ta), median(&mut tb))
+    std::array::from_fn(|k| median(&mut samples[k]))
 }
 
 struct Bench {
@@ -276,20 +281,30 @@ fn measure(
     // one-page array they run the very same code and differ only by noise.
     let mut one_call: Vec<PinnedPages> = Vec::with_capacity(1);
     let mut per_page: Vec<PinnedPages> = Vec::with_capacity(pfns.len());
-    let (runs_ns, per_page_ns) = alternate(
+    let mut translated: Vec<(usize, u64)> = Vec::with_capacity(pfns.len());
+    let [runs_ns, per_page_ns, translate_ns] = alternate(
         effort,
-        || {
-            one_call.push(space.pin_pages(black_box(pfns), prot).expect("pin"));
-            one_call.clear();
-        },
-        || {
-            for pfn in pfns.chunks(1) {
-                per_page.push(space.pin_pages(black_box(pfn), prot).expect("pin"));
-            }
-            per_page.clear();
-        },
+        [
+            &mut || {
+                one_call.push(space.pin_pages(black_box(pfns), prot).expect("pin"));
+                one_call.clear();
+            },
+            &mut || {
+                for pfn in pfns.chunks(1) {
+                    per_page.push(space.pin_pages(black_box(pfn), prot).expect("pin"));
+                }
+                per_page.clear();
+            },
+            &mut || {
+                translated.clear();
+                space
+                    .translate_pages(black_box(pfns), prot, |_, host, n| translated.push((host, n)))
+                    .expect("translate");
+                black_box(&translated);
+            },
+        ],
     );
-    let row = |mode: String, runs_ns: f64, per_page_ns: f64| Row {
+    let row = |mode: String, runs_ns: f64, per_page_ns: f64, translate_ns: f64| Row {
         backing: kind.name(),
         pattern: pattern.name(),
         npages: pfns.len(),
@@ -297,30 +312,33 @@ fn measure(
         runs_ns,
         per_page_ns,
         ratio: per_page_ns / runs_ns,
+        translate_ns,
         runs: runs.len(),
     };
-    let mut rows = vec![row(mode.to_string(), runs_ns, per_page_ns)];
+    let mut rows = vec![row(mode.to_string(), runs_ns, per_page_ns, translate_ns)];
     if mode == PinMode::Lock {
-        let (floor_runs, floor_pages) = alternate(
+        let [floor_runs, floor_pages] = alternate(
             effort,
-            || {
-                for &(addr, len) in &runs {
-                    mlock(addr, len, true);
-                }
-                for &(addr, len) in &runs {
-                    mlock(addr, len, false);
-                }
-            },
-            || {
-                for &addr in &pages {
-                    mlock(addr, PAGE_SIZE as usize, true);
-                }
-                for &addr in &pages {
-                    mlock(addr, PAGE_SIZE as usize, false);
-                }
-            },
+            [
+                &mut || {
+                    for &(addr, len) in &runs {
+                        mlock(addr, len, true);
+                    }
+                    for &(addr, len) in &runs {
+                        mlock(addr, len, false);
+                    }
+                },
+                &mut || {
+                    for &addr in &pages {
+                        mlock(addr, PAGE_SIZE as usize, true);
+                    }
+                    for &addr in &pages {
+                        mlock(addr, PAGE_SIZE as usize, false);
+                    }
+                },
+            ],
         );
-        rows.push(row("mlock-floor".into(), floor_runs, floor_pages));
+        rows.push(row("mlock-floor".into(), floor_runs, floor_pages, translate_ns));
     }
     Ok(rows)
 }
@@ -343,7 +361,7 @@ fn mlock(addr: usize, len: usize, lock: bool) {
 /// Prints the human table.
 pub fn print_table(rows: &[Row]) {
     println!(
-        "{:<11} {:<11} {:>6} {:<12} {:>5} {:>12} {:>10} {:>14} {:>10} {:>7}",
+        "{:<11} {:<11} {:>6} {:<12} {:>5} {:>12} {:>10} {:>14} {:>7} {:>13} {:>9}",
         "backing",
         "pattern",
         "pages",
@@ -352,12 +370,13 @@ pub fn print_table(rows: &[Row]) {
         "runs ns/call",
         "ns/page",
         "per-page ns",
-        "ns/page",
-        "ratio"
+        "ratio",
+        "translate ns",
+        "runs/tr"
     );
     for r in rows {
         println!(
-            "{:<11} {:<11} {:>6} {:<12} {:>5} {:>12.0} {:>10.1} {:>14.0} {:>10.1} {:>7.2}",
+            "{:<11} {:<11} {:>6} {:<12} {:>5} {:>12.0} {:>10.1} {:>14.0} {:>7.2} {:>13.0} {:>9.2}",
             r.backing,
             r.pattern,
             r.npages,
@@ -366,8 +385,9 @@ pub fn print_table(rows: &[Row]) {
             r.runs_ns,
             r.runs_ns / r.npages as f64,
             r.per_page_ns,
-            r.per_page_ns / r.npages as f64,
-            r.ratio
+            r.ratio,
+            r.translate_ns,
+            r.runs_ns / r.translate_ns
         );
     }
 }
@@ -437,4 +457,194 @@ pub fn memory_report() -> Result<MemoryReport, String> {
         map_unmap_1g_ns: small,
         map_unmap_64g_ns: large,
     })
+}
+
+/// One line of the many-threads table: aggregate pin+unpin calls of `threads` threads.
+#[derive(Clone, Debug, Serialize)]
+pub struct ThreadRow {
+    /// `single` (one-page arrays) or `idaw-64` (64-entry IDAW-style lists).
+    pub workload: &'static str,
+    /// `one-mapping` (every thread pins in the same mapping) or `own-mapping` (one each).
+    pub placement: &'static str,
+    pub threads: usize,
+    /// Aggregate pin+unpin calls per second (median over rounds).
+    pub calls_per_sec: f64,
+    /// The same, in pages.
+    pub pages_per_sec: f64,
+    /// `calls_per_sec` over the one-thread figure of the same workload and placement.
+    pub speedup: f64,
+}
+
+/// `threads` threads pin+unpin their arrays for `duration`; aggregate calls per second.
+fn pin_threads(space: &DmaSpace, arrays: &[Vec<u64>], duration: Duration) -> f64 {
+    let barrier = std::sync::Barrier::new(arrays.len());
+    let calls: Vec<u64> = std::thread::scope(|s| {
+        let handles: Vec<_> = arrays
+            .iter()
+            .map(|pfns| {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    barrier.wait();
+                    let start = Instant::now();
+                    let mut n = 0u64;
+                    while start.elapsed() < duration {
+                        for _ in 0..64 {
+                            drop(black_box(space.pin_pages(black_box(pfns), Prot::READ).expect("pin")));
+                        }
+                        n += 64;
+                    }
+                    (n, start.elapsed())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                let (n, took) = h.join().expect("pinning thread");
+                // Calls per second of this thread, scaled back to `duration` for summing.
+                (n as f64 * duration.as_secs_f64() / took.as_secs_f64()) as u64
+            })
+            .collect()
+    });
+    calls.iter().sum::<u64>() as f64 / duration.as_secs_f64()
+}
+
+/// The many-threads mode: T threads (each of `threads`) pinning single pages and 64-entry
+/// IDAW lists, all in one mapping or each in its own, track mode. Rounds alternate every
+/// configuration; figures are medians.
+pub fn run_threads(threads: &[usize], rounds: usize, duration: Duration) -> Result<Vec<ThreadRow>, String> {
+    let max_t = threads.iter().copied().max().unwrap_or(1).max(1);
+    let file = BackingKind::Small.memfd().map_err(|e| e.to_string())?;
+    let space =
+        DmaSpace::new(DmaSpaceConfig { account: Arc::new(LockAccount::unlimited()), ..Default::default() });
+    // Mapping k at IOVA_BASE + k * 16 MiB, all on the same (sparse) memfd: track-mode pins
+    // never touch the memory.
+    let span = MAPPING_PAGES * PAGE_SIZE;
+    for k in 0..max_t as u64 {
+        space
+            .map(IOVA_BASE + k * span, span, file.as_fd(), 0, Prot::READ_WRITE)
+            .map_err(|e| e.to_string())?;
+    }
+    // Each thread works in its own 256-page window (of the shared mapping, or of its own).
+    let window = MAPPING_PAGES / max_t as u64;
+    let arrays = |workload: &str, own: bool, t: usize| -> Vec<Vec<u64>> {
+        (0..t as u64)
+            .map(|k| {
+                let base =
+                    if own { (IOVA_BASE + k * span) / PAGE_SIZE } else { IOVA_BASE / PAGE_SIZE + k * window };
+                let mut rng = Rng::new(0x7ead ^ k << 4);
+                match workload {
+                    "single" => vec![base + rng.below(window)],
+                    _ => Pattern::IdawMixed
+                        .offsets(64, &mut rng)
+                        .into_iter()
+                        .map(|o| base + o % window)
+                        .collect(),
+                }
+            })
+            .collect()
+    };
+    let configs: Vec<(&'static str, &'static str, usize)> = ["single", "idaw-64"]
+        .into_iter()
+        .flat_map(|w| ["one-mapping", "own-mapping"].into_iter().map(move |p| (w, p)))
+        .flat_map(|(w, p)| threads.iter().map(move |&t| (w, p, t.max(1))))
+        .collect();
+    let mut samples = vec![Vec::with_capacity(rounds); configs.len()];
+    for _ in 0..rounds.max(1) {
+        for (k, &(w, p, t)) in configs.iter().enumerate() {
+            samples[k].push(pin_threads(&space, &arrays(w, p == "own-mapping", t), duration));
+        }
+    }
+    let medians: Vec<f64> = samples.iter_mut().map(|s| median(s)).collect();
+    let rows = configs
+        .iter()
+        .zip(&medians)
+        .map(|(&(w, p, t), &calls)| {
+            let one = configs
+                .iter()
+                .position(|&(w1, p1, t1)| w1 == w && p1 == p && t1 == 1)
+                .map(|i| medians[i])
+                .unwrap_or(f64::NAN);
+            let pages = if w == "single" { 1.0 } else { 64.0 };
+            ThreadRow {
+                workload: w,
+                placement: p,
+                threads: t,
+                calls_per_sec: calls,
+                pages_per_sec: calls * pages,
+                speedup: calls / one,
+            }
+        })
+        .collect();
+    Ok(rows)
+}
+
+/// Prints the many-threads table.
+pub fn print_threads(rows: &[ThreadRow]) {
+    println!(
+        "{:<9} {:<12} {:>7} {:>14} {:>14} {:>8}",
+        "workload", "placement", "threads", "calls/s", "pages/s", "vs T=1"
+    );
+    for r in rows {
+        println!(
+            "{:<9} {:<12} {:>7} {:>14.0} {:>14.0} {:>8.2}",
+            r.workload, r.placement, r.threads, r.calls_per_sec, r.pages_per_sec, r.speedup
+        );
+    }
+}
+
+/// What `umdev pinbench` was asked for.
+#[derive(Clone, Debug, Default)]
+pub struct Options {
+    /// One JSON object per line instead of tables.
+    pub json: bool,
+    /// Rounds per row.
+    pub rounds: usize,
+    /// Target microseconds per timed batch.
+    pub batch_us: u64,
+    /// Run the many-threads mode with these thread counts instead of the grid.
+    pub threads: Option<Vec<usize>>,
+    /// Also draw the grid's track-mode figures into this SVG file.
+    pub svg: Option<std::path::PathBuf>,
+}
+
+/// `umdev pinbench`.
+pub fn command(o: &Options) -> Result<(), String> {
+    if let Some(threads) = &o.threads {
+        let rows = run_threads(threads, o.rounds.clamp(1, 15), Duration::from_millis(100))?;
+        if o.json {
+            for row in &rows {
+                println!("{}", serde_json::to_string(row).expect("rows serialize"));
+            }
+        } else {
+            print_threads(&rows);
+        }
+        return Ok(());
+    }
+    let effort = Effort { rounds: o.rounds.max(1), batch: Duration::from_micros(o.batch_us.max(1)) };
+    let rows = run(effort, |row| {
+        if o.json {
+            println!("{}", serde_json::to_string(row).expect("rows serialize"));
+        }
+    })?;
+    if let Some(path) = &o.svg {
+        plot::draw(&rows, path)?;
+    }
+    let memory = memory_report()?;
+    if o.json {
+        println!("{}", serde_json::to_string(&memory).expect("report serializes"));
+    } else {
+        print_table(&rows);
+        println!();
+        println!(
+            "bookkeeping: {} bytes of heap for 1 GiB pinned ({:.4}% of pinned memory); {} bytes per mapping",
+            memory.heap_per_gib_pinned, memory.percent_of_pinned, memory.heap_per_mapping
+        );
+        println!(
+            "map+unmap (engine, no socket): 1 GiB sparse memfd {:.1} us, 64 GiB sparse memfd {:.1} us (medians)",
+            memory.map_unmap_1g_ns / 1000.0,
+            memory.map_unmap_64g_ns / 1000.0
+        );
+    }
+    Ok(())
 }

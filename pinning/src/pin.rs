@@ -547,6 +547,59 @@ impl DmaSpace {
         self.unpin_plan(plan)
     }
 
+    /// Translates `pfns` the way [`DmaSpace::pin_pages`] does (the same table, run splitting
+    /// and access checks) but takes no pins and allocates nothing: `f(index, host_addr,
+    /// npages)` gets each run in order. Nothing keeps the memory mapped afterwards, so the
+    /// addresses are only as good as the caller's own knowledge that no unmap happens: this is
+    /// plain translation as an unsafe translator (libvfio-user's `vfu_addr_to_sgl`) does it,
+    /// the floor pinbench measures pins against.
+    pub fn translate_pages(
+        &self,
+        pfns: &[u64],
+        prot: Prot,
+        mut f: impl FnMut(usize, usize, u64),
+    ) -> Result<(), PinError> {
+        self.check_count(pfns.len() as u64)?;
+        let table = self.read_table();
+        // The mapping last resolved: first page, end page, host address of its first page.
+        let mut hint: Option<(u64, u64, usize)> = None;
+        let mut i = 0;
+        while i < pfns.len() {
+            let start = pfns[i];
+            let (first, end, host) = match hint {
+                Some(h @ (first, end, _)) if start >= first && start < end => h,
+                _ => {
+                    let m = match table.range(..=start).next_back() {
+                        Some((_, m)) if m.contains(start) => m,
+                        _ => return Err(PinError::NotMapped { index: i, pfn: start }),
+                    };
+                    if !m.prot.contains(prot) {
+                        return Err(PinError::Permission {
+                            index: i,
+                            pfn: start,
+                            wanted: prot,
+                            have: m.prot,
+                        });
+                    }
+                    let Some(host) = m.host_addr(0) else {
+                        return Err(PinError::NoHostMemory { index: i, pfn: start });
+                    };
+                    let h = (m.first_pfn, m.end_pfn(), host);
+                    hint = Some(h);
+                    h
+                }
+            };
+            let limit = end - start;
+            let mut n = 1u64;
+            while n < limit && i + (n as usize) < pfns.len() && pfns[i + n as usize] == start + n {
+                n += 1;
+            }
+            f(i, host + ((start - first) * PAGE_SIZE) as usize, n);
+            i += n as usize;
+        }
+        Ok(())
+    }
+
     fn check_unpin_count(&self, npages: u64) -> Result<(), UnpinError> {
         if npages == 0 || npages > self.config().max_pages_per_call {
             Err(UnpinError::InvalidCount(npages))
