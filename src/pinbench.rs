@@ -464,7 +464,9 @@ pub fn memory_report() -> Result<MemoryReport, String> {
 pub struct ThreadRow {
     /// `single` (one-page arrays) or `idaw-64` (64-entry IDAW-style lists).
     pub workload: &'static str,
-    /// `one-mapping` (every thread pins in the same mapping) or `own-mapping` (one each).
+    /// `one-mapping` (every thread pins in the same mapping), `own-mapping` (one each), or
+    /// `translate`: the same arrays in one mapping through `translate_pages`, no pins (how
+    /// this machine scales plain translation: the floor for the others).
     pub placement: &'static str,
     pub threads: usize,
     /// Aggregate pin+unpin calls per second (median over rounds).
@@ -476,7 +478,7 @@ pub struct ThreadRow {
 }
 
 /// `threads` threads pin+unpin their arrays for `duration`; aggregate calls per second.
-fn pin_threads(space: &DmaSpace, arrays: &[Vec<u64>], duration: Duration) -> f64 {
+fn pin_threads(space: &DmaSpace, arrays: &[Vec<u64>], duration: Duration, translate: bool) -> f64 {
     let barrier = std::sync::Barrier::new(arrays.len());
     let calls: Vec<u64> = std::thread::scope(|s| {
         let handles: Vec<_> = arrays
@@ -489,7 +491,15 @@ fn pin_threads(space: &DmaSpace, arrays: &[Vec<u64>], duration: Duration) -> f64
                     let mut n = 0u64;
                     while start.elapsed() < duration {
                         for _ in 0..64 {
-                            drop(black_box(space.pin_pages(black_box(pfns), Prot::READ).expect("pin")));
+                            if translate {
+                                let mut sum = 0usize;
+                                space
+                                    .translate_pages(black_box(pfns), Prot::READ, |_, host, n| sum += host + n as usize)
+                                    .expect("translate");
+                                black_box(sum);
+                            } else {
+                                drop(black_box(space.pin_pages(black_box(pfns), Prot::READ).expect("pin")));
+                            }
                         }
                         n += 64;
                     }
@@ -546,13 +556,14 @@ pub fn run_threads(threads: &[usize], rounds: usize, duration: Duration) -> Resu
     };
     let configs: Vec<(&'static str, &'static str, usize)> = ["single", "idaw-64"]
         .into_iter()
-        .flat_map(|w| ["one-mapping", "own-mapping"].into_iter().map(move |p| (w, p)))
+        .flat_map(|w| ["one-mapping", "own-mapping", "translate"].into_iter().map(move |p| (w, p)))
         .flat_map(|(w, p)| threads.iter().map(move |&t| (w, p, t.max(1))))
         .collect();
     let mut samples = vec![Vec::with_capacity(rounds); configs.len()];
     for _ in 0..rounds.max(1) {
         for (k, &(w, p, t)) in configs.iter().enumerate() {
-            samples[k].push(pin_threads(&space, &arrays(w, p == "own-mapping", t), duration));
+            let translate = p == "translate";
+            samples[k].push(pin_threads(&space, &arrays(w, p == "own-mapping", t), duration, translate));
         }
     }
     let medians: Vec<f64> = samples.iter_mut().map(|s| median(s)).collect();

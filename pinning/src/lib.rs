@@ -47,6 +47,7 @@ mod mmap;
 pub mod page;
 mod pin;
 mod sigbus;
+mod slots;
 mod space;
 pub mod sync;
 mod table;

@@ -14,6 +14,7 @@ use smallvec::SmallVec;
 use crate::lock::{LockAccount, OverLimit, PinMode};
 use crate::mmap::HostMemory;
 use crate::page::{iova_of, Prot, PAGE_SIZE};
+use crate::slots::PerSlot;
 use crate::table::PinTable;
 
 /// Where a mapping is in its life.
@@ -56,25 +57,79 @@ pub(crate) struct Counters {
 pub(crate) struct PinPolicy {
     pub(crate) mode: PinMode,
     pub(crate) account: Arc<LockAccount>,
-    pub(crate) counters: crossbeam::utils::CachePadded<Counters>,
-    /// Pins held across the space, against `max_pins`.
+    /// Counters, one set per thread slot, summed when read.
+    pub(crate) counters: PerSlot<Counters>,
+    /// Pins held across the space plus the slots' unused stock, against `max_pins`.
     pub(crate) held: crossbeam::utils::CachePadded<AtomicU64>,
+    /// Pins each thread slot has reserved from `held` and not used yet: a call takes from
+    /// its slot's stock and touches the shared count only once per [`PIN_STOCK`] pins.
+    pub(crate) stock: PerSlot<AtomicU64>,
     pub(crate) max_pins: u64,
 }
 
+/// Pins a slot reserves from the space's count at a time.
+const PIN_STOCK: u64 = 4096;
+
 impl PinPolicy {
-    /// Reserves `pins` under the space's limit; `Err(held)` if they do not fit.
-    pub(crate) fn reserve(&self, pins: u64) -> Result<(), u64> {
-        self.held
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
-                held.checked_add(pins).filter(|&total| total <= self.max_pins)
-            })
-            .map(drop)
+    pub(crate) fn new(mode: PinMode, account: Arc<LockAccount>, max_pins: u64) -> Self {
+        PinPolicy {
+            mode,
+            account,
+            counters: PerSlot::default(),
+            held: Default::default(),
+            stock: PerSlot::default(),
+            max_pins,
+        }
     }
 
-    /// Returns pins reserved earlier.
+    /// This thread's counters.
+    #[inline]
+    pub(crate) fn counters(&self) -> &Counters {
+        self.counters.here()
+    }
+
+    /// Reserves `pins` under the space's limit; `Err(held)` if they do not fit.
+    ///
+    /// Exact: a call fails only if the pins held plus `pins` exceed `max_pins`, since on the
+    /// way to failing every slot's unused stock is returned first.
+    pub(crate) fn reserve(&self, pins: u64) -> Result<(), u64> {
+        let stock = self.stock.here();
+        if stock.fetch_update(Ordering::AcqRel, Ordering::Acquire, |s| s.checked_sub(pins)).is_ok() {
+            return Ok(());
+        }
+        let take = |n: u64| {
+            self.held.fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                held.checked_add(n).filter(|&total| total <= self.max_pins)
+            })
+        };
+        // Refill the slot with a stock beyond this call, else take just the call's pins.
+        if let Some(more) = pins.checked_add(PIN_STOCK) {
+            if take(more).is_ok() {
+                stock.fetch_add(PIN_STOCK, Ordering::AcqRel);
+                return Ok(());
+            }
+        }
+        if take(pins).is_ok() {
+            return Ok(());
+        }
+        for s in self.stock.all() {
+            let unused = s.swap(0, Ordering::AcqRel);
+            self.held.fetch_sub(unused, Ordering::AcqRel);
+        }
+        take(pins).map(drop)
+    }
+
+    /// Returns pins reserved earlier, to this thread's stock (the surplus beyond two
+    /// stocks' worth back to the space).
     pub(crate) fn release(&self, pins: u64) {
-        self.held.fetch_sub(pins, Ordering::AcqRel);
+        let stock = self.stock.here();
+        if stock.fetch_add(pins, Ordering::AcqRel) + pins > 2 * PIN_STOCK {
+            if let Ok(had) = stock
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |s| (s > PIN_STOCK).then_some(PIN_STOCK))
+            {
+                self.held.fetch_sub(had - PIN_STOCK, Ordering::AcqRel);
+            }
+        }
     }
 }
 
@@ -225,7 +280,7 @@ impl Mapping {
         let Some(memory) = self.memory.as_ref().filter(|_| !self.hugetlb()) else {
             return Ok(()); // hugetlb: never swapped, accounted only.
         };
-        let counters = &self.policy.counters;
+        let counters = self.policy.counters();
         // Locked so far, as (start, pages), to undo on failure.
         let mut locked: SmallVec<[(u64, u64); 8]> = SmallVec::new();
         let mut failure = None;
@@ -311,7 +366,7 @@ impl Mapping {
     }
 
     fn munlock(&self, memory: &HostMemory, page: u64, npages: u64) {
-        let counters = &self.policy.counters;
+        let counters = self.policy.counters();
         counters.munlock_calls.fetch_add(1, Ordering::Relaxed);
         if let Err(e) = memory.munlock(page * PAGE_SIZE, npages * PAGE_SIZE) {
             // The pages stay resident until the mapping goes; nothing else is wrong.

@@ -882,7 +882,7 @@ impl Drop for PinnedPages {
         let removed = unpin_runs(&self.mappings, &mut locked, &self.runs);
         drop(locked);
         if let Some(m) = self.mappings.first() {
-            m.policy.counters.unpin_calls.fetch_add(1, Ordering::Relaxed);
+            m.policy.counters().unpin_calls.fetch_add(1, Ordering::Relaxed);
             m.policy.release(removed);
         }
     }
@@ -1057,6 +1057,32 @@ mod tests {
         assert_eq!(counts(&space, 0..10), vec![0; 10]);
         let stats = space.stats();
         assert_eq!((stats.unpin_calls, stats.unpin_failures), (2, 3));
+    }
+
+    #[test]
+    fn the_pin_limit_is_exact_across_threads_whatever_their_stock() {
+        // Each thread keeps a stock of reserved pins; the limit must still be the limit.
+        let space = DmaSpace::new(DmaSpaceConfig { max_pins: 6000, ..Default::default() });
+        let file = memfd(8192);
+        space.map(0, 8192 * P, file.as_fd(), 0, Prot::READ_WRITE).unwrap();
+        // Thread A pins and unpins: its slot keeps (up to two stocks of) unused reservation.
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                for _ in 0..3 {
+                    drop(space.pin_range(0, 3000, Prot::READ).unwrap());
+                }
+                drop(space.pin_range(0, 1, Prot::READ).unwrap());
+            });
+        });
+        // Thread B (this one) can still take the whole limit, and not one pin more.
+        let all = space.pin_range(0, 6000, Prot::READ).unwrap();
+        let err = space.pin_range(6000 * P, 1, Prot::READ).unwrap_err();
+        assert!(matches!(err, PinError::PinLimit { requested: 1, held: 6000, max: 6000 }), "{err}");
+        drop(all);
+        let again = space.pin_range(0, 6000, Prot::READ).unwrap();
+        assert_eq!(space.stats().pins_held, 6000);
+        drop(again);
+        assert_eq!(space.stats().pins_held, 0);
     }
 
     #[test]

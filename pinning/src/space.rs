@@ -10,7 +10,9 @@ use std::os::fd::BorrowedFd;
 use std::sync::atomic::Ordering;
 #[cfg(test)]
 use std::sync::Mutex;
-use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, RwLock};
+
+use crossbeam::sync::{ShardedLock, ShardedLockReadGuard, ShardedLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -274,8 +276,9 @@ pub(crate) type MappingTable = BTreeMap<u64, Arc<Mapping>>;
 pub(crate) struct SpaceInner {
     pub(crate) config: DmaSpaceConfig,
     pub(crate) policy: Arc<PinPolicy>,
-    /// Mappings by first page number.
-    table: RwLock<MappingTable>,
+    /// Mappings by first page number. Sharded: a pin call read-locks only its thread's
+    /// shard, so concurrent pins share no lock word; map and unmap lock every shard.
+    table: ShardedLock<MappingTable>,
     notifier: RwLock<Option<UnmapNotifier>>,
 }
 
@@ -300,14 +303,8 @@ impl Default for DmaSpace {
 impl DmaSpace {
     /// An empty space.
     pub fn new(config: DmaSpaceConfig) -> Self {
-        let policy = Arc::new(PinPolicy {
-            mode: config.mode,
-            account: config.account.clone(),
-            counters: Default::default(),
-            held: Default::default(),
-            max_pins: config.max_pins,
-        });
-        let inner = SpaceInner { config, policy, table: RwLock::default(), notifier: RwLock::default() };
+        let policy = Arc::new(PinPolicy::new(config.mode, config.account.clone(), config.max_pins));
+        let inner = SpaceInner { config, policy, table: ShardedLock::default(), notifier: RwLock::default() };
         DmaSpace { inner: Arc::new(inner) }
     }
 
@@ -327,15 +324,15 @@ impl DmaSpace {
     }
 
     pub(crate) fn counters(&self) -> &Counters {
-        &self.inner.policy.counters
+        self.inner.policy.counters()
     }
 
-    pub(crate) fn read_table(&self) -> RwLockReadGuard<'_, MappingTable> {
-        crate::sync::read(&self.inner.table)
+    pub(crate) fn read_table(&self) -> ShardedLockReadGuard<'_, MappingTable> {
+        crate::sync::read_sharded(&self.inner.table)
     }
 
-    fn write_table(&self) -> RwLockWriteGuard<'_, MappingTable> {
-        crate::sync::write(&self.inner.table)
+    fn write_table(&self) -> ShardedLockWriteGuard<'_, MappingTable> {
+        crate::sync::write_sharded(&self.inner.table)
     }
 
     /// Registers the device's unmap notifier, replacing any earlier one.
@@ -576,21 +573,22 @@ impl DmaSpace {
 
     /// Counters and current totals.
     pub fn stats(&self) -> DmaStats {
-        let c = self.counters();
-        let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        let sum = |f: fn(&Counters) -> &std::sync::atomic::AtomicU64| -> u64 {
+            self.inner.policy.counters.all().map(|c| f(c).load(Ordering::Relaxed)).sum()
+        };
         let mut stats = DmaStats {
-            pin_calls: get(&c.pin_calls),
-            pin_failures: get(&c.pin_failures),
-            unpin_calls: get(&c.unpin_calls),
-            unpin_failures: get(&c.unpin_failures),
-            runs: get(&c.runs),
-            pages: get(&c.pages),
-            mlock_calls: get(&c.mlock_calls),
-            munlock_calls: get(&c.munlock_calls),
-            munlock_failures: get(&c.munlock_failures),
-            unmap_waits: get(&c.unmap_waits),
-            unmap_busy: get(&c.unmap_busy),
-            notifier_calls: get(&c.notifier_calls),
+            pin_calls: sum(|c| &c.pin_calls),
+            pin_failures: sum(|c| &c.pin_failures),
+            unpin_calls: sum(|c| &c.unpin_calls),
+            unpin_failures: sum(|c| &c.unpin_failures),
+            runs: sum(|c| &c.runs),
+            pages: sum(|c| &c.pages),
+            mlock_calls: sum(|c| &c.mlock_calls),
+            munlock_calls: sum(|c| &c.munlock_calls),
+            munlock_failures: sum(|c| &c.munlock_failures),
+            unmap_waits: sum(|c| &c.unmap_waits),
+            unmap_busy: sum(|c| &c.unmap_busy),
+            notifier_calls: sum(|c| &c.notifier_calls),
             ..DmaStats::default()
         };
         for m in self.read_table().values() {
