@@ -3,13 +3,17 @@
 mod affinity;
 mod ccwbench;
 mod demo;
+mod logging;
 mod manage;
 mod nvmebench;
 mod pinbench;
 mod protobench;
 mod run;
 
-use clap::{Parser, Subcommand};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use clap::{CommandFactory, Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(
@@ -24,6 +28,11 @@ struct Cli {
     /// Directory of persistent device definitions.
     #[arg(long, global = true)]
     state_dir: Option<std::path::PathBuf>,
+    /// How log lines look: `terminal` (env_logger, RUST_LOG; warnings and errors by default),
+    /// `journal` (sd-daemon `<N>` priority prefixes; info and up by default), or `auto`:
+    /// `journal` when stderr is systemd's journal ($JOURNAL_STREAM).
+    #[arg(long, global = true, value_enum, default_value_t = logging::LogFormat::Auto)]
+    log_format: logging::LogFormat,
     #[command(subcommand)]
     command: Command,
 }
@@ -113,6 +122,12 @@ enum Command {
         json: bool,
     },
     /// Run the daemon: a control socket and every started instance, until SIGINT/SIGTERM.
+    ///
+    /// SIGHUP re-reads the definitions: new --auto ones start, running instances are left
+    /// alone (one whose definition was removed or changed is logged). Under systemd
+    /// (contrib/systemd/umdev.service, Type=notify) it reports READY=1 once the control socket
+    /// listens and the --auto definitions have started, and uses $RUNTIME_DIRECTORY and
+    /// $CONFIGURATION_DIRECTORY as its run and definitions directories.
     Daemon {
         /// Opt-in adaptive busy-polling after each reply, up to this many microseconds.
         #[arg(long, default_value_t = 0)]
@@ -144,6 +159,10 @@ enum Command {
         force: bool,
     },
     /// List running instances, or with --defined the persistent definitions.
+    ///
+    /// With --defined each definition's state says whether the daemon agrees with it: running,
+    /// stopped (manual), or out of sync: not-started (--auto but not running), changed (its
+    /// definition changed since it started), undefined (running, no longer defined).
     List {
         /// The definitions instead of running instances.
         #[arg(long)]
@@ -236,6 +255,18 @@ enum Command {
         #[arg(long = "opt")]
         opts: Vec<String>,
     },
+    /// Print a shell completion script (install it where your shell looks, see the README).
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+    /// Print the umdev(1) man page, or with --dir write one page per command (umdev.1,
+    /// umdev-daemon.1, ...).
+    Man {
+        /// Write every page into this directory instead.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
     /// Benchmark run-split pinning against per-page pinning.
     Pinbench {
         /// One JSON object per line instead of a table.
@@ -262,9 +293,12 @@ fn main() {
     // Sockets and state files are the daemon's alone.
     // SAFETY: umask only changes this process's file creation mask.
     unsafe { libc::umask(0o077) };
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let cli = Cli::parse();
-    let dirs = manage::Dirs::resolve(cli.run_dir, cli.state_dir);
+    logging::init(cli.log_format);
+    let dirs = match cli.command {
+        Command::Daemon { .. } => manage::Dirs::for_daemon(cli.run_dir, cli.state_dir),
+        _ => manage::Dirs::resolve(cli.run_dir, cli.state_dir),
+    };
     let result = match cli.command {
         Command::Demo => demo::run(),
         Command::Ccwbench { json, quick, mode } => mode
@@ -323,9 +357,44 @@ fn main() {
         Command::Pinbench { json, rounds, batch_us, threads, svg } => {
             pinbench::command(&pinbench::Options { json, rounds, batch_us, threads, svg })
         }
+        Command::Completions { shell } => completions(shell),
+        Command::Man { dir } => man(dir.as_deref()),
     };
     if let Err(e) = result {
-        eprintln!("umdev: {e}");
+        log::error!(target: logging::STATUS, "{e}");
         std::process::exit(1);
     }
+}
+
+/// `umdev completions SHELL`: from the same CLI definition as the parser.
+fn completions(shell: clap_complete::Shell) -> Result<(), String> {
+    // Into a buffer first: clap_complete panics on a failed write (a closed pipe, say).
+    let mut script = Vec::new();
+    clap_complete::generate(shell, &mut Cli::command(), "umdev", &mut script);
+    std::io::stdout().write_all(&script).map_err(|e| format!("writing the completion script: {e}"))
+}
+
+/// `umdev man [--dir DIR]`: umdev(1) to stdout, or a page per command into DIR.
+fn man(dir: Option<&Path>) -> Result<(), String> {
+    let mut cli = Cli::command();
+    // Built, the subcommands know their full names (umdev-daemon) and the global options.
+    cli.build();
+    let Some(dir) = dir else {
+        let mut page = Vec::new();
+        clap_mangen::Man::new(cli).render(&mut page).map_err(|e| format!("rendering umdev(1): {e}"))?;
+        return std::io::stdout().write_all(&page).map_err(|e| format!("writing umdev(1): {e}"));
+    };
+    std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    let subcommands: Vec<clap::Command> =
+        cli.get_subcommands().filter(|c| c.get_name() != "help").cloned().collect();
+    for command in std::iter::once(cli).chain(subcommands) {
+        // Subcommands have no version of their own: every page names umdev's.
+        let page = clap_mangen::Man::new(command).source(concat!("umdev ", env!("CARGO_PKG_VERSION")));
+        let path = dir.join(page.get_filename());
+        let mut text = Vec::new();
+        page.render(&mut text).map_err(|e| format!("rendering {}: {e}", path.display()))?;
+        std::fs::write(&path, text).map_err(|e| format!("writing {}: {e}", path.display()))?;
+        println!("{}", path.display());
+    }
+    Ok(())
 }

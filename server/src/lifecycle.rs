@@ -5,9 +5,10 @@
 //! capacity) and served on `<run-dir>/<uuid>.sock`; stopping it frees the socket and the
 //! capacity. [`Definitions`] are JSON files in a state directory, one per UUID. As with
 //! mdevctl, defining a device does not start it; `start --uuid` starts a definition; definitions
-//! marked `auto` start with the daemon.
+//! marked `auto` start with the daemon, and on [`Manager::reload`] (the daemon's SIGHUP) when they
+//! are new. [`sync_status`] tells how the definitions and the running instances differ.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
@@ -206,6 +207,9 @@ pub struct InstanceSummary {
     /// What the device shows of itself: a serial port's pty path, say.
     #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
     pub device: serde_json::Value,
+    /// It was started from its definition (`start --uuid`, or `auto`), not ad hoc from a type.
+    #[serde(default)]
+    pub from_definition: bool,
 }
 
 /// A type, as `umdev types` shows it.
@@ -225,6 +229,145 @@ struct Record {
     mdev_type: String,
     options: InstanceOptions,
     socket: PathBuf,
+    from_definition: bool,
+}
+
+/// What [`Manager::reload`] did and found.
+#[derive(Debug, Default)]
+pub struct ReloadReport {
+    /// `auto` definitions that were not running and have been started.
+    pub started: Vec<Uuid>,
+    /// `auto` definitions that could not be started, and why.
+    pub failed: Vec<(Uuid, LifecycleError)>,
+    /// `auto` definitions left stopped because `umdev stop` stopped them.
+    pub held_back: Vec<Uuid>,
+    /// Instances started from a definition that has been removed since; they keep running.
+    pub undefined: Vec<Uuid>,
+    /// Instances whose definition's type or options changed since they started; they keep
+    /// running as they are.
+    pub changed: Vec<Uuid>,
+}
+
+/// How a definition and the running instances agree, as `umdev list --defined` shows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SyncState {
+    /// Running as defined.
+    Running,
+    /// A manual definition that is not running.
+    Stopped,
+    /// An `auto` definition that is not running.
+    NotStarted,
+    /// Running with another type or other options than its definition has now.
+    Changed,
+    /// Running from a definition that has been removed since.
+    Undefined,
+    /// Unknown: the daemon is not running.
+    Unknown,
+}
+
+impl SyncState {
+    /// Whether the definition and the instance agree; `None` when it cannot be told.
+    pub fn in_sync(self) -> Option<bool> {
+        match self {
+            SyncState::Running | SyncState::Stopped => Some(true),
+            SyncState::NotStarted | SyncState::Changed | SyncState::Undefined => Some(false),
+            SyncState::Unknown => None,
+        }
+    }
+
+    /// Its name in `umdev list --defined`.
+    pub fn name(self) -> &'static str {
+        match self {
+            SyncState::Running => "running",
+            SyncState::Stopped => "stopped",
+            SyncState::NotStarted => "not-started",
+            SyncState::Changed => "changed",
+            SyncState::Undefined => "undefined",
+            SyncState::Unknown => "unknown",
+        }
+    }
+
+    /// Why it is out of sync, for a person.
+    pub fn why(self) -> Option<&'static str> {
+        match self {
+            SyncState::NotStarted => Some("defined with --auto but not running"),
+            SyncState::Changed => Some("its definition changed since it started; stop and start it to apply"),
+            SyncState::Undefined => Some("running, but no longer defined"),
+            _ => None,
+        }
+    }
+}
+
+/// One definition (or one instance whose definition is gone) and how it stands.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DefinitionStatus {
+    /// The device's UUID.
+    pub uuid: Uuid,
+    /// The defined type (of an undefined instance: its running type).
+    pub mdev_type: String,
+    /// The definition's start policy; `None` for an instance whose definition is gone.
+    pub start: Option<StartPolicy>,
+    /// The defined options (of an undefined instance: its running options).
+    pub options: InstanceOptions,
+    /// How it stands.
+    pub state: SyncState,
+    /// [`SyncState::in_sync`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub in_sync: Option<bool>,
+    /// The type it runs with, when [`SyncState::Changed`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub running_type: Option<String>,
+    /// The options it runs with, when [`SyncState::Changed`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub running_options: Option<InstanceOptions>,
+}
+
+/// Compares `definitions` with the `running` instances (`None`: the daemon is not running).
+/// One row per definition, then one per instance started from a definition that is gone;
+/// instances started ad hoc from a type are not rows.
+pub fn sync_status(definitions: &[Definition], running: Option<&[InstanceSummary]>) -> Vec<DefinitionStatus> {
+    let find = |uuid: &Uuid| running.and_then(|r| r.iter().find(|i| i.uuid == *uuid));
+    let mut rows: Vec<DefinitionStatus> = definitions
+        .iter()
+        .map(|d| {
+            let instance = find(&d.uuid);
+            let state = match (running, instance) {
+                (None, _) => SyncState::Unknown,
+                (Some(_), Some(i)) if i.mdev_type == d.mdev_type && i.options == d.options => {
+                    SyncState::Running
+                }
+                (Some(_), Some(_)) => SyncState::Changed,
+                (Some(_), None) if d.start == StartPolicy::Auto => SyncState::NotStarted,
+                (Some(_), None) => SyncState::Stopped,
+            };
+            let changed = instance.filter(|_| state == SyncState::Changed);
+            DefinitionStatus {
+                uuid: d.uuid,
+                mdev_type: d.mdev_type.clone(),
+                start: Some(d.start),
+                options: d.options.clone(),
+                state,
+                in_sync: state.in_sync(),
+                running_type: changed.map(|i| i.mdev_type.clone()),
+                running_options: changed.map(|i| i.options.clone()),
+            }
+        })
+        .collect();
+    let defined: BTreeSet<Uuid> = definitions.iter().map(|d| d.uuid).collect();
+    for i in running.unwrap_or_default().iter().filter(|i| i.from_definition && !defined.contains(&i.uuid)) {
+        rows.push(DefinitionStatus {
+            uuid: i.uuid,
+            mdev_type: i.mdev_type.clone(),
+            start: None,
+            options: i.options.clone(),
+            state: SyncState::Undefined,
+            in_sync: SyncState::Undefined.in_sync(),
+            running_type: None,
+            running_options: None,
+        });
+    }
+    rows
 }
 
 /// The daemon's instances and the types they come from.
@@ -234,6 +377,8 @@ pub struct Manager {
     run_dir: PathBuf,
     definitions: Definitions,
     instances: Mutex<BTreeMap<Uuid, Record>>,
+    /// Instances `stop` stopped: a reload does not start their `auto` definitions again.
+    stopped: Mutex<BTreeSet<Uuid>>,
     /// Applied to every instance (limits, timeouts); id, socket and pin mode are set per instance.
     template: InstanceConfig,
     max_instances: usize,
@@ -253,6 +398,7 @@ impl Manager {
             run_dir: run_dir.into(),
             definitions,
             instances: Mutex::new(BTreeMap::new()),
+            stopped: Mutex::new(BTreeSet::new()),
             template,
             max_instances: 256,
         }
@@ -295,11 +441,11 @@ impl Manager {
         uuid: Option<Uuid>,
         options: InstanceOptions,
     ) -> Result<InstanceSummary, LifecycleError> {
-        let (mdev_type, uuid, options) = match (mdev_type, uuid) {
-            (Some(t), uuid) => (t.to_string(), uuid.unwrap_or_else(Uuid::new_v4), options),
+        let (mdev_type, uuid, options, from_definition) = match (mdev_type, uuid) {
+            (Some(t), uuid) => (t.to_string(), uuid.unwrap_or_else(Uuid::new_v4), options, false),
             (None, Some(uuid)) => {
                 let def = self.definitions.get(&uuid)?;
-                (def.mdev_type, uuid, def.options)
+                (def.mdev_type, uuid, def.options, true)
             }
             (None, None) => return Err(LifecycleError::NoType),
         };
@@ -321,10 +467,16 @@ impl Manager {
         log::info!("started {mdev_type} instance {uuid} on {}", socket.display());
         instances.insert(
             uuid,
-            Record { mdev_type: mdev_type.clone(), options: options.clone(), socket: socket.clone() },
+            Record {
+                mdev_type: mdev_type.clone(),
+                options: options.clone(),
+                socket: socket.clone(),
+                from_definition,
+            },
         );
+        umdev_pinning::sync::lock(&self.stopped).remove(&uuid);
         let device = self.daemon.info(&uuid.to_string()).map(|i| i.device).unwrap_or_default();
-        Ok(InstanceSummary { uuid, mdev_type, socket, connected: false, options, device })
+        Ok(InstanceSummary { uuid, mdev_type, socket, connected: false, options, device, from_definition })
     }
 
     /// Stops an instance; refused while a client is connected unless `force`, which
@@ -340,6 +492,7 @@ impl Manager {
         match stopped {
             Ok(()) => {
                 log::info!("stopped instance {uuid}");
+                umdev_pinning::sync::lock(&self.stopped).insert(uuid);
                 Ok(())
             }
             Err(DaemonError::Busy(_)) => Err(LifecycleError::Busy(uuid)),
@@ -360,6 +513,7 @@ impl Manager {
                     connected: info.as_ref().is_some_and(|i| i.connected),
                     options: r.options.clone(),
                     device: info.map(|i| i.device).unwrap_or_default(),
+                    from_definition: r.from_definition,
                 }
             })
             .collect()
@@ -372,14 +526,32 @@ impl Manager {
 
     /// Starts every `auto` definition; returns what failed.
     pub fn autostart(&self) -> Vec<(Uuid, LifecycleError)> {
-        self.definitions
-            .list()
-            .into_iter()
-            .filter(|d| d.start == StartPolicy::Auto)
-            .filter_map(|d| {
-                self.start(None, Some(d.uuid), InstanceOptions::default()).err().map(|e| (d.uuid, e))
-            })
-            .collect()
+        self.reload().failed
+    }
+
+    /// Re-reads the definitions: starts the `auto` ones that are not running (unless `stop`
+    /// stopped them: an operator's stop outlasts a reload), and reports the instances whose
+    /// definition has been removed or changed since they started. Nothing running is stopped
+    /// or restarted: a connected guest would lose its device.
+    pub fn reload(&self) -> ReloadReport {
+        let definitions = self.definitions.list();
+        let running = self.list();
+        let mut report = ReloadReport::default();
+        for row in sync_status(&definitions, Some(&running)) {
+            match row.state {
+                SyncState::NotStarted if umdev_pinning::sync::lock(&self.stopped).contains(&row.uuid) => {
+                    report.held_back.push(row.uuid)
+                }
+                SyncState::NotStarted => match self.start(None, Some(row.uuid), InstanceOptions::default()) {
+                    Ok(_) => report.started.push(row.uuid),
+                    Err(e) => report.failed.push((row.uuid, e)),
+                },
+                SyncState::Undefined => report.undefined.push(row.uuid),
+                SyncState::Changed => report.changed.push(row.uuid),
+                SyncState::Running | SyncState::Stopped | SyncState::Unknown => {}
+            }
+        }
+        report
     }
 
     /// Stops everything.
@@ -413,6 +585,99 @@ mod tests {
         assert_eq!(defs.list().len(), 1);
         defs.undefine(&uuid).unwrap();
         assert!(matches!(defs.undefine(&uuid), Err(LifecycleError::NotDefined(_))));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn def(n: u128, start: StartPolicy) -> Definition {
+        Definition {
+            uuid: Uuid::from_u128(n),
+            mdev_type: "testdev".into(),
+            start,
+            options: Default::default(),
+        }
+    }
+
+    fn running(d: &Definition, from_definition: bool) -> InstanceSummary {
+        InstanceSummary {
+            uuid: d.uuid,
+            mdev_type: d.mdev_type.clone(),
+            socket: PathBuf::from(format!("/run/umdev/{}.sock", d.uuid)),
+            connected: false,
+            options: d.options.clone(),
+            device: serde_json::Value::Null,
+            from_definition,
+        }
+    }
+
+    #[test]
+    fn sync_status_tells_every_way_definitions_and_instances_differ() {
+        let (up, auto_down, manual_down) =
+            (def(1, StartPolicy::Auto), def(2, StartPolicy::Auto), def(3, StartPolicy::Manual));
+        let mut changed = def(4, StartPolicy::Manual);
+        let gone = def(5, StartPolicy::Auto);
+        let ad_hoc = def(6, StartPolicy::Auto);
+        let mut instances = vec![running(&up, true), running(&changed, true), running(&gone, true)];
+        instances.push(running(&ad_hoc, false));
+        changed.options.pin_mode = Some(umdev_mdev::types::PinModeName::Lock);
+        let defs = [up, auto_down, manual_down, changed];
+        let rows = sync_status(&defs, Some(&instances));
+        let states: Vec<(u128, SyncState, Option<bool>)> =
+            rows.iter().map(|r| (r.uuid.as_u128(), r.state, r.in_sync)).collect();
+        assert_eq!(
+            states,
+            vec![
+                (1, SyncState::Running, Some(true)),
+                (2, SyncState::NotStarted, Some(false)),
+                (3, SyncState::Stopped, Some(true)),
+                (4, SyncState::Changed, Some(false)),
+                // Started from a definition that is gone; the ad hoc instance 6 is no row.
+                (5, SyncState::Undefined, Some(false)),
+            ]
+        );
+        assert_eq!(rows[3].running_options, Some(InstanceOptions::default()), "what it runs with");
+        assert_eq!(rows[4].start, None);
+        // Without a daemon nothing can be told.
+        assert!(sync_status(&defs, None)
+            .iter()
+            .all(|r| r.state == SyncState::Unknown && r.in_sync.is_none()));
+    }
+
+    #[test]
+    fn reload_starts_new_auto_definitions_and_leaves_running_ones_alone() {
+        let dir = std::env::temp_dir().join(format!("umdev-reload-{}", std::process::id()));
+        let (run, state) = (dir.join("run"), dir.join("state"));
+        std::fs::create_dir_all(&run).unwrap();
+        let registry = Registry::with_types(vec![std::sync::Arc::new(
+            umdev_mdev::samples::testdev::TestDevType::new(8),
+        )]);
+        let manager = Manager::new(registry, &run, Definitions::new(&state), InstanceConfig::new("", ""));
+        let (a, b) = (def(0xa, StartPolicy::Auto), def(0xb, StartPolicy::Auto));
+        manager.definitions().define(&a).unwrap();
+        assert!(manager.autostart().is_empty());
+        assert!(run.join(format!("{}.sock", a.uuid)).exists());
+
+        // A new auto definition starts; a removed one is reported and keeps running.
+        manager.definitions().define(&b).unwrap();
+        manager.definitions().undefine(&a.uuid).unwrap();
+        let report = manager.reload();
+        assert_eq!((report.started, report.undefined), (vec![b.uuid], vec![a.uuid]));
+        assert!(report.failed.is_empty() && report.changed.is_empty());
+        assert_eq!(manager.list().len(), 2);
+
+        // An auto instance stopped on purpose is not brought back by a reload.
+        manager.stop(b.uuid, false).unwrap();
+        let report = manager.reload();
+        assert_eq!((report.started, report.held_back), (vec![], vec![b.uuid]));
+        manager.start(None, Some(b.uuid), InstanceOptions::default()).unwrap();
+
+        // A changed definition is reported; the instance runs on as it was.
+        manager.definitions().undefine(&b.uuid).unwrap();
+        let mut b2 = b.clone();
+        b2.options.pin_mode = Some(umdev_mdev::types::PinModeName::Lock);
+        manager.definitions().define(&b2).unwrap();
+        assert_eq!(manager.reload().changed, vec![b.uuid]);
+        manager.shutdown();
+        assert_eq!(std::fs::read_dir(&run).unwrap().count(), 0, "every socket removed");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
