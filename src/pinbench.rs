@@ -494,7 +494,9 @@ fn pin_threads(space: &DmaSpace, arrays: &[Vec<u64>], duration: Duration, transl
                             if translate {
                                 let mut sum = 0usize;
                                 space
-                                    .translate_pages(black_box(pfns), Prot::READ, |_, host, n| sum += host + n as usize)
+                                    .translate_pages(black_box(pfns), Prot::READ, |_, host, n| {
+                                        sum += host + n as usize
+                                    })
                                     .expect("translate");
                                 black_box(sum);
                             } else {

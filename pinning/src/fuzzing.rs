@@ -331,6 +331,9 @@ struct ModelMapping {
 struct Model {
     mappings: BTreeMap<u64, ModelMapping>,
     counts: HashMap<u64, u32>,
+    /// The part of `counts` kept with `forget`: all that track mode's unpin_pages sees (a
+    /// live guard's pins are its own there).
+    kept: HashMap<u64, u32>,
 }
 
 /// A failing pin call as the model predicts it.
@@ -437,6 +440,36 @@ impl Model {
         trial.retain(|_, c| *c > 0);
         self.counts = trial;
         Ok(())
+    }
+
+    /// What unpin_pages of `pfns` should refuse, without changing the model: in track mode
+    /// only kept pins count, in lock mode every pin.
+    fn unpin_error(&self, pfns: &[u64], lock: bool) -> Option<UnpinError> {
+        if pfns.is_empty() || pfns.len() as u64 > MAX_PAGES_PER_CALL {
+            return Some(UnpinError::InvalidCount(pfns.len() as u64));
+        }
+        if let Some((index, &pfn)) = pfns.iter().enumerate().find(|(_, &p)| self.mapping_of(p).is_none()) {
+            return Some(UnpinError::NotMapped { index, pfn });
+        }
+        let mut trial = if lock { self.counts.clone() } else { self.kept.clone() };
+        for (index, &pfn) in pfns.iter().enumerate() {
+            match trial.get_mut(&pfn) {
+                Some(c) if *c > 0 => *c -= 1,
+                _ => return Some(UnpinError::NotPinned { index, pfn }),
+            }
+        }
+        None
+    }
+
+    /// Kept pins of `pfns` (a forgotten guard's) released.
+    fn release_kept(&mut self, pfns: &[u64]) {
+        for pfn in pfns {
+            if let Some(c) = self.kept.get_mut(pfn) {
+                *c -= 1;
+            }
+        }
+        self.kept.retain(|_, c| *c > 0);
+        self.release(pfns);
     }
 
     fn release(&mut self, pfns: &[u64]) {
@@ -696,6 +729,9 @@ pub fn run(ops: &[Op], mode: PinMode) {
                 if !guards.is_empty() {
                     let guard = guards.swap_remove(which % guards.len());
                     guard.pins.forget();
+                    for &pfn in &guard.pfns {
+                        *model.kept.entry(pfn).or_default() += 1;
+                    }
                     kept.push(guard.pfns);
                 }
             }
@@ -705,12 +741,11 @@ pub fn run(ops: &[Op], mode: PinMode) {
                     if let Err(e) = space.unpin_pages(&pfns) {
                         panic!("{}", ctx(&format!("unpinning kept pins: {e}")));
                     }
-                    model.release(&pfns);
+                    model.release_kept(&pfns);
                 }
             }
             Op::UnpinAny { pfns } => {
-                let before = model.counts.clone();
-                if let Err(expected) = model.unpin(pfns) {
+                if let Some(expected) = model.unpin_error(pfns, lock) {
                     match space.unpin_pages(pfns) {
                         Ok(()) => panic!("{}", ctx(&format!("unpinned; the model says {expected}"))),
                         Err(actual) => {
@@ -718,15 +753,15 @@ pub fn run(ops: &[Op], mode: PinMode) {
                         }
                     }
                 }
-                model.counts = before;
             }
             &Op::UnpinAnyRange { page, pages } => {
-                let before = model.counts.clone();
                 let expected = match range_end(page, pages) {
-                    Some(_) if pages > 0 => model.unpin(&(page..page + pages).collect::<Vec<_>>()),
-                    _ => Err(UnpinError::InvalidCount(pages)),
+                    Some(_) if pages > 0 => {
+                        model.unpin_error(&(page..page + pages).collect::<Vec<_>>(), lock)
+                    }
+                    _ => Some(UnpinError::InvalidCount(pages)),
                 };
-                if let Err(expected) = expected {
+                if let Some(expected) = expected {
                     match space.unpin_range(page * P, pages) {
                         Ok(()) => panic!("{}", ctx(&format!("unpinned; the model says {expected}"))),
                         Err(actual) => {
@@ -734,7 +769,6 @@ pub fn run(ops: &[Op], mode: PinMode) {
                         }
                     }
                 }
-                model.counts = before;
             }
             &Op::Access { which, offset, len, write } => {
                 if !guards.is_empty() {

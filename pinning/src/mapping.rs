@@ -5,7 +5,7 @@
 //! the mlock state and the lock account consistent with one another.
 
 use std::io;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -28,11 +28,21 @@ pub(crate) enum MappingState {
     Removed,
 }
 
-/// The part of a mapping guarded by its lock.
+impl MappingState {
+    fn from_u8(v: u8) -> Self {
+        match v {
+            0 => MappingState::Live,
+            1 => MappingState::Unmapping,
+            _ => MappingState::Removed,
+        }
+    }
+}
+
+/// The part of a mapping guarded by its lock: per-page counts (every pin in lock mode; in
+/// track mode, pins kept with `PinnedPages::forget`).
 #[derive(Debug)]
 pub(crate) struct MappingPins {
     pub(crate) table: PinTable,
-    pub(crate) state: MappingState,
 }
 
 /// Counters of one space, bumped once per call or syscall, never per page.
@@ -68,7 +78,7 @@ pub(crate) struct PinPolicy {
 }
 
 /// Pins a slot reserves from the space's count at a time.
-const PIN_STOCK: u64 = 4096;
+pub(crate) const PIN_STOCK: u64 = 4096;
 
 impl PinPolicy {
     pub(crate) fn new(mode: PinMode, account: Arc<LockAccount>, max_pins: u64) -> Self {
@@ -97,26 +107,39 @@ impl PinPolicy {
         if stock.fetch_update(Ordering::AcqRel, Ordering::Acquire, |s| s.checked_sub(pins)).is_ok() {
             return Ok(());
         }
-        let take = |n: u64| {
-            self.held.fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
-                held.checked_add(n).filter(|&total| total <= self.max_pins)
-            })
-        };
         // Refill the slot with a stock beyond this call, else take just the call's pins.
-        if let Some(more) = pins.checked_add(PIN_STOCK) {
-            if take(more).is_ok() {
-                stock.fetch_add(PIN_STOCK, Ordering::AcqRel);
-                return Ok(());
-            }
-        }
-        if take(pins).is_ok() {
+        if pins.checked_add(PIN_STOCK).is_some_and(|more| self.take(more).is_ok()) {
+            stock.fetch_add(PIN_STOCK, Ordering::AcqRel);
             return Ok(());
         }
-        for s in self.stock.all() {
-            let unused = s.swap(0, Ordering::AcqRel);
-            self.held.fetch_sub(unused, Ordering::AcqRel);
+        if self.take(pins).is_ok() {
+            return Ok(());
         }
-        take(pins).map(drop)
+        self.reclaim_stock();
+        self.take(pins)
+    }
+
+    /// Takes `pins` from the space's count; `Err(held)` if they do not fit.
+    pub(crate) fn take(&self, pins: u64) -> Result<(), u64> {
+        self.held
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                held.checked_add(pins).filter(|&total| total <= self.max_pins)
+            })
+            .map(drop)
+    }
+
+    /// Gives `pins` back to the space's count.
+    pub(crate) fn give(&self, pins: u64) {
+        if pins != 0 {
+            self.held.fetch_sub(pins, Ordering::AcqRel);
+        }
+    }
+
+    /// Returns every thread slot's unused stock (of [`PinPolicy::reserve`]) to the space.
+    pub(crate) fn reclaim_stock(&self) {
+        for s in self.stock.all() {
+            self.give(s.swap(0, Ordering::AcqRel));
+        }
     }
 
     /// Returns pins reserved earlier, to this thread's stock (the surplus beyond two
@@ -172,6 +195,9 @@ pub(crate) struct Mapping {
     pub(crate) memory: Option<HostMemory>,
     pub(crate) policy: Arc<PinPolicy>,
     pins: Mutex<MappingPins>,
+    /// A [`MappingState`]. Changed under the lock; read without it by track-mode pins, which
+    /// check it under their slot's lock (see `slots`).
+    state: AtomicU8,
     /// Signalled when an unmapping mapping's last pin drops.
     drained: Condvar,
     /// Unmaps waiting to claim the mapping (set before they take its lock): a lock-mode pin
@@ -196,7 +222,8 @@ impl Mapping {
             prot,
             memory,
             policy,
-            pins: Mutex::new(MappingPins { table: PinTable::default(), state: MappingState::Live }),
+            pins: Mutex::new(MappingPins { table: PinTable::default() }),
+            state: AtomicU8::new(MappingState::Live as u8),
             drained: Condvar::new(),
             claims: AtomicU32::new(0),
         }
@@ -204,6 +231,17 @@ impl Mapping {
 
     pub(crate) fn iova(&self) -> u64 {
         iova_of(self.first_pfn)
+    }
+
+    /// Where the mapping is in its life.
+    #[inline]
+    pub(crate) fn state(&self) -> MappingState {
+        MappingState::from_u8(self.state.load(Ordering::SeqCst))
+    }
+
+    /// Moves the mapping to `state`; the caller holds its lock.
+    pub(crate) fn set_state(&self, _locked: &mut MappingPins, state: MappingState) {
+        self.state.store(state as u8, Ordering::SeqCst);
     }
 
     pub(crate) fn size(&self) -> u64 {
@@ -360,7 +398,7 @@ impl Mapping {
             }
             self.policy.account.refund(pages * PAGE_SIZE);
         }
-        if pins.state == MappingState::Unmapping && pins.table.pins() == 0 {
+        if self.state() == MappingState::Unmapping && pins.table.pins() == 0 {
             self.drained.notify_all();
         }
     }

@@ -8,6 +8,7 @@
 //! one table step (and, in lock mode, one accounting step and one mlock per sub-run of newly
 //! pinned pages), and on any failure the runs already pinned are unwound.
 
+use std::ptr::NonNull;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 
@@ -16,9 +17,12 @@ use thiserror::Error;
 use vm_memory::VolatileSlice;
 
 use crate::lock::OverLimit;
+use crate::lock::PinMode;
+use crate::mapping::PIN_STOCK;
 use crate::mapping::{Mapping, MappingPins, MappingState, Released, RunFailure};
 use crate::page::{iova_of, iova_of_checked, Prot, PAGE_SHIFT, PAGE_SIZE};
-use crate::space::{DmaSpace, MappingTable};
+use crate::slots::{Record, Slot, SlotHint};
+use crate::space::{DmaSpace, MappingTable, SpaceInner};
 
 /// Why a pin call failed. Nothing stays pinned by a failed call.
 ///
@@ -200,9 +204,9 @@ pub struct PinnedRun {
     index: usize,
     host: usize,
     /// Which of the guard's mappings holds the run.
-    slot: usize,
+    pub(crate) slot: usize,
     /// Page offset of the run within that mapping.
-    page: u64,
+    pub(crate) page: u64,
 }
 
 impl PinnedRun {
@@ -243,48 +247,93 @@ pub struct Segment {
     pub index: usize,
 }
 
-type Runs = SmallVec<[PinnedRun; 4]>;
+/// The runs of a call: most calls have one or two.
+pub(crate) type Runs = SmallVec<[PinnedRun; 2]>;
 type Mappings = SmallVec<[Arc<Mapping>; 2]>;
 
-/// A pin call, cut into runs and resolved to mappings, not yet applied.
+/// A pin call, cut into runs and resolved to mappings it holds, not yet applied.
+#[derive(Debug)]
 struct Plan {
     mappings: Mappings,
     runs: Runs,
     pages: u64,
 }
 
-/// Resolves page numbers to mappings under the table's read lock.
-struct Planner<'a> {
+/// The mappings a planned call's runs lie in, borrowed from the table read it was planned in.
+struct Planned<'a> {
+    mappings: SmallVec<[&'a Arc<Mapping>; 2]>,
+    pages: u64,
+}
+
+/// Resolves page numbers to mappings under a table read, cutting the call into `runs`.
+struct Planner<'a, 'r> {
     table: &'a MappingTable,
     wanted: Prot,
     /// Whether the access check applies (unpins need none).
     pinning: bool,
-    plan: Plan,
-    /// The slot and page range of the mapping last resolved: the usual next hit.
-    hint: Option<(usize, u64, u64)>,
+    runs: &'r mut Runs,
+    planned: Planned<'a>,
+    /// The mapping last resolved: its guard slot, page range and host address of its first
+    /// page. The usual next hit.
+    hint: Option<(usize, u64, u64, usize)>,
+    /// The calling slot's hint across calls (see `Slot::hint`), when planning under it.
+    cache: Option<&'r mut SlotHint>,
 }
 
-impl<'a> Planner<'a> {
-    fn new(table: &'a MappingTable, wanted: Prot, pinning: bool) -> Self {
+impl<'a, 'r> Planner<'a, 'r> {
+    fn new(table: &'a MappingTable, wanted: Prot, pinning: bool, runs: &'r mut Runs) -> Self {
         Planner {
             table,
             wanted,
             pinning,
-            plan: Plan { mappings: SmallVec::new(), runs: SmallVec::new(), pages: 0 },
+            runs,
+            planned: Planned { mappings: SmallVec::new(), pages: 0 },
             hint: None,
+            cache: None,
         }
     }
 
+    /// Plans with `plan` into a plan of its own, which holds its mappings.
+    fn owned(
+        table: &'a MappingTable,
+        wanted: Prot,
+        pinning: bool,
+        plan: impl FnOnce(Planner<'a, '_>) -> Result<Planned<'a>, PinError>,
+    ) -> Result<Plan, PinError> {
+        let mut runs = Runs::new();
+        let planned = plan(Planner::new(table, wanted, pinning, &mut runs))?;
+        Ok(Plan {
+            mappings: planned.mappings.iter().map(|m| Arc::clone(m)).collect(),
+            runs,
+            pages: planned.pages,
+        })
+    }
+
     /// The guard slot of the mapping holding `pfn` (entry `index` of the call).
-    fn resolve(&mut self, pfn: u64, index: usize) -> Result<(usize, u64, u64), PinError> {
-        if let Some(hint @ (_, first, end)) = self.hint {
+    #[inline]
+    fn resolve(&mut self, pfn: u64, index: usize) -> Result<(usize, u64, u64, usize), PinError> {
+        if let Some(hint @ (_, first, end, _)) = self.hint {
             if pfn >= first && pfn < end {
                 return Ok(hint);
             }
         }
-        let mapping = match self.table.range(..=pfn).next_back() {
-            Some((_, m)) if m.contains(pfn) => m,
-            _ => return Err(PinError::NotMapped { index, pfn }),
+        let cached = match self.cache.as_deref() {
+            // SAFETY: the slot's hint points into the table, which cannot change while the
+            // slot is locked (the caller holds it: `cache` borrows it); `write` clears it.
+            Some(&Some((first, end, m))) if pfn >= first && pfn < end => Some(unsafe { &*m.as_ptr() }),
+            _ => None,
+        };
+        let mapping: &'a Arc<Mapping> = match cached {
+            Some(m) => m,
+            None => match self.table.range(..=pfn).next_back() {
+                Some((_, m)) if m.contains(pfn) => {
+                    if let Some(cache) = self.cache.as_deref_mut() {
+                        *cache = Some((m.first_pfn, m.end_pfn(), NonNull::from(m)));
+                    }
+                    m
+                }
+                _ => return Err(PinError::NotMapped { index, pfn }),
+            },
         };
         if self.pinning {
             if !mapping.prot.contains(self.wanted) {
@@ -297,59 +346,90 @@ impl<'a> Planner<'a> {
                 return Err(PinError::Poisoned { index, pfn });
             }
         }
-        let slot = match self.plan.mappings.iter().position(|m| Arc::ptr_eq(m, mapping)) {
+        let mappings = &mut self.planned.mappings;
+        let slot = match mappings.iter().position(|m| Arc::ptr_eq(m, mapping)) {
             Some(slot) => slot,
             None => {
-                self.plan.mappings.push(mapping.clone());
-                self.plan.mappings.len() - 1
+                mappings.push(mapping);
+                mappings.len() - 1
             }
         };
-        let hint = (slot, mapping.first_pfn, mapping.end_pfn());
+        // Unpins plan message-only regions too: they have no host address (and get none).
+        let hint = (slot, mapping.first_pfn, mapping.end_pfn(), mapping.host_addr(0).unwrap_or(0));
         self.hint = Some(hint);
         Ok(hint)
     }
 
-    fn push_run(&mut self, slot: usize, mapping_first: u64, pfn: u64, npages: u64, index: usize) {
-        let page = pfn - mapping_first;
-        let host = self.plan.mappings[slot].host_addr(page).unwrap_or(0);
-        self.plan.runs.push(PinnedRun { iova: iova_of(pfn), npages, index, host, slot, page });
-        self.plan.pages += npages;
+    #[inline]
+    fn push_run(
+        &mut self,
+        (slot, first, _, base): (usize, u64, u64, usize),
+        pfn: u64,
+        npages: u64,
+        index: usize,
+    ) {
+        let page = pfn - first;
+        let host = if base == 0 { 0 } else { base + (page * PAGE_SIZE) as usize };
+        self.runs.push(PinnedRun { iova: iova_of(pfn), npages, index, host, slot, page });
+        self.planned.pages += npages;
     }
 
     /// Cuts an array into maximal runs.
-    fn plan_array(mut self, pfns: &[u64]) -> Result<Plan, PinError> {
+    fn plan_array(mut self, pfns: &[u64]) -> Result<Planned<'a>, PinError> {
         // One allocation for long scattered arrays instead of repeated doubling.
-        if pfns.len() > self.plan.runs.inline_size() {
-            self.plan.runs.reserve(pfns.len().min(4096));
+        if pfns.len() > self.runs.inline_size() {
+            self.runs.reserve(pfns.len().min(4096));
         }
         let mut i = 0;
         while i < pfns.len() {
             let start = pfns[i];
-            let (slot, first, end) = self.resolve(start, i)?;
+            let hit = self.resolve(start, i)?;
             // Extend while the next entry is the next page of the same mapping.
-            let limit = end - start;
-            let mut n = 1u64;
-            while n < limit && i + (n as usize) < pfns.len() && pfns[i + n as usize] == start + n {
-                n += 1;
-            }
-            self.push_run(slot, first, start, n, i);
+            let n = run_length(&pfns[i..], hit.2 - start);
+            self.push_run(hit, start, n, i);
             i += n as usize;
         }
-        Ok(self.plan)
+        Ok(self.planned)
     }
 
     /// Cuts `[pfn, pfn + npages)` at mapping boundaries.
-    fn plan_range(mut self, pfn: u64, npages: u64) -> Result<Plan, PinError> {
+    fn plan_range(mut self, pfn: u64, npages: u64) -> Result<Planned<'a>, PinError> {
         let mut done = 0u64;
         while done < npages {
             let here = pfn + done;
-            let (slot, first, end) = self.resolve(here, done as usize)?;
-            let n = (end - here).min(npages - done);
-            self.push_run(slot, first, here, n, done as usize);
+            let hit = self.resolve(here, done as usize)?;
+            let n = (hit.2 - here).min(npages - done);
+            self.push_run(hit, here, n, done as usize);
             done += n;
         }
-        Ok(self.plan)
+        Ok(self.planned)
     }
+}
+
+/// How many entries from `pfns[0]` go on page by page (at most `limit`, the pages left in
+/// its mapping): the length of the run starting there.
+#[inline]
+fn run_length(pfns: &[u64], limit: u64) -> u64 {
+    let max = usize::try_from(limit).unwrap_or(usize::MAX).min(pfns.len());
+    let start = pfns[0];
+    // Scattered arrays end their runs at once; long runs compare eight entries at a time.
+    if max < 2 || pfns[1] != start.wrapping_add(1) {
+        return 1;
+    }
+    let mut n = 2;
+    while n + 8 <= max {
+        let base = start.wrapping_add(n as u64);
+        let diff =
+            pfns[n..n + 8].iter().zip(0..8u64).fold(0, |acc, (&p, k)| acc | (p ^ base.wrapping_add(k)));
+        if diff != 0 {
+            break;
+        }
+        n += 8;
+    }
+    while n < max && pfns[n] == start.wrapping_add(n as u64) {
+        n += 1;
+    }
+    n as u64
 }
 
 /// The locks of a plan's mappings, taken in mapping-id order, indexed by slot.
@@ -376,6 +456,29 @@ impl<'a> Locked<'a> {
     fn get(&mut self, slot: usize) -> &mut MappingPins {
         self.guards[slot].as_mut().expect("every slot is locked")
     }
+}
+
+/// Reserves `pins` for a track-mode call from `slot` (index `own`, locked by the caller):
+/// from the slot's stock, else from the space's count with a new stock, else exactly. Before
+/// failing, every stock that can be reached without waiting goes back to the space, so a
+/// call fails only if the pins held (and stocks of slots busy at that moment) leave no room.
+fn reserve_in_slot(space: &SpaceInner, slot: &mut Slot, own: usize, pins: u64) -> Result<(), u64> {
+    if let Some(left) = slot.stock.checked_sub(pins) {
+        slot.stock = left;
+        return Ok(());
+    }
+    let policy = &space.policy;
+    if pins.checked_add(PIN_STOCK).is_some_and(|more| policy.take(more).is_ok()) {
+        slot.stock += PIN_STOCK;
+        return Ok(());
+    }
+    if policy.take(pins).is_ok() {
+        return Ok(());
+    }
+    policy.give(std::mem::take(&mut slot.stock));
+    space.slots.try_each_other(own, |other| policy.give(std::mem::take(&mut other.stock)));
+    policy.reclaim_stock();
+    policy.take(pins)
 }
 
 /// Removes one pin per page of `runs` (all known to be pinned), then munlocks and refunds.
@@ -454,9 +557,14 @@ impl DmaSpace {
     /// The pins are held until the returned guard drops (or [`PinnedPages::forget`] hands
     /// them to [`DmaSpace::unpin_pages`]). On error nothing stays pinned.
     pub fn pin_pages(&self, pfns: &[u64], prot: Prot) -> Result<PinnedPages, PinError> {
-        let plan = self
-            .check_count(pfns.len() as u64)
-            .and_then(|()| Planner::new(&self.read_table(), prot, true).plan_array(pfns));
+        if let Err(e) = self.check_count(pfns.len() as u64) {
+            self.counters().pin_failures.fetch_add(1, Ordering::Relaxed);
+            return Err(e);
+        }
+        if self.mode() == PinMode::Track {
+            return self.pin_recorded(prot, |p| p.plan_array(pfns));
+        }
+        let plan = Planner::owned(&self.read_table(), prot, true, |p| p.plan_array(pfns));
         self.apply(plan, prot)
     }
 
@@ -464,13 +572,89 @@ impl DmaSpace {
     /// may span adjacent mappings; it is pinned one run per mapping.
     pub fn pin_range(&self, iova: u64, npages: u64, prot: Prot) -> Result<PinnedPages, PinError> {
         let pfn = iova >> PAGE_SHIFT;
-        let plan = self.check_count(npages).and_then(|()| {
-            if pfn.checked_add(npages - 1).and_then(iova_of_checked).is_none() {
-                return Err(PinError::NotMapped { index: 0, pfn });
+        let valid = self.check_count(npages).and_then(|()| {
+            match pfn.checked_add(npages - 1).and_then(iova_of_checked) {
+                Some(_) => Ok(()),
+                None => Err(PinError::NotMapped { index: 0, pfn }),
             }
-            Planner::new(&self.read_table(), prot, true).plan_range(pfn, npages)
         });
+        if let Err(e) = valid {
+            self.counters().pin_failures.fetch_add(1, Ordering::Relaxed);
+            return Err(e);
+        }
+        if self.mode() == PinMode::Track {
+            return self.pin_recorded(prot, |p| p.plan_range(pfn, npages));
+        }
+        let plan = Planner::owned(&self.read_table(), prot, true, |p| p.plan_range(pfn, npages));
         self.apply(plan, prot)
+    }
+
+    /// Track mode: the whole call under this thread's slot lock. The runs are planned into a
+    /// record of the slot, the mappings checked live, the pins reserved, and the record
+    /// published; the guard points at it. No per-page work, no lock or line shared with
+    /// other threads (but the slot's, when more threads than slots pin at once).
+    fn pin_recorded(
+        &self,
+        prot: Prot,
+        plan: impl for<'a, 'r> FnOnce(Planner<'a, 'r>) -> Result<Planned<'a>, PinError>,
+    ) -> Result<PinnedPages, PinError> {
+        let space = &self.inner.space;
+        let mut read = self.read_table();
+        let slot_index = read.index();
+        let (table, slot) = read.parts();
+        let mut record = slot.fresh();
+        let mut planner = Planner::new(table, prot, true, &mut record.runs);
+        planner.cache = Some(&mut slot.hint);
+        let planned = plan(planner)
+            .and_then(|planned| {
+                // A mapping an unmap has marked grants no new pins; the unmap, which marks first
+                // and then looks at the slots, either waits for this record or was seen here.
+                for (slot, m) in planned.mappings.iter().enumerate() {
+                    let state = m.state();
+                    if state == MappingState::Live {
+                        continue;
+                    }
+                    // Report the first entry in that mapping.
+                    let run =
+                        record.runs.iter().find(|r| r.slot == slot).expect("a planned mapping has a run");
+                    let (index, pfn) = (run.index, run.iova >> PAGE_SHIFT);
+                    return Err(match state {
+                        MappingState::Unmapping => PinError::Unmapping { index, pfn },
+                        _ => PinError::NotMapped { index, pfn },
+                    });
+                }
+                Ok(planned)
+            })
+            .and_then(|planned| {
+                reserve_in_slot(space, slot, slot_index, planned.pages).map_err(|held| {
+                    PinError::PinLimit { requested: planned.pages, held, max: space.policy.max_pins }
+                })?;
+                Ok(planned)
+            });
+        let planned = match planned {
+            Ok(planned) => planned,
+            Err(e) => {
+                slot.discard(record);
+                slot.counts.pin_failures += 1;
+                return Err(e);
+            }
+        };
+        record.mappings.extend(planned.mappings.iter().map(|m| NonNull::from(&***m)));
+        record.pages = planned.pages;
+        let runs = record.runs.len() as u64;
+        if slot.keepalive.is_none() {
+            // Once per slot: the slot holds the space while it has records (see SpaceHandle).
+            slot.keepalive = Some(Arc::clone(space));
+        }
+        slot.counts.pin_calls += 1;
+        slot.counts.runs += runs;
+        slot.counts.pages += planned.pages;
+        let record = slot.publish(record);
+        drop(read);
+        Ok(PinnedPages {
+            hold: Hold::Recorded { space: NonNull::from(&**space), slot: slot_index, record },
+            prot,
+        })
     }
 
     fn apply(&self, plan: Result<Plan, PinError>, prot: Prot) -> Result<PinnedPages, PinError> {
@@ -494,7 +678,7 @@ impl DmaSpace {
                 counters.pin_calls.fetch_add(1, Ordering::Relaxed);
                 counters.runs.fetch_add(plan.runs.len() as u64, Ordering::Relaxed);
                 counters.pages.fetch_add(plan.pages, Ordering::Relaxed);
-                Ok(PinnedPages { mappings: plan.mappings, runs: plan.runs, pages: plan.pages, prot })
+                Ok(PinnedPages { hold: Hold::Counted(Box::new(plan)), prot })
             }
             Err(e) => {
                 counters.pin_failures.fetch_add(1, Ordering::Relaxed);
@@ -508,7 +692,7 @@ impl DmaSpace {
         // locking; report the first entry affected.
         for run in &plan.runs {
             let pfn = run.iova >> PAGE_SHIFT;
-            match locked.get(run.slot).state {
+            match plan.mappings[run.slot].state() {
                 MappingState::Live => {}
                 MappingState::Unmapping => return Err(PinError::Unmapping { index: run.index, pfn }),
                 MappingState::Removed => return Err(PinError::NotMapped { index: run.index, pfn }),
@@ -527,10 +711,11 @@ impl DmaSpace {
 
     /// Drops one pin from each page named by `pfns`, as taken by [`DmaSpace::pin_pages`] and
     /// kept with [`PinnedPages::forget`]. If any page is not pinned (counting repeats in
-    /// `pfns`), nothing changes.
+    /// `pfns`), nothing changes. In track mode only kept pins are found: the pins of a live
+    /// guard are its own, released when it drops.
     pub fn unpin_pages(&self, pfns: &[u64]) -> Result<(), UnpinError> {
         let plan = self.check_unpin_count(pfns.len() as u64).and_then(|()| {
-            unpin_planned(Planner::new(&self.read_table(), Prot::empty(), false).plan_array(pfns))
+            unpin_planned(Planner::owned(&self.read_table(), Prot::empty(), false, |p| p.plan_array(pfns)))
         });
         self.unpin_plan(plan)
     }
@@ -542,7 +727,9 @@ impl DmaSpace {
             return Err(UnpinError::InvalidCount(npages));
         }
         let plan = self.check_unpin_count(npages).and_then(|()| {
-            unpin_planned(Planner::new(&self.read_table(), Prot::empty(), false).plan_range(pfn, npages))
+            unpin_planned(Planner::owned(&self.read_table(), Prot::empty(), false, |p| {
+                p.plan_range(pfn, npages)
+            }))
         });
         self.unpin_plan(plan)
     }
@@ -560,7 +747,8 @@ impl DmaSpace {
         mut f: impl FnMut(usize, usize, u64),
     ) -> Result<(), PinError> {
         self.check_count(pfns.len() as u64)?;
-        let table = self.read_table();
+        let mut read = self.read_table();
+        let (table, slot) = read.parts();
         // The mapping last resolved: first page, end page, host address of its first page.
         let mut hint: Option<(u64, u64, usize)> = None;
         let mut i = 0;
@@ -569,9 +757,17 @@ impl DmaSpace {
             let (first, end, host) = match hint {
                 Some(h @ (first, end, _)) if start >= first && start < end => h,
                 _ => {
-                    let m = match table.range(..=start).next_back() {
-                        Some((_, m)) if m.contains(start) => m,
-                        _ => return Err(PinError::NotMapped { index: i, pfn: start }),
+                    let m: &Arc<Mapping> = match slot.hint {
+                        // SAFETY: as in Planner::resolve: the slot is locked, so the table
+                        // (and the entry the hint points at) cannot change.
+                        Some((first, end, m)) if start >= first && start < end => unsafe { &*m.as_ptr() },
+                        _ => match table.range(..=start).next_back() {
+                            Some((_, m)) if m.contains(start) => {
+                                slot.hint = Some((m.first_pfn, m.end_pfn(), NonNull::from(m)));
+                                m
+                            }
+                            _ => return Err(PinError::NotMapped { index: i, pfn: start }),
+                        },
                     };
                     if !m.prot.contains(prot) {
                         return Err(PinError::Permission {
@@ -589,11 +785,7 @@ impl DmaSpace {
                     h
                 }
             };
-            let limit = end - start;
-            let mut n = 1u64;
-            while n < limit && i + (n as usize) < pfns.len() && pfns[i + n as usize] == start + n {
-                n += 1;
-            }
+            let n = run_length(&pfns[i..], end - start);
             f(i, host + ((start - first) * PAGE_SIZE) as usize, n);
             i += n as usize;
         }
@@ -652,21 +844,73 @@ impl DmaSpace {
 #[must_use = "dropping the guard unpins the pages at once"]
 #[derive(Debug)]
 pub struct PinnedPages {
-    mappings: Mappings,
-    runs: Runs,
-    pages: u64,
+    hold: Hold,
     prot: Prot,
 }
 
+/// How a guard holds its pins.
+#[derive(Debug)]
+enum Hold {
+    /// Track mode: a live record in slot `slot` of the space, which that slot keeps alive
+    /// while the record lives; the record names the runs and their mappings.
+    Recorded { space: NonNull<SpaceInner>, slot: usize, record: NonNull<Record> },
+    /// Lock mode: counted per page in the mappings' tables; the guard keeps the mappings.
+    /// Boxed so that a guard stays small to move (lock mode pays a syscall per call anyway).
+    Counted(Box<Plan>),
+    /// Handed to the caller by `forget`.
+    Released,
+}
+
+// SAFETY: a recorded guard's record is immutable while the guard lives and the space it
+// points at outlives the record (its slot holds it); reading either from any thread is
+// sound, and retiring the record takes the slot's lock. The counted variant holds only Arcs.
+unsafe impl Send for PinnedPages {}
+// SAFETY: as above: shared access only reads the record and the mappings.
+unsafe impl Sync for PinnedPages {}
+
 impl PinnedPages {
+    fn record(&self) -> Option<&Record> {
+        match &self.hold {
+            // SAFETY: the record is live until this guard retires it (drop or forget).
+            Hold::Recorded { record, .. } => Some(unsafe { record.as_ref() }),
+            _ => None,
+        }
+    }
+
+    fn runs_slice(&self) -> &[PinnedRun] {
+        match &self.hold {
+            Hold::Recorded { .. } => self.record().map_or(&[], |r| &r.runs),
+            Hold::Counted(plan) => &plan.runs,
+            Hold::Released => &[],
+        }
+    }
+
+    fn mapping_list(&self) -> impl Iterator<Item = &Mapping> {
+        let record = self.record();
+        let counted = match &self.hold {
+            Hold::Counted(plan) => Some(&plan.mappings),
+            _ => None,
+        };
+        let recorded = record.into_iter().flat_map(|r| (0..r.mappings.len()).map(move |i| r.mapping(i)));
+        recorded.chain(counted.into_iter().flat_map(|m| m.iter().map(|m| &**m)))
+    }
+
+    fn pages(&self) -> u64 {
+        match &self.hold {
+            Hold::Recorded { .. } => self.record().map_or(0, |r| r.pages),
+            Hold::Counted(plan) => plan.pages,
+            Hold::Released => 0,
+        }
+    }
+
     /// Pages pinned (entries of the call).
     pub fn len(&self) -> usize {
-        self.pages as usize
+        self.pages() as usize
     }
 
     /// Always false: a pin call pins at least one page.
     pub fn is_empty(&self) -> bool {
-        self.pages == 0
+        self.pages() == 0
     }
 
     /// Access the pages were pinned for.
@@ -676,12 +920,12 @@ impl PinnedPages {
 
     /// The runs, in the order of the call's entries.
     pub fn runs(&self) -> &[PinnedRun] {
-        &self.runs
+        self.runs_slice()
     }
 
     /// The scatter-gather list: runs in call order, host-adjacent neighbours merged.
     pub fn segments(&self) -> impl Iterator<Item = Segment> + '_ {
-        let mut runs = self.runs.iter().peekable();
+        let mut runs = self.runs_slice().iter().peekable();
         std::iter::from_fn(move || {
             let first = runs.next()?;
             let mut seg = Segment { host_addr: first.host, len: first.len(), index: first.index };
@@ -693,8 +937,9 @@ impl PinnedPages {
     }
 
     fn run_of(&self, index: usize) -> Option<&PinnedRun> {
-        let at = self.runs.partition_point(|r| r.index <= index).checked_sub(1)?;
-        let run = &self.runs[at];
+        let runs = self.runs_slice();
+        let at = runs.partition_point(|r| r.index <= index).checked_sub(1)?;
+        let run = &runs[at];
         (index < run.index + run.npages as usize).then_some(run)
     }
 
@@ -711,7 +956,7 @@ impl PinnedPages {
 
     /// Bytes pinned: the pages taken as one buffer, entry 0 first.
     pub fn size(&self) -> u64 {
-        self.pages * PAGE_SIZE
+        self.pages() * PAGE_SIZE
     }
 
     fn check(&self, offset: u64, len: usize) -> Result<(), AccessError> {
@@ -725,7 +970,7 @@ impl PinnedPages {
     /// mapped: accesses to them see zeros and lose writes. Devices that use the host
     /// addresses directly check this after an access, as the copy helpers do.
     pub fn poisoned(&self) -> bool {
-        self.mappings.iter().any(|m| m.poisoned())
+        self.mapping_list().any(|m| m.poisoned())
     }
 
     fn check_poisoned(&self) -> Result<(), AccessError> {
@@ -741,8 +986,9 @@ impl PinnedPages {
     /// ([`PinnedPages::check`]), so the pieces cover `[0, len)` of the caller's buffer.
     fn for_each_piece(&self, offset: u64, len: usize, mut f: impl FnMut(usize, usize, usize)) {
         let mut done = 0usize;
-        let start = self.runs.partition_point(|r| ((r.index as u64 + r.npages) * PAGE_SIZE) <= offset);
-        for run in &self.runs[start..] {
+        let runs = self.runs_slice();
+        let start = runs.partition_point(|r| ((r.index as u64 + r.npages) * PAGE_SIZE) <= offset);
+        for run in &runs[start..] {
             if done == len {
                 break;
             }
@@ -868,22 +1114,94 @@ impl PinnedPages {
     /// Keeps the pins but drops the guard: the caller now owns them and must release them
     /// with [`DmaSpace::unpin_pages`] or [`DmaSpace::unpin_range`] (the `vfio_pin_pages`
     /// model). Memory under pins kept this way is never unmapped while they are held.
+    ///
+    /// In track mode the pins move from the guard's record to the per-page counts (the
+    /// model's bookkeeping), which cost a pass over the pages.
     pub fn forget(mut self) {
-        self.runs.clear();
+        if let Hold::Recorded { space, slot, record } = self.hold {
+            // SAFETY: the record is live until retired below.
+            let rec = unsafe { record.as_ref() };
+            // Counted first, then retired: an unmap sees the pins throughout.
+            for (done, run) in rec.runs.iter().enumerate() {
+                let mapping = rec.mapping(run.slot);
+                if let Err(page) = mapping.lock().table.try_increment(run.page, run.npages).map(drop) {
+                    for undo in rec.runs[..done].iter().rev() {
+                        rec.mapping(undo.slot).lock().table.decrement(undo.page, undo.npages, None);
+                    }
+                    // Only after 65535 kept pins of one page: these stay held for good.
+                    log::error!(
+                        "page {:#x} cannot count more kept pins; the {} pins of this guard stay held",
+                        mapping.iova() + page * PAGE_SIZE,
+                        rec.pages
+                    );
+                    self.hold = Hold::Released;
+                    return;
+                }
+            }
+            // SAFETY: the slot keeps the space alive while the record is live.
+            let space = unsafe { space.as_ref() };
+            let mut locked = space.slots.lock_slot(slot);
+            // SAFETY: the record was published in this slot and is retired once, here.
+            unsafe { locked.retire(record) };
+            // Its pins stay reserved (now counted); the slot lets go of a closed space.
+            let last = if locked.is_empty() && space.closed.load(Ordering::SeqCst) {
+                locked.keepalive.take()
+            } else {
+                None
+            };
+            drop(locked);
+            drop(last);
+        }
+        self.hold = Hold::Released;
     }
 }
 
 impl Drop for PinnedPages {
     fn drop(&mut self) {
-        if self.runs.is_empty() {
-            return;
-        }
-        let mut locked = Locked::take(&self.mappings);
-        let removed = unpin_runs(&self.mappings, &mut locked, &self.runs);
-        drop(locked);
-        if let Some(m) = self.mappings.first() {
-            m.policy.counters().unpin_calls.fetch_add(1, Ordering::Relaxed);
-            m.policy.release(removed);
+        match std::mem::replace(&mut self.hold, Hold::Released) {
+            Hold::Released => {}
+            Hold::Counted(plan) => {
+                let mut locked = Locked::take(&plan.mappings);
+                let removed = unpin_runs(&plan.mappings, &mut locked, &plan.runs);
+                drop(locked);
+                if let Some(m) = plan.mappings.first() {
+                    m.policy.counters().unpin_calls.fetch_add(1, Ordering::Relaxed);
+                    m.policy.release(removed);
+                }
+            }
+            Hold::Recorded { space, slot, record } => {
+                // SAFETY: the slot keeps the space alive while the record is live.
+                let space = unsafe { space.as_ref() };
+                let mut locked = space.slots.lock_slot(slot);
+                // SAFETY: the record is live until retired below.
+                let rec = unsafe { record.as_ref() };
+                let pages = rec.pages;
+                // An unmap waiting for these pins is woken once they are gone; hold the
+                // space across that, since after the slot's lock it may go.
+                let waking = (0..rec.mappings.len()).any(|i| rec.mapping(i).state() != MappingState::Live);
+                let keep = if waking { locked.keepalive.clone() } else { None };
+                // SAFETY: the record was published in this slot and is retired once, here.
+                unsafe { locked.retire(record) };
+                locked.counts.unpin_calls += 1;
+                locked.stock += pages;
+                if locked.stock > 2 * PIN_STOCK {
+                    space.policy.give(locked.stock - PIN_STOCK);
+                    locked.stock = PIN_STOCK;
+                }
+                let last = if locked.is_empty() && space.closed.load(Ordering::SeqCst) {
+                    locked.keepalive.take()
+                } else {
+                    None
+                };
+                drop(locked);
+                if let Some(space) = keep.as_ref().or(last.as_ref()) {
+                    if waking {
+                        space.wake_unmap();
+                    }
+                }
+                drop(keep);
+                drop(last);
+            }
         }
     }
 }
@@ -997,7 +1315,13 @@ mod tests {
 
     #[test]
     fn the_count_limit_fails_the_whole_call() {
-        let (space, _f) = space_with(Default::default());
+        // Per-page counts (lock mode; kept pins in track mode) stop at MAX_PIN_COUNT.
+        let lock = DmaSpaceConfig {
+            mode: PinMode::Lock,
+            account: Arc::new(LockAccount::unlimited()),
+            ..Default::default()
+        };
+        let (space, _f) = space_with(lock);
         let held: Vec<_> =
             (0..crate::MAX_PIN_COUNT).map(|_| space.pin_pages(&[4], Prot::READ).unwrap()).collect();
         let err = space.pin_pages(&[1, 2, 3, 4, 5], Prot::READ).unwrap_err();
@@ -1005,6 +1329,16 @@ mod tests {
         assert_eq!(counts(&space, 1..6), vec![0, 0, 0, crate::MAX_PIN_COUNT, 0]);
         drop(held);
         assert_eq!(space.stats().pins_held, 0);
+    }
+
+    #[test]
+    fn track_mode_guards_count_past_the_per_page_limit_up_to_the_space_limit() {
+        let (space, _f) = space_with(DmaSpaceConfig { max_pins: 70_000, ..Default::default() });
+        let held: Vec<_> = (0..70_000).map(|_| space.pin_pages(&[4], Prot::READ).unwrap()).collect();
+        assert_eq!(space.pin_count(4 * P), 70_000);
+        assert!(matches!(space.pin_pages(&[4], Prot::READ), Err(PinError::PinLimit { .. })));
+        drop(held);
+        assert_eq!((space.pin_count(4 * P), space.stats().pins_held), (0, 0));
     }
 
     #[test]
@@ -1024,9 +1358,9 @@ mod tests {
         drop(b);
         let full = space.pin_range(0, 10, Prot::READ).unwrap();
         drop(full);
-        // A guard whose pins were taken from it releases only what it still held.
+        // Track mode: unpin_range finds only kept pins, never a live guard's.
         let d = space.pin_range(0, 4, Prot::READ).unwrap();
-        space.unpin_range(0, 2).unwrap();
+        assert!(matches!(space.unpin_range(0, 2), Err(UnpinError::NotPinned { index: 0, pfn: 0 })));
         drop(d);
         space.pin_range(0, 10, Prot::READ).unwrap().unpin();
     }
@@ -1087,9 +1421,34 @@ mod tests {
 
     #[test]
     fn a_guard_survives_its_pins_being_unpinned_behind_its_back() {
-        let (space, _f) = space_with(Default::default());
+        // Lock mode counts every pin per page, so unpin_pages can take a guard's pins; the
+        // guard then releases only what it still holds.
+        let lock = DmaSpaceConfig {
+            mode: PinMode::Lock,
+            account: Arc::new(LockAccount::unlimited()),
+            ..Default::default()
+        };
+        let (space, _f) = space_with(lock);
         let pins = space.pin_pages(&[2, 3, 4], Prot::READ).unwrap();
         space.unpin_pages(&[3]).unwrap();
+        drop(pins);
+        assert_eq!(counts(&space, 0..8), vec![0; 8]);
+        assert_eq!(space.stats().pins_held, 0);
+    }
+
+    #[test]
+    fn track_mode_unpin_pages_leaves_a_live_guards_pins_alone() {
+        let (space, _f) = space_with(Default::default());
+        let pins = space.pin_pages(&[2, 3, 4], Prot::READ).unwrap();
+        let kept = space.pin_pages(&[3], Prot::READ).unwrap();
+        kept.forget();
+        // The kept pin of page 3 goes; a second unpin would need the guard's: refused, and
+        // nothing changes.
+        assert!(matches!(space.unpin_pages(&[3, 3]), Err(UnpinError::NotPinned { index: 1, pfn: 3 })));
+        assert_eq!(counts(&space, 2..5), vec![1, 2, 1]);
+        space.unpin_pages(&[3]).unwrap();
+        assert!(space.unpin_pages(&[2]).is_err());
+        assert_eq!(counts(&space, 2..5), vec![1, 1, 1]);
         drop(pins);
         assert_eq!(counts(&space, 0..8), vec![0; 8]);
         assert_eq!(space.stats().pins_held, 0);

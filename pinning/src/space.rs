@@ -6,13 +6,11 @@
 //! (the unmap notifier, called with no engine lock held), and waits a bounded time.
 
 use std::collections::BTreeMap;
+use std::ops::Deref;
 use std::os::fd::BorrowedFd;
+use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering;
-#[cfg(test)]
-use std::sync::Mutex;
-use std::sync::{Arc, RwLock};
-
-use crossbeam::sync::{ShardedLock, ShardedLockReadGuard, ShardedLockWriteGuard};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -22,6 +20,7 @@ use crate::lock::{LockAccount, PinMode};
 use crate::mapping::{Counters, Mapping, MappingState, PinPolicy};
 use crate::mmap::{HostMemory, MmapError};
 use crate::page::{is_page_aligned, pfn_of, Prot, PAGE_SIZE};
+use crate::slots::{SlotTable, TableRead, TableWrite};
 
 /// The device's `dma_unmap(iova, len)`: told that `[iova, iova + len)` is being unmapped
 /// and that it must drop its pins there.
@@ -276,16 +275,57 @@ pub(crate) type MappingTable = BTreeMap<u64, Arc<Mapping>>;
 pub(crate) struct SpaceInner {
     pub(crate) config: DmaSpaceConfig,
     pub(crate) policy: Arc<PinPolicy>,
-    /// Mappings by first page number. Sharded: a pin call read-locks only its thread's
-    /// shard, so concurrent pins share no lock word; map and unmap lock every shard.
-    table: ShardedLock<MappingTable>,
+    /// Mappings by first page number, and the track-mode pin records, behind one lock per
+    /// thread slot (see `slots`).
+    pub(crate) slots: SlotTable,
     notifier: RwLock<Option<UnmapNotifier>>,
+    /// Set once every `DmaSpace` handle is gone: slots then let go of the space as their
+    /// last record retires.
+    pub(crate) closed: AtomicBool,
+    /// Woken when a track-mode record in an unmapping mapping retires.
+    pub(crate) drained: (Mutex<()>, Condvar),
+    /// Mappings `abandon_all` took while records still named them: kept until the space goes.
+    orphans: Mutex<Vec<Arc<Mapping>>>,
+}
+
+impl SpaceInner {
+    /// Wakes an unmap waiting for records to retire.
+    pub(crate) fn wake_unmap(&self) {
+        let _guard = crate::sync::lock(&self.drained.0);
+        self.drained.1.notify_all();
+    }
+}
+
+/// The users' share of a space: when the last handle goes, the space closes, and lives on
+/// only while track-mode guards still hold records in it.
+pub(crate) struct SpaceHandle {
+    pub(crate) space: Arc<SpaceInner>,
+}
+
+impl Deref for SpaceHandle {
+    type Target = SpaceInner;
+    fn deref(&self) -> &SpaceInner {
+        &self.space
+    }
+}
+
+impl Drop for SpaceHandle {
+    fn drop(&mut self) {
+        // From here on a slot's last retiring record lets go of the space; slots without
+        // records let go now. (No pin can start: there is no handle to call it on.)
+        self.space.closed.store(true, Ordering::SeqCst);
+        self.space.slots.for_each_slot(|slot| {
+            if slot.is_empty() {
+                drop(slot.keepalive.take());
+            }
+        });
+    }
 }
 
 /// A client's IOVA space and the pins devices hold in it. Cheap to clone: clones share it.
 #[derive(Clone)]
 pub struct DmaSpace {
-    pub(crate) inner: Arc<SpaceInner>,
+    pub(crate) inner: Arc<SpaceHandle>,
 }
 
 impl std::fmt::Debug for DmaSpace {
@@ -304,8 +344,16 @@ impl DmaSpace {
     /// An empty space.
     pub fn new(config: DmaSpaceConfig) -> Self {
         let policy = Arc::new(PinPolicy::new(config.mode, config.account.clone(), config.max_pins));
-        let inner = SpaceInner { config, policy, table: ShardedLock::default(), notifier: RwLock::default() };
-        DmaSpace { inner: Arc::new(inner) }
+        let inner = SpaceInner {
+            config,
+            policy,
+            slots: SlotTable::default(),
+            notifier: RwLock::default(),
+            closed: AtomicBool::new(false),
+            drained: (Mutex::new(()), Condvar::new()),
+            orphans: Mutex::default(),
+        };
+        DmaSpace { inner: Arc::new(SpaceHandle { space: Arc::new(inner) }) }
     }
 
     /// The configuration it was created with.
@@ -327,12 +375,13 @@ impl DmaSpace {
         self.inner.policy.counters()
     }
 
-    pub(crate) fn read_table(&self) -> ShardedLockReadGuard<'_, MappingTable> {
-        crate::sync::read_sharded(&self.inner.table)
+    /// The table, read under this thread's slot lock.
+    pub(crate) fn read_table(&self) -> TableRead<'_> {
+        self.inner.slots.read()
     }
 
-    fn write_table(&self) -> ShardedLockWriteGuard<'_, MappingTable> {
-        crate::sync::write_sharded(&self.inner.table)
+    fn write_table(&self) -> TableWrite<'_> {
+        self.inner.slots.write()
     }
 
     /// Registers the device's unmap notifier, replacing any earlier one.
@@ -455,15 +504,28 @@ impl DmaSpace {
     pub fn abandon_all(&self) -> Unmapped {
         let taken = std::mem::take(&mut *self.write_table());
         let mut unmapped = Unmapped::default();
+        let mut named = Vec::new();
         for m in taken.values() {
             let mut pins = m.lock();
-            if pins.table.pins() != 0 {
-                log::error!("abandoning the mapping at {:#x} with {} pins held", m.iova(), pins.table.pins());
+            m.set_state(&mut pins, MappingState::Removed);
+            drop(pins);
+            let (counted, recorded) = (m.lock().table.pins(), self.inner.slots.pins_in(m));
+            if counted + recorded != 0 {
+                log::error!(
+                    "abandoning the mapping at {:#x} with {} pins held",
+                    m.iova(),
+                    counted + recorded
+                );
             }
-            pins.state = MappingState::Removed;
+            if recorded != 0 {
+                named.push(m.clone());
+            }
             unmapped.mappings += 1;
             unmapped.bytes += m.size();
         }
+        // Track-mode guards point at their mappings without counting them: keep the ones
+        // still pinned with the space, which outlives its guards.
+        crate::sync::lock(&self.inner.orphans).extend(named);
         unmapped
     }
 
@@ -477,13 +539,16 @@ impl DmaSpace {
         let mut busy = Vec::new();
         for (claimed, m) in victims.iter().enumerate() {
             let mut pins = m.lock_for_unmap();
-            if pins.state != MappingState::Live {
+            if m.state() != MappingState::Live {
                 drop(pins);
                 Self::unclaim(&victims[..claimed]);
                 return Err(UnmapError::InProgress { iova: m.iova() });
             }
-            pins.state = MappingState::Unmapping;
-            if pins.table.pins() != 0 {
+            m.set_state(&mut pins, MappingState::Unmapping);
+            drop(pins);
+            // Marked first, then the slots looked at: a track-mode pin either saw the mark
+            // under its slot's lock or left its record there for this to see.
+            if m.lock().table.pins() != 0 || self.inner.slots.pins_in(m) != 0 {
                 busy.push(m.clone());
             }
         }
@@ -498,7 +563,7 @@ impl DmaSpace {
             if table.get(&m.first_pfn).is_some_and(|t| Arc::ptr_eq(t, m)) {
                 table.remove(&m.first_pfn);
             }
-            m.lock().state = MappingState::Removed;
+            m.set_state(&mut m.lock(), MappingState::Removed);
             unmapped.mappings += 1;
             unmapped.bytes += m.size();
         }
@@ -518,7 +583,7 @@ impl DmaSpace {
         let start = Instant::now();
         let deadline = start + self.inner.config.unmap_timeout;
         for m in busy {
-            let pins = m.wait_drained(deadline);
+            let pins = self.wait_drained(m, deadline);
             if pins != 0 {
                 counters.unmap_busy.fetch_add(1, Ordering::Relaxed);
                 return Err(UnmapError::Busy { iova: m.iova(), pins, waited: start.elapsed() });
@@ -527,13 +592,35 @@ impl DmaSpace {
         Ok(())
     }
 
+    /// Waits until `m` holds no pins (counted or recorded) or `deadline` passes; returns the
+    /// pins left.
+    fn wait_drained(&self, m: &Mapping, deadline: Instant) -> u64 {
+        if self.mode() == PinMode::Lock {
+            return m.wait_drained(deadline);
+        }
+        // Guards wake `drained` as their records in an unmapping mapping retire; pins kept
+        // with forget and released by unpin_pages wake the mapping's own condition instead,
+        // so the wait also looks again every 200 us.
+        let (lock, cv) = &self.inner.drained;
+        let mut guard = crate::sync::lock(lock);
+        loop {
+            let left = m.lock().table.pins() + self.inner.slots.pins_in(m);
+            let now = Instant::now();
+            if left == 0 || now >= deadline {
+                return left;
+            }
+            let wait = (deadline - now).min(Duration::from_micros(200));
+            guard = crate::sync::wait_timeout(cv, guard, wait).0;
+        }
+    }
+
     /// Gives back mappings this unmap claimed: live again, unless abandon_all removed them
     /// meanwhile.
     fn unclaim(mappings: &[Arc<Mapping>]) {
         for m in mappings {
             let mut pins = m.lock();
-            if pins.state == MappingState::Unmapping {
-                pins.state = MappingState::Live;
+            if m.state() == MappingState::Unmapping {
+                m.set_state(&mut pins, MappingState::Live);
             }
         }
     }
@@ -564,11 +651,24 @@ impl DmaSpace {
     /// The pin count of the page holding `iova` (0 if unmapped).
     pub fn pin_count(&self, iova: u64) -> u32 {
         let pfn = pfn_of(iova);
-        let table = self.read_table();
-        match table.range(..=pfn).next_back() {
-            Some((_, m)) if m.contains(pfn) => m.lock().table.count(pfn - m.first_pfn),
-            _ => 0,
-        }
+        let mapping = match self.read_table().range(..=pfn).next_back() {
+            Some((_, m)) if m.contains(pfn) => m.clone(),
+            _ => return 0,
+        };
+        let page = pfn - mapping.first_pfn;
+        let mut count = u64::from(mapping.lock().table.count(page));
+        self.inner.slots.for_each_slot(|slot| {
+            for record in slot.records() {
+                for run in record.runs.iter() {
+                    if std::ptr::eq(record.mapping(run.slot), &*mapping)
+                        && (run.page..run.page + run.npages()).contains(&page)
+                    {
+                        count += 1;
+                    }
+                }
+            }
+        });
+        u32::try_from(count).unwrap_or(u32::MAX)
     }
 
     /// Counters and current totals.
@@ -591,7 +691,26 @@ impl DmaSpace {
             notifier_calls: sum(|c| &c.notifier_calls),
             ..DmaStats::default()
         };
-        for m in self.read_table().values() {
+        let mappings: Vec<Arc<Mapping>> = self.read_table().values().cloned().collect();
+        // Track-mode records, as (mapping, first page, pages), for the totals.
+        let mut recorded: Vec<(*const Mapping, u64, u64)> = Vec::new();
+        self.inner.slots.for_each_slot(|slot| {
+            stats.bookkeeping_bytes += slot.bookkeeping_bytes() as u64;
+            stats.pins_held += slot.pins();
+            let c = slot.counts;
+            stats.pin_calls += c.pin_calls;
+            stats.pin_failures += c.pin_failures;
+            stats.unpin_calls += c.unpin_calls;
+            stats.runs += c.runs;
+            stats.pages += c.pages;
+            for record in slot.records() {
+                for run in record.runs.iter() {
+                    recorded.push((record.mapping(run.slot), run.page, run.npages()));
+                }
+            }
+        });
+        recorded.sort_unstable();
+        for m in &mappings {
             let pins = m.lock();
             stats.mappings += 1;
             stats.mapped_bytes += m.size();
@@ -599,6 +718,16 @@ impl DmaSpace {
             stats.pinned_pages += pins.table.pinned_pages();
             stats.bookkeeping_bytes += pins.table.bookkeeping_bytes() as u64;
             stats.poisoned_mappings += u64::from(m.poisoned());
+            // Distinct recorded pages that the counts do not already cover.
+            let ptr: *const Mapping = &**m;
+            let from = recorded.partition_point(|r| r.0 < ptr);
+            let mut next = 0u64; // first page not yet counted
+            for &(_, first, n) in recorded[from..].iter().take_while(|r| r.0 == ptr) {
+                for page in first.max(next)..first + n {
+                    stats.pinned_pages += u64::from(pins.table.count(page) == 0);
+                }
+                next = next.max(first + n);
+            }
         }
         if self.mode() == PinMode::Lock {
             stats.locked_bytes = stats.pinned_pages * PAGE_SIZE;
