@@ -105,10 +105,14 @@ pub enum Op {
         /// Which guard.
         which: usize,
     },
-    /// Unpin the pages of a forgotten guard with `unpin_pages`.
+    /// Unpin the pages of a forgotten guard with `unpin_pages`: all of them, or (`part`
+    /// non-zero) only its first `1 + part % len` entries, which can cut through one of its
+    /// runs; the rest stay kept.
     UnpinKept {
         /// Which forgotten guard.
         which: usize,
+        /// 0: every page; else how many leading entries (modulo the guard's length, plus 1).
+        part: u8,
     },
     /// `unpin_pages` of an arbitrary array, run only when the model says it must fail (a
     /// successful one would take pins a guard owns).
@@ -254,7 +258,7 @@ fn decode_op(b: &mut Bytes<'_>) -> Option<Op> {
         },
         6 => Op::Drop { which: usize::from(b.byte()?) },
         7 => Op::Forget { which: usize::from(b.byte()?) },
-        8 => Op::UnpinKept { which: usize::from(b.byte()?) },
+        8 => Op::UnpinKept { which: usize::from(b.byte()?), part: 0 },
         9 => Op::UnpinAny { pfns: b.pages()? },
         10 => Op::UnpinAnyRange { page: map_page_of(b.byte()?), pages: u64::from(b.byte()? % 41) },
         _ => Op::Access {
@@ -294,7 +298,7 @@ pub fn encode(mode: PinMode, ops: &[Op]) -> Vec<u8> {
             }
             Op::Drop { which } => out.extend([6, *which as u8]),
             Op::Forget { which } => out.extend([7, *which as u8]),
-            Op::UnpinKept { which } => out.extend([8, *which as u8]),
+            Op::UnpinKept { which, .. } => out.extend([8, *which as u8]),
             Op::UnpinAny { pfns } => {
                 out.push(9);
                 array(&mut out, pfns, false);
@@ -735,13 +739,20 @@ pub fn run(ops: &[Op], mode: PinMode) {
                     kept.push(guard.pfns);
                 }
             }
-            &Op::UnpinKept { which } => {
+            &Op::UnpinKept { which, part } => {
                 if !kept.is_empty() {
-                    let pfns = kept.swap_remove(which % kept.len());
+                    let mut pfns = kept.swap_remove(which % kept.len());
+                    let rest = match usize::from(part) {
+                        0 => Vec::new(),
+                        p => pfns.split_off((1 + p % pfns.len()).min(pfns.len())),
+                    };
                     if let Err(e) = space.unpin_pages(&pfns) {
                         panic!("{}", ctx(&format!("unpinning kept pins: {e}")));
                     }
                     model.release_kept(&pfns);
+                    if !rest.is_empty() {
+                        kept.push(rest);
+                    }
                 }
             }
             Op::UnpinAny { pfns } => {
@@ -872,7 +883,7 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
                 Op::UnpinAny { pfns: vec![7, 7, 7] },
                 Op::UnpinAnyRange { page: 6, pages: 5 },
                 Op::UnmapAll,
-                Op::UnpinKept { which: 0 },
+                Op::UnpinKept { which: 0, part: 0 },
                 Op::UnmapAll,
             ],
         ),
@@ -958,7 +969,7 @@ mod tests {
             Op::PinRange { page: 4, pages: 3, write: false },
             Op::Access { which: 1, offset: 4000, len: 300, write: true },
             Op::Forget { which: 0 },
-            Op::UnpinKept { which: 0 },
+            Op::UnpinKept { which: 0, part: 0 },
             Op::UnpinAny { pfns: vec![9] },
             Op::UnpinAnyRange { page: 66, pages: 40 },
             Op::Unmap { page: 4, pages: 8 },

@@ -1455,6 +1455,85 @@ mod tests {
     }
 
     #[test]
+    fn a_track_guard_outlives_its_space_and_keeps_its_memory() {
+        let (space, f) = space_with(Default::default());
+        let pins = space.pin_pages(&[1, 5, 6], Prot::READ_WRITE).unwrap();
+        let other = space.pin_pages(&[2], Prot::READ).unwrap();
+        drop(space);
+        drop(f);
+        // The memory is still mapped: the slot keeps the space until its last record goes.
+        pins.write(0, b"still here").unwrap();
+        let mut buf = [0u8; 10];
+        pins.read(0, &mut buf).unwrap();
+        assert_eq!(&buf, b"still here");
+        drop(other);
+        drop(pins);
+    }
+
+    #[test]
+    fn abandoned_mappings_stay_mapped_under_track_guards() {
+        let (space, _f) = space_with(Default::default());
+        let pins = space.pin_pages(&[3, 4], Prot::READ_WRITE).unwrap();
+        assert_eq!(space.abandon_all().mappings, 1);
+        assert!(space.pin_pages(&[3], Prot::READ).is_err());
+        pins.write(4000, &[7; 300]).unwrap();
+        assert_eq!(space.stats().pins_held, 2);
+        drop(pins);
+        assert_eq!(space.stats().pins_held, 0);
+    }
+
+    #[test]
+    fn overlapping_runs_from_many_threads_count_per_page_and_hold_an_unmap() {
+        // More threads than slots, so slots are shared; every call overlaps the others.
+        let (space, _f) = space_with(Default::default());
+        let guards: Vec<PinnedPages> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..40u64)
+                .map(|t| {
+                    let space = &space;
+                    s.spawn(move || space.pin_pages(&[t % 8, t % 8 + 1, t % 8 + 2, 20], Prot::READ).unwrap())
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(space.pin_count(20 * P), 40);
+        let expect: Vec<u32> = (0..10u64)
+            .map(|p| (0..40u64).filter(|t| (t % 8..t % 8 + 3).contains(&p)).count() as u32)
+            .collect();
+        assert_eq!(counts(&space, 0..10), expect);
+        assert_eq!(space.stats().pins_held, 160);
+        assert_eq!(space.stats().pinned_pages, 11);
+        // An unmap waits for them, and goes once the last guard drops on another thread.
+        let space2 = space.clone();
+        let dropper = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            drop(guards);
+        });
+        let started = std::time::Instant::now();
+        space2.unmap(0, 64 * P).unwrap();
+        assert!(started.elapsed() >= std::time::Duration::from_millis(40));
+        dropper.join().unwrap();
+        assert_eq!(space.stats().pins_held, 0);
+    }
+
+    #[test]
+    fn a_kept_run_can_be_unpinned_in_pieces_and_a_guard_on_it_is_untouched() {
+        let (space, _f) = space_with(Default::default());
+        let kept = space.pin_range(2 * P, 6, Prot::READ).unwrap();
+        kept.forget();
+        let guard = space.pin_pages(&[4, 5], Prot::READ).unwrap();
+        space.unpin_pages(&[4, 5, 6]).unwrap(); // the middle of the kept run
+        assert_eq!(counts(&space, 2..8), vec![1, 1, 1, 1, 0, 1]);
+        // The guard's pins of 4 and 5 are not the kept ones: refused, nothing changes.
+        assert!(matches!(space.unpin_pages(&[2, 4]), Err(UnpinError::NotPinned { index: 1, pfn: 4 })));
+        space.unpin_range(2 * P, 2).unwrap();
+        space.unpin_pages(&[7]).unwrap();
+        assert_eq!(counts(&space, 2..8), vec![0, 0, 1, 1, 0, 0]);
+        drop(guard);
+        assert_eq!(space.stats().pins_held, 0);
+        space.unmap(0, 64 * P).unwrap();
+    }
+
+    #[test]
     fn volatile_copies_cross_runs() {
         let (space, _f) = space_with(Default::default());
         let pins = space.pin_pages(&[3, 9, 10], Prot::READ_WRITE).unwrap();

@@ -50,7 +50,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (map_page(), 0..41u64, any::<bool>()).prop_map(|(page, pages, write)| Op::PinRange { page, pages, write }),
         3 => any::<usize>().prop_map(|which| Op::Drop { which }),
         1 => any::<usize>().prop_map(|which| Op::Forget { which }),
-        1 => any::<usize>().prop_map(|which| Op::UnpinKept { which }),
+        1 => (any::<usize>(), prop_oneof![1 => Just(0u8), 2 => any::<u8>()]).prop_map(|(which, part)| Op::UnpinKept { which, part }),
         1 => prop::collection::vec(page(), 0..6).prop_map(|pfns| Op::UnpinAny { pfns }),
         1 => (map_page(), 0..41u64).prop_map(|(page, pages)| Op::UnpinAnyRange { page, pages }),
         2 => (any::<usize>(), 0..70_000u64, 0..12_289u64, any::<bool>())
