@@ -317,6 +317,12 @@ impl<'a, 'r> Planner<'a, 'r> {
                 return Ok(hint);
             }
         }
+        self.resolve_mapping(pfn, index)
+    }
+
+    /// [`Planner::resolve`] past the call's hint: the slot's hint, else the table.
+    #[inline(never)]
+    fn resolve_mapping(&mut self, pfn: u64, index: usize) -> Result<(usize, u64, u64, usize), PinError> {
         let cached = match self.cache.as_deref() {
             // SAFETY: the slot's hint points into the table, which cannot change while the
             // slot is locked (the caller holds it: `cache` borrows it); `write` clears it.
@@ -411,22 +417,41 @@ impl<'a, 'r> Planner<'a, 'r> {
 #[inline]
 fn run_length(pfns: &[u64], limit: u64) -> u64 {
     let max = usize::try_from(limit).unwrap_or(usize::MAX).min(pfns.len());
-    let start = pfns[0];
-    // Scattered arrays end their runs at once; long runs compare eight entries at a time.
-    if max < 2 || pfns[1] != start.wrapping_add(1) {
+    // Scattered arrays end their runs at once.
+    if max < 2 || pfns[1] != pfns[0].wrapping_add(1) {
         return 1;
     }
-    let mut n = 2;
-    while n + 8 <= max {
-        let base = start.wrapping_add(n as u64);
-        let diff =
-            pfns[n..n + 8].iter().zip(0..8u64).fold(0, |acc, (&p, k)| acc | (p ^ base.wrapping_add(k)));
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2, checked just now.
+        return unsafe { run_length_avx2(&pfns[..max]) };
+    }
+    long_run_length(&pfns[..max])
+}
+
+/// [`long_run_length`] compiled for AVX2: four entries per compare.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn run_length_avx2(pfns: &[u64]) -> u64 {
+    long_run_length(pfns)
+}
+
+/// The run length of the whole of `pfns` (at least its first two entries continue), 32
+/// entries at a time: entry `k` of a run is `start + k`, so `p - k` is the same for all.
+#[inline(always)]
+fn long_run_length(pfns: &[u64]) -> u64 {
+    let start = pfns[0];
+    let mut n = 0;
+    let (chunks, _) = pfns.as_chunks::<32>();
+    for chunk in chunks {
+        let want = start.wrapping_add(n as u64);
+        let diff = chunk.iter().enumerate().fold(0, |acc, (k, &p)| acc | (p.wrapping_sub(k as u64) ^ want));
         if diff != 0 {
             break;
         }
-        n += 8;
+        n += 32;
     }
-    while n < max && pfns[n] == start.wrapping_add(n as u64) {
+    while n < pfns.len() && pfns[n] == start.wrapping_add(n as u64) {
         n += 1;
     }
     n as u64
