@@ -442,8 +442,7 @@ unsafe fn run_length_avx2(pfns: &[u64]) -> u64 {
 fn long_run_length(pfns: &[u64]) -> u64 {
     let start = pfns[0];
     let mut n = 0;
-    let (chunks, _) = pfns.as_chunks::<32>();
-    for chunk in chunks {
+    for chunk in pfns.chunks_exact(32).filter_map(|c| <&[u64; 32]>::try_from(c).ok()) {
         let want = start.wrapping_add(n as u64);
         let diff = chunk.iter().enumerate().fold(0, |acc, (k, &p)| acc | (p.wrapping_sub(k as u64) ^ want));
         if diff != 0 {
