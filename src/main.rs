@@ -267,7 +267,7 @@ enum Command {
         #[arg(long)]
         dir: Option<PathBuf>,
     },
-    /// Benchmark run-split pinning against per-page pinning.
+    /// Benchmark run-split pinning against per-page pinning and plain translation (the grid; --threads for many threads, --svg for a picture).
     Pinbench {
         /// One JSON object per line instead of a table.
         #[arg(long)]
