@@ -663,7 +663,9 @@ impl DmaSpace {
                 return Err(e);
             }
         };
-        record.mappings.extend(planned.mappings.iter().map(|m| NonNull::from(&***m)));
+        for m in &planned.mappings {
+            record.mappings.push(NonNull::from(&***m));
+        }
         record.pages = planned.pages;
         let runs = record.runs.len() as u64;
         if slot.keepalive.is_none() {
