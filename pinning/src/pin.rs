@@ -276,8 +276,6 @@ struct Planner<'a, 'r> {
     /// The mapping last resolved: its guard slot, page range and host address of its first
     /// page. The usual next hit.
     hint: Option<(usize, u64, u64, usize)>,
-    /// The calling slot's hint across calls (see `Slot::hint`), when planning under it.
-    cache: Option<&'r mut SlotHint>,
 }
 
 impl<'a, 'r> Planner<'a, 'r> {
@@ -289,7 +287,6 @@ impl<'a, 'r> Planner<'a, 'r> {
             runs,
             planned: Planned { mappings: SmallVec::new(), pages: 0 },
             hint: None,
-            cache: None,
         }
     }
 
@@ -310,36 +307,15 @@ impl<'a, 'r> Planner<'a, 'r> {
     }
 
     /// The guard slot of the mapping holding `pfn` (entry `index` of the call).
-    #[inline]
     fn resolve(&mut self, pfn: u64, index: usize) -> Result<(usize, u64, u64, usize), PinError> {
         if let Some(hint @ (_, first, end, _)) = self.hint {
             if pfn >= first && pfn < end {
                 return Ok(hint);
             }
         }
-        self.resolve_mapping(pfn, index)
-    }
-
-    /// [`Planner::resolve`] past the call's hint: the slot's hint, else the table.
-    #[inline(never)]
-    fn resolve_mapping(&mut self, pfn: u64, index: usize) -> Result<(usize, u64, u64, usize), PinError> {
-        let cached = match self.cache.as_deref() {
-            // SAFETY: the slot's hint points into the table, which cannot change while the
-            // slot is locked (the caller holds it: `cache` borrows it); `write` clears it.
-            Some(&Some((first, end, m))) if pfn >= first && pfn < end => Some(unsafe { &*m.as_ptr() }),
-            _ => None,
-        };
-        let mapping: &'a Arc<Mapping> = match cached {
-            Some(m) => m,
-            None => match self.table.range(..=pfn).next_back() {
-                Some((_, m)) if m.contains(pfn) => {
-                    if let Some(cache) = self.cache.as_deref_mut() {
-                        *cache = Some((m.first_pfn, m.end_pfn(), NonNull::from(m)));
-                    }
-                    m
-                }
-                _ => return Err(PinError::NotMapped { index, pfn }),
-            },
+        let mapping = match self.table.range(..=pfn).next_back() {
+            Some((_, m)) if m.contains(pfn) => m,
+            _ => return Err(PinError::NotMapped { index, pfn }),
         };
         if self.pinning {
             if !mapping.prot.contains(self.wanted) {
@@ -410,6 +386,120 @@ impl<'a, 'r> Planner<'a, 'r> {
         }
         Ok(self.planned)
     }
+}
+
+/// What a track-mode call names.
+enum Entries<'p> {
+    /// An array of page numbers.
+    Array(&'p [u64]),
+    /// `npages` pages from a page number.
+    Range(u64, u64),
+}
+
+/// The mapping a track-mode run lies in: its slot in the record, page range and host address
+/// of its first page.
+type Resolved = (usize, u64, u64, usize);
+
+/// Finds the mapping holding `pfn` (entry `index`) for a track-mode call: the slot's hint,
+/// else the table (which then becomes the hint); checks its access and memory; adds it to the
+/// record's mappings if new. The caller holds the slot's lock, which `hint` belongs to.
+#[inline(never)]
+fn resolve_into(
+    table: &MappingTable,
+    hint: &mut SlotHint,
+    wanted: Prot,
+    pfn: u64,
+    index: usize,
+    record: &mut Record,
+) -> Result<Resolved, PinError> {
+    let mapping: &Arc<Mapping> = match *hint {
+        // SAFETY: the hint points into the table, which cannot change while the slot is
+        // locked (the caller holds it); `SlotTable::write` clears it.
+        Some((first, end, m)) if pfn >= first && pfn < end => unsafe { &*m.as_ptr() },
+        _ => match table.range(..=pfn).next_back() {
+            Some((_, m)) if m.contains(pfn) => {
+                *hint = Some((m.first_pfn, m.end_pfn(), NonNull::from(m)));
+                m
+            }
+            _ => return Err(PinError::NotMapped { index, pfn }),
+        },
+    };
+    if !mapping.prot.contains(wanted) {
+        return Err(PinError::Permission { index, pfn, wanted, have: mapping.prot });
+    }
+    let Some(base) = mapping.host_addr(0) else {
+        return Err(PinError::NoHostMemory { index, pfn });
+    };
+    if mapping.poisoned() {
+        return Err(PinError::Poisoned { index, pfn });
+    }
+    let ptr = NonNull::from(&**mapping);
+    let slot = match record.mappings.iter().position(|&m| m == ptr) {
+        Some(slot) => slot,
+        None => {
+            record.mappings.push(ptr);
+            record.mappings.len() - 1
+        }
+    };
+    Ok((slot, mapping.first_pfn, mapping.end_pfn(), base))
+}
+
+#[inline]
+fn push_run_into(record: &mut Record, (slot, first, _, base): Resolved, pfn: u64, npages: u64, index: usize) {
+    let page = pfn - first;
+    let host = base + (page * PAGE_SIZE) as usize;
+    record.runs.push(PinnedRun { iova: iova_of(pfn), npages, index, host, slot, page });
+    record.pages += npages;
+}
+
+/// Cuts an array into maximal runs, into a track-mode record.
+fn plan_array_into(
+    table: &MappingTable,
+    hint: &mut SlotHint,
+    wanted: Prot,
+    pfns: &[u64],
+    record: &mut Record,
+) -> Result<(), PinError> {
+    if pfns.len() > record.runs.inline_size() {
+        record.runs.reserve(pfns.len().min(4096));
+    }
+    let mut current: Option<Resolved> = None;
+    let mut i = 0;
+    while i < pfns.len() {
+        let start = pfns[i];
+        let hit = match current {
+            Some(c) if start >= c.1 && start < c.2 => c,
+            _ => {
+                let c = resolve_into(table, hint, wanted, start, i, record)?;
+                current = Some(c);
+                c
+            }
+        };
+        let n = run_length(&pfns[i..], hit.2 - start);
+        push_run_into(record, hit, start, n, i);
+        i += n as usize;
+    }
+    Ok(())
+}
+
+/// Cuts `[pfn, pfn + npages)` at mapping boundaries, into a track-mode record.
+fn plan_range_into(
+    table: &MappingTable,
+    hint: &mut SlotHint,
+    wanted: Prot,
+    pfn: u64,
+    npages: u64,
+    record: &mut Record,
+) -> Result<(), PinError> {
+    let mut done = 0u64;
+    while done < npages {
+        let here = pfn + done;
+        let hit = resolve_into(table, hint, wanted, here, done as usize, record)?;
+        let n = (hit.2 - here).min(npages - done);
+        push_run_into(record, hit, here, n, done as usize);
+        done += n;
+    }
+    Ok(())
 }
 
 /// How many entries from `pfns[0]` go on page by page (at most `limit`, the pages left in
@@ -586,7 +676,7 @@ impl DmaSpace {
             return Err(e);
         }
         if self.mode() == PinMode::Track {
-            return self.pin_recorded(prot, |p| p.plan_array(pfns));
+            return self.pin_recorded(prot, Entries::Array(pfns));
         }
         let plan = Planner::owned(&self.read_table(), prot, true, |p| p.plan_array(pfns));
         self.apply(plan, prot)
@@ -607,7 +697,7 @@ impl DmaSpace {
             return Err(e);
         }
         if self.mode() == PinMode::Track {
-            return self.pin_recorded(prot, |p| p.plan_range(pfn, npages));
+            return self.pin_recorded(prot, Entries::Range(pfn, npages));
         }
         let plan = Planner::owned(&self.read_table(), prot, true, |p| p.plan_range(pfn, npages));
         self.apply(plan, prot)
@@ -617,64 +707,51 @@ impl DmaSpace {
     /// record of the slot, the mappings checked live, the pins reserved, and the record
     /// published; the guard points at it. No per-page work, no lock or line shared with
     /// other threads (but the slot's, when more threads than slots pin at once).
-    fn pin_recorded(
-        &self,
-        prot: Prot,
-        plan: impl for<'a, 'r> FnOnce(Planner<'a, 'r>) -> Result<Planned<'a>, PinError>,
-    ) -> Result<PinnedPages, PinError> {
+    fn pin_recorded(&self, prot: Prot, what: Entries<'_>) -> Result<PinnedPages, PinError> {
         let space = &self.inner.space;
         let mut read = self.read_table();
         let slot_index = read.index();
         let (table, slot) = read.parts();
         let mut record = slot.fresh();
-        let mut planner = Planner::new(table, prot, true, &mut record.runs);
-        planner.cache = Some(&mut slot.hint);
-        let planned = plan(planner)
-            .and_then(|planned| {
-                // A mapping an unmap has marked grants no new pins; the unmap, which marks first
-                // and then looks at the slots, either waits for this record or was seen here.
-                for (slot, m) in planned.mappings.iter().enumerate() {
-                    let state = m.state();
-                    if state == MappingState::Live {
-                        continue;
-                    }
+        let planned = match what {
+            Entries::Array(pfns) => plan_array_into(table, &mut slot.hint, prot, pfns, &mut record),
+            Entries::Range(pfn, npages) => {
+                plan_range_into(table, &mut slot.hint, prot, pfn, npages, &mut record)
+            }
+        };
+        let reserved = planned.and_then(|()| {
+            // A mapping an unmap has marked grants no new pins; the unmap, which marks first
+            // and then looks at the slots, either waits for this record or was seen here.
+            for i in 0..record.mappings.len() {
+                let state = record.mapping(i).state();
+                if state != MappingState::Live {
                     // Report the first entry in that mapping.
-                    let run =
-                        record.runs.iter().find(|r| r.slot == slot).expect("a planned mapping has a run");
+                    let run = record.runs.iter().find(|r| r.slot == i).expect("a planned mapping has a run");
                     let (index, pfn) = (run.index, run.iova >> PAGE_SHIFT);
                     return Err(match state {
                         MappingState::Unmapping => PinError::Unmapping { index, pfn },
                         _ => PinError::NotMapped { index, pfn },
                     });
                 }
-                Ok(planned)
-            })
-            .and_then(|planned| {
-                reserve_in_slot(space, slot, slot_index, planned.pages).map_err(|held| {
-                    PinError::PinLimit { requested: planned.pages, held, max: space.policy.max_pins }
-                })?;
-                Ok(planned)
-            });
-        let planned = match planned {
-            Ok(planned) => planned,
-            Err(e) => {
-                slot.discard(record);
-                slot.counts.pin_failures += 1;
-                return Err(e);
             }
-        };
-        for m in &planned.mappings {
-            record.mappings.push(NonNull::from(&***m));
+            reserve_in_slot(space, slot, slot_index, record.pages).map_err(|held| PinError::PinLimit {
+                requested: record.pages,
+                held,
+                max: space.policy.max_pins,
+            })
+        });
+        if let Err(e) = reserved {
+            slot.discard(record);
+            slot.counts.pin_failures += 1;
+            return Err(e);
         }
-        record.pages = planned.pages;
-        let runs = record.runs.len() as u64;
         if slot.keepalive.is_none() {
             // Once per slot: the slot holds the space while it has records (see SpaceHandle).
             slot.keepalive = Some(Arc::clone(space));
         }
         slot.counts.pin_calls += 1;
-        slot.counts.runs += runs;
-        slot.counts.pages += planned.pages;
+        slot.counts.runs += record.runs.len() as u64;
+        slot.counts.pages += record.pages;
         let record = slot.publish(record);
         drop(read);
         Ok(PinnedPages {

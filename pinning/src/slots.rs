@@ -165,6 +165,7 @@ impl Slot {
     pub(crate) fn discard(&mut self, mut record: Box<Record>) {
         record.runs.clear();
         record.mappings.clear();
+        record.pages = 0;
         if self.free.len() < FREE_RECORDS {
             self.free.push(record);
         }
