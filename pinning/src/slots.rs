@@ -81,8 +81,10 @@ pub(crate) struct Record {
     pub(crate) mappings: SmallVec<[NonNull<Mapping>; 2]>,
     /// Pages pinned (entries of the call).
     pub(crate) pages: u64,
-    /// Position in the slot's `live` list.
-    at: usize,
+    /// Position in the slot's `live` list. Changed (under the slot's lock) when another
+    /// record retires, while this record's guard may be reading the record on another
+    /// thread: hence through a shared reference, as an atomic.
+    at: AtomicUsize,
 }
 
 impl Record {
@@ -172,8 +174,8 @@ impl Slot {
     }
 
     /// Makes `record` live; the pointer stays valid until [`Slot::retire`].
-    pub(crate) fn publish(&mut self, mut record: Box<Record>) -> NonNull<Record> {
-        record.at = self.live.len();
+    pub(crate) fn publish(&mut self, record: Box<Record>) -> NonNull<Record> {
+        record.at.store(self.live.len(), Ordering::Relaxed);
         self.pins += record.pages;
         let ptr = NonNull::from(Box::leak(record));
         self.live.push(ptr);
@@ -188,11 +190,12 @@ impl Slot {
     pub(crate) unsafe fn retire(&mut self, record: NonNull<Record>) {
         // SAFETY: per the contract, the record is live in this slot: a box it owns.
         let record = unsafe { Box::from_raw(record.as_ptr()) };
-        let at = record.at;
+        let at = record.at.load(Ordering::Relaxed);
         self.live.swap_remove(at);
         if let Some(moved) = self.live.get_mut(at) {
-            // SAFETY: live records are valid boxes owned by this slot, whose lock we hold.
-            unsafe { moved.as_mut().at = at };
+            // SAFETY: live records are valid boxes owned by this slot; only shared references
+            // to them exist (their guards'), and `at` is atomic.
+            unsafe { moved.as_ref() }.at.store(at, Ordering::Relaxed);
         }
         self.pins -= record.pages;
         self.discard(record);
