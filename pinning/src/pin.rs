@@ -403,7 +403,7 @@ type Resolved = (usize, u64, u64, usize);
 /// Finds the mapping holding `pfn` (entry `index`) for a track-mode call: the slot's hint,
 /// else the table (which then becomes the hint); checks its access and memory; adds it to the
 /// record's mappings if new. The caller holds the slot's lock, which `hint` belongs to.
-#[inline(never)]
+#[inline]
 fn resolve_into(
     table: &MappingTable,
     hint: &mut SlotHint,
@@ -453,6 +453,7 @@ fn push_run_into(record: &mut Record, (slot, first, _, base): Resolved, pfn: u64
 }
 
 /// Cuts an array into maximal runs, into a track-mode record.
+#[inline]
 fn plan_array_into(
     table: &MappingTable,
     hint: &mut SlotHint,
@@ -576,11 +577,18 @@ impl<'a> Locked<'a> {
 /// from the slot's stock, else from the space's count with a new stock, else exactly. Before
 /// failing, every stock that can be reached without waiting goes back to the space, so a
 /// call fails only if the pins held (and stocks of slots busy at that moment) leave no room.
+#[inline]
 fn reserve_in_slot(space: &SpaceInner, slot: &mut Slot, own: usize, pins: u64) -> Result<(), u64> {
     if let Some(left) = slot.stock.checked_sub(pins) {
         slot.stock = left;
         return Ok(());
     }
+    refill_and_reserve(space, slot, own, pins)
+}
+
+/// [`reserve_in_slot`] when the slot's stock is short.
+#[inline(never)]
+fn refill_and_reserve(space: &SpaceInner, slot: &mut Slot, own: usize, pins: u64) -> Result<(), u64> {
     let policy = &space.policy;
     if pins.checked_add(PIN_STOCK).is_some_and(|more| policy.take(more).is_ok()) {
         slot.stock += PIN_STOCK;
