@@ -100,8 +100,10 @@ impl PinPolicy {
 
     /// Reserves `pins` under the space's limit; `Err(held)` if they do not fit.
     ///
-    /// Exact: a call fails only if the pins held plus `pins` exceed `max_pins`, since on the
-    /// way to failing every slot's unused stock is returned first.
+    /// A call fails only if the pins held plus `pins` exceed `max_pins` (every slot's unused
+    /// stock is returned first), counting as held the stock of track-mode slots that are
+    /// locked by other calls at that moment: near the limit, concurrent calls may be refused
+    /// up to 8192 pins per busy slot early.
     pub(crate) fn reserve(&self, pins: u64) -> Result<(), u64> {
         let stock = self.stock.here();
         if stock.fetch_update(Ordering::AcqRel, Ordering::Acquire, |s| s.checked_sub(pins)).is_ok() {
@@ -398,7 +400,8 @@ impl Mapping {
             }
             self.policy.account.refund(pages * PAGE_SIZE);
         }
-        if self.state() == MappingState::Unmapping && pins.table.pins() == 0 {
+        // Unmapping, or taken by abandon_all while an unmap waited: wake the waiter.
+        if self.state() != MappingState::Live && pins.table.pins() == 0 {
             self.drained.notify_all();
         }
     }

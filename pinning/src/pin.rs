@@ -728,11 +728,18 @@ impl DmaSpace {
             }
         };
         let reserved = planned.and_then(|()| {
+            // The limit first, then the mappings' state, in the order lock mode checks them.
+            reserve_in_slot(space, slot, slot_index, record.pages).map_err(|held| PinError::PinLimit {
+                requested: record.pages,
+                held,
+                max: space.policy.max_pins,
+            })?;
             // A mapping an unmap has marked grants no new pins; the unmap, which marks first
             // and then looks at the slots, either waits for this record or was seen here.
             for i in 0..record.mappings.len() {
                 let state = record.mapping(i).state();
                 if state != MappingState::Live {
+                    slot.stock += record.pages;
                     // Report the first entry in that mapping.
                     let run = record.runs.iter().find(|r| r.slot == i).expect("a planned mapping has a run");
                     let (index, pfn) = (run.index, run.iova >> PAGE_SHIFT);
@@ -742,11 +749,7 @@ impl DmaSpace {
                     });
                 }
             }
-            reserve_in_slot(space, slot, slot_index, record.pages).map_err(|held| PinError::PinLimit {
-                requested: record.pages,
-                held,
-                max: space.policy.max_pins,
-            })
+            Ok(())
         });
         if let Err(e) = reserved {
             slot.discard(record);
@@ -851,6 +854,9 @@ impl DmaSpace {
     /// addresses are only as good as the caller's own knowledge that no unmap happens: this is
     /// plain translation as an unsafe translator (libvfio-user's `vfu_addr_to_sgl`) does it,
     /// the floor pinbench measures pins against.
+    ///
+    /// `f` runs under the table's read lock (this thread's slot): it must not call into this
+    /// space (pin, unpin, drop a guard of it, map, look up); it should only record the runs.
     pub fn translate_pages(
         &self,
         pfns: &[u64],
@@ -869,8 +875,8 @@ impl DmaSpace {
                 Some(h @ (first, end, _)) if start >= first && start < end => h,
                 _ => {
                     let m: &Arc<Mapping> = match slot.hint {
-                        // SAFETY: as in Planner::resolve: the slot is locked, so the table
-                        // (and the entry the hint points at) cannot change.
+                        // SAFETY: as in resolve_into: the slot is locked, so the table (and
+                        // the entry the hint points at) cannot change.
                         Some((first, end, m)) if start >= first && start < end => unsafe { &*m.as_ptr() },
                         _ => match table.range(..=start).next_back() {
                             Some((_, m)) if m.contains(start) => {
@@ -1227,7 +1233,9 @@ impl PinnedPages {
     /// model). Memory under pins kept this way is never unmapped while they are held.
     ///
     /// In track mode the pins move from the guard's record to the per-page counts (the
-    /// model's bookkeeping), which cost a pass over the pages.
+    /// model's bookkeeping), which cost a pass over the pages. A page already holding
+    /// [`crate::MAX_PIN_COUNT`] kept pins cannot count more: the guard's pins then stay held
+    /// for good (logged; their mappings are never unmapped, as with any pin never returned).
     pub fn forget(mut self) {
         if let Hold::Recorded { space, slot, record } = self.hold {
             // SAFETY: the record is live until retired below.
@@ -1235,7 +1243,9 @@ impl PinnedPages {
             // Counted first, then retired: an unmap sees the pins throughout.
             for (done, run) in rec.runs.iter().enumerate() {
                 let mapping = rec.mapping(run.slot);
-                if let Err(page) = mapping.lock().table.try_increment(run.page, run.npages).map(drop) {
+                // Bound first: the undo below locks mappings again.
+                let counted = mapping.lock().table.try_increment(run.page, run.npages).map(drop);
+                if let Err(page) = counted {
                     for undo in rec.runs[..done].iter().rev() {
                         rec.mapping(undo.slot).lock().table.decrement(undo.page, undo.npages, None);
                     }
@@ -1290,6 +1300,8 @@ impl Drop for PinnedPages {
                 // An unmap waiting for these pins is woken once they are gone; hold the
                 // space across that, since after the slot's lock it may go.
                 let waking = (0..rec.mappings.len()).any(|i| rec.mapping(i).state() != MappingState::Live);
+                let orphaned =
+                    (0..rec.mappings.len()).any(|i| rec.mapping(i).state() == MappingState::Removed);
                 let keep = if waking { locked.keepalive.clone() } else { None };
                 // SAFETY: the record was published in this slot and is retired once, here.
                 unsafe { locked.retire(record) };
@@ -1308,6 +1320,10 @@ impl Drop for PinnedPages {
                 if let Some(space) = keep.as_ref().or(last.as_ref()) {
                     if waking {
                         space.wake_unmap();
+                    }
+                    if orphaned {
+                        // An abandoned mapping this record named may be free to go now.
+                        space.prune_orphans();
                     }
                 }
                 drop(keep);
@@ -1642,6 +1658,140 @@ mod tests {
         drop(guard);
         assert_eq!(space.stats().pins_held, 0);
         space.unmap(0, 64 * P).unwrap();
+    }
+
+    /// Runs `f` on a thread; false if it has not finished within `secs`.
+    fn finishes_within(secs: u64, f: impl FnOnce() + Send + 'static) -> bool {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            f();
+            let _ = tx.send(());
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(secs)).is_ok()
+    }
+
+    fn is_mapped(addr: usize) -> bool {
+        // SAFETY: msync only asks the kernel about the range; it fails with ENOMEM if unmapped.
+        unsafe { libc::msync(addr as *mut libc::c_void, P as usize, libc::MS_ASYNC) == 0 }
+    }
+
+    #[test]
+    fn forgetting_onto_a_saturated_page_neither_hangs_nor_frees_the_pins() {
+        let space = DmaSpace::new(DmaSpaceConfig {
+            max_pins: 1 << 20,
+            unmap_timeout: std::time::Duration::from_millis(50),
+            ..Default::default()
+        });
+        let file = memfd(64);
+        space.map(0, 64 * P, file.as_fd(), 0, Prot::READ_WRITE).unwrap();
+        for _ in 0..crate::MAX_PIN_COUNT {
+            space.pin_pages(&[9], Prot::READ).unwrap().forget();
+        }
+        // Page 5 is counted, then page 9 overflows: the undo relocks page 5's mapping.
+        let guard = space.pin_pages(&[5, 9], Prot::READ).unwrap();
+        assert!(finishes_within(5, move || guard.forget()), "forget() deadlocked");
+        // As documented: those pins stay held, so the memory is never unmapped under them.
+        assert_eq!(space.pin_count(5 * P), 1);
+        assert!(matches!(space.unmap(0, 64 * P), Err(crate::UnmapError::Busy { .. })));
+    }
+
+    #[test]
+    fn abandon_all_racing_an_unmap_that_waits_deadlocks_in_neither_mode() {
+        for mode in [PinMode::Lock, PinMode::Track] {
+            const N: u64 = 2000;
+            for attempt in 0..3u64 {
+                let space = DmaSpace::new(DmaSpaceConfig {
+                    mode,
+                    account: Arc::new(LockAccount::unlimited()),
+                    max_mappings: N as usize + 1,
+                    unmap_timeout: std::time::Duration::from_secs(30),
+                    ..Default::default()
+                });
+                let file = memfd(N);
+                for i in 0..N {
+                    space.map(i * P, P, file.as_fd(), i * P, Prot::READ_WRITE).unwrap();
+                }
+                let guard = space.pin_pages(&[N - 1], Prot::READ).unwrap();
+                let u = {
+                    let s = space.clone();
+                    std::thread::spawn(move || s.unmap(0, N * P).map(|u| u.mappings))
+                };
+                std::thread::sleep(std::time::Duration::from_millis(100)); // the unmap waits for the guard
+                let a = {
+                    let s = space.clone();
+                    std::thread::spawn(move || s.abandon_all().mappings)
+                };
+                while !space.mappings().is_empty() {
+                    std::hint::spin_loop();
+                }
+                std::thread::sleep(std::time::Duration::from_micros(50 * attempt));
+                drop(guard);
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+                while !(u.is_finished() && a.is_finished()) {
+                    assert!(
+                        std::time::Instant::now() < deadline,
+                        "{mode:?} #{attempt}: unmap {} abandon {}",
+                        u.is_finished(),
+                        a.is_finished()
+                    );
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn an_abandoned_mapping_is_unmapped_when_its_last_guard_drops() {
+        for mode in [PinMode::Lock, PinMode::Track] {
+            let space = DmaSpace::new(DmaSpaceConfig {
+                mode,
+                account: Arc::new(LockAccount::unlimited()),
+                ..Default::default()
+            });
+            let file = memfd(4);
+            space.map(0, 4 * P, file.as_fd(), 0, Prot::READ_WRITE).unwrap();
+            let pins = space.pin_pages(&[1], Prot::READ).unwrap();
+            let host = pins.host_addr(0).unwrap();
+            space.abandon_all();
+            assert!(is_mapped(host), "{mode:?}: unmapped under a guard");
+            if mode == PinMode::Track {
+                // (Lock-mode guards keep abandoned mappings themselves; the space's totals
+                // then leave them out.)
+                assert_eq!((space.stats().pins_held, space.stats().pinned_pages), (1, 1));
+            }
+            drop(pins);
+            assert!(!is_mapped(host), "{mode:?}: still mapped after its last guard");
+            assert_eq!(space.stats().pins_held, 0);
+        }
+    }
+
+    #[test]
+    fn both_modes_report_the_pin_limit_before_an_unmapping_mapping() {
+        let mut seen = Vec::new();
+        for mode in [PinMode::Lock, PinMode::Track] {
+            let space = DmaSpace::new(DmaSpaceConfig {
+                mode,
+                account: Arc::new(LockAccount::unlimited()),
+                max_pins: 2,
+                unmap_timeout: std::time::Duration::from_millis(20),
+                ..Default::default()
+            });
+            let file = memfd(8);
+            space.map(0, 8 * P, file.as_fd(), 0, Prot::READ_WRITE).unwrap();
+            let held = space.pin_range(0, 2, Prot::READ).unwrap();
+            let got = Arc::new(std::sync::Mutex::new(String::new()));
+            let (weak, g) = (Arc::downgrade(&space.inner), got.clone());
+            space.set_unmap_notifier(Some(Arc::new(move |_, _| {
+                let space = DmaSpace { inner: weak.upgrade().expect("the space lives") };
+                *g.lock().unwrap() = format!("{:?}", space.pin_pages(&[5], Prot::READ).map(|_| ()));
+            })));
+            let _ = space.unmap(0, 8 * P);
+            space.set_unmap_notifier(None);
+            seen.push(got.lock().unwrap().clone());
+            drop(held);
+        }
+        assert_eq!(seen[0], seen[1]);
+        assert!(seen[0].contains("PinLimit"), "{seen:?}");
     }
 
     #[test]

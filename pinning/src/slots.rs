@@ -28,6 +28,9 @@ pub(crate) const SLOTS: usize = 16;
 /// Emptied records a slot keeps for reuse.
 const FREE_RECORDS: usize = 64;
 
+/// Most runs a kept record has room for (a 512-entry scattered list): bigger ones are freed.
+const KEEP_RUNS: usize = 512;
+
 static NEXT_SLOT: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
@@ -90,8 +93,10 @@ pub(crate) struct Record {
 impl Record {
     /// The mapping of run slot `i`.
     pub(crate) fn mapping(&self, i: usize) -> &Mapping {
-        // SAFETY: a live record's mappings stay allocated (see the field); a retired or fresh
-        // record is reached only by its slot, which does not call this on it.
+        // SAFETY: a live record's mappings stay allocated (see the field). A record being
+        // filled is asked only by the pin call filling it, under its slot's lock, with
+        // pointers it just took from the table, which cannot change meanwhile. Retired
+        // records have no mappings.
         unsafe { self.mappings[i].as_ref() }
     }
 
@@ -168,7 +173,8 @@ impl Slot {
         record.runs.clear();
         record.mappings.clear();
         record.pages = 0;
-        if self.free.len() < FREE_RECORDS {
+        // A record grown by a huge scattered call is not worth keeping.
+        if self.free.len() < FREE_RECORDS && record.runs.capacity() <= KEEP_RUNS {
             self.free.push(record);
         }
     }
@@ -269,8 +275,9 @@ pub(crate) struct TableRead<'a> {
 }
 
 impl<'a> TableRead<'a> {
-    /// The table and the locked slot, apart.
-    pub(crate) fn parts(&mut self) -> (&'a MappingTable, &mut Slot) {
+    /// The table and the locked slot, apart (both borrowed from this read: the table is
+    /// safe to read only while the slot's lock is held).
+    pub(crate) fn parts(&mut self) -> (&MappingTable, &mut Slot) {
         (self.table, &mut self.slot)
     }
 

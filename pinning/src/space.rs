@@ -289,6 +289,17 @@ pub(crate) struct SpaceInner {
 }
 
 impl SpaceInner {
+    /// Lets go of abandoned mappings no record names any more (their memory is unmapped).
+    pub(crate) fn prune_orphans(&self) {
+        let gone: Vec<Arc<Mapping>> = {
+            let mut orphans = crate::sync::lock(&self.orphans);
+            let (keep, gone): (Vec<_>, Vec<_>) = orphans.drain(..).partition(|m| self.slots.pins_in(m) != 0);
+            *orphans = keep;
+            gone
+        };
+        drop(gone);
+    }
+
     /// Wakes an unmap waiting for records to retire.
     pub(crate) fn wake_unmap(&self) {
         let _guard = crate::sync::lock(&self.drained.0);
@@ -509,7 +520,10 @@ impl DmaSpace {
             let mut pins = m.lock();
             m.set_state(&mut pins, MappingState::Removed);
             drop(pins);
-            let (counted, recorded) = (m.lock().table.pins(), self.inner.slots.pins_in(m));
+            // Slots first, then the counts, each lock alone (never a mapping's lock while
+            // taking slot locks: `remove` holds every slot lock and then takes mappings').
+            let recorded = self.inner.slots.pins_in(m);
+            let counted = m.lock().table.pins();
             if counted + recorded != 0 {
                 log::error!(
                     "abandoning the mapping at {:#x} with {} pins held",
@@ -548,7 +562,11 @@ impl DmaSpace {
             drop(pins);
             // Marked first, then the slots looked at: a track-mode pin either saw the mark
             // under its slot's lock or left its record there for this to see.
-            if m.lock().table.pins() != 0 || self.inner.slots.pins_in(m) != 0 {
+            // Slots before counts, each lock alone: forget counts first and retires second,
+            // so this sees its pins one way or the other.
+            let recorded = self.inner.slots.pins_in(m);
+            let counted = m.lock().table.pins();
+            if recorded + counted != 0 {
                 busy.push(m.clone());
             }
         }
@@ -563,9 +581,12 @@ impl DmaSpace {
             if table.get(&m.first_pfn).is_some_and(|t| Arc::ptr_eq(t, m)) {
                 table.remove(&m.first_pfn);
             }
-            m.set_state(&mut m.lock(), MappingState::Removed);
             unmapped.mappings += 1;
             unmapped.bytes += m.size();
+        }
+        drop(table);
+        for m in &victims {
+            m.set_state(&mut m.lock(), MappingState::Removed);
         }
         Ok(unmapped)
     }
@@ -600,16 +621,17 @@ impl DmaSpace {
         }
         // Guards wake `drained` as their records in an unmapping mapping retire; pins kept
         // with forget and released by unpin_pages wake the mapping's own condition instead,
-        // so the wait also looks again every 200 us.
+        // so the wait also looks again every millisecond.
         let (lock, cv) = &self.inner.drained;
         let mut guard = crate::sync::lock(lock);
         loop {
-            let left = m.lock().table.pins() + self.inner.slots.pins_in(m);
+            let recorded = self.inner.slots.pins_in(m);
+            let left = recorded + m.lock().table.pins();
             let now = Instant::now();
             if left == 0 || now >= deadline {
                 return left;
             }
-            let wait = (deadline - now).min(Duration::from_micros(200));
+            let wait = (deadline - now).min(Duration::from_millis(1));
             guard = crate::sync::wait_timeout(cv, guard, wait).0;
         }
     }
@@ -692,6 +714,8 @@ impl DmaSpace {
             ..DmaStats::default()
         };
         let mappings: Vec<Arc<Mapping>> = self.read_table().values().cloned().collect();
+        // Abandoned mappings still named by records: their pages are pinned, they are not mapped.
+        let orphans: Vec<Arc<Mapping>> = crate::sync::lock(&self.inner.orphans).clone();
         // Track-mode records, as (mapping, first page, pages), for the totals.
         let mut recorded: Vec<(*const Mapping, u64, u64)> = Vec::new();
         self.inner.slots.for_each_slot(|slot| {
@@ -710,21 +734,31 @@ impl DmaSpace {
             }
         });
         recorded.sort_unstable();
-        for m in &mappings {
+        let listed = mappings.len();
+        for (i, m) in mappings.iter().chain(&orphans).enumerate() {
             let pins = m.lock();
-            stats.mappings += 1;
-            stats.mapped_bytes += m.size();
-            stats.pins_held += pins.table.pins();
-            stats.pinned_pages += pins.table.pinned_pages();
-            stats.bookkeeping_bytes += pins.table.bookkeeping_bytes() as u64;
-            stats.poisoned_mappings += u64::from(m.poisoned());
-            // Distinct recorded pages that the counts do not already cover.
+            if i < listed {
+                stats.mappings += 1;
+                stats.mapped_bytes += m.size();
+                stats.pins_held += pins.table.pins();
+                stats.pinned_pages += pins.table.pinned_pages();
+                stats.bookkeeping_bytes += pins.table.bookkeeping_bytes() as u64;
+                stats.poisoned_mappings += u64::from(m.poisoned());
+            }
+            // Distinct recorded pages that the counts do not already cover (without counts,
+            // the merged runs' lengths).
+            let counted = pins.table.pins() != 0;
             let ptr: *const Mapping = &**m;
             let from = recorded.partition_point(|r| r.0 < ptr);
             let mut next = 0u64; // first page not yet counted
             for &(_, first, n) in recorded[from..].iter().take_while(|r| r.0 == ptr) {
-                for page in first.max(next)..first + n {
-                    stats.pinned_pages += u64::from(pins.table.count(page) == 0);
+                let start = first.max(next);
+                if counted {
+                    for page in start..first + n {
+                        stats.pinned_pages += u64::from(pins.table.count(page) == 0);
+                    }
+                } else {
+                    stats.pinned_pages += (first + n).saturating_sub(start);
                 }
                 next = next.max(first + n);
             }
