@@ -240,7 +240,10 @@ impl Session {
             Request::RegionWrite { region, offset, data } => {
                 self.check_access(region, offset, data.len(), RegionFlags::WRITE)?;
                 self.device.region_write(region, offset, data).map_err(device_errno)?;
-                Ok(Reply::Payload(reply::region_access(offset, region, data.len() as u32).to_vec()))
+                // In the scratch buffer: a doorbell (posted, or not) allocates nothing.
+                self.scratch.clear();
+                self.scratch.extend_from_slice(&reply::region_access(offset, region, data.len() as u32));
+                Ok(Reply::Scratch)
             }
             Request::RegionWriteMulti(writes) => {
                 if !negotiated.write_multiple {
