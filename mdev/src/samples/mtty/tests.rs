@@ -450,7 +450,13 @@ fn wide_accesses_are_byte_accesses_in_order() {
     let mut b = [0u8; 8];
     rig.dev.region_read(0, 0, &mut b).unwrap();
     assert_eq!(b[3..], [LCR_8N1, MCR_RTS, 0x60, 0xb0, 0x77]);
-    // Outside the BAR, or a port the card lacks.
+    // Outside the BAR, or a port the card lacks: refused whole (EINVAL), no byte of it done.
+    rig.outb(0, SCR, 0x5a);
+    let err = rig.dev.region_write(0, 7, &[0x11, 0x22]).unwrap_err();
+    assert_eq!(err.errno(), libc::EINVAL);
+    assert_eq!(rig.inb(0, SCR), 0x5a, "a refused write reaches no register");
+    assert!(rig.dev.region_read(0, 0, &mut [0; 9]).is_err(), "9 bytes");
+    assert!(rig.dev.region_read(0, 0, &mut []).is_err(), "0 bytes");
     assert!(rig.dev.region_read(0, 7, &mut [0; 2]).is_err());
     use crate::pci::PciFunction;
     let f = rig.dev.function();
