@@ -11,28 +11,19 @@ mod common;
 use std::io::Read;
 use std::path::Path;
 use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::guest::{self, GuestSpec};
-use common::process::{umdev, ChildGuard};
-use common::raw::RawClient;
+use common::process::{self, ChildGuard};
 
 /// `umdev run --type nvme` on `socket` with `opts`, stderr kept for the statistics it
 /// prints on exit.
 fn serve(socket: &Path, opts: &[&str]) -> ChildGuard {
-    let mut cmd = umdev();
-    cmd.arg("run").arg("--type").arg("nvme").arg("--socket").arg(socket);
+    let mut args = vec!["--type", "nvme"];
     for o in opts {
-        cmd.arg("--opt").arg(o);
+        args.extend(["--opt", o]);
     }
-    let child = ChildGuard(cmd.stderr(Stdio::piped()).spawn().unwrap());
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while RawClient::connect(socket).is_err() {
-        assert!(Instant::now() < deadline, "umdev run never listened");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    std::thread::sleep(Duration::from_millis(20));
-    child
+    process::run_with_stderr(socket, &args, Stdio::piped())
 }
 
 /// Stops the daemon with SIGTERM; the device state it printed on exit.

@@ -5,48 +5,25 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Output, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::process::{umdev, ChildGuard};
+use common::process::{umdev, ChildGuard, Dirs};
 use common::raw::RawClient;
 
-struct Env {
-    _dir: tempfile::TempDir,
-    run: PathBuf,
-    state: PathBuf,
+/// The directories, and a daemon on them.
+struct Env(Dirs);
+
+impl std::ops::Deref for Env {
+    type Target = Dirs;
+    fn deref(&self) -> &Dirs {
+        &self.0
+    }
 }
 
 impl Env {
     fn new() -> Env {
-        let dir = tempfile::tempdir().unwrap();
-        let (run, state) = (dir.path().join("run"), dir.path().join("state"));
-        Env { _dir: dir, run, state }
-    }
-
-    fn umdev(&self, args: &[&str]) -> Output {
-        umdev()
-            .arg("--run-dir")
-            .arg(&self.run)
-            .arg("--state-dir")
-            .arg(&self.state)
-            .args(args)
-            .output()
-            .unwrap()
-    }
-
-    /// Runs a command that must succeed; its stdout.
-    fn ok(&self, args: &[&str]) -> String {
-        let out = self.umdev(args);
-        assert!(out.status.success(), "umdev {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8(out.stdout).unwrap()
-    }
-
-    /// Runs a command that must fail; its stderr.
-    fn fails(&self, args: &[&str]) -> String {
-        let out = self.umdev(args);
-        assert!(!out.status.success(), "umdev {args:?} should have failed");
-        String::from_utf8(out.stderr).unwrap()
+        Env(Dirs::new())
     }
 
     fn daemon(&self) -> Daemon {

@@ -11,11 +11,11 @@ use std::io::{BufRead, BufReader};
 use std::os::fd::OwnedFd;
 use std::os::unix::net::{UnixDatagram, UnixStream};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::process::{umdev, ChildGuard};
+use common::process::{umdev, ChildGuard, Dirs};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
@@ -97,36 +97,24 @@ impl Notifications {
 }
 
 struct Service {
-    _dir: tempfile::TempDir,
-    run: PathBuf,
-    state: PathBuf,
+    dirs: Dirs,
     notifications: Notifications,
 }
 
+impl std::ops::Deref for Service {
+    type Target = Dirs;
+    fn deref(&self) -> &Dirs {
+        &self.dirs
+    }
+}
+
 impl Service {
+    /// Its clients are told the directories (as root they would find /run/umdev and
+    /// /etc/umdev.d).
     fn new() -> Service {
-        let dir = tempfile::tempdir().unwrap();
-        let (run, state) = (dir.path().join("run"), dir.path().join("state"));
-        let notifications = Notifications::bind(dir.path().join("notify.sock"));
-        Service { _dir: dir, run, state, notifications }
-    }
-
-    /// A client, told the directories (as root it would find /run/umdev and /etc/umdev.d).
-    fn umdev(&self, args: &[&str]) -> Output {
-        umdev()
-            .arg("--run-dir")
-            .arg(&self.run)
-            .arg("--state-dir")
-            .arg(&self.state)
-            .args(args)
-            .output()
-            .unwrap()
-    }
-
-    fn ok(&self, args: &[&str]) -> String {
-        let out = self.umdev(args);
-        assert!(out.status.success(), "umdev {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8(out.stdout).unwrap()
+        let dirs = Dirs::new();
+        let notifications = Notifications::bind(dirs.path().join("notify.sock"));
+        Service { dirs, notifications }
     }
 
     fn json(&self, args: &[&str]) -> Vec<serde_json::Value> {

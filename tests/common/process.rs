@@ -2,8 +2,8 @@
 //! /proc says about them.
 
 use std::ops::{Deref, DerefMut};
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use umdev_server::client::RawClient;
@@ -40,9 +40,14 @@ pub fn umdev() -> Command {
 /// Starts `umdev run --socket <socket> <args>` (stderr discarded) and waits until the socket
 /// accepts a connection.
 pub fn run(socket: &Path, args: &[&str]) -> ChildGuard {
-    let child = ChildGuard(
-        umdev().arg("run").arg("--socket").arg(socket).args(args).stderr(Stdio::null()).spawn().unwrap(),
-    );
+    run_with_stderr(socket, args, Stdio::null())
+}
+
+/// As [`run`], with the child's stderr going to `stderr` (`Stdio::piped()` to read what it
+/// prints).
+pub fn run_with_stderr(socket: &Path, args: &[&str], stderr: Stdio) -> ChildGuard {
+    let child =
+        ChildGuard(umdev().arg("run").arg("--socket").arg(socket).args(args).stderr(stderr).spawn().unwrap());
     let deadline = Instant::now() + Duration::from_secs(10);
     while RawClient::connect(socket).is_err() {
         assert!(Instant::now() < deadline, "umdev run never listened");
@@ -51,6 +56,54 @@ pub fn run(socket: &Path, args: &[&str]) -> ChildGuard {
     // The probe connection above was turned away or served and closed; let it finish.
     std::thread::sleep(Duration::from_millis(20));
     child
+}
+
+/// A run and a state directory under a temporary one, and the CLI pointed at them.
+pub struct Dirs {
+    dir: tempfile::TempDir,
+    /// `--run-dir`: the control socket and instance sockets.
+    pub run: PathBuf,
+    /// `--state-dir`: the definitions.
+    pub state: PathBuf,
+}
+
+impl Dirs {
+    pub fn new() -> Dirs {
+        let dir = tempfile::tempdir().unwrap();
+        let (run, state) = (dir.path().join("run"), dir.path().join("state"));
+        Dirs { dir, run, state }
+    }
+
+    /// The temporary directory holding both.
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// `umdev --run-dir .. --state-dir .. <args>`, run to completion.
+    pub fn umdev(&self, args: &[&str]) -> Output {
+        umdev()
+            .arg("--run-dir")
+            .arg(&self.run)
+            .arg("--state-dir")
+            .arg(&self.state)
+            .args(args)
+            .output()
+            .unwrap()
+    }
+
+    /// Runs a command that must succeed; its stdout.
+    pub fn ok(&self, args: &[&str]) -> String {
+        let out = self.umdev(args);
+        assert!(out.status.success(), "umdev {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// Runs a command that must fail; its stderr.
+    pub fn fails(&self, args: &[&str]) -> String {
+        let out = self.umdev(args);
+        assert!(!out.status.success(), "umdev {args:?} should have failed");
+        String::from_utf8(out.stderr).unwrap()
+    }
 }
 
 /// A `kB` field of `/proc/<pid>/status` (`field` with its colon, as `"VmRSS:"`).
