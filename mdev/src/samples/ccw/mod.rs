@@ -700,21 +700,9 @@ mod tests {
     use umdev_pinning::{DmaSpace, Prot};
 
     use super::*;
-    use crate::device::{ClientDma, ClientDmaError, VfioDevice};
+    use crate::device::{NoClient, VfioDevice};
     use crate::pci::regs::{COMMAND, COMMAND_MASTER, COMMAND_MEMORY};
     use crate::VFIO_PCI_CONFIG_REGION_INDEX;
-
-    struct NoClient;
-
-    impl ClientDma for NoClient {
-        fn read(&self, _iova: u64, _buf: &mut [u8]) -> Result<(), ClientDmaError> {
-            Err(ClientDmaError::Refused(libc::ENODEV))
-        }
-
-        fn write(&self, _iova: u64, _data: &[u8]) -> Result<(), ClientDmaError> {
-            Err(ClientDmaError::Refused(libc::ENODEV))
-        }
-    }
 
     /// A ccw device with one subchannel, attached to 1 MiB of guest RAM at IOVA 0, bus
     /// mastering on.

@@ -94,17 +94,7 @@ mod tests {
     use umdev_pinning::{DmaSpace, Prot};
 
     use super::*;
-    use crate::device::{ClientDma, ClientDmaError};
-
-    struct NoClient;
-    impl ClientDma for NoClient {
-        fn read(&self, _: u64, _: &mut [u8]) -> Result<(), ClientDmaError> {
-            Err(ClientDmaError::Refused(libc::ENODEV))
-        }
-        fn write(&self, _: u64, _: &[u8]) -> Result<(), ClientDmaError> {
-            Err(ClientDmaError::Refused(libc::ENODEV))
-        }
-    }
+    use crate::device::NoClient;
 
     /// 1 MiB of guest RAM at IOVA 0.
     fn guest() -> (DeviceContext, File) {

@@ -12,7 +12,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use super::driver::{Driver, Transport};
 use super::spec::*;
 use super::*;
-use crate::device::{ClientDma, ClientDmaError, IrqAction, IrqData, SetIrqs, VfioDevice};
+use crate::device::{IrqAction, IrqData, NoClient, SetIrqs, VfioDevice};
 use crate::pci::regs::{
     CAPABILITY_LIST, CAP_ID_MSIX, COMMAND, COMMAND_MASTER, COMMAND_MEMORY, MSIX_CTRL_ENABLE,
 };
@@ -23,17 +23,6 @@ const RAM_SIZE: u64 = 128 << 20;
 /// Read-only guest memory, mapped after RAM.
 const RO: u64 = RAM_SIZE;
 const DATA: u64 = Driver::<Rig>::DATA;
-
-struct NoClient;
-
-impl ClientDma for NoClient {
-    fn read(&self, _: u64, _: &mut [u8]) -> Result<(), ClientDmaError> {
-        Err(ClientDmaError::Refused(libc::ENODEV))
-    }
-    fn write(&self, _: u64, _: &[u8]) -> Result<(), ClientDmaError> {
-        Err(ClientDmaError::Refused(libc::ENODEV))
-    }
-}
 
 /// The device, its guest RAM and DMA space, and one eventfd per MSI-X vector (or INTx).
 struct Rig {
