@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use smallvec::SmallVec;
-use umdev_pinning::Prot;
+use umdev_pinning::{PinnedPages, Prot};
 use vm_memory::ByteValued;
 
 use super::ctrl::{stop, ControllerConfig, Ctrl};
@@ -183,33 +183,31 @@ pub fn execute(w: &Arc<QueueWorker>, sqe: &Sqe) -> Outcome {
     }
 }
 
+/// The command's data buffer (its PRPs) of `len` bytes, pinned for `prot`, and the offset of
+/// its first byte in the first page.
+fn data_buffer(w: &QueueWorker, sqe: &Sqe, len: usize, prot: Prot) -> Result<(PinnedPages, u64), Status> {
+    let pages = prp::resolve(&w.ctx, sqe.prp1.into(), sqe.prp2.into(), len)?;
+    let pins = w.ctx.pin_pages(&pages.pfns, prot).map_err(|_| Status::DATA_TRANSFER_ERROR)?;
+    Ok((pins, pages.offset as u64))
+}
+
 /// Copies `data` to the command's data buffer (its PRPs), `data.len()` bytes.
 pub fn to_host(w: &QueueWorker, sqe: &Sqe, data: &[u8]) -> Status {
-    let pages = match prp::resolve(&w.ctx, sqe.prp1.into(), sqe.prp2.into(), data.len()) {
-        Ok(p) => p,
-        Err(s) => return s,
-    };
-    let Ok(pins) = w.ctx.pin_pages(&pages.pfns, Prot::WRITE) else {
-        return Status::DATA_TRANSFER_ERROR;
-    };
-    match pins.write(pages.offset as u64, data) {
-        Ok(()) => Status::SUCCESS,
-        Err(_) => Status::DATA_TRANSFER_ERROR,
+    match data_buffer(w, sqe, data.len(), Prot::WRITE) {
+        Ok((pins, offset)) => {
+            pins.write(offset, data).map_or(Status::DATA_TRANSFER_ERROR, |()| Status::SUCCESS)
+        }
+        Err(s) => s,
     }
 }
 
 /// Copies the command's data buffer into `data`.
 pub fn from_host(w: &QueueWorker, sqe: &Sqe, data: &mut [u8]) -> Status {
-    let pages = match prp::resolve(&w.ctx, sqe.prp1.into(), sqe.prp2.into(), data.len()) {
-        Ok(p) => p,
-        Err(s) => return s,
-    };
-    let Ok(pins) = w.ctx.pin_pages(&pages.pfns, Prot::READ) else {
-        return Status::DATA_TRANSFER_ERROR;
-    };
-    match pins.read(pages.offset as u64, data) {
-        Ok(()) => Status::SUCCESS,
-        Err(_) => Status::DATA_TRANSFER_ERROR,
+    match data_buffer(w, sqe, data.len(), Prot::READ) {
+        Ok((pins, offset)) => {
+            pins.read(offset, data).map_or(Status::DATA_TRANSFER_ERROR, |()| Status::SUCCESS)
+        }
+        Err(s) => s,
     }
 }
 
