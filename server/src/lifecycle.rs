@@ -485,14 +485,22 @@ impl Manager {
         // Out of the table while it stops (cutting a client and joining its threads can take
         // the unmap timeout), so other control requests are not held up meanwhile.
         let record = self.lock().remove(&uuid).ok_or(LifecycleError::UnknownUuid(uuid))?;
+        // Marked stopped before it stops: a reload meanwhile must not start it again. Only
+        // definitions are ever started by a reload, so only they are remembered.
+        let remember = record.from_definition;
+        if remember {
+            umdev_pinning::sync::lock(&self.stopped).insert(uuid);
+        }
         let stopped = self.daemon.stop(&uuid.to_string(), force);
         if stopped.is_err() {
+            if remember {
+                umdev_pinning::sync::lock(&self.stopped).remove(&uuid);
+            }
             self.lock().insert(uuid, record);
         }
         match stopped {
             Ok(()) => {
                 log::info!("stopped instance {uuid}");
-                umdev_pinning::sync::lock(&self.stopped).insert(uuid);
                 Ok(())
             }
             Err(DaemonError::Busy(_)) => Err(LifecycleError::Busy(uuid)),
@@ -536,6 +544,8 @@ impl Manager {
     pub fn reload(&self) -> ReloadReport {
         let definitions = self.definitions.list();
         let running = self.list();
+        // A definition removed since its instance was stopped need not be remembered.
+        umdev_pinning::sync::lock(&self.stopped).retain(|uuid| definitions.iter().any(|d| d.uuid == *uuid));
         let mut report = ReloadReport::default();
         for row in sync_status(&definitions, Some(&running)) {
             match row.state {
