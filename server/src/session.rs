@@ -33,7 +33,8 @@ type Outcome = Result<Reply, i32>;
 enum Reply {
     /// Payload bytes.
     Payload(Vec<u8>),
-    /// A REGION_READ answered in the session's scratch buffer (fixed part and data).
+    /// The reply built in the session's scratch buffer (a REGION_READ's fixed part and data, a
+    /// REGION_WRITE's fixed part, a REGION_WRITE_MULTI's count): no allocation per message.
     Scratch,
     /// Region info with the region's fd.
     WithFd(Vec<u8>, Arc<std::os::fd::OwnedFd>),
@@ -251,7 +252,9 @@ impl Session {
                     return Err(libc::EINVAL);
                 }
                 self.write_multi(&writes)?;
-                Ok(Reply::Payload(reply::region_write_multi(writes.len() as u64)))
+                self.scratch.clear();
+                self.scratch.extend_from_slice(&reply::region_write_multi(writes.len() as u64));
+                Ok(Reply::Scratch)
             }
             Request::DeviceReset => {
                 self.device.reset().map(|()| Reply::Payload(Vec::new())).map_err(device_errno)

@@ -160,8 +160,10 @@ pub fn region_access(offset: u64, region: u32, count: u32) -> [u8; 16] {
 }
 
 /// REGION_WRITE_MULTI reply payload: the number of writes done.
-pub fn region_write_multi(done: u64) -> Vec<u8> {
-    WriteMulti { count: Le64::from(done) }.as_slice().to_vec()
+pub fn region_write_multi(done: u64) -> [u8; 8] {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(WriteMulti { count: Le64::from(done) }.as_slice());
+    b
 }
 
 /// The fixed part of a DMA_READ / DMA_WRITE request: address and count.

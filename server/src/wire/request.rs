@@ -8,6 +8,7 @@
 use std::mem::offset_of;
 use std::os::fd::OwnedFd;
 
+use smallvec::SmallVec;
 use thiserror::Error;
 use umdev_mdev::IrqAction;
 use umdev_pinning::Prot;
@@ -136,7 +137,7 @@ pub enum Request<'a> {
         data: &'a [u8],
     },
     /// REGION_WRITE_MULTI.
-    RegionWriteMulti(Vec<MultiWrite<'a>>),
+    RegionWriteMulti(SmallVec<[MultiWrite<'a>; 16]>),
     /// DEVICE_RESET.
     DeviceReset,
 }
@@ -315,7 +316,8 @@ pub fn parse<'a>(
             }
             let n = n as usize;
             exact(size_of::<WriteMulti>() + n * MULTI_ENTRY_SIZE)?;
-            let mut writes = Vec::with_capacity(n);
+            // On the stack for the batches QEMU sends; a longer one spills once.
+            let mut writes = SmallVec::with_capacity(n);
             for entry in payload[size_of::<WriteMulti>()..].chunks_exact(MULTI_ENTRY_SIZE) {
                 let e: WriteMultiEntry = read_struct(entry).expect("chunks of the entry size");
                 let count = e.count.to_native() as usize;
