@@ -137,7 +137,7 @@ pub enum Request<'a> {
         data: &'a [u8],
     },
     /// REGION_WRITE_MULTI.
-    RegionWriteMulti(SmallVec<[MultiWrite<'a>; 16]>),
+    RegionWriteMulti(SmallVec<[MultiWrite<'a>; 4]>),
     /// DEVICE_RESET.
     DeviceReset,
 }
@@ -316,7 +316,7 @@ pub fn parse<'a>(
             }
             let n = n as usize;
             exact(size_of::<WriteMulti>() + n * MULTI_ENTRY_SIZE)?;
-            // On the stack for the batches QEMU sends; a longer one spills once.
+            // On the stack for short batches; a longer one allocates once.
             let mut writes = SmallVec::with_capacity(n);
             for entry in payload[size_of::<WriteMulti>()..].chunks_exact(MULTI_ENTRY_SIZE) {
                 let e: WriteMultiEntry = read_struct(entry).expect("chunks of the entry size");
