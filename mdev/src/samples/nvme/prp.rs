@@ -64,6 +64,11 @@ pub fn resolve(ctx: &DeviceContext, prp1: u64, prp2: u64, len: usize) -> Result<
         let room = ((PAGE - page_offset(list)) / 8) as usize;
         // A list that does not end in this page continues at its last entry.
         let (data, chained) = if wanted > room { (room - 1, true) } else { (wanted, false) };
+        // A list starting in its page's last entry holds only the pointer to the next one
+        // (legal): such lists could chain forever, so a transfer follows at most MAX_PAGES.
+        if pages.list_pages as usize >= MAX_PAGES {
+            return Err(Status::PRP_OFFSET_INVALID);
+        }
         let n = if chained { room } else { data };
         let bytes = &mut buf[..n * 8];
         ctx.read_pinned(list, bytes).map_err(|_| Status::DATA_TRANSFER_ERROR)?;
@@ -156,5 +161,17 @@ mod tests {
         assert_eq!(p.pfns.len(), MAX_PAGES);
         assert_eq!((p.pfns[1], p.pfns[254], p.pfns[255], p.pfns[256]), (0x80, 0x80 + 253, 0xb, 0xc));
         assert_eq!(p.list_pages, 2);
+    }
+
+    #[test]
+    fn a_chain_of_pointers_that_loops_is_refused_not_followed_forever() {
+        let (ctx, ram) = guest();
+        // A list in its page's last entry holds only the pointer to the next list: here to
+        // itself.
+        put_list(&ram, 0x3ff8, &[0x3ff8]);
+        assert_eq!(resolve(&ctx, 0x1000, 0x3ff8, 4 * 4096).unwrap_err(), Status::PRP_OFFSET_INVALID);
+        // Also when such a list comes after a good one.
+        put_list(&ram, 0x2ff0, &[0x8000, 0x3ff8]);
+        assert_eq!(resolve(&ctx, 0x1000, 0x2ff0, 4 * 4096).unwrap_err(), Status::PRP_OFFSET_INVALID);
     }
 }
