@@ -462,6 +462,11 @@ impl Ctrl {
         }
     }
 
+    /// Whether `cq` is still the controller's CQ of its id (not deleted, not replaced).
+    pub fn cq_live(&self, cq: &Arc<Cq>) -> bool {
+        self.queues().cqs.get(usize::from(cq.id)).and_then(Option::as_ref).is_some_and(|c| Arc::ptr_eq(c, cq))
+    }
+
     /// The CQ head the host last wrote for `qid`.
     pub fn cq_head(&self, qid: u16) -> u32 {
         match &self.page {

@@ -70,6 +70,15 @@ impl Doorbell {
         *crate::sync::lock(&self.worker) = worker;
     }
 
+    /// The calling thread stops watching this doorbell, unless another has taken it over (a
+    /// worker outlived by its queue's successor must not unregister the successor).
+    pub fn leave(&self) {
+        let mut worker = crate::sync::lock(&self.worker);
+        if worker.as_ref().is_some_and(|t| t.id() == std::thread::current().id()) {
+            *worker = None;
+        }
+    }
+
     /// Sleeps until the value differs from `seen`, `wake` is called, or `timeout` passes.
     /// It first watches for `spin` without sleeping: a doorbell then costs the writer no
     /// wake-up.

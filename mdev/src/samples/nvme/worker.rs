@@ -187,7 +187,7 @@ impl QueueWorker {
         if self.sq.stop.load(Ordering::Acquire) == stop::DELETE {
             self.abort_remaining(head);
         }
-        doorbell.set_worker(None);
+        doorbell.leave();
     }
 
     fn execute(self: &Arc<Self>, permit: Permit<Command>) {
@@ -267,7 +267,11 @@ impl QueueWorker {
             if tail < self.sq.entries { (tail + self.sq.entries - head) % self.sq.entries } else { 0 };
         let cq = self.sq.cq.clone();
         let head = || self.ctrl.cq_head(cq.id);
-        let stop = || self.sq.stop.load(Ordering::Acquire) == stop::RESET || !self.current();
+        // Waiting for room ends with a reset, a newer generation, or the CQ's deletion (a
+        // worker outlived by a Delete SQ must not write into a CQ the guest has freed).
+        let stop = || {
+            self.sq.stop.load(Ordering::Acquire) == stop::RESET || !self.current() || !self.ctrl.cq_live(&cq)
+        };
         if !self.current() {
             return;
         }
