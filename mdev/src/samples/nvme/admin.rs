@@ -504,7 +504,7 @@ fn create_cq(w: &QueueWorker, sqe: &Sqe) -> Outcome {
     if !w.current() {
         return Status::COMMAND_SEQUENCE_ERROR.into();
     }
-    ctrl.cq_doorbells[usize::from(qid)].open(entries);
+    ctrl.open_cq_doorbell(qid, entries);
     queues.cqs[usize::from(qid)] = Some(cq);
     Outcome::ok(0)
 }
@@ -530,12 +530,12 @@ fn create_sq(w: &QueueWorker, sqe: &Sqe) -> Outcome {
         return Status::COMMAND_SEQUENCE_ERROR.into();
     }
     let sq = Arc::new(Sq::new(qid, base, entries, cq));
-    ctrl.sq_doorbells[usize::from(qid)].open(entries);
+    ctrl.open_sq_doorbell(qid, entries);
     match ctrl.start_queue(&mut queues, sq, w.ctx.clone(), w.generation) {
         Ok(()) => Outcome::ok(0),
         Err(why) => {
             log::warn!("nvme: {why}");
-            ctrl.sq_doorbells[usize::from(qid)].open(0);
+            ctrl.open_sq_doorbell(qid, 0);
             Status::INTERNAL_ERROR.into()
         }
     }
@@ -555,7 +555,7 @@ fn delete_sq(w: &QueueWorker, sqe: &Sqe) -> Outcome {
         // Its worker completes what is still queued as aborted, then stops.
         ctrl.stop_queue(entry, stop::DELETE);
     }
-    ctrl.sq_doorbells[usize::from(qid)].open(0);
+    ctrl.open_sq_doorbell(qid, 0);
     Outcome::ok(0)
 }
 
@@ -570,7 +570,7 @@ fn delete_cq(w: &QueueWorker, sqe: &Sqe) -> Outcome {
         return Status::INVALID_QUEUE_DELETION.dnr().into();
     }
     queues.cqs[usize::from(qid)] = None;
-    ctrl.cq_doorbells[usize::from(qid)].open(0);
+    ctrl.open_cq_doorbell(qid, 0);
     Outcome::ok(0)
 }
 

@@ -270,8 +270,8 @@ impl Ctrl {
         let generation = self.generation.load(Ordering::Acquire);
         let cq = Arc::new(Cq::new(0, acq, cq_entries, 0, true));
         let sq = Arc::new(Sq::new(0, asq, sq_entries, cq.clone()));
-        self.cq_doorbells[0].open(cq_entries);
-        self.sq_doorbells[0].open(sq_entries);
+        self.open_cq_doorbell(0, cq_entries);
+        self.open_sq_doorbell(0, sq_entries);
         let mut queues = self.queues();
         queues.cqs[0] = Some(cq);
         self.start_queue(&mut queues, sq, ctx, generation)?;
@@ -459,6 +459,27 @@ impl Ctrl {
         match &self.page {
             Some(page) => page.load(usize::from(qid) * 2),
             None => self.sq_doorbells[usize::from(qid)].value(),
+        }
+    }
+
+    /// Queue `qid`'s SQ tail doorbell now belongs to a queue of `entries` (0: none), its value
+    /// back to 0 in the message and the mapped page alike.
+    pub fn open_sq_doorbell(&self, qid: u16, entries: u32) {
+        self.open_doorbell(qid, false, entries);
+    }
+
+    /// As [`Ctrl::open_sq_doorbell`], for the CQ head doorbell.
+    pub fn open_cq_doorbell(&self, qid: u16, entries: u32) {
+        self.open_doorbell(qid, true, entries);
+    }
+
+    fn open_doorbell(&self, qid: u16, cq: bool, entries: u32) {
+        let dbs = if cq { &self.cq_doorbells } else { &self.sq_doorbells };
+        if let Some(db) = dbs.get(usize::from(qid)) {
+            db.open(entries);
+        }
+        if let Some(page) = &self.page {
+            page.store(usize::from(qid) * 2 + usize::from(cq), 0);
         }
     }
 
