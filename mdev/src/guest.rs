@@ -218,3 +218,38 @@ fn access_error(e: AccessError, iova: u64) -> GuestError {
         AccessError::OutOfRange { .. } | AccessError::ReadOnly => GuestError::NotMapped { iova: 0, len: 0 },
     }
 }
+
+/// The IOVA ranges a device's request holds (or is about to take) pins in, so an unmap can
+/// tell whether it is affected: the page array's contiguous runs, as the engine will cut them.
+#[derive(Debug, Default)]
+pub struct PinnedRanges {
+    ranges: std::sync::Mutex<smallvec::SmallVec<[(u64, u64); 4]>>,
+}
+
+impl PinnedRanges {
+    /// The request is about to pin the pages `pfns` (IOVA page numbers).
+    pub fn hold(&self, pfns: &[u64]) {
+        let mut ranges: smallvec::SmallVec<[(u64, u64); 4]> = smallvec::SmallVec::new();
+        for &pfn in pfns {
+            // Saturating: a guest names any page number, and the last one ends at 2^64.
+            let start = pfn.saturating_mul(PAGE_SIZE);
+            let end = start.saturating_add(PAGE_SIZE);
+            match ranges.last_mut() {
+                Some(last) if last.1 == start => last.1 = end,
+                _ => ranges.push((start, end)),
+            }
+        }
+        *crate::sync::lock(&self.ranges) = ranges;
+    }
+
+    /// The request let go of its pins.
+    pub fn clear(&self) {
+        crate::sync::lock(&self.ranges).clear();
+    }
+
+    /// True if any held range overlaps `[iova, iova + len)`.
+    pub fn overlaps(&self, iova: u64, len: u64) -> bool {
+        let end = iova.saturating_add(len);
+        crate::sync::lock(&self.ranges).iter().any(|&(s, e)| s < end && iova < e)
+    }
+}

@@ -1,38 +1,14 @@
 //! The ccw device's [`Bus`]: guest memory through the pinning engine, one pin call per CCW.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::Mutex;
 
 use smallvec::SmallVec;
 use umdev_pinning::{PinError, Prot, PAGE_SIZE};
 
 use super::program::{Bus, BusError, Direction, Partial, Piece, Reason};
 use crate::device::DeviceContext;
-use crate::guest::GuestError;
+use crate::guest::{GuestError, PinnedRanges};
 use crate::store::{Durability, Store};
-
-/// The IOVA ranges a subchannel holds pins in, so an unmap can tell whether it is affected.
-#[derive(Debug, Default)]
-pub(crate) struct PinnedRanges {
-    ranges: Mutex<SmallVec<[(u64, u64); 4]>>,
-}
-
-impl PinnedRanges {
-    /// Forgets every range (the program let go of its pins).
-    pub(crate) fn clear(&self) {
-        self.set(SmallVec::new());
-    }
-
-    fn set(&self, ranges: SmallVec<[(u64, u64); 4]>) {
-        *umdev_pinning::sync::lock(&self.ranges) = ranges;
-    }
-
-    /// True if any held range overlaps `[iova, iova + len)`.
-    pub(crate) fn overlaps(&self, iova: u64, len: u64) -> bool {
-        let end = iova.saturating_add(len);
-        umdev_pinning::sync::lock(&self.ranges).iter().any(|&(s, e)| s < end && iova < e)
-    }
-}
 
 /// A stop request for a running program: 0 none, else a [`Reason`] code.
 #[derive(Debug, Default)]
@@ -170,19 +146,6 @@ fn blocks(p: &Piece) -> impl Iterator<Item = (u64, usize)> {
     })
 }
 
-/// The contiguous IOVA ranges of a page array, as the engine will cut it into runs.
-fn page_ranges(pfns: &[u64]) -> SmallVec<[(u64, u64); 4]> {
-    let mut ranges: SmallVec<[(u64, u64); 4]> = SmallVec::new();
-    for &pfn in pfns {
-        let (start, end) = (pfn * PAGE_SIZE, (pfn + 1) * PAGE_SIZE);
-        match ranges.last_mut() {
-            Some(last) if last.1 == start => last.1 = end,
-            _ => ranges.push((start, end)),
-        }
-    }
-    ranges
-}
-
 impl Bus for PinningBus<'_> {
     fn fetch(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), BusError> {
         self.ctx.read_either(addr, buf).map_err(|e| guest_error(&e))
@@ -208,16 +171,16 @@ impl Bus for PinningBus<'_> {
         }
         // Announced before the pin call: an unmap arriving while the engine pins (a long
         // lock-mode call) or right after it returns finds these pages and stops the program.
-        self.pinned.set(page_ranges(&pfns));
+        self.pinned.hold(&pfns);
         self.counters.pin_calls.fetch_add(1, Ordering::Relaxed);
         let pins = match self.ctx.pin_pages(&pfns, prot) {
             Ok(pins) => pins,
             Err(GuestError::Pin(PinError::NoHostMemory { .. })) => {
-                self.pinned.set(SmallVec::new());
+                self.pinned.clear();
                 return self.through_client(dir, pieces, store_pos);
             }
             Err(e) => {
-                self.pinned.set(SmallVec::new());
+                self.pinned.clear();
                 return Err(guest_error(&e).into());
             }
         };
@@ -256,7 +219,7 @@ impl Bus for PinningBus<'_> {
             }
         }
         drop(pins);
-        self.pinned.set(SmallVec::new());
+        self.pinned.clear();
         if result.is_ok() {
             // An unmap that found these pins after the last block was checked asked this
             // program to stop; its pins are gone now, so it has nothing left to stop (a halt

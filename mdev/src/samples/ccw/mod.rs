@@ -24,9 +24,10 @@ use crate::request::{self, Completion, Permit, Requests};
 use thiserror::Error;
 use umdev_pinning::PinMode;
 
-use self::bus::{BusCounters, PinnedRanges, PinningBus, StopFlag};
+use self::bus::{BusCounters, PinningBus, StopFlag};
 use self::program::{Reason, Status};
 use crate::device::{DeviceContext, DeviceError};
+use crate::guest::PinnedRanges;
 use crate::irq::IrqHandle;
 use crate::pci::bar::Bar;
 use crate::pci::config::{ClassCode, ConfigSpaceBuilder, PciIds};

@@ -18,6 +18,7 @@ use vm_memory::{FileOffset, VolatileMemory};
 use super::spec::{Cqe, Sqe, Status, CQE_SIZE, PAGE, SQE_SIZE};
 use crate::device::DeviceContext;
 use crate::guest::GuestError;
+use crate::guest::PinnedRanges;
 
 /// A doorbell register's value, written by the connection thread and watched by a worker.
 /// Each has a cache line of its own: the doorbells of different queues are watched by
@@ -217,10 +218,10 @@ fn truncated(iova: u64) -> GuestError {
     GuestError::Truncated { iova }
 }
 
-/// The IOVA ranges a command holds pins in, so an unmap can tell whether it is affected.
+/// The IOVA ranges a command holds pins in, and whether an unmap hit them.
 #[derive(Debug, Default)]
 pub struct HeldRanges {
-    ranges: Mutex<SmallVec<[(u64, u64); 16]>>,
+    ranges: PinnedRanges,
     /// An unmap hit them: the command ends with a data transfer error.
     pub hit: AtomicBool,
 }
@@ -228,27 +229,18 @@ pub struct HeldRanges {
 impl HeldRanges {
     /// Announces the pages about to be pinned.
     pub fn announce(&self, pfns: &[u64]) {
-        let mut ranges: SmallVec<[(u64, u64); 16]> = SmallVec::new();
-        for &pfn in pfns {
-            let (start, end) = (pfn * PAGE, (pfn + 1) * PAGE);
-            match ranges.last_mut() {
-                Some(last) if last.1 == start => last.1 = end,
-                _ => ranges.push((start, end)),
-            }
-        }
         self.hit.store(false, Ordering::Release);
-        *crate::sync::lock(&self.ranges) = ranges;
+        self.ranges.hold(pfns);
     }
 
     /// The command let go of its pins.
     pub fn clear(&self) {
-        crate::sync::lock(&self.ranges).clear();
+        self.ranges.clear();
     }
 
     /// An unmap of `[iova, iova + len)`: true (and `hit` set) if it overlaps.
     pub fn unmapping(&self, iova: u64, len: u64) -> bool {
-        let end = iova.saturating_add(len);
-        let overlaps = crate::sync::lock(&self.ranges).iter().any(|&(s, e)| s < end && iova < e);
+        let overlaps = self.ranges.overlaps(iova, len);
         if overlaps {
             self.hit.store(true, Ordering::Release);
         }
