@@ -168,6 +168,11 @@ fn dataset_management(w: &QueueWorker, ns: &Namespace, sqe: &Sqe) -> Outcome {
         return Status::LBA_OUT_OF_RANGE.dnr().into();
     }
     for r in ranges {
+        // A store that cannot punch holes writes the zeros: up to 256 whole-namespace ranges.
+        // A reset does not wait for them.
+        if w.cancelled() {
+            return Status::ABORT_REQUESTED.into();
+        }
         let (slba, nlb) = blocks(r);
         if let Err(e) = ns.store.write_zeroes(slba << ns.lba_shift, nlb << ns.lba_shift) {
             log::warn!("nvme: ns{}: deallocate: {e}", ns.id);

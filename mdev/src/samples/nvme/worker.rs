@@ -129,6 +129,12 @@ impl QueueWorker {
         self.sq.stop.load(Ordering::Acquire) != stop::RUN
     }
 
+    /// The controller is being reset or disabled (or already was since this worker began):
+    /// long work stops, waits end.
+    pub(super) fn cancelled(&self) -> bool {
+        self.sq.stop.load(Ordering::Acquire) == stop::RESET || !self.current()
+    }
+
     /// Whether this queue's work still counts (no disable since it started).
     pub fn current(&self) -> bool {
         self.ctrl.generation.load(Ordering::Acquire) == self.generation
@@ -269,9 +275,7 @@ impl QueueWorker {
         let head = || self.ctrl.cq_head(cq.id);
         // Waiting for room ends with a reset, a newer generation, or the CQ's deletion (a
         // worker outlived by a Delete SQ must not write into a CQ the guest has freed).
-        let stop = || {
-            self.sq.stop.load(Ordering::Acquire) == stop::RESET || !self.current() || !self.ctrl.cq_live(&cq)
-        };
+        let stop = || self.cancelled() || !self.ctrl.cq_live(&cq);
         if !self.current() {
             return;
         }
