@@ -289,6 +289,11 @@ pub fn check(device: Arc<dyn VfioDevice>, contract: &Contract) {
     }
     device.reset().expect("DEVICE_RESET");
     let after = snapshot(&*device, contract);
+    assert_eq!(
+        power_on.len(),
+        after.len(),
+        "{name}: the registers readable at power-on and after reset differ"
+    );
     for (a, b) in power_on.iter().zip(&after) {
         assert_eq!(a, b, "{name}: region {} byte {:#x} after reset (power-on {:#04x})", b.0, b.1, a.2);
     }

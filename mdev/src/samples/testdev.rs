@@ -524,8 +524,6 @@ fn guest_errno(e: &GuestError) -> i32 {
     }
 }
 
-/// Splits `[offset, offset + len)` into the 32-bit registers it touches: each register's
-/// offset, the byte range within the register, and the byte range within the access.
 impl PciFunction for TestDev {
     fn bar_read(&self, bar: u8, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
         match bar {

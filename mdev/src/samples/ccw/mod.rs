@@ -526,7 +526,6 @@ impl Ccw {
     }
 }
 
-/// Reads a little-endian 32-bit register access (the adapter checked the bounds).
 /// A register of BAR0: global, or one of a subchannel's block (its index is the array
 /// element), by offset.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

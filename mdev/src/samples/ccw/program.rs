@@ -380,18 +380,12 @@ pub type Idaw = Le64;
 const IDAW_SLICE: usize = 512;
 
 /// A slice of an IDAW list, as read from guest memory.
+#[derive(Clone, Copy)]
 #[repr(C)]
 struct IdawSlice([Idaw; IDAW_SLICE]);
 
 // SAFETY: an array of plain little-endian integers; every bit pattern is valid.
 unsafe impl ByteValued for IdawSlice {}
-
-impl Clone for IdawSlice {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl Copy for IdawSlice {}
 
 impl From<RawCcw> for Ccw {
     fn from(raw: RawCcw) -> Ccw {

@@ -280,9 +280,9 @@ struct PortBackend {
 pub struct Mtty {
     uarts: Vec<Uart>,
     ports: Vec<PortBackend>,
-    /// Each port's 8 byte-wide registers; any access of 1 to 8 bytes is those byte
-    /// accesses, lowest address first.
-    map: RegMap<u8>,
+    /// Each port's 8 byte-wide registers (one map per port BAR); any access of 1 to 8 bytes
+    /// is those byte accesses, lowest address first.
+    maps: Vec<RegMap<u8>>,
     irq: IrqHandle,
     /// Wakes the timer thread (a nearer deadline).
     waker: Waker,
@@ -316,10 +316,15 @@ impl Mtty {
             endpoints.push((endpoint, wake));
         }
         let regs: Vec<Reg<u8>> = (0..PORT_BAR_SIZE as u8).map(|r| Reg::rw(r, u64::from(r))).collect();
-        let map = RegMap::new(0, PORT_BAR_SIZE, 1, &[1, 2, 3, 4, 5, 6, 7, 8], false, &regs)
-            .map_err(|e| MttyError::Backend(e.to_string()))?;
+        // One map per port's BAR, so a refused access names its own region.
+        let maps = (0..uarts.len() as u32)
+            .map(|bar| {
+                RegMap::new(bar, PORT_BAR_SIZE, 1, &[1, 2, 3, 4, 5, 6, 7, 8], false, &regs)
+                    .expect("a valid map")
+            })
+            .collect();
         let shared =
-            Shared::new(|waker| Mtty { uarts, ports, map, irq, waker, timer_sleep: None, timer: None });
+            Shared::new(|waker| Mtty { uarts, ports, maps, irq, waker, timer_sleep: None, timer: None });
         for (port, (endpoint, wake)) in endpoints.into_iter().enumerate() {
             if let (Some(endpoint), Some(wake)) = (endpoint, wake) {
                 let path = endpoint.path().display().to_string();
@@ -458,8 +463,11 @@ impl Mtty {
         bar: u8,
         access: impl FnOnce(&RegMap<u8>, &mut Uart, Instant) -> Result<(), DeviceError>,
     ) -> Result<(), DeviceError> {
-        let uart = self.uarts.get_mut(usize::from(bar)).ok_or(DeviceError::NoSuchRegion(u32::from(bar)))?;
-        let result = access(&self.map, uart, Instant::now());
+        let (Some(map), Some(uart)) = (self.maps.get(usize::from(bar)), self.uarts.get_mut(usize::from(bar)))
+        else {
+            return Err(DeviceError::NoSuchRegion(u32::from(bar)));
+        };
+        let result = access(map, uart, Instant::now());
         self.update();
         result
     }
