@@ -14,6 +14,7 @@ use thiserror::Error;
 use umdev_pinning::PinMode;
 
 use crate::device::VfioDevice;
+use crate::pci::{PciDevice, PciFunction};
 
 /// Why an instance could not be created.
 #[derive(Debug, Error)]
@@ -148,6 +149,22 @@ impl Pool {
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |free| free.checked_sub(units))
             .ok()
             .map(|_| Reservation { pool: self.clone(), units })
+    }
+}
+
+impl Pool {
+    /// An instance of type `ty` holding `units` of this pool for as long as it lives: the
+    /// units are reserved (else [`TypeError::Exhausted`]), then `make` builds the device (its
+    /// error becomes [`TypeError::Create`]).
+    pub fn instance<F: PciFunction, E: std::fmt::Display>(
+        self: &Arc<Self>,
+        ty: &str,
+        units: u32,
+        make: impl FnOnce() -> Result<PciDevice<F>, E>,
+    ) -> Result<Arc<dyn VfioDevice>, TypeError> {
+        let reservation = self.reserve(units).ok_or_else(|| TypeError::Exhausted(ty.into()))?;
+        let device = make().map_err(|e| TypeError::Create { ty: ty.into(), why: e.to_string() })?;
+        Ok(Arc::new(device.holding(reservation)))
     }
 }
 

@@ -610,11 +610,7 @@ impl crate::types::DeviceType for TestDevType {
         &self,
         options: &crate::types::InstanceOptions,
     ) -> Result<std::sync::Arc<dyn crate::VfioDevice>, crate::types::TypeError> {
-        use crate::types::TypeError;
         options.only(self.name(), &[])?;
-        let reservation = self.pool.reserve(1).ok_or_else(|| TypeError::Exhausted(self.name().into()))?;
-        let device =
-            create().map_err(|e| TypeError::Create { ty: self.name().into(), why: e.to_string() })?;
-        Ok(std::sync::Arc::new(device.holding(reservation)))
+        self.pool.instance(self.name(), 1, create)
     }
 }

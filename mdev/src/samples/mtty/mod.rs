@@ -661,10 +661,6 @@ impl DeviceType for MttyType {
 
     fn create(&self, options: &InstanceOptions) -> Result<Arc<dyn VfioDevice>, TypeError> {
         let backends = self.backends(options)?;
-        let reservation =
-            self.pool.reserve(self.ports).ok_or_else(|| TypeError::Exhausted(self.name().into()))?;
-        let device = create_with(&backends)
-            .map_err(|e| TypeError::Create { ty: self.name().into(), why: e.to_string() })?;
-        Ok(Arc::new(device.holding(reservation)))
+        self.pool.instance(self.name(), self.ports, || create_with(&backends))
     }
 }

@@ -496,10 +496,7 @@ impl crate::types::DeviceType for NvmeType {
         options.only(TYPE_NAME, &names)?;
         let bad = |why: String| TypeError::BadOption { ty: TYPE_NAME.into(), why };
         let config = NvmeConfig::from_options(options).map_err(bad)?;
-        let reservation = self.pool.reserve(1).ok_or_else(|| TypeError::Exhausted(TYPE_NAME.into()))?;
-        let device =
-            create(config).map_err(|e| TypeError::Create { ty: TYPE_NAME.into(), why: e.to_string() })?;
-        Ok(Arc::new(device.holding(reservation)))
+        self.pool.instance(TYPE_NAME, 1, || create(config))
     }
 }
 
