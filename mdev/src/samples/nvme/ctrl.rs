@@ -424,7 +424,7 @@ impl Ctrl {
         }
         db.ring(value);
         if is_cq {
-            self.cq_head_moved(qid);
+            self.cq_head_moved();
         }
     }
 
@@ -446,12 +446,12 @@ impl Ctrl {
         }
     }
 
-    /// The host consumed completions of CQ `qid`: what waits on it may go on.
-    fn cq_head_moved(&self, qid: usize) {
+    /// The host consumed completions (a CQ head doorbell): the INTx level may drop. Posters
+    /// poll a full queue; nothing else waits on the head.
+    fn cq_head_moved(&self) {
         if self.irq.mode() == IrqMode::Intx {
             self.update_intx();
         }
-        let _ = qid; // posters poll a full queue; nothing else waits on the head
     }
 
     /// The SQ tail the worker of `qid` should see.

@@ -5,7 +5,7 @@
 //! reached through the pinning engine: pinned on first use and kept pinned (one pin per
 //! ring, not per entry), released when the client unmaps them and pinned again on next use.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
@@ -387,8 +387,6 @@ pub struct Cq {
     coalescing: Mutex<Coalescing>,
     /// Posted entries the host has not consumed (tail != head), for the INTx level.
     pub tail_seen: AtomicU32,
-    /// Entries posted, for statistics.
-    pub posted: AtomicU64,
 }
 
 /// Why a completion could not be posted.
@@ -419,7 +417,6 @@ impl Cq {
             }),
             coalescing: Mutex::new(Coalescing::default()),
             tail_seen: AtomicU32::new(0),
-            posted: AtomicU64::new(0),
         }
     }
 
@@ -462,7 +459,6 @@ impl Cq {
                 st.phase = !st.phase;
             }
             self.tail_seen.store(next, Ordering::Release);
-            self.posted.fetch_add(1, Ordering::Relaxed);
             return Ok(self.signal(&mut st, queued));
         }
     }

@@ -271,7 +271,7 @@ impl QueueWorker {
         let (tail, head) = (self.ctrl.sq_tail(self.sq.id), self.sq.head.load(Ordering::Acquire));
         let queued =
             if tail < self.sq.entries { (tail + self.sq.entries - head) % self.sq.entries } else { 0 };
-        let cq = self.sq.cq.clone();
+        let cq = &self.sq.cq;
         let head = || self.ctrl.cq_head(cq.id);
         // Waiting for room ends with a reset, a newer generation, or the CQ's deletion (a
         // worker outlived by a Delete SQ must not write into a CQ the guest has freed).
