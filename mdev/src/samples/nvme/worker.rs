@@ -275,13 +275,13 @@ impl QueueWorker {
         let head = || self.ctrl.cq_head(cq.id);
         // Waiting for room ends with a reset, a newer generation, or the CQ's deletion (a
         // worker outlived by a Delete SQ must not write into a CQ the guest has freed).
-        let stop = || self.cancelled() || !self.ctrl.cq_live(&cq);
+        let stop = || self.cancelled() || !self.ctrl.cq_live(cq);
         if !self.current() {
             return;
         }
         loop {
             match cq.post(&self.ctx, cqe, &head, &stop, wait, queued) {
-                Ok(Signal::Now) => self.ctrl.interrupt(&cq),
+                Ok(Signal::Now) => self.ctrl.interrupt(cq),
                 Ok(Signal::Held) | Ok(Signal::None) => {}
                 Err(PostError::Full) => {
                     log::debug!("nvme: CQ {} full: completion of cid {} dropped", cq.id, u16::from(cqe.cid))
