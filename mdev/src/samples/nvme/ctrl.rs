@@ -274,7 +274,13 @@ impl Ctrl {
         self.open_sq_doorbell(0, sq_entries);
         let mut queues = self.queues();
         queues.cqs[0] = Some(cq);
-        self.start_queue(&mut queues, sq, ctx, generation)?;
+        if let Err(e) = self.start_queue(&mut queues, sq, ctx, generation) {
+            // Doorbells are open exactly while their queue serves (the doorbell path relies on
+            // it instead of asking CSTS.RDY).
+            self.open_cq_doorbell(0, 0);
+            self.open_sq_doorbell(0, 0);
+            return Err(e);
+        }
         drop(queues);
         let mut regs = self.regs();
         regs.csts = reg::CSTS_RDY;
@@ -412,8 +418,10 @@ impl Ctrl {
         let Some(db) = dbs.get(qid) else {
             return self.bad_doorbell(event::INVALID_DOORBELL_REGISTER, index, value);
         };
+        // A disabled controller has every doorbell closed (size 0): no need to lock the
+        // registers for CSTS.RDY on every doorbell.
         let size = db.size();
-        if size == 0 || !self.ready() {
+        if size == 0 {
             return self.bad_doorbell(event::INVALID_DOORBELL_REGISTER, index, value);
         }
         if value >= size {
