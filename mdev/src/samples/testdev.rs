@@ -463,19 +463,24 @@ impl Drop for TestDev {
 }
 
 fn worker(inner: &Inner, jobs: &Receiver<Permit<Job>>) {
+    // The worker's one bounce buffer, for every job.
+    let mut buf = vec![0u8; DMA_CHUNK];
     for permit in jobs {
         let job = permit.get();
-        match request::serve("a testdev DMA command", || run(inner, job)) {
+        match request::serve("a testdev DMA command", || run(inner, job, &mut buf)) {
             Some(outcome) => permit.complete(outcome),
             None => drop(permit), // fails it: EIO
         }
     }
 }
 
-/// Runs one job chunk by chunk; the checksum (0 for a fill) or an errno.
-fn run(inner: &Inner, job: &Job) -> Result<u32, i32> {
+/// Runs one job chunk by chunk through `buf` ([`DMA_CHUNK`] bytes); the checksum (0 for a
+/// fill) or an errno.
+fn run(inner: &Inner, job: &Job, buf: &mut [u8]) -> Result<u32, i32> {
     let len = job.len as usize;
-    let mut buf = vec![if job.cmd == CMD_FILL { job.pattern } else { 0 }; len.min(DMA_CHUNK)];
+    if job.cmd == CMD_FILL {
+        buf[..len.min(DMA_CHUNK)].fill(job.pattern);
+    }
     let mut sum = 0u32;
     let mut done = 0usize;
     while done < len {
