@@ -222,6 +222,15 @@ impl<K: Copy> RegMap<K> {
         data: &[u8],
         mut write: impl FnMut(Hit<K>, u64, u64),
     ) -> Result<(), DeviceError> {
+        if let Some(reg) = self.whole_register(offset, data.len()) {
+            // The common case, one aligned register (a doorbell): no cutting.
+            if let Some((hit, Access::WriteOnly | Access::ReadWrite)) = self.hit(reg) {
+                let mut value = [0u8; 8];
+                value[..data.len()].copy_from_slice(data);
+                write(hit, u64::from_le_bytes(value), u64::MAX >> (64 - 8 * data.len()));
+                return Ok(());
+            }
+        }
         for (reg, in_reg, in_data) in self.pieces(offset, data.len())? {
             match self.hit(reg) {
                 Some((hit, Access::WriteOnly | Access::ReadWrite)) => {
