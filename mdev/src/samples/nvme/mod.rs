@@ -179,6 +179,24 @@ impl NvmeConfig {
         Ok(config)
     }
 
+    /// Checks what [`create`] relies on, for configs not made by [`NvmeConfig::from_options`]
+    /// (which refuses the same with option-specific messages).
+    pub fn validate(&self) -> Result<(), String> {
+        if ![9, 12].contains(&self.lba_shift) {
+            return Err(format!("lba_shift {}: 9 or 12", self.lba_shift));
+        }
+        if !(1..=MAX_IO_QUEUES).contains(&self.io_queues) {
+            return Err(format!("io_queues {}: 1 to {MAX_IO_QUEUES}", self.io_queues));
+        }
+        if !(2..=MAX_ENTRIES).contains(&self.max_entries) {
+            return Err(format!("max_entries {}: 2 to {MAX_ENTRIES}", self.max_entries));
+        }
+        if self.namespaces.len() > MAX_NAMESPACES as usize {
+            return Err(format!("{} namespaces: at most {MAX_NAMESPACES}", self.namespaces.len()));
+        }
+        Ok(())
+    }
+
     /// The option names the type takes.
     pub fn option_names() -> Vec<String> {
         let mut names: Vec<String> = ["lba", "queues", "entries", "doorbells", "serial", "poll_us"]
@@ -260,6 +278,7 @@ pub fn config(io_queues: u16) -> ConfigSpaceBuilder {
 
 /// Creates an nvme device.
 pub fn create(config: NvmeConfig) -> Result<PciDevice<Nvme>, NvmeError> {
+    config.validate().map_err(NvmeError::Option)?;
     let serial = config.serial.clone().unwrap_or_else(|| default_serial(&config));
     let namespaces = config
         .namespaces
