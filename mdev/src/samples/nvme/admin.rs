@@ -211,10 +211,6 @@ pub fn from_host(w: &QueueWorker, sqe: &Sqe, data: &mut [u8]) -> Status {
     }
 }
 
-fn namespace(ctrl: &Ctrl, nsid: u32) -> Option<&Namespace> {
-    ctrl.config.namespaces.get(usize::try_from(nsid).ok()?.checked_sub(1)?)?.as_ref()
-}
-
 fn identify(w: &QueueWorker, sqe: &Sqe) -> Outcome {
     let ctrl = &w.ctrl;
     let nsid = u32::from(sqe.nsid);
@@ -222,7 +218,7 @@ fn identify(w: &QueueWorker, sqe: &Sqe) -> Outcome {
     let valid_nsid = nsid >= 1 && nsid <= nn;
     let page: Box<[u8; 4096]> = match sqe.dw(10) as u8 {
         cns::CONTROLLER => Box::new(copy_bytes(&identify_controller(ctrl))),
-        cns::NAMESPACE => match namespace(ctrl, nsid) {
+        cns::NAMESPACE => match ctrl.namespace(nsid) {
             Some(ns) => Box::new(copy_bytes(&identify_namespace(ns))),
             None if valid_nsid => Box::new([0; 4096]), // inactive: zeroes
             None => return Status::INVALID_NAMESPACE.dnr().into(),
@@ -238,7 +234,7 @@ fn identify(w: &QueueWorker, sqe: &Sqe) -> Outcome {
             }
             page
         }
-        cns::NS_DESCRIPTORS => match namespace(ctrl, nsid) {
+        cns::NS_DESCRIPTORS => match ctrl.namespace(nsid) {
             Some(ns) => Box::new(ns_descriptors(ns)),
             None => return Status::INVALID_NAMESPACE.dnr().into(),
         },

@@ -491,6 +491,11 @@ impl Ctrl {
         }
     }
 
+    /// Active namespace `nsid` (1-based), if any.
+    pub fn namespace(&self, nsid: u32) -> Option<&Namespace> {
+        self.config.namespaces.get(usize::try_from(nsid).ok()?.checked_sub(1)?)?.as_ref()
+    }
+
     /// Whether `cq` is still the controller's CQ of its id (not deleted, not replaced).
     pub fn cq_live(&self, cq: &Arc<Cq>) -> bool {
         self.queues().cqs.get(usize::from(cq.id)).and_then(Option::as_ref).is_some_and(|c| Arc::ptr_eq(c, cq))

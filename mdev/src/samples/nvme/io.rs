@@ -27,12 +27,7 @@ pub fn execute(w: &QueueWorker, sqe: &Sqe) -> Outcome {
     if sqe.opcode() == nvm_op::FLUSH && nsid == 0xffff_ffff {
         return flush(ctrl.config.namespaces.iter().flatten());
     }
-    let ns = usize::try_from(nsid)
-        .ok()
-        .and_then(|n| n.checked_sub(1))
-        .and_then(|i| ctrl.config.namespaces.get(i))
-        .and_then(Option::as_ref);
-    let Some(ns) = ns else {
+    let Some(ns) = ctrl.namespace(nsid) else {
         return match sqe.opcode() {
             nvm_op::FLUSH | nvm_op::WRITE | nvm_op::READ | nvm_op::WRITE_ZEROES | nvm_op::DSM => {
                 Status::INVALID_NAMESPACE.dnr().into()
