@@ -739,6 +739,13 @@ fn a_socket_backend_serves_one_host_client_and_keeps_what_is_queued() {
         }
         assert!(Instant::now() < deadline, "the host client after a departed one is not served");
     };
+    // Probes sent while no client was served yet wait in the queue and arrive now: only
+    // probes may come before what follows.
+    std::thread::sleep(Duration::from_millis(100));
+    let mut early = [0u8; 64];
+    while let Ok(k @ 1..) = std::io::Read::read(&mut host, &mut early) {
+        assert!(early[..k].iter().all(|&b| b == b'!'), "only earlier probes are queued");
+    }
     let described = rig.dev.describe();
     assert_eq!(described["ports"][1]["backend"], format!("socket:{}", path.display()));
     assert_eq!(described["ports"][1]["host_connected"], true);
