@@ -46,6 +46,7 @@ mod mapping;
 mod mmap;
 pub mod page;
 mod pin;
+mod reaper;
 mod sigbus;
 mod slots;
 mod space;

@@ -18,10 +18,10 @@ use vm_memory::VolatileSlice;
 
 use crate::lock::OverLimit;
 use crate::lock::PinMode;
-use crate::mapping::PIN_STOCK;
 use crate::mapping::{Mapping, MappingPins, MappingState, Released, RunFailure};
+use crate::mapping::{PinPolicy, PIN_STOCK};
 use crate::page::{iova_of, iova_of_checked, Prot, PAGE_SHIFT, PAGE_SIZE};
-use crate::slots::{Record, Slot, SlotHint};
+use crate::slots::{Record, RecordPtr, RecordRef, Slot, SlotHint, TableRead};
 use crate::space::{DmaSpace, MappingTable, SpaceInner};
 
 /// Why a pin call failed. Nothing stays pinned by a failed call.
@@ -210,6 +210,9 @@ pub struct PinnedRun {
 }
 
 impl PinnedRun {
+    /// No run (a free entry's contents).
+    pub(crate) const EMPTY: PinnedRun = PinnedRun { iova: 0, npages: 0, index: 0, host: 0, slot: 0, page: 0 };
+
     /// IOVA of the run's first page.
     pub fn iova(&self) -> u64 {
         self.iova
@@ -400,6 +403,24 @@ enum Entries<'p> {
 /// of its first page.
 type Resolved = (usize, u64, u64, usize);
 
+/// The mapping holding `pfn`: the slot's hint, else the table (which then becomes the hint).
+/// The caller holds the slot's lock, which `hint` belongs to.
+#[inline]
+fn lookup<'t>(table: &'t MappingTable, hint: &mut SlotHint, pfn: u64) -> Option<&'t Arc<Mapping>> {
+    match *hint {
+        // SAFETY: the hint points into the table, which cannot change while the slot is
+        // locked (the caller holds it); `SlotTable::write` clears it.
+        Some((first, end, m)) if pfn >= first && pfn < end => Some(unsafe { &*m.as_ptr() }),
+        _ => match table.range(..=pfn).next_back() {
+            Some((_, m)) if m.contains(pfn) => {
+                *hint = Some((m.first_pfn, m.end_pfn(), NonNull::from(m)));
+                Some(m)
+            }
+            _ => None,
+        },
+    }
+}
+
 /// Finds the mapping holding `pfn` (entry `index`) for a track-mode call: the slot's hint,
 /// else the table (which then becomes the hint); checks its access and memory; adds it to the
 /// record's mappings if new. The caller holds the slot's lock, which `hint` belongs to.
@@ -412,17 +433,8 @@ fn resolve_into(
     index: usize,
     record: &mut Record,
 ) -> Result<Resolved, PinError> {
-    let mapping: &Arc<Mapping> = match *hint {
-        // SAFETY: the hint points into the table, which cannot change while the slot is
-        // locked (the caller holds it); `SlotTable::write` clears it.
-        Some((first, end, m)) if pfn >= first && pfn < end => unsafe { &*m.as_ptr() },
-        _ => match table.range(..=pfn).next_back() {
-            Some((_, m)) if m.contains(pfn) => {
-                *hint = Some((m.first_pfn, m.end_pfn(), NonNull::from(m)));
-                m
-            }
-            _ => return Err(PinError::NotMapped { index, pfn }),
-        },
+    let Some(mapping) = lookup(table, hint, pfn) else {
+        return Err(PinError::NotMapped { index, pfn });
     };
     if !mapping.prot.contains(wanted) {
         return Err(PinError::Permission { index, pfn, wanted, have: mapping.prot });
@@ -461,7 +473,7 @@ fn plan_array_into(
     pfns: &[u64],
     record: &mut Record,
 ) -> Result<(), PinError> {
-    if pfns.len() > record.runs.inline_size() {
+    if pfns.len() > record.runs.capacity() {
         record.runs.reserve(pfns.len().min(4096));
     }
     let mut current: Option<Resolved> = None;
@@ -501,6 +513,100 @@ fn plan_range_into(
         done += n;
     }
     Ok(())
+}
+
+/// Track mode's fast path: a call that is one run in one mapping (every single page, a range
+/// inside one mapping) is recorded in place in the slot's one-run array. `None` when the
+/// call is not one run, or has an error to report, or needs the slot's stock refilled, or
+/// the array is full: the general path then does the whole call, as if this had not run
+/// (nothing here changes what it sees, but for the slot's hint).
+#[inline(always)]
+fn pin_one_run(
+    space: &Arc<SpaceInner>,
+    table: &MappingTable,
+    slot: &mut Slot,
+    slot_index: usize,
+    prot: Prot,
+    what: &Entries<'_>,
+    max_pages: u64,
+) -> Option<PinnedPages> {
+    let (pfn, npages) = match *what {
+        Entries::Array(pfns) => (*pfns.first()?, pfns.len() as u64),
+        Entries::Range(pfn, npages) => (pfn, npages),
+    };
+    if npages == 0 || npages > max_pages {
+        return None;
+    }
+    let mapping = lookup(table, &mut slot.hint, pfn)?;
+    let page = pfn - mapping.first_pfn;
+    let room = mapping.npages - page;
+    if npages > room {
+        return None;
+    }
+    if let Entries::Array(pfns) = *what {
+        if npages > 1 && run_length(pfns, room) != npages {
+            return None;
+        }
+    }
+    if !mapping.prot.contains(prot) || mapping.poisoned() || mapping.state() != MappingState::Live {
+        return None;
+    }
+    let host = mapping.host_addr(page)?;
+    if slot.ones_full() {
+        reclaim_ones(&space.policy, slot);
+    }
+    if slot.stock < npages && !refill_stock(&space.policy, slot, npages) {
+        return None;
+    }
+    let stock = slot.stock - npages;
+    let run = PinnedRun { iova: iova_of(pfn), npages, index: 0, host, slot: 0, page };
+    let entry = slot.publish_one(run, NonNull::from(&**mapping))?;
+    slot.stock = stock;
+    if slot.keepalive.is_none() {
+        // Once per slot: the slot holds the space while it has records (see SpaceHandle).
+        slot.keepalive = Some(Arc::clone(space));
+    }
+    slot.counts.pin_calls += 1;
+    slot.counts.runs += 1;
+    slot.counts.pages += npages;
+    Some(PinnedPages {
+        hold: Hold::Recorded {
+            space: NonNull::from(&**space),
+            slot: slot_index,
+            record: RecordPtr::One(entry),
+        },
+        prot,
+    })
+}
+
+/// Takes back a full slot's released one-run entries (see `Slot::reclaim_full_ones`; their
+/// pins into its stock, the surplus beyond two stocks back to the space).
+#[cold]
+fn reclaim_ones(policy: &PinPolicy, slot: &mut Slot) {
+    if slot.reclaim_full_ones() {
+        trim_stock(policy, slot);
+    }
+}
+
+/// Tops a slot's stock up by `pins` and a stock more from the space; false if that does
+/// not fit under the limit (the general path then reserves exactly, or fails).
+#[cold]
+fn refill_stock(policy: &PinPolicy, slot: &mut Slot, pins: u64) -> bool {
+    let more = pins.saturating_add(PIN_STOCK);
+    if policy.take(more).is_err() {
+        return false;
+    }
+    slot.stock += more;
+    true
+}
+
+/// Gives a slot's stock beyond two stocks' worth back to the space.
+#[inline]
+fn trim_stock(policy: &PinPolicy, slot: &mut Slot) {
+    if slot.stock > 2 * PIN_STOCK {
+        policy.give(slot.stock - PIN_STOCK);
+        slot.stock = PIN_STOCK;
+    }
 }
 
 /// How many entries from `pfns[0]` go on page by page (at most `limit`, the pages left in
@@ -597,8 +703,13 @@ fn refill_and_reserve(space: &SpaceInner, slot: &mut Slot, own: usize, pins: u64
     if policy.take(pins).is_ok() {
         return Ok(());
     }
+    // Released one-run entries hold their pins until reclaimed: take them back first.
+    slot.reclaim_ones();
     policy.give(std::mem::take(&mut slot.stock));
-    space.slots.try_each_other(own, |other| policy.give(std::mem::take(&mut other.stock)));
+    space.slots.try_each_other(own, |other| {
+        other.reclaim_ones();
+        policy.give(std::mem::take(&mut other.stock));
+    });
     policy.reclaim_stock();
     policy.take(pins)
 }
@@ -679,12 +790,12 @@ impl DmaSpace {
     /// The pins are held until the returned guard drops (or [`PinnedPages::forget`] hands
     /// them to [`DmaSpace::unpin_pages`]). On error nothing stays pinned.
     pub fn pin_pages(&self, pfns: &[u64], prot: Prot) -> Result<PinnedPages, PinError> {
+        if self.mode() == PinMode::Track {
+            return self.pin_tracked(prot, Entries::Array(pfns));
+        }
         if let Err(e) = self.check_count(pfns.len() as u64) {
             self.counters().pin_failures.fetch_add(1, Ordering::Relaxed);
             return Err(e);
-        }
-        if self.mode() == PinMode::Track {
-            return self.pin_recorded(prot, Entries::Array(pfns));
         }
         let plan = Planner::owned(&self.read_table(), prot, true, |p| p.plan_array(pfns));
         self.apply(plan, prot)
@@ -694,30 +805,61 @@ impl DmaSpace {
     /// may span adjacent mappings; it is pinned one run per mapping.
     pub fn pin_range(&self, iova: u64, npages: u64, prot: Prot) -> Result<PinnedPages, PinError> {
         let pfn = iova >> PAGE_SHIFT;
+        if self.mode() == PinMode::Track {
+            return self.pin_tracked(prot, Entries::Range(pfn, npages));
+        }
+        self.check_range(pfn, npages)?;
+        let plan = Planner::owned(&self.read_table(), prot, true, |p| p.plan_range(pfn, npages));
+        self.apply(plan, prot)
+    }
+
+    /// Checks a range call's count and that its pages have IOVAs; counts a failure.
+    fn check_range(&self, pfn: u64, npages: u64) -> Result<(), PinError> {
         let valid = self.check_count(npages).and_then(|()| {
             match pfn.checked_add(npages - 1).and_then(iova_of_checked) {
                 Some(_) => Ok(()),
                 None => Err(PinError::NotMapped { index: 0, pfn }),
             }
         });
-        if let Err(e) = valid {
+        if valid.is_err() {
             self.counters().pin_failures.fetch_add(1, Ordering::Relaxed);
-            return Err(e);
         }
-        if self.mode() == PinMode::Track {
-            return self.pin_recorded(prot, Entries::Range(pfn, npages));
+        valid
+    }
+
+    /// Track mode: the one-run fast path, else [`DmaSpace::pin_recorded`], under one take of
+    /// this thread's slot lock.
+    #[inline(always)]
+    fn pin_tracked(&self, prot: Prot, what: Entries<'_>) -> Result<PinnedPages, PinError> {
+        let mut read = self.read_table();
+        let slot_index = read.index();
+        let (table, slot) = read.parts();
+        let max = self.config().max_pages_per_call;
+        match pin_one_run(&self.inner.space, table, slot, slot_index, prot, &what, max) {
+            Some(pinned) => Ok(pinned),
+            None => self.pin_recorded(read, prot, what),
         }
-        let plan = Planner::owned(&self.read_table(), prot, true, |p| p.plan_range(pfn, npages));
-        self.apply(plan, prot)
     }
 
     /// Track mode: the whole call under this thread's slot lock. The runs are planned into a
     /// record of the slot, the mappings checked live, the pins reserved, and the record
     /// published; the guard points at it. No per-page work, no lock or line shared with
     /// other threads (but the slot's, when more threads than slots pin at once).
-    fn pin_recorded(&self, prot: Prot, what: Entries<'_>) -> Result<PinnedPages, PinError> {
+    #[inline(never)]
+    fn pin_recorded(
+        &self,
+        mut read: TableRead<'_>,
+        prot: Prot,
+        what: Entries<'_>,
+    ) -> Result<PinnedPages, PinError> {
+        let checked = match what {
+            Entries::Array(pfns) => self.check_count(pfns.len() as u64).inspect_err(|_| {
+                self.counters().pin_failures.fetch_add(1, Ordering::Relaxed);
+            }),
+            Entries::Range(pfn, npages) => self.check_range(pfn, npages),
+        };
+        checked?;
         let space = &self.inner.space;
-        let mut read = self.read_table();
         let slot_index = read.index();
         let (table, slot) = read.parts();
         let mut record = slot.fresh();
@@ -737,7 +879,7 @@ impl DmaSpace {
             // A mapping an unmap has marked grants no new pins; the unmap, which marks first
             // and then looks at the slots, either waits for this record or was seen here.
             for i in 0..record.mappings.len() {
-                let state = record.mapping(i).state();
+                let state = record.view().mapping(i).state();
                 if state != MappingState::Live {
                     slot.stock += record.pages;
                     // Report the first entry in that mapping.
@@ -763,7 +905,7 @@ impl DmaSpace {
         slot.counts.pin_calls += 1;
         slot.counts.runs += record.runs.len() as u64;
         slot.counts.pages += record.pages;
-        let record = slot.publish(record);
+        let record = RecordPtr::Boxed(slot.publish(record));
         drop(read);
         Ok(PinnedPages {
             hold: Hold::Recorded { space: NonNull::from(&**space), slot: slot_index, record },
@@ -874,17 +1016,8 @@ impl DmaSpace {
             let (first, end, host) = match hint {
                 Some(h @ (first, end, _)) if start >= first && start < end => h,
                 _ => {
-                    let m: &Arc<Mapping> = match slot.hint {
-                        // SAFETY: as in resolve_into: the slot is locked, so the table (and
-                        // the entry the hint points at) cannot change.
-                        Some((first, end, m)) if start >= first && start < end => unsafe { &*m.as_ptr() },
-                        _ => match table.range(..=start).next_back() {
-                            Some((_, m)) if m.contains(start) => {
-                                slot.hint = Some((m.first_pfn, m.end_pfn(), NonNull::from(m)));
-                                m
-                            }
-                            _ => return Err(PinError::NotMapped { index: i, pfn: start }),
-                        },
+                    let Some(m) = lookup(table, &mut slot.hint, start) else {
+                        return Err(PinError::NotMapped { index: i, pfn: start });
                     };
                     if !m.prot.contains(prot) {
                         return Err(PinError::Permission {
@@ -970,7 +1103,7 @@ pub struct PinnedPages {
 enum Hold {
     /// Track mode: a live record in slot `slot` of the space, which that slot keeps alive
     /// while the record lives; the record names the runs and their mappings.
-    Recorded { space: NonNull<SpaceInner>, slot: usize, record: NonNull<Record> },
+    Recorded { space: NonNull<SpaceInner>, slot: usize, record: RecordPtr },
     /// Lock mode: counted per page in the mappings' tables; the guard keeps the mappings.
     /// Boxed so that a guard stays small to move (lock mode pays a syscall per call anyway).
     Counted(Box<Plan>),
@@ -986,17 +1119,18 @@ unsafe impl Send for PinnedPages {}
 unsafe impl Sync for PinnedPages {}
 
 impl PinnedPages {
-    fn record(&self) -> Option<&Record> {
-        match &self.hold {
-            // SAFETY: the record is live until this guard retires it (drop or forget).
-            Hold::Recorded { record, .. } => Some(unsafe { record.as_ref() }),
+    fn record(&self) -> Option<RecordRef<'_>> {
+        match self.hold {
+            // SAFETY: the record is live until this guard retires it (drop or forget), and
+            // the view is borrowed with the guard.
+            Hold::Recorded { record, .. } => Some(unsafe { record.view() }),
             _ => None,
         }
     }
 
     fn runs_slice(&self) -> &[PinnedRun] {
         match &self.hold {
-            Hold::Recorded { .. } => self.record().map_or(&[], |r| &r.runs),
+            Hold::Recorded { .. } => self.record().map_or(&[], |r| r.runs),
             Hold::Counted(plan) => &plan.runs,
             Hold::Released => &[],
         }
@@ -1008,7 +1142,7 @@ impl PinnedPages {
             Hold::Counted(plan) => Some(&plan.mappings),
             _ => None,
         };
-        let recorded = record.into_iter().flat_map(|r| (0..r.mappings.len()).map(move |i| r.mapping(i)));
+        let recorded = record.into_iter().flat_map(|r| r.mappings());
         recorded.chain(counted.into_iter().flat_map(|m| m.iter().map(|m| &**m)))
     }
 
@@ -1238,8 +1372,8 @@ impl PinnedPages {
     /// for good (logged; their mappings are never unmapped, as with any pin never returned).
     pub fn forget(mut self) {
         if let Hold::Recorded { space, slot, record } = self.hold {
-            // SAFETY: the record is live until retired below.
-            let rec = unsafe { record.as_ref() };
+            // SAFETY: the record is live until retired below, after the view's last use.
+            let rec = unsafe { record.view() };
             // Counted first, then retired: an unmap sees the pins throughout.
             for (done, run) in rec.runs.iter().enumerate() {
                 let mapping = rec.mapping(run.slot);
@@ -1293,42 +1427,63 @@ impl Drop for PinnedPages {
             Hold::Recorded { space, slot, record } => {
                 // SAFETY: the slot keeps the space alive while the record is live.
                 let space = unsafe { space.as_ref() };
+                if let RecordPtr::One(entry) = record {
+                    // SAFETY: the entry is live until released or retired here.
+                    let entry = unsafe { entry.as_ref() };
+                    // Nobody to wake and a space that is not closing: let go without the
+                    // slot's lock (the slot reclaims the entry). An unmap or abandon_all that
+                    // marks the mapping just after this look sees the entry live and polls
+                    // again; a space closing meanwhile is left to the reaper.
+                    if entry.mapping().state() == MappingState::Live && !space.closed.load(Ordering::SeqCst) {
+                        entry.release();
+                        return;
+                    }
+                }
                 let mut locked = space.slots.lock_slot(slot);
-                // SAFETY: the record is live until retired below.
-                let rec = unsafe { record.as_ref() };
+                // SAFETY: the record is live until retired below, after the view's last use.
+                let rec = unsafe { record.view() };
                 let pages = rec.pages;
-                // An unmap waiting for these pins is woken once they are gone; hold the
-                // space across that, since after the slot's lock it may go.
-                let waking = (0..rec.mappings.len()).any(|i| rec.mapping(i).state() != MappingState::Live);
-                let orphaned =
-                    (0..rec.mappings.len()).any(|i| rec.mapping(i).state() == MappingState::Removed);
+                // One look at the mappings' states: an unmap waiting for these pins is
+                // woken once they are gone; an abandoned mapping may be free to go.
+                let (mut waking, mut orphaned) = (false, false);
+                for m in rec.mappings() {
+                    match m.state() {
+                        MappingState::Live => {}
+                        MappingState::Unmapping => waking = true,
+                        MappingState::Removed => (waking, orphaned) = (true, true),
+                    }
+                }
+                // Hold the space across the wake-up: after the slot's lock it may go.
                 let keep = if waking { locked.keepalive.clone() } else { None };
                 // SAFETY: the record was published in this slot and is retired once, here.
                 unsafe { locked.retire(record) };
                 locked.counts.unpin_calls += 1;
                 locked.stock += pages;
-                if locked.stock > 2 * PIN_STOCK {
-                    space.policy.give(locked.stock - PIN_STOCK);
-                    locked.stock = PIN_STOCK;
-                }
+                trim_stock(&space.policy, &mut locked);
                 let last = if locked.is_empty() && space.closed.load(Ordering::SeqCst) {
                     locked.keepalive.take()
                 } else {
                     None
                 };
                 drop(locked);
-                if let Some(space) = keep.as_ref().or(last.as_ref()) {
-                    if waking {
-                        space.wake_unmap();
-                    }
-                    if orphaned {
-                        // An abandoned mapping this record named may be free to go now.
-                        space.prune_orphans();
-                    }
+                if keep.is_some() || last.is_some() {
+                    retired_late(keep, last, waking, orphaned);
                 }
-                drop(keep);
-                drop(last);
             }
+        }
+    }
+}
+
+/// The rest of a guard's retirement when its mappings are going or its space has closed.
+#[cold]
+fn retired_late(keep: Option<Arc<SpaceInner>>, last: Option<Arc<SpaceInner>>, waking: bool, orphaned: bool) {
+    if let Some(space) = keep.as_ref().or(last.as_ref()) {
+        if waking {
+            space.wake_unmap();
+        }
+        if orphaned {
+            // An abandoned mapping the record named may be free to go now.
+            space.prune_orphans();
         }
     }
 }
@@ -1337,6 +1492,7 @@ impl Drop for PinnedPages {
 mod tests {
     use std::os::fd::AsFd;
     use std::sync::Arc;
+    use std::time::{Duration, Instant};
 
     use super::*;
     use crate::testutil::{locked_bytes_in, memfd};
@@ -1595,6 +1751,58 @@ mod tests {
         assert_eq!(&buf, b"still here");
         drop(other);
         drop(pins);
+    }
+
+    #[test]
+    fn a_closed_space_is_let_go_after_a_guard_released_without_the_lock() {
+        let (space, f) = space_with(Default::default());
+        let weak = Arc::downgrade(&space.inner.space);
+        let pins = space.pin_pages(&[7], Prot::READ).unwrap();
+        let Hold::Recorded { record: RecordPtr::One(entry), .. } = pins.hold else {
+            panic!("a single page is a one-run record");
+        };
+        // The space closes while the guard is live: its slot keeps the space...
+        drop(space);
+        drop(f);
+        assert!(weak.upgrade().is_some());
+        // ...and the guard lets go as one that looked before the close does: without the
+        // lock, leaving nobody to retire the record but the reaper.
+        std::mem::forget(pins);
+        // SAFETY: the entry is live (its guard was forgotten, not dropped).
+        unsafe { entry.as_ref() }.release();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while weak.upgrade().is_some() {
+            assert!(Instant::now() < deadline, "the reaper never let go of the space");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn single_page_guards_beyond_the_one_run_array_are_boxed_and_all_count() {
+        let (space, _f) = space_with(Default::default());
+        // More live single pages than the array holds, from one thread (one slot).
+        drop(space.pin_pages(&[0], Prot::READ).unwrap());
+        let guards: Vec<PinnedPages> =
+            (0..150u64).map(|i| space.pin_pages(&[i % 64], Prot::READ).unwrap()).collect();
+        let boxed =
+            guards.iter().filter(|g| matches!(g.hold, Hold::Recorded { record: RecordPtr::Boxed(_), .. }));
+        assert_eq!(boxed.count(), 150 - crate::slots::ONE_RUNS);
+        assert_eq!(space.stats().pins_held, 150);
+        let expect: Vec<u32> =
+            (0..64u64).map(|p| (0..150u64).filter(|i| i % 64 == p).count() as u32).collect();
+        assert_eq!(counts(&space, 0..64), expect);
+        assert_eq!(guards[3].host_addr(0), space.pin_pages(&[3], Prot::READ).unwrap().host_addr(0));
+        drop(guards);
+        let stats = space.stats();
+        assert_eq!((stats.pins_held, stats.pin_calls, stats.unpin_calls), (0, 152, 152));
+        // Released entries are taken back: the array serves single pages again at once.
+        let again = space.pin_pages(&[9], Prot::READ).unwrap();
+        assert!(matches!(again.hold, Hold::Recorded { record: RecordPtr::One(_), .. }));
+        drop(again);
+        // Nothing holds the mapping: it unmaps without waiting.
+        let unmapped = space.unmap(0, 64 * P).unwrap();
+        assert_eq!(unmapped.mappings, 1);
+        assert_eq!(space.stats().unmap_waits, 0);
     }
 
     #[test]

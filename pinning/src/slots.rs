@@ -12,14 +12,14 @@
 use std::cell::UnsafeCell;
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crossbeam::utils::CachePadded;
 use smallvec::SmallVec;
 
 use crate::mapping::Mapping;
-use crate::pin::Runs;
+use crate::pin::PinnedRun;
 use crate::space::{MappingTable, SpaceInner};
 
 /// Slots per space: enough that the threads of a busy device rarely share one.
@@ -76,12 +76,13 @@ impl<T> PerSlot<T> {
 /// guard lives. Immutable from publication to retirement, so the guard reads it unlocked.
 #[derive(Debug, Default)]
 pub(crate) struct Record {
-    /// The runs, in call order (`PinnedRun::slot` indexes `mappings`).
-    pub(crate) runs: Runs,
+    /// The runs, in call order (`PinnedRun::slot` indexes `mappings`). A plain Vec: records
+    /// are reused, so it keeps its capacity and a push is a store.
+    pub(crate) runs: Vec<PinnedRun>,
     /// The mappings the runs lie in. Valid while the record is live: an unmap does not
     /// remove a mapping a live record names, and `abandon_all` keeps such mappings with the
     /// space, which outlives its records.
-    pub(crate) mappings: SmallVec<[NonNull<Mapping>; 2]>,
+    pub(crate) mappings: Vec<NonNull<Mapping>>,
     /// Pages pinned (entries of the call).
     pub(crate) pages: u64,
     /// Position in the slot's `live` list. Changed (under the slot's lock) when another
@@ -91,13 +92,115 @@ pub(crate) struct Record {
 }
 
 impl Record {
+    /// The record as its guard and the slot's readers see it.
+    pub(crate) fn view(&self) -> RecordRef<'_> {
+        RecordRef { runs: &self.runs, mappings: &self.mappings, pages: self.pages }
+    }
+}
+
+/// A record of one run in one mapping (every single-page call, every range in one
+/// mapping): written in place in a slot's fixed array, no list to grow or clear.
+///
+/// Its guard usually lets go of it without the slot's lock: it clears `live` (after which
+/// it touches nothing of the space), and the slot reclaims the entry, its pins and its
+/// counts the next time it looks under its lock (when its free set runs out, or when it is
+/// read). Readers of a slot's records skip entries no longer live.
+#[derive(Debug)]
+pub(crate) struct OneRun {
+    /// The run (`slot` 0: `mapping`).
+    run: PinnedRun,
+    /// The mapping, kept valid as `Record::mappings` is while `live`.
+    mapping: NonNull<Mapping>,
+    /// True from publication until the guard lets go (release order: everything the guard
+    /// did with the pages happens before a reader sees it false).
+    live: AtomicBool,
+    /// The entry's position in the slot's array (fixed).
+    at: u32,
+}
+
+impl OneRun {
+    /// The mapping of the run (valid while the entry is live).
+    pub(crate) fn mapping(&self) -> &Mapping {
+        // SAFETY: a live entry's mapping stays allocated (see `Record::mappings`).
+        unsafe { self.mapping.as_ref() }
+    }
+
+    /// True until the guard lets go.
+    fn is_live(&self) -> bool {
+        self.live.load(Ordering::Acquire)
+    }
+
+    /// The guard lets go of the entry without its slot's lock; the slot reclaims it later.
+    /// The caller must not touch the entry or its space afterwards: the space may go.
+    pub(crate) fn release(&self) {
+        self.live.store(false, Ordering::Release);
+    }
+
+    /// The record as its guard and the slot's readers see it.
+    pub(crate) fn view(&self) -> RecordRef<'_> {
+        RecordRef {
+            runs: std::slice::from_ref(&self.run),
+            mappings: std::slice::from_ref(&self.mapping),
+            pages: self.run.npages(),
+        }
+    }
+}
+
+/// Entries of a slot's one-run array (its free set is one word).
+pub(crate) const ONE_RUNS: usize = 64;
+
+/// A slot's one-run records, apart from the slot so that a guard reading its entry never
+/// aliases the `&mut Slot` of a thread pinning into another entry.
+type OneRuns = [UnsafeCell<OneRun>; ONE_RUNS];
+
+/// A live record of either kind, as a guard holds it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum RecordPtr {
+    /// A boxed record of any runs.
+    Boxed(NonNull<Record>),
+    /// An entry of the slot's one-run array.
+    One(NonNull<OneRun>),
+}
+
+impl RecordPtr {
+    /// The record.
+    ///
+    /// # Safety
+    /// The record is live (published and not retired) for as long as the view is used.
+    pub(crate) unsafe fn view<'a>(self) -> RecordRef<'a> {
+        match self {
+            // SAFETY: live records are valid and immutable until retired (the contract).
+            RecordPtr::Boxed(r) => unsafe { r.as_ref() }.view(),
+            // SAFETY: as above; a live entry is written only before it is published.
+            RecordPtr::One(r) => unsafe { r.as_ref() }.view(),
+        }
+    }
+}
+
+/// What a live record holds, of either kind.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RecordRef<'a> {
+    /// The runs, in call order (`PinnedRun::slot` indexes `mappings`).
+    pub(crate) runs: &'a [PinnedRun],
+    /// The mappings the runs lie in (see `Record::mappings`).
+    mappings: &'a [NonNull<Mapping>],
+    /// Pages pinned (entries of the call).
+    pub(crate) pages: u64,
+}
+
+impl<'a> RecordRef<'a> {
     /// The mapping of run slot `i`.
-    pub(crate) fn mapping(&self, i: usize) -> &Mapping {
-        // SAFETY: a live record's mappings stay allocated (see the field). A record being
-        // filled is asked only by the pin call filling it, under its slot's lock, with
-        // pointers it just took from the table, which cannot change meanwhile. Retired
-        // records have no mappings.
+    pub(crate) fn mapping(&self, i: usize) -> &'a Mapping {
+        // SAFETY: a live record's mappings stay allocated (see `Record::mappings`). A record
+        // being filled is asked only by the pin call filling it, under its slot's lock, with
+        // pointers it just took from the table, which cannot change meanwhile.
         unsafe { self.mappings[i].as_ref() }
+    }
+
+    /// The mappings the runs lie in.
+    pub(crate) fn mappings(&self) -> impl Iterator<Item = &'a Mapping> + 'a {
+        // SAFETY: as in `mapping`.
+        self.mappings.iter().map(|m| unsafe { m.as_ref() })
     }
 
     /// Pins this record holds in `m`.
@@ -110,7 +213,6 @@ impl Record {
 }
 
 /// One slot: its live records and what keeps them valid.
-#[derive(Default)]
 pub(crate) struct Slot {
     /// Records of live track-mode guards pinned from this slot (boxes owned by the slot).
     live: Vec<NonNull<Record>>,
@@ -119,6 +221,15 @@ pub(crate) struct Slot {
     /// allocation.
     #[allow(clippy::vec_box)]
     free: Vec<Box<Record>>,
+    /// The one-run array, allocated at the slot's first one-run call. Held by pointer, not
+    /// by value or Box, so that `&mut Slot` does not cover entries that guards read.
+    ones: Option<NonNull<OneRuns>>,
+    /// Entries of `ones` the slot may hand out (bit `i`: entry `i`); all until it exists.
+    /// A clear bit is a live entry or one its guard released that is not reclaimed yet.
+    ones_free: u64,
+    /// One-run calls left before a full array is looked at again, after a look found
+    /// nothing released (a device holding more than 64 pins would scan on every call).
+    ones_backoff: u32,
     /// Pins the live records hold.
     pins: u64,
     /// The space, held while the slot has live records once the space's handles are gone
@@ -148,10 +259,28 @@ pub(crate) struct SlotCounts {
     pub(crate) pages: u64,
 }
 
+impl Default for Slot {
+    fn default() -> Self {
+        Slot {
+            live: Vec::new(),
+            free: Vec::new(),
+            ones: None,
+            ones_free: !0,
+            ones_backoff: 0,
+            pins: 0,
+            keepalive: None,
+            stock: 0,
+            counts: SlotCounts::default(),
+            hint: None,
+        }
+    }
+}
+
 impl std::fmt::Debug for Slot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Slot")
             .field("live", &self.live.len())
+            .field("one_runs", &(!self.ones_free).count_ones())
             .field("pins", &self.pins)
             .finish_non_exhaustive()
     }
@@ -188,12 +317,99 @@ impl Slot {
         ptr
     }
 
+    /// Makes a one-run record live in a free entry of the slot's array; `None` if every
+    /// entry is free (the caller reclaims released ones, or records the run in a box).
+    #[inline(always)]
+    pub(crate) fn publish_one(
+        &mut self,
+        run: PinnedRun,
+        mapping: NonNull<Mapping>,
+    ) -> Option<NonNull<OneRun>> {
+        if self.ones_free == 0 {
+            return None;
+        }
+        let ones = match self.ones {
+            Some(ones) => ones,
+            None => self.allocate_ones(),
+        };
+        let at = self.ones_free.trailing_zeros();
+        // SAFETY: `ones` is this slot's array (allocated, freed only with the slot); entry
+        // `at` is free (its last guard released it and the release was seen), so no guard
+        // reads it, and we hold the slot's lock (`&mut self`), the only way to write entries.
+        let entry = unsafe { &mut *(*ones.as_ptr())[at as usize].get() };
+        entry.run = run;
+        entry.mapping = mapping;
+        *entry.live.get_mut() = true;
+        self.ones_free &= !(1 << at);
+        self.pins += run.npages();
+        Some(NonNull::from(entry))
+    }
+
+    /// Takes back the entries whose guards released them without the lock: their pins go
+    /// back to the slot's stock and their calls are counted as unpins.
+    pub(crate) fn reclaim_ones(&mut self) {
+        let Some(ones) = self.ones else { return };
+        let (mut freed, mut pages) = (0u64, 0u64);
+        let mut taken = !self.ones_free;
+        while taken != 0 {
+            let at = taken.trailing_zeros() as usize;
+            taken &= taken - 1;
+            // SAFETY: an entry of this slot's array; we only read it (its guard may be
+            // reading it too) and hold the slot's lock.
+            let entry = unsafe { &*(*ones.as_ptr())[at].get() };
+            if !entry.is_live() {
+                freed |= 1 << at;
+                pages += entry.run.npages();
+            }
+        }
+        self.ones_free |= freed;
+        self.pins -= pages;
+        self.stock += pages;
+        self.counts.unpin_calls += u64::from(freed.count_ones());
+    }
+
+    #[cold]
+    fn allocate_ones(&mut self) -> NonNull<OneRuns> {
+        let empty = || {
+            UnsafeCell::new(OneRun {
+                run: PinnedRun::EMPTY,
+                mapping: NonNull::dangling(),
+                live: AtomicBool::new(false),
+                at: 0,
+            })
+        };
+        let ones: Box<OneRuns> = Box::new(std::array::from_fn(|_| empty()));
+        for (at, entry) in ones.iter().enumerate() {
+            // SAFETY: the array is ours alone until published below.
+            unsafe { (*entry.get()).at = at as u32 };
+        }
+        let ones = NonNull::from(Box::leak(ones));
+        self.ones = Some(ones);
+        ones
+    }
+
     /// Retires a live record of this slot.
     ///
     /// # Safety
-    /// `record` was returned by [`Slot::publish`] of this slot and not retired since, and no
-    /// reference to it outlives this call.
-    pub(crate) unsafe fn retire(&mut self, record: NonNull<Record>) {
+    /// `record` was published by this slot and not retired since, and no reference to it
+    /// outlives this call.
+    #[inline]
+    pub(crate) unsafe fn retire(&mut self, record: RecordPtr) {
+        match record {
+            RecordPtr::One(entry) => {
+                // SAFETY: per the contract, a live entry of this slot's array.
+                let entry = unsafe { entry.as_ref() };
+                entry.live.store(false, Ordering::Relaxed);
+                self.ones_free |= 1 << entry.at;
+                self.pins -= entry.run.npages();
+            }
+            // SAFETY: per the contract.
+            RecordPtr::Boxed(record) => unsafe { self.retire_boxed(record) },
+        }
+    }
+
+    /// Retires a live boxed record of this slot (contract of [`Slot::retire`]).
+    unsafe fn retire_boxed(&mut self, record: NonNull<Record>) {
         // SAFETY: per the contract, the record is live in this slot: a box it owns.
         let record = unsafe { Box::from_raw(record.as_ptr()) };
         let at = record.at.load(Ordering::Relaxed);
@@ -208,18 +424,54 @@ impl Slot {
     }
 
     /// The live records.
-    pub(crate) fn records(&self) -> impl Iterator<Item = &Record> {
+    pub(crate) fn records(&self) -> impl Iterator<Item = RecordRef<'_>> {
         // SAFETY: live records are valid boxes owned by this slot, borrowed with it.
-        self.live.iter().map(|r| unsafe { r.as_ref() })
+        let boxed = self.live.iter().map(|r| unsafe { r.as_ref() }.view());
+        let ones = self.ones.into_iter().flat_map(move |ones| {
+            let live = !self.ones_free;
+            (0..ONE_RUNS).filter(move |i| live & (1 << i) != 0).filter_map(move |i| {
+                // SAFETY: an entry of this slot's array, rewritten only under the slot's lock
+                // we are borrowed under; read only if still live (then its guard holds it).
+                let entry = unsafe { &*(*ones.as_ptr())[i].get() };
+                entry.is_live().then(|| entry.view())
+            })
+        });
+        boxed.chain(ones)
     }
 
-    /// True if no record is live.
-    pub(crate) fn is_empty(&self) -> bool {
-        self.live.is_empty()
+    /// True if every entry of the one-run array is taken (live or not yet reclaimed).
+    #[inline(always)]
+    pub(crate) fn ones_full(&self) -> bool {
+        self.ones_free == 0
     }
 
-    /// Pins the live records hold.
-    pub(crate) fn pins(&self) -> u64 {
+    /// Reclaims released entries of a full array, unless a recent look found none; true if
+    /// an entry is free now.
+    pub(crate) fn reclaim_full_ones(&mut self) -> bool {
+        if self.ones_backoff > 0 {
+            self.ones_backoff -= 1;
+            return false;
+        }
+        self.reclaim_ones();
+        if self.ones_free == 0 {
+            self.ones_backoff = ONE_RUNS as u32;
+            return false;
+        }
+        true
+    }
+
+    /// True if no record is live (every live record holds at least one pin), after taking
+    /// back released entries.
+    pub(crate) fn is_empty(&mut self) -> bool {
+        if self.pins != 0 {
+            self.reclaim_ones();
+        }
+        self.pins == 0
+    }
+
+    /// Pins the live records hold (after taking back released entries).
+    pub(crate) fn pins(&mut self) -> u64 {
+        self.reclaim_ones();
         self.pins
     }
 
@@ -227,22 +479,34 @@ impl Slot {
     pub(crate) fn bookkeeping_bytes(&self) -> usize {
         let each = |r: &Record| {
             std::mem::size_of::<Record>()
-                + if r.runs.spilled() {
-                    r.runs.capacity() * std::mem::size_of::<crate::PinnedRun>()
-                } else {
-                    0
-                }
+                + r.runs.capacity() * std::mem::size_of::<PinnedRun>()
+                + r.mappings.capacity() * std::mem::size_of::<NonNull<Mapping>>()
         };
-        self.records().map(each).sum::<usize>() + self.free.iter().map(|r| each(r)).sum::<usize>()
+        let ones = if self.ones.is_some() { std::mem::size_of::<OneRuns>() } else { 0 };
+        self.live.iter().map(|r| each(unsafe_ref(r))).sum::<usize>()
+            + self.free.iter().map(|r| each(r)).sum::<usize>()
+            + ones
     }
+}
+
+/// A live boxed record of a slot, borrowed with the slot.
+fn unsafe_ref(record: &NonNull<Record>) -> &Record {
+    // SAFETY: live records are valid boxes owned by their slot, which the caller borrows.
+    unsafe { record.as_ref() }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        if !self.live.is_empty() {
+        if !self.is_empty() {
             // Cannot happen (live records keep their space, which owns the slot); if it
             // did, their guards still point at them: leak rather than free under them.
-            log::error!("a pin slot dropped with {} live records; leaking them", self.live.len());
+            log::error!("a pin slot dropped with {} pins in live records; leaking them", self.pins);
+            return;
+        }
+        if let Some(ones) = self.ones.take() {
+            // SAFETY: allocated by `allocate_ones` as a leaked Box; no entry is live, so
+            // no guard points into it.
+            drop(unsafe { Box::from_raw(ones.as_ptr()) });
         }
     }
 }

@@ -290,14 +290,32 @@ pub(crate) struct SpaceInner {
 
 impl SpaceInner {
     /// Lets go of abandoned mappings no record names any more (their memory is unmapped).
+    /// Called as records naming them retire, and at each map and unmap: a guard that let go
+    /// without its slot's lock just as abandon_all looked leaves its mapping here until then.
     pub(crate) fn prune_orphans(&self) {
         let gone: Vec<Arc<Mapping>> = {
             let mut orphans = crate::sync::lock(&self.orphans);
+            if orphans.is_empty() {
+                return;
+            }
             let (keep, gone): (Vec<_>, Vec<_>) = orphans.drain(..).partition(|m| self.slots.pins_in(m) != 0);
             *orphans = keep;
             gone
         };
         drop(gone);
+    }
+
+    /// Makes every slot without live records let go of the space; true if some slot still
+    /// holds it. The caller holds a reference of its own (a slot's may be the last but it).
+    pub(crate) fn release_idle_slots(&self) -> bool {
+        let mut holding = false;
+        self.slots.for_each_slot(|slot| {
+            if slot.is_empty() {
+                drop(slot.keepalive.take());
+            }
+            holding |= slot.keepalive.is_some();
+        });
+        holding
     }
 
     /// Wakes an unmap waiting for records to retire.
@@ -325,11 +343,11 @@ impl Drop for SpaceHandle {
         // From here on a slot's last retiring record lets go of the space; slots without
         // records let go now. (No pin can start: there is no handle to call it on.)
         self.space.closed.store(true, Ordering::SeqCst);
-        self.space.slots.for_each_slot(|slot| {
-            if slot.is_empty() {
-                drop(slot.keepalive.take());
-            }
-        });
+        if self.space.release_idle_slots() {
+            // Guards still hold records: the last to retire under its slot's lock lets go
+            // of the space, and the reaper catches one released without the lock.
+            crate::reaper::watch(Arc::downgrade(&self.space));
+        }
     }
 }
 
@@ -466,6 +484,7 @@ impl DmaSpace {
     }
 
     fn insert(&self, iova: u64, size: u64, prot: Prot, memory: Option<HostMemory>) -> Result<(), MapError> {
+        self.inner.prune_orphans();
         let mapping = Mapping::new(pfn_of(iova), size / PAGE_SIZE, prot, memory, self.inner.policy.clone());
         let mut table = self.write_table();
         self.check_room(&table, iova, size)?;
@@ -549,6 +568,7 @@ impl DmaSpace {
     }
 
     fn remove(&self, victims: Vec<Arc<Mapping>>) -> Result<Unmapped, UnmapError> {
+        self.inner.prune_orphans();
         // Claim every victim: no new pins from here on.
         let mut busy = Vec::new();
         for (claimed, m) in victims.iter().enumerate() {
@@ -832,11 +852,12 @@ mod tests {
         let stats = space.stats();
         assert_eq!(stats.bookkeeping_bytes, 0);
         assert_eq!(stats.mapped_bytes, 64 << 30);
-        // Pinning one page allocates one chunk of counts, not one per page of the mapping.
+        // Pinning one page allocates one slot's record array (a track-mode call) or one
+        // chunk of counts, nothing per page of the mapping.
         let last = (1u64 << 40) + (64 << 30) - PAGE_SIZE;
         let pins = space.pin_range(last, 1, Prot::READ).unwrap();
         let bytes = space.stats().bookkeeping_bytes;
-        assert!(bytes > 0 && bytes < 4096, "{bytes}");
+        assert!(bytes > 0 && bytes <= 8192, "{bytes}");
         drop(pins);
         space.unmap(1 << 40, 64 << 30).unwrap();
     }
