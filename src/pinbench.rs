@@ -19,12 +19,16 @@ mod plot;
 const MAPPING_PAGES: u64 = 4096; // 16 MiB, 8 huge pages
 const IOVA_BASE: u64 = 1 << 32;
 const SIZES: [usize; 4] = [1, 8, 64, 512];
-const PATTERNS: [Pattern; 4] = [Pattern::Contiguous, Pattern::Scattered, Pattern::IdawMixed, Pattern::Single];
+const PATTERNS: [Pattern; 5] =
+    [Pattern::Contiguous, Pattern::Range, Pattern::Scattered, Pattern::IdawMixed, Pattern::Single];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Pattern {
     /// `[b, b+1, ..., b+n-1]`.
     Contiguous,
+    /// The same pages as one range (`pin_range`, no array to read; per-page: one-page
+    /// ranges). Its translate floor is the contiguous array's.
+    Range,
     /// Every other page in random order: no two entries adjacent.
     Scattered,
     /// Runs of random length 1-16 with gaps between them, in random order.
@@ -37,6 +41,7 @@ impl Pattern {
     pub fn name(self) -> &'static str {
         match self {
             Pattern::Contiguous => "contiguous",
+            Pattern::Range => "range",
             Pattern::Scattered => "scattered",
             Pattern::IdawMixed => "idaw-mixed",
             Pattern::Single => "single",
@@ -46,7 +51,7 @@ impl Pattern {
     /// Page offsets (within the mapping) of an `n`-entry array.
     pub fn offsets(self, n: usize, rng: &mut Rng) -> Vec<u64> {
         match self {
-            Pattern::Contiguous => (0..n as u64).collect(),
+            Pattern::Contiguous | Pattern::Range => (0..n as u64).collect(),
             Pattern::Scattered => {
                 let mut v: Vec<u64> = (0..n as u64).map(|k| 2 * k).collect();
                 rng.shuffle(&mut v);
@@ -286,12 +291,22 @@ fn measure(
         effort,
         [
             &mut || {
-                one_call.push(space.pin_pages(black_box(pfns), prot).expect("pin"));
+                let pinned = match pattern {
+                    Pattern::Range => {
+                        space.pin_range(black_box(pfns[0] * PAGE_SIZE), pfns.len() as u64, prot)
+                    }
+                    _ => space.pin_pages(black_box(pfns), prot),
+                };
+                one_call.push(pinned.expect("pin"));
                 one_call.clear();
             },
             &mut || {
                 for pfn in pfns.chunks(1) {
-                    per_page.push(space.pin_pages(black_box(pfn), prot).expect("pin"));
+                    let pinned = match pattern {
+                        Pattern::Range => space.pin_range(black_box(pfn[0] * PAGE_SIZE), 1, prot),
+                        _ => space.pin_pages(black_box(pfn), prot),
+                    };
+                    per_page.push(pinned.expect("pin"));
                 }
                 per_page.clear();
             },

@@ -8,6 +8,7 @@
 //! one table step (and, in lock mode, one accounting step and one mlock per sub-run of newly
 //! pinned pages), and on any failure the runs already pinned are unwound.
 
+use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
@@ -21,7 +22,7 @@ use crate::lock::PinMode;
 use crate::mapping::{Mapping, MappingPins, MappingState, Released, RunFailure};
 use crate::mapping::{PinPolicy, PIN_STOCK};
 use crate::page::{iova_of, iova_of_checked, Prot, PAGE_SHIFT, PAGE_SIZE};
-use crate::slots::{Record, RecordPtr, RecordRef, Slot, SlotHint, TableRead};
+use crate::slots::{Record, RecordPtr, RecordRef, Slot, SlotHint, TableRead, SMALL_RUNS};
 use crate::space::{DmaSpace, MappingTable, SpaceInner};
 
 /// Why a pin call failed. Nothing stays pinned by a failed call.
@@ -391,7 +392,7 @@ impl<'a, 'r> Planner<'a, 'r> {
     }
 }
 
-/// What a track-mode call names.
+/// What a pin call names.
 enum Entries<'p> {
     /// An array of page numbers.
     Array(&'p [u64]),
@@ -464,8 +465,9 @@ fn push_run_into(record: &mut Record, (slot, first, _, base): Resolved, pfn: u64
     record.pages += npages;
 }
 
-/// Cuts an array into maximal runs, into a track-mode record.
-#[inline]
+/// Cuts an array into maximal runs, into a track-mode record. Out of line: its loop gets
+/// the registers to itself.
+#[inline(never)]
 fn plan_array_into(
     table: &MappingTable,
     hint: &mut SlotHint,
@@ -473,25 +475,32 @@ fn plan_array_into(
     pfns: &[u64],
     record: &mut Record,
 ) -> Result<(), PinError> {
-    if pfns.len() > record.runs.capacity() {
-        record.runs.reserve(pfns.len().min(4096));
-    }
-    let mut current: Option<Resolved> = None;
+    let Some(&first) = pfns.first() else { return Ok(()) };
+    let mut hit = resolve_into(table, hint, wanted, first, 0, record)?;
     let mut i = 0;
     while i < pfns.len() {
         let start = pfns[i];
-        let hit = match current {
-            Some(c) if start >= c.1 && start < c.2 => c,
-            _ => {
-                let c = resolve_into(table, hint, wanted, start, i, record)?;
-                current = Some(c);
-                c
-            }
-        };
+        if start < hit.1 || start >= hit.2 {
+            hit = resolve_into(table, hint, wanted, start, i, record)?;
+        }
         let n = run_length(&pfns[i..], hit.2 - start);
-        push_run_into(record, hit, start, n, i);
+        let page = start - hit.1;
+        let host = hit.3 + (page * PAGE_SIZE) as usize;
+        let run = PinnedRun { iova: iova_of(start), npages: n, index: i, host, slot: hit.0, page };
+        if record.runs.len() == record.runs.capacity() {
+            // At most one run per entry left; more than 4096 at a time only as needed.
+            record.runs.reserve((pfns.len() - i).min(4096));
+        }
+        let len = record.runs.len();
+        // SAFETY: there is room for one more (just ensured), and a PinnedRun needs no drop.
+        unsafe {
+            record.runs.as_mut_ptr().add(len).write(run);
+            record.runs.set_len(len + 1);
+        }
         i += n as usize;
     }
+    // The runs cover every entry once.
+    record.pages += pfns.len() as u64;
     Ok(())
 }
 
@@ -515,13 +524,14 @@ fn plan_range_into(
     Ok(())
 }
 
-/// Track mode's fast path: a call that is one run in one mapping (every single page, a range
-/// inside one mapping) is recorded in place in the slot's one-run array. `None` when the
-/// call is not one run, or has an error to report, or needs the slot's stock refilled, or
-/// the array is full: the general path then does the whole call, as if this had not run
-/// (nothing here changes what it sees, but for the slot's hint).
+/// Track mode's fast path: a call whose runs all lie in one mapping and number at most
+/// [`SMALL_RUNS`] (every single page, every range inside one mapping, short IDAW and PRP
+/// lists) is planned in place into a free entry of the slot's small-record array. `None`
+/// when the call is not such a call, or has an error to report, or does not fit the slot's
+/// stock and the limit, or the array is full: the general path then does the whole call, as
+/// if this had not run (nothing here changes what it sees, but for the slot's hint).
 #[inline(always)]
-fn pin_one_run(
+fn pin_small(
     space: &Arc<SpaceInner>,
     table: &MappingTable,
     slot: &mut Slot,
@@ -538,52 +548,80 @@ fn pin_one_run(
         return None;
     }
     let mapping = lookup(table, &mut slot.hint, pfn)?;
-    let page = pfn - mapping.first_pfn;
-    let room = mapping.npages - page;
-    if npages > room {
-        return None;
-    }
-    if let Entries::Array(pfns) = *what {
-        if npages > 1 && run_length(pfns, room) != npages {
-            return None;
-        }
-    }
     if !mapping.prot.contains(prot) || mapping.poisoned() || mapping.state() != MappingState::Live {
         return None;
     }
-    let host = mapping.host_addr(page)?;
-    if slot.ones_full() {
-        reclaim_ones(&space.policy, slot);
+    let base = mapping.host_addr(0)?;
+    if slot.small_full() {
+        reclaim_small(&space.policy, slot);
     }
+    let entry = slot.free_small()?;
+    // SAFETY: a free entry of our locked slot: nobody else reads or writes it until it is
+    // published below.
+    let record = unsafe { &mut *entry.as_ptr() };
+    let (first, end) = (mapping.first_pfn, mapping.end_pfn());
+    let run = |pfn: u64, npages: u64, index: usize| {
+        let page = pfn - first;
+        PinnedRun {
+            iova: iova_of(pfn),
+            npages,
+            index,
+            host: base + (page * PAGE_SIZE) as usize,
+            slot: 0,
+            page,
+        }
+    };
+    let len = match *what {
+        Entries::Range(pfn, npages) => {
+            if npages > end - pfn {
+                return None;
+            }
+            record.set_run(0, run(pfn, npages, 0));
+            1
+        }
+        Entries::Array(pfns) => {
+            let (mut i, mut k) = (0, 0);
+            while i < pfns.len() {
+                let start = pfns[i];
+                if start < first || start >= end || k == SMALL_RUNS {
+                    return None;
+                }
+                let n = if i + 1 == pfns.len() { 1 } else { run_length(&pfns[i..], end - start) };
+                record.set_run(k, run(start, n, i));
+                k += 1;
+                i += n as usize;
+            }
+            k
+        }
+    };
     if slot.stock < npages && !refill_stock(&space.policy, slot, npages) {
         return None;
     }
-    let stock = slot.stock - npages;
-    let run = PinnedRun { iova: iova_of(pfn), npages, index: 0, host, slot: 0, page };
-    let entry = slot.publish_one(run, NonNull::from(&**mapping))?;
-    slot.stock = stock;
+    slot.stock -= npages;
+    // SAFETY: `entry` came from `free_small` of this slot under this hold of its lock.
+    unsafe { slot.publish_small(entry, len, npages, NonNull::from(&**mapping)) };
     if slot.keepalive.is_none() {
         // Once per slot: the slot holds the space while it has records (see SpaceHandle).
         slot.keepalive = Some(Arc::clone(space));
     }
     slot.counts.pin_calls += 1;
-    slot.counts.runs += 1;
+    slot.counts.runs += len as u64;
     slot.counts.pages += npages;
     Some(PinnedPages {
-        hold: Hold::Recorded {
+        hold: ManuallyDrop::new(Hold::Recorded {
             space: NonNull::from(&**space),
             slot: slot_index,
-            record: RecordPtr::One(entry),
-        },
+            record: RecordPtr::Small(entry),
+        }),
         prot,
     })
 }
 
-/// Takes back a full slot's released one-run entries (see `Slot::reclaim_full_ones`; their
+/// Takes back a full slot's released small records (see `Slot::reclaim_full_small`; their
 /// pins into its stock, the surplus beyond two stocks back to the space).
 #[cold]
-fn reclaim_ones(policy: &PinPolicy, slot: &mut Slot) {
-    if slot.reclaim_full_ones() {
+fn reclaim_small(policy: &PinPolicy, slot: &mut Slot) {
+    if slot.reclaim_full_small() {
         trim_stock(policy, slot);
     }
 }
@@ -610,14 +648,23 @@ fn trim_stock(policy: &PinPolicy, slot: &mut Slot) {
 }
 
 /// How many entries from `pfns[0]` go on page by page (at most `limit`, the pages left in
-/// its mapping): the length of the run starting there.
-#[inline]
+/// its mapping): the length of the run starting there. Inline for the usual answer (the
+/// next entry does not continue: 1), out of line for longer runs.
+#[inline(always)]
 fn run_length(pfns: &[u64], limit: u64) -> u64 {
-    let max = usize::try_from(limit).unwrap_or(usize::MAX).min(pfns.len());
     // Scattered arrays end their runs at once.
-    if max < 2 || pfns[1] != pfns[0].wrapping_add(1) {
-        return 1;
+    match pfns {
+        [first, second, ..] if limit >= 2 && *second == first.wrapping_add(1) => {
+            continued_run_length(pfns, limit)
+        }
+        _ => 1,
     }
+}
+
+/// [`run_length`] of a run known to go on past its first entry.
+#[inline(never)]
+fn continued_run_length(pfns: &[u64], limit: u64) -> u64 {
+    let max = usize::try_from(limit).unwrap_or(usize::MAX).min(pfns.len());
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU has AVX2, checked just now.
@@ -703,11 +750,11 @@ fn refill_and_reserve(space: &SpaceInner, slot: &mut Slot, own: usize, pins: u64
     if policy.take(pins).is_ok() {
         return Ok(());
     }
-    // Released one-run entries hold their pins until reclaimed: take them back first.
-    slot.reclaim_ones();
+    // Released small records hold their pins until reclaimed: take them back first.
+    slot.reclaim_small();
     policy.give(std::mem::take(&mut slot.stock));
     space.slots.try_each_other(own, |other| {
-        other.reclaim_ones();
+        other.reclaim_small();
         policy.give(std::mem::take(&mut other.stock));
     });
     policy.reclaim_stock();
@@ -827,7 +874,7 @@ impl DmaSpace {
         valid
     }
 
-    /// Track mode: the one-run fast path, else [`DmaSpace::pin_recorded`], under one take of
+    /// Track mode: the small-record fast path, else [`DmaSpace::pin_recorded`], under one take of
     /// this thread's slot lock.
     #[inline(always)]
     fn pin_tracked(&self, prot: Prot, what: Entries<'_>) -> Result<PinnedPages, PinError> {
@@ -835,7 +882,7 @@ impl DmaSpace {
         let slot_index = read.index();
         let (table, slot) = read.parts();
         let max = self.config().max_pages_per_call;
-        match pin_one_run(&self.inner.space, table, slot, slot_index, prot, &what, max) {
+        match pin_small(&self.inner.space, table, slot, slot_index, prot, &what, max) {
             Some(pinned) => Ok(pinned),
             None => self.pin_recorded(read, prot, what),
         }
@@ -908,7 +955,11 @@ impl DmaSpace {
         let record = RecordPtr::Boxed(slot.publish(record));
         drop(read);
         Ok(PinnedPages {
-            hold: Hold::Recorded { space: NonNull::from(&**space), slot: slot_index, record },
+            hold: ManuallyDrop::new(Hold::Recorded {
+                space: NonNull::from(&**space),
+                slot: slot_index,
+                record,
+            }),
             prot,
         })
     }
@@ -934,7 +985,7 @@ impl DmaSpace {
                 counters.pin_calls.fetch_add(1, Ordering::Relaxed);
                 counters.runs.fetch_add(plan.runs.len() as u64, Ordering::Relaxed);
                 counters.pages.fetch_add(plan.pages, Ordering::Relaxed);
-                Ok(PinnedPages { hold: Hold::Counted(Box::new(plan)), prot })
+                Ok(PinnedPages { hold: ManuallyDrop::new(Hold::Counted(Box::new(plan))), prot })
             }
             Err(e) => {
                 counters.pin_failures.fetch_add(1, Ordering::Relaxed);
@@ -1094,7 +1145,9 @@ impl DmaSpace {
 #[must_use = "dropping the guard unpins the pages at once"]
 #[derive(Debug)]
 pub struct PinnedPages {
-    hold: Hold,
+    /// Dropped by hand in `Drop` (which handles every variant), so that dropping a guard
+    /// adds no drop glue to the release of a small record.
+    hold: ManuallyDrop<Hold>,
     prot: Prot,
 }
 
@@ -1120,7 +1173,7 @@ unsafe impl Sync for PinnedPages {}
 
 impl PinnedPages {
     fn record(&self) -> Option<RecordRef<'_>> {
-        match self.hold {
+        match *self.hold {
             // SAFETY: the record is live until this guard retires it (drop or forget), and
             // the view is borrowed with the guard.
             Hold::Recorded { record, .. } => Some(unsafe { record.view() }),
@@ -1129,7 +1182,7 @@ impl PinnedPages {
     }
 
     fn runs_slice(&self) -> &[PinnedRun] {
-        match &self.hold {
+        match &*self.hold {
             Hold::Recorded { .. } => self.record().map_or(&[], |r| r.runs),
             Hold::Counted(plan) => &plan.runs,
             Hold::Released => &[],
@@ -1138,7 +1191,7 @@ impl PinnedPages {
 
     fn mapping_list(&self) -> impl Iterator<Item = &Mapping> {
         let record = self.record();
-        let counted = match &self.hold {
+        let counted = match &*self.hold {
             Hold::Counted(plan) => Some(&plan.mappings),
             _ => None,
         };
@@ -1147,7 +1200,7 @@ impl PinnedPages {
     }
 
     fn pages(&self) -> u64 {
-        match &self.hold {
+        match &*self.hold {
             Hold::Recorded { .. } => self.record().map_or(0, |r| r.pages),
             Hold::Counted(plan) => plan.pages,
             Hold::Released => 0,
@@ -1371,7 +1424,7 @@ impl PinnedPages {
     /// [`crate::MAX_PIN_COUNT`] kept pins cannot count more: the guard's pins then stay held
     /// for good (logged; their mappings are never unmapped, as with any pin never returned).
     pub fn forget(mut self) {
-        if let Hold::Recorded { space, slot, record } = self.hold {
+        if let Hold::Recorded { space, slot, record } = *self.hold {
             // SAFETY: the record is live until retired below, after the view's last use.
             let rec = unsafe { record.view() };
             // Counted first, then retired: an unmap sees the pins throughout.
@@ -1389,7 +1442,7 @@ impl PinnedPages {
                         mapping.iova() + page * PAGE_SIZE,
                         rec.pages
                     );
-                    self.hold = Hold::Released;
+                    *self.hold = Hold::Released;
                     return;
                 }
             }
@@ -1399,7 +1452,7 @@ impl PinnedPages {
             // SAFETY: the record was published in this slot and is retired once, here.
             unsafe { locked.retire(record) };
             // Its pins stay reserved (now counted); the slot lets go of a closed space.
-            let last = if locked.is_empty() && space.closed.load(Ordering::SeqCst) {
+            let last = if space.closed.load(Ordering::SeqCst) && locked.is_empty() {
                 locked.keepalive.take()
             } else {
                 None
@@ -1407,68 +1460,78 @@ impl PinnedPages {
             drop(locked);
             drop(last);
         }
-        self.hold = Hold::Released;
+        *self.hold = Hold::Released;
     }
 }
 
 impl Drop for PinnedPages {
+    #[inline]
     fn drop(&mut self) {
-        match std::mem::replace(&mut self.hold, Hold::Released) {
-            Hold::Released => {}
-            Hold::Counted(plan) => {
-                let mut locked = Locked::take(&plan.mappings);
-                let removed = unpin_runs(&plan.mappings, &mut locked, &plan.runs);
-                drop(locked);
-                if let Some(m) = plan.mappings.first() {
-                    m.policy.counters().unpin_calls.fetch_add(1, Ordering::Relaxed);
-                    m.policy.release(removed);
+        if let Hold::Recorded { space, record: RecordPtr::Small(entry), .. } = *self.hold {
+            // SAFETY: the slot keeps the space alive while the record is live, and the entry
+            // is live until released or retired here.
+            let (space, entry) = unsafe { (space.as_ref(), entry.as_ref()) };
+            // Nobody to wake and a space that is not closing: let go without the slot's lock
+            // (the slot reclaims the entry). An unmap or abandon_all that marks the mapping
+            // just after this look sees the entry live and polls again; a space closing
+            // meanwhile is left to the reaper.
+            if entry.mapping().state() == MappingState::Live && !space.closed.load(Ordering::SeqCst) {
+                entry.release();
+                return;
+            }
+        }
+        // SAFETY: `hold` is not used again (the guard is being dropped).
+        retire(unsafe { ManuallyDrop::take(&mut self.hold) });
+    }
+}
+
+/// Lets go of a guard's pins under the locks: lock mode, boxed records, and small records
+/// whose mappings are going or whose space is closing.
+#[inline(never)]
+fn retire(hold: Hold) {
+    match hold {
+        Hold::Released => {}
+        Hold::Counted(plan) => {
+            let mut locked = Locked::take(&plan.mappings);
+            let removed = unpin_runs(&plan.mappings, &mut locked, &plan.runs);
+            drop(locked);
+            if let Some(m) = plan.mappings.first() {
+                m.policy.counters().unpin_calls.fetch_add(1, Ordering::Relaxed);
+                m.policy.release(removed);
+            }
+        }
+        Hold::Recorded { space, slot, record } => {
+            // SAFETY: the slot keeps the space alive while the record is live.
+            let space = unsafe { space.as_ref() };
+            let mut locked = space.slots.lock_slot(slot);
+            // SAFETY: the record is live until retired below, after the view's last use.
+            let rec = unsafe { record.view() };
+            let pages = rec.pages;
+            // One look at the mappings' states: an unmap waiting for these pins is
+            // woken once they are gone; an abandoned mapping may be free to go.
+            let (mut waking, mut orphaned) = (false, false);
+            for m in rec.mappings() {
+                match m.state() {
+                    MappingState::Live => {}
+                    MappingState::Unmapping => waking = true,
+                    MappingState::Removed => (waking, orphaned) = (true, true),
                 }
             }
-            Hold::Recorded { space, slot, record } => {
-                // SAFETY: the slot keeps the space alive while the record is live.
-                let space = unsafe { space.as_ref() };
-                if let RecordPtr::One(entry) = record {
-                    // SAFETY: the entry is live until released or retired here.
-                    let entry = unsafe { entry.as_ref() };
-                    // Nobody to wake and a space that is not closing: let go without the
-                    // slot's lock (the slot reclaims the entry). An unmap or abandon_all that
-                    // marks the mapping just after this look sees the entry live and polls
-                    // again; a space closing meanwhile is left to the reaper.
-                    if entry.mapping().state() == MappingState::Live && !space.closed.load(Ordering::SeqCst) {
-                        entry.release();
-                        return;
-                    }
-                }
-                let mut locked = space.slots.lock_slot(slot);
-                // SAFETY: the record is live until retired below, after the view's last use.
-                let rec = unsafe { record.view() };
-                let pages = rec.pages;
-                // One look at the mappings' states: an unmap waiting for these pins is
-                // woken once they are gone; an abandoned mapping may be free to go.
-                let (mut waking, mut orphaned) = (false, false);
-                for m in rec.mappings() {
-                    match m.state() {
-                        MappingState::Live => {}
-                        MappingState::Unmapping => waking = true,
-                        MappingState::Removed => (waking, orphaned) = (true, true),
-                    }
-                }
-                // Hold the space across the wake-up: after the slot's lock it may go.
-                let keep = if waking { locked.keepalive.clone() } else { None };
-                // SAFETY: the record was published in this slot and is retired once, here.
-                unsafe { locked.retire(record) };
-                locked.counts.unpin_calls += 1;
-                locked.stock += pages;
-                trim_stock(&space.policy, &mut locked);
-                let last = if locked.is_empty() && space.closed.load(Ordering::SeqCst) {
-                    locked.keepalive.take()
-                } else {
-                    None
-                };
-                drop(locked);
-                if keep.is_some() || last.is_some() {
-                    retired_late(keep, last, waking, orphaned);
-                }
+            // Hold the space across the wake-up: after the slot's lock it may go.
+            let keep = if waking { locked.keepalive.clone() } else { None };
+            // SAFETY: the record was published in this slot and is retired once, here.
+            unsafe { locked.retire(record) };
+            locked.counts.unpin_calls += 1;
+            locked.stock += pages;
+            trim_stock(&space.policy, &mut locked);
+            let last = if space.closed.load(Ordering::SeqCst) && locked.is_empty() {
+                locked.keepalive.take()
+            } else {
+                None
+            };
+            drop(locked);
+            if keep.is_some() || last.is_some() {
+                retired_late(keep, last, waking, orphaned);
             }
         }
     }
@@ -1758,8 +1821,8 @@ mod tests {
         let (space, f) = space_with(Default::default());
         let weak = Arc::downgrade(&space.inner.space);
         let pins = space.pin_pages(&[7], Prot::READ).unwrap();
-        let Hold::Recorded { record: RecordPtr::One(entry), .. } = pins.hold else {
-            panic!("a single page is a one-run record");
+        let Hold::Recorded { record: RecordPtr::Small(entry), .. } = *pins.hold else {
+            panic!("a single page is a small record");
         };
         // The space closes while the guard is live: its slot keeps the space...
         drop(space);
@@ -1778,15 +1841,15 @@ mod tests {
     }
 
     #[test]
-    fn single_page_guards_beyond_the_one_run_array_are_boxed_and_all_count() {
+    fn single_page_guards_beyond_the_small_record_array_are_boxed_and_all_count() {
         let (space, _f) = space_with(Default::default());
         // More live single pages than the array holds, from one thread (one slot).
         drop(space.pin_pages(&[0], Prot::READ).unwrap());
         let guards: Vec<PinnedPages> =
             (0..150u64).map(|i| space.pin_pages(&[i % 64], Prot::READ).unwrap()).collect();
         let boxed =
-            guards.iter().filter(|g| matches!(g.hold, Hold::Recorded { record: RecordPtr::Boxed(_), .. }));
-        assert_eq!(boxed.count(), 150 - crate::slots::ONE_RUNS);
+            guards.iter().filter(|g| matches!(*g.hold, Hold::Recorded { record: RecordPtr::Boxed(_), .. }));
+        assert_eq!(boxed.count(), 150 - crate::slots::SMALL_RECORDS);
         assert_eq!(space.stats().pins_held, 150);
         let expect: Vec<u32> =
             (0..64u64).map(|p| (0..150u64).filter(|i| i % 64 == p).count() as u32).collect();
@@ -1797,12 +1860,52 @@ mod tests {
         assert_eq!((stats.pins_held, stats.pin_calls, stats.unpin_calls), (0, 152, 152));
         // Released entries are taken back: the array serves single pages again at once.
         let again = space.pin_pages(&[9], Prot::READ).unwrap();
-        assert!(matches!(again.hold, Hold::Recorded { record: RecordPtr::One(_), .. }));
+        assert!(matches!(*again.hold, Hold::Recorded { record: RecordPtr::Small(_), .. }));
         drop(again);
         // Nothing holds the mapping: it unmaps without waiting.
         let unmapped = space.unmap(0, 64 * P).unwrap();
         assert_eq!(unmapped.mappings, 1);
         assert_eq!(space.stats().unmap_waits, 0);
+    }
+
+    #[test]
+    fn short_lists_in_one_mapping_are_small_records_with_the_same_runs() {
+        let (space, f) = space_with(Default::default());
+        space.map(64 * P, 8 * P, f.as_fd(), 0, Prot::READ_WRITE).unwrap();
+        let small = |g: &PinnedPages| matches!(*g.hold, Hold::Recorded { record: RecordPtr::Small(_), .. });
+        let runs = |g: &PinnedPages| {
+            g.runs().iter().map(|r| (r.iova() / P, r.npages(), r.index())).collect::<Vec<_>>()
+        };
+        // Eight runs fit, with their entries' positions and host addresses.
+        let eight: Vec<u64> = (0..8).map(|i| i * 3).collect();
+        let g = space.pin_pages(&eight, Prot::READ).unwrap();
+        assert!(small(&g));
+        assert_eq!(runs(&g), (0..8).map(|i| (i * 3, 1, i as usize)).collect::<Vec<_>>());
+        assert_eq!(g.host_addr(5).unwrap(), g.host_addr(0).unwrap() + 15 * P as usize);
+        // An IDAW-like list: runs merged as in a box.
+        let idaw = space.pin_pages(&[1, 5, 6, 7, 9, 9], Prot::READ).unwrap();
+        assert!(small(&idaw));
+        assert_eq!(runs(&idaw), vec![(1, 1, 0), (5, 3, 1), (9, 1, 4), (9, 1, 5)]);
+        assert_eq!(counts(&space, [1, 5, 9]), vec![1, 1, 3]); // 9 also in `eight`
+                                                              // Nine runs, or runs in two mappings, go in a box, the same to the caller.
+        let nine: Vec<u64> = (0..9).map(|i| i * 3).collect();
+        let g9 = space.pin_pages(&nine, Prot::READ).unwrap();
+        assert!(!small(&g9));
+        assert_eq!(runs(&g9).len(), 9);
+        let two = space.pin_pages(&[63, 64], Prot::READ).unwrap();
+        assert!(!small(&two));
+        assert_eq!(runs(&two), vec![(63, 1, 0), (64, 1, 1)]);
+        // A range inside one mapping is one small run; one crossing mappings is boxed.
+        let r = space.pin_range(2 * P, 40, Prot::READ).unwrap();
+        assert!(small(&r));
+        assert_eq!(runs(&r), vec![(2, 40, 0)]);
+        let across = space.pin_range(60 * P, 8, Prot::READ).unwrap();
+        assert!(!small(&across));
+        assert_eq!(runs(&across), vec![(60, 4, 0), (64, 4, 4)]);
+        assert_eq!(space.stats().pins_held, 8 + 6 + 9 + 2 + 40 + 8);
+        drop((g, idaw, g9, two, r, across));
+        assert_eq!(space.stats().pins_held, 0);
+        assert_eq!(counts(&space, 0..72), vec![0; 72]);
     }
 
     #[test]

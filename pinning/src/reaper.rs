@@ -1,7 +1,7 @@
 //! Closed spaces that still had track-mode records when their last handle went.
 //!
-//! A guard of a one-run record lets go of it without its slot's lock when the space is not
-//! closing (see `slots::OneRun`); a guard that sees the space closed retires its record
+//! A guard of a small record lets go of it without its slot's lock when the space is not
+//! closing (see `slots::SmallRecord`); a guard that sees the space closed retires its record
 //! under the lock and lets go of the space if it was the last. One that looked just before
 //! the space closed and let go just after leaves its slot holding the space with nothing
 //! left to retire it. The reaper catches that: a closed space that kept records is looked

@@ -98,28 +98,36 @@ impl Record {
     }
 }
 
-/// A record of one run in one mapping (every single-page call, every range in one
-/// mapping): written in place in a slot's fixed array, no list to grow or clear.
+/// A record of a call whose runs all lie in one mapping and number at most [`SMALL_RUNS`]
+/// (every single page, every range inside one mapping, short IDAW and PRP lists): written in
+/// place in a slot's fixed array, no list to grow or clear.
 ///
 /// Its guard usually lets go of it without the slot's lock: it clears `live` (after which
 /// it touches nothing of the space), and the slot reclaims the entry, its pins and its
-/// counts the next time it looks under its lock (when its free set runs out, or when it is
-/// read). Readers of a slot's records skip entries no longer live.
+/// counts the next time it looks under its lock (when its free set runs out, when it is
+/// read, or near the pin limit). Readers of a slot's records skip entries no longer live.
 #[derive(Debug)]
-pub(crate) struct OneRun {
-    /// The run (`slot` 0: `mapping`).
-    run: PinnedRun,
-    /// The mapping, kept valid as `Record::mappings` is while `live`.
+pub(crate) struct SmallRecord {
+    /// The mapping of every run, kept valid as `Record::mappings` is while `live`.
     mapping: NonNull<Mapping>,
+    /// Pages pinned (entries of the call).
+    pages: u64,
     /// True from publication until the guard lets go (release order: everything the guard
     /// did with the pages happens before a reader sees it false).
     live: AtomicBool,
+    /// Runs used.
+    len: u8,
     /// The entry's position in the slot's array (fixed).
     at: u32,
+    /// The runs, in call order (`slot` 0: `mapping`).
+    runs: [PinnedRun; SMALL_RUNS],
 }
 
-impl OneRun {
-    /// The mapping of the run (valid while the entry is live).
+/// Most runs a [`SmallRecord`] holds.
+pub(crate) const SMALL_RUNS: usize = 8;
+
+impl SmallRecord {
+    /// The mapping of the runs (valid while the entry is live).
     pub(crate) fn mapping(&self) -> &Mapping {
         // SAFETY: a live entry's mapping stays allocated (see `Record::mappings`).
         unsafe { self.mapping.as_ref() }
@@ -139,27 +147,33 @@ impl OneRun {
     /// The record as its guard and the slot's readers see it.
     pub(crate) fn view(&self) -> RecordRef<'_> {
         RecordRef {
-            runs: std::slice::from_ref(&self.run),
+            runs: &self.runs[..usize::from(self.len)],
             mappings: std::slice::from_ref(&self.mapping),
-            pages: self.run.npages(),
+            pages: self.pages,
         }
+    }
+
+    /// Fills run `k` (the caller planned the call in `mapping`).
+    #[inline(always)]
+    pub(crate) fn set_run(&mut self, k: usize, run: PinnedRun) {
+        self.runs[k] = run;
     }
 }
 
-/// Entries of a slot's one-run array (its free set is one word).
-pub(crate) const ONE_RUNS: usize = 64;
+/// Entries of a slot's small-record array (its free set is one word).
+pub(crate) const SMALL_RECORDS: usize = 64;
 
-/// A slot's one-run records, apart from the slot so that a guard reading its entry never
+/// A slot's small records, apart from the slot so that a guard reading its entry never
 /// aliases the `&mut Slot` of a thread pinning into another entry.
-type OneRuns = [UnsafeCell<OneRun>; ONE_RUNS];
+type SmallRecords = [UnsafeCell<SmallRecord>; SMALL_RECORDS];
 
 /// A live record of either kind, as a guard holds it.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum RecordPtr {
     /// A boxed record of any runs.
     Boxed(NonNull<Record>),
-    /// An entry of the slot's one-run array.
-    One(NonNull<OneRun>),
+    /// An entry of the slot's small-record array.
+    Small(NonNull<SmallRecord>),
 }
 
 impl RecordPtr {
@@ -172,7 +186,7 @@ impl RecordPtr {
             // SAFETY: live records are valid and immutable until retired (the contract).
             RecordPtr::Boxed(r) => unsafe { r.as_ref() }.view(),
             // SAFETY: as above; a live entry is written only before it is published.
-            RecordPtr::One(r) => unsafe { r.as_ref() }.view(),
+            RecordPtr::Small(r) => unsafe { r.as_ref() }.view(),
         }
     }
 }
@@ -221,15 +235,15 @@ pub(crate) struct Slot {
     /// allocation.
     #[allow(clippy::vec_box)]
     free: Vec<Box<Record>>,
-    /// The one-run array, allocated at the slot's first one-run call. Held by pointer, not
-    /// by value or Box, so that `&mut Slot` does not cover entries that guards read.
-    ones: Option<NonNull<OneRuns>>,
-    /// Entries of `ones` the slot may hand out (bit `i`: entry `i`); all until it exists.
+    /// The small-record array, allocated at the slot's first such call. Held by pointer,
+    /// not by value or Box, so that `&mut Slot` does not cover entries that guards read.
+    small: Option<NonNull<SmallRecords>>,
+    /// Entries of `small` the slot may hand out (bit `i`: entry `i`); all until it exists.
     /// A clear bit is a live entry or one its guard released that is not reclaimed yet.
-    ones_free: u64,
-    /// One-run calls left before a full array is looked at again, after a look found
-    /// nothing released (a device holding more than 64 pins would scan on every call).
-    ones_backoff: u32,
+    small_free: u64,
+    /// Small calls left before a full array is looked at again, after a look found nothing
+    /// released (a device holding more than 64 guards would scan on every call).
+    small_backoff: u32,
     /// Pins the live records hold.
     pins: u64,
     /// The space, held while the slot has live records once the space's handles are gone
@@ -264,9 +278,9 @@ impl Default for Slot {
         Slot {
             live: Vec::new(),
             free: Vec::new(),
-            ones: None,
-            ones_free: !0,
-            ones_backoff: 0,
+            small: None,
+            small_free: !0,
+            small_backoff: 0,
             pins: 0,
             keepalive: None,
             stock: 0,
@@ -280,7 +294,7 @@ impl std::fmt::Debug for Slot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Slot")
             .field("live", &self.live.len())
-            .field("one_runs", &(!self.ones_free).count_ones())
+            .field("small", &(!self.small_free).count_ones())
             .field("pins", &self.pins)
             .finish_non_exhaustive()
     }
@@ -317,75 +331,86 @@ impl Slot {
         ptr
     }
 
-    /// Makes a one-run record live in a free entry of the slot's array; `None` if every
-    /// entry is free (the caller reclaims released ones, or records the run in a box).
+    /// A free entry of the slot's small-record array to fill, `None` if every entry is
+    /// taken (the caller reclaims released ones, or records the call in a box). Nothing
+    /// reads the entry until [`Slot::publish_small`].
     #[inline(always)]
-    pub(crate) fn publish_one(
-        &mut self,
-        run: PinnedRun,
-        mapping: NonNull<Mapping>,
-    ) -> Option<NonNull<OneRun>> {
-        if self.ones_free == 0 {
+    pub(crate) fn free_small(&mut self) -> Option<NonNull<SmallRecord>> {
+        if self.small_free == 0 {
             return None;
         }
-        let ones = match self.ones {
-            Some(ones) => ones,
-            None => self.allocate_ones(),
+        let small = match self.small {
+            Some(small) => small,
+            None => self.allocate_small(),
         };
-        let at = self.ones_free.trailing_zeros();
-        // SAFETY: `ones` is this slot's array (allocated, freed only with the slot); entry
+        let at = self.small_free.trailing_zeros() as usize;
+        // SAFETY: `small` is this slot's array (allocated, freed only with the slot); entry
         // `at` is free (its last guard released it and the release was seen), so no guard
         // reads it, and we hold the slot's lock (`&mut self`), the only way to write entries.
-        let entry = unsafe { &mut *(*ones.as_ptr())[at as usize].get() };
-        entry.run = run;
-        entry.mapping = mapping;
-        *entry.live.get_mut() = true;
-        self.ones_free &= !(1 << at);
-        self.pins += run.npages();
-        Some(NonNull::from(entry))
+        Some(NonNull::from(unsafe { &mut *(*small.as_ptr())[at].get() }))
+    }
+
+    /// Makes a filled entry of [`Slot::free_small`] live with `len` runs of `pages` pages
+    /// in `mapping`; the pointer stays valid until released or retired.
+    ///
+    /// # Safety
+    /// `entry` came from `free_small` of this slot, under the same hold of its lock.
+    #[inline(always)]
+    pub(crate) unsafe fn publish_small(
+        &mut self,
+        entry: NonNull<SmallRecord>,
+        len: usize,
+        pages: u64,
+        mapping: NonNull<Mapping>,
+    ) {
+        // SAFETY: per the contract, a free entry we hold the only reference to.
+        let e = unsafe { &mut *entry.as_ptr() };
+        e.len = len as u8;
+        e.pages = pages;
+        e.mapping = mapping;
+        *e.live.get_mut() = true;
+        self.small_free &= !(1 << e.at);
+        self.pins += pages;
     }
 
     /// Takes back the entries whose guards released them without the lock: their pins go
     /// back to the slot's stock and their calls are counted as unpins.
-    pub(crate) fn reclaim_ones(&mut self) {
-        let Some(ones) = self.ones else { return };
+    pub(crate) fn reclaim_small(&mut self) {
+        let Some(small) = self.small else { return };
         let (mut freed, mut pages) = (0u64, 0u64);
-        let mut taken = !self.ones_free;
+        let mut taken = !self.small_free;
         while taken != 0 {
             let at = taken.trailing_zeros() as usize;
             taken &= taken - 1;
             // SAFETY: an entry of this slot's array; we only read it (its guard may be
             // reading it too) and hold the slot's lock.
-            let entry = unsafe { &*(*ones.as_ptr())[at].get() };
+            let entry = unsafe { &*(*small.as_ptr())[at].get() };
             if !entry.is_live() {
                 freed |= 1 << at;
-                pages += entry.run.npages();
+                pages += entry.pages;
             }
         }
-        self.ones_free |= freed;
+        self.small_free |= freed;
         self.pins -= pages;
         self.stock += pages;
         self.counts.unpin_calls += u64::from(freed.count_ones());
     }
 
     #[cold]
-    fn allocate_ones(&mut self) -> NonNull<OneRuns> {
-        let empty = || {
-            UnsafeCell::new(OneRun {
-                run: PinnedRun::EMPTY,
+    fn allocate_small(&mut self) -> NonNull<SmallRecords> {
+        let small: Box<SmallRecords> = Box::new(std::array::from_fn(|at| {
+            UnsafeCell::new(SmallRecord {
                 mapping: NonNull::dangling(),
+                pages: 0,
                 live: AtomicBool::new(false),
-                at: 0,
+                len: 0,
+                at: at as u32,
+                runs: [PinnedRun::EMPTY; SMALL_RUNS],
             })
-        };
-        let ones: Box<OneRuns> = Box::new(std::array::from_fn(|_| empty()));
-        for (at, entry) in ones.iter().enumerate() {
-            // SAFETY: the array is ours alone until published below.
-            unsafe { (*entry.get()).at = at as u32 };
-        }
-        let ones = NonNull::from(Box::leak(ones));
-        self.ones = Some(ones);
-        ones
+        }));
+        let small = NonNull::from(Box::leak(small));
+        self.small = Some(small);
+        small
     }
 
     /// Retires a live record of this slot.
@@ -396,12 +421,12 @@ impl Slot {
     #[inline]
     pub(crate) unsafe fn retire(&mut self, record: RecordPtr) {
         match record {
-            RecordPtr::One(entry) => {
+            RecordPtr::Small(entry) => {
                 // SAFETY: per the contract, a live entry of this slot's array.
                 let entry = unsafe { entry.as_ref() };
                 entry.live.store(false, Ordering::Relaxed);
-                self.ones_free |= 1 << entry.at;
-                self.pins -= entry.run.npages();
+                self.small_free |= 1 << entry.at;
+                self.pins -= entry.pages;
             }
             // SAFETY: per the contract.
             RecordPtr::Boxed(record) => unsafe { self.retire_boxed(record) },
@@ -427,34 +452,34 @@ impl Slot {
     pub(crate) fn records(&self) -> impl Iterator<Item = RecordRef<'_>> {
         // SAFETY: live records are valid boxes owned by this slot, borrowed with it.
         let boxed = self.live.iter().map(|r| unsafe { r.as_ref() }.view());
-        let ones = self.ones.into_iter().flat_map(move |ones| {
-            let live = !self.ones_free;
-            (0..ONE_RUNS).filter(move |i| live & (1 << i) != 0).filter_map(move |i| {
+        let small = self.small.into_iter().flat_map(move |small| {
+            let live = !self.small_free;
+            (0..SMALL_RECORDS).filter(move |i| live & (1 << i) != 0).filter_map(move |i| {
                 // SAFETY: an entry of this slot's array, rewritten only under the slot's lock
                 // we are borrowed under; read only if still live (then its guard holds it).
-                let entry = unsafe { &*(*ones.as_ptr())[i].get() };
+                let entry = unsafe { &*(*small.as_ptr())[i].get() };
                 entry.is_live().then(|| entry.view())
             })
         });
-        boxed.chain(ones)
+        boxed.chain(small)
     }
 
-    /// True if every entry of the one-run array is taken (live or not yet reclaimed).
+    /// True if every entry of the small-record array is taken (live or not reclaimed).
     #[inline(always)]
-    pub(crate) fn ones_full(&self) -> bool {
-        self.ones_free == 0
+    pub(crate) fn small_full(&self) -> bool {
+        self.small_free == 0
     }
 
     /// Reclaims released entries of a full array, unless a recent look found none; true if
     /// an entry is free now.
-    pub(crate) fn reclaim_full_ones(&mut self) -> bool {
-        if self.ones_backoff > 0 {
-            self.ones_backoff -= 1;
+    pub(crate) fn reclaim_full_small(&mut self) -> bool {
+        if self.small_backoff > 0 {
+            self.small_backoff -= 1;
             return false;
         }
-        self.reclaim_ones();
-        if self.ones_free == 0 {
-            self.ones_backoff = ONE_RUNS as u32;
+        self.reclaim_small();
+        if self.small_free == 0 {
+            self.small_backoff = SMALL_RECORDS as u32;
             return false;
         }
         true
@@ -464,14 +489,14 @@ impl Slot {
     /// back released entries.
     pub(crate) fn is_empty(&mut self) -> bool {
         if self.pins != 0 {
-            self.reclaim_ones();
+            self.reclaim_small();
         }
         self.pins == 0
     }
 
     /// Pins the live records hold (after taking back released entries).
     pub(crate) fn pins(&mut self) -> u64 {
-        self.reclaim_ones();
+        self.reclaim_small();
         self.pins
     }
 
@@ -482,10 +507,10 @@ impl Slot {
                 + r.runs.capacity() * std::mem::size_of::<PinnedRun>()
                 + r.mappings.capacity() * std::mem::size_of::<NonNull<Mapping>>()
         };
-        let ones = if self.ones.is_some() { std::mem::size_of::<OneRuns>() } else { 0 };
+        let small = if self.small.is_some() { std::mem::size_of::<SmallRecords>() } else { 0 };
         self.live.iter().map(|r| each(unsafe_ref(r))).sum::<usize>()
             + self.free.iter().map(|r| each(r)).sum::<usize>()
-            + ones
+            + small
     }
 }
 
@@ -503,10 +528,10 @@ impl Drop for Slot {
             log::error!("a pin slot dropped with {} pins in live records; leaking them", self.pins);
             return;
         }
-        if let Some(ones) = self.ones.take() {
-            // SAFETY: allocated by `allocate_ones` as a leaked Box; no entry is live, so
+        if let Some(small) = self.small.take() {
+            // SAFETY: allocated by `allocate_small` as a leaked Box; no entry is live, so
             // no guard points into it.
-            drop(unsafe { Box::from_raw(ones.as_ptr()) });
+            drop(unsafe { Box::from_raw(small.as_ptr()) });
         }
     }
 }

@@ -68,6 +68,15 @@ pub fn draw(rows: &[Row], path: &Path) -> Result<(), String> {
                 PathElement::new(vec![(x, y), (x + 6, y), (x + 10, y), (x + 20, y)], color.stroke_width(2))
             });
     }
+    // One range of the same pages: no array to read, so flat (its floor is contiguous's).
+    let range: Vec<(f64, f64)> =
+        track.iter().filter(|r| r.pattern == "range").map(|r| (r.npages as f64, r.runs_ns)).collect();
+    chart
+        .draw_series(LineSeries::new(range.clone(), CYAN.stroke_width(3)))
+        .map_err(|e| err(&e))?
+        .label("range (pin_range, one call)")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], CYAN.stroke_width(3)));
+    chart.draw_series(range.iter().map(|&p| Circle::new(p, 4, CYAN.filled()))).map_err(|e| err(&e))?;
     chart
         .draw_series(KERNEL_TYPE1.iter().map(|&p| TriangleMarker::new(p, 8, BLACK.filled())))
         .map_err(|e| err(&e))?
