@@ -728,8 +728,10 @@ impl<'a> Locked<'a> {
 
 /// Reserves `pins` for a track-mode call from `slot` (index `own`, locked by the caller):
 /// from the slot's stock, else from the space's count with a new stock, else exactly. Before
-/// failing, every stock that can be reached without waiting goes back to the space, so a
-/// call fails only if the pins held (and stocks of slots busy at that moment) leave no room.
+/// failing, every slot that can be reached without waiting takes back its released small
+/// records and gives its stock back to the space, so a call fails only if the pins held (and
+/// the stocks and not yet reclaimed small records of slots busy at that moment) leave no
+/// room.
 #[inline]
 fn reserve_in_slot(space: &SpaceInner, slot: &mut Slot, own: usize, pins: u64) -> Result<(), u64> {
     if let Some(left) = slot.stock.checked_sub(pins) {
