@@ -548,10 +548,11 @@ fn pin_small(
         return None;
     }
     let mapping = lookup(table, &mut slot.hint, pfn)?;
-    if !mapping.prot.contains(prot) || mapping.poisoned() || mapping.state() != MappingState::Live {
+    let memory = mapping.memory.as_ref()?;
+    if !mapping.prot.contains(prot) || memory.poisoned() || mapping.state() != MappingState::Live {
         return None;
     }
-    let base = mapping.host_addr(0)?;
+    let base = memory.addr_at(0);
     if slot.small_full() {
         reclaim_small(&space.policy, slot);
     }
