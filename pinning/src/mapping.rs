@@ -102,8 +102,10 @@ impl PinPolicy {
     ///
     /// A call fails only if the pins held plus `pins` exceed `max_pins` (every slot's unused
     /// stock is returned first), counting as held the stock of track-mode slots that are
-    /// locked by other calls at that moment: near the limit, concurrent calls may be refused
-    /// up to 8192 pins per busy slot early.
+    /// locked by other calls at that moment, and the pins of small records such a slot has
+    /// not taken back yet: near the limit, concurrent calls may be refused up to 16384 pins
+    /// per busy slot early (a stock of at most 3 x [`PIN_STOCK`], and
+    /// [`crate::slots::SMALL_PINS`]).
     pub(crate) fn reserve(&self, pins: u64) -> Result<(), u64> {
         let stock = self.stock.here();
         if stock.fetch_update(Ordering::AcqRel, Ordering::Acquire, |s| s.checked_sub(pins)).is_ok() {

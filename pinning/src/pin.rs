@@ -22,7 +22,7 @@ use crate::lock::PinMode;
 use crate::mapping::{Mapping, MappingPins, MappingState, Released, RunFailure};
 use crate::mapping::{PinPolicy, PIN_STOCK};
 use crate::page::{iova_of, iova_of_checked, Prot, PAGE_SHIFT, PAGE_SIZE};
-use crate::slots::{Record, RecordPtr, RecordRef, Slot, SlotHint, TableRead, SMALL_RUNS};
+use crate::slots::{Record, RecordPtr, RecordRef, Slot, SlotHint, SmallRecord, TableRead, SMALL_RUNS};
 use crate::space::{DmaSpace, MappingTable, SpaceInner};
 
 /// Why a pin call failed. Nothing stays pinned by a failed call.
@@ -553,8 +553,8 @@ fn pin_small(
         return None;
     }
     let base = memory.addr_at(0);
-    if slot.small_full() {
-        reclaim_small(&space.policy, slot);
+    if slot.small_short(npages) && !reclaim_small(&space.policy, slot, npages) {
+        return None;
     }
     let entry = slot.free_small()?;
     // SAFETY: a free entry of our locked slot: nobody else reads or writes it until it is
@@ -618,13 +618,14 @@ fn pin_small(
     })
 }
 
-/// Takes back a full slot's released small records (see `Slot::reclaim_full_small`; their
-/// pins into its stock, the surplus beyond two stocks back to the space).
+/// Takes back a slot's released small records when it is short for a call of `pages`
+/// pages (see `Slot::reclaim_short_small`; their pins into its stock, the surplus beyond
+/// two stocks back to the space); true if the call fits now.
 #[cold]
-fn reclaim_small(policy: &PinPolicy, slot: &mut Slot) {
-    if slot.reclaim_full_small() {
-        trim_stock(policy, slot);
-    }
+fn reclaim_small(policy: &PinPolicy, slot: &mut Slot, pages: u64) -> bool {
+    let room = slot.reclaim_short_small(pages);
+    trim_stock(policy, slot);
+    room
 }
 
 /// Tops a slot's stock up by `pins` and a stock more from the space; false if that does
@@ -1169,7 +1170,9 @@ enum Hold {
 
 // SAFETY: a recorded guard's record is immutable while the guard lives and the space it
 // points at outlives the record (its slot holds it); reading either from any thread is
-// sound, and retiring the record takes the slot's lock. The counted variant holds only Arcs.
+// sound. Retiring a record takes the slot's lock; releasing a small record is one atomic
+// store, after which the guard touches nothing, from whichever thread drops it. The
+// counted variant holds only Arcs.
 unsafe impl Send for PinnedPages {}
 // SAFETY: as above: shared access only reads the record and the mappings.
 unsafe impl Sync for PinnedPages {}
@@ -1473,13 +1476,15 @@ impl Drop for PinnedPages {
         if let Hold::Recorded { space, record: RecordPtr::Small(entry), .. } = *self.hold {
             // SAFETY: the slot keeps the space alive while the record is live, and the entry
             // is live until released or retired here.
-            let (space, entry) = unsafe { (space.as_ref(), entry.as_ref()) };
+            let (space, record) = unsafe { (space.as_ref(), entry.as_ref()) };
             // Nobody to wake and a space that is not closing: let go without the slot's lock
-            // (the slot reclaims the entry). An unmap or abandon_all that marks the mapping
-            // just after this look sees the entry live and polls again; a space closing
-            // meanwhile is left to the reaper.
-            if entry.mapping().state() == MappingState::Live && !space.closed.load(Ordering::SeqCst) {
-                entry.release();
+            // (the slot reclaims the entry). An unmap that marks the mapping just after this
+            // look saw the entry live and looks again within a millisecond; a mapping that
+            // abandon_all took meanwhile, or a space that closed meanwhile, is left to the
+            // reaper.
+            if record.mapping().state() == MappingState::Live && !space.closed.load(Ordering::SeqCst) {
+                // SAFETY: the entry is live and this guard's; `record` is not used again.
+                unsafe { SmallRecord::release(entry) };
                 return;
             }
         }
@@ -1835,12 +1840,54 @@ mod tests {
         // lock, leaving nobody to retire the record but the reaper.
         std::mem::forget(pins);
         // SAFETY: the entry is live (its guard was forgotten, not dropped).
-        unsafe { entry.as_ref() }.release();
+        unsafe { SmallRecord::release(entry) };
         let deadline = Instant::now() + Duration::from_secs(5);
         while weak.upgrade().is_some() {
             assert!(Instant::now() < deadline, "the reaper never let go of the space");
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+
+    #[test]
+    fn an_orphan_is_unmapped_after_a_guard_released_without_the_lock() {
+        let (space, _f) = space_with(Default::default());
+        let mapping = Arc::downgrade(space.read_table().values().next().unwrap());
+        let pins = space.pin_pages(&[7], Prot::READ).unwrap();
+        let Hold::Recorded { record: RecordPtr::Small(entry), .. } = *pins.hold else {
+            panic!("a single page is a small record");
+        };
+        // abandon_all takes the mapping while the guard is live: it becomes an orphan...
+        assert_eq!(space.abandon_all().mappings, 1);
+        // ...and the guard lets go as one that looked just before does: without the lock.
+        std::mem::forget(pins);
+        // SAFETY: the entry is live (its guard was forgotten, not dropped).
+        unsafe { SmallRecord::release(entry) };
+        // Nothing else happens in the space: the reaper unmaps the orphan.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while mapping.upgrade().is_some() {
+            assert!(Instant::now() < deadline, "the orphan was never let go");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(space.stats().pins_held, 0);
+    }
+
+    #[test]
+    fn small_records_hold_at_most_a_stock_of_pins_per_slot() {
+        let (space, _f) = space_with(Default::default());
+        let big = memfd(4096);
+        space.map(1 << 30, 4096 * P, big.as_fd(), 0, Prot::READ).unwrap();
+        let small = |g: &PinnedPages| matches!(*g.hold, Hold::Recorded { record: RecordPtr::Small(_), .. });
+        // Ranges of 1024 pages: four fill the slot's share, the fifth goes in a box.
+        let guards: Vec<PinnedPages> =
+            (0..5).map(|_| space.pin_range(1 << 30, 1024, Prot::READ).unwrap()).collect();
+        assert_eq!(guards.iter().filter(|g| small(g)).count(), 4);
+        drop(guards);
+        // Released, they are taken back when the slot next needs the room.
+        let again: Vec<PinnedPages> =
+            (0..4).map(|_| space.pin_range(1 << 30, 1024, Prot::READ).unwrap()).collect();
+        assert!(again.iter().all(small));
+        drop(again);
+        assert_eq!(space.stats().pins_held, 0);
     }
 
     #[test]

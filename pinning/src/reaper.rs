@@ -1,11 +1,14 @@
-//! Closed spaces that still had track-mode records when their last handle went.
+//! Spaces with pins that nobody is left to let go of: closed spaces that still had
+//! track-mode records when their last handle went, and mappings `abandon_all` took while
+//! records still named them.
 //!
 //! A guard of a small record lets go of it without its slot's lock when the space is not
 //! closing (see `slots::SmallRecord`); a guard that sees the space closed retires its record
 //! under the lock and lets go of the space if it was the last. One that looked just before
 //! the space closed and let go just after leaves its slot holding the space with nothing
-//! left to retire it. The reaper catches that: a closed space that kept records is looked
-//! at every [`REAP_EVERY`] until its slots hold nothing, and then let go.
+//! left to retire it; and one that let go just as `abandon_all` looked leaves its mapping
+//! (guest memory) mapped. The reaper catches both: such a space is looked at every
+//! [`REAP_EVERY`] (`SpaceInner::reap`) until nothing is left to wait for.
 //!
 //! One thread for the process, started with the first such space and ended with the last.
 
@@ -28,14 +31,17 @@ struct Watched {
 /// Watches a closed space whose slots still hold it.
 pub(crate) fn watch(space: Weak<SpaceInner>) {
     let mut watched = crate::sync::lock(&WATCHED);
-    watched.spaces.push(space);
+    if !watched.spaces.iter().any(|w| w.ptr_eq(&space)) {
+        watched.spaces.push(space);
+    }
     if watched.running {
         return;
     }
     let started = std::thread::Builder::new().name("umdev-pin-reaper".into()).spawn(run);
     match started {
         Ok(_) => watched.running = true,
-        // Without the thread, such a space's memory stays mapped until the process ends.
+        // Without the thread, such a space's memory stays mapped until a later watch starts
+        // one (or the process ends).
         Err(e) => log::error!("cannot start the pin reaper thread: {e}"),
     }
 }
@@ -46,13 +52,24 @@ fn run() {
         let spaces = std::mem::take(&mut crate::sync::lock(&WATCHED).spaces);
         let mut kept = Vec::new();
         for weak in spaces {
-            // Gone already: its last record retired under its slot's lock.
-            let Some(space) = weak.upgrade() else { continue };
-            if space.release_idle_slots() {
-                kept.push(weak);
+            // A panic while letting go of a space (its notifier's drop, say) must not stop
+            // the reaper for every other space: it is logged and the space watched again.
+            let reaped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                // Gone already: its last record retired under its slot's lock.
+                let Some(space) = weak.upgrade() else { return false };
+                let more = space.reap();
+                // May be the last reference: the space goes here.
+                drop(space);
+                more
+            }));
+            match reaped {
+                Ok(false) => {}
+                Ok(true) => kept.push(weak),
+                Err(_) => {
+                    log::error!("letting go of a pinning space panicked; watching it again");
+                    kept.push(weak);
+                }
             }
-            // May be the last reference: the space goes here.
-            drop(space);
         }
         let mut watched = crate::sync::lock(&WATCHED);
         watched.spaces.extend(kept);

@@ -123,6 +123,9 @@ pub(crate) struct SmallRecord {
     runs: [PinnedRun; SMALL_RUNS],
 }
 
+/// Most pins a slot keeps in small records (see `Slot::small_pins`).
+pub(crate) const SMALL_PINS: u64 = crate::mapping::PIN_STOCK;
+
 /// Most runs a [`SmallRecord`] holds.
 pub(crate) const SMALL_RUNS: usize = 8;
 
@@ -139,9 +142,16 @@ impl SmallRecord {
     }
 
     /// The guard lets go of the entry without its slot's lock; the slot reclaims it later.
-    /// The caller must not touch the entry or its space afterwards: the space may go.
-    pub(crate) fn release(&self) {
-        self.live.store(false, Ordering::Release);
+    /// Through a pointer, borrowing only the flag: from the store on, the slot may rewrite
+    /// the entry, or the space and the array may go.
+    ///
+    /// # Safety
+    /// `entry` is a live entry of its slot, whose guard calls this once, holds no reference
+    /// to it across the call and touches neither it nor its space afterwards.
+    pub(crate) unsafe fn release(entry: NonNull<SmallRecord>) {
+        // SAFETY: the entry is allocated until this store (per the contract, it is live);
+        // only the atomic flag is borrowed, and only for the store.
+        unsafe { (*std::ptr::addr_of!((*entry.as_ptr()).live)).store(false, Ordering::Release) };
     }
 
     /// The record as its guard and the slot's readers see it.
@@ -205,9 +215,12 @@ pub(crate) struct RecordRef<'a> {
 impl<'a> RecordRef<'a> {
     /// The mapping of run slot `i`.
     pub(crate) fn mapping(&self, i: usize) -> &'a Mapping {
-        // SAFETY: a live record's mappings stay allocated (see `Record::mappings`). A record
-        // being filled is asked only by the pin call filling it, under its slot's lock, with
-        // pointers it just took from the table, which cannot change meanwhile.
+        // SAFETY: a live record's mappings stay allocated (see `Record::mappings`): for the
+        // guard, until it retires or releases the record; for a reader of the slot's records,
+        // while it holds the slot's lock (a small record seen live may be released meanwhile,
+        // but whatever frees a mapping first marks it and then scans this slot under that
+        // lock). A record being filled is asked only by the pin call filling it, under its
+        // slot's lock, with pointers it just took from the table, which cannot change.
         unsafe { self.mappings[i].as_ref() }
     }
 
@@ -241,9 +254,13 @@ pub(crate) struct Slot {
     /// Entries of `small` the slot may hand out (bit `i`: entry `i`); all until it exists.
     /// A clear bit is a live entry or one its guard released that is not reclaimed yet.
     small_free: u64,
-    /// Small calls left before a full array is looked at again, after a look found nothing
-    /// released (a device holding more than 64 guards would scan on every call).
+    /// Small calls left before a full array is looked at again, after a look found it full
+    /// (see `Slot::reclaim_short_small`).
     small_backoff: u32,
+    /// Pins in small records, live or released and not yet reclaimed: at most
+    /// [`SMALL_PINS`], so that pins released without the lock and not yet taken back can
+    /// deny other slots' calls at most that many pins below the space's limit.
+    small_pins: u64,
     /// Pins the live records hold.
     pins: u64,
     /// The space, held while the slot has live records once the space's handles are gone
@@ -281,6 +298,7 @@ impl Default for Slot {
             small: None,
             small_free: !0,
             small_backoff: 0,
+            small_pins: 0,
             pins: 0,
             keepalive: None,
             stock: 0,
@@ -300,9 +318,10 @@ impl std::fmt::Debug for Slot {
     }
 }
 
-// SAFETY: a slot owns its record boxes (moved between threads with it, like a Box), and the
-// mapping pointers in them are only dereferenced under the invariants of `Record::mappings`,
-// by whichever thread holds the slot's lock or the record's guard.
+// SAFETY: a slot owns its record boxes and its small-record array (moved between threads
+// with it, like Boxes), and the mapping pointers in them are only dereferenced under the
+// invariants of `Record::mappings`, by whichever thread holds the slot's lock or the
+// record's guard.
 unsafe impl Send for Slot {}
 
 impl Slot {
@@ -371,6 +390,7 @@ impl Slot {
         *e.live.get_mut() = true;
         self.small_free &= !(1 << e.at);
         self.pins += pages;
+        self.small_pins += pages;
     }
 
     /// Takes back the entries whose guards released them without the lock: their pins go
@@ -392,6 +412,7 @@ impl Slot {
         }
         self.small_free |= freed;
         self.pins -= pages;
+        self.small_pins -= pages;
         self.stock += pages;
         self.counts.unpin_calls += u64::from(freed.count_ones());
     }
@@ -427,6 +448,7 @@ impl Slot {
                 entry.live.store(false, Ordering::Relaxed);
                 self.small_free |= 1 << entry.at;
                 self.pins -= entry.pages;
+                self.small_pins -= entry.pages;
             }
             // SAFETY: per the contract.
             RecordPtr::Boxed(record) => unsafe { self.retire_boxed(record) },
@@ -464,25 +486,29 @@ impl Slot {
         boxed.chain(small)
     }
 
-    /// True if every entry of the small-record array is taken (live or not reclaimed).
+    /// True unless a free entry and room under [`SMALL_PINS`] take a call of `pages` pages
+    /// (counting released entries not yet reclaimed as taken).
     #[inline(always)]
-    pub(crate) fn small_full(&self) -> bool {
-        self.small_free == 0
+    pub(crate) fn small_short(&self, pages: u64) -> bool {
+        self.small_free == 0 || self.small_pins + pages > SMALL_PINS
     }
 
-    /// Reclaims released entries of a full array, unless a recent look found none; true if
-    /// an entry is free now.
-    pub(crate) fn reclaim_full_small(&mut self) -> bool {
-        if self.small_backoff > 0 {
+    /// Reclaims released entries when the array is short for `pages` pages, unless it is
+    /// full and a recent look found nothing released (a device holding more than 64 guards
+    /// would scan all 64 on every call); true if it takes the call now. Short of pins with
+    /// entries free, it always looks: those entries hold 64 pages each on average, a look
+    /// costs less than the call.
+    pub(crate) fn reclaim_short_small(&mut self, pages: u64) -> bool {
+        let full = self.small_free == 0;
+        if full && self.small_backoff > 0 {
             self.small_backoff -= 1;
             return false;
         }
         self.reclaim_small();
         if self.small_free == 0 {
             self.small_backoff = SMALL_RECORDS as u32;
-            return false;
         }
-        true
+        !self.small_short(pages)
     }
 
     /// True if no record is live (every live record holds at least one pin), after taking

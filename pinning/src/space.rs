@@ -318,6 +318,16 @@ impl SpaceInner {
         holding
     }
 
+    /// What the reaper does with a space it watches: lets go of orphans no record names,
+    /// and, once the space is closed, makes idle slots let go of it. True if there is more
+    /// to wait for (orphans still named, or slots still holding a closed space).
+    pub(crate) fn reap(&self) -> bool {
+        self.prune_orphans();
+        let orphans = !crate::sync::lock(&self.orphans).is_empty();
+        let holding = self.closed.load(Ordering::SeqCst) && self.release_idle_slots();
+        orphans || holding
+    }
+
     /// Wakes an unmap waiting for records to retire.
     pub(crate) fn wake_unmap(&self) {
         let _guard = crate::sync::lock(&self.drained.0);
@@ -343,7 +353,7 @@ impl Drop for SpaceHandle {
         // From here on a slot's last retiring record lets go of the space; slots without
         // records let go now. (No pin can start: there is no handle to call it on.)
         self.space.closed.store(true, Ordering::SeqCst);
-        if self.space.release_idle_slots() {
+        if self.space.reap() {
             // Guards still hold records: the last to retire under its slot's lock lets go
             // of the space, and the reaper catches one released without the lock.
             crate::reaper::watch(Arc::downgrade(&self.space));
@@ -558,7 +568,15 @@ impl DmaSpace {
         }
         // Track-mode guards point at their mappings without counting them: keep the ones
         // still pinned with the space, which outlives its guards.
-        crate::sync::lock(&self.inner.orphans).extend(named);
+        if !named.is_empty() {
+            crate::sync::lock(&self.inner.orphans).extend(named);
+            // A guard that let go meanwhile (under its slot's lock or without it) may have
+            // left nothing to name an orphan: look now, and let the reaper look until none
+            // is left (a small record's guard tells nobody when it lets go).
+            if self.inner.space.reap() {
+                crate::reaper::watch(Arc::downgrade(&self.inner.space));
+            }
+        }
         unmapped
     }
 
