@@ -1829,21 +1829,38 @@ mod tests {
         let (space, f) = space_with(Default::default());
         let weak = Arc::downgrade(&space.inner.space);
         let pins = space.pin_pages(&[7], Prot::READ).unwrap();
-        let Hold::Recorded { record: RecordPtr::Small(entry), .. } = *pins.hold else {
-            panic!("a single page is a small record");
-        };
+        let entry = small_entry(&pins);
         // The space closes while the guard is live: its slot keeps the space...
         drop(space);
         drop(f);
         assert!(weak.upgrade().is_some());
         // ...and the guard lets go as one that looked before the close does: without the
         // lock, leaving nobody to retire the record but the reaper.
+        release_unlocked(pins, entry);
+        wait_gone(&weak, "the reaper never let go of the space");
+    }
+
+    /// The entry of a guard holding a small record.
+    fn small_entry(pins: &PinnedPages) -> NonNull<SmallRecord> {
+        match *pins.hold {
+            Hold::Recorded { record: RecordPtr::Small(entry), .. } => entry,
+            _ => panic!("a single page is a small record"),
+        }
+    }
+
+    /// Lets go of `pins` (whose entry is `entry`) as a guard that found nothing to do
+    /// under the lock does, whatever the space and mapping look like now.
+    fn release_unlocked(pins: PinnedPages, entry: NonNull<SmallRecord>) {
         std::mem::forget(pins);
         // SAFETY: the entry is live (its guard was forgotten, not dropped).
         unsafe { SmallRecord::release(entry) };
+    }
+
+    /// Waits (5 s at most) for the last strong reference behind `weak` to go.
+    fn wait_gone<T>(weak: &std::sync::Weak<T>, failure: &str) {
         let deadline = Instant::now() + Duration::from_secs(5);
         while weak.upgrade().is_some() {
-            assert!(Instant::now() < deadline, "the reaper never let go of the space");
+            assert!(Instant::now() < deadline, "{failure}");
             std::thread::sleep(Duration::from_millis(5));
         }
     }
@@ -1853,21 +1870,13 @@ mod tests {
         let (space, _f) = space_with(Default::default());
         let mapping = Arc::downgrade(space.read_table().values().next().unwrap());
         let pins = space.pin_pages(&[7], Prot::READ).unwrap();
-        let Hold::Recorded { record: RecordPtr::Small(entry), .. } = *pins.hold else {
-            panic!("a single page is a small record");
-        };
+        let entry = small_entry(&pins);
         // abandon_all takes the mapping while the guard is live: it becomes an orphan...
         assert_eq!(space.abandon_all().mappings, 1);
         // ...and the guard lets go as one that looked just before does: without the lock.
-        std::mem::forget(pins);
-        // SAFETY: the entry is live (its guard was forgotten, not dropped).
-        unsafe { SmallRecord::release(entry) };
+        release_unlocked(pins, entry);
         // Nothing else happens in the space: the reaper unmaps the orphan.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while mapping.upgrade().is_some() {
-            assert!(Instant::now() < deadline, "the orphan was never let go");
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        wait_gone(&mapping, "the orphan was never let go");
         assert_eq!(space.stats().pins_held, 0);
     }
 
