@@ -22,7 +22,9 @@ use crate::lock::PinMode;
 use crate::mapping::{Mapping, MappingPins, MappingState, Released, RunFailure};
 use crate::mapping::{PinPolicy, PIN_STOCK};
 use crate::page::{iova_of, iova_of_checked, Prot, PAGE_SHIFT, PAGE_SIZE};
-use crate::slots::{Record, RecordPtr, RecordRef, Slot, SlotHint, SmallRecord, TableRead, SMALL_RUNS};
+use crate::slots::{
+    Record, RecordPtr, RecordRef, Slot, SlotHint, SmallRecord, TableRead, SMALL_PINS, SMALL_RUNS,
+};
 use crate::space::{DmaSpace, MappingTable, SpaceInner};
 
 /// Why a pin call failed. Nothing stays pinned by a failed call.
@@ -544,7 +546,8 @@ fn pin_small(
         Entries::Array(pfns) => (*pfns.first()?, pfns.len() as u64),
         Entries::Range(pfn, npages) => (pfn, npages),
     };
-    if npages == 0 || npages > max_pages {
+    // Bigger calls never fit a slot's share of small-record pins: no look for room.
+    if npages == 0 || npages > max_pages || npages > SMALL_PINS {
         return None;
     }
     let mapping = lookup(table, &mut slot.hint, pfn)?;
