@@ -531,7 +531,8 @@ fn plan_range_into(
 /// lists) is planned in place into a free entry of the slot's small-record array. `None`
 /// when the call is not such a call, or has an error to report, or does not fit the slot's
 /// stock and the limit, or the array is full: the general path then does the whole call, as
-/// if this had not run (nothing here changes what it sees, but for the slot's hint).
+/// if this had not run (what this may have changed — the slot's hint, released entries taken
+/// back, surplus stock returned, the array allocated — leaves nothing counted twice).
 #[inline(always)]
 fn pin_small(
     space: &Arc<SpaceInner>,

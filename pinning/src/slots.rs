@@ -496,8 +496,8 @@ impl Slot {
     /// Reclaims released entries when the array is short for `pages` pages, unless it is
     /// full and a recent look found nothing released (a device holding more than 64 guards
     /// would scan all 64 on every call); true if it takes the call now. Short of pins with
-    /// entries free, it always looks: those entries hold 64 pages each on average, a look
-    /// costs less than the call.
+    /// entries free, it always looks: the look is over the taken entries only, and costs
+    /// less than the boxed call that follows when nothing was released.
     pub(crate) fn reclaim_short_small(&mut self, pages: u64) -> bool {
         let full = self.small_free == 0;
         if full && self.small_backoff > 0 {
