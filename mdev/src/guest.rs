@@ -223,13 +223,16 @@ fn access_error(e: AccessError, iova: u64) -> GuestError {
 /// tell whether it is affected: the page array's contiguous runs, as the engine will cut them.
 #[derive(Debug, Default)]
 pub struct PinnedRanges {
-    ranges: std::sync::Mutex<smallvec::SmallVec<[(u64, u64); 4]>>,
+    /// Inline room for a 128 KiB NVMe command's runs; rebuilt in place, so a request with
+    /// more keeps the grown list for the next one instead of allocating per request.
+    ranges: std::sync::Mutex<smallvec::SmallVec<[(u64, u64); 16]>>,
 }
 
 impl PinnedRanges {
     /// The request is about to pin the pages `pfns` (IOVA page numbers).
     pub fn hold(&self, pfns: &[u64]) {
-        let mut ranges: smallvec::SmallVec<[(u64, u64); 4]> = smallvec::SmallVec::new();
+        let mut ranges = crate::sync::lock(&self.ranges);
+        ranges.clear();
         for &pfn in pfns {
             // Saturating: a guest names any page number, and the last one ends at 2^64.
             let start = pfn.saturating_mul(PAGE_SIZE);
@@ -239,7 +242,6 @@ impl PinnedRanges {
                 _ => ranges.push((start, end)),
             }
         }
-        *crate::sync::lock(&self.ranges) = ranges;
     }
 
     /// The request let go of its pins.

@@ -318,11 +318,9 @@ impl Mtty {
         let regs: Vec<Reg<u8>> = (0..PORT_BAR_SIZE as u8).map(|r| Reg::rw(r, u64::from(r))).collect();
         // One map per port's BAR, so a refused access names its own region.
         let maps = (0..uarts.len() as u32)
-            .map(|bar| {
-                RegMap::new(bar, PORT_BAR_SIZE, 1, &[1, 2, 3, 4, 5, 6, 7, 8], false, &regs)
-                    .expect("a valid map")
-            })
-            .collect();
+            .map(|bar| RegMap::new(bar, PORT_BAR_SIZE, 1, &[1, 2, 3, 4, 5, 6, 7, 8], false, &regs))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| MttyError::Backend(e.to_string()))?;
         let shared =
             Shared::new(|waker| Mtty { uarts, ports, maps, irq, waker, timer_sleep: None, timer: None });
         for (port, (endpoint, wake)) in endpoints.into_iter().enumerate() {
