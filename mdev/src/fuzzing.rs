@@ -396,7 +396,7 @@ fn reference(bus: &mut dyn Bus, cpa: u64) -> Status {
         if s.ccws as usize == MAX_CCWS {
             return check(s, Reason::ChainTooLong);
         }
-        if at % 8 != 0 {
+        if !at.is_multiple_of(8) {
             return check(s, Reason::CcwMisaligned);
         }
         let mut raw = [0u8; 16];
@@ -529,7 +529,7 @@ fn reference_pieces(bus: &mut dyn Bus, ccw: &Ccw) -> Result<Vec<Piece>, Reason> 
         return Ok(vec![Piece { addr: ccw.addr, len: ccw.count }]);
     }
     let block: u64 = if ccw.flags & flags::IDA_2K != 0 { 2048 } else { 4096 };
-    if ccw.addr % 8 != 0 {
+    if !ccw.addr.is_multiple_of(8) {
         return Err(Reason::IdalMisaligned);
     }
     let mut idaw = [0u8; 8];

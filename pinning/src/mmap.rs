@@ -167,7 +167,7 @@ impl HostMemory {
             return Err(MmapError::PastEndOfFile { offset, size, file_size });
         }
         let backing = Self::backing_of(fd)?;
-        if offset % backing.page_size != 0 || size % backing.page_size != 0 {
+        if !offset.is_multiple_of(backing.page_size) || !size.is_multiple_of(backing.page_size) {
             return Err(MmapError::BackingUnaligned { offset, size, page_size: backing.page_size });
         }
         let len = usize::try_from(size).map_err(|_| MmapError::TooLarge(size))?;

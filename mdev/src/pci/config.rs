@@ -345,7 +345,7 @@ fn check_msix(msix: &MsixCap, bars: &[Option<Bar>; NUM_BARS]) -> Result<(), Conf
         };
         // The low 3 bits of the offset register hold the BIR: the spec requires qword
         // alignment.
-        if offset % 8 != 0 {
+        if !offset.is_multiple_of(8) {
             return Err(ConfigError::MsixMisaligned { what, offset });
         }
         if u64::from(offset) + size > bar_size {

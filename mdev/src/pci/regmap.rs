@@ -115,7 +115,7 @@ impl<K: Copy> RegMap<K> {
         aligned: bool,
         regs: &[Reg<K>],
     ) -> Result<RegMap<K>, RegMapError> {
-        if !matches!(unit, 1 | 2 | 4 | 8) || size % unit != 0 || size / unit > u64::from(u32::MAX) {
+        if !matches!(unit, 1 | 2 | 4 | 8) || !size.is_multiple_of(unit) || size / unit > u64::from(u32::MAX) {
             return Err(RegMapError::Unit { unit, size });
         }
         let mut lookup = vec![(0u16, 0u32); (size / unit) as usize];
@@ -148,7 +148,7 @@ impl<K: Copy> RegMap<K> {
     ) -> Result<impl Iterator<Item = (u64, std::ops::Range<usize>, std::ops::Range<usize>)>, DeviceError>
     {
         let bad = || DeviceError::BadAccess { region: self.region, offset, len: len as u64 };
-        if !self.widths.contains(&len) || (self.aligned && offset % len as u64 != 0) {
+        if !self.widths.contains(&len) || (self.aligned && !offset.is_multiple_of(len as u64)) {
             return Err(bad());
         }
         let end = offset.checked_add(len as u64).filter(|&e| e <= self.size).ok_or_else(bad)?;
@@ -171,7 +171,7 @@ impl<K: Copy> RegMap<K> {
     #[inline]
     fn whole_register(&self, offset: u64, len: usize) -> Option<u64> {
         let whole = len as u64 == self.unit
-            && offset % self.unit == 0
+            && offset.is_multiple_of(self.unit)
             && offset < self.size
             && self.widths.contains(&len);
         whole.then_some(offset)

@@ -71,7 +71,7 @@ fn walk(cs: &ConfigSpace) -> Vec<(u8, u8)> {
     let mut at = read8(cs, CAPABILITY_LIST as u64);
     while at != 0 {
         assert!(found.len() < 48, "capability list loops");
-        assert!(at >= 0x40 && at % 4 == 0, "bad capability pointer {at:#x}");
+        assert!(at >= 0x40 && at.is_multiple_of(4), "bad capability pointer {at:#x}");
         found.push((read8(cs, u64::from(at)), at));
         at = read8(cs, u64::from(at) + 1);
     }

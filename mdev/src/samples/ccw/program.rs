@@ -452,7 +452,7 @@ fn direct_pieces(addr: u64, count: u32) -> Result<Pieces, Reason> {
 /// Reads exactly the IDAWs the count needs (never past the list's end), in slices of up to
 /// 512: one bus call for the list of a 2 MiB transfer after the first IDAW.
 fn idaw_pieces(bus: &mut dyn Bus, idal: u64, count: u32, block: u64) -> Result<Pieces, Reason> {
-    if idal % 8 != 0 {
+    if !idal.is_multiple_of(8) {
         return Err(Reason::IdalMisaligned);
     }
     let mut first = Idaw::default();
@@ -503,7 +503,7 @@ pub fn run(bus: &mut dyn Bus, cpa: u64) -> Status {
             program_check(&mut status, Reason::ChainTooLong);
             return status;
         }
-        if ccw_addr % 8 != 0 {
+        if !ccw_addr.is_multiple_of(8) {
             program_check(&mut status, Reason::CcwMisaligned);
             return status;
         }

@@ -465,7 +465,7 @@ impl PciFunction for Nvme {
 
 /// Doorbells take aligned 32-bit writes only.
 fn check_doorbell_access(offset: u64, len: usize) -> Result<(), DeviceError> {
-    if len != 4 || offset % 4 != 0 {
+    if len != 4 || !offset.is_multiple_of(4) {
         return Err(DeviceError::BadAccess { region: 0, offset, len: len as u64 });
     }
     Ok(())
