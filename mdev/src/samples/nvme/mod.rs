@@ -61,7 +61,7 @@ pub const MAX_IO_QUEUES: u16 = 64;
 pub const DEFAULT_ENTRIES: u32 = 1024;
 /// See [`DEFAULT_ENTRIES`].
 pub const MAX_ENTRIES: u32 = 4096;
-/// How long a worker watches its doorbell after work, by default (`poll_us`).
+/// How long a worker watches its doorbell after a lone command, by default (`poll_us`).
 pub const DEFAULT_POLL: std::time::Duration = std::time::Duration::from_micros(50);
 
 /// Why an nvme device could not be made.
@@ -93,7 +93,7 @@ pub struct NvmeConfig {
     pub doorbells: DoorbellMode,
     /// Serial number; `None`: derived from the file namespaces' paths, or random.
     pub serial: Option<String>,
-    /// How long a queue's worker watches its doorbell after work before sleeping.
+    /// How long a queue's worker watches its doorbell after a lone command before sleeping.
     pub poll: std::time::Duration,
 }
 
@@ -480,7 +480,7 @@ impl Drop for Nvme {
 /// The `nvme` device type. Options: `ns1=ram:1G` .. `ns16=file:/path` (namespaces: a RAM
 /// disk or a host file or block device), `lba=512|4096`, `queues=4` (I/O queue pairs, 1 to
 /// 64), `entries=1024` (per queue, 2 to 4096), `doorbells=message|mmap`, `serial=`,
-/// `poll_us=50` (how long a worker watches its doorbell after work before sleeping).
+/// `poll_us=50` (how long a worker watches its doorbell after a lone command before sleeping).
 pub struct NvmeType {
     pool: Arc<crate::types::Pool>,
 }

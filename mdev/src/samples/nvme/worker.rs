@@ -147,6 +147,10 @@ impl QueueWorker {
         doorbell.set_worker(Some(std::thread::current()));
         let mut head = 0u32;
         let mut last_work = Instant::now();
+        // Commands fetched since the worker last found its queue empty, and whether that
+        // run of work was a lone command (see `idle`).
+        let mut fetched = 0u32;
+        let mut lone = false;
         let mut bad_tail = None;
         while !self.stopping() {
             if self.ctrl.fatal() || !self.ctx.bus_master() {
@@ -164,11 +168,15 @@ impl QueueWorker {
                         1,
                     );
                 }
-                self.idle(head, last_work);
+                self.idle(head, last_work, false);
                 continue;
             }
             if tail == head {
-                self.idle(head, last_work);
+                if fetched > 0 {
+                    lone = fetched == 1;
+                    fetched = 0;
+                }
+                self.idle(head, last_work, lone);
                 continue;
             }
             let sqe = match self.sq.fetch(&self.ctx, head) {
@@ -181,6 +189,7 @@ impl QueueWorker {
             };
             head = (head + 1) % self.sq.entries;
             last_work = Instant::now();
+            fetched = fetched.saturating_add(1);
             let aborted = self.sq.advance(head, sqe.cid());
             let permit = self.requests.begin(Command { worker: self.clone(), sqe });
             if aborted {
@@ -215,8 +224,9 @@ impl QueueWorker {
     }
 
     /// Nothing to fetch: held interrupts go out, then sleep until a doorbell (or until
-    /// coalescing's aggregation time is up).
-    fn idle(&self, head: u32, last_work: Instant) {
+    /// coalescing's aggregation time is up). `lone`: the work just done was a single
+    /// command, the only case where a message doorbell is watched for before sleeping.
+    fn idle(&self, head: u32, last_work: Instant, lone: bool) {
         self.raise_due(true);
         let wait = match self.sq.cq.deadline() {
             Some(deadline) => deadline.saturating_duration_since(Instant::now()).min(IDLE),
@@ -227,10 +237,13 @@ impl QueueWorker {
             DoorbellMode::Message => {
                 let doorbell = &self.ctrl.sq_doorbells[id];
                 let spin = self.ctrl.config.poll;
-                // Right after work the next doorbell is likely close: watch for it (a
-                // doorbell that finds its worker awake costs no wake-up), if a CPU is free
-                // for it. At most one worker per spare CPU watches at a time.
-                if !spin.is_zero() && last_work.elapsed() < spin {
+                // Right after a lone command (queue depth 1: the wake-up is the whole
+                // latency) the next doorbell is likely close: watch for it (a doorbell that
+                // finds its worker awake costs no wake-up), if a CPU is free for it. At most
+                // one worker per spare CPU watches at a time. After a batch the wake-up is
+                // shared by the batch's commands and watching would only burn the CPU the
+                // client needs to send the next one.
+                if lone && !spin.is_zero() && last_work.elapsed() < spin {
                     if let Some(_spinning) = Spinner::take() {
                         doorbell.wait(head, wait, spin.saturating_sub(last_work.elapsed()));
                         return;
