@@ -6,24 +6,26 @@
 //! cargo run --release -p umdev-pinning --example hotpath            # 1 page
 //! cargo run --release -p umdev-pinning --example hotpath -- 8 200000 # 8 entries, calls per round
 //! cargo run --release -p umdev-pinning --example hotpath -- 512 20000 1 # one 512-page run
+//! cargo run --release -p umdev-pinning --example hotpath -- 1 20000 2 lock # lock mode (mlock)
 //! ```
 
 use std::hint::black_box;
 use std::os::fd::AsFd;
 use std::time::Instant;
 
-use umdev_pinning::{DmaSpace, DmaSpaceConfig, Prot, PAGE_SIZE};
+use umdev_pinning::{DmaSpace, DmaSpaceConfig, PinMode, Prot, PAGE_SIZE};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let entries: u64 = args.next().map_or(Ok(1), |a| a.parse())?;
     let calls: u64 = args.next().map_or(Ok(2_000_000 / entries.max(1)), |a| a.parse())?;
     let stride: u64 = args.next().map_or(Ok(2), |a| a.parse())?;
+    let mode: PinMode = args.next().map_or(Ok(PinMode::Track), |a| a.parse())?;
     let pages = 64 + stride * entries;
     let memfd = nix::sys::memfd::memfd_create(c"hotpath", nix::sys::memfd::MFdFlags::empty())?;
     let file = std::fs::File::from(memfd);
     file.set_len(pages * PAGE_SIZE)?;
-    let space = DmaSpace::new(DmaSpaceConfig::default());
+    let space = DmaSpace::new(DmaSpaceConfig { mode, ..DmaSpaceConfig::default() });
     space.map(0, pages * PAGE_SIZE, file.as_fd(), 0, Prot::READ_WRITE)?;
     // 32 arrays at different offsets, so that no call is the same as the last.
     let arrays: Vec<Vec<u64>> = (0..32).map(|o| (0..entries).map(|k| o + stride * k).collect()).collect();
