@@ -1621,7 +1621,7 @@ mod tests {
                 for brk in (1..=len).step_by(1 + len / 40) {
                     let pfns = &mut buf[line + offset..line + offset + len];
                     for (k, p) in pfns.iter_mut().enumerate() {
-                        *p = u64::MAX - 50 + k as u64; // wraps past u64::MAX inside the run
+                        *p = (u64::MAX - 50).wrapping_add(k as u64); // wraps past u64::MAX in the run
                     }
                     if brk < len {
                         pfns[brk] ^= 1 << 40;
@@ -1632,12 +1632,19 @@ mod tests {
                             model_run_length(pfns, limit),
                             "offset {offset} len {len} break {brk} limit {limit}"
                         );
-                        let whole = model_run_length(pfns, u64::MAX);
-                        assert_eq!(long_run_length(pfns), whole);
-                        #[cfg(target_arch = "x86_64")]
+                    }
+                    // Every variant this CPU can run, whichever the dispatch picks.
+                    let whole = model_run_length(pfns, u64::MAX);
+                    assert_eq!(long_run_length(pfns), whole);
+                    #[cfg(target_arch = "x86_64")]
+                    {
                         if std::arch::is_x86_feature_detected!("avx2") {
                             // SAFETY: the CPU has AVX2, checked just now.
                             assert_eq!(unsafe { run_length_avx2(pfns) }, whole);
+                        }
+                        if std::arch::is_x86_feature_detected!("avx512f") {
+                            // SAFETY: the CPU has AVX-512F, checked just now.
+                            assert_eq!(unsafe { run_length_avx512(pfns) }, whole);
                         }
                     }
                 }

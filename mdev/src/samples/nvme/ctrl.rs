@@ -46,8 +46,8 @@ pub struct ControllerConfig {
     pub doorbells: DoorbellMode,
     /// The serial number (Identify SN).
     pub serial: String,
-    /// How long a worker watches its doorbell after work before it sleeps (0: it sleeps
-    /// at once).
+    /// How long a worker watches its message doorbell after a lone command before it
+    /// sleeps (0: it sleeps at once).
     pub poll: Duration,
 }
 

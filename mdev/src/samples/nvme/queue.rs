@@ -80,19 +80,23 @@ impl Doorbell {
         }
     }
 
-    /// Sleeps until the value differs from `seen`, `wake` is called, or `timeout` passes.
-    /// It first watches for `spin` without sleeping: a doorbell then costs the writer no
-    /// wake-up.
-    pub fn wait(&self, seen: u32, timeout: Duration, spin: Duration) {
-        if !spin.is_zero() {
-            let until = Instant::now() + spin;
-            while Instant::now() < until {
-                if self.value.load(Ordering::Acquire) != seen {
-                    return;
-                }
-                std::hint::spin_loop();
+    /// Watches for `spin` without sleeping for the value to differ from `seen`: a doorbell
+    /// that finds its worker watching costs the writer no wake-up. True if it changed.
+    pub fn watch(&self, seen: u32, spin: Duration) -> bool {
+        let until = Instant::now() + spin;
+        loop {
+            if self.value.load(Ordering::Acquire) != seen {
+                return true;
             }
+            if Instant::now() >= until {
+                return false;
+            }
+            std::hint::spin_loop();
         }
+    }
+
+    /// Sleeps until the value differs from `seen`, `wake` is called, or `timeout` passes.
+    pub fn wait(&self, seen: u32, timeout: Duration) {
         self.sleeping.store(true, Ordering::SeqCst);
         if self.value.load(Ordering::SeqCst) == seen {
             std::thread::park_timeout(timeout);

@@ -154,7 +154,9 @@ impl QueueWorker {
         let mut bad_tail = None;
         while !self.stopping() {
             if self.ctrl.fatal() || !self.ctx.bus_master() {
-                doorbell.wait(head, Duration::from_millis(10), Duration::ZERO);
+                // Until the next doorbell or a wake-up (a reset, bus mastering back on), not
+                // until one differing from `head`: queued commands must not keep it awake.
+                doorbell.wait(doorbell.value(), Duration::from_millis(10));
                 continue;
             }
             let tail = self.ctrl.sq_tail(id);
@@ -243,13 +245,18 @@ impl QueueWorker {
                 // one worker per spare CPU watches at a time. After a batch the wake-up is
                 // shared by the batch's commands and watching would only burn the CPU the
                 // client needs to send the next one.
+                // The turn is given back before sleeping, so a sleeping worker does not keep
+                // another queue's worker from watching.
                 if lone && !spin.is_zero() && last_work.elapsed() < spin {
-                    if let Some(_spinning) = Spinner::take() {
-                        doorbell.wait(head, wait, spin.saturating_sub(last_work.elapsed()));
-                        return;
+                    if let Some(spinning) = Spinner::take() {
+                        let rang = doorbell.watch(head, spin.saturating_sub(last_work.elapsed()));
+                        drop(spinning);
+                        if rang {
+                            return;
+                        }
                     }
                 }
-                doorbell.wait(head, wait, Duration::ZERO)
+                doorbell.wait(head, wait)
             }
             DoorbellMode::Mapped => {
                 if last_work.elapsed() < POLL_SPIN {
