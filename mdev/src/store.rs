@@ -4,7 +4,8 @@
 //! A device pins the guest pages of a transfer and hands the store their host slices (one
 //! per contiguous run): a file or block device is read and written with one
 //! `preadv2`/`pwritev2` per call, straight between the page cache and guest memory, with no
-//! bounce buffer; a RAM disk is mmapped and each slice is one copy. The ccw and nvme
+//! bounce buffer; a RAM disk is mmapped and each slice is one copy (writes with streaming
+//! stores that bypass the cache: written blocks are rarely read back soon). The ccw and nvme
 //! devices use it.
 //!
 //! What it is not: a cache or an I/O scheduler. Calls are synchronous on the caller's
