@@ -186,7 +186,7 @@ pub(crate) enum RunFailure {
 pub(crate) const MLOCK_PIECE: u64 = 256;
 
 /// Sub-runs `(page offset, pages)` whose last pin was dropped, awaiting munlock.
-pub(crate) type Released = SmallVec<[(u64, u64); 8]>;
+pub(crate) type Released = SmallVec<[(u64, u64); 2]>;
 
 #[derive(Debug)]
 pub(crate) struct Mapping {
@@ -301,6 +301,18 @@ impl Mapping {
                 .map(drop)
                 .map_err(|page| RunFailure::Overflow { page });
         }
+        if npages == 1 {
+            // One page, the usual lock-mode call: one look at its count.
+            let count = pins.table.count(page);
+            if count == crate::table::MAX_PIN_COUNT {
+                return Err(RunFailure::Overflow { page });
+            }
+            if count == 0 {
+                self.lock_fresh(&[(page, 1)])?;
+            }
+            pins.table.increment_one(page);
+            return Ok(());
+        }
         if let Some(page) = pins.table.find_saturated(page, npages) {
             return Err(RunFailure::Overflow { page });
         }
@@ -323,39 +335,37 @@ impl Mapping {
             return Ok(()); // hugetlb: never swapped, accounted only.
         };
         let counters = self.policy.counters();
-        // Locked so far, as (start, pages), to undo on failure.
-        let mut locked: SmallVec<[(u64, u64); 8]> = SmallVec::new();
-        let mut failure = None;
-        'runs: for &(start, len) in fresh {
+        for (k, &(start, len)) in fresh.iter().enumerate() {
             let mut page = start;
             while page < start + len {
-                if self.claims.load(Ordering::Acquire) != 0 {
-                    failure = Some(RunFailure::Unmapping { page });
-                    break 'runs;
+                let failure = if self.claims.load(Ordering::Acquire) != 0 {
+                    Some(RunFailure::Unmapping { page })
+                } else {
+                    let n = MLOCK_PIECE.min(start + len - page);
+                    counters.mlock_calls.fetch_add(1, Ordering::Relaxed);
+                    match memory.mlock(page * PAGE_SIZE, n * PAGE_SIZE) {
+                        Ok(()) => {
+                            page += n;
+                            None
+                        }
+                        Err(error) => Some(RunFailure::Lock { page, error }),
+                    }
+                };
+                if let Some(failure) = failure {
+                    // Undo what is locked: the sub-runs before this one, and this one up to
+                    // `page`.
+                    for &(s, l) in &fresh[..k] {
+                        self.munlock(memory, s, l);
+                    }
+                    if page > start {
+                        self.munlock(memory, start, page - start);
+                    }
+                    account.refund(bytes);
+                    return Err(failure);
                 }
-                let n = MLOCK_PIECE.min(start + len - page);
-                counters.mlock_calls.fetch_add(1, Ordering::Relaxed);
-                if let Err(error) = memory.mlock(page * PAGE_SIZE, n * PAGE_SIZE) {
-                    failure = Some(RunFailure::Lock { page, error });
-                    break 'runs;
-                }
-                match locked.last_mut() {
-                    Some(last) if last.0 + last.1 == page => last.1 += n,
-                    _ => locked.push((page, n)),
-                }
-                page += n;
             }
         }
-        match failure {
-            None => Ok(()),
-            Some(failure) => {
-                for &(s, l) in &locked {
-                    self.munlock(memory, s, l);
-                }
-                account.refund(bytes);
-                Err(failure)
-            }
-        }
+        Ok(())
     }
 
     /// Removes a pin from pages `[page, page + npages)` unless one of them is not pinned;
@@ -371,6 +381,13 @@ impl Mapping {
         if self.policy.mode == PinMode::Track {
             // The hot path: one checked pass over the counts.
             return pins.table.try_decrement(page, npages).map(drop);
+        }
+        if npages == 1 {
+            // One page: one checked pass, and it goes to munlock if that was its last pin.
+            if pins.table.try_decrement_one(page)? {
+                released.push((page, 1));
+            }
+            return Ok(());
         }
         if let Some(page) = pins.table.find_unpinned(page, npages) {
             return Err(page);

@@ -258,11 +258,36 @@ pub(crate) type Runs = SmallVec<[PinnedRun; 2]>;
 type Mappings = SmallVec<[Arc<Mapping>; 2]>;
 
 /// A pin call, cut into runs and resolved to mappings it holds, not yet applied.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct Plan {
     mappings: Mappings,
     runs: Runs,
     pages: u64,
+}
+
+thread_local! {
+    /// One emptied lock-mode plan kept by each thread for its next call, so that a guard's
+    /// box is not allocated and freed on every pin.
+    static SPARE_PLAN: std::cell::Cell<Option<Box<Plan>>> = const { std::cell::Cell::new(None) };
+}
+
+impl Plan {
+    /// A boxed empty plan: this thread's spare, else a new one.
+    fn boxed() -> Box<Plan> {
+        SPARE_PLAN.try_with(|spare| spare.take()).ok().flatten().unwrap_or_default()
+    }
+
+    /// Lets go of the plan's mappings and keeps its box as this thread's spare (unless its
+    /// runs spilled to the heap: a long call's room is not kept).
+    fn recycle(mut plan: Box<Plan>) {
+        plan.mappings.clear();
+        if plan.runs.spilled() {
+            return;
+        }
+        plan.runs.clear();
+        plan.pages = 0;
+        let _ = SPARE_PLAN.try_with(|spare| spare.set(Some(plan)));
+    }
 }
 
 /// The mappings a planned call's runs lie in, borrowed from the table read it was planned in.
@@ -274,6 +299,8 @@ struct Planned<'a> {
 /// Resolves page numbers to mappings under a table read, cutting the call into `runs`.
 struct Planner<'a, 'r> {
     table: &'a MappingTable,
+    /// The slot's hint: the mapping this thread resolved last (its lock is held).
+    slot_hint: &'a mut SlotHint,
     wanted: Prot,
     /// Whether the access check applies (unpins need none).
     pinning: bool,
@@ -285,9 +312,11 @@ struct Planner<'a, 'r> {
 }
 
 impl<'a, 'r> Planner<'a, 'r> {
-    fn new(table: &'a MappingTable, wanted: Prot, pinning: bool, runs: &'r mut Runs) -> Self {
+    fn new(read: &'a mut TableRead<'_>, wanted: Prot, pinning: bool, runs: &'r mut Runs) -> Self {
+        let (table, slot) = read.parts();
         Planner {
             table,
+            slot_hint: &mut slot.hint,
             wanted,
             pinning,
             runs,
@@ -298,18 +327,41 @@ impl<'a, 'r> Planner<'a, 'r> {
 
     /// Plans with `plan` into a plan of its own, which holds its mappings.
     fn owned(
-        table: &'a MappingTable,
+        read: &'a mut TableRead<'_>,
         wanted: Prot,
         pinning: bool,
         plan: impl FnOnce(Planner<'a, '_>) -> Result<Planned<'a>, PinError>,
     ) -> Result<Plan, PinError> {
-        let mut runs = Runs::new();
-        let planned = plan(Planner::new(table, wanted, pinning, &mut runs))?;
-        Ok(Plan {
-            mappings: planned.mappings.iter().map(|m| Arc::clone(m)).collect(),
-            runs,
-            pages: planned.pages,
-        })
+        let mut owned = Plan::default();
+        Self::owned_into(read, wanted, pinning, &mut owned, plan)?;
+        Ok(owned)
+    }
+
+    /// [`Planner::owned`] straight into the box a lock-mode guard keeps (nothing moved after).
+    fn boxed(
+        read: &'a mut TableRead<'_>,
+        wanted: Prot,
+        plan: impl FnOnce(Planner<'a, '_>) -> Result<Planned<'a>, PinError>,
+    ) -> Result<Box<Plan>, PinError> {
+        let mut boxed = Plan::boxed();
+        if let Err(e) = Self::owned_into(read, wanted, true, &mut boxed, plan) {
+            Plan::recycle(boxed);
+            return Err(e);
+        }
+        Ok(boxed)
+    }
+
+    fn owned_into(
+        read: &'a mut TableRead<'_>,
+        wanted: Prot,
+        pinning: bool,
+        into: &mut Plan,
+        plan: impl FnOnce(Planner<'a, '_>) -> Result<Planned<'a>, PinError>,
+    ) -> Result<(), PinError> {
+        let planned = plan(Planner::new(read, wanted, pinning, &mut into.runs))?;
+        into.mappings.extend(planned.mappings.iter().map(|m| Arc::clone(m)));
+        into.pages = planned.pages;
+        Ok(())
     }
 
     /// The guard slot of the mapping holding `pfn` (entry `index` of the call).
@@ -319,9 +371,8 @@ impl<'a, 'r> Planner<'a, 'r> {
                 return Ok(hint);
             }
         }
-        let mapping = match self.table.range(..=pfn).next_back() {
-            Some((_, m)) if m.contains(pfn) => m,
-            _ => return Err(PinError::NotMapped { index, pfn }),
+        let Some(mapping) = lookup(self.table, self.slot_hint, pfn) else {
+            return Err(PinError::NotMapped { index, pfn });
         };
         if self.pinning {
             if !mapping.prot.contains(self.wanted) {
@@ -737,28 +788,36 @@ fn long_run_length(pfns: &[u64]) -> u64 {
 }
 
 /// The locks of a plan's mappings, taken in mapping-id order, indexed by slot.
-struct Locked<'a> {
-    guards: SmallVec<[Option<MutexGuard<'a, MappingPins>>; 2]>,
+enum Locked<'a> {
+    /// The usual plan: one mapping.
+    One(MutexGuard<'a, MappingPins>),
+    /// Any other number of mappings.
+    Many(SmallVec<[Option<MutexGuard<'a, MappingPins>>; 2]>),
 }
 
 impl<'a> Locked<'a> {
     fn take(mappings: &'a [Arc<Mapping>]) -> Self {
+        if let [only] = mappings {
+            return Locked::One(only.lock());
+        }
         let mut guards: SmallVec<[Option<MutexGuard<'a, MappingPins>>; 2]> =
             mappings.iter().map(|_| None).collect();
-        if mappings.len() == 1 {
-            guards[0] = Some(mappings[0].lock());
-        } else {
-            let mut order: SmallVec<[usize; 4]> = (0..mappings.len()).collect();
-            order.sort_unstable_by_key(|&slot| mappings[slot].id);
-            for slot in order {
-                guards[slot] = Some(mappings[slot].lock());
-            }
+        let mut order: SmallVec<[usize; 4]> = (0..mappings.len()).collect();
+        order.sort_unstable_by_key(|&slot| mappings[slot].id);
+        for slot in order {
+            guards[slot] = Some(mappings[slot].lock());
         }
-        Locked { guards }
+        Locked::Many(guards)
     }
 
     fn get(&mut self, slot: usize) -> &mut MappingPins {
-        self.guards[slot].as_mut().expect("every slot is locked")
+        match self {
+            Locked::One(guard) => {
+                debug_assert_eq!(slot, 0, "a one-mapping plan has slot 0 only");
+                guard
+            }
+            Locked::Many(guards) => guards[slot].as_mut().expect("every slot is locked"),
+        }
     }
 }
 
@@ -802,27 +861,39 @@ fn refill_and_reserve(space: &SpaceInner, slot: &mut Slot, own: usize, pins: u64
 /// Removes one pin per page of `runs` (all known to be pinned), then munlocks and refunds.
 /// Returns the pins removed.
 fn unpin_runs(mappings: &[Arc<Mapping>], locked: &mut Locked<'_>, runs: &[PinnedRun]) -> u64 {
+    if let [mapping] = mappings {
+        // The usual plan: one mapping, one list of sub-runs to munlock.
+        let pins = locked.get(0);
+        let mut released = Released::new();
+        let removed = runs.iter().rev().map(|run| unpin_run_of(mapping, pins, run, &mut released)).sum();
+        mapping.release(pins, &released);
+        return removed;
+    }
     let mut released: SmallVec<[Released; 2]> = mappings.iter().map(|_| Released::new()).collect();
     let mut removed = 0u64;
     for run in runs.iter().rev() {
-        let pins = locked.get(run.slot);
-        let mapping = &mappings[run.slot];
-        if mapping.try_unpin_run(pins, run.page, run.npages, &mut released[run.slot]).is_ok() {
-            removed += run.npages;
-            continue;
-        }
-        // Someone unpinned pages this guard owns (unpin_pages on pins it did not take).
-        // Release what is still pinned, page by page, rather than underflow a count.
-        log::error!("pins of the run at IOVA {:#x} were released behind its guard", run.iova);
-        for page in run.page..run.page + run.npages {
-            if pins.table.count(page) > 0 {
-                mapping.unpin_run(pins, page, 1, &mut released[run.slot]);
-                removed += 1;
-            }
-        }
+        removed += unpin_run_of(&mappings[run.slot], locked.get(run.slot), run, &mut released[run.slot]);
     }
     for (slot, m) in mappings.iter().enumerate() {
         m.release(locked.get(slot), &released[slot]);
+    }
+    removed
+}
+
+/// [`unpin_runs`] for one run, in its mapping; the pins removed.
+fn unpin_run_of(mapping: &Mapping, pins: &mut MappingPins, run: &PinnedRun, released: &mut Released) -> u64 {
+    if mapping.try_unpin_run(pins, run.page, run.npages, released).is_ok() {
+        return run.npages;
+    }
+    // Someone unpinned pages this guard owns (unpin_pages on pins it did not take).
+    // Release what is still pinned, page by page, rather than underflow a count.
+    log::error!("pins of the run at IOVA {:#x} were released behind its guard", run.iova);
+    let mut removed = 0;
+    for page in run.page..run.page + run.npages {
+        if pins.table.count(page) > 0 {
+            mapping.unpin_run(pins, page, 1, released);
+            removed += 1;
+        }
     }
     removed
 }
@@ -882,7 +953,7 @@ impl DmaSpace {
             self.counters().pin_failures.fetch_add(1, Ordering::Relaxed);
             return Err(e);
         }
-        let plan = Planner::owned(&self.read_table(), prot, true, |p| p.plan_array(pfns));
+        let plan = Planner::boxed(&mut self.read_table(), prot, |p| p.plan_array(pfns));
         self.apply(plan, prot)
     }
 
@@ -894,7 +965,7 @@ impl DmaSpace {
             return self.pin_tracked(prot, Entries::Range(pfn, npages));
         }
         self.check_range(pfn, npages)?;
-        let plan = Planner::owned(&self.read_table(), prot, true, |p| p.plan_range(pfn, npages));
+        let plan = Planner::boxed(&mut self.read_table(), prot, |p| p.plan_range(pfn, npages));
         self.apply(plan, prot)
     }
 
@@ -1002,7 +1073,7 @@ impl DmaSpace {
         })
     }
 
-    fn apply(&self, plan: Result<Plan, PinError>, prot: Prot) -> Result<PinnedPages, PinError> {
+    fn apply(&self, plan: Result<Box<Plan>, PinError>, prot: Prot) -> Result<PinnedPages, PinError> {
         let counters = self.counters();
         let plan = plan.inspect_err(|_| {
             counters.pin_failures.fetch_add(1, Ordering::Relaxed);
@@ -1023,7 +1094,7 @@ impl DmaSpace {
                 counters.pin_calls.fetch_add(1, Ordering::Relaxed);
                 counters.runs.fetch_add(plan.runs.len() as u64, Ordering::Relaxed);
                 counters.pages.fetch_add(plan.pages, Ordering::Relaxed);
-                Ok(PinnedPages { hold: ManuallyDrop::new(Hold::Counted(Box::new(plan))), prot })
+                Ok(PinnedPages { hold: ManuallyDrop::new(Hold::Counted(plan)), prot })
             }
             Err(e) => {
                 counters.pin_failures.fetch_add(1, Ordering::Relaxed);
@@ -1060,7 +1131,9 @@ impl DmaSpace {
     /// guard are its own, released when it drops.
     pub fn unpin_pages(&self, pfns: &[u64]) -> Result<(), UnpinError> {
         let plan = self.check_unpin_count(pfns.len() as u64).and_then(|()| {
-            unpin_planned(Planner::owned(&self.read_table(), Prot::empty(), false, |p| p.plan_array(pfns)))
+            unpin_planned(Planner::owned(&mut self.read_table(), Prot::empty(), false, |p| {
+                p.plan_array(pfns)
+            }))
         });
         self.unpin_plan(plan)
     }
@@ -1072,7 +1145,7 @@ impl DmaSpace {
             return Err(UnpinError::InvalidCount(npages));
         }
         let plan = self.check_unpin_count(npages).and_then(|()| {
-            unpin_planned(Planner::owned(&self.read_table(), Prot::empty(), false, |p| {
+            unpin_planned(Planner::owned(&mut self.read_table(), Prot::empty(), false, |p| {
                 p.plan_range(pfn, npages)
             }))
         });
@@ -1196,7 +1269,8 @@ enum Hold {
     /// while the record lives; the record names the runs and their mappings.
     Recorded { space: NonNull<SpaceInner>, slot: usize, record: RecordPtr },
     /// Lock mode: counted per page in the mappings' tables; the guard keeps the mappings.
-    /// Boxed so that a guard stays small to move (lock mode pays a syscall per call anyway).
+    /// Boxed so that a guard stays small to move; the box is reused by the thread's next
+    /// call (see `SPARE_PLAN`).
     Counted(Box<Plan>),
     /// Handed to the caller by `forget`.
     Released,
@@ -1541,6 +1615,7 @@ fn retire(hold: Hold) {
                 m.policy.counters().unpin_calls.fetch_add(1, Ordering::Relaxed);
                 m.policy.release(removed);
             }
+            Plan::recycle(plan);
         }
         Hold::Recorded { space, slot, record } => {
             // SAFETY: the slot keeps the space alive while the record is live.

@@ -191,6 +191,42 @@ impl PinTable {
         Ok(new_pages)
     }
 
+    /// Adds one pin to page `page`, whose count the caller has checked can grow. True if it
+    /// went from 0 to 1. One chunk lookup.
+    pub(crate) fn increment_one(&mut self, page: u64) -> bool {
+        let chunk = self.chunk_mut(page / CHUNK_PAGES);
+        let count = &mut chunk.counts[(page % CHUNK_PAGES) as usize];
+        let fresh = *count == 0;
+        *count += 1;
+        chunk.live += u32::from(fresh);
+        self.pinned_pages += u64::from(fresh);
+        self.pins += 1;
+        fresh
+    }
+
+    /// Removes one pin from page `page` unless it is not pinned (then `Err(page)`, nothing
+    /// changed). True if it went to 0. One chunk lookup.
+    pub(crate) fn try_decrement_one(&mut self, page: u64) -> Result<bool, u64> {
+        let idx = page / CHUNK_PAGES;
+        let Some(chunk) = self.chunks.get_mut(&idx) else {
+            return Err(page);
+        };
+        let count = &mut chunk.counts[(page % CHUNK_PAGES) as usize];
+        if *count == 0 {
+            return Err(page);
+        }
+        *count -= 1;
+        let freed = *count == 0;
+        chunk.live -= u32::from(freed);
+        let empty = chunk.live == 0;
+        self.pinned_pages -= u64::from(freed);
+        self.pins -= 1;
+        if empty {
+            self.retire(idx);
+        }
+        Ok(freed)
+    }
+
     /// Removes one pin from every page of the range unless one of them is not pinned; then
     /// returns that page and changes nothing. One pass (one chunk lookup per segment).
     pub(crate) fn try_decrement(&mut self, first: u64, npages: u64) -> Result<u64, u64> {
@@ -393,6 +429,20 @@ mod tests {
         assert_eq!(t.try_decrement(1000, 10), Ok(0));
         assert_eq!(t.try_decrement(1000, 30), Ok(29));
         assert_eq!(t.pinned_pages(), 1);
+    }
+
+    #[test]
+    fn one_page_ops_agree_with_the_range_ops() {
+        let (mut one, mut range) = (PinTable::default(), PinTable::default());
+        for page in [0u64, 511, 512, 4000, 511, 511, 0] {
+            assert_eq!(one.increment_one(page), range.increment(page, 1) == 1);
+        }
+        for page in [511u64, 0, 7, 511, 4000, 0, 512, 511, 4000] {
+            assert_eq!(one.try_decrement_one(page), range.try_decrement(page, 1).map(|freed| freed == 1));
+            assert_eq!((one.pins(), one.pinned_pages()), (range.pins(), range.pinned_pages()));
+            assert_eq!(one.bookkeeping_bytes(), range.bookkeeping_bytes());
+        }
+        assert_eq!(one.pins(), 0);
     }
 
     #[test]
