@@ -297,8 +297,8 @@ fn invalid(what: &str) -> io::Error {
 /// Copies `src` into `dst`, a RAM store's bytes, bypassing the cache where it can: a write
 /// lands at a position nobody is likely to read soon, mostly not in cache, and streaming
 /// stores spare reading each line in before overwriting it (a 4 KiB write to cold store
-/// memory took ~500 ns so against ~800 ns with a cached copy on the project's VM). The
-/// edges that do not fill a 16-byte-aligned block are copied plainly.
+/// memory took ~500 ns so, ~800 ns as a cached copy, on the project's VM). The edges that
+/// do not fill a 16-byte-aligned block are copied plainly.
 fn stream_copy(dst: &VolatileSlice<'_>, src: &VolatileSlice<'_>) {
     let len = dst.len().min(src.len());
     #[cfg(target_arch = "x86_64")]

@@ -1,6 +1,7 @@
 //! The engine's hot path in a tight loop: pin+drop of a K-entry array (entries two pages
-//! apart, or `stride` apart: 1 makes it one run) against `translate_pages` of the same array, alternating, medians of 21
-//! rounds. Small enough to run under `valgrind --tool=callgrind` for instruction counts.
+//! apart, or `stride` apart: 1 makes it one run) against `translate_pages` of the same
+//! array, alternating, medians of 21 rounds; track mode, or lock mode as a fourth argument.
+//! Small enough to run under `valgrind --tool=callgrind` for instruction counts.
 //!
 //! ```sh
 //! cargo run --release -p umdev-pinning --example hotpath            # 1 page
