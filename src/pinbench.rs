@@ -1,7 +1,8 @@
 //! `umdev pinbench`: pin+unpin of an array in one call ("runs") against the same public
 //! API called once per page ("per-page", what Linux type1 does for external pins), for
 //! each backing, pattern, size and mode, alternating in one process. Lock-mode rows are
-//! followed by the kernel's floor: bare mlock+munlock of the same runs, and page by page.
+//! followed by the kernel's floor, timed in the same alternating rounds: bare
+//! mlock+munlock of the same runs, and page by page.
 
 use std::fs::File;
 use std::hint::black_box;
@@ -287,38 +288,29 @@ fn measure(
     let mut one_call: Vec<PinnedPages> = Vec::with_capacity(1);
     let mut per_page: Vec<PinnedPages> = Vec::with_capacity(pfns.len());
     let mut translated: Vec<(usize, u64)> = Vec::with_capacity(pfns.len());
-    let [runs_ns, per_page_ns, translate_ns] = alternate(
-        effort,
-        [
-            &mut || {
-                let pinned = match pattern {
-                    Pattern::Range => {
-                        space.pin_range(black_box(pfns[0] * PAGE_SIZE), pfns.len() as u64, prot)
-                    }
-                    _ => space.pin_pages(black_box(pfns), prot),
-                };
-                one_call.push(pinned.expect("pin"));
-                one_call.clear();
-            },
-            &mut || {
-                for pfn in pfns.chunks(1) {
-                    let pinned = match pattern {
-                        Pattern::Range => space.pin_range(black_box(pfn[0] * PAGE_SIZE), 1, prot),
-                        _ => space.pin_pages(black_box(pfn), prot),
-                    };
-                    per_page.push(pinned.expect("pin"));
-                }
-                per_page.clear();
-            },
-            &mut || {
-                translated.clear();
-                space
-                    .translate_pages(black_box(pfns), prot, |_, host, n| translated.push((host, n)))
-                    .expect("translate");
-                black_box(&translated);
-            },
-        ],
-    );
+    let mut pin_whole = || {
+        let pinned = match pattern {
+            Pattern::Range => space.pin_range(black_box(pfns[0] * PAGE_SIZE), pfns.len() as u64, prot),
+            _ => space.pin_pages(black_box(pfns), prot),
+        };
+        one_call.push(pinned.expect("pin"));
+        one_call.clear();
+    };
+    let mut pin_each = || {
+        for pfn in pfns.chunks(1) {
+            let pinned = match pattern {
+                Pattern::Range => space.pin_range(black_box(pfn[0] * PAGE_SIZE), 1, prot),
+                _ => space.pin_pages(black_box(pfn), prot),
+            };
+            per_page.push(pinned.expect("pin"));
+        }
+        per_page.clear();
+    };
+    let mut translate = || {
+        translated.clear();
+        space.translate_pages(black_box(pfns), prot, |_, host, n| translated.push((host, n))).expect("translate");
+        black_box(&translated);
+    };
     let row = |mode: String, runs_ns: f64, per_page_ns: f64, translate_ns: f64| Row {
         backing: kind.name(),
         pattern: pattern.name(),
@@ -330,31 +322,36 @@ fn measure(
         translate_ns,
         runs: runs.len(),
     };
-    let mut rows = vec![row(mode.to_string(), runs_ns, per_page_ns, translate_ns)];
-    if mode == PinMode::Lock {
-        let [floor_runs, floor_pages] = alternate(
-            effort,
-            [
-                &mut || {
-                    for &(addr, len) in &runs {
-                        mlock(addr, len, true);
-                    }
-                    for &(addr, len) in &runs {
-                        mlock(addr, len, false);
-                    }
-                },
-                &mut || {
-                    for &addr in &pages {
-                        mlock(addr, PAGE_SIZE as usize, true);
-                    }
-                    for &addr in &pages {
-                        mlock(addr, PAGE_SIZE as usize, false);
-                    }
-                },
-            ],
-        );
-        rows.push(row("mlock-floor".into(), floor_runs, floor_pages, translate_ns));
+    if mode == PinMode::Track {
+        let [runs_ns, per_page_ns, translate_ns] = alternate(effort, [&mut pin_whole, &mut pin_each, &mut translate]);
+        return Ok(vec![row(mode.to_string(), runs_ns, per_page_ns, translate_ns)]);
     }
+    // Lock mode against the kernel's floor, all five alternating in the same rounds: the
+    // ratio to bare mlock+munlock is what lock mode is held to.
+    let mut lock_runs = || {
+        for &(addr, len) in &runs {
+            mlock(addr, len, true);
+        }
+        for &(addr, len) in &runs {
+            mlock(addr, len, false);
+        }
+    };
+    let mut lock_pages = || {
+        for &addr in &pages {
+            mlock(addr, PAGE_SIZE as usize, true);
+        }
+        for &addr in &pages {
+            mlock(addr, PAGE_SIZE as usize, false);
+        }
+    };
+    let [runs_ns, per_page_ns, translate_ns, floor_runs, floor_pages] = alternate(
+        effort,
+        [&mut pin_whole, &mut pin_each, &mut translate, &mut lock_runs, &mut lock_pages],
+    );
+    let rows = vec![
+        row(mode.to_string(), runs_ns, per_page_ns, translate_ns),
+        row("mlock-floor".into(), floor_runs, floor_pages, translate_ns),
+    ];
     Ok(rows)
 }
 
