@@ -48,6 +48,7 @@ pub mod page;
 mod pin;
 mod reaper;
 mod sigbus;
+mod slot_lock;
 mod slots;
 mod space;
 pub mod sync;

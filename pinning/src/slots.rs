@@ -13,13 +13,14 @@ use std::cell::UnsafeCell;
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use crossbeam::utils::CachePadded;
 use smallvec::SmallVec;
 
 use crate::mapping::Mapping;
 use crate::pin::PinnedRun;
+use crate::slot_lock::{SlotGuard, SlotLock};
 use crate::space::{MappingTable, SpaceInner};
 
 /// Slots per space: enough that the threads of a busy device rarely share one.
@@ -565,13 +566,13 @@ impl Drop for Slot {
 /// The mapping table and the slots, as described in the module documentation.
 #[derive(Default)]
 pub(crate) struct SlotTable {
-    slots: [CachePadded<Mutex<Slot>>; SLOTS],
+    slots: [CachePadded<SlotLock<Slot>>; SLOTS],
     table: UnsafeCell<MappingTable>,
 }
 
 // SAFETY: the table is reached only through `TableRead` (holding one slot lock: shared) and
 // `TableWrite` (holding every slot lock: exclusive), so its accesses are serialised by the
-// slot mutexes exactly as an RwLock's would be; its contents (Arc<Mapping>) are Send + Sync.
+// slot locks exactly as an RwLock's would be; its contents (Arc<Mapping>) are Send + Sync.
 unsafe impl Sync for SlotTable {}
 // SAFETY: as above; moving the table between threads moves owned Arcs and slots (Send).
 unsafe impl Send for SlotTable {}
@@ -584,7 +585,7 @@ impl std::fmt::Debug for SlotTable {
 
 /// The table read under the calling thread's slot lock, and that slot.
 pub(crate) struct TableRead<'a> {
-    slot: MutexGuard<'a, Slot>,
+    slot: SlotGuard<'a, Slot>,
     index: usize,
     table: &'a MappingTable,
 }
@@ -611,7 +612,7 @@ impl Deref for TableRead<'_> {
 
 /// The table under every slot lock.
 pub(crate) struct TableWrite<'a> {
-    _slots: SmallVec<[MutexGuard<'a, Slot>; SLOTS]>,
+    _slots: SmallVec<[SlotGuard<'a, Slot>; SLOTS]>,
     table: &'a mut MappingTable,
 }
 
@@ -634,7 +635,7 @@ impl SlotTable {
     #[inline]
     pub(crate) fn read(&self) -> TableRead<'_> {
         let index = this_slot();
-        let slot = crate::sync::lock(&self.slots[index]);
+        let slot = self.slots[index].lock();
         // SAFETY: we hold a slot lock, so no TableWrite (which holds them all) exists; other
         // readers only read.
         let table = unsafe { &*self.table.get() };
@@ -644,8 +645,7 @@ impl SlotTable {
     /// Locks every slot, in order, and gives the table for changing. The thread must not
     /// hold a slot lock of this table already.
     pub(crate) fn write(&self) -> TableWrite<'_> {
-        let mut slots: SmallVec<[MutexGuard<'_, Slot>; SLOTS]> =
-            self.slots.iter().map(|s| crate::sync::lock(s)).collect();
+        let mut slots: SmallVec<[SlotGuard<'_, Slot>; SLOTS]> = self.slots.iter().map(|s| s.lock()).collect();
         // The table may change: every slot's hint may point at an entry about to go.
         for slot in &mut slots {
             slot.hint = None;
@@ -656,8 +656,8 @@ impl SlotTable {
     }
 
     /// Slot `index` alone (for a guard's retirement; the table is not read).
-    pub(crate) fn lock_slot(&self, index: usize) -> MutexGuard<'_, Slot> {
-        crate::sync::lock(&self.slots[index])
+    pub(crate) fn lock_slot(&self, index: usize) -> SlotGuard<'_, Slot> {
+        self.slots[index].lock()
     }
 
     /// Calls `f` with every slot but `own` that is not locked at the moment (for a thread
@@ -667,10 +667,8 @@ impl SlotTable {
             if i == own {
                 continue;
             }
-            match s.try_lock() {
-                Ok(mut slot) => f(&mut slot),
-                Err(std::sync::TryLockError::Poisoned(p)) => f(&mut p.into_inner()),
-                Err(std::sync::TryLockError::WouldBlock) => {}
+            if let Some(mut slot) = s.try_lock() {
+                f(&mut slot);
             }
         }
     }
@@ -678,7 +676,7 @@ impl SlotTable {
     /// Calls `f` with each slot in turn, each locked. The thread must hold no slot lock.
     pub(crate) fn for_each_slot(&self, mut f: impl FnMut(&mut Slot)) {
         for s in &self.slots {
-            f(&mut crate::sync::lock(s));
+            f(&mut s.lock());
         }
     }
 
