@@ -308,7 +308,9 @@ fn measure(
     };
     let mut translate = || {
         translated.clear();
-        space.translate_pages(black_box(pfns), prot, |_, host, n| translated.push((host, n))).expect("translate");
+        space
+            .translate_pages(black_box(pfns), prot, |_, host, n| translated.push((host, n)))
+            .expect("translate");
         black_box(&translated);
     };
     let row = |mode: String, runs_ns: f64, per_page_ns: f64, translate_ns: f64| Row {
@@ -323,7 +325,8 @@ fn measure(
         runs: runs.len(),
     };
     if mode == PinMode::Track {
-        let [runs_ns, per_page_ns, translate_ns] = alternate(effort, [&mut pin_whole, &mut pin_each, &mut translate]);
+        let [runs_ns, per_page_ns, translate_ns] =
+            alternate(effort, [&mut pin_whole, &mut pin_each, &mut translate]);
         return Ok(vec![row(mode.to_string(), runs_ns, per_page_ns, translate_ns)]);
     }
     // Lock mode against the kernel's floor, all five alternating in the same rounds: the
@@ -344,10 +347,8 @@ fn measure(
             mlock(addr, PAGE_SIZE as usize, false);
         }
     };
-    let [runs_ns, per_page_ns, translate_ns, floor_runs, floor_pages] = alternate(
-        effort,
-        [&mut pin_whole, &mut pin_each, &mut translate, &mut lock_runs, &mut lock_pages],
-    );
+    let [runs_ns, per_page_ns, translate_ns, floor_runs, floor_pages] =
+        alternate(effort, [&mut pin_whole, &mut pin_each, &mut translate, &mut lock_runs, &mut lock_pages]);
     let rows = vec![
         row(mode.to_string(), runs_ns, per_page_ns, translate_ns),
         row("mlock-floor".into(), floor_runs, floor_pages, translate_ns),
