@@ -42,7 +42,7 @@ bitflags! {
     ///
     /// The bit values are those of `VFIO_DMA_MAP_FLAG_READ`/`_WRITE`, so vfio-user's DMA_MAP
     /// flags convert directly.
-    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
     pub struct Prot: u32 {
         /// The device may read the memory.
         const READ = 1 << 0;

@@ -8,7 +8,6 @@
 //! one table step (and, in lock mode, one accounting step and one mlock per sub-run of newly
 //! pinned pages), and on any failure the runs already pinned are unwound.
 
-use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
@@ -23,7 +22,7 @@ use crate::mapping::{Mapping, MappingPins, MappingState, Released, RunFailure};
 use crate::mapping::{PinPolicy, PIN_STOCK};
 use crate::page::{iova_of, iova_of_checked, Prot, PAGE_SHIFT, PAGE_SIZE};
 use crate::slots::{
-    Record, RecordPtr, RecordRef, Slot, SlotHint, SmallRecord, TableRead, SMALL_PINS, SMALL_RUNS,
+    Owner, Record, RecordPtr, RecordRef, Slot, SlotHint, SmallRecord, TableRead, SMALL_PINS, SMALL_RUNS,
 };
 use crate::space::{DmaSpace, MappingTable, SpaceInner};
 
@@ -263,6 +262,8 @@ struct Plan {
     mappings: Mappings,
     runs: Runs,
     pages: u64,
+    /// The access the guard's pages were pinned for.
+    prot: Prot,
 }
 
 thread_local! {
@@ -659,8 +660,9 @@ fn pin_small(
         return None;
     }
     slot.stock -= npages;
+    let owner = Owner { space: NonNull::from(&**space), slot: slot_index, prot };
     // SAFETY: `entry` came from `free_small` of this slot under this hold of its lock.
-    unsafe { slot.publish_small(entry, len, npages, NonNull::from(&**mapping)) };
+    unsafe { slot.publish_small(entry, len, npages, NonNull::from(&**mapping), owner) };
     if slot.keepalive.is_none() {
         // Once per slot: the slot holds the space while it has records (see SpaceHandle).
         slot.keepalive = Some(Arc::clone(space));
@@ -668,14 +670,7 @@ fn pin_small(
     slot.counts.pin_calls += 1;
     slot.counts.runs += len as u64;
     slot.counts.pages += npages;
-    Some(PinnedPages {
-        hold: ManuallyDrop::new(Hold::Recorded {
-            space: NonNull::from(&**space),
-            slot: slot_index,
-            record: RecordPtr::Small(entry),
-        }),
-        prot,
-    })
+    Some(PinnedPages { hold: HoldWord::recorded(RecordPtr::Small(entry)) })
 }
 
 /// Takes back a slot's released small records when it is short for a call of `pages`
@@ -1061,16 +1056,10 @@ impl DmaSpace {
         slot.counts.pin_calls += 1;
         slot.counts.runs += record.runs.len() as u64;
         slot.counts.pages += record.pages;
-        let record = RecordPtr::Boxed(slot.publish(record));
+        let owner = Owner { space: NonNull::from(&**space), slot: slot_index, prot };
+        let record = RecordPtr::Boxed(slot.publish(record, owner));
         drop(read);
-        Ok(PinnedPages {
-            hold: ManuallyDrop::new(Hold::Recorded {
-                space: NonNull::from(&**space),
-                slot: slot_index,
-                record,
-            }),
-            prot,
-        })
+        Ok(PinnedPages { hold: HoldWord::recorded(record) })
     }
 
     fn apply(&self, plan: Result<Box<Plan>, PinError>, prot: Prot) -> Result<PinnedPages, PinError> {
@@ -1094,7 +1083,9 @@ impl DmaSpace {
                 counters.pin_calls.fetch_add(1, Ordering::Relaxed);
                 counters.runs.fetch_add(plan.runs.len() as u64, Ordering::Relaxed);
                 counters.pages.fetch_add(plan.pages, Ordering::Relaxed);
-                Ok(PinnedPages { hold: ManuallyDrop::new(Hold::Counted(plan)), prot })
+                let mut plan = plan;
+                plan.prot = prot;
+                Ok(PinnedPages { hold: HoldWord::counted(plan) })
             }
             Err(e) => {
                 counters.pin_failures.fetch_add(1, Ordering::Relaxed);
@@ -1256,13 +1247,108 @@ impl DmaSpace {
 #[must_use = "dropping the guard unpins the pages at once"]
 #[derive(Debug)]
 pub struct PinnedPages {
-    /// Dropped by hand in `Drop` (which handles every variant), so that dropping a guard
+    /// Let go of by hand in `Drop` (which handles every kind), so that dropping a guard
     /// adds no drop glue to the release of a small record.
-    hold: ManuallyDrop<Hold>,
-    prot: Prot,
+    hold: HoldWord,
 }
 
-/// How a guard holds its pins.
+/// A guard's [`Hold`] in one word, so that a guard returned through memory is read back
+/// with one load (as a three-word enum it was copied with 16-byte loads of the 8-byte
+/// stores that wrote it, which the CPU cannot forward: about 7 ns a call on this VM). The
+/// pointer to what holds the pins, its kind in the two low bits (all three pointees are
+/// 8-byte aligned); null once released. A record keeps its space, slot and access (its
+/// `Owner`), a plan its access.
+struct HoldWord(*mut u8);
+
+const HOLD_SMALL: usize = 1;
+const HOLD_BOXED: usize = 2;
+const HOLD_COUNTED: usize = 3;
+const HOLD_KIND: usize = 3;
+
+/// A look at a guard's hold without taking it.
+#[derive(Clone, Copy)]
+enum HoldView<'a> {
+    Recorded(RecordPtr),
+    Counted(&'a Plan),
+    Released,
+}
+
+impl HoldWord {
+    fn recorded(record: RecordPtr) -> Self {
+        match record {
+            RecordPtr::Small(p) => HoldWord(p.as_ptr().cast::<u8>().map_addr(|a| a | HOLD_SMALL)),
+            RecordPtr::Boxed(p) => HoldWord(p.as_ptr().cast::<u8>().map_addr(|a| a | HOLD_BOXED)),
+        }
+    }
+
+    fn counted(plan: Box<Plan>) -> Self {
+        HoldWord(Box::into_raw(plan).cast::<u8>().map_addr(|a| a | HOLD_COUNTED))
+    }
+
+    /// The pointer and its kind; `None` when released.
+    #[inline(always)]
+    fn parts(word: *mut u8) -> Option<(NonNull<u8>, usize)> {
+        NonNull::new(word.map_addr(|a| a & !HOLD_KIND)).map(|ptr| (ptr, word.addr() & HOLD_KIND))
+    }
+
+    #[inline(always)]
+    fn view(&self) -> HoldView<'_> {
+        match Self::parts(self.0) {
+            None => HoldView::Released,
+            Some((ptr, HOLD_SMALL)) => HoldView::Recorded(RecordPtr::Small(ptr.cast())),
+            Some((ptr, HOLD_BOXED)) => HoldView::Recorded(RecordPtr::Boxed(ptr.cast())),
+            // SAFETY: the word owns the plan's box until `take`; the view borrows the word.
+            Some((ptr, _)) => HoldView::Counted(unsafe { ptr.cast::<Plan>().as_ref() }),
+        }
+    }
+
+    /// The access the pages were pinned for.
+    fn prot(&self) -> Prot {
+        match self.view() {
+            // SAFETY: a guard's record is live until the guard lets go of it.
+            HoldView::Recorded(record) => unsafe { record.owner() }.prot,
+            HoldView::Counted(plan) => plan.prot,
+            HoldView::Released => Prot::empty(),
+        }
+    }
+
+    /// Takes the hold out, leaving the word released.
+    fn take(&mut self) -> Hold {
+        let word = std::mem::replace(&mut self.0, std::ptr::null_mut());
+        let record = match Self::parts(word) {
+            None => return Hold::Released,
+            Some((ptr, HOLD_SMALL)) => RecordPtr::Small(ptr.cast()),
+            Some((ptr, HOLD_BOXED)) => RecordPtr::Boxed(ptr.cast()),
+            // SAFETY: the word owned this box (made by `counted`) and has just given it up.
+            Some((ptr, _)) => return Hold::Counted(unsafe { Box::from_raw(ptr.cast::<Plan>().as_ptr()) }),
+        };
+        // SAFETY: a guard's record is live until the guard lets go of it, which the caller
+        // does with what this returns.
+        let owner = unsafe { record.owner() };
+        Hold::Recorded { space: owner.space, slot: owner.slot, record }
+    }
+}
+
+// The hold's kind lives in the low two bits of the pointers.
+const _: () = assert!(
+    std::mem::align_of::<SmallRecord>() > HOLD_KIND
+        && std::mem::align_of::<Record>() > HOLD_KIND
+        && std::mem::align_of::<Plan>() > HOLD_KIND
+);
+// A guard is one word (see `HoldWord`).
+const _: () = assert!(std::mem::size_of::<PinnedPages>() == std::mem::size_of::<usize>());
+
+impl std::fmt::Debug for HoldWord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.view() {
+            HoldView::Recorded(record) => f.debug_tuple("Recorded").field(&record).finish(),
+            HoldView::Counted(plan) => f.debug_tuple("Counted").field(plan).finish(),
+            HoldView::Released => f.write_str("Released"),
+        }
+    }
+}
+
+/// How a guard holds its pins, taken out of its [`HoldWord`].
 #[derive(Debug)]
 enum Hold {
     /// Track mode: a live record in slot `slot` of the space, which that slot keeps alive
@@ -1287,26 +1373,26 @@ unsafe impl Sync for PinnedPages {}
 
 impl PinnedPages {
     fn record(&self) -> Option<RecordRef<'_>> {
-        match *self.hold {
+        match self.hold.view() {
             // SAFETY: the record is live until this guard retires it (drop or forget), and
             // the view is borrowed with the guard.
-            Hold::Recorded { record, .. } => Some(unsafe { record.view() }),
+            HoldView::Recorded(record) => Some(unsafe { record.view() }),
             _ => None,
         }
     }
 
     fn runs_slice(&self) -> &[PinnedRun] {
-        match &*self.hold {
-            Hold::Recorded { .. } => self.record().map_or(&[], |r| r.runs),
-            Hold::Counted(plan) => &plan.runs,
-            Hold::Released => &[],
+        match self.hold.view() {
+            HoldView::Recorded(_) => self.record().map_or(&[], |r| r.runs),
+            HoldView::Counted(plan) => &plan.runs,
+            HoldView::Released => &[],
         }
     }
 
     fn mapping_list(&self) -> impl Iterator<Item = &Mapping> {
         let record = self.record();
-        let counted = match &*self.hold {
-            Hold::Counted(plan) => Some(&plan.mappings),
+        let counted = match self.hold.view() {
+            HoldView::Counted(plan) => Some(&plan.mappings),
             _ => None,
         };
         let recorded = record.into_iter().flat_map(|r| r.mappings());
@@ -1314,10 +1400,10 @@ impl PinnedPages {
     }
 
     fn pages(&self) -> u64 {
-        match &*self.hold {
-            Hold::Recorded { .. } => self.record().map_or(0, |r| r.pages),
-            Hold::Counted(plan) => plan.pages,
-            Hold::Released => 0,
+        match self.hold.view() {
+            HoldView::Recorded(_) => self.record().map_or(0, |r| r.pages),
+            HoldView::Counted(plan) => plan.pages,
+            HoldView::Released => 0,
         }
     }
 
@@ -1333,7 +1419,7 @@ impl PinnedPages {
 
     /// Access the pages were pinned for.
     pub fn prot(&self) -> Prot {
-        self.prot
+        self.hold.prot()
     }
 
     /// The runs, in the order of the call's entries.
@@ -1451,7 +1537,7 @@ impl PinnedPages {
     /// Copies `buf` into the pinned buffer at `offset`. The pages must have been pinned
     /// with [`Prot::WRITE`].
     pub fn write(&self, offset: u64, buf: &[u8]) -> Result<(), AccessError> {
-        if !self.prot.contains(Prot::WRITE) {
+        if !self.prot().contains(Prot::WRITE) {
             return Err(AccessError::ReadOnly);
         }
         self.check(offset, buf.len())?;
@@ -1479,7 +1565,7 @@ impl PinnedPages {
     /// Copies `src` into the pinned buffer at `offset`. The pages must have been pinned
     /// with [`Prot::WRITE`].
     pub fn write_volatile(&self, offset: u64, src: &VolatileSlice<'_>) -> Result<(), AccessError> {
-        if !self.prot.contains(Prot::WRITE) {
+        if !self.prot().contains(Prot::WRITE) {
             return Err(AccessError::ReadOnly);
         }
         self.check(offset, src.len())?;
@@ -1504,7 +1590,7 @@ impl PinnedPages {
         len: usize,
         prot: Prot,
     ) -> Result<SmallVec<[VolatileSlice<'_>; 8]>, AccessError> {
-        if prot.contains(Prot::WRITE) && !self.prot.contains(Prot::WRITE) {
+        if prot.contains(Prot::WRITE) && !self.prot().contains(Prot::WRITE) {
             return Err(AccessError::ReadOnly);
         }
         self.check(offset, len)?;
@@ -1538,7 +1624,8 @@ impl PinnedPages {
     /// [`crate::MAX_PIN_COUNT`] kept pins cannot count more: the guard's pins then stay held
     /// for good (logged; their mappings are never unmapped, as with any pin never returned).
     pub fn forget(mut self) {
-        if let Hold::Recorded { space, slot, record } = *self.hold {
+        // The guard is released from here on; in lock mode the plan goes, its counts stay.
+        if let Hold::Recorded { space, slot, record } = self.hold.take() {
             // SAFETY: the record is live until retired below, after the view's last use.
             let rec = unsafe { record.view() };
             // Counted first, then retired: an unmap sees the pins throughout.
@@ -1556,7 +1643,6 @@ impl PinnedPages {
                         mapping.iova() + page * PAGE_SIZE,
                         rec.pages
                     );
-                    *self.hold = Hold::Released;
                     return;
                 }
             }
@@ -1574,17 +1660,18 @@ impl PinnedPages {
             drop(locked);
             drop(last);
         }
-        *self.hold = Hold::Released;
     }
 }
 
 impl Drop for PinnedPages {
     #[inline]
     fn drop(&mut self) {
-        if let Hold::Recorded { space, record: RecordPtr::Small(entry), .. } = *self.hold {
-            // SAFETY: the slot keeps the space alive while the record is live, and the entry
-            // is live until released or retired here.
-            let (space, record) = unsafe { (space.as_ref(), entry.as_ref()) };
+        if let HoldView::Recorded(RecordPtr::Small(entry)) = self.hold.view() {
+            // SAFETY: the entry is live until released or retired here, and the slot keeps
+            // the space alive while it is.
+            let record = unsafe { entry.as_ref() };
+            // SAFETY: as just said.
+            let space = unsafe { record.owner().space.as_ref() };
             // Nobody to wake and a space that is not closing: let go without the slot's lock
             // (the slot reclaims the entry). An unmap that marks the mapping just after this
             // look saw the entry live and looks again within a millisecond; a mapping that
@@ -1596,8 +1683,7 @@ impl Drop for PinnedPages {
                 return;
             }
         }
-        // SAFETY: `hold` is not used again (the guard is being dropped).
-        retire(unsafe { ManuallyDrop::take(&mut self.hold) });
+        retire(self.hold.take());
     }
 }
 
@@ -1998,8 +2084,8 @@ mod tests {
 
     /// The entry of a guard holding a small record.
     fn small_entry(pins: &PinnedPages) -> NonNull<SmallRecord> {
-        match *pins.hold {
-            Hold::Recorded { record: RecordPtr::Small(entry), .. } => entry,
+        match pins.hold.view() {
+            HoldView::Recorded(RecordPtr::Small(entry)) => entry,
             _ => panic!("a single page is a small record"),
         }
     }
@@ -2041,7 +2127,7 @@ mod tests {
         let (space, _f) = space_with(Default::default());
         let big = memfd(4096);
         space.map(1 << 30, 4096 * P, big.as_fd(), 0, Prot::READ).unwrap();
-        let small = |g: &PinnedPages| matches!(*g.hold, Hold::Recorded { record: RecordPtr::Small(_), .. });
+        let small = |g: &PinnedPages| matches!(g.hold.view(), HoldView::Recorded(RecordPtr::Small(_)));
         // Ranges of 1024 pages: four fill the slot's share, the fifth goes in a box.
         let guards: Vec<PinnedPages> =
             (0..5).map(|_| space.pin_range(1 << 30, 1024, Prot::READ).unwrap()).collect();
@@ -2063,7 +2149,7 @@ mod tests {
         let guards: Vec<PinnedPages> =
             (0..150u64).map(|i| space.pin_pages(&[i % 64], Prot::READ).unwrap()).collect();
         let boxed =
-            guards.iter().filter(|g| matches!(*g.hold, Hold::Recorded { record: RecordPtr::Boxed(_), .. }));
+            guards.iter().filter(|g| matches!(g.hold.view(), HoldView::Recorded(RecordPtr::Boxed(_))));
         assert_eq!(boxed.count(), 150 - crate::slots::SMALL_RECORDS);
         assert_eq!(space.stats().pins_held, 150);
         let expect: Vec<u32> =
@@ -2075,7 +2161,7 @@ mod tests {
         assert_eq!((stats.pins_held, stats.pin_calls, stats.unpin_calls), (0, 152, 152));
         // Released entries are taken back: the array serves single pages again at once.
         let again = space.pin_pages(&[9], Prot::READ).unwrap();
-        assert!(matches!(*again.hold, Hold::Recorded { record: RecordPtr::Small(_), .. }));
+        assert!(matches!(again.hold.view(), HoldView::Recorded(RecordPtr::Small(_))));
         drop(again);
         // Nothing holds the mapping: it unmaps without waiting.
         let unmapped = space.unmap(0, 64 * P).unwrap();
@@ -2087,7 +2173,7 @@ mod tests {
     fn short_lists_in_one_mapping_are_small_records_with_the_same_runs() {
         let (space, f) = space_with(Default::default());
         space.map(64 * P, 8 * P, f.as_fd(), 0, Prot::READ_WRITE).unwrap();
-        let small = |g: &PinnedPages| matches!(*g.hold, Hold::Recorded { record: RecordPtr::Small(_), .. });
+        let small = |g: &PinnedPages| matches!(g.hold.view(), HoldView::Recorded(RecordPtr::Small(_)));
         let runs = |g: &PinnedPages| {
             g.runs().iter().map(|r| (r.iova() / P, r.npages(), r.index())).collect::<Vec<_>>()
         };

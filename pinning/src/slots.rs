@@ -19,6 +19,7 @@ use crossbeam::utils::CachePadded;
 use smallvec::SmallVec;
 
 use crate::mapping::Mapping;
+use crate::page::Prot;
 use crate::pin::PinnedRun;
 use crate::slot_lock::{SlotGuard, SlotLock};
 use crate::space::{MappingTable, SpaceInner};
@@ -86,6 +87,8 @@ pub(crate) struct Record {
     pub(crate) mappings: Vec<NonNull<Mapping>>,
     /// Pages pinned (entries of the call).
     pub(crate) pages: u64,
+    /// The guard's space, slot and access (set at publication).
+    owner: Owner,
     /// Position in the slot's `live` list. Changed (under the slot's lock) when another
     /// record retires, while this record's guard may be reading the record on another
     /// thread: hence through a shared reference, as an atomic.
@@ -96,6 +99,22 @@ impl Record {
     /// The record as its guard and the slot's readers see it.
     pub(crate) fn view(&self) -> RecordRef<'_> {
         RecordRef { runs: &self.runs, mappings: &self.mappings, pages: self.pages }
+    }
+}
+
+/// What a guard keeps in its record rather than in itself, so that the guard is one word:
+/// the space and slot that published the record, and the access the pages were pinned for.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Owner {
+    pub(crate) space: NonNull<SpaceInner>,
+    pub(crate) slot: usize,
+    pub(crate) prot: Prot,
+}
+
+impl Default for Owner {
+    /// No owner yet: a record before its first publication.
+    fn default() -> Self {
+        Owner { space: NonNull::dangling(), slot: 0, prot: Prot::empty() }
     }
 }
 
@@ -120,6 +139,8 @@ pub(crate) struct SmallRecord {
     len: u8,
     /// The entry's position in the slot's array (fixed).
     at: u32,
+    /// The guard's space, slot and access (set at publication).
+    owner: Owner,
     /// The runs, in call order (`slot` 0: `mapping`).
     runs: [PinnedRun; SMALL_RUNS],
 }
@@ -131,6 +152,11 @@ pub(crate) const SMALL_PINS: u64 = crate::mapping::PIN_STOCK;
 pub(crate) const SMALL_RUNS: usize = 8;
 
 impl SmallRecord {
+    /// The guard's space, slot and access.
+    pub(crate) fn owner(&self) -> Owner {
+        self.owner
+    }
+
     /// The mapping of the runs (valid while the entry is live).
     pub(crate) fn mapping(&self) -> &Mapping {
         // SAFETY: a live entry's mapping stays allocated (see `Record::mappings`).
@@ -188,6 +214,19 @@ pub(crate) enum RecordPtr {
 }
 
 impl RecordPtr {
+    /// The record's owner (see [`Owner`]).
+    ///
+    /// # Safety
+    /// The record is live (published and not retired).
+    pub(crate) unsafe fn owner(self) -> Owner {
+        match self {
+            // SAFETY: per the contract.
+            RecordPtr::Boxed(r) => unsafe { r.as_ref() }.owner,
+            // SAFETY: per the contract.
+            RecordPtr::Small(r) => unsafe { r.as_ref() }.owner,
+        }
+    }
+
     /// The record.
     ///
     /// # Safety
@@ -343,7 +382,8 @@ impl Slot {
     }
 
     /// Makes `record` live; the pointer stays valid until [`Slot::retire`].
-    pub(crate) fn publish(&mut self, record: Box<Record>) -> NonNull<Record> {
+    pub(crate) fn publish(&mut self, mut record: Box<Record>, owner: Owner) -> NonNull<Record> {
+        record.owner = owner;
         record.at.store(self.live.len(), Ordering::Relaxed);
         self.pins += record.pages;
         let ptr = NonNull::from(Box::leak(record));
@@ -382,9 +422,11 @@ impl Slot {
         len: usize,
         pages: u64,
         mapping: NonNull<Mapping>,
+        owner: Owner,
     ) {
         // SAFETY: per the contract, a free entry we hold the only reference to.
         let e = unsafe { &mut *entry.as_ptr() };
+        e.owner = owner;
         e.len = len as u8;
         e.pages = pages;
         e.mapping = mapping;
@@ -427,6 +469,7 @@ impl Slot {
                 live: AtomicBool::new(false),
                 len: 0,
                 at: at as u32,
+                owner: Owner::default(),
                 runs: [PinnedRun::EMPTY; SMALL_RUNS],
             })
         }));
