@@ -1297,8 +1297,11 @@ impl HoldWord {
             None => HoldView::Released,
             Some((ptr, HOLD_SMALL)) => HoldView::Recorded(RecordPtr::Small(ptr.cast())),
             Some((ptr, HOLD_BOXED)) => HoldView::Recorded(RecordPtr::Boxed(ptr.cast())),
-            // SAFETY: the word owns the plan's box until `take`; the view borrows the word.
-            Some((ptr, _)) => HoldView::Counted(unsafe { ptr.cast::<Plan>().as_ref() }),
+            Some((ptr, kind)) => {
+                debug_assert_eq!(kind, HOLD_COUNTED, "a hold word's kind is one of three");
+                // SAFETY: the word owns the plan's box until `take`; the view borrows the word.
+                HoldView::Counted(unsafe { ptr.cast::<Plan>().as_ref() })
+            }
         }
     }
 
@@ -1319,8 +1322,11 @@ impl HoldWord {
             None => return Hold::Released,
             Some((ptr, HOLD_SMALL)) => RecordPtr::Small(ptr.cast()),
             Some((ptr, HOLD_BOXED)) => RecordPtr::Boxed(ptr.cast()),
-            // SAFETY: the word owned this box (made by `counted`) and has just given it up.
-            Some((ptr, _)) => return Hold::Counted(unsafe { Box::from_raw(ptr.cast::<Plan>().as_ptr()) }),
+            Some((ptr, kind)) => {
+                debug_assert_eq!(kind, HOLD_COUNTED, "a hold word's kind is one of three");
+                // SAFETY: the word owned this box (made by `counted`) and has just given it up.
+                return Hold::Counted(unsafe { Box::from_raw(ptr.cast::<Plan>().as_ptr()) });
+            }
         };
         // SAFETY: a guard's record is live until the guard lets go of it, which the caller
         // does with what this returns.
@@ -1362,11 +1368,11 @@ enum Hold {
     Released,
 }
 
-// SAFETY: a recorded guard's record is immutable while the guard lives and the space it
-// points at outlives the record (its slot holds it); reading either from any thread is
-// sound. Retiring a record takes the slot's lock; releasing a small record is one atomic
-// store, after which the guard touches nothing, from whichever thread drops it. The
-// counted variant holds only Arcs.
+// SAFETY: a recorded guard's record is immutable while the guard lives and names its space,
+// which outlives the record (its slot holds it); reading either from any thread is sound.
+// Retiring a record takes the slot's lock; releasing a small record is one atomic store,
+// after which the guard touches nothing, from whichever thread drops it. A counted guard's
+// word owns a boxed plan that holds only Arcs and plain data.
 unsafe impl Send for PinnedPages {}
 // SAFETY: as above: shared access only reads the record and the mappings.
 unsafe impl Sync for PinnedPages {}

@@ -31,6 +31,7 @@ pub(crate) struct SlotLock<T> {
 unsafe impl<T: Send> Sync for SlotLock<T> {}
 
 /// Exclusive access to a [`SlotLock`]'s value until dropped.
+#[must_use = "the lock is given back when the guard drops"]
 pub(crate) struct SlotGuard<'a, T> {
     lock: &'a SlotLock<T>,
     /// Held on the thread that took it, like a mutex guard.
