@@ -2,7 +2,8 @@
 //! threads pinning at the same time do not pass one line back and forth. Each thread takes
 //! a slot once (round robin); readers of totals sum over all of them.
 //!
-//! [`SlotTable`] is the space's mapping table behind one lock per slot, with the records of
+//! [`SlotTable`] is the space's mapping table behind one lock per slot (a
+//! [`SlotLock`]: one atomic swap to take, a plain store to give back), with the records of
 //! track-mode pins. Reading the table takes the calling thread's slot lock only; changing it
 //! takes all of them, in order. A track-mode pin call does its whole work (look up its pages,
 //! check their mappings are live, record its runs) under its own slot's lock: one
