@@ -345,6 +345,7 @@ impl<'a, 'r> Planner<'a, 'r> {
         plan: impl FnOnce(Planner<'a, '_>) -> Result<Planned<'a>, PinError>,
     ) -> Result<Box<Plan>, PinError> {
         let mut boxed = Plan::boxed();
+        boxed.prot = wanted;
         if let Err(e) = Self::owned_into(read, wanted, true, &mut boxed, plan) {
             Plan::recycle(boxed);
             return Err(e);
@@ -949,7 +950,7 @@ impl DmaSpace {
             return Err(e);
         }
         let plan = Planner::boxed(&mut self.read_table(), prot, |p| p.plan_array(pfns));
-        self.apply(plan, prot)
+        self.apply(plan)
     }
 
     /// Pins the `npages` pages from `iova` (page aligned; rounded down otherwise). The range
@@ -961,7 +962,7 @@ impl DmaSpace {
         }
         self.check_range(pfn, npages)?;
         let plan = Planner::boxed(&mut self.read_table(), prot, |p| p.plan_range(pfn, npages));
-        self.apply(plan, prot)
+        self.apply(plan)
     }
 
     /// Checks a range call's count and that its pages have IOVAs; counts a failure.
@@ -1062,7 +1063,7 @@ impl DmaSpace {
         Ok(PinnedPages { hold: HoldWord::recorded(record) })
     }
 
-    fn apply(&self, plan: Result<Box<Plan>, PinError>, prot: Prot) -> Result<PinnedPages, PinError> {
+    fn apply(&self, plan: Result<Box<Plan>, PinError>) -> Result<PinnedPages, PinError> {
         let counters = self.counters();
         let plan = plan.inspect_err(|_| {
             counters.pin_failures.fetch_add(1, Ordering::Relaxed);
@@ -1070,25 +1071,24 @@ impl DmaSpace {
         let policy = &self.inner.policy;
         if let Err(held) = policy.reserve(plan.pages) {
             counters.pin_failures.fetch_add(1, Ordering::Relaxed);
-            return Err(PinError::PinLimit { requested: plan.pages, held, max: policy.max_pins });
+            let requested = plan.pages;
+            Plan::recycle(plan);
+            return Err(PinError::PinLimit { requested, held, max: policy.max_pins });
         }
         let mut locked = Locked::take(&plan.mappings);
         let result = Self::pin_runs(&plan, &mut locked);
         drop(locked);
-        if result.is_err() {
-            policy.release(plan.pages);
-        }
         match result {
             Ok(()) => {
                 counters.pin_calls.fetch_add(1, Ordering::Relaxed);
                 counters.runs.fetch_add(plan.runs.len() as u64, Ordering::Relaxed);
                 counters.pages.fetch_add(plan.pages, Ordering::Relaxed);
-                let mut plan = plan;
-                plan.prot = prot;
                 Ok(PinnedPages { hold: HoldWord::counted(plan) })
             }
             Err(e) => {
+                policy.release(plan.pages);
                 counters.pin_failures.fetch_add(1, Ordering::Relaxed);
+                Plan::recycle(plan);
                 Err(e)
             }
         }
@@ -1254,7 +1254,7 @@ pub struct PinnedPages {
 
 /// A guard's [`Hold`] in one word, so that a guard returned through memory is read back
 /// with one load (as a three-word enum it was copied with 16-byte loads of the 8-byte
-/// stores that wrote it, which the CPU cannot forward: about 7 ns a call on this VM). The
+/// stores that wrote it, which the CPU cannot forward: about 15 ns a call on this VM). The
 /// pointer to what holds the pins, its kind in the two low bits (all three pointees are
 /// 8-byte aligned); null once released. A record keeps its space, slot and access (its
 /// `Owner`), a plan its access.
