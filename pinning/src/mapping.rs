@@ -6,7 +6,8 @@
 
 use std::io;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 use std::time::Instant;
 
 use smallvec::SmallVec;
@@ -14,6 +15,7 @@ use smallvec::SmallVec;
 use crate::lock::{LockAccount, OverLimit, PinMode};
 use crate::mmap::HostMemory;
 use crate::page::{iova_of, Prot, PAGE_SIZE};
+use crate::slot_lock::{SlotGuard, SlotLock};
 use crate::slots::PerSlot;
 use crate::table::PinTable;
 
@@ -39,10 +41,30 @@ impl MappingState {
 }
 
 /// The part of a mapping guarded by its lock: per-page counts (every pin in lock mode; in
-/// track mode, pins kept with `PinnedPages::forget`).
-#[derive(Debug)]
+/// track mode, pins kept with `PinnedPages::forget`), and what lock-mode calls keep here
+/// because they hold this lock anyway.
+#[derive(Debug, Default)]
 pub(crate) struct MappingPins {
     pub(crate) table: PinTable,
+    /// Pins reserved from the space's limit and not used yet, for lock-mode calls whose first
+    /// run lies here: such a call takes its pins from here and gives them back here, touching
+    /// the space's shared count once per [`PIN_STOCK`] pins.
+    pub(crate) stock: u64,
+    /// Lock-mode calls' counters, plain under the lock (a shared atomic costs as much as a
+    /// lock); summed by `stats`, moved to the space's when the mapping leaves the table.
+    pub(crate) counts: LockCounts,
+}
+
+/// Counters of lock-mode calls whose first run lies in one mapping, and of its syscalls.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct LockCounts {
+    pub(crate) pin_calls: u64,
+    pub(crate) unpin_calls: u64,
+    pub(crate) runs: u64,
+    pub(crate) pages: u64,
+    pub(crate) mlock_calls: u64,
+    pub(crate) munlock_calls: u64,
+    pub(crate) munlock_failures: u64,
 }
 
 /// Counters of one space, bumped once per call or syscall, never per page.
@@ -69,58 +91,24 @@ pub(crate) struct PinPolicy {
     pub(crate) account: Arc<LockAccount>,
     /// Counters, one set per thread slot, summed when read.
     pub(crate) counters: PerSlot<Counters>,
-    /// Pins held across the space plus the slots' unused stock, against `max_pins`.
+    /// Pins held across the space plus the unused stock of its track-mode slots and of its
+    /// mappings (lock mode), against `max_pins`.
     pub(crate) held: crossbeam::utils::CachePadded<AtomicU64>,
-    /// Pins each thread slot has reserved from `held` and not used yet: a call takes from
-    /// its slot's stock and touches the shared count only once per [`PIN_STOCK`] pins.
-    pub(crate) stock: PerSlot<AtomicU64>,
     pub(crate) max_pins: u64,
 }
 
-/// Pins a slot reserves from the space's count at a time.
+/// Pins a slot (track mode) or a mapping (lock mode) reserves from the space's count at a time.
 pub(crate) const PIN_STOCK: u64 = 4096;
 
 impl PinPolicy {
     pub(crate) fn new(mode: PinMode, account: Arc<LockAccount>, max_pins: u64) -> Self {
-        PinPolicy {
-            mode,
-            account,
-            counters: PerSlot::default(),
-            held: Default::default(),
-            stock: PerSlot::default(),
-            max_pins,
-        }
+        PinPolicy { mode, account, counters: PerSlot::default(), held: Default::default(), max_pins }
     }
 
     /// This thread's counters.
     #[inline]
     pub(crate) fn counters(&self) -> &Counters {
         self.counters.here()
-    }
-
-    /// Reserves `pins` under the space's limit; `Err(held)` if they do not fit.
-    ///
-    /// A call fails only if the pins held plus `pins` exceed `max_pins` (every slot's unused
-    /// stock is returned first), counting as held the stock of track-mode slots that are
-    /// locked by other calls at that moment, and the pins of small records such a slot has
-    /// not taken back yet: near the limit, concurrent calls may be refused up to 16384 pins
-    /// per busy slot early (a stock of at most 3 x [`PIN_STOCK`], and
-    /// [`crate::slots::SMALL_PINS`]).
-    pub(crate) fn reserve(&self, pins: u64) -> Result<(), u64> {
-        let stock = self.stock.here();
-        if stock.fetch_update(Ordering::AcqRel, Ordering::Acquire, |s| s.checked_sub(pins)).is_ok() {
-            return Ok(());
-        }
-        // Refill the slot with a stock beyond this call, else take just the call's pins.
-        if pins.checked_add(PIN_STOCK).is_some_and(|more| self.take(more).is_ok()) {
-            stock.fetch_add(PIN_STOCK, Ordering::AcqRel);
-            return Ok(());
-        }
-        if self.take(pins).is_ok() {
-            return Ok(());
-        }
-        self.reclaim_stock();
-        self.take(pins)
     }
 
     /// Takes `pins` from the space's count; `Err(held)` if they do not fit.
@@ -132,6 +120,24 @@ impl PinPolicy {
             .map(drop)
     }
 
+    /// Adds a mapping's lock-mode counters to this thread's (rarely: as it leaves the table).
+    pub(crate) fn add_counts(&self, counts: &LockCounts) {
+        let c = self.counters();
+        for (counter, n) in [
+            (&c.pin_calls, counts.pin_calls),
+            (&c.unpin_calls, counts.unpin_calls),
+            (&c.runs, counts.runs),
+            (&c.pages, counts.pages),
+            (&c.mlock_calls, counts.mlock_calls),
+            (&c.munlock_calls, counts.munlock_calls),
+            (&c.munlock_failures, counts.munlock_failures),
+        ] {
+            if n != 0 {
+                counter.fetch_add(n, Ordering::Relaxed);
+            }
+        }
+    }
+
     /// Gives `pins` back to the space's count.
     pub(crate) fn give(&self, pins: u64) {
         if pins != 0 {
@@ -139,23 +145,28 @@ impl PinPolicy {
         }
     }
 
-    /// Returns every thread slot's unused stock (of [`PinPolicy::reserve`]) to the space.
-    pub(crate) fn reclaim_stock(&self) {
-        for s in self.stock.all() {
-            self.give(s.swap(0, Ordering::AcqRel));
+    /// Reserves `pins` for a lock-mode call from the stock of its first mapping (`pins`
+    /// of it, locked by the caller), refilling the stock from the space's count when short;
+    /// `Err(held)` if the space's count cannot give them.
+    pub(crate) fn reserve_in(&self, mapping: &mut MappingPins, pins: u64) -> Result<(), u64> {
+        if let Some(left) = mapping.stock.checked_sub(pins) {
+            mapping.stock = left;
+            return Ok(());
         }
+        if pins.checked_add(PIN_STOCK).is_some_and(|more| self.take(more).is_ok()) {
+            mapping.stock += PIN_STOCK;
+            return Ok(());
+        }
+        self.take(pins)
     }
 
-    /// Returns pins reserved earlier, to this thread's stock (the surplus beyond two
-    /// stocks' worth back to the space).
-    pub(crate) fn release(&self, pins: u64) {
-        let stock = self.stock.here();
-        if stock.fetch_add(pins, Ordering::AcqRel) + pins > 2 * PIN_STOCK {
-            if let Ok(had) = stock
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |s| (s > PIN_STOCK).then_some(PIN_STOCK))
-            {
-                self.held.fetch_sub(had - PIN_STOCK, Ordering::AcqRel);
-            }
+    /// Returns pins a lock-mode call reserved with [`PinPolicy::reserve_in`] to the same
+    /// mapping's stock (the surplus beyond two stocks' worth back to the space).
+    pub(crate) fn restock(&self, mapping: &mut MappingPins, pins: u64) {
+        mapping.stock += pins;
+        if mapping.stock > 2 * PIN_STOCK {
+            self.give(mapping.stock - PIN_STOCK);
+            mapping.stock = PIN_STOCK;
         }
     }
 }
@@ -198,12 +209,18 @@ pub(crate) struct Mapping {
     /// `None` for a region the client mapped without an fd: known, but not pinnable.
     pub(crate) memory: Option<HostMemory>,
     pub(crate) policy: Arc<PinPolicy>,
-    pins: Mutex<MappingPins>,
+    /// A swap lock, not a futex mutex: every lock-mode pin and drop takes it, and its release
+    /// is a plain store (see `slot_lock`). Lock-mode holds include mlock and munlock calls
+    /// (a page's take microseconds, a piece's at most a millisecond or so): waiters spin,
+    /// yield, then nap.
+    pins: SlotLock<MappingPins>,
     /// A [`MappingState`]. Changed under the lock; read without it by track-mode pins, which
     /// check it under their slot's lock (see `slots`).
     state: AtomicU8,
-    /// Signalled when an unmapping mapping's last pin drops.
-    drained: Condvar,
+    /// Signalled when an unmapping mapping's last pin drops (without its mutex, which guards
+    /// nothing: the waiter looks again every millisecond, so a wake-up that comes between
+    /// its look and its wait costs it at most that).
+    drained: (Mutex<()>, Condvar),
     /// Unmaps waiting to claim the mapping (set before they take its lock): a lock-mode pin
     /// in progress stops at its next piece and fails `Unmapping`.
     claims: AtomicU32,
@@ -226,9 +243,9 @@ impl Mapping {
             prot,
             memory,
             policy,
-            pins: Mutex::new(MappingPins { table: PinTable::default() }),
+            pins: SlotLock::default(),
             state: AtomicU8::new(MappingState::Live as u8),
-            drained: Condvar::new(),
+            drained: (Mutex::new(()), Condvar::new()),
             claims: AtomicU32::new(0),
         }
     }
@@ -277,17 +294,18 @@ impl Mapping {
 
     /// Takes the pin state for an unmap: a lock-mode pin call holding it gives way at its
     /// next mlock piece instead of finishing a long run first.
-    pub(crate) fn lock_for_unmap(&self) -> MutexGuard<'_, MappingPins> {
+    pub(crate) fn lock_for_unmap(&self) -> SlotGuard<'_, MappingPins> {
         self.claims.fetch_add(1, Ordering::AcqRel);
         let pins = self.lock();
         self.claims.fetch_sub(1, Ordering::AcqRel);
         pins
     }
 
-    /// Locks the pin state. A poisoned lock means a panic mid-update elsewhere; the
-    /// table is still the best record of what is pinned, so keep using it.
-    pub(crate) fn lock(&self) -> MutexGuard<'_, MappingPins> {
-        crate::sync::lock(&self.pins)
+    /// Locks the pin state. A holder that panicked let go as it unwound; the table is still
+    /// the best record of what is pinned, so keep using it.
+    #[inline]
+    pub(crate) fn lock(&self) -> SlotGuard<'_, MappingPins> {
+        self.pins.lock()
     }
 
     /// Adds a pin to pages `[page, page + npages)`; in lock mode, locks and charges the
@@ -308,7 +326,7 @@ impl Mapping {
                 return Err(RunFailure::Overflow { page });
             }
             if count == 0 {
-                self.lock_fresh(&[(page, 1)])?;
+                self.lock_fresh(&mut pins.counts, &[(page, 1)])?;
             }
             pins.table.increment_one(page);
             return Ok(());
@@ -318,13 +336,13 @@ impl Mapping {
         }
         let mut fresh: Released = SmallVec::new();
         pins.table.for_each_unpinned(page, npages, |s, l| fresh.push((s, l)));
-        self.lock_fresh(&fresh)?;
+        self.lock_fresh(&mut pins.counts, &fresh)?;
         pins.table.increment(page, npages);
         Ok(())
     }
 
     /// Charges and mlocks sub-runs that are about to get their first pin.
-    fn lock_fresh(&self, fresh: &[(u64, u64)]) -> Result<(), RunFailure> {
+    fn lock_fresh(&self, counts: &mut LockCounts, fresh: &[(u64, u64)]) -> Result<(), RunFailure> {
         let Some(&(first, _)) = fresh.first() else {
             return Ok(());
         };
@@ -334,7 +352,6 @@ impl Mapping {
         let Some(memory) = self.memory.as_ref().filter(|_| !self.hugetlb()) else {
             return Ok(()); // hugetlb: never swapped, accounted only.
         };
-        let counters = self.policy.counters();
         for (k, &(start, len)) in fresh.iter().enumerate() {
             let mut page = start;
             while page < start + len {
@@ -342,7 +359,7 @@ impl Mapping {
                     Some(RunFailure::Unmapping { page })
                 } else {
                     let n = MLOCK_PIECE.min(start + len - page);
-                    counters.mlock_calls.fetch_add(1, Ordering::Relaxed);
+                    counts.mlock_calls += 1;
                     match memory.mlock(page * PAGE_SIZE, n * PAGE_SIZE) {
                         Ok(()) => {
                             page += n;
@@ -355,10 +372,10 @@ impl Mapping {
                     // Undo what is locked: the sub-runs before this one, and this one up to
                     // `page`.
                     for &(s, l) in &fresh[..k] {
-                        self.munlock(memory, s, l);
+                        self.munlock(counts, memory, s, l);
                     }
                     if page > start {
-                        self.munlock(memory, start, page - start);
+                        self.munlock(counts, memory, start, page - start);
                     }
                     account.refund(bytes);
                     return Err(failure);
@@ -409,50 +426,63 @@ impl Mapping {
 
     /// munlocks and refunds sub-runs collected by [`Mapping::unpin_run`], then wakes an
     /// unmap waiting for this mapping to drain.
-    pub(crate) fn release(&self, pins: &MappingPins, released: &[(u64, u64)]) {
+    pub(crate) fn release(&self, pins: &mut MappingPins, released: &[(u64, u64)]) {
         if !released.is_empty() {
             let pages: u64 = released.iter().map(|&(_, l)| l).sum();
             if let Some(memory) = self.memory.as_ref().filter(|_| !self.hugetlb()) {
                 for &(s, l) in released {
-                    self.munlock(memory, s, l);
+                    self.munlock(&mut pins.counts, memory, s, l);
                 }
             }
             self.policy.account.refund(pages * PAGE_SIZE);
         }
         // Unmapping, or taken by abandon_all while an unmap waited: wake the waiter.
         if self.state() != MappingState::Live && pins.table.pins() == 0 {
-            self.drained.notify_all();
+            self.drained.1.notify_all();
         }
     }
 
-    fn munlock(&self, memory: &HostMemory, page: u64, npages: u64) {
-        let counters = self.policy.counters();
-        counters.munlock_calls.fetch_add(1, Ordering::Relaxed);
+    fn munlock(&self, counts: &mut LockCounts, memory: &HostMemory, page: u64, npages: u64) {
+        counts.munlock_calls += 1;
         if let Err(e) = memory.munlock(page * PAGE_SIZE, npages * PAGE_SIZE) {
             // The pages stay resident until the mapping goes; nothing else is wrong.
-            counters.munlock_failures.fetch_add(1, Ordering::Relaxed);
+            counts.munlock_failures += 1;
             log::warn!("munlock of {npages} pages at IOVA {:#x} failed: {e}", iova_of(self.first_pfn + page));
         }
     }
 
+    /// Called as the mapping leaves the space's table (with the table's write lock held, so
+    /// that `stats` sees its counts either here or in the space's counters): gives its
+    /// lock-mode stock back to the space and moves its counters to the space's.
+    pub(crate) fn leave_table(&self, pins: &mut MappingPins) {
+        self.policy.give(std::mem::take(&mut pins.stock));
+        self.policy.add_counts(&std::mem::take(&mut pins.counts));
+    }
+
     /// Waits until no pins are held or `deadline` passes; returns the pins left.
     pub(crate) fn wait_drained(&self, deadline: Instant) -> u64 {
-        let mut pins = self.lock();
+        let (lock, cv) = &self.drained;
+        let mut guard = crate::sync::lock(lock);
         loop {
-            let left = pins.table.pins();
+            let left = self.lock().table.pins();
             let now = Instant::now();
             if left == 0 || now >= deadline {
                 return left;
             }
-            pins = crate::sync::wait_timeout(&self.drained, pins, deadline - now).0;
+            let wait = (deadline - now).min(Duration::from_millis(1));
+            guard = crate::sync::wait_timeout(cv, guard, wait).0;
         }
     }
 }
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        let pins =
-            self.pins.get_mut().map(|p| p.table.pins()).unwrap_or_else(|p| p.into_inner().table.pins());
+        let state = self.pins.get_mut();
+        let pins = state.table.pins();
+        // What guards dropped after the mapping left the table gave back and counted.
+        let (stock, counts) = (std::mem::take(&mut state.stock), std::mem::take(&mut state.counts));
+        self.policy.give(stock);
+        self.policy.add_counts(&counts);
         if pins != 0 {
             if let Some(memory) = self.memory.take() {
                 // Pins taken without a guard were never returned: their holder may still use

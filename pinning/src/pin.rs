@@ -10,7 +10,7 @@
 
 use std::ptr::NonNull;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, MutexGuard};
+use std::sync::Arc;
 
 use smallvec::SmallVec;
 use thiserror::Error;
@@ -21,6 +21,7 @@ use crate::lock::PinMode;
 use crate::mapping::{Mapping, MappingPins, MappingState, Released, RunFailure};
 use crate::mapping::{PinPolicy, PIN_STOCK};
 use crate::page::{iova_of, iova_of_checked, Prot, PAGE_SHIFT, PAGE_SIZE};
+use crate::slot_lock::SlotGuard;
 use crate::slots::{
     Owner, Record, RecordPtr, RecordRef, Slot, SlotHint, SmallRecord, TableRead, SMALL_PINS, SMALL_RUNS,
 };
@@ -786,9 +787,9 @@ fn long_run_length(pfns: &[u64]) -> u64 {
 /// The locks of a plan's mappings, taken in mapping-id order, indexed by slot.
 enum Locked<'a> {
     /// The usual plan: one mapping.
-    One(MutexGuard<'a, MappingPins>),
+    One(SlotGuard<'a, MappingPins>),
     /// Any other number of mappings.
-    Many(SmallVec<[Option<MutexGuard<'a, MappingPins>>; 2]>),
+    Many(SmallVec<[Option<SlotGuard<'a, MappingPins>>; 2]>),
 }
 
 impl<'a> Locked<'a> {
@@ -796,7 +797,7 @@ impl<'a> Locked<'a> {
         if let [only] = mappings {
             return Locked::One(only.lock());
         }
-        let mut guards: SmallVec<[Option<MutexGuard<'a, MappingPins>>; 2]> =
+        let mut guards: SmallVec<[Option<SlotGuard<'a, MappingPins>>; 2]> =
             mappings.iter().map(|_| None).collect();
         let mut order: SmallVec<[usize; 4]> = (0..mappings.len()).collect();
         order.sort_unstable_by_key(|&slot| mappings[slot].id);
@@ -850,7 +851,6 @@ fn refill_and_reserve(space: &SpaceInner, slot: &mut Slot, own: usize, pins: u64
         other.reclaim_small();
         policy.give(std::mem::take(&mut other.stock));
     });
-    policy.reclaim_stock();
     policy.take(pins)
 }
 
@@ -1063,34 +1063,54 @@ impl DmaSpace {
         Ok(PinnedPages { hold: HoldWord::recorded(record) })
     }
 
+    /// Lock mode: reserves the plan's pins from its first mapping's stock and pins its runs,
+    /// all under its mappings' locks; the counters go there too (no shared atomic per call
+    /// but the lock account's).
     fn apply(&self, plan: Result<Box<Plan>, PinError>) -> Result<PinnedPages, PinError> {
-        let counters = self.counters();
         let plan = plan.inspect_err(|_| {
-            counters.pin_failures.fetch_add(1, Ordering::Relaxed);
+            self.counters().pin_failures.fetch_add(1, Ordering::Relaxed);
         })?;
         let policy = &self.inner.policy;
-        if let Err(held) = policy.reserve(plan.pages) {
-            counters.pin_failures.fetch_add(1, Ordering::Relaxed);
-            let requested = plan.pages;
-            Plan::recycle(plan);
-            return Err(PinError::PinLimit { requested, held, max: policy.max_pins });
-        }
         let mut locked = Locked::take(&plan.mappings);
-        let result = Self::pin_runs(&plan, &mut locked);
-        drop(locked);
-        match result {
+        if policy.reserve_in(locked.get(0), plan.pages).is_err() {
+            // Short: take back every mapping's unused stock, each lock alone, and try again.
+            drop(locked);
+            self.reclaim_mapping_stocks();
+            locked = Locked::take(&plan.mappings);
+            if let Err(held) = policy.reserve_in(locked.get(0), plan.pages) {
+                drop(locked);
+                self.counters().pin_failures.fetch_add(1, Ordering::Relaxed);
+                let requested = plan.pages;
+                Plan::recycle(plan);
+                return Err(PinError::PinLimit { requested, held, max: policy.max_pins });
+            }
+        }
+        match Self::pin_runs(&plan, &mut locked) {
             Ok(()) => {
-                counters.pin_calls.fetch_add(1, Ordering::Relaxed);
-                counters.runs.fetch_add(plan.runs.len() as u64, Ordering::Relaxed);
-                counters.pages.fetch_add(plan.pages, Ordering::Relaxed);
+                let counts = &mut locked.get(0).counts;
+                counts.pin_calls += 1;
+                counts.runs += plan.runs.len() as u64;
+                counts.pages += plan.pages;
+                drop(locked);
                 Ok(PinnedPages { hold: HoldWord::counted(plan) })
             }
             Err(e) => {
-                policy.release(plan.pages);
-                counters.pin_failures.fetch_add(1, Ordering::Relaxed);
+                policy.restock(locked.get(0), plan.pages);
+                drop(locked);
+                self.counters().pin_failures.fetch_add(1, Ordering::Relaxed);
                 Plan::recycle(plan);
                 Err(e)
             }
+        }
+    }
+
+    /// Gives every mapping's unused lock-mode stock back to the space's count.
+    #[cold]
+    fn reclaim_mapping_stocks(&self) {
+        let mappings: Vec<Arc<Mapping>> = self.read_table().values().cloned().collect();
+        for m in mappings {
+            let mut pins = m.lock();
+            self.inner.policy.give(std::mem::take(&mut pins.stock));
         }
     }
 
@@ -1233,7 +1253,12 @@ impl DmaSpace {
             m.release(locked.get(slot), &released[slot]);
         }
         if let Some(m) = plan.mappings.first() {
-            m.policy.release(plan.pages);
+            // Lock mode reserves from its first mapping's stock; track mode from its slot's,
+            // which this call does not hold: straight back to the space then.
+            match m.policy.mode {
+                PinMode::Lock => m.policy.restock(locked.get(0), plan.pages),
+                PinMode::Track => m.policy.give(plan.pages),
+            }
         }
         Ok(())
     }
@@ -1702,11 +1727,12 @@ fn retire(hold: Hold) {
         Hold::Counted(plan) => {
             let mut locked = Locked::take(&plan.mappings);
             let removed = unpin_runs(&plan.mappings, &mut locked, &plan.runs);
-            drop(locked);
             if let Some(m) = plan.mappings.first() {
-                m.policy.counters().unpin_calls.fetch_add(1, Ordering::Relaxed);
-                m.policy.release(removed);
+                let first = locked.get(0);
+                first.counts.unpin_calls += 1;
+                m.policy.restock(first, removed);
             }
+            drop(locked);
             Plan::recycle(plan);
         }
         Hold::Recorded { space, slot, record } => {
@@ -1768,7 +1794,7 @@ mod tests {
 
     use super::*;
     use crate::testutil::{locked_bytes_in, memfd};
-    use crate::{DmaSpaceConfig, LockAccount, PinMode};
+    use crate::{DmaSpaceConfig, DmaStats, LockAccount, PinMode};
 
     const P: u64 = PAGE_SIZE;
 
@@ -2019,6 +2045,54 @@ mod tests {
         assert_eq!(space.stats().pins_held, 6000);
         drop(again);
         assert_eq!(space.stats().pins_held, 0);
+    }
+
+    #[test]
+    fn lock_mode_stocks_in_mappings_keep_the_limit_exact_and_counts_outlive_the_table() {
+        // Lock-mode calls reserve from their first mapping's stock and count there: the
+        // limit must still be exact across mappings, an unmap must hand both back.
+        let space = DmaSpace::new(DmaSpaceConfig {
+            mode: PinMode::Lock,
+            account: Arc::new(LockAccount::unlimited()),
+            max_pins: 6000,
+            ..Default::default()
+        });
+        let (a, b) = (memfd(3000), memfd(8192));
+        space.map(0, 3000 * P, a.as_fd(), 0, Prot::READ_WRITE).unwrap();
+        space.map(1 << 30, 8192 * P, b.as_fd(), 0, Prot::READ_WRITE).unwrap();
+        // Mapping A keeps (up to two stocks of) unused reservation after these.
+        for _ in 0..3 {
+            drop(space.pin_range(0, 3000, Prot::READ).unwrap());
+        }
+        drop(space.pin_pages(&[7, 9], Prot::READ).unwrap());
+        // Mapping B can still take the whole limit, and not one pin more, in either mapping.
+        let all = space.pin_range(1 << 30, 6000, Prot::READ).unwrap();
+        let err = space.pin_pages(&[(1 << 18) + 6000], Prot::READ).unwrap_err();
+        assert!(matches!(err, PinError::PinLimit { requested: 1, held: 6000, max: 6000 }), "{err}");
+        assert!(matches!(space.pin_pages(&[5], Prot::READ), Err(PinError::PinLimit { .. })));
+        drop(all);
+        // A takes a stock again (from B's, reclaimed), and keeps it.
+        drop(space.pin_pages(&[7, 9], Prot::READ).unwrap());
+        let before = space.stats();
+        assert_eq!((before.pin_calls, before.unpin_calls, before.pin_failures), (6, 6, 2));
+        assert_eq!((before.runs, before.pages), (8, 15004));
+        // 3000 pages in 256-page pieces, 6000 likewise; one munlock per run let go.
+        assert_eq!((before.mlock_calls, before.munlock_calls), (3 * 12 + 2 + 24 + 2, 3 + 2 + 1 + 2));
+        // A mapping that leaves the table moves its counts to the space's, even while a guard
+        // still holds it: totals do not step back, and its stock is the space's again.
+        let kept = space.pin_pages(&[11], Prot::READ).unwrap();
+        let before = space.stats();
+        space.abandon_all();
+        let after = space.stats();
+        let totals =
+            |s: &DmaStats| (s.pin_calls, s.unpin_calls, s.runs, s.pages, s.mlock_calls, s.munlock_calls);
+        assert_eq!(totals(&after), totals(&before));
+        space.map(0, 8192 * P, b.as_fd(), 0, Prot::READ_WRITE).unwrap();
+        let rest = space.pin_range(0, 5999, Prot::READ).unwrap();
+        assert!(matches!(space.pin_pages(&[6000], Prot::READ), Err(PinError::PinLimit { held: 6000, .. })));
+        drop((kept, rest));
+        assert_eq!(space.stats().pins_held, 0);
+        assert_eq!(totals(&space.stats()).0, before.pin_calls + 1);
     }
 
     #[test]

@@ -1,5 +1,5 @@
-//! The lock of a thread slot: data that one thread takes almost always alone, on every pin
-//! call.
+//! The lock of a thread slot, and of a mapping's pin state: data that every pin call takes,
+//! almost always uncontended.
 //!
 //! Taking it is one atomic swap; giving it back is a plain release store, where a futex
 //! mutex spends a second atomic read-modify-write to learn whether to wake a waiter (about
@@ -7,7 +7,9 @@
 //! waiters cannot sleep on it: they spin a little, then yield, then nap briefly. That suits
 //! a slot: contended only when more threads than slots pin at once, when another thread
 //! drops a guard or reads totals, and while a map or unmap changes the table — short holds
-//! with no syscalls in them but the table change's own.
+//! with no syscalls in them but the table change's own. It suits a mapping's pin state too:
+//! held for a count update, or in lock mode for the mlock or munlock of a call's fresh pages,
+//! which a waiter would otherwise sleep through in a futex for about as long.
 //!
 //! A holder that panics gives the lock back as it unwinds; there is no poisoning (see
 //! [`crate::sync`]: every slot's state stays consistent between its stores).
@@ -75,12 +77,25 @@ impl<T> SlotLock<T> {
         }
     }
 
+    /// The value, through exclusive access to the lock itself.
+    pub(crate) fn get_mut(&mut self) -> &mut T {
+        self.value.get_mut()
+    }
+
     /// Takes the lock if nobody holds it.
     pub(crate) fn try_lock(&self) -> Option<SlotGuard<'_, T>> {
         if self.locked.load(Ordering::Relaxed) || self.locked.swap(true, Ordering::Acquire) {
             return None;
         }
         Some(SlotGuard { lock: self, _not_send: PhantomData })
+    }
+}
+
+impl<T> std::fmt::Debug for SlotLock<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SlotLock")
+            .field("locked", &self.locked.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
     }
 }
 

@@ -542,7 +542,12 @@ impl DmaSpace {
     /// a device failed to drop its pins. Guards keep their mapping's memory until they drop;
     /// memory under pins taken without a guard is leaked, never unmapped under them.
     pub fn abandon_all(&self) -> Unmapped {
-        let taken = std::mem::take(&mut *self.write_table());
+        let mut table = self.write_table();
+        let taken = std::mem::take(&mut *table);
+        for m in taken.values() {
+            m.leave_table(&mut m.lock());
+        }
+        drop(table);
         let mut unmapped = Unmapped::default();
         let mut named = Vec::new();
         for m in taken.values() {
@@ -618,6 +623,7 @@ impl DmaSpace {
             // IOVA now: remove only the victim itself.
             if table.get(&m.first_pfn).is_some_and(|t| Arc::ptr_eq(t, m)) {
                 table.remove(&m.first_pfn);
+                m.leave_table(&mut m.lock());
             }
             unmapped.mappings += 1;
             unmapped.bytes += m.size();
@@ -736,6 +742,9 @@ impl DmaSpace {
         let sum = |f: fn(&Counters) -> &std::sync::atomic::AtomicU64| -> u64 {
             self.inner.policy.counters.all().map(|c| f(c).load(Ordering::Relaxed)).sum()
         };
+        // Under a table read, so that no mapping leaves the table (moving its lock-mode
+        // counts to the space's) between the two sums.
+        let read = self.read_table();
         let mut stats = DmaStats {
             pin_calls: sum(|c| &c.pin_calls),
             pin_failures: sum(|c| &c.pin_failures),
@@ -751,7 +760,18 @@ impl DmaSpace {
             notifier_calls: sum(|c| &c.notifier_calls),
             ..DmaStats::default()
         };
-        let mappings: Vec<Arc<Mapping>> = self.read_table().values().cloned().collect();
+        for m in read.values() {
+            let c = m.lock().counts;
+            stats.pin_calls += c.pin_calls;
+            stats.unpin_calls += c.unpin_calls;
+            stats.runs += c.runs;
+            stats.pages += c.pages;
+            stats.mlock_calls += c.mlock_calls;
+            stats.munlock_calls += c.munlock_calls;
+            stats.munlock_failures += c.munlock_failures;
+        }
+        let mappings: Vec<Arc<Mapping>> = read.values().cloned().collect();
+        drop(read);
         // Abandoned mappings still named by records: their pages are pinned, they are not mapped.
         let orphans: Vec<Arc<Mapping>> = crate::sync::lock(&self.inner.orphans).clone();
         // Track-mode records, as (mapping, first page, pages), for the totals.
@@ -950,6 +970,37 @@ mod tests {
         assert!(space.lookup(0x100000).is_none());
         let stats = space.stats();
         assert_eq!((stats.unmap_waits, stats.unmap_busy, stats.notifier_calls), (1, 0, 1));
+    }
+
+    #[test]
+    fn an_unmap_waiting_for_pins_returns_when_they_drop_not_at_its_timeout_in_both_modes() {
+        for mode in [PinMode::Track, PinMode::Lock] {
+            let space = DmaSpace::new(DmaSpaceConfig {
+                mode,
+                account: Arc::new(LockAccount::unlimited()),
+                unmap_timeout: Duration::from_secs(60),
+                ..Default::default()
+            });
+            let file = memfd(8);
+            space.map(0, 8 * PAGE_SIZE, file.as_fd(), 0, RW).unwrap();
+            let guard = space.pin_pages(&[1, 2, 5], Prot::READ).unwrap();
+            let kept = space.pin_range(3 * PAGE_SIZE, 2, Prot::READ).unwrap();
+            kept.forget();
+            let start = Instant::now();
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    std::thread::sleep(Duration::from_millis(20));
+                    drop(guard);
+                    std::thread::sleep(Duration::from_millis(20));
+                    space.unpin_range(3 * PAGE_SIZE, 2).unwrap();
+                });
+                space.unmap(0, 8 * PAGE_SIZE).unwrap();
+            });
+            // Woken by the last drop (or its next look, a millisecond on), never the timeout.
+            assert!(start.elapsed() < Duration::from_secs(30), "{mode}: {:?}", start.elapsed());
+            assert!(space.lookup(0).is_none());
+            assert_eq!(space.stats().pins_held, 0);
+        }
     }
 
     #[test]
