@@ -53,6 +53,9 @@ pub(crate) struct MappingPins {
     /// Lock-mode calls' counters, plain under the lock (a shared atomic costs as much as a
     /// lock); summed by `stats`, moved to the space's when the mapping leaves the table.
     pub(crate) counts: LockCounts,
+    /// Set as the mapping leaves the table: from then on pins given back go straight to the
+    /// space's count (a guard may keep a removed mapping alive for long).
+    pub(crate) left: bool,
 }
 
 /// Counters of lock-mode calls whose first run lies in one mapping, and of its syscalls.
@@ -95,6 +98,10 @@ pub(crate) struct PinPolicy {
     /// mappings (lock mode), against `max_pins`.
     pub(crate) held: crossbeam::utils::CachePadded<AtomicU64>,
     pub(crate) max_pins: u64,
+    /// Mappings that have left the table (moving their lock-mode counts here). `stats` sums
+    /// the space's counters and its mappings' without holding the table, and sums again if
+    /// this changed meanwhile.
+    pub(crate) departures: AtomicU64,
 }
 
 /// Pins a slot (track mode) or a mapping (lock mode) reserves from the space's count at a time.
@@ -102,7 +109,14 @@ pub(crate) const PIN_STOCK: u64 = 4096;
 
 impl PinPolicy {
     pub(crate) fn new(mode: PinMode, account: Arc<LockAccount>, max_pins: u64) -> Self {
-        PinPolicy { mode, account, counters: PerSlot::default(), held: Default::default(), max_pins }
+        PinPolicy {
+            mode,
+            account,
+            counters: PerSlot::default(),
+            held: Default::default(),
+            max_pins,
+            departures: AtomicU64::new(0),
+        }
     }
 
     /// This thread's counters.
@@ -145,24 +159,39 @@ impl PinPolicy {
         }
     }
 
-    /// Reserves `pins` for a lock-mode call from the stock of its first mapping (`pins`
-    /// of it, locked by the caller), refilling the stock from the space's count when short;
-    /// `Err(held)` if the space's count cannot give them.
+    /// Reserves `pins` for a lock-mode call from the stock of its first mapping (`mapping`,
+    /// locked by the caller), refilling the stock from the space's count when short;
+    /// `Err(held)` if the space's count cannot give them. A mapping that has left the table
+    /// keeps no stock: its calls take exactly their pins.
+    ///
+    /// The caller, refused, takes back every mapping's unused stock and tries once more, so
+    /// a call fails only if the pins held, plus stock taken by other calls meanwhile, leave
+    /// no room.
     pub(crate) fn reserve_in(&self, mapping: &mut MappingPins, pins: u64) -> Result<(), u64> {
         if let Some(left) = mapping.stock.checked_sub(pins) {
             mapping.stock = left;
             return Ok(());
         }
-        if pins.checked_add(PIN_STOCK).is_some_and(|more| self.take(more).is_ok()) {
-            mapping.stock += PIN_STOCK;
+        // The stock goes into the call; the count gives the rest, and a new stock if it can.
+        let short = pins - mapping.stock;
+        let refill = if mapping.left { None } else { short.checked_add(PIN_STOCK) };
+        if refill.is_some_and(|more| self.take(more).is_ok()) {
+            mapping.stock = PIN_STOCK;
             return Ok(());
         }
-        self.take(pins)
+        self.take(short)?;
+        mapping.stock = 0;
+        Ok(())
     }
 
     /// Returns pins a lock-mode call reserved with [`PinPolicy::reserve_in`] to the same
-    /// mapping's stock (the surplus beyond two stocks' worth back to the space).
+    /// mapping's stock (the surplus beyond two stocks' worth, or all of it once the mapping
+    /// has left the table, back to the space).
     pub(crate) fn restock(&self, mapping: &mut MappingPins, pins: u64) {
+        if mapping.left {
+            self.give(pins);
+            return;
+        }
         mapping.stock += pins;
         if mapping.stock > 2 * PIN_STOCK {
             self.give(mapping.stock - PIN_STOCK);
@@ -455,8 +484,11 @@ impl Mapping {
     /// that `stats` sees its counts either here or in the space's counters): gives its
     /// lock-mode stock back to the space and moves its counters to the space's.
     pub(crate) fn leave_table(&self, pins: &mut MappingPins) {
+        pins.left = true;
         self.policy.give(std::mem::take(&mut pins.stock));
         self.policy.add_counts(&std::mem::take(&mut pins.counts));
+        // After the move and under the mapping's lock: see `PinPolicy::departures`.
+        self.policy.departures.fetch_add(1, Ordering::Release);
     }
 
     /// Waits until no pins are held or `deadline` passes; returns the pins left.

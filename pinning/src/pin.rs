@@ -2096,6 +2096,30 @@ mod tests {
     }
 
     #[test]
+    fn lock_mode_pins_let_go_after_their_mapping_left_the_table_go_straight_back_to_the_space() {
+        // A removed mapping kept alive by a guard keeps no stock: what its guards give back
+        // is the space's at once, not when the last of them drops.
+        let space = DmaSpace::new(DmaSpaceConfig {
+            mode: PinMode::Lock,
+            account: Arc::new(LockAccount::unlimited()),
+            max_pins: 6000,
+            ..Default::default()
+        });
+        let file = memfd(8192);
+        space.map(0, 3000 * P, file.as_fd(), 0, Prot::READ_WRITE).unwrap();
+        let stays = space.pin_pages(&[1], Prot::READ).unwrap();
+        let goes = space.pin_range(0, 3000, Prot::READ).unwrap();
+        space.abandon_all();
+        drop(goes);
+        space.map(0, 8192 * P, file.as_fd(), 0, Prot::READ_WRITE).unwrap();
+        let rest = space.pin_range(0, 5999, Prot::READ).unwrap();
+        assert!(matches!(space.pin_pages(&[6000], Prot::READ), Err(PinError::PinLimit { held: 6000, .. })));
+        drop((stays, rest));
+        assert_eq!(space.stats().pins_held, 0);
+        assert_eq!(space.pin_range(0, 6000, Prot::READ).map(drop).err().map(|e| e.to_string()), None);
+    }
+
+    #[test]
     fn a_guard_survives_its_pins_being_unpinned_behind_its_back() {
         // Lock mode counts every pin per page, so unpin_pages can take a guard's pins; the
         // guard then releases only what it still holds.

@@ -545,7 +545,8 @@ impl DmaSpace {
         let mut table = self.write_table();
         let taken = std::mem::take(&mut *table);
         for m in taken.values() {
-            m.leave_table(&mut m.lock());
+            // A lock-mode pin in progress gives way at its next mlock piece.
+            m.leave_table(&mut m.lock_for_unmap());
         }
         drop(table);
         let mut unmapped = Unmapped::default();
@@ -737,41 +738,56 @@ impl DmaSpace {
         u32::try_from(count).unwrap_or(u32::MAX)
     }
 
-    /// Counters and current totals.
-    pub fn stats(&self) -> DmaStats {
+    /// The space's counters plus its mappings' lock-mode counts, and the mappings. Summed
+    /// without holding the table (a mapping's lock may be held for a long mlock), and again if
+    /// a mapping left the table meanwhile, moving its counts from one sum to the other.
+    fn counter_totals(&self) -> (DmaStats, Vec<Arc<Mapping>>) {
         let sum = |f: fn(&Counters) -> &std::sync::atomic::AtomicU64| -> u64 {
             self.inner.policy.counters.all().map(|c| f(c).load(Ordering::Relaxed)).sum()
         };
-        // Under a table read, so that no mapping leaves the table (moving its lock-mode
-        // counts to the space's) between the two sums.
-        let read = self.read_table();
-        let mut stats = DmaStats {
-            pin_calls: sum(|c| &c.pin_calls),
-            pin_failures: sum(|c| &c.pin_failures),
-            unpin_calls: sum(|c| &c.unpin_calls),
-            unpin_failures: sum(|c| &c.unpin_failures),
-            runs: sum(|c| &c.runs),
-            pages: sum(|c| &c.pages),
-            mlock_calls: sum(|c| &c.mlock_calls),
-            munlock_calls: sum(|c| &c.munlock_calls),
-            munlock_failures: sum(|c| &c.munlock_failures),
-            unmap_waits: sum(|c| &c.unmap_waits),
-            unmap_busy: sum(|c| &c.unmap_busy),
-            notifier_calls: sum(|c| &c.notifier_calls),
-            ..DmaStats::default()
-        };
-        for m in read.values() {
-            let c = m.lock().counts;
-            stats.pin_calls += c.pin_calls;
-            stats.unpin_calls += c.unpin_calls;
-            stats.runs += c.runs;
-            stats.pages += c.pages;
-            stats.mlock_calls += c.mlock_calls;
-            stats.munlock_calls += c.munlock_calls;
-            stats.munlock_failures += c.munlock_failures;
+        let departures = &self.inner.policy.departures;
+        let mut tries = 0;
+        loop {
+            let before = departures.load(Ordering::Acquire);
+            let mappings: Vec<Arc<Mapping>> = self.read_table().values().cloned().collect();
+            let mut stats = DmaStats {
+                pin_calls: sum(|c| &c.pin_calls),
+                pin_failures: sum(|c| &c.pin_failures),
+                unpin_calls: sum(|c| &c.unpin_calls),
+                unpin_failures: sum(|c| &c.unpin_failures),
+                runs: sum(|c| &c.runs),
+                pages: sum(|c| &c.pages),
+                mlock_calls: sum(|c| &c.mlock_calls),
+                munlock_calls: sum(|c| &c.munlock_calls),
+                munlock_failures: sum(|c| &c.munlock_failures),
+                unmap_waits: sum(|c| &c.unmap_waits),
+                unmap_busy: sum(|c| &c.unmap_busy),
+                notifier_calls: sum(|c| &c.notifier_calls),
+                ..DmaStats::default()
+            };
+            for m in &mappings {
+                let c = m.lock().counts;
+                stats.pin_calls += c.pin_calls;
+                stats.unpin_calls += c.unpin_calls;
+                stats.runs += c.runs;
+                stats.pages += c.pages;
+                stats.mlock_calls += c.mlock_calls;
+                stats.munlock_calls += c.munlock_calls;
+                stats.munlock_failures += c.munlock_failures;
+            }
+            // Unchanged: every mapping summed was in the table throughout, with its counts.
+            // Under a storm of unmaps the fourth sum stands, which may miss the counts of a
+            // mapping that left while it was taken.
+            tries += 1;
+            if departures.load(Ordering::Acquire) == before || tries == 4 {
+                return (stats, mappings);
+            }
         }
-        let mappings: Vec<Arc<Mapping>> = read.values().cloned().collect();
-        drop(read);
+    }
+
+    /// Counters and current totals.
+    pub fn stats(&self) -> DmaStats {
+        let (mut stats, mappings) = self.counter_totals();
         // Abandoned mappings still named by records: their pages are pinned, they are not mapped.
         let orphans: Vec<Arc<Mapping>> = crate::sync::lock(&self.inner.orphans).clone();
         // Track-mode records, as (mapping, first page, pages), for the totals.
