@@ -135,6 +135,10 @@ pub struct Row {
     /// The same array through [`DmaSpace::translate_pages`]: the same lookups and address
     /// arithmetic, no pins (what an unsafe translator costs here), alternated with the pin rows.
     pub translate_ns: f64,
+    /// Reading the array and nothing else (a XOR over its entries), alternated with the rest:
+    /// what any translator or pinner spends at least to learn what the call names. What a
+    /// call costs beyond it is its per-run work.
+    pub read_ns: f64,
     /// Runs in the array (not in the JSON line contract, but useful in the table).
     #[serde(skip)]
     pub runs: usize,
@@ -313,7 +317,11 @@ fn measure(
             .expect("translate");
         black_box(&translated);
     };
-    let row = |mode: String, runs_ns: f64, per_page_ns: f64, translate_ns: f64| Row {
+    // Range rows read the same array: as with translation, their floor is the array's.
+    let mut read = || {
+        black_box(read_entries(black_box(pfns)));
+    };
+    let row = |mode: String, runs_ns: f64, per_page_ns: f64, translate_ns: f64, read_ns: f64| Row {
         backing: kind.name(),
         pattern: pattern.name(),
         npages: pfns.len(),
@@ -322,12 +330,13 @@ fn measure(
         per_page_ns,
         ratio: per_page_ns / runs_ns,
         translate_ns,
+        read_ns,
         runs: runs.len(),
     };
     if mode == PinMode::Track {
-        let [runs_ns, per_page_ns, translate_ns] =
-            alternate(effort, [&mut pin_whole, &mut pin_each, &mut translate]);
-        return Ok(vec![row(mode.to_string(), runs_ns, per_page_ns, translate_ns)]);
+        let [runs_ns, per_page_ns, translate_ns, read_ns] =
+            alternate(effort, [&mut pin_whole, &mut pin_each, &mut translate, &mut read]);
+        return Ok(vec![row(mode.to_string(), runs_ns, per_page_ns, translate_ns, read_ns)]);
     }
     // Lock mode against the kernel's floor, all five alternating in the same rounds: the
     // ratio to bare mlock+munlock is what lock mode is held to.
@@ -347,13 +356,49 @@ fn measure(
             mlock(addr, PAGE_SIZE as usize, false);
         }
     };
-    let [runs_ns, per_page_ns, translate_ns, floor_runs, floor_pages] =
-        alternate(effort, [&mut pin_whole, &mut pin_each, &mut translate, &mut lock_runs, &mut lock_pages]);
+    let [runs_ns, per_page_ns, translate_ns, read_ns, floor_runs, floor_pages] = alternate(
+        effort,
+        [&mut pin_whole, &mut pin_each, &mut translate, &mut read, &mut lock_runs, &mut lock_pages],
+    );
     let rows = vec![
-        row(mode.to_string(), runs_ns, per_page_ns, translate_ns),
-        row("mlock-floor".into(), floor_runs, floor_pages, translate_ns),
+        row(mode.to_string(), runs_ns, per_page_ns, translate_ns, read_ns),
+        row("mlock-floor".into(), floor_runs, floor_pages, translate_ns, read_ns),
     ];
     Ok(rows)
+}
+
+/// Reads every entry (their XOR) with the widest vectors the CPU has, as the engine's run
+/// scan does: the `read` floor.
+fn read_entries(pfns: &[u64]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F, checked just now.
+            return unsafe { xor_avx512(pfns) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2, checked just now.
+            return unsafe { xor_avx2(pfns) };
+        }
+    }
+    xor_entries(pfns)
+}
+
+#[inline(always)]
+fn xor_entries(pfns: &[u64]) -> u64 {
+    pfns.iter().fold(0, |acc, &p| acc ^ p)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn xor_avx512(pfns: &[u64]) -> u64 {
+    xor_entries(pfns)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn xor_avx2(pfns: &[u64]) -> u64 {
+    xor_entries(pfns)
 }
 
 /// Bare mlock (`lock`) or munlock of memory mapped by the space, for the floor rows.
@@ -374,7 +419,7 @@ fn mlock(addr: usize, len: usize, lock: bool) {
 /// Prints the human table.
 pub fn print_table(rows: &[Row]) {
     println!(
-        "{:<11} {:<11} {:>6} {:<12} {:>5} {:>12} {:>10} {:>14} {:>7} {:>13} {:>9}",
+        "{:<11} {:<11} {:>6} {:<12} {:>5} {:>12} {:>10} {:>14} {:>7} {:>13} {:>9} {:>8}",
         "backing",
         "pattern",
         "pages",
@@ -385,11 +430,12 @@ pub fn print_table(rows: &[Row]) {
         "per-page ns",
         "ratio",
         "translate ns",
-        "runs/tr"
+        "runs/tr",
+        "read ns"
     );
     for r in rows {
         println!(
-            "{:<11} {:<11} {:>6} {:<12} {:>5} {:>12.0} {:>10.1} {:>14.0} {:>7.2} {:>13.0} {:>9.2}",
+            "{:<11} {:<11} {:>6} {:<12} {:>5} {:>12.0} {:>10.1} {:>14.0} {:>7.2} {:>13.0} {:>9.2} {:>8.0}",
             r.backing,
             r.pattern,
             r.npages,
@@ -400,7 +446,8 @@ pub fn print_table(rows: &[Row]) {
             r.per_page_ns,
             r.ratio,
             r.translate_ns,
-            r.runs_ns / r.translate_ns
+            r.runs_ns / r.translate_ns,
+            r.read_ns
         );
     }
 }
