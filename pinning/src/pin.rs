@@ -200,21 +200,48 @@ pub enum AccessError {
 
 /// Consecutive entries of a pin call with consecutive page numbers in one mapping, pinned as
 /// one step. Host memory of a run is contiguous.
+///
+/// Four words: a call writes one per run, and 8-run small records stay small. Pages and
+/// position fit 32 bits (`max_pages_per_call` is at most 2^32 - 1); the run's page within its
+/// mapping is not kept but derived from the IOVA (see [`PinnedRun::page_in`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PinnedRun {
     iova: u64,
-    npages: u64,
-    index: usize,
     host: usize,
+    npages: u32,
+    index: u32,
     /// Which of the guard's mappings holds the run.
-    pub(crate) slot: usize,
-    /// Page offset of the run within that mapping.
-    pub(crate) page: u64,
+    slot: u32,
 }
+
+const _: () = assert!(std::mem::size_of::<PinnedRun>() == 32);
 
 impl PinnedRun {
     /// No run (a free entry's contents).
-    pub(crate) const EMPTY: PinnedRun = PinnedRun { iova: 0, npages: 0, index: 0, host: 0, slot: 0, page: 0 };
+    pub(crate) const EMPTY: PinnedRun = PinnedRun { iova: 0, host: 0, npages: 0, index: 0, slot: 0 };
+
+    /// A run of `npages` pages from page `pfn`, entry `index` of its call, in the guard's
+    /// mapping `slot`, at `host`. `npages` and `index` are below the call's length, which
+    /// `max_pages_per_call` keeps within 32 bits.
+    #[inline(always)]
+    pub(crate) fn new(pfn: u64, npages: u64, index: usize, host: usize, slot: usize) -> Self {
+        debug_assert!(
+            npages <= u64::from(u32::MAX) && index <= u32::MAX as usize && slot <= u32::MAX as usize
+        );
+        PinnedRun { iova: iova_of(pfn), host, npages: npages as u32, index: index as u32, slot: slot as u32 }
+    }
+
+    /// Which of the guard's mappings holds the run.
+    #[inline]
+    pub(crate) fn slot(&self) -> usize {
+        self.slot as usize
+    }
+
+    /// The run's first page as an offset within `mapping`, the one that holds it.
+    #[inline]
+    pub(crate) fn page_in(&self, mapping: &Mapping) -> u64 {
+        (self.iova >> PAGE_SHIFT) - mapping.first_pfn
+    }
 
     /// IOVA of the run's first page.
     pub fn iova(&self) -> u64 {
@@ -222,11 +249,11 @@ impl PinnedRun {
     }
     /// Pages in the run.
     pub fn npages(&self) -> u64 {
-        self.npages
+        u64::from(self.npages)
     }
     /// Position of the run's first page in the call's array.
     pub fn index(&self) -> usize {
-        self.index
+        self.index as usize
     }
     /// Host address of the run's first page. Valid while the pins are held.
     pub fn host_addr(&self) -> usize {
@@ -234,7 +261,7 @@ impl PinnedRun {
     }
     /// Bytes in the run.
     pub fn len(&self) -> u64 {
-        self.npages * PAGE_SIZE
+        self.npages() * PAGE_SIZE
     }
     /// Always false: runs hold at least one page.
     pub fn is_empty(&self) -> bool {
@@ -412,7 +439,7 @@ impl<'a, 'r> Planner<'a, 'r> {
     ) {
         let page = pfn - first;
         let host = if base == 0 { 0 } else { base + (page * PAGE_SIZE) as usize };
-        self.runs.push(PinnedRun { iova: iova_of(pfn), npages, index, host, slot, page });
+        self.runs.push(PinnedRun::new(pfn, npages, index, host, slot));
         self.planned.pages += npages;
     }
 
@@ -517,7 +544,7 @@ fn resolve_into(
 fn push_run_into(record: &mut Record, (slot, first, _, base): Resolved, pfn: u64, npages: u64, index: usize) {
     let page = pfn - first;
     let host = base + (page * PAGE_SIZE) as usize;
-    record.runs.push(PinnedRun { iova: iova_of(pfn), npages, index, host, slot, page });
+    record.runs.push(PinnedRun::new(pfn, npages, index, host, slot));
     record.pages += npages;
 }
 
@@ -542,7 +569,7 @@ fn plan_array_into(
         let n = run_length(&pfns[i..], hit.2 - start);
         let page = start - hit.1;
         let host = hit.3 + (page * PAGE_SIZE) as usize;
-        let run = PinnedRun { iova: iova_of(start), npages: n, index: i, host, slot: hit.0, page };
+        let run = PinnedRun::new(start, n, i, host, hit.0);
         if record.runs.len() == record.runs.capacity() {
             // At most one run per entry left; more than 4096 at a time only as needed.
             record.runs.reserve((pfns.len() - i).min(4096));
@@ -620,15 +647,7 @@ fn pin_small(
     let record = unsafe { &mut *entry.as_ptr() };
     let (first, end) = (mapping.first_pfn, mapping.end_pfn());
     let run = |pfn: u64, npages: u64, index: usize| {
-        let page = pfn - first;
-        PinnedRun {
-            iova: iova_of(pfn),
-            npages,
-            index,
-            host: base + (page * PAGE_SIZE) as usize,
-            slot: 0,
-            page,
-        }
+        PinnedRun::new(pfn, npages, index, base + ((pfn - first) * PAGE_SIZE) as usize, 0)
     };
     let len = match *what {
         Entries::Range(pfn, npages) => {
@@ -868,7 +887,8 @@ fn unpin_runs(mappings: &[Arc<Mapping>], locked: &mut Locked<'_>, runs: &[Pinned
     let mut released: SmallVec<[Released; 2]> = mappings.iter().map(|_| Released::new()).collect();
     let mut removed = 0u64;
     for run in runs.iter().rev() {
-        removed += unpin_run_of(&mappings[run.slot], locked.get(run.slot), run, &mut released[run.slot]);
+        removed +=
+            unpin_run_of(&mappings[run.slot()], locked.get(run.slot()), run, &mut released[run.slot()]);
     }
     for (slot, m) in mappings.iter().enumerate() {
         m.release(locked.get(slot), &released[slot]);
@@ -878,14 +898,15 @@ fn unpin_runs(mappings: &[Arc<Mapping>], locked: &mut Locked<'_>, runs: &[Pinned
 
 /// [`unpin_runs`] for one run, in its mapping; the pins removed.
 fn unpin_run_of(mapping: &Mapping, pins: &mut MappingPins, run: &PinnedRun, released: &mut Released) -> u64 {
-    if mapping.try_unpin_run(pins, run.page, run.npages, released).is_ok() {
-        return run.npages;
+    let first = run.page_in(mapping);
+    if mapping.try_unpin_run(pins, first, run.npages(), released).is_ok() {
+        return run.npages();
     }
     // Someone unpinned pages this guard owns (unpin_pages on pins it did not take).
     // Release what is still pinned, page by page, rather than underflow a count.
     log::error!("pins of the run at IOVA {:#x} were released behind its guard", run.iova);
     let mut removed = 0;
-    for page in run.page..run.page + run.npages {
+    for page in first..first + run.npages() {
         if pins.table.count(page) > 0 {
             mapping.unpin_run(pins, page, 1, released);
             removed += 1;
@@ -902,9 +923,10 @@ fn unpin_planned(plan: Result<Plan, PinError>) -> Result<Plan, UnpinError> {
     })
 }
 
-fn run_error(run: &PinnedRun, failure: RunFailure) -> PinError {
-    let at =
-        |page: u64| (run.index + (page - run.page) as usize, (run.iova >> PAGE_SHIFT) + (page - run.page));
+/// The error of `run` (in `mapping`) failing at a page of the mapping.
+fn run_error(run: &PinnedRun, mapping: &Mapping, failure: RunFailure) -> PinError {
+    let first = run.page_in(mapping);
+    let at = |page: u64| (run.index() + (page - first) as usize, (run.iova >> PAGE_SHIFT) + (page - first));
     match failure {
         RunFailure::Overflow { page } => {
             let (index, pfn) = at(page);
@@ -1021,30 +1043,30 @@ impl DmaSpace {
                 plan_range_into(table, &mut slot.hint, prot, pfn, npages, &mut record)
             }
         };
-        let reserved = planned.and_then(|()| {
-            // The limit first, then the mappings' state, in the order lock mode checks them.
-            reserve_in_slot(space, slot, slot_index, record.pages).map_err(|held| PinError::PinLimit {
-                requested: record.pages,
-                held,
-                max: space.policy.max_pins,
-            })?;
-            // A mapping an unmap has marked grants no new pins; the unmap, which marks first
-            // and then looks at the slots, either waits for this record or was seen here.
-            for i in 0..record.mappings.len() {
-                let state = record.view().mapping(i).state();
-                if state != MappingState::Live {
-                    slot.stock += record.pages;
-                    // Report the first entry in that mapping.
-                    let run = record.runs.iter().find(|r| r.slot == i).expect("a planned mapping has a run");
-                    let (index, pfn) = (run.index, run.iova >> PAGE_SHIFT);
-                    return Err(match state {
-                        MappingState::Unmapping => PinError::Unmapping { index, pfn },
-                        _ => PinError::NotMapped { index, pfn },
-                    });
+        let reserved =
+            planned.and_then(|()| {
+                // The limit first, then the mappings' state, in the order lock mode checks them.
+                reserve_in_slot(space, slot, slot_index, record.pages).map_err(|held| {
+                    PinError::PinLimit { requested: record.pages, held, max: space.policy.max_pins }
+                })?;
+                // A mapping an unmap has marked grants no new pins; the unmap, which marks first
+                // and then looks at the slots, either waits for this record or was seen here.
+                for i in 0..record.mappings.len() {
+                    let state = record.view().mapping(i).state();
+                    if state != MappingState::Live {
+                        slot.stock += record.pages;
+                        // Report the first entry in that mapping.
+                        let run =
+                            record.runs.iter().find(|r| r.slot() == i).expect("a planned mapping has a run");
+                        let (index, pfn) = (run.index(), run.iova >> PAGE_SHIFT);
+                        return Err(match state {
+                            MappingState::Unmapping => PinError::Unmapping { index, pfn },
+                            _ => PinError::NotMapped { index, pfn },
+                        });
+                    }
                 }
-            }
-            Ok(())
-        });
+                Ok(())
+            });
         if let Err(e) = reserved {
             slot.discard(record);
             slot.counts.pin_failures += 1;
@@ -1119,18 +1141,19 @@ impl DmaSpace {
         // locking; report the first entry affected.
         for run in &plan.runs {
             let pfn = run.iova >> PAGE_SHIFT;
-            match plan.mappings[run.slot].state() {
+            match plan.mappings[run.slot()].state() {
                 MappingState::Live => {}
-                MappingState::Unmapping => return Err(PinError::Unmapping { index: run.index, pfn }),
-                MappingState::Removed => return Err(PinError::NotMapped { index: run.index, pfn }),
+                MappingState::Unmapping => return Err(PinError::Unmapping { index: run.index(), pfn }),
+                MappingState::Removed => return Err(PinError::NotMapped { index: run.index(), pfn }),
             }
         }
         for (done, run) in plan.runs.iter().enumerate() {
-            let mapping = &plan.mappings[run.slot];
-            if let Err(failure) = mapping.pin_run(locked.get(run.slot), run.page, run.npages) {
+            let mapping = &plan.mappings[run.slot()];
+            if let Err(failure) = mapping.pin_run(locked.get(run.slot()), run.page_in(mapping), run.npages())
+            {
                 // The call's reservation is returned whole by the caller.
                 unpin_runs(&plan.mappings, locked, &plan.runs[..done]);
-                return Err(run_error(run, failure));
+                return Err(run_error(run, mapping, failure));
             }
         }
         Ok(())
@@ -1235,18 +1258,17 @@ impl DmaSpace {
         let mut locked = Locked::take(&plan.mappings);
         let mut released: SmallVec<[Released; 2]> = plan.mappings.iter().map(|_| Released::new()).collect();
         for (done, run) in plan.runs.iter().enumerate() {
-            let mapping = &plan.mappings[run.slot];
-            let pins = locked.get(run.slot);
-            if let Err(page) = mapping.try_unpin_run(pins, run.page, run.npages, &mut released[run.slot]) {
+            let mapping = &plan.mappings[run.slot()];
+            let pins = locked.get(run.slot());
+            let first = run.page_in(mapping);
+            if let Err(page) = mapping.try_unpin_run(pins, first, run.npages(), &mut released[run.slot()]) {
                 // Put back what this call took; nothing was munlocked yet.
                 for undo in plan.runs[..done].iter().rev() {
-                    locked.get(undo.slot).table.increment(undo.page, undo.npages);
+                    let at = undo.page_in(&plan.mappings[undo.slot()]);
+                    locked.get(undo.slot()).table.increment(at, undo.npages());
                 }
-                let index = run.index + (page - run.page) as usize;
-                return Err(UnpinError::NotPinned {
-                    index,
-                    pfn: (run.iova >> PAGE_SHIFT) + (page - run.page),
-                });
+                let index = run.index() + (page - first) as usize;
+                return Err(UnpinError::NotPinned { index, pfn: (run.iova >> PAGE_SHIFT) + (page - first) });
             }
         }
         for (slot, m) in plan.mappings.iter().enumerate() {
@@ -1463,7 +1485,7 @@ impl PinnedPages {
         let mut runs = self.runs_slice().iter().peekable();
         std::iter::from_fn(move || {
             let first = runs.next()?;
-            let mut seg = Segment { host_addr: first.host, len: first.len(), index: first.index };
+            let mut seg = Segment { host_addr: first.host, len: first.len(), index: first.index() };
             while let Some(next) = runs.next_if(|r| r.host == seg.host_addr + seg.len as usize) {
                 seg.len += next.len();
             }
@@ -1473,20 +1495,20 @@ impl PinnedPages {
 
     fn run_of(&self, index: usize) -> Option<&PinnedRun> {
         let runs = self.runs_slice();
-        let at = runs.partition_point(|r| r.index <= index).checked_sub(1)?;
+        let at = runs.partition_point(|r| r.index() <= index).checked_sub(1)?;
         let run = &runs[at];
-        (index < run.index + run.npages as usize).then_some(run)
+        (index < run.index() + run.npages() as usize).then_some(run)
     }
 
     /// IOVA of entry `index`.
     pub fn iova(&self, index: usize) -> Option<u64> {
-        self.run_of(index).map(|r| r.iova + (index - r.index) as u64 * PAGE_SIZE)
+        self.run_of(index).map(|r| r.iova + (index - r.index()) as u64 * PAGE_SIZE)
     }
 
     /// Host address of entry `index`'s page. Valid while the pins are held; prefer
     /// [`PinnedPages::read`] and [`PinnedPages::write`], which check bounds and access.
     pub fn host_addr(&self, index: usize) -> Option<usize> {
-        self.run_of(index).map(|r| r.host + (index - r.index) * PAGE_SIZE as usize)
+        self.run_of(index).map(|r| r.host + (index - r.index()) * PAGE_SIZE as usize)
     }
 
     /// Bytes pinned: the pages taken as one buffer, entry 0 first.
@@ -1522,12 +1544,12 @@ impl PinnedPages {
     fn for_each_piece(&self, offset: u64, len: usize, mut f: impl FnMut(usize, usize, usize)) {
         let mut done = 0usize;
         let runs = self.runs_slice();
-        let start = runs.partition_point(|r| ((r.index as u64 + r.npages) * PAGE_SIZE) <= offset);
+        let start = runs.partition_point(|r| ((r.index() as u64 + r.npages()) * PAGE_SIZE) <= offset);
         for run in &runs[start..] {
             if done == len {
                 break;
             }
-            let run_start = run.index as u64 * PAGE_SIZE;
+            let run_start = run.index() as u64 * PAGE_SIZE;
             let at = offset + done as u64 - run_start;
             let n = ((run.len() - at) as usize).min(len - done);
             f(run.host + at as usize, done, n);
@@ -1661,12 +1683,14 @@ impl PinnedPages {
             let rec = unsafe { record.view() };
             // Counted first, then retired: an unmap sees the pins throughout.
             for (done, run) in rec.runs.iter().enumerate() {
-                let mapping = rec.mapping(run.slot);
+                let mapping = rec.mapping(run.slot());
                 // Bound first: the undo below locks mappings again.
-                let counted = mapping.lock().table.try_increment(run.page, run.npages).map(drop);
+                let counted =
+                    mapping.lock().table.try_increment(run.page_in(mapping), run.npages()).map(drop);
                 if let Err(page) = counted {
                     for undo in rec.runs[..done].iter().rev() {
-                        rec.mapping(undo.slot).lock().table.decrement(undo.page, undo.npages, None);
+                        let m = rec.mapping(undo.slot());
+                        m.lock().table.decrement(undo.page_in(m), undo.npages(), None);
                     }
                     // Only after 65535 kept pins of one page: these stay held for good.
                     log::error!(

@@ -276,7 +276,7 @@ impl<'a> RecordRef<'a> {
         let Some(slot) = self.mappings.iter().position(|p| std::ptr::eq(p.as_ptr(), m)) else {
             return 0;
         };
-        self.runs.iter().filter(|r| r.slot == slot).map(|r| r.npages()).sum()
+        self.runs.iter().filter(|r| r.slot() == slot).map(|r| r.npages()).sum()
     }
 }
 

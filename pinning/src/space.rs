@@ -45,7 +45,8 @@ pub struct DmaSpaceConfig {
     /// 5 s a VMM such as QEMU waits for a reply).
     pub unmap_timeout: Duration,
     /// Most pages one pin or unpin call may name (default 262144, 1 GiB): one call holds a
-    /// mapping's lock for its whole duration.
+    /// mapping's lock for its whole duration. At most 2^32 - 1 (larger values are taken as
+    /// that): a run records its pages and position in 32 bits.
     pub max_pages_per_call: u64,
     /// Most pins the space holds at once, repeats counted (default 16M: 64 GiB of pages
     /// pinned once). Bounds what a device driven by a client can hold.
@@ -381,7 +382,8 @@ impl Default for DmaSpace {
 
 impl DmaSpace {
     /// An empty space.
-    pub fn new(config: DmaSpaceConfig) -> Self {
+    pub fn new(mut config: DmaSpaceConfig) -> Self {
+        config.max_pages_per_call = config.max_pages_per_call.min(u64::from(u32::MAX));
         let policy = Arc::new(PinPolicy::new(config.mode, config.account.clone(), config.max_pins));
         let inner = SpaceInner {
             config,
@@ -727,8 +729,9 @@ impl DmaSpace {
         self.inner.slots.for_each_slot(|slot| {
             for record in slot.records() {
                 for run in record.runs.iter() {
-                    if std::ptr::eq(record.mapping(run.slot), &*mapping)
-                        && (run.page..run.page + run.npages()).contains(&page)
+                    let first = run.page_in(&mapping);
+                    if std::ptr::eq(record.mapping(run.slot()), &*mapping)
+                        && (first..first + run.npages()).contains(&page)
                     {
                         count += 1;
                     }
@@ -803,7 +806,8 @@ impl DmaSpace {
             stats.pages += c.pages;
             for record in slot.records() {
                 for run in record.runs.iter() {
-                    recorded.push((record.mapping(run.slot), run.page, run.npages()));
+                    let mapping = record.mapping(run.slot());
+                    recorded.push((mapping, run.page_in(mapping), run.npages()));
                 }
             }
         });
@@ -906,12 +910,12 @@ mod tests {
         let stats = space.stats();
         assert_eq!(stats.bookkeeping_bytes, 0);
         assert_eq!(stats.mapped_bytes, 64 << 30);
-        // Pinning one page allocates one slot's small-record array (26 KiB, a track-mode call) or one
+        // Pinning one page allocates one slot's small-record array (19 KiB, a track-mode call) or one
         // chunk of counts, nothing per page of the mapping.
         let last = (1u64 << 40) + (64 << 30) - PAGE_SIZE;
         let pins = space.pin_range(last, 1, Prot::READ).unwrap();
         let bytes = space.stats().bookkeeping_bytes;
-        assert!(bytes > 0 && bytes <= 32 << 10, "{bytes}");
+        assert!(bytes > 0 && bytes <= 20 << 10, "{bytes}");
         drop(pins);
         space.unmap(1 << 40, 64 << 30).unwrap();
     }
