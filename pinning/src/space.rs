@@ -903,6 +903,14 @@ mod tests {
     }
 
     #[test]
+    fn pages_per_call_stop_at_what_a_run_records() {
+        let space = DmaSpace::new(DmaSpaceConfig { max_pages_per_call: u64::MAX, ..Default::default() });
+        assert_eq!(space.config().max_pages_per_call, u64::from(u32::MAX));
+        let err = space.pin_range(0, 1 << 32, Prot::READ).unwrap_err();
+        assert!(matches!(err, PinError::TooManyPages { requested: 4294967296, max: 4294967295 }), "{err}");
+    }
+
+    #[test]
     fn map_is_lazy_whatever_the_size() {
         let huge = memfd(64 << 18); // 64 GiB, sparse
         let space = DmaSpace::default();
