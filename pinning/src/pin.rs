@@ -2071,16 +2071,21 @@ mod tests {
         assert_eq!(space.stats().pins_held, 0);
     }
 
+    /// An empty lock-mode space (no lock limit) of at most `max_pins` pins.
+    fn lock_space_of(max_pins: u64) -> DmaSpace {
+        DmaSpace::new(DmaSpaceConfig {
+            mode: PinMode::Lock,
+            account: Arc::new(LockAccount::unlimited()),
+            max_pins,
+            ..Default::default()
+        })
+    }
+
     #[test]
     fn lock_mode_stocks_in_mappings_keep_the_limit_exact_and_counts_outlive_the_table() {
         // Lock-mode calls reserve from their first mapping's stock and count there: the
         // limit must still be exact across mappings, an unmap must hand both back.
-        let space = DmaSpace::new(DmaSpaceConfig {
-            mode: PinMode::Lock,
-            account: Arc::new(LockAccount::unlimited()),
-            max_pins: 6000,
-            ..Default::default()
-        });
+        let space = lock_space_of(6000);
         let (a, b) = (memfd(3000), memfd(8192));
         space.map(0, 3000 * P, a.as_fd(), 0, Prot::READ_WRITE).unwrap();
         space.map(1 << 30, 8192 * P, b.as_fd(), 0, Prot::READ_WRITE).unwrap();
@@ -2123,12 +2128,7 @@ mod tests {
     fn lock_mode_pins_let_go_after_their_mapping_left_the_table_go_straight_back_to_the_space() {
         // A removed mapping kept alive by a guard keeps no stock: what its guards give back
         // is the space's at once, not when the last of them drops.
-        let space = DmaSpace::new(DmaSpaceConfig {
-            mode: PinMode::Lock,
-            account: Arc::new(LockAccount::unlimited()),
-            max_pins: 6000,
-            ..Default::default()
-        });
+        let space = lock_space_of(6000);
         let file = memfd(8192);
         space.map(0, 3000 * P, file.as_fd(), 0, Prot::READ_WRITE).unwrap();
         let stays = space.pin_pages(&[1], Prot::READ).unwrap();
