@@ -397,7 +397,7 @@ impl DmaSpace {
         DmaSpace { inner: Arc::new(SpaceHandle { space: Arc::new(inner) }) }
     }
 
-    /// The configuration it was created with.
+    /// The configuration it was created with (`max_pages_per_call` capped, see there).
     pub fn config(&self) -> &DmaSpaceConfig {
         &self.inner.config
     }
@@ -729,11 +729,11 @@ impl DmaSpace {
         self.inner.slots.for_each_slot(|slot| {
             for record in slot.records() {
                 for run in record.runs.iter() {
-                    let first = run.page_in(&mapping);
-                    if std::ptr::eq(record.mapping(run.slot()), &*mapping)
-                        && (first..first + run.npages()).contains(&page)
-                    {
-                        count += 1;
+                    let held_in = record.mapping(run.slot());
+                    // Runs of other mappings have no page in this one.
+                    if std::ptr::eq(held_in, &*mapping) {
+                        let first = run.page_in(held_in);
+                        count += u64::from((first..first + run.npages()).contains(&page));
                     }
                 }
             }
@@ -900,6 +900,21 @@ mod tests {
         let space = DmaSpace::default();
         space.map(u64::MAX - p + 1, p, fd, 0, RW).unwrap();
         assert!(space.lookup(u64::MAX).is_some());
+    }
+
+    #[test]
+    fn pin_counts_look_only_at_runs_of_the_page_s_own_mapping() {
+        // Track-mode guards' runs in a lower mapping must not be measured against a higher one.
+        let space = DmaSpace::default();
+        let file = memfd(8);
+        space.map(0, 4 * PAGE_SIZE, file.as_fd(), 0, RW).unwrap();
+        space.map(1 << 40, 4 * PAGE_SIZE, file.as_fd(), 4 * PAGE_SIZE, RW).unwrap();
+        let low = space.pin_pages(&[1, 2, 3], Prot::READ).unwrap();
+        let high = space.pin_range((1 << 40) + PAGE_SIZE, 2, Prot::READ).unwrap();
+        let counts: Vec<u32> = (0..4).map(|p| space.pin_count((1 << 40) + p * PAGE_SIZE)).collect();
+        assert_eq!(counts, [0, 1, 1, 0]);
+        assert_eq!(space.pin_count(0), 0);
+        drop((low, high));
     }
 
     #[test]
