@@ -200,10 +200,9 @@ pub enum AccessError {
 
 /// Consecutive entries of a pin call with consecutive page numbers in one mapping, pinned as
 /// one step. Host memory of a run is contiguous.
-///
-/// Four words: a call writes one per run, and 8-run small records stay small. Pages and
-/// position fit 32 bits (`max_pages_per_call` is at most 2^32 - 1); the run's page within its
-/// mapping is not kept but derived from the IOVA (see [`PinnedRun::page_in`]).
+// Four words: a call writes one per run, and 8-run small records stay small. Pages and
+// position fit 32 bits (`max_pages_per_call` is at most 2^32 - 1); the run's page within its
+// mapping is not kept but derived from the IOVA (`PinnedRun::page_in`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PinnedRun {
     iova: u64,
