@@ -11,15 +11,17 @@ use std::path::Path;
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use serde::Serialize;
-use umdev::ccw_guest::{idal_area, program_area, status_area, wait_eventfd, DATA_BASE, RAM_SIZE, SCRATCH};
-use umdev_mdev::samples::ccw::driver::{layout, Data, Op};
-use umdev_mdev::samples::ccw::program::{cmd, Status, STATUS_SIZE};
-use umdev_mdev::samples::ccw::regs;
+use umdev_devices::ccw::program::{cmd, Status, STATUS_SIZE};
+use umdev_devices::ccw::regs;
 use umdev_mdev::types::InstanceOptions;
 use umdev_pinning::PinMode;
-use umdev_server::client::{dma_map_payload, message, region_write_payload, set_irqs_payload, RawClient};
 use umdev_server::wire::{flags, Command};
 use umdev_server::{Daemon, InstanceConfig};
+use umdev_testkit::ccw_driver::{layout, Data, Op};
+use umdev_testkit::ccw_guest::{
+    idal_area, program_area, status_area, wait_eventfd, DATA_BASE, RAM_SIZE, SCRATCH,
+};
+use umdev_testkit::client::{dma_map_payload, message, region_write_payload, set_irqs_payload, RawClient};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::affinity::{pin_to, unpin};

@@ -9,11 +9,11 @@
 
 use std::time::Instant;
 
-use umdev::ccw_guest::{CcwGuest, DATA_BASE, RAM_SIZE, SCRATCH};
-use umdev_mdev::samples::ccw::driver::{idaws, Data, Op};
-use umdev_mdev::samples::ccw::program::cmd;
+use umdev_devices::ccw::program::cmd;
 use umdev_mdev::types::InstanceOptions;
 use umdev_server::{Daemon, InstanceConfig};
+use umdev_testkit::ccw_driver::{idaws, Data, Op};
+use umdev_testkit::ccw_guest::{CcwGuest, DATA_BASE, RAM_SIZE, SCRATCH};
 
 use crate::pinbench::{Pattern, Rng};
 

@@ -3,12 +3,12 @@
 
 #![deny(missing_docs)]
 
-pub mod ccw_guest;
-pub mod nvme_guest;
+pub mod control;
+pub mod lifecycle;
 
 use std::sync::Arc;
 
-use umdev_mdev::samples::{ccw, mtty, nvme, testdev};
+use umdev_devices::{ccw, mtty, nvme, testdev};
 use umdev_mdev::types::{Pool, Registry};
 
 /// The device types `umdev` serves: testdev, mtty-1 and mtty-2 (one pool of 24 ports, as

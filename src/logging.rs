@@ -113,9 +113,9 @@ mod tests {
     #[test]
     fn journal_lines_carry_a_priority_on_every_line() {
         assert_eq!(lines(Level::Error, STATUS, "bad"), "<3>bad\n");
-        assert_eq!(lines(Level::Warn, "umdev_server::lifecycle", "a\nb"), "<4>a\n<4>b\n");
+        assert_eq!(lines(Level::Warn, "umdev::lifecycle", "a\nb"), "<4>a\n<4>b\n");
         assert_eq!(lines(Level::Info, "x", "up"), "<6>up\n");
-        assert_eq!(lines(Level::Debug, "umdev_server::control", "hi"), "<7>umdev_server::control: hi\n");
+        assert_eq!(lines(Level::Debug, "umdev::control", "hi"), "<7>umdev::control: hi\n");
         assert_eq!(lines(Level::Trace, "t", "deep"), "<7>t: deep\n");
     }
 }

@@ -8,11 +8,11 @@ use std::sync::Arc;
 use sd_notify::NotifyState;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
-use umdev_mdev::types::InstanceOptions;
-use umdev_server::control::{request, ControlError, ControlRequest, ControlResponse, ControlServer};
-use umdev_server::lifecycle::{
+use umdev::control::{request, ControlError, ControlRequest, ControlResponse, ControlServer};
+use umdev::lifecycle::{
     sync_status, Definition, Definitions, InstanceSummary, Manager, ReloadReport, StartPolicy, TypeSummary,
 };
+use umdev_mdev::types::InstanceOptions;
 use umdev_server::InstanceConfig;
 use uuid::Uuid;
 

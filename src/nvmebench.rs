@@ -16,12 +16,12 @@ use std::time::{Duration, Instant};
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use serde::Serialize;
-use umdev::nvme_guest::{wait_eventfd, NvmeGuest};
-use umdev_mdev::samples::nvme::driver::Driver;
-use umdev_mdev::samples::nvme::spec::Sqe;
-use umdev_mdev::samples::testdev;
-use umdev_server::client::{region_write_payload, set_irqs_payload, RawClient};
+use umdev_devices::nvme::spec::Sqe;
+use umdev_devices::testdev;
 use umdev_server::wire::{flags, Command as Cmd};
+use umdev_testkit::client::{region_write_payload, set_irqs_payload, RawClient};
+use umdev_testkit::nvme_driver::Driver;
+use umdev_testkit::nvme_guest::{wait_eventfd, NvmeGuest};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::pinbench::{median, Rng};

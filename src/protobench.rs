@@ -18,11 +18,11 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use umdev_mdev::types::InstanceOptions;
-use umdev_server::client::{
-    dma_map_payload, dma_unmap_payload, le32, le64, message, region_write_payload, RawClient,
-};
 use umdev_server::wire::{flags, Command};
 use umdev_server::{Daemon, InstanceConfig};
+use umdev_testkit::client::{
+    dma_map_payload, dma_unmap_payload, le32, le64, message, region_write_payload, RawClient,
+};
 
 use crate::affinity::{pin_to, unpin};
 

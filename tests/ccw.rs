@@ -9,12 +9,10 @@ use std::time::{Duration, Instant};
 
 use common::ccw::*;
 use common::Harness;
-use umdev_mdev::samples::ccw::driver::{idaws, layout, Data, Op};
-use umdev_mdev::samples::ccw::program::{
-    cmd, cstat, dstat, flags, Ccw, Reason, Status, MAX_CCWS, MAX_CCW_COUNT,
-};
-use umdev_mdev::samples::ccw::regs;
+use umdev_devices::ccw::program::{cmd, cstat, dstat, flags, Ccw, Reason, Status, MAX_CCWS, MAX_CCW_COUNT};
+use umdev_devices::ccw::regs;
 use umdev_mdev::types::InstanceOptions;
+use umdev_testkit::ccw_driver::{idaws, layout, Data, Op};
 
 fn harness(extra: &[(&str, &str)]) -> Harness {
     let mut options = InstanceOptions::default();

@@ -14,11 +14,11 @@ use std::time::{Duration, Instant};
 
 use common::ccw::*;
 use common::Harness;
-use umdev_mdev::samples::ccw::driver::{Data, Op};
-use umdev_mdev::samples::ccw::program::{cmd, cstat, dstat, flags, Ccw, Reason, Status, STATUS_SIZE};
-use umdev_mdev::samples::ccw::regs;
+use umdev_devices::ccw::program::{cmd, cstat, dstat, flags, Ccw, Reason, Status, STATUS_SIZE};
+use umdev_devices::ccw::regs;
 use umdev_mdev::types::InstanceOptions;
 use umdev_pinning::PinMode;
+use umdev_testkit::ccw_driver::{Data, Op};
 
 const MODES: [PinMode; 2] = [PinMode::Track, PinMode::Lock];
 const MIB: u64 = 1 << 20;

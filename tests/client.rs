@@ -55,7 +55,7 @@ fn rust_vmm_client_drives_testdev() {
 
     // Region discovery: BAR1 is mmap-able through a sparse area, with its fd.
     let bar1 = c.region(1).expect("BAR1");
-    assert_eq!(bar1.size, umdev_mdev::samples::testdev::BAR1_SIZE);
+    assert_eq!(bar1.size, umdev_devices::testdev::BAR1_SIZE);
     assert!(bar1.file_offset.is_some(), "the region fd came with the info");
     assert_eq!(bar1.sparse_areas.len(), 1);
     assert_eq!((bar1.sparse_areas[0].offset, bar1.sparse_areas[0].size), (0, 4096));

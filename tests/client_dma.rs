@@ -26,7 +26,7 @@ fn read_reg(c: &mut RawClient, reg: u64) -> u32 {
 
 /// Rings DMA_CMD; returns the server's first DMA request, which may arrive before or after
 /// the reply to the ringing write (server requests interleave with replies).
-fn ring(c: &mut RawClient, cmd: u32) -> umdev_server::client::Reply {
+fn ring(c: &mut RawClient, cmd: u32) -> umdev_testkit::client::Reply {
     let id = c
         .send(
             Command::RegionWrite as u16,

@@ -13,10 +13,10 @@ use std::time::{Duration, Instant};
 
 use common::ccw::*;
 use common::Harness;
-use umdev_mdev::samples::ccw::driver::{idaws, Data, Op};
-use umdev_mdev::samples::ccw::program::{cmd, Reason, Status};
+use umdev_devices::ccw::program::{cmd, Reason, Status};
 use umdev_mdev::types::InstanceOptions;
 use umdev_pinning::PinMode;
+use umdev_testkit::ccw_driver::{idaws, Data, Op};
 
 const SUBCHANNELS: u32 = 16;
 const ROUNDS: u32 = 40;

@@ -6,14 +6,14 @@
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
+use umdev_devices::ccw::program::cmd;
+use umdev_devices::ccw::{self, regs as ccw_regs};
+use umdev_devices::nvme::spec::{admin_op, reg, Sqe};
+use umdev_devices::{mtty, nvme, testdev};
 use umdev_mdev::contract::{check, Contract, Probe};
-use umdev_mdev::samples::ccw::driver::{layout, Data, Op};
-use umdev_mdev::samples::ccw::program::cmd;
-use umdev_mdev::samples::ccw::{self, regs as ccw_regs};
-use umdev_mdev::samples::nvme::driver::{Driver, Transport};
-use umdev_mdev::samples::nvme::spec::{admin_op, reg, Sqe};
-use umdev_mdev::samples::{mtty, nvme, testdev};
 use umdev_mdev::types::InstanceOptions;
+use umdev_testkit::ccw_driver::{layout, Data, Op};
+use umdev_testkit::nvme_driver::{Driver, Transport};
 
 #[path = "../examples/custom_device.rs"]
 #[allow(dead_code)]

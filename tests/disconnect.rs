@@ -17,10 +17,10 @@ use std::time::{Duration, Instant};
 use common::ccw::{idal_area, program_area, status_area, DATA_BASE};
 use common::raw::*;
 use common::Harness;
-use umdev_mdev::samples::ccw::driver::{idaws, layout, Data, Op};
-use umdev_mdev::samples::ccw::program::cmd;
-use umdev_mdev::samples::ccw::regs;
+use umdev_devices::ccw::program::cmd;
+use umdev_devices::ccw::regs;
 use umdev_server::wire::{flags, Command as Cmd, Header, HEADER_SIZE};
+use umdev_testkit::ccw_driver::{idaws, layout, Data, Op};
 
 const RAM: u64 = 32 << 20;
 const MESSAGE_ONLY_IOVA: u64 = 1 << 30;

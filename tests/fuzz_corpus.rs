@@ -18,10 +18,10 @@ type Seeds = fn() -> Vec<(&'static str, Vec<u8>)>;
 
 /// The fuzz targets: name (as in `fuzz/Cargo.toml`), harness, seeds.
 const TARGETS: [(&str, Harness, Seeds); 4] = [
-    ("dispatch", umdev_server::fuzzing::dispatch, umdev_server::fuzzing::seeds),
-    ("session", umdev_server::fuzzing::session::run, umdev_server::fuzzing::session::seeds),
+    ("dispatch", umdev_testkit::server_fuzz::dispatch, umdev_testkit::server_fuzz::seeds),
+    ("session", umdev_testkit::server_fuzz::session::run, umdev_testkit::server_fuzz::session::seeds),
     ("pinning", umdev_pinning::fuzzing::ops, umdev_pinning::fuzzing::seeds),
-    ("ccw", umdev_mdev::fuzzing::ccw, umdev_mdev::fuzzing::seeds),
+    ("ccw", umdev_testkit::ccw_fuzz::ccw, umdev_testkit::ccw_fuzz::seeds),
 ];
 
 fn corpus_dir(target: &str) -> PathBuf {

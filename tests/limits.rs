@@ -75,12 +75,16 @@ fn each_limit_has_a_flag_and_a_clear_error() {
     let _s = run(&socket, &["--type", "ccw", "--max-pins", "64"]);
     // Let the probe connection's teardown finish before the real client.
     std::thread::sleep(Duration::from_millis(50));
-    let mut g = umdev::ccw_guest::CcwGuest::connect(&socket).unwrap();
-    use umdev_mdev::samples::ccw::driver::{Data, Op};
-    use umdev_mdev::samples::ccw::program::{cmd, dstat, Reason};
-    let s = g.run(0, &[Op::new(cmd::WRITE, 64 * 4096, Data::Direct(umdev::ccw_guest::DATA_BASE))]).unwrap();
+    let mut g = umdev_testkit::ccw_guest::CcwGuest::connect(&socket).unwrap();
+    use umdev_devices::ccw::program::{cmd, dstat, Reason};
+    use umdev_testkit::ccw_driver::{Data, Op};
+    let s = g
+        .run(0, &[Op::new(cmd::WRITE, 64 * 4096, Data::Direct(umdev_testkit::ccw_guest::DATA_BASE))])
+        .unwrap();
     assert!(s.ok(), "64 pages fit: {s:?}");
-    let s = g.run(0, &[Op::new(cmd::WRITE, 65 * 4096, Data::Direct(umdev::ccw_guest::DATA_BASE))]).unwrap();
+    let s = g
+        .run(0, &[Op::new(cmd::WRITE, 65 * 4096, Data::Direct(umdev_testkit::ccw_guest::DATA_BASE))])
+        .unwrap();
     assert_eq!((s.dstat, s.reason), (dstat::UC, Reason::DeviceError), "65 do not");
     drop(g);
 

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{read32, wait_eventfd, Harness};
-use umdev_mdev::samples::mtty::{self, regs::*, Backend};
+use umdev_devices::mtty::{self, regs::*, Backend};
 use vfio_user::Client;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 

@@ -13,12 +13,12 @@ use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
 use common::Harness;
-use umdev::nvme_guest::NvmeGuest;
-use umdev_mdev::samples::nvme::driver::{Driver, Transport};
-use umdev_mdev::samples::nvme::spec::{admin_op, nvm_op, reg, Sqe, Status};
+use umdev_devices::nvme::spec::{admin_op, nvm_op, reg, Sqe, Status};
 use umdev_mdev::types::InstanceOptions;
-use umdev_server::client::{dma_map_payload, dma_unmap_payload};
 use umdev_server::wire::Command;
+use umdev_testkit::client::{dma_map_payload, dma_unmap_payload};
+use umdev_testkit::nvme_driver::{Driver, Transport};
+use umdev_testkit::nvme_guest::NvmeGuest;
 
 const RAM: u64 = 160 << 20;
 /// A read-only canary mapped right after RAM.

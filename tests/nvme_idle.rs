@@ -8,10 +8,10 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::Harness;
-use umdev::nvme_guest::NvmeGuest;
-use umdev_mdev::samples::nvme::driver::Driver;
-use umdev_mdev::samples::nvme::spec::Status;
+use umdev_devices::nvme::spec::Status;
 use umdev_mdev::types::InstanceOptions;
+use umdev_testkit::nvme_driver::Driver;
+use umdev_testkit::nvme_guest::NvmeGuest;
 
 const RAM: u64 = 160 << 20;
 const DATA: u64 = Driver::<NvmeGuest>::DATA;

@@ -122,6 +122,6 @@ fn the_bar_memory_fd_a_client_receives_cannot_be_resized() {
         let err = bar.set_len(size).unwrap_err();
         assert_eq!(err.raw_os_error(), Some(libc::EPERM), "resizing to {size}");
     }
-    assert_eq!(bar.metadata().unwrap().len(), umdev_mdev::samples::testdev::BAR1_SIZE);
+    assert_eq!(bar.metadata().unwrap().len(), umdev_devices::testdev::BAR1_SIZE);
     assert!(c.alive());
 }

@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use common::qemu::{qemu_binary, Qtest};
 use common::Harness;
-use umdev_mdev::samples::ccw::driver::{idaws, layout, Data, Op};
-use umdev_mdev::samples::ccw::program::{cmd, cstat, dstat, Reason, Status, STATUS_SIZE};
-use umdev_mdev::samples::ccw::regs;
+use umdev_devices::ccw::program::{cmd, cstat, dstat, Reason, Status, STATUS_SIZE};
+use umdev_devices::ccw::regs;
+use umdev_testkit::ccw_driver::{idaws, layout, Data, Op};
 
 const BAR0: u64 = 0xc000_0000;
 const PROGRAM: u64 = 0x20_0000;

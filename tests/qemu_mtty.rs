@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::qemu::{qemu_binary, Qtest};
 use common::Harness;
-use umdev_mdev::samples::mtty::{self, regs::*};
+use umdev_devices::mtty::{self, regs::*};
 
 /// Where the test puts the two ports in I/O space.
 const PORT0: u16 = 0xc100;

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use common::qemu::{qemu_binary, Qtest};
 use common::Harness;
-use umdev_mdev::samples::nvme::driver::{Driver, Transport};
-use umdev_mdev::samples::nvme::spec::{reg, Status};
+use umdev_devices::nvme::spec::{reg, Status};
+use umdev_testkit::nvme_driver::{Driver, Transport};
 
 const BAR0: u64 = 0xc000_0000;
 

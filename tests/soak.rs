@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use common::ccw::*;
 use common::process::{fd_count, run, status_kib};
-use umdev_mdev::samples::ccw::driver::{idaws, Data, Op};
-use umdev_mdev::samples::ccw::program::cmd;
+use umdev_devices::ccw::program::cmd;
+use umdev_testkit::ccw_driver::{idaws, Data, Op};
 
 const CYCLES: usize = 10_000;
 const SAMPLE_EVERY: usize = 500;

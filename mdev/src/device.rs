@@ -243,22 +243,6 @@ pub trait ClientDma: Send + Sync {
     fn write(&self, iova: u64, data: &[u8]) -> Result<(), ClientDmaError>;
 }
 
-/// A client that refuses every DMA message (ENODEV): for tests whose guest memory is all
-/// shared with fds.
-#[cfg(test)]
-pub(crate) struct NoClient;
-
-#[cfg(test)]
-impl ClientDma for NoClient {
-    fn read(&self, _iova: u64, _buf: &mut [u8]) -> Result<(), ClientDmaError> {
-        Err(ClientDmaError::Refused(libc::ENODEV))
-    }
-
-    fn write(&self, _iova: u64, _data: &[u8]) -> Result<(), ClientDmaError> {
-        Err(ClientDmaError::Refused(libc::ENODEV))
-    }
-}
-
 /// Whether a device may master the bus: PCI's COMMAND.BME as the guest last wrote it. A
 /// device never reads or writes guest memory while it is off; [`DeviceContext`] refuses
 /// every pin and copy then, so a device cannot forget. Cheap to clone: clones share it.

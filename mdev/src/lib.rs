@@ -4,8 +4,8 @@
 //! server ([`VfioDevice`], [`DeviceContext`]), and the shared machinery devices are built
 //! from: PCI config space and register maps ([`pci`]), interrupts ([`irq`]), typed guest
 //! access ([`guest`]), request permits ([`request`]), device types ([`types`]) and, with the
-//! `contract` feature, the device contract as a test (`contract`). The built-in devices are
-//! in [`samples`]; which of them a binary serves is the binary's choice.
+//! `contract` feature, the device contract as a test (`contract`). The devices themselves are
+//! in `umdev-devices`; which of them a binary serves is the binary's choice.
 //!
 //! What it is not: it speaks no protocol (the server crate turns vfio-user messages into
 //! calls on [`VfioDevice`]) and manages no memory (devices reach guest memory through the
@@ -17,14 +17,10 @@
 #[cfg(feature = "contract")]
 pub mod contract;
 mod device;
-#[cfg(feature = "fuzzing")]
-pub mod fuzzing;
 pub mod guest;
 pub mod irq;
 pub mod pci;
 pub mod request;
-pub mod samples;
-pub mod store;
 pub mod types;
 pub mod unix_socket;
 

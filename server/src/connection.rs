@@ -43,17 +43,21 @@ impl std::fmt::Display for Disconnect {
 }
 
 /// Everything a connection needs from its instance.
-pub(crate) struct Served {
-    pub(crate) device: Arc<dyn VfioDevice>,
-    pub(crate) dma: DmaSpace,
-    pub(crate) limits: Limits,
-    pub(crate) stats: Arc<ServerStats>,
+pub struct Served {
+    /// The device.
+    pub device: Arc<dyn VfioDevice>,
+    /// The client's DMA space.
+    pub dma: DmaSpace,
+    /// Protocol limits.
+    pub limits: Limits,
+    /// The instance's counters.
+    pub stats: Arc<ServerStats>,
     /// Longest busy-poll window after a reply (zero: off).
-    pub(crate) busy_poll: Duration,
+    pub busy_poll: Duration,
 }
 
 /// Serves `stream` until the client goes, then cleans up.
-pub(crate) fn serve(stream: UnixStream, served: &Served) -> Disconnect {
+pub fn serve(stream: UnixStream, served: &Served) -> Disconnect {
     served.stats.connections.fetch_add(1, Ordering::Relaxed);
     let writer = match stream.try_clone() {
         Ok(w) => w,

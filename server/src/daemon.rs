@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -23,6 +23,7 @@ use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use serde::Serialize;
 use thiserror::Error;
+use umdev_mdev::unix_socket::{bind_private, BindError};
 use umdev_mdev::VfioDevice;
 use umdev_pinning::sync::{lock, wait_timeout};
 use umdev_pinning::{DmaSpace, DmaSpaceConfig, DmaStats};
@@ -43,17 +44,12 @@ pub enum DaemonError {
     /// A client is connected and the stop was not forced.
     #[error("instance {0} has a client connected (force to disconnect it)")]
     Busy(String),
-    /// Another server is listening on the socket path.
-    #[error("{0} is in use by a live server")]
-    SocketInUse(PathBuf),
-    /// Something other than a socket is at the socket path.
-    #[error("{0} exists and is not a socket")]
-    NotASocket(PathBuf),
-    /// Creating the socket or a thread failed.
-    #[error("{what} {path}: {source}")]
-    Io {
-        /// What was being done.
-        what: &'static str,
+    /// The instance's socket could not be bound.
+    #[error(transparent)]
+    Bind(#[from] BindError),
+    /// The instance's thread could not be started.
+    #[error("starting the server thread for {path}: {source}")]
+    Thread {
         /// The socket path.
         path: PathBuf,
         /// The error.
@@ -433,16 +429,6 @@ fn poll_hangup(stream: &UnixStream, stop: Option<&EventFd>, grace: Duration) -> 
     }
 }
 
-/// Binds `path` mode 0600, replacing a stale socket left by a dead server.
-pub(crate) fn bind(path: &Path) -> Result<UnixListener, DaemonError> {
-    use umdev_mdev::unix_socket::{bind_private, BindError};
-    bind_private(path).map_err(|e| match e {
-        BindError::InUse(path) => DaemonError::SocketInUse(path),
-        BindError::NotASocket(path) => DaemonError::NotASocket(path),
-        BindError::Io { what, path, source } => DaemonError::Io { what, path, source },
-    })
-}
-
 /// Device instances served by this process.
 #[derive(Default)]
 pub struct Daemon {
@@ -461,8 +447,8 @@ impl Daemon {
         if instances.contains_key(&config.id) {
             return Err(DaemonError::Exists(config.id));
         }
-        let listener = bind(&config.socket)?;
-        let io_err = |source| DaemonError::Io { what: "starting", path: config.socket.clone(), source };
+        let listener = bind_private(&config.socket)?;
+        let io_err = |source| DaemonError::Thread { path: config.socket.clone(), source };
         let stop = EventFd::from_flags(EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)
             .map_err(|e| io_err(e.into()))?;
         let mut dma_config = config.dma.clone();

@@ -15,15 +15,18 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![deny(missing_docs)]
 
-pub mod client;
 mod connection;
-pub mod control;
 pub mod daemon;
 mod eventfd;
+/// The server's internals, for the fuzz harnesses of `umdev-testkit` (feature `fuzzing`); not API.
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
-pub mod fuzzing;
-pub mod lifecycle;
+pub mod internals {
+    pub use crate::connection::{serve, Disconnect, Served};
+    pub use crate::link::{ClientDmaPort, Link};
+    pub use crate::session::{Session, SessionEnd};
+    pub use crate::socket::Receiver;
+}
 mod link;
 mod session;
 mod socket;

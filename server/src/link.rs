@@ -34,9 +34,9 @@ pub const CLIENT_DMA_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A reply from the client to one of the server's requests.
 #[derive(Debug)]
-pub(crate) struct ClientReply {
-    pub(crate) header: Header,
-    pub(crate) payload: Vec<u8>,
+pub struct ClientReply {
+    pub header: Header,
+    pub payload: Vec<u8>,
 }
 
 struct Pending {
@@ -45,7 +45,7 @@ struct Pending {
 }
 
 /// The writing half of a connection.
-pub(crate) struct Link {
+pub struct Link {
     stream: UnixStream,
     write: Mutex<()>,
     pending: Mutex<Pending>,
@@ -58,7 +58,8 @@ pub(crate) struct Link {
 }
 
 impl Link {
-    pub(crate) fn new(stream: UnixStream, reader: ThreadId, stats: Arc<ServerStats>) -> Self {
+    /// The link over `stream`, read by the thread `reader`.
+    pub fn new(stream: UnixStream, reader: ThreadId, stats: Arc<ServerStats>) -> Self {
         Link {
             stream,
             write: Mutex::new(()),
@@ -71,25 +72,21 @@ impl Link {
     }
 
     /// Sends one message, whole, whoever else is sending.
-    pub(crate) fn send(
-        &self,
-        header: &Header,
-        parts: &[&[u8]],
-        fd: Option<BorrowedFd<'_>>,
-    ) -> io::Result<()> {
+    pub fn send(&self, header: &Header, parts: &[&[u8]], fd: Option<BorrowedFd<'_>>) -> io::Result<()> {
         let _guard = umdev_pinning::sync::lock(&self.write);
         crate::socket::send(&self.stream, header, parts, fd)?;
         self.stats.bytes_out.fetch_add(u64::from(header.size), Ordering::Relaxed);
         Ok(())
     }
 
-    pub(crate) fn set_client_max_xfer(&self, bytes: u32) {
+    /// The client's negotiated `max_data_xfer_size`.
+    pub fn set_client_max_xfer(&self, bytes: u32) {
         self.client_max_xfer.store(bytes.max(1), Ordering::Relaxed);
     }
 
     /// Hands a client reply to the device thread waiting for it; false if none is. The
     /// payload is copied only for a waiter.
-    pub(crate) fn deliver(&self, header: Header, payload: &[u8]) -> bool {
+    pub fn deliver(&self, header: Header, payload: &[u8]) -> bool {
         let waiter = self.lock_pending().waiters.remove(&header.id);
         match waiter {
             Some(tx) => tx.send(ClientReply { header, payload: payload.to_vec() }).is_ok(),
@@ -98,7 +95,7 @@ impl Link {
     }
 
     /// Fails every waiting request and refuses new ones: the client is gone.
-    pub(crate) fn close(&self) {
+    pub fn close(&self) {
         let mut pending = self.lock_pending();
         pending.open = false;
         pending.waiters.clear();
@@ -144,8 +141,9 @@ impl Link {
 }
 
 /// [`ClientDma`] over a connection's link.
-pub(crate) struct ClientDmaPort {
-    pub(crate) link: Arc<Link>,
+pub struct ClientDmaPort {
+    /// The connection's link.
+    pub link: Arc<Link>,
 }
 
 fn check(reply: &ClientReply, iova: u64, count: usize, data: bool) -> Result<(), ClientDmaError> {

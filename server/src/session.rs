@@ -22,7 +22,7 @@ use crate::wire::{flags, Header, Limits};
 
 /// Why a session must end.
 #[derive(Debug)]
-pub(crate) enum SessionEnd {
+pub enum SessionEnd {
     /// A reply could not be sent.
     Send(std::io::Error),
 }
@@ -47,7 +47,8 @@ struct RegionShape {
     flags: RegionFlags,
 }
 
-pub(crate) struct Session {
+/// One connection's protocol state: negotiation, the device's regions, every request dispatched.
+pub struct Session {
     device: Arc<dyn VfioDevice>,
     dma: DmaSpace,
     limits: Limits,
@@ -61,7 +62,8 @@ pub(crate) struct Session {
 }
 
 impl Session {
-    pub(crate) fn new(
+    /// A session serving `device` with `dma` over `link`.
+    pub fn new(
         device: Arc<dyn VfioDevice>,
         dma: DmaSpace,
         limits: Limits,
@@ -82,12 +84,12 @@ impl Session {
     }
 
     /// The message size limit negotiation raised, once.
-    pub(crate) fn take_new_max_size(&mut self) -> Option<u32> {
+    pub fn take_new_max_size(&mut self) -> Option<u32> {
         self.new_max_size.take()
     }
 
     /// Handles one message.
-    pub(crate) fn handle(&mut self, frame: Frame, payload: &[u8]) -> Result<(), SessionEnd> {
+    pub fn handle(&mut self, frame: Frame, payload: &[u8]) -> Result<(), SessionEnd> {
         let header = frame.header;
         self.stats.bytes_in.fetch_add(u64::from(header.size), Ordering::Relaxed);
         match header.message_type() {

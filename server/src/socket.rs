@@ -18,18 +18,25 @@ use crate::wire::Header;
 const SCM_MAX_FD: usize = 253;
 
 /// Receive state of one connection: its control-message buffer.
-pub(crate) struct Receiver {
+pub struct Receiver {
     cmsg: Vec<u8>,
 }
 
+impl Default for Receiver {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Receiver {
-    pub(crate) fn new() -> Self {
+    /// Room for the most fds a message may carry.
+    pub fn new() -> Self {
         Receiver { cmsg: nix::cmsg_space!([RawFd; SCM_MAX_FD]) }
     }
 
     /// Receives what is available into `framer`; `Ok(0)` at end of stream. With `wait`
     /// false, returns `WouldBlock` at once if nothing is there.
-    pub(crate) fn recv(&mut self, stream: &UnixStream, framer: &mut Framer, wait: bool) -> io::Result<usize> {
+    pub fn recv(&mut self, stream: &UnixStream, framer: &mut Framer, wait: bool) -> io::Result<usize> {
         let flags = if wait { libc::MSG_CMSG_CLOEXEC } else { libc::MSG_CMSG_CLOEXEC | libc::MSG_DONTWAIT };
         let spare = framer.spare();
         let mut iov = libc::iovec { iov_base: spare.as_mut_ptr().cast(), iov_len: spare.len() };
@@ -91,7 +98,7 @@ fn installed_fds(msg: &libc::msghdr) -> Vec<OwnedFd> {
 }
 
 /// Sends one message: `header`, then `parts`, with `fd` attached to its first byte.
-pub(crate) fn send(
+pub fn send(
     stream: &UnixStream,
     header: &Header,
     parts: &[&[u8]],

@@ -103,5 +103,5 @@ pub fn wait_eventfd(e: &EventFd) -> u64 {
 /// testdev's BAR0 registers (docs/testdev.md).
 pub mod testdev {
     #[allow(unused_imports)]
-    pub use umdev_mdev::samples::testdev::regs::*;
+    pub use umdev_devices::testdev::regs::*;
 }

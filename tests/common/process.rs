@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use umdev_server::client::RawClient;
+use umdev_testkit::client::RawClient;
 
 /// A child process that is killed and reaped when dropped, so that a failing assertion
 /// leaves nothing running.

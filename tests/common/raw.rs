@@ -1,3 +1,3 @@
 //! The raw client lives in the server crate (shared with the benchmarks).
 #[allow(unused_imports)]
-pub use umdev_server::client::*;
+pub use umdev_testkit::client::*;

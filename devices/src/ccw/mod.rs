@@ -1,0 +1,793 @@
+//! `ccw`: a channel-I/O-style DMA engine on PCI, the device umdev exists for.
+//!
+//! A driver writes the guest address of a channel program (a chain of CCWs) to a
+//! subchannel's registers and rings its doorbell. A worker thread per subchannel runs the
+//! program ([`program`]): every data-transfer CCW names its guest blocks directly or through
+//! an IDAW list, and all of its pages are pinned with ONE call to the pinning engine, which
+//! cuts them into contiguous runs. Data moves between the pinned pages and the backing store
+//! ([`Store`]); a status block goes to guest memory and the subchannel's interrupt fires
+//! (MSI-X vector = subchannel, else MSI, else INTx). The register ABI is in `docs/ccw.md`.
+
+pub mod program;
+
+mod bus;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam::channel::{unbounded, Receiver, Sender};
+
+use thiserror::Error;
+use umdev_mdev::request::{self, Completion, Permit, Requests};
+use umdev_pinning::PinMode;
+
+use self::bus::{BusCounters, PinningBus, StopFlag};
+use self::program::{Reason, Status};
+pub use crate::store::Store;
+use umdev_mdev::guest::PinnedRanges;
+use umdev_mdev::irq::IrqHandle;
+use umdev_mdev::pci::bar::Bar;
+use umdev_mdev::pci::config::{ClassCode, ConfigSpaceBuilder, PciIds};
+use umdev_mdev::pci::device::{PciDevice, PciFunction};
+use umdev_mdev::pci::regmap::{Reg, RegMap};
+use umdev_mdev::{DeviceContext, DeviceError};
+
+/// The type name.
+pub const TYPE_NAME: &str = "ccw";
+/// PCI vendor ID.
+pub const VENDOR_ID: u16 = 0x1234;
+/// PCI device ID.
+pub const DEVICE_ID: u16 = 0x75cc;
+/// BAR0 size.
+pub const BAR0_SIZE: u64 = 4096;
+/// Most subchannels a device may have.
+pub const MAX_SUBCHANNELS: u32 = 16;
+/// Subchannels unless the `subchannels` option says otherwise.
+pub const DEFAULT_SUBCHANNELS: u32 = 4;
+/// RAM disk size unless the `size` option says otherwise (64 MiB).
+pub const DEFAULT_STORE_SIZE: u64 = 64 << 20;
+/// Offset of the MSI-X table in BAR0.
+pub const MSIX_TABLE_OFFSET: u32 = 0x800;
+/// Offset of the MSI-X PBA in BAR0.
+pub const MSIX_PBA_OFFSET: u32 = 0xc00;
+
+/// BAR0 register offsets (all 32-bit, little-endian).
+pub mod regs {
+    /// RO: [`ID_VALUE`].
+    pub const ID: u64 = 0x000;
+    /// RO: ABI version (1).
+    pub const VERSION: u64 = 0x004;
+    /// RO: number of subchannels.
+    pub const SUBCHANNELS: u64 = 0x008;
+    /// RO: pin mode of the instance (0 track, 1 lock).
+    pub const PIN_MODE: u64 = 0x00c;
+    /// RO: store size, low and high halves.
+    pub const STORE_SIZE_LO: u64 = 0x010;
+    /// RO: see [`STORE_SIZE_LO`].
+    pub const STORE_SIZE_HI: u64 = 0x014;
+    /// RO: bit n set while subchannel n has status pending.
+    pub const IRQ_STATUS: u64 = 0x018;
+    /// First subchannel block; subchannel n's is at `SUBCHANNEL_BASE + n * SUBCHANNEL_STRIDE`.
+    pub const SUBCHANNEL_BASE: u64 = 0x100;
+    /// Bytes per subchannel block.
+    pub const SUBCHANNEL_STRIDE: u64 = 0x40;
+    /// RW: channel program address, low half.
+    pub const CPA_LO: u64 = 0x00;
+    /// RW: channel program address, high half.
+    pub const CPA_HI: u64 = 0x04;
+    /// RW: status block address (0: no status block), low half.
+    pub const STATUS_LO: u64 = 0x08;
+    /// RW: status block address, high half.
+    pub const STATUS_HI: u64 = 0x0c;
+    /// WO: [`DOORBELL_START`] or [`DOORBELL_HALT`].
+    pub const DOORBELL: u64 = 0x10;
+    /// RO: [`STATE_IDLE`], [`STATE_BUSY`] or [`STATE_PENDING`].
+    pub const STATE: u64 = 0x14;
+    /// WO: any write clears status pending (back to idle).
+    pub const ACK: u64 = 0x18;
+    /// RO: device status | subchannel status << 8 of the last program.
+    pub const DSTAT_CSTAT: u64 = 0x1c;
+    /// RO: residual count of the last program's last CCW.
+    pub const RESIDUAL: u64 = 0x20;
+    /// RO: reason code of the last program.
+    pub const REASON: u64 = 0x24;
+    /// RO: CCWs the last program executed.
+    pub const CCWS: u64 = 0x28;
+    /// RO: programs this subchannel completed.
+    pub const PROGRAMS: u64 = 0x2c;
+    /// RO: bytes the last program moved, low half.
+    pub const BYTES_LO: u64 = 0x30;
+    /// RO: see [`BYTES_LO`].
+    pub const BYTES_HI: u64 = 0x34;
+    /// RO: address of the CCW after the last one fetched, low half.
+    pub const CPA_OUT_LO: u64 = 0x38;
+    /// RO: see [`CPA_OUT_LO`].
+    pub const CPA_OUT_HI: u64 = 0x3c;
+
+    /// The ID register's value ("ccw!" little-endian).
+    pub const ID_VALUE: u32 = 0x2177_6363;
+    /// Start the channel program at CPA.
+    pub const DOORBELL_START: u32 = 1;
+    /// Stop the running program (it ends with unit exception, reason halted).
+    pub const DOORBELL_HALT: u32 = 2;
+    /// No program, no status.
+    pub const STATE_IDLE: u32 = 0;
+    /// A program is running.
+    pub const STATE_BUSY: u32 = 1;
+    /// A program ended; its status waits for ACK.
+    pub const STATE_PENDING: u32 = 2;
+}
+
+/// Why a ccw device could not be created.
+#[derive(Debug, Error)]
+pub enum CcwError {
+    /// An option is out of range or malformed.
+    #[error("{0}")]
+    Option(String),
+    /// The store could not be created or opened.
+    #[error("backing store: {0}")]
+    Store(std::io::Error),
+    /// The PCI function could not be built.
+    #[error(transparent)]
+    Pci(#[from] umdev_mdev::pci::device::PciDeviceError),
+    /// A worker thread could not start.
+    #[error("starting a subchannel worker: {0}")]
+    Thread(std::io::Error),
+}
+
+/// How to build a ccw device.
+#[derive(Debug)]
+pub struct CcwConfig {
+    /// Subchannels (1 to [`MAX_SUBCHANNELS`]).
+    pub subchannels: u32,
+    /// The backing store.
+    pub store: Store,
+}
+
+/// The ccw device's config space.
+pub fn config(subchannels: u32) -> ConfigSpaceBuilder {
+    let ids = PciIds {
+        vendor_id: VENDOR_ID,
+        device_id: DEVICE_ID,
+        subsystem_vendor_id: VENDOR_ID,
+        subsystem_id: DEVICE_ID,
+        revision: 1,
+        // Mass storage, other.
+        class: ClassCode { base: 0x01, sub: 0x80, prog_if: 0 },
+    };
+    ConfigSpaceBuilder::new(ids)
+        .bar(0, Bar::mem32(BAR0_SIZE))
+        .interrupt_pin(1)
+        .power_management()
+        .msi(1, false, true)
+        .msix(subchannels as u16, 0, MSIX_TABLE_OFFSET, 0, MSIX_PBA_OFFSET)
+}
+
+/// Creates a ccw device.
+pub fn create(cfg: CcwConfig) -> Result<PciDevice<Ccw>, CcwError> {
+    if cfg.subchannels == 0 || cfg.subchannels > MAX_SUBCHANNELS {
+        return Err(CcwError::Option(format!("subchannels must be 1 to {MAX_SUBCHANNELS}")));
+    }
+    PciDevice::try_new(config(cfg.subchannels), |irq| Ccw::new(irq, cfg))
+}
+
+/// Registers of one subchannel.
+#[derive(Debug, Default)]
+struct SubRegs {
+    cpa: u64,
+    status_addr: u64,
+    state: u32,
+    last: Option<Status>,
+    programs: u32,
+}
+
+#[derive(Debug)]
+struct Subchannel {
+    index: u16,
+    regs: Mutex<SubRegs>,
+    stop: StopFlag,
+    pinned: PinnedRanges,
+}
+
+impl Subchannel {
+    fn regs(&self) -> MutexGuard<'_, SubRegs> {
+        umdev_pinning::sync::lock(&self.regs)
+    }
+}
+
+/// How long a detach waits for running programs to stop.
+const DETACH_WAIT: Duration = Duration::from_secs(5);
+
+/// One channel program in flight: what its subchannel's worker runs, and how it ends.
+struct Job {
+    shared: Arc<Shared>,
+    index: usize,
+    ctx: DeviceContext,
+    cpa: u64,
+    status_addr: u64,
+    generation: u64,
+}
+
+impl Completion for Job {
+    type Outcome = Status;
+
+    fn complete(self, status: Status) {
+        self.shared.complete(&self, status);
+    }
+
+    /// The device failed internally (its handling of the program panicked): the program
+    /// ends with unit check, reason `DeviceError`, nothing counted (docs/ccw.md).
+    fn fail(self) {
+        let (dstat, cstat) = Reason::DeviceError.status_bits();
+        let status = Status {
+            dstat,
+            cstat,
+            residual: 0,
+            cpa: self.cpa.wrapping_add(program::CCW_SIZE),
+            reason: Reason::DeviceError,
+            ccws: 0,
+            bytes: 0,
+        };
+        self.shared.complete(&self, status);
+    }
+}
+
+/// State shared by the register side and the workers.
+struct Shared {
+    irq: IrqHandle,
+    store: Store,
+    subchannels: Vec<Subchannel>,
+    ctx: Mutex<Option<DeviceContext>>,
+    /// Bumped by reset and detach: a program of an older generation reports nothing.
+    generation: AtomicU64,
+    counters: BusCounters,
+    programs: AtomicU64,
+    /// Programs queued or running, so a detach can wait for the workers to let go of the
+    /// client's context (and with it the connection's socket).
+    requests: Requests,
+    /// Held while a subchannel's state changes together with the interrupt it implies
+    /// (completion and raise, ACK and deassert, reset), so the INTx level always matches
+    /// the pending status: taken before any subchannel's registers.
+    line: Mutex<()>,
+}
+
+impl Shared {
+    fn ctx(&self) -> MutexGuard<'_, Option<DeviceContext>> {
+        umdev_pinning::sync::lock(&self.ctx)
+    }
+
+    /// Waits (boundedly) until no program is queued or running.
+    fn wait_idle(&self, bound: Duration) {
+        if !self.requests.wait_idle(bound) {
+            log::warn!(
+                "ccw: {} program(s) still running {bound:?} after a detach",
+                self.requests.in_flight()
+            );
+        }
+    }
+
+    fn line(&self) -> MutexGuard<'_, ()> {
+        umdev_pinning::sync::lock(&self.line)
+    }
+
+    fn irq_status(&self) -> u32 {
+        self.subchannels
+            .iter()
+            .enumerate()
+            .filter(|(_, sc)| sc.regs().state == regs::STATE_PENDING)
+            .fold(0, |bits, (i, _)| bits | 1 << i)
+    }
+
+    /// A program ended: status block, registers, interrupt.
+    fn complete(&self, job: &Job, status: Status) {
+        let sc = &self.subchannels[job.index];
+        if self.generation.load(Ordering::Acquire) != job.generation {
+            return; // reset meanwhile: the program's subchannel state is gone
+        }
+        if job.status_addr != 0 {
+            if let Err(e) = job.ctx.write_obj(job.status_addr, &status.block()) {
+                log::debug!("ccw: subchannel {}: status block at {:#x}: {e}", sc.index, job.status_addr);
+            }
+        }
+        let _line = self.line();
+        {
+            let mut r = sc.regs();
+            // Checked again under the registers' lock: a reset bumps the generation before
+            // it clears the registers, so it either sees this update or this sees its bump.
+            if self.generation.load(Ordering::Acquire) != job.generation {
+                return;
+            }
+            r.state = regs::STATE_PENDING;
+            r.last = Some(status);
+            r.programs = r.programs.wrapping_add(1);
+        }
+        self.programs.fetch_add(1, Ordering::Relaxed);
+        match self.irq.mode() {
+            umdev_mdev::irq::IrqMode::Msix => {
+                self.irq.raise(sc.index);
+            }
+            umdev_mdev::irq::IrqMode::Msi => {
+                self.irq.raise(0);
+            }
+            _ => {}
+        }
+        // INTx is a level that follows IRQ_STATUS in every mode: a driver that falls back
+        // from MSI to INTx with status pending gets its interrupt.
+        self.irq.intx_assert();
+    }
+}
+
+/// A subchannel's worker thread and its job queue.
+struct Worker {
+    jobs: Option<Sender<Permit<Job>>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// The ccw PCI function (serve it through [`PciDevice`]; see [`create`]).
+pub struct Ccw {
+    shared: Arc<Shared>,
+    workers: Vec<Worker>,
+    map: RegMap<CcwReg>,
+}
+
+impl std::fmt::Debug for Ccw {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ccw").field("subchannels", &self.shared.subchannels.len()).finish_non_exhaustive()
+    }
+}
+
+fn worker(shared: &Shared, index: usize, jobs: &Receiver<Permit<Job>>) {
+    let sc = &shared.subchannels[index];
+    for permit in jobs {
+        let job = permit.get();
+        let status = request::serve("a ccw channel program", || {
+            let mut bus = PinningBus {
+                ctx: &job.ctx,
+                store: &shared.store,
+                stop: &sc.stop,
+                generation: &shared.generation,
+                started_in: job.generation,
+                pinned: &sc.pinned,
+                counters: &shared.counters,
+            };
+            program::run(&mut bus, job.cpa)
+        });
+        match status {
+            Some(status) => permit.complete(status),
+            None => {
+                sc.pinned.clear(); // a panic may have left the ranges announced
+                drop(permit); // fails the program: DeviceError
+            }
+        }
+    }
+}
+
+impl Ccw {
+    fn new(irq: IrqHandle, cfg: CcwConfig) -> Result<Ccw, CcwError> {
+        let subchannels = (0..cfg.subchannels)
+            .map(|i| Subchannel {
+                index: i as u16,
+                regs: Mutex::new(SubRegs::default()),
+                stop: StopFlag::default(),
+                pinned: PinnedRanges::default(),
+            })
+            .collect();
+        let shared = Arc::new(Shared {
+            irq,
+            store: cfg.store,
+            subchannels,
+            ctx: Mutex::new(None),
+            generation: AtomicU64::new(0),
+            counters: BusCounters::default(),
+            programs: AtomicU64::new(0),
+            requests: Requests::new(),
+            line: Mutex::new(()),
+        });
+        let mut workers = Vec::new();
+        for i in 0..cfg.subchannels as usize {
+            let (tx, rx) = unbounded();
+            let s = shared.clone();
+            let thread = std::thread::Builder::new()
+                .name(format!("umdev-ccw-sch{i}"))
+                .spawn(move || worker(&s, i, &rx))
+                .map_err(CcwError::Thread)?;
+            workers.push(Worker { jobs: Some(tx), thread: Some(thread) });
+        }
+        Ok(Ccw { shared, workers, map: register_map(cfg.subchannels) })
+    }
+
+    /// Programs completed by all subchannels.
+    pub fn programs(&self) -> u64 {
+        self.shared.programs.load(Ordering::Relaxed)
+    }
+
+    /// Pin calls made for data transfers.
+    pub fn pin_calls(&self) -> u32 {
+        self.shared.counters.pin_calls.load(Ordering::Relaxed)
+    }
+
+    fn global_read(&self, offset: u64) -> u32 {
+        match offset {
+            regs::ID => regs::ID_VALUE,
+            regs::VERSION => 1,
+            regs::SUBCHANNELS => self.shared.subchannels.len() as u32,
+            regs::PIN_MODE => {
+                let lock = self.shared.ctx().as_ref().is_some_and(|c| c.pin_mode() == PinMode::Lock);
+                u32::from(lock)
+            }
+            regs::STORE_SIZE_LO => self.shared.store.size() as u32,
+            regs::STORE_SIZE_HI => (self.shared.store.size() >> 32) as u32,
+            regs::IRQ_STATUS => self.shared.irq_status(),
+            _ => 0,
+        }
+    }
+
+    fn subchannel_read(&self, sc: &Subchannel, reg: u64) -> u32 {
+        let r = sc.regs();
+        let last = r.last.unwrap_or(Status {
+            dstat: 0,
+            cstat: 0,
+            residual: 0,
+            cpa: 0,
+            reason: Reason::Ok,
+            ccws: 0,
+            bytes: 0,
+        });
+        match reg {
+            regs::CPA_LO => r.cpa as u32,
+            regs::CPA_HI => (r.cpa >> 32) as u32,
+            regs::STATUS_LO => r.status_addr as u32,
+            regs::STATUS_HI => (r.status_addr >> 32) as u32,
+            regs::STATE => r.state,
+            regs::DSTAT_CSTAT => u32::from(last.dstat) | u32::from(last.cstat) << 8,
+            regs::RESIDUAL => last.residual,
+            regs::REASON => last.reason as u32,
+            regs::CCWS => last.ccws,
+            regs::PROGRAMS => r.programs,
+            regs::BYTES_LO => last.bytes as u32,
+            regs::BYTES_HI => (last.bytes >> 32) as u32,
+            regs::CPA_OUT_LO => last.cpa as u32,
+            regs::CPA_OUT_HI => (last.cpa >> 32) as u32,
+            _ => 0,
+        }
+    }
+
+    fn subchannel_write(&self, index: usize, reg: u64, value: u32) {
+        let sc = &self.shared.subchannels[index];
+        let set_lo = |old: &mut u64| *old = (*old & !0xffff_ffff) | u64::from(value);
+        let set_hi = |old: &mut u64| *old = (*old & 0xffff_ffff) | u64::from(value) << 32;
+        match reg {
+            regs::CPA_LO => set_lo(&mut sc.regs().cpa),
+            regs::CPA_HI => set_hi(&mut sc.regs().cpa),
+            regs::STATUS_LO => set_lo(&mut sc.regs().status_addr),
+            regs::STATUS_HI => set_hi(&mut sc.regs().status_addr),
+            regs::DOORBELL if value == regs::DOORBELL_START => self.start(index),
+            regs::DOORBELL if value == regs::DOORBELL_HALT => sc.stop.request(Reason::Halted),
+            regs::ACK => {
+                let _line = self.shared.line();
+                {
+                    let mut r = sc.regs();
+                    if r.state == regs::STATE_PENDING {
+                        r.state = regs::STATE_IDLE;
+                    }
+                }
+                if self.shared.irq_status() == 0 {
+                    self.shared.irq.intx_deassert();
+                }
+            }
+            _ => log::debug!("ccw: write of {value:#x} to subchannel {index} register {reg:#x} ignored"),
+        }
+    }
+
+    /// Doorbell START: queues the program if the subchannel is idle (a start while busy or
+    /// with status pending is ignored, as SSCH would refuse it).
+    fn start(&self, index: usize) {
+        let sc = &self.shared.subchannels[index];
+        let Some(ctx) = self.shared.ctx().clone() else {
+            log::debug!("ccw: start on subchannel {index} with no client");
+            return;
+        };
+        let mut r = sc.regs();
+        if r.state != regs::STATE_IDLE {
+            log::debug!("ccw: start on subchannel {index} refused: not idle");
+            return;
+        }
+        let Some(tx) = self.workers.get(index).and_then(|w| w.jobs.as_ref()) else { return };
+        sc.stop.clear();
+        let job = Job {
+            shared: self.shared.clone(),
+            index,
+            ctx,
+            cpa: r.cpa,
+            status_addr: r.status_addr,
+            generation: self.shared.generation.load(Ordering::Acquire),
+        };
+        r.state = regs::STATE_BUSY;
+        let permit = self.shared.requests.begin(job);
+        // Unlocked first: a permit that fails completes under the registers' lock.
+        drop(r);
+        if let Err(unsent) = tx.send(permit) {
+            drop(unsent); // the worker is gone: the program fails (DeviceError)
+        }
+    }
+
+    /// Stops every running program and forgets all subchannel state.
+    fn stop_all(&self) {
+        let _line = self.shared.line();
+        self.shared.generation.fetch_add(1, Ordering::AcqRel);
+        for sc in &self.shared.subchannels {
+            sc.stop.request(Reason::Halted);
+            *sc.regs() = SubRegs::default();
+        }
+        self.shared.irq.intx_deassert();
+    }
+}
+
+/// A register of BAR0: global, or one of a subchannel's block (its index is the array
+/// element), by offset.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CcwReg {
+    Global(u64),
+    Sub(u64),
+}
+
+/// BAR0's register map (docs/ccw.md): aligned 32-bit accesses only; offsets with no
+/// register read 0 and ignore writes, as do write-only and read-only registers.
+fn register_map(subchannels: u32) -> RegMap<CcwReg> {
+    use regs::*;
+    let sub = |r: u64, access: fn(CcwReg, u64) -> Reg<CcwReg>| {
+        access(CcwReg::Sub(r), SUBCHANNEL_BASE + r).array(subchannels, SUBCHANNEL_STRIDE)
+    };
+    let mut map: Vec<Reg<CcwReg>> =
+        [ID, VERSION, SUBCHANNELS, PIN_MODE, STORE_SIZE_LO, STORE_SIZE_HI, IRQ_STATUS]
+            .into_iter()
+            .map(|r| Reg::ro(CcwReg::Global(r), r))
+            .collect();
+    for r in [CPA_LO, CPA_HI, STATUS_LO, STATUS_HI] {
+        map.push(sub(r, Reg::rw));
+    }
+    for r in [DOORBELL, ACK] {
+        map.push(sub(r, Reg::wo));
+    }
+    for r in
+        [STATE, DSTAT_CSTAT, RESIDUAL, REASON, CCWS, PROGRAMS, BYTES_LO, BYTES_HI, CPA_OUT_LO, CPA_OUT_HI]
+    {
+        map.push(sub(r, Reg::ro));
+    }
+    // The whole BAR: accesses to the MSI-X table and PBA are the framework's and never reach here.
+    RegMap::new(0, BAR0_SIZE, 4, &[4], true, &map).expect("a valid register map")
+}
+
+impl PciFunction for Ccw {
+    fn bar_read(&self, _bar: u8, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
+        self.map.read(offset, data, |hit| {
+            u64::from(match hit.key {
+                CcwReg::Global(r) => self.global_read(r),
+                CcwReg::Sub(r) => self.subchannel_read(&self.shared.subchannels[hit.index as usize], r),
+            })
+        })
+    }
+
+    fn bar_write(&self, _bar: u8, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        self.map.write(offset, data, |hit, value, _| {
+            if let CcwReg::Sub(r) = hit.key {
+                self.subchannel_write(hit.index as usize, r, value as u32);
+            }
+        })
+    }
+
+    fn reset(&self) {
+        self.stop_all();
+    }
+
+    fn attach(&self, ctx: &DeviceContext) {
+        *self.shared.ctx() = Some(ctx.clone());
+    }
+
+    fn detach(&self) {
+        self.stop_all();
+        // Stopped programs end at their next piece, and client DMA fails at once now that
+        // the connection is closed: wait for the workers to drop the client's context, so
+        // nothing of the connection outlives it. (Not in reset: a worker may be waiting for
+        // a client DMA reply that the thread calling reset has to deliver.)
+        self.shared.wait_idle(DETACH_WAIT);
+        *self.shared.ctx() = None;
+    }
+
+    fn dma_unmap(&self, iova: u64, len: u64) {
+        // Stop the programs holding pins in the range; they drop their pins at the next
+        // piece and complete with unit exception, so the engine's unmap completes promptly.
+        for sc in &self.shared.subchannels {
+            if sc.pinned.overlaps(iova, len) {
+                sc.stop.request(Reason::Unmapped);
+            }
+        }
+    }
+}
+
+impl Drop for Ccw {
+    fn drop(&mut self) {
+        self.stop_all();
+        for w in &mut self.workers {
+            drop(w.jobs.take());
+            if let Some(t) = w.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+/// The `ccw` device type. Options: `size=64M` (RAM disk size, K/M/G suffixes, at most 64 GiB),
+/// `file=/path` (back the store with an existing file instead), `subchannels=4` (1 to 16).
+pub struct CcwType {
+    pool: Arc<umdev_mdev::types::Pool>,
+}
+
+impl CcwType {
+    /// The type, with room for `capacity` instances.
+    pub fn new(capacity: u32) -> Self {
+        CcwType { pool: umdev_mdev::types::Pool::new(capacity) }
+    }
+
+    /// The configuration an instance with these options would get, or why the
+    /// options are refused (the same check `create` makes).
+    pub fn config(options: &umdev_mdev::types::InstanceOptions) -> Result<CcwConfig, String> {
+        let p = &options.params;
+        let subchannels = match p.get("subchannels") {
+            Some(v) => v
+                .parse::<u32>()
+                .ok()
+                .filter(|n| (1..=MAX_SUBCHANNELS).contains(n))
+                .ok_or_else(|| format!("subchannels={v}: must be 1 to {MAX_SUBCHANNELS}"))?,
+            None => DEFAULT_SUBCHANNELS,
+        };
+        let store = match (p.get("file"), p.get("size")) {
+            (Some(_), Some(_)) => return Err("give size or file, not both".into()),
+            (Some(path), None) => {
+                Store::open(std::path::Path::new(path)).map_err(|e| format!("file={path}: {e}"))?
+            }
+            (None, size) => {
+                let bytes = match size {
+                    Some(s) => umdev_mdev::types::parse_size(s)
+                        .filter(|&n| n > 0 && n <= 64 << 30)
+                        .ok_or_else(|| format!("size={s}: a size from 1 byte to 64G (K, M, G suffixes)"))?,
+                    None => DEFAULT_STORE_SIZE,
+                };
+                Store::ram(bytes).map_err(|e| format!("RAM disk of {bytes} bytes: {e}"))?
+            }
+        };
+        Ok(CcwConfig { subchannels, store })
+    }
+}
+
+impl umdev_mdev::types::DeviceType for CcwType {
+    fn name(&self) -> &str {
+        TYPE_NAME
+    }
+
+    fn description(&self) -> &str {
+        "channel-I/O DMA engine: CCW programs with IDAW scatter lists, pinned one call per CCW (docs/ccw.md)"
+    }
+
+    fn available_instances(&self) -> u32 {
+        self.pool.free()
+    }
+
+    fn create(
+        &self,
+        options: &umdev_mdev::types::InstanceOptions,
+    ) -> Result<Arc<dyn umdev_mdev::VfioDevice>, umdev_mdev::types::TypeError> {
+        use umdev_mdev::types::TypeError;
+        options.only(TYPE_NAME, &["size", "file", "subchannels"])?;
+        let bad = |why: String| TypeError::BadOption { ty: TYPE_NAME.into(), why };
+        let config = Self::config(options).map_err(bad)?;
+        self.pool.instance(TYPE_NAME, 1, || create(config))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs::File;
+    use std::os::fd::AsFd;
+    use std::os::unix::fs::FileExt;
+
+    use umdev_pinning::{DmaSpace, Prot};
+
+    use super::*;
+    use crate::testutil::NoClient;
+    use umdev_mdev::pci::regs::{COMMAND, COMMAND_MASTER, COMMAND_MEMORY};
+    use umdev_mdev::VfioDevice;
+    use umdev_mdev::VFIO_PCI_CONFIG_REGION_INDEX;
+
+    /// A ccw device with one subchannel, attached to 1 MiB of guest RAM at IOVA 0, bus
+    /// mastering on.
+    struct Rig {
+        device: PciDevice<Ccw>,
+        ram: File,
+    }
+
+    impl Rig {
+        fn new(store: Store) -> Rig {
+            let device = create(CcwConfig { subchannels: 1, store }).unwrap();
+            let ram = File::from(
+                nix::sys::memfd::memfd_create(c"ccw-test-ram", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
+                    .unwrap(),
+            );
+            ram.set_len(1 << 20).unwrap();
+            let dma = DmaSpace::new(Default::default());
+            dma.map(0, 1 << 20, ram.as_fd(), 0, Prot::READ_WRITE).unwrap();
+            let command = (COMMAND_MEMORY | COMMAND_MASTER).to_le_bytes();
+            device.region_write(VFIO_PCI_CONFIG_REGION_INDEX, COMMAND as u64, &command).unwrap();
+            device.attach(DeviceContext::new(dma, Arc::new(NoClient)));
+            Rig { device, ram }
+        }
+
+        fn read(&self, offset: u64) -> u32 {
+            let mut v = [0u8; 4];
+            self.device.region_read(0, regs::SUBCHANNEL_BASE + offset, &mut v).unwrap();
+            u32::from_le_bytes(v)
+        }
+
+        fn write(&self, offset: u64, value: u32) {
+            self.device.region_write(0, regs::SUBCHANNEL_BASE + offset, &value.to_le_bytes()).unwrap();
+        }
+
+        /// Runs the one-CCW program `ccw` at 0x2000, waits, ACKs; the registers' (REASON,
+        /// CCWS, BYTES).
+        fn run(&self, ccw: program::Ccw) -> (u32, u32, u32) {
+            self.ram.write_all_at(&ccw.encode(), 0x2000).unwrap();
+            self.write(regs::CPA_LO, 0x2000);
+            self.write(regs::STATUS_LO, 0x3000);
+            self.write(regs::DOORBELL, regs::DOORBELL_START);
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            while self.read(regs::STATE) != regs::STATE_PENDING {
+                assert!(std::time::Instant::now() < deadline, "the program never ended");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let out = (self.read(regs::REASON), self.read(regs::CCWS), self.read(regs::BYTES_LO));
+            self.write(regs::ACK, 1);
+            out
+        }
+    }
+
+    /// docs/ccw.md, reason 18: a program whose handling failed inside the device (its
+    /// permit dropped unfinished, as after a panic) ends with DeviceError, CCWS, BYTES and
+    /// the residual 0, CPA out = CPA + 16, in the status block and the registers, and the
+    /// subchannel takes the next program.
+    #[test]
+    fn a_program_the_device_drops_ends_with_device_error() {
+        let rig = Rig::new(Store::ram(1 << 20).unwrap());
+        rig.ram.write_all_at(&[0xff; 32], 0x3000).unwrap();
+        let ccw = rig.device.function();
+        let job = |cpa| Job {
+            shared: ccw.shared.clone(),
+            index: 0,
+            ctx: ccw.shared.ctx().clone().unwrap(),
+            cpa,
+            status_addr: 0x3000,
+            generation: ccw.shared.generation.load(Ordering::Acquire),
+        };
+        ccw.shared.subchannels[0].regs().state = regs::STATE_BUSY;
+        drop(ccw.shared.requests.begin(job(0x2000)));
+
+        assert_eq!(ccw.shared.requests.in_flight(), 0);
+        let mut block = [0u8; 32];
+        rig.ram.read_exact_at(&mut block, 0x3000).unwrap();
+        let status = Status::decode(&block).unwrap();
+        let (dstat, cstat) = Reason::DeviceError.status_bits();
+        assert_eq!((status.reason, status.dstat, status.cstat), (Reason::DeviceError, dstat, cstat));
+        assert_eq!((status.ccws, status.bytes, status.residual, status.cpa), (0, 0, 0, 0x2010));
+        assert_eq!(rig.read(regs::STATE), regs::STATE_PENDING);
+        assert_eq!(rig.read(regs::REASON), Reason::DeviceError as u32);
+        assert_eq!((rig.read(regs::CPA_OUT_LO), rig.read(regs::BYTES_LO)), (0x2010, 0));
+
+        // The subchannel goes on: ACK, then a real program (one NOP) runs to the end.
+        rig.write(regs::ACK, 1);
+        assert_eq!(rig.read(regs::STATE), regs::STATE_IDLE);
+        let nop = program::Ccw { cmd: program::cmd::NOP, flags: 0, reserved: 0, count: 1, addr: 0 };
+        assert_eq!(rig.run(nop), (0, 1, 0));
+        rig.device.detach();
+    }
+}

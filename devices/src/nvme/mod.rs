@@ -1,0 +1,519 @@
+//! `nvme`: an NVMe controller (NVM Express 1.3, PCIe) that a stock guest driver binds,
+//! formats and mounts, with every command's data pinned with ONE call.
+//!
+//! A Read or Write names its data with PRPs: PRP1, then PRP2 or a PRP list, the same
+//! shape as a channel program's IDAW list. The controller turns them into one array of
+//! guest page numbers ([`prp`]), pins it with one call to the engine, which cuts it into
+//! contiguous runs, and moves the data between the runs and the namespace's store with
+//! one vectored call ([`crate::store`]): `preadv2`/`pwritev2` for a host file or block
+//! device, one copy per run for a RAM disk. Statistics show what run splitting made of the
+//! guest's real I/O (pages, runs and pin calls per command).
+//!
+//! Every submission queue, the admin queue's included, has a worker thread ([`worker`]);
+//! doorbells arrive as posted REGION_WRITEs (or, with `doorbells=mmap`, through a page the
+//! guest writes directly and the workers poll). The ABI, the options and what is not
+//! implemented are in docs/nvme.md.
+
+pub mod admin;
+pub mod ctrl;
+pub mod io;
+pub mod namespace;
+pub mod prp;
+pub mod queue;
+pub mod spec;
+pub mod stats;
+pub mod worker;
+
+use std::fs::File;
+use std::hash::{Hash, Hasher};
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use serde_json::json;
+use thiserror::Error;
+
+use self::ctrl::{ControllerConfig, Ctrl, DoorbellMode};
+use self::namespace::{Backing, Namespace, MAX_NAMESPACES};
+use self::queue::DoorbellPage;
+use self::spec::reg;
+use self::stats::Totals;
+use umdev_mdev::pci::{Bar, ClassCode, ConfigSpaceBuilder, PciDevice, PciFunction, PciIds, Reg, RegMap};
+use umdev_mdev::{DeviceContext, DeviceError, RegionMmap, SparseArea};
+
+/// The type's name.
+pub const TYPE_NAME: &str = "nvme";
+/// PCI vendor ID (QEMU's test range: not one the Linux driver keeps quirks for).
+pub const VENDOR_ID: u16 = 0x1234;
+/// PCI device ID.
+pub const DEVICE_ID: u16 = 0x75e0;
+/// BAR0: registers, doorbells, the MSI-X table and PBA.
+pub const BAR0_SIZE: u64 = 0x4000;
+/// The MSI-X table's offset in BAR0.
+pub const MSIX_TABLE_OFFSET: u32 = 0x2000;
+/// The MSI-X PBA's offset in BAR0.
+pub const MSIX_PBA_OFFSET: u32 = 0x3000;
+/// I/O queue pairs by default, and at most.
+pub const DEFAULT_IO_QUEUES: u16 = 4;
+/// See [`DEFAULT_IO_QUEUES`].
+pub const MAX_IO_QUEUES: u16 = 64;
+/// Entries per queue by default (CAP.MQES + 1), and at most.
+pub const DEFAULT_ENTRIES: u32 = 1024;
+/// See [`DEFAULT_ENTRIES`].
+pub const MAX_ENTRIES: u32 = 4096;
+/// How long a worker watches its doorbell after a lone command, by default (`poll_us`).
+pub const DEFAULT_POLL: std::time::Duration = std::time::Duration::from_micros(50);
+
+/// Why an nvme device could not be made.
+#[derive(Debug, Error)]
+pub enum NvmeError {
+    /// An option is out of range or malformed.
+    #[error("{0}")]
+    Option(String),
+    /// The doorbell page could not be made.
+    #[error("doorbell page: {0}")]
+    DoorbellPage(std::io::Error),
+    /// The PCI function could not be built.
+    #[error(transparent)]
+    Pci(#[from] umdev_mdev::pci::device::PciDeviceError),
+}
+
+/// How to build an nvme device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NvmeConfig {
+    /// Namespace `i + 1`'s backing, if active.
+    pub namespaces: Vec<Option<Backing>>,
+    /// log2 of the LBA size (9: 512 bytes, 12: 4 KiB).
+    pub lba_shift: u32,
+    /// I/O queue pairs.
+    pub io_queues: u16,
+    /// Entries per queue at most.
+    pub max_entries: u32,
+    /// How doorbells arrive.
+    pub doorbells: DoorbellMode,
+    /// Serial number; `None`: derived from the file namespaces' paths, or random.
+    pub serial: Option<String>,
+    /// How long a queue's worker watches its doorbell after a lone command before sleeping.
+    pub poll: std::time::Duration,
+}
+
+impl Default for NvmeConfig {
+    fn default() -> Self {
+        NvmeConfig {
+            namespaces: vec![Some(Backing::Ram(1 << 30))],
+            lba_shift: 9,
+            io_queues: DEFAULT_IO_QUEUES,
+            max_entries: DEFAULT_ENTRIES,
+            doorbells: DoorbellMode::Message,
+            serial: None,
+            poll: DEFAULT_POLL,
+        }
+    }
+}
+
+impl NvmeConfig {
+    /// Parses the type's options (docs/nvme.md).
+    pub fn from_options(options: &umdev_mdev::types::InstanceOptions) -> Result<NvmeConfig, String> {
+        let p = &options.params;
+        let mut config = NvmeConfig { namespaces: Vec::new(), ..NvmeConfig::default() };
+        for (key, value) in p {
+            if let Some(n) = key.strip_prefix("ns") {
+                let nsid = n
+                    .parse::<u32>()
+                    .ok()
+                    .filter(|n| (1..=MAX_NAMESPACES).contains(n))
+                    .ok_or_else(|| format!("{key}: namespaces are ns1 to ns{MAX_NAMESPACES}"))?;
+                let backing = Backing::parse(value).map_err(|e| format!("{key}={e}"))?;
+                let index = nsid as usize - 1;
+                if config.namespaces.len() <= index {
+                    config.namespaces.resize(index + 1, None);
+                }
+                config.namespaces[index] = Some(backing);
+            }
+        }
+        if config.namespaces.is_empty() {
+            config.namespaces = NvmeConfig::default().namespaces;
+        }
+        if let Some(v) = p.get("lba") {
+            config.lba_shift = match v.as_str() {
+                "512" => 9,
+                "4096" | "4K" | "4k" => 12,
+                _ => return Err(format!("lba={v}: 512 or 4096")),
+            };
+        }
+        if let Some(v) = p.get("queues") {
+            config.io_queues = v
+                .parse::<u16>()
+                .ok()
+                .filter(|n| (1..=MAX_IO_QUEUES).contains(n))
+                .ok_or_else(|| format!("queues={v}: 1 to {MAX_IO_QUEUES} I/O queue pairs"))?;
+        }
+        if let Some(v) = p.get("entries") {
+            config.max_entries = v
+                .parse::<u32>()
+                .ok()
+                .filter(|n| (2..=MAX_ENTRIES).contains(n))
+                .ok_or_else(|| format!("entries={v}: 2 to {MAX_ENTRIES} entries per queue"))?;
+        }
+        if let Some(v) = p.get("doorbells") {
+            config.doorbells = match v.as_str() {
+                "message" => DoorbellMode::Message,
+                "mmap" => DoorbellMode::Mapped,
+                _ => return Err(format!("doorbells={v}: message or mmap")),
+            };
+        }
+        if let Some(v) = p.get("poll_us") {
+            let us = v
+                .parse::<u64>()
+                .ok()
+                .filter(|&n| n <= 10_000)
+                .ok_or_else(|| format!("poll_us={v}: 0 to 10000"))?;
+            config.poll = std::time::Duration::from_micros(us);
+        }
+        if let Some(v) = p.get("serial") {
+            if v.is_empty() || v.len() > 20 || !v.bytes().all(|c| c.is_ascii_graphic()) {
+                return Err(format!("serial={v}: 1 to 20 printable ASCII characters"));
+            }
+            config.serial = Some(v.clone());
+        }
+        Ok(config)
+    }
+
+    /// Checks what [`create`] relies on, for configs not made by [`NvmeConfig::from_options`]
+    /// (which refuses the same with option-specific messages).
+    pub fn validate(&self) -> Result<(), String> {
+        if ![9, 12].contains(&self.lba_shift) {
+            return Err(format!("lba_shift {}: 9 or 12", self.lba_shift));
+        }
+        if !(1..=MAX_IO_QUEUES).contains(&self.io_queues) {
+            return Err(format!("io_queues {}: 1 to {MAX_IO_QUEUES}", self.io_queues));
+        }
+        if !(2..=MAX_ENTRIES).contains(&self.max_entries) {
+            return Err(format!("max_entries {}: 2 to {MAX_ENTRIES}", self.max_entries));
+        }
+        if self.namespaces.len() > MAX_NAMESPACES as usize {
+            return Err(format!("{} namespaces: at most {MAX_NAMESPACES}", self.namespaces.len()));
+        }
+        Ok(())
+    }
+
+    /// The option names the type takes.
+    pub fn option_names() -> Vec<String> {
+        let mut names: Vec<String> = ["lba", "queues", "entries", "doorbells", "serial", "poll_us"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        names.extend((1..=MAX_NAMESPACES).map(|n| format!("ns{n}")));
+        names
+    }
+}
+
+/// A serial number: stable for a device whose namespaces are files (derived from their
+/// paths), random otherwise; unique per device either way.
+fn default_serial(config: &NvmeConfig) -> String {
+    let files: Vec<_> = config
+        .namespaces
+        .iter()
+        .flatten()
+        .filter_map(|b| match b {
+            Backing::File(p) => Some(std::fs::canonicalize(p).unwrap_or_else(|_| p.clone())),
+            Backing::Ram(_) => None,
+        })
+        .collect();
+    let value = if files.is_empty() {
+        let mut bytes = [0u8; 8];
+        random_bytes(&mut bytes);
+        u64::from_le_bytes(bytes)
+    } else {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        files.hash(&mut h);
+        h.finish()
+    };
+    format!("UMDEV{:012X}", value & 0xffff_ffff_ffff)
+}
+
+fn random_bytes(buf: &mut [u8]) {
+    // SAFETY: getrandom writes at most `buf.len()` bytes into the buffer it is given.
+    let n = unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), 0) };
+    if n != buf.len() as isize {
+        // No entropy source: fall back on time and pid (unique enough for a serial).
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        let v = t.as_nanos() as u64 ^ u64::from(std::process::id()) << 40;
+        for (b, v) in buf.iter_mut().zip(v.to_le_bytes().iter().cycle()) {
+            *b = *v;
+        }
+    }
+}
+
+/// A namespace's NGUID, from the serial number and the NSID.
+fn nguid(serial: &str, nsid: u32) -> [u8; 16] {
+    let mut out = [0u8; 16];
+    for (i, half) in out.chunks_exact_mut(8).enumerate() {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (serial, nsid, i).hash(&mut h);
+        half.copy_from_slice(&h.finish().to_le_bytes());
+    }
+    out
+}
+
+/// The nvme device's config space.
+pub fn config(io_queues: u16) -> ConfigSpaceBuilder {
+    let ids = PciIds {
+        vendor_id: VENDOR_ID,
+        device_id: DEVICE_ID,
+        subsystem_vendor_id: VENDOR_ID,
+        subsystem_id: DEVICE_ID,
+        revision: 1,
+        // Mass storage, non-volatile memory, NVM Express.
+        class: ClassCode { base: 0x01, sub: 0x08, prog_if: 0x02 },
+    };
+    ConfigSpaceBuilder::new(ids)
+        .bar(0, Bar::mem64(BAR0_SIZE))
+        .interrupt_pin(1)
+        .power_management()
+        .msi(1, true, true)
+        .msix(io_queues + 1, 0, MSIX_TABLE_OFFSET, 0, MSIX_PBA_OFFSET)
+        .pcie()
+}
+
+/// Creates an nvme device.
+pub fn create(config: NvmeConfig) -> Result<PciDevice<Nvme>, NvmeError> {
+    config.validate().map_err(NvmeError::Option)?;
+    let serial = config.serial.clone().unwrap_or_else(|| default_serial(&config));
+    let namespaces = config
+        .namespaces
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            b.as_ref()
+                .map(|b| Namespace::new(i as u32 + 1, b, config.lba_shift, nguid(&serial, i as u32 + 1)))
+                .transpose()
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(NvmeError::Option)?;
+    let (mmap, page) = match config.doorbells {
+        DoorbellMode::Message => (None, None),
+        DoorbellMode::Mapped => {
+            let fd =
+                nix::sys::memfd::memfd_create(c"umdev-nvme-bar0", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
+                    .map_err(|e| NvmeError::DoorbellPage(e.into()))?;
+            let file = File::from(fd);
+            file.set_len(BAR0_SIZE).map_err(NvmeError::DoorbellPage)?;
+            let page = DoorbellPage::new(file.try_clone().map_err(NvmeError::DoorbellPage)?, reg::DOORBELLS)
+                .map_err(NvmeError::DoorbellPage)?;
+            (Some(Arc::new(OwnedFd::from(file))), Some(page))
+        }
+    };
+    let controller = ControllerConfig {
+        namespaces,
+        io_queues: config.io_queues,
+        max_entries: config.max_entries,
+        doorbells: config.doorbells,
+        serial,
+        poll: config.poll,
+    };
+    let regs: Vec<Reg<u64>> = [
+        (reg::CAP, false),
+        (reg::CAP + 4, false),
+        (reg::VS, false),
+        (reg::INTMS, true),
+        (reg::INTMC, true),
+        (reg::CC, true),
+        (reg::CSTS, false),
+        (reg::NSSR, true),
+        (reg::AQA, true),
+        (reg::ASQ, true),
+        (reg::ASQ + 4, true),
+        (reg::ACQ, true),
+        (reg::ACQ + 4, true),
+        (reg::CMBLOC, false),
+        (reg::CMBSZ, false),
+    ]
+    .iter()
+    .map(|&(o, rw)| if rw { Reg::rw(o, o) } else { Reg::ro(o, o) })
+    .collect();
+    let map = RegMap::new(0, reg::DOORBELLS, 4, &[4, 8], true, &regs)
+        .map_err(|e| NvmeError::Option(format!("register map: {e}")))?;
+    Ok(PciDevice::new(self::config(config.io_queues), |irq| Nvme {
+        ctrl: Arc::new(Ctrl::new(irq, controller, page)),
+        map,
+        mmap,
+    })?)
+}
+
+/// The nvme PCI function (serve it through [`PciDevice`]; see [`create`]).
+#[derive(Debug)]
+pub struct Nvme {
+    ctrl: Arc<Ctrl>,
+    map: RegMap<u64>,
+    /// BAR0's backing for `doorbells=mmap` (the doorbell page at 0x1000).
+    mmap: Option<Arc<OwnedFd>>,
+}
+
+impl Nvme {
+    /// The controller (for tests and statistics).
+    pub fn controller(&self) -> &Arc<Ctrl> {
+        &self.ctrl
+    }
+
+    /// What the controller did so far.
+    pub fn totals(&self) -> Totals {
+        Totals::of(self.ctrl.stats.iter().skip(1))
+    }
+}
+
+impl PciFunction for Nvme {
+    fn bar_read(&self, bar: u8, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
+        if bar != 0 {
+            return Err(DeviceError::NoSuchRegion(u32::from(bar)));
+        }
+        if offset < reg::DOORBELLS {
+            return self.map.read(offset, data, |hit| u64::from(self.ctrl.read_register(hit.key)));
+        }
+        if offset < 2 * reg::DOORBELLS {
+            check_doorbell_access(offset, data.len())?;
+        }
+        data.fill(0); // doorbells are write-only; the rest of the BAR is reserved
+        Ok(())
+    }
+
+    fn bar_write(&self, bar: u8, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+        if bar != 0 {
+            return Err(DeviceError::NoSuchRegion(u32::from(bar)));
+        }
+        if offset < reg::DOORBELLS {
+            return self
+                .map
+                .write(offset, data, |hit, value, _| self.ctrl.write_register(hit.key, value as u32));
+        }
+        if offset < 2 * reg::DOORBELLS {
+            check_doorbell_access(offset, data.len())?;
+            let value = u32::from_le_bytes(data.try_into().expect("a 4-byte access"));
+            self.ctrl.doorbell((offset - reg::DOORBELLS) / 4, value);
+        }
+        Ok(())
+    }
+
+    fn bar_mmap(&self, bar: u8) -> Option<RegionMmap> {
+        let fd = self.mmap.as_ref().filter(|_| bar == 0)?;
+        Some(RegionMmap {
+            fd: fd.clone(),
+            offset: 0,
+            areas: vec![SparseArea { offset: reg::DOORBELLS, size: reg::DOORBELLS }],
+        })
+    }
+
+    fn reset(&self) {
+        self.ctrl.reset();
+    }
+
+    fn attach(&self, ctx: &DeviceContext) {
+        self.ctrl.attach(ctx);
+    }
+
+    fn detach(&self) {
+        self.ctrl.detach();
+    }
+
+    fn dma_unmap(&self, iova: u64, len: u64) {
+        self.ctrl.dma_unmap(iova, len);
+    }
+
+    fn bus_master_changed(&self, on: bool) {
+        if on {
+            self.ctrl.wake_all();
+        }
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        let c = &self.ctrl;
+        let namespaces: Vec<_> = c
+            .config
+            .namespaces
+            .iter()
+            .flatten()
+            .map(|ns| {
+                json!({
+                    "nsid": ns.id,
+                    "backing": ns.backing_name(),
+                    "path": ns.path.as_ref().map(|p| p.display().to_string()),
+                    "bytes": ns.size(),
+                    "lba_size": ns.lba_size(),
+                })
+            })
+            .collect();
+        let state = if c.fatal() {
+            "fatal"
+        } else if c.ready() {
+            "ready"
+        } else {
+            "disabled"
+        };
+        json!({
+            "serial": c.config.serial,
+            "state": state,
+            "namespaces": namespaces,
+            "io_queues": c.config.io_queues,
+            "queues_live": c.live_queues(),
+            "doorbells": match c.config.doorbells { DoorbellMode::Message => "message", DoorbellMode::Mapped => "mmap" },
+            "admin_commands": Totals::of(c.stats.iter().take(1)).commands,
+            "doorbell_messages": c.doorbell_messages.load(std::sync::atomic::Ordering::Relaxed),
+            "io": self.totals().to_json(),
+        })
+    }
+}
+
+/// Doorbells take aligned 32-bit writes only.
+fn check_doorbell_access(offset: u64, len: usize) -> Result<(), DeviceError> {
+    if len != 4 || !offset.is_multiple_of(4) {
+        return Err(DeviceError::BadAccess { region: 0, offset, len: len as u64 });
+    }
+    Ok(())
+}
+
+impl Drop for Nvme {
+    fn drop(&mut self) {
+        self.ctrl.reset();
+    }
+}
+
+/// The `nvme` device type. Options: `ns1=ram:1G` .. `ns16=file:/path` (namespaces: a RAM
+/// disk or a host file or block device), `lba=512|4096`, `queues=4` (I/O queue pairs, 1 to
+/// 64), `entries=1024` (per queue, 2 to 4096), `doorbells=message|mmap`, `serial=`,
+/// `poll_us=50` (how long a worker watches its doorbell after a lone command before sleeping).
+pub struct NvmeType {
+    pool: Arc<umdev_mdev::types::Pool>,
+}
+
+impl NvmeType {
+    /// The type, with room for `capacity` instances.
+    pub fn new(capacity: u32) -> Self {
+        NvmeType { pool: umdev_mdev::types::Pool::new(capacity) }
+    }
+}
+
+impl umdev_mdev::types::DeviceType for NvmeType {
+    fn name(&self) -> &str {
+        TYPE_NAME
+    }
+
+    fn description(&self) -> &str {
+        "NVMe controller (NVMe 1.3): RAM or file namespaces, every command's PRP list pinned with one call (docs/nvme.md)"
+    }
+
+    fn available_instances(&self) -> u32 {
+        self.pool.free()
+    }
+
+    fn create(
+        &self,
+        options: &umdev_mdev::types::InstanceOptions,
+    ) -> Result<Arc<dyn umdev_mdev::VfioDevice>, umdev_mdev::types::TypeError> {
+        use umdev_mdev::types::TypeError;
+        let names = NvmeConfig::option_names();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        options.only(TYPE_NAME, &names)?;
+        let bad = |why: String| TypeError::BadOption { ty: TYPE_NAME.into(), why };
+        let config = NvmeConfig::from_options(options).map_err(bad)?;
+        self.pool.instance(TYPE_NAME, 1, || create(config))
+    }
+}

@@ -1,0 +1,177 @@
+//! PRPs: a command's data pointer turned into the array of guest pages it names.
+//!
+//! PRP1 names the first page (with a dword-aligned offset); PRP2 the second page when the
+//! data ends there, or else a PRP list: qword-aligned entries to the end of its page, the
+//! last entry of a full page pointing at the next list page. Every entry after the first
+//! must be page aligned. The list pages are read through the pinning engine. The result is
+//! one page-number array for ONE pin call.
+
+use smallvec::SmallVec;
+
+use super::spec::{Status, PAGE};
+use umdev_mdev::DeviceContext;
+
+/// The most data one command moves (Identify's MDTS: 2^8 pages of 4 KiB).
+pub const MAX_TRANSFER: usize = 1 << 20;
+/// Pages of the largest transfer, one more for an unaligned start.
+pub const MAX_PAGES: usize = MAX_TRANSFER / PAGE as usize + 1;
+
+/// The guest pages of one command's data.
+#[derive(Debug, Default)]
+pub struct DataPages {
+    /// IOVA page numbers, in data order.
+    pub pfns: SmallVec<[u64; MAX_PAGES]>,
+    /// Offset of the data in the first page.
+    pub offset: usize,
+    /// Bytes.
+    pub len: usize,
+    /// PRP list pages read.
+    pub list_pages: u32,
+}
+
+fn page_offset(addr: u64) -> u64 {
+    addr & (PAGE - 1)
+}
+
+/// Resolves PRP1/PRP2 of a `len`-byte transfer (1 to [`MAX_TRANSFER`] bytes).
+pub fn resolve(ctx: &DeviceContext, prp1: u64, prp2: u64, len: usize) -> Result<DataPages, Status> {
+    debug_assert!(len > 0 && len <= MAX_TRANSFER);
+    if prp1 & 3 != 0 {
+        return Err(Status::PRP_OFFSET_INVALID);
+    }
+    let offset = page_offset(prp1) as usize;
+    let mut pages = DataPages { offset, len, ..DataPages::default() };
+    pages.pfns.push(prp1 / PAGE);
+    let first = PAGE as usize - offset;
+    if len <= first {
+        return Ok(pages);
+    }
+    let mut wanted = (len - first).div_ceil(PAGE as usize);
+    if wanted == 1 {
+        if page_offset(prp2) != 0 {
+            return Err(Status::PRP_OFFSET_INVALID);
+        }
+        pages.pfns.push(prp2 / PAGE);
+        return Ok(pages);
+    }
+    // PRP2 is a list pointer.
+    let mut list = prp2;
+    let mut buf = [0u8; PAGE as usize];
+    while wanted > 0 {
+        if list & 7 != 0 {
+            return Err(Status::PRP_OFFSET_INVALID);
+        }
+        let room = ((PAGE - page_offset(list)) / 8) as usize;
+        // A list that does not end in this page continues at its last entry.
+        let (data, chained) = if wanted > room { (room - 1, true) } else { (wanted, false) };
+        // A list starting in its page's last entry holds only the pointer to the next one
+        // (legal): such lists could chain forever, so a transfer follows at most MAX_PAGES.
+        if pages.list_pages as usize >= MAX_PAGES {
+            return Err(Status::PRP_OFFSET_INVALID);
+        }
+        let n = if chained { room } else { data };
+        let bytes = &mut buf[..n * 8];
+        ctx.read_pinned(list, bytes).map_err(|_| Status::DATA_TRANSFER_ERROR)?;
+        pages.list_pages += 1;
+        for entry in bytes[..data * 8].chunks_exact(8) {
+            let addr = u64::from_le_bytes(entry.try_into().expect("8-byte chunks"));
+            if page_offset(addr) != 0 {
+                return Err(Status::PRP_OFFSET_INVALID);
+            }
+            pages.pfns.push(addr / PAGE);
+        }
+        wanted -= data;
+        if chained {
+            let next = &bytes[data * 8..];
+            list = u64::from_le_bytes(next.try_into().expect("one entry"));
+        }
+    }
+    Ok(pages)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs::File;
+    use std::os::fd::AsFd;
+    use std::os::unix::fs::FileExt;
+    use std::sync::Arc;
+
+    use umdev_pinning::{DmaSpace, Prot};
+
+    use super::*;
+    use crate::testutil::NoClient;
+
+    /// 1 MiB of guest RAM at IOVA 0.
+    fn guest() -> (DeviceContext, File) {
+        let ram = File::from(
+            nix::sys::memfd::memfd_create(c"prp-test", nix::sys::memfd::MFdFlags::MFD_CLOEXEC).unwrap(),
+        );
+        ram.set_len(1 << 20).unwrap();
+        let dma = DmaSpace::default();
+        dma.map(0, 1 << 20, ram.as_fd(), 0, Prot::READ_WRITE).unwrap();
+        (DeviceContext::new(dma, Arc::new(NoClient)), ram)
+    }
+
+    fn put_list(ram: &File, at: u64, entries: &[u64]) {
+        let bytes: Vec<u8> = entries.iter().flat_map(|e| e.to_le_bytes()).collect();
+        ram.write_all_at(&bytes, at).unwrap();
+    }
+
+    #[test]
+    fn one_and_two_pages_need_no_list() {
+        let (ctx, _ram) = guest();
+        let p = resolve(&ctx, 0x5200, 0xdead_0000, 512).unwrap();
+        assert_eq!((p.pfns.as_slice(), p.offset, p.list_pages), (&[5][..], 0x200, 0));
+        let p = resolve(&ctx, 0x5e00, 0x9000, 4096).unwrap();
+        assert_eq!(p.pfns.as_slice(), &[5, 9]);
+        assert_eq!(resolve(&ctx, 0x5e00, 0x9008, 4096).unwrap_err(), Status::PRP_OFFSET_INVALID);
+        assert_eq!(resolve(&ctx, 0x5e02, 0x9000, 512).unwrap_err(), Status::PRP_OFFSET_INVALID);
+    }
+
+    #[test]
+    fn a_list_is_read_and_checked() {
+        let (ctx, ram) = guest();
+        put_list(&ram, 0x3000, &[0x7000, 0x6000, 0x20000]);
+        let p = resolve(&ctx, 0x1000, 0x3000, 4 * 4096).unwrap();
+        assert_eq!((p.pfns.as_slice(), p.list_pages), (&[1, 7, 6, 0x20][..], 1));
+        // An unaligned entry, an unaligned list pointer.
+        put_list(&ram, 0x3000, &[0x7000, 0x6010, 0x20000]);
+        assert_eq!(resolve(&ctx, 0x1000, 0x3000, 4 * 4096).unwrap_err(), Status::PRP_OFFSET_INVALID);
+        assert_eq!(resolve(&ctx, 0x1000, 0x3004, 4 * 4096).unwrap_err(), Status::PRP_OFFSET_INVALID);
+        // A list outside guest memory.
+        assert_eq!(resolve(&ctx, 0x1000, 0x1000_0000, 4 * 4096).unwrap_err(), Status::DATA_TRANSFER_ERROR);
+    }
+
+    #[test]
+    fn a_list_chains_at_the_last_entry_of_its_page() {
+        let (ctx, ram) = guest();
+        // The list starts 16 bytes before the end of its page: one data entry, then the
+        // pointer to the next list page.
+        put_list(&ram, 0x3ff0, &[0x8000, 0x4000]);
+        put_list(&ram, 0x4000, &[0x9000, 0xa000]);
+        let p = resolve(&ctx, 0x1000, 0x3ff0, 4 * 4096).unwrap();
+        assert_eq!((p.pfns.as_slice(), p.list_pages), (&[1, 8, 9, 10][..], 2));
+        // The largest transfer, unaligned: 257 pages; the list starts 255 entries before
+        // its page ends, so 254 data entries, then the next list page with the last two.
+        let mut first: Vec<u64> = (0..254).map(|i| 0x8_0000 + i * 0x1000).collect();
+        first.push(0x5000);
+        put_list(&ram, 0x6808, &first);
+        put_list(&ram, 0x5000, &[0xb000, 0xc000]);
+        let p = resolve(&ctx, 0x1200, 0x6808, MAX_TRANSFER).unwrap();
+        assert_eq!(p.pfns.len(), MAX_PAGES);
+        assert_eq!((p.pfns[1], p.pfns[254], p.pfns[255], p.pfns[256]), (0x80, 0x80 + 253, 0xb, 0xc));
+        assert_eq!(p.list_pages, 2);
+    }
+
+    #[test]
+    fn a_chain_of_pointers_that_loops_is_refused_not_followed_forever() {
+        let (ctx, ram) = guest();
+        // A list in its page's last entry holds only the pointer to the next list: here to
+        // itself.
+        put_list(&ram, 0x3ff8, &[0x3ff8]);
+        assert_eq!(resolve(&ctx, 0x1000, 0x3ff8, 4 * 4096).unwrap_err(), Status::PRP_OFFSET_INVALID);
+        // Also when such a list comes after a good one.
+        put_list(&ram, 0x2ff0, &[0x8000, 0x3ff8]);
+        assert_eq!(resolve(&ctx, 0x1000, 0x2ff0, 4 * 4096).unwrap_err(), Status::PRP_OFFSET_INVALID);
+    }
+}

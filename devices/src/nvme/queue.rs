@@ -1,0 +1,533 @@
+//! Queues: doorbells, rings in guest memory, and the completion side.
+//!
+//! A doorbell is written by the connection thread (a posted REGION_WRITE) or, with the
+//! doorbell page mapped, by the guest itself; the queue's worker watches it. Rings are
+//! reached through the pinning engine: pinned on first use and kept pinned (one pin per
+//! ring, not per entry), released when the client unmaps them and pinned again on next use.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::Thread;
+use std::time::{Duration, Instant};
+
+use smallvec::SmallVec;
+use umdev_pinning::{PinnedPages, Prot};
+use vm_memory::mmap::MmapRegion;
+use vm_memory::{FileOffset, VolatileMemory};
+
+use super::spec::{Cqe, Sqe, Status, CQE_SIZE, PAGE, SQE_SIZE};
+use umdev_mdev::guest::GuestError;
+use umdev_mdev::guest::PinnedRanges;
+use umdev_mdev::DeviceContext;
+
+/// A doorbell register's value, written by the connection thread and watched by a worker.
+/// Each has a cache line of its own: the doorbells of different queues are watched by
+/// different threads.
+#[repr(align(64))]
+#[derive(Debug, Default)]
+pub struct Doorbell {
+    /// Entries of the queue it belongs to; 0 while no queue has its ID.
+    size: AtomicU32,
+    value: AtomicU32,
+    /// The worker is about to sleep or sleeping: a write must wake it.
+    sleeping: AtomicBool,
+    worker: Mutex<Option<Thread>>,
+}
+
+impl Doorbell {
+    /// Entries of the queue, 0 if none.
+    pub fn size(&self) -> u32 {
+        self.size.load(Ordering::Acquire)
+    }
+
+    /// A queue of `size` entries now owns the doorbell (0: none); the value restarts at 0.
+    pub fn open(&self, size: u32) {
+        self.value.store(0, Ordering::Release);
+        self.size.store(size, Ordering::Release);
+    }
+
+    /// The last value written.
+    pub fn value(&self) -> u32 {
+        self.value.load(Ordering::Acquire)
+    }
+
+    /// The doorbell was written: store and wake the worker if it sleeps.
+    pub fn ring(&self, value: u32) {
+        self.value.store(value, Ordering::SeqCst);
+        if self.sleeping.load(Ordering::SeqCst) {
+            self.wake();
+        }
+    }
+
+    /// Wakes the watching worker (a stop, bus mastering back on).
+    pub fn wake(&self) {
+        if let Some(t) = umdev_mdev::sync::lock(&self.worker).as_ref() {
+            t.unpark();
+        }
+    }
+
+    /// The calling thread watches this doorbell (`None`: nobody does).
+    pub fn set_worker(&self, worker: Option<Thread>) {
+        *umdev_mdev::sync::lock(&self.worker) = worker;
+    }
+
+    /// The calling thread stops watching this doorbell, unless another has taken it over (a
+    /// worker outlived by its queue's successor must not unregister the successor).
+    pub fn leave(&self) {
+        let mut worker = umdev_mdev::sync::lock(&self.worker);
+        if worker.as_ref().is_some_and(|t| t.id() == std::thread::current().id()) {
+            *worker = None;
+        }
+    }
+
+    /// Watches for `spin` without sleeping for the value to differ from `seen`: a doorbell
+    /// that finds its worker watching costs the writer no wake-up. True if it changed.
+    pub fn watch(&self, seen: u32, spin: Duration) -> bool {
+        let until = Instant::now() + spin;
+        loop {
+            if self.value.load(Ordering::Acquire) != seen {
+                return true;
+            }
+            if Instant::now() >= until {
+                return false;
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    /// Sleeps until the value differs from `seen`, `wake` is called, or `timeout` passes.
+    pub fn wait(&self, seen: u32, timeout: Duration) {
+        self.sleeping.store(true, Ordering::SeqCst);
+        if self.value.load(Ordering::SeqCst) == seen {
+            std::thread::park_timeout(timeout);
+        }
+        self.sleeping.store(false, Ordering::SeqCst);
+    }
+}
+
+/// The doorbell page a client may map (`doorbells=mmap`): the guest writes it directly and
+/// the workers poll it.
+#[derive(Debug)]
+pub struct DoorbellPage {
+    region: MmapRegion,
+}
+
+impl DoorbellPage {
+    /// A page of the shared `file` at `offset`.
+    pub fn new(file: std::fs::File, offset: u64) -> std::io::Result<DoorbellPage> {
+        let region = MmapRegion::from_file(FileOffset::new(file, offset), PAGE as usize)
+            .map_err(std::io::Error::other)?;
+        Ok(DoorbellPage { region })
+    }
+
+    fn slot(&self, index: usize) -> Option<&AtomicU32> {
+        self.region.get_atomic_ref::<AtomicU32>(index * 4).ok()
+    }
+
+    /// Doorbell `index` (queue y's SQ tail is 2y, its CQ head 2y + 1). Acquire: the guest
+    /// wrote its queue entries before the doorbell.
+    pub fn load(&self, index: usize) -> u32 {
+        self.slot(index).map_or(0, |s| u32::from_le(s.load(Ordering::Acquire)))
+    }
+
+    /// Sets doorbell `index` (a doorbell message arrived anyway, or a queue restarts).
+    pub fn store(&self, index: usize, value: u32) {
+        if let Some(s) = self.slot(index) {
+            s.store(value.to_le(), Ordering::Release);
+        }
+    }
+
+    /// Zeroes every doorbell (a reset).
+    pub fn clear(&self) {
+        for i in 0..(PAGE as usize / 4) {
+            self.store(i, 0);
+        }
+    }
+}
+
+/// Why a ring could not be reached.
+#[derive(Debug)]
+pub enum RingError {
+    /// Pinning or copying failed (the memory is gone, or bus mastering is off).
+    Guest(GuestError),
+}
+
+/// A ring of `entries` entries of `entry_size` bytes at `base`, pinned while in use.
+#[derive(Debug)]
+pub struct Ring {
+    base: u64,
+    entries: u32,
+    entry_size: u64,
+    prot: Prot,
+    pins: Mutex<Option<PinnedPages>>,
+}
+
+impl Ring {
+    fn new(base: u64, entries: u32, entry_size: u64, prot: Prot) -> Ring {
+        Ring { base, entries, entry_size, prot, pins: Mutex::new(None) }
+    }
+
+    /// Bytes of the ring.
+    fn bytes(&self) -> u64 {
+        u64::from(self.entries) * self.entry_size
+    }
+
+    fn pinned<'a>(&'a self, ctx: &DeviceContext) -> Result<MutexGuard<'a, Option<PinnedPages>>, RingError> {
+        let mut pins = umdev_mdev::sync::lock(&self.pins);
+        if pins.is_none() {
+            let pages = self.bytes().div_ceil(PAGE);
+            *pins = Some(ctx.pin_range(self.base, pages, self.prot).map_err(RingError::Guest)?);
+        }
+        Ok(pins)
+    }
+
+    /// Reads entry `index`.
+    fn read<T: vm_memory::ByteValued>(&self, ctx: &DeviceContext, index: u32) -> Result<T, RingError> {
+        if !ctx.bus_master() {
+            return Err(RingError::Guest(GuestError::BusMasterOff));
+        }
+        let pins = self.pinned(ctx)?;
+        let pins = pins.as_ref().expect("pinned above");
+        pins.read_obj(u64::from(index) * self.entry_size).map_err(|_| RingError::Guest(truncated(self.base)))
+    }
+
+    /// Writes a completion entry at `index`: its first 12 bytes, then the dword holding the
+    /// command identifier and the status with the phase tag, so a driver that sees the new
+    /// phase sees the whole entry.
+    fn write_cqe(&self, ctx: &DeviceContext, index: u32, cqe: &Cqe) -> Result<(), RingError> {
+        if !ctx.bus_master() {
+            return Err(RingError::Guest(GuestError::BusMasterOff));
+        }
+        let pins = self.pinned(ctx)?;
+        let pins = pins.as_ref().expect("pinned above");
+        let at = u64::from(index) * self.entry_size;
+        let bytes = vm_memory::ByteValued::as_slice(cqe);
+        let fail = |_| RingError::Guest(truncated(self.base));
+        pins.write(at, &bytes[..12]).map_err(fail)?;
+        std::sync::atomic::fence(Ordering::Release);
+        pins.write(at + 12, &bytes[12..]).map_err(fail)
+    }
+
+    /// Lets go of the ring's pins if they overlap `[iova, iova + len)`; the next access
+    /// pins again.
+    pub fn release_if_overlaps(&self, iova: u64, len: u64) {
+        let end = iova.saturating_add(len);
+        if self.base < end && iova < self.base.saturating_add(self.bytes()) {
+            umdev_mdev::sync::lock(&self.pins).take();
+        }
+    }
+}
+
+fn truncated(iova: u64) -> GuestError {
+    GuestError::Truncated { iova }
+}
+
+/// The IOVA ranges a command holds pins in, and whether an unmap hit them.
+#[derive(Debug, Default)]
+pub struct HeldRanges {
+    ranges: PinnedRanges,
+    /// An unmap hit them: the command ends with a data transfer error.
+    pub hit: AtomicBool,
+}
+
+impl HeldRanges {
+    /// Announces the pages about to be pinned.
+    pub fn announce(&self, pfns: &[u64]) {
+        self.hit.store(false, Ordering::Release);
+        self.ranges.hold(pfns);
+    }
+
+    /// The command let go of its pins.
+    pub fn clear(&self) {
+        self.ranges.clear();
+    }
+
+    /// An unmap of `[iova, iova + len)`: true (and `hit` set) if it overlaps.
+    pub fn unmapping(&self, iova: u64, len: u64) -> bool {
+        let overlaps = self.ranges.overlaps(iova, len);
+        if overlaps {
+            self.hit.store(true, Ordering::Release);
+        }
+        overlaps
+    }
+}
+
+/// A submission queue.
+#[derive(Debug)]
+pub struct Sq {
+    /// Queue identifier.
+    pub id: u16,
+    /// Entries.
+    pub entries: u32,
+    ring: Ring,
+    /// The completion queue its commands complete on.
+    pub cq: Arc<Cq>,
+    /// Head as the worker last published it (the next entry it fetches).
+    pub head: AtomicU32,
+    /// Why the worker must stop (`ctrl::stop`), or running.
+    pub stop: AtomicU8,
+    /// Pins the command being executed holds.
+    pub held: HeldRanges,
+    /// Command identifiers an Abort named while they waited in the queue.
+    aborts: Mutex<SmallVec<[u16; 4]>>,
+    has_aborts: AtomicBool,
+}
+
+impl Sq {
+    /// A queue of `entries` 64-byte entries at `base`, completing on `cq`.
+    pub fn new(id: u16, base: u64, entries: u32, cq: Arc<Cq>) -> Sq {
+        Sq {
+            id,
+            entries,
+            ring: Ring::new(base, entries, SQE_SIZE, Prot::READ),
+            cq,
+            head: AtomicU32::new(0),
+            stop: AtomicU8::new(0),
+            held: HeldRanges::default(),
+            aborts: Mutex::new(SmallVec::new()),
+            has_aborts: AtomicBool::new(false),
+        }
+    }
+
+    /// Reads entry `index`.
+    pub fn fetch(&self, ctx: &DeviceContext, index: u32) -> Result<Sqe, RingError> {
+        self.ring.read(ctx, index)
+    }
+
+    /// Publishes the head after a fetch; true if the fetched command `cid` was aborted
+    /// while it waited (an Abort found it between the old head and the tail).
+    pub fn advance(&self, head: u32, cid: u16) -> bool {
+        self.head.store(head, Ordering::SeqCst);
+        if !self.has_aborts.load(Ordering::SeqCst) {
+            return false;
+        }
+        let mut aborts = umdev_mdev::sync::lock(&self.aborts);
+        let found = aborts.iter().position(|&c| c == cid).map(|i| aborts.swap_remove(i)).is_some();
+        self.has_aborts.store(!aborts.is_empty(), Ordering::SeqCst);
+        found
+    }
+
+    /// Abort: looks for `cid` among the entries not yet fetched (from the published head to
+    /// `tail`); if there, it will complete with Command Abort Requested when fetched.
+    /// `Err` if too many aborts are already pending.
+    pub fn abort(&self, ctx: &DeviceContext, cid: u16, tail: u32) -> Result<bool, Status> {
+        let mut aborts = umdev_mdev::sync::lock(&self.aborts);
+        if aborts.len() >= 4 {
+            return Err(Status::ABORT_LIMIT);
+        }
+        self.has_aborts.store(true, Ordering::SeqCst);
+        let mut at = self.head.load(Ordering::SeqCst);
+        let mut found = false;
+        while at != tail && at < self.entries {
+            if self.ring.read::<Sqe>(ctx, at).is_ok_and(|e| e.cid() == cid) {
+                found = true;
+                break;
+            }
+            at = (at + 1) % self.entries;
+        }
+        if found {
+            aborts.push(cid);
+        }
+        self.has_aborts.store(!aborts.is_empty(), Ordering::SeqCst);
+        Ok(found)
+    }
+
+    /// Lets go of ring pins in an unmapped range.
+    pub fn unmapping(&self, iova: u64, len: u64) {
+        self.ring.release_if_overlaps(iova, len);
+    }
+}
+
+/// Interrupt coalescing of an I/O completion queue (Set Features 08h and 09h).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Coalescing {
+    /// Aggregation threshold: interrupt after this many + 1 entries.
+    pub threshold: u8,
+    /// Aggregation time, in 100 µs: at most this long after the first unsignalled entry.
+    pub time: u8,
+}
+
+/// Completions a burst may post before its interrupt, without coalescing configured...
+pub const BATCH: u32 = 8;
+/// ...and how long the first of them may wait for the others.
+pub const BATCH_TIME: Duration = Duration::from_micros(10);
+
+/// What a completion queue did about interrupts for an entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Signal {
+    /// Raise the queue's vector now.
+    Now,
+    /// Held (a burst, or coalescing): raised by [`Cq::due`].
+    Held,
+    /// The queue has interrupts disabled.
+    None,
+}
+
+#[derive(Debug)]
+struct CqState {
+    tail: u32,
+    phase: bool,
+    /// Entries posted since the last interrupt (coalescing).
+    unsignalled: u32,
+    /// When the first of them was posted.
+    first_held: Option<Instant>,
+    deadline: Option<Instant>,
+}
+
+/// A completion queue.
+#[derive(Debug)]
+pub struct Cq {
+    /// Queue identifier.
+    pub id: u16,
+    /// Entries.
+    pub entries: u32,
+    /// Interrupt vector.
+    pub vector: u16,
+    /// Interrupts enabled.
+    pub interrupts: bool,
+    ring: Ring,
+    state: Mutex<CqState>,
+    /// Coalescing as configured when the queue was created, or later.
+    coalescing: Mutex<Coalescing>,
+    /// Posted entries the host has not consumed (tail != head), for the INTx level.
+    pub tail_seen: AtomicU32,
+}
+
+/// Why a completion could not be posted.
+#[derive(Debug)]
+pub enum PostError {
+    /// The queue is full and the caller would not wait (or was told to stop meanwhile).
+    Full,
+    /// The ring cannot be reached.
+    Ring(RingError),
+}
+
+impl Cq {
+    /// A queue of `entries` 16-byte entries at `base`, interrupting on `vector` if
+    /// `interrupts`.
+    pub fn new(id: u16, base: u64, entries: u32, vector: u16, interrupts: bool) -> Cq {
+        Cq {
+            id,
+            entries,
+            vector,
+            interrupts,
+            ring: Ring::new(base, entries, CQE_SIZE, Prot::READ_WRITE),
+            state: Mutex::new(CqState {
+                tail: 0,
+                phase: true,
+                unsignalled: 0,
+                first_held: None,
+                deadline: None,
+            }),
+            coalescing: Mutex::new(Coalescing::default()),
+            tail_seen: AtomicU32::new(0),
+        }
+    }
+
+    /// Sets interrupt coalescing.
+    pub fn set_coalescing(&self, c: Coalescing) {
+        *umdev_mdev::sync::lock(&self.coalescing) = c;
+    }
+
+    /// Posts `cqe` (its phase tag set here) if the queue has room given the host's `head`.
+    /// With `wait`, a full queue is retried every millisecond until `stop` says otherwise.
+    /// `queued` is how many more commands the poster has waiting in its SQ. Without
+    /// coalescing configured, the interrupt of a burst may wait while more commands wait
+    /// than completions are held (so the host always has completions to reap before the
+    /// queue runs dry), for at most [`BATCH`] entries and [`BATCH_TIME`], or until the
+    /// poster runs out of work ([`Cq::due`]): a burst costs one interrupt, not one per entry.
+    pub fn post(
+        &self,
+        ctx: &DeviceContext,
+        mut cqe: Cqe,
+        head: &dyn Fn() -> u32,
+        stop: &dyn Fn() -> bool,
+        wait: bool,
+        queued: u32,
+    ) -> Result<Signal, PostError> {
+        loop {
+            let mut st = umdev_mdev::sync::lock(&self.state);
+            let next = (st.tail + 1) % self.entries;
+            if next == head() {
+                drop(st);
+                if !wait || stop() {
+                    return Err(PostError::Full);
+                }
+                std::thread::park_timeout(Duration::from_millis(1));
+                continue;
+            }
+            cqe.status = (u16::from(cqe.status) & !1 | u16::from(st.phase)).into();
+            self.ring.write_cqe(ctx, st.tail, &cqe).map_err(PostError::Ring)?;
+            st.tail = next;
+            if next == 0 {
+                st.phase = !st.phase;
+            }
+            self.tail_seen.store(next, Ordering::Release);
+            return Ok(self.signal(&mut st, queued));
+        }
+    }
+
+    fn signal(&self, st: &mut CqState, queued: u32) -> Signal {
+        if !self.interrupts {
+            return Signal::None;
+        }
+        let c = *umdev_mdev::sync::lock(&self.coalescing);
+        st.unsignalled += 1;
+        let now = Instant::now();
+        let first = *st.first_held.get_or_insert(now);
+        let hold = match (c.threshold, c.time) {
+            // No coalescing: a burst of cheap commands shares an interrupt, briefly.
+            (0, 0) => {
+                queued > st.unsignalled && st.unsignalled < BATCH && now.duration_since(first) < BATCH_TIME
+            }
+            (t, _) => st.unsignalled <= u32::from(t),
+        };
+        if !hold {
+            st.unsignalled = 0;
+            st.first_held = None;
+            st.deadline = None;
+            return Signal::Now;
+        }
+        if c.time > 0 && st.deadline.is_none() {
+            st.deadline = Some(now + Duration::from_micros(100 * u64::from(c.time)));
+        }
+        Signal::Held
+    }
+
+    /// Whether held entries should interrupt now: their aggregation time is up, or the
+    /// poster has nothing left to do (`idle`) and no aggregation time is set. Resets the
+    /// count if so.
+    pub fn due(&self, idle: bool) -> bool {
+        let mut st = umdev_mdev::sync::lock(&self.state);
+        let time_up = st.deadline.is_some_and(|d| Instant::now() >= d);
+        let due = st.unsignalled > 0 && (time_up || (idle && st.deadline.is_none()));
+        if due {
+            st.unsignalled = 0;
+            st.first_held = None;
+            st.deadline = None;
+        }
+        due
+    }
+
+    /// When held entries must interrupt by, if an aggregation time holds them.
+    pub fn deadline(&self) -> Option<Instant> {
+        umdev_mdev::sync::lock(&self.state).deadline
+    }
+
+    /// Lets go of ring pins in an unmapped range.
+    pub fn unmapping(&self, iova: u64, len: u64) {
+        self.ring.release_if_overlaps(iova, len);
+    }
+}
+
+/// A completion to post: the command's result.
+pub fn completion(sq: &Sq, cid: u16, status: Status, dw0: u32) -> Cqe {
+    Cqe {
+        dw0: dw0.into(),
+        dw1: 0.into(),
+        sqhd: (sq.head.load(Ordering::Acquire) as u16).into(),
+        sqid: sq.id.into(),
+        cid: cid.into(),
+        status: (status.0 << 1).into(),
+    }
+}

@@ -1,0 +1,675 @@
+//! The controller driven through [`VfioDevice`] by the testkit's NVMe `Driver`, against a real
+//! [`DmaSpace`] over a memfd, with eventfds for interrupts.
+
+use std::fs::File;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::os::unix::fs::FileExt;
+use std::time::Duration;
+
+use umdev_pinning::{DmaSpace, Prot};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use std::sync::Arc;
+
+use umdev_devices::nvme::ctrl::Ctrl;
+use umdev_devices::nvme::namespace::Backing;
+use umdev_devices::nvme::spec::*;
+use umdev_devices::nvme::*;
+use umdev_mdev::pci::regs::{
+    CAPABILITY_LIST, CAP_ID_MSIX, COMMAND, COMMAND_MASTER, COMMAND_MEMORY, MSIX_CTRL_ENABLE,
+};
+use umdev_mdev::pci::PciDevice;
+use umdev_mdev::{DeviceContext, IrqAction, IrqData, SetIrqs, VfioDevice};
+use umdev_mdev::{VFIO_PCI_CONFIG_REGION_INDEX as CONFIG, VFIO_PCI_INTX_IRQ_INDEX, VFIO_PCI_MSIX_IRQ_INDEX};
+use umdev_testkit::nvme_driver::{self as driver, Driver, Transport};
+use umdev_testkit::NoClient;
+
+/// Guest RAM: 128 MiB at IOVA 0.
+const RAM_SIZE: u64 = 128 << 20;
+/// Read-only guest memory, mapped after RAM.
+const RO: u64 = RAM_SIZE;
+const DATA: u64 = Driver::<Rig>::DATA;
+
+/// The device, its guest RAM and DMA space, and one eventfd per MSI-X vector (or INTx).
+struct Rig {
+    dev: Arc<PciDevice<Nvme>>,
+    ram: File,
+    dma: DmaSpace,
+    irqs: Vec<EventFd>,
+    msix: bool,
+}
+
+fn memfd(name: &std::ffi::CStr, size: u64) -> File {
+    let file =
+        File::from(nix::sys::memfd::memfd_create(name, nix::sys::memfd::MFdFlags::MFD_CLOEXEC).unwrap());
+    file.set_len(size).unwrap();
+    file
+}
+
+impl Rig {
+    fn with(config: NvmeConfig, msix: bool) -> Rig {
+        let dev = Arc::new(create(config).unwrap());
+        let ram = memfd(c"nvme-test-ram", RAM_SIZE);
+        let dma = DmaSpace::default();
+        dma.map(0, RAM_SIZE, ram.as_fd(), 0, Prot::READ_WRITE).unwrap();
+        let ro = memfd(c"nvme-test-ro", 1 << 20);
+        dma.map(RO, 1 << 20, ro.as_fd(), 0, Prot::READ).unwrap();
+        let command = u64::from(COMMAND_MEMORY | COMMAND_MASTER);
+        dev.region_write(CONFIG, COMMAND as u64, &command.to_le_bytes()[..2]).unwrap();
+        let mut rig = Rig { dev, ram, dma, irqs: Vec::new(), msix };
+        let vectors = if msix { u32::from(rig.dev.function().controller().config.io_queues) + 1 } else { 1 };
+        if msix {
+            let cap = rig.cap(CAP_ID_MSIX);
+            rig.dev.region_write(CONFIG, cap + 2, &MSIX_CTRL_ENABLE.to_le_bytes()).unwrap();
+        }
+        rig.irqs = (0..vectors).map(|_| EventFd::new(EFD_NONBLOCK).unwrap()).collect();
+        let data = IrqData::Eventfds(rig.irqs.iter().map(|e| e.try_clone().unwrap()).collect());
+        let index = if msix { VFIO_PCI_MSIX_IRQ_INDEX } else { VFIO_PCI_INTX_IRQ_INDEX };
+        rig.dev
+            .set_irqs(SetIrqs { index, start: 0, count: vectors, action: IrqAction::Trigger, data })
+            .unwrap();
+        rig.dev.attach(DeviceContext::new(rig.dma.clone(), Arc::new(NoClient)));
+        // As the server does: an unmap of memory the device holds pins in tells the device.
+        let weak = Arc::downgrade(&rig.dev);
+        rig.dma.set_unmap_notifier(Some(Arc::new(move |iova, len| {
+            if let Some(dev) = weak.upgrade() {
+                dev.dma_unmap(iova, len);
+            }
+        })));
+        rig
+    }
+
+    fn new() -> Rig {
+        let config = NvmeConfig { namespaces: vec![Some(Backing::Ram(64 << 20))], ..NvmeConfig::default() };
+        Rig::with(config, true)
+    }
+
+    fn cap(&self, id: u8) -> u64 {
+        let read = |at: u64| {
+            let mut b = [0u8; 1];
+            self.dev.region_read(CONFIG, at, &mut b).unwrap();
+            u64::from(b[0])
+        };
+        let mut at = read(CAPABILITY_LIST as u64);
+        while at != 0 {
+            if read(at) == u64::from(id) {
+                return at;
+            }
+            at = read(at + 1);
+        }
+        panic!("no capability {id:#x}");
+    }
+
+    /// Forgets interrupts so far and unmasks INTx, as the guest's handler does.
+    fn eoi(&mut self) {
+        for e in &self.irqs {
+            let _ = e.read();
+        }
+        if !self.msix {
+            let unmask = SetIrqs {
+                index: VFIO_PCI_INTX_IRQ_INDEX,
+                start: 0,
+                count: 1,
+                action: IrqAction::Unmask,
+                data: IrqData::None,
+            };
+            self.dev.set_irqs(unmask).unwrap();
+        }
+    }
+
+    fn ctrl(&self) -> &Ctrl {
+        self.dev.function().controller()
+    }
+}
+
+impl Transport for Rig {
+    fn read32(&mut self, offset: u64) -> Result<u32, String> {
+        let mut b = [0u8; 4];
+        self.dev.region_read(0, offset, &mut b).map_err(|e| e.to_string())?;
+        Ok(u32::from_le_bytes(b))
+    }
+    fn write32(&mut self, offset: u64, value: u32) -> Result<(), String> {
+        self.dev.region_write(0, offset, &value.to_le_bytes()).map_err(|e| e.to_string())
+    }
+    fn put(&mut self, addr: u64, bytes: &[u8]) -> Result<(), String> {
+        self.ram.write_all_at(bytes, addr).map_err(|e| e.to_string())
+    }
+    fn get(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), String> {
+        self.ram.read_exact_at(buf, addr).map_err(|e| e.to_string())
+    }
+    fn wait_interrupt(&mut self, vector: u16, timeout: Duration) -> Option<bool> {
+        let efd = self.irqs.get(usize::from(vector)).or(self.irqs.first())?;
+        // SAFETY: the eventfd outlives the borrow.
+        let fd = unsafe { BorrowedFd::borrow_raw(efd.as_raw_fd()) };
+        let mut fds = [nix::poll::PollFd::new(fd, nix::poll::PollFlags::POLLIN)];
+        let ms = nix::poll::PollTimeout::try_from(timeout).unwrap_or(nix::poll::PollTimeout::MAX);
+        let ready = nix::poll::poll(&mut fds, ms).unwrap_or(0) == 1;
+        if ready {
+            // INTx is masked when it fires (VFIO's automask): the guest's EOI unmasks.
+            self.eoi();
+        }
+        Some(ready)
+    }
+}
+
+fn up(rig: Rig, queues: u16) -> Driver<Rig> {
+    let mut d = Driver::new(rig);
+    d.enable().unwrap();
+    if queues > 0 {
+        d.create_io_queues(queues, 64, false).unwrap();
+    }
+    d
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 9) as u8).collect()
+}
+
+#[test]
+fn identify_describes_the_controller_and_namespace() {
+    let mut d = up(Rig::new(), 0);
+    let id = d.identify_controller().unwrap();
+    assert_eq!((u16::from(id.vid), id.mdts, id.sqes, id.cqes, id.vwc), (VENDOR_ID, 8, 0x66, 0x44, 1));
+    assert_eq!(u32::from(id.ver), reg::VERSION_1_3);
+    assert_eq!((u32::from(id.nn), u16::from(id.oncs), u32::from(id.sgls)), (1, 0x0c, 0));
+    assert!(id.sn.starts_with(b"UMDEV"));
+    assert!(id.subnqn.starts_with(b"nqn.2026-12.dev.umdev:nvme:UMDEV"));
+    let ns = d.identify_namespace(1).unwrap();
+    assert_eq!((u64::from(ns.nsze), u64::from(ns.ncap)), ((64 << 20) / 512, (64 << 20) / 512));
+    assert_eq!((u32::from(ns.lbaf[0]) >> 16) & 0xff, 9);
+    // The active namespace list, the descriptors (NGUID and UUID, as Linux needs for 1.3).
+    let list = d.identify(cns::ACTIVE_NAMESPACES, 0).unwrap();
+    assert_eq!(&list[..8], &[1, 0, 0, 0, 0, 0, 0, 0]);
+    let desc = d.identify(cns::NS_DESCRIPTORS, 1).unwrap();
+    assert_eq!((desc[0], desc[1], desc[20], desc[21]), (2, 16, 3, 16));
+    assert_eq!(&desc[4..20], &ns.nguid);
+    // An unknown CNS (Linux asks for 06h), an NSID that does not exist.
+    let mut sqe = Sqe::new(admin_op::IDENTIFY, 0);
+    sqe.set_dw(10, 6);
+    sqe.prp1 = 0x3_0000.into();
+    assert_eq!(d.admin_command(sqe).unwrap().status(), Status::INVALID_FIELD.dnr());
+    sqe.set_dw(10, 0);
+    sqe.nsid = 9.into();
+    assert_eq!(d.admin_command(sqe).unwrap().status(), Status::INVALID_NAMESPACE.dnr());
+    // CAP and VS as Linux reads them: two 32-bit halves.
+    let cap = u64::from(d.t.read32(reg::CAP).unwrap()) | u64::from(d.t.read32(reg::CAP + 4).unwrap()) << 32;
+    assert_eq!((cap & 0xffff, (cap >> 16) & 1, (cap >> 37) & 1, (cap >> 48) & 0xf), (1023, 1, 1, 0));
+    // CC reads back exactly what was written.
+    assert_eq!(d.t.read32(reg::CC).unwrap(), 6 << 16 | 4 << 20 | 1);
+}
+
+#[test]
+fn scattered_reads_and_writes_go_through_one_pin_each() {
+    let mut d = up(Rig::new(), 2);
+    // 96 KiB + 512 at an unaligned offset over 25 pages in 7 runs of consecutive pages,
+    // the runs scattered: a PRP list.
+    let mut pages = Vec::new();
+    for (run, len) in [3u64, 1, 4, 1, 5, 9, 2].iter().enumerate() {
+        let start = DATA + 0x10_0000 * (7 - run as u64);
+        pages.extend((0..*len).map(|i| start + i * 0x1000));
+    }
+    let len = 96 * 1024 + 512;
+    let data = pattern(len, 3);
+    let mut at = 0usize;
+    for (i, &p) in pages.iter().enumerate() {
+        let start = if i == 0 { 0x200 } else { 0 };
+        let n = (0x1000 - start).min(len - at);
+        if n == 0 {
+            break;
+        }
+        d.t.put(p + start as u64, &data[at..at + n]).unwrap();
+        at += n;
+    }
+    let nlb = (len / 512) as u32;
+    assert_eq!(d.rw(1, false, 1, 100, nlb, 512, &pages, 0x200).unwrap(), Status::SUCCESS);
+    // Read it back on the other queue into other pages, aligned this time.
+    let back: Vec<u64> = (0..26).map(|i| DATA + 0x20_0000 + i * 0x2000).collect();
+    assert_eq!(d.rw(2, true, 1, 100, nlb, 512, &back, 0).unwrap(), Status::SUCCESS);
+    let mut got = vec![0u8; len];
+    for (i, chunk) in got.chunks_mut(0x1000).enumerate() {
+        d.t.get(back[i], chunk).unwrap();
+    }
+    assert_eq!(got, data);
+    let totals = d.t.dev.function().totals();
+    assert_eq!((totals.reads, totals.writes, totals.pin_calls), (1, 1, 2));
+    assert_eq!(totals.bytes_read, len as u64);
+    // The write's 25 pages in the guest's 7 runs; the read's 25 pages 8 KiB apart: 25 runs.
+    assert_eq!((totals.pages, totals.runs), (50, 7 + 25));
+    assert_eq!(
+        (totals.pages_per_command[5], totals.runs_per_command[3], totals.runs_per_command[5]),
+        (2, 1, 1)
+    );
+    assert_eq!(totals.list_pages, 2);
+}
+
+#[test]
+fn chained_prp_lists_carry_the_largest_transfer() {
+    let mut d = up(Rig::new(), 1);
+    // 1 MiB from an unaligned start: 257 pages, 256 entries in the list.
+    let pages: Vec<u64> = (0..257).rev().map(|i| DATA + i * 0x1000).collect();
+    let data = pattern(1 << 20, 9);
+    let mut at = 0;
+    for (i, &p) in pages.iter().enumerate() {
+        let start = if i == 0 { 0xe00 } else { 0 };
+        let n = (0x1000 - start).min(data.len() - at);
+        d.t.put(p + start as u64, &data[at..at + n]).unwrap();
+        at += n;
+        if at == data.len() {
+            break;
+        }
+    }
+    assert_eq!(d.rw(1, false, 1, 0, 2048, 512, &pages, 0xe00).unwrap(), Status::SUCCESS);
+    // A PRP list that starts 8 bytes before the end of its page must chain at once.
+    let mut sqe = Driver::<Rig>::rw_command(true, 1, 0, 16, DATA + 0x50_0000, DATA + 0x60_0ff8);
+    let list = DATA + 0x60_0ff8;
+    d.t.put(list, &(DATA + 0x61_0000).to_le_bytes()).unwrap(); // chain pointer
+    d.t.put(DATA + 0x61_0000, &(DATA + 0x50_1000).to_le_bytes()).unwrap();
+    sqe.set_dw(12, 15); // 16 blocks: 8 KiB, 2 pages... PRP2 is then a page, not a list
+    let cqe = d.io_command(1, sqe).unwrap();
+    assert_eq!(cqe.status(), Status::PRP_OFFSET_INVALID, "PRP2 of a 2-page transfer is a page");
+    let mut sqe = Driver::<Rig>::rw_command(true, 1, 0, 24, DATA + 0x50_0000, list);
+    sqe.set_dw(12, 23); // 12 KiB: PRP2 is a list: one entry here, then the chained page
+    d.t.put(DATA + 0x61_0008, &(DATA + 0x50_2000).to_le_bytes()).unwrap();
+    assert_eq!(d.io_command(1, sqe).unwrap().status(), Status::SUCCESS);
+    let mut got = vec![0u8; 12 * 1024];
+    d.t.get(DATA + 0x50_0000, &mut got).unwrap();
+    assert_eq!(got, data[..12 * 1024]);
+}
+
+#[test]
+fn bad_commands_get_the_specified_status() {
+    let mut d = up(Rig::new(), 1);
+    let blocks = (64u64 << 20) / 512;
+    let ok = |d: &mut Driver<Rig>, sqe: Sqe| d.io_command(1, sqe).unwrap().status();
+    let rw = Driver::<Rig>::rw_command;
+    assert_eq!(ok(&mut d, rw(true, 1, blocks - 1, 2, DATA, 0)), Status::LBA_OUT_OF_RANGE.dnr());
+    assert_eq!(ok(&mut d, rw(true, 1, u64::MAX, 1, DATA, 0)), Status::LBA_OUT_OF_RANGE.dnr());
+    assert_eq!(ok(&mut d, rw(true, 2, 0, 1, DATA, 0)), Status::INVALID_NAMESPACE.dnr());
+    assert_eq!(ok(&mut d, rw(true, 0, 0, 1, DATA, 0)), Status::INVALID_NAMESPACE.dnr());
+    assert_eq!(ok(&mut d, rw(true, 1, 0, 1, DATA + 2, 0)), Status::PRP_OFFSET_INVALID);
+    // Over MDTS (1 MiB).
+    assert_eq!(ok(&mut d, rw(true, 1, 0, 4096, DATA, DATA + 0x1000)), Status::INVALID_FIELD.dnr());
+    // Data outside every mapping, a list entry outside, a read into read-only memory.
+    assert_eq!(ok(&mut d, rw(true, 1, 0, 1, 1 << 40, 0)), Status::DATA_TRANSFER_ERROR);
+    d.t.put(DATA + 0x8000, &(1u64 << 40).to_le_bytes()).unwrap();
+    d.t.put(DATA + 0x8008, &(DATA).to_le_bytes()).unwrap();
+    assert_eq!(ok(&mut d, rw(true, 1, 0, 24, DATA, DATA + 0x8000)), Status::DATA_TRANSFER_ERROR);
+    assert_eq!(ok(&mut d, rw(true, 1, 0, 1, RO, 0)), Status::DATA_TRANSFER_ERROR);
+    assert_eq!(ok(&mut d, rw(false, 1, 0, 1, RO, 0)), Status::SUCCESS, "a write reads read-only memory fine");
+    // Unknown opcode, SGLs, fused commands.
+    assert_eq!(ok(&mut d, Sqe::new(0x7f, 0)), Status::INVALID_OPCODE.dnr());
+    let mut sqe = Sqe::new(0x7f, 0);
+    sqe.nsid = 1.into();
+    assert_eq!(ok(&mut d, sqe), Status::INVALID_OPCODE.dnr());
+    let mut sgl = rw(true, 1, 0, 1, DATA, 0);
+    sgl.cdw0 = (u32::from(sgl.cdw0) | 1 << 14).into();
+    assert_eq!(ok(&mut d, sgl), Status::INVALID_FIELD.dnr());
+    // Nothing of guest memory outside the mappings was touched, the device goes on.
+    assert_eq!(d.rw(1, true, 1, 0, 8, 512, &[DATA], 0).unwrap(), Status::SUCCESS);
+    // The failures are in the error log, newest first.
+    let mut log = Sqe::new(admin_op::GET_LOG_PAGE, 0);
+    log.set_dw(10, u32::from(log_page::ERROR) | (64 / 4 - 1) << 16);
+    log.prp1 = (DATA + 0x9000).into();
+    d.admin_ok(log).unwrap();
+    let mut entry = ErrorLogEntry::default();
+    d.t.get(DATA + 0x9000, vm_memory::ByteValued::as_mut_slice(&mut entry)).unwrap();
+    assert_eq!(u16::from(entry.sqid), 1);
+    assert_eq!(u16::from(entry.status) >> 1, Status::INVALID_FIELD.dnr().0);
+    assert!(u64::from(entry.error_count) >= 12);
+}
+
+#[test]
+fn queue_management_checks_what_the_spec_checks() {
+    let mut d = up(Rig::new(), 0);
+    let create = |kind: u8, qid: u16, entries: u32, dw11: u32, base: u64| {
+        let mut sqe = Sqe::new(kind, 0);
+        sqe.prp1 = base.into();
+        sqe.set_dw(10, u32::from(qid) | (entries.wrapping_sub(1)) << 16);
+        sqe.set_dw(11, dw11);
+        sqe
+    };
+    let status = |d: &mut Driver<Rig>, sqe| d.admin_command(sqe).unwrap().status();
+    let cq = admin_op::CREATE_CQ;
+    let sq = admin_op::CREATE_SQ;
+    let base = DATA;
+    assert_eq!(status(&mut d, create(cq, 0, 16, 3, base)), Status::INVALID_QUEUE_ID.dnr());
+    assert_eq!(status(&mut d, create(cq, 5, 16, 3, base)), Status::INVALID_QUEUE_ID.dnr(), "only 4 granted");
+    assert_eq!(status(&mut d, create(cq, 1, 1, 3, base)), Status::INVALID_QUEUE_SIZE.dnr());
+    assert_eq!(status(&mut d, create(cq, 1, 1025, 3, base)), Status::INVALID_QUEUE_SIZE.dnr());
+    assert_eq!(status(&mut d, create(cq, 1, 0, 3, base)), Status::INVALID_QUEUE_SIZE.dnr(), "65536 entries");
+    assert_eq!(status(&mut d, create(cq, 1, 16, 2, base)), Status::INVALID_FIELD.dnr(), "not contiguous");
+    assert_eq!(status(&mut d, create(cq, 1, 16, 3, base + 8)), Status::PRP_OFFSET_INVALID.dnr());
+    assert_eq!(status(&mut d, create(cq, 1, 16, 3 | 9 << 16, base)), Status::INVALID_VECTOR.dnr());
+    assert_eq!(status(&mut d, create(sq, 1, 16, 1 | 1 << 16, base)), Status::CQ_INVALID.dnr());
+    assert_eq!(status(&mut d, create(cq, 1, 16, 3 | 1 << 16, base)), Status::SUCCESS);
+    assert_eq!(status(&mut d, create(cq, 1, 16, 3 | 1 << 16, base)), Status::INVALID_QUEUE_ID.dnr());
+    assert_eq!(status(&mut d, create(sq, 1, 16, 1, base + 0x1000)), Status::CQ_INVALID.dnr(), "CQ 0");
+    assert_eq!(status(&mut d, create(sq, 1, 16, 1 | 1 << 16, base + 0x1000)), Status::SUCCESS);
+    // Number of Queues cannot change once I/O queues exist.
+    let mut nq = Sqe::new(admin_op::SET_FEATURES, 0);
+    nq.set_dw(10, u32::from(feature::NUMBER_OF_QUEUES));
+    assert_eq!(status(&mut d, nq), Status::COMMAND_SEQUENCE_ERROR.dnr());
+    // A CQ with an SQ on it cannot go; the SQ first, then the CQ.
+    let delete = |kind: u8, qid: u16| {
+        let mut sqe = Sqe::new(kind, 0);
+        sqe.set_dw(10, u32::from(qid));
+        sqe
+    };
+    assert_eq!(status(&mut d, delete(admin_op::DELETE_CQ, 1)), Status::INVALID_QUEUE_DELETION.dnr());
+    assert_eq!(status(&mut d, delete(admin_op::DELETE_SQ, 2)), Status::INVALID_QUEUE_ID.dnr());
+    assert_eq!(status(&mut d, delete(admin_op::DELETE_SQ, 0)), Status::INVALID_QUEUE_ID.dnr());
+    assert_eq!(status(&mut d, delete(admin_op::DELETE_SQ, 1)), Status::SUCCESS);
+    assert_eq!(status(&mut d, delete(admin_op::DELETE_CQ, 1)), Status::SUCCESS);
+    assert_eq!(status(&mut d, delete(admin_op::DELETE_CQ, 1)), Status::INVALID_QUEUE_ID.dnr());
+    assert_eq!(d.t.ctrl().workers(), 1, "only the admin worker is left");
+    assert_eq!(status(&mut d, nq), Status::SUCCESS);
+}
+
+#[test]
+fn a_disable_drops_queues_workers_and_pins_and_the_controller_comes_back() {
+    let mut d = up(Rig::new(), 4);
+    assert_eq!(d.t.ctrl().workers(), 5);
+    assert_eq!(d.rw(3, false, 1, 8, 8, 512, &[DATA], 0).unwrap(), Status::SUCCESS);
+    assert!(d.t.dma.stats().pinned_pages > 0, "rings stay pinned while in use");
+    d.t.write32(reg::CC, 0).unwrap();
+    assert_eq!(d.t.read32(reg::CSTS).unwrap() & reg::CSTS_RDY, 0);
+    assert_eq!(d.t.ctrl().workers(), 0);
+    assert_eq!(d.t.dma.stats().pinned_pages, 0);
+    // Doorbells of a disabled controller do nothing.
+    d.t.write32(reg::DOORBELLS + 8, 1).unwrap();
+    d.enable().unwrap();
+    d.create_io_queues(2, 32, false).unwrap();
+    assert_eq!(d.rw(2, true, 1, 8, 8, 512, &[DATA + 0x1000], 0).unwrap(), Status::SUCCESS);
+    let mut a = vec![0u8; 4096];
+    let mut b = vec![0u8; 4096];
+    d.t.get(DATA, &mut a).unwrap();
+    d.t.get(DATA + 0x1000, &mut b).unwrap();
+    assert_eq!(a, b, "the namespace kept its data across the reset");
+    // Shutdown notification.
+    d.shutdown().unwrap();
+    // A detach leaves nothing behind.
+    d.t.dev.detach();
+    assert_eq!((d.t.ctrl().workers(), d.t.dma.stats().pinned_pages), (0, 0));
+}
+
+#[test]
+fn an_unmapped_ring_is_let_go_and_pinned_again() {
+    let mut d = up(Rig::new(), 1);
+    let pinned = d.t.dma.stats().pinned_pages;
+    assert!(pinned > 0);
+    // The engine's unmap calls the device back; here the device is told directly, as
+    // the server's notifier does, and must drop the ring pins at once.
+    d.t.dev.dma_unmap(0, RAM_SIZE);
+    assert_eq!(d.t.dma.stats().pinned_pages, 0);
+    // Still mapped: the next command pins the rings again and works.
+    assert_eq!(d.rw(1, true, 1, 0, 8, 512, &[DATA], 0).unwrap(), Status::SUCCESS);
+    assert_eq!(d.t.dma.stats().pinned_pages, pinned);
+    // Really unmapped: the controller reports fatal status instead of touching anything.
+    let start = std::time::Instant::now();
+    d.t.dma.unmap(0, RAM_SIZE).unwrap();
+    assert!(start.elapsed() < Duration::from_secs(1));
+    let _ = d.t.write32(reg::DOORBELLS + 8, 2);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while d.t.read32(reg::CSTS).unwrap() & reg::CSTS_CFS == 0 {
+        assert!(std::time::Instant::now() < deadline, "no fatal status");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn features_round_trip_and_a_temperature_event_reaches_an_aer() {
+    let mut d = up(Rig::new(), 1);
+    let set = |fid: u8, dw11: u32| {
+        let mut sqe = Sqe::new(admin_op::SET_FEATURES, 0);
+        sqe.set_dw(10, u32::from(fid));
+        sqe.set_dw(11, dw11);
+        sqe
+    };
+    let get = |fid: u8, dw11: u32| {
+        let mut sqe = Sqe::new(admin_op::GET_FEATURES, 0);
+        sqe.set_dw(10, u32::from(fid));
+        sqe.set_dw(11, dw11);
+        sqe
+    };
+    assert_eq!(d.admin_ok(get(feature::VOLATILE_WRITE_CACHE, 0)).unwrap(), 1);
+    d.admin_ok(set(feature::VOLATILE_WRITE_CACHE, 0)).unwrap();
+    assert_eq!(d.admin_ok(get(feature::VOLATILE_WRITE_CACHE, 0)).unwrap(), 0);
+    assert_eq!(d.admin_ok(get(feature::TEMPERATURE_THRESHOLD, 0)).unwrap(), 343);
+    assert_eq!(d.admin_ok(get(feature::NUMBER_OF_QUEUES, 0)).unwrap(), 0, "one pair granted, 0's based");
+    d.admin_ok(set(feature::INTERRUPT_COALESCING, 3 | 1 << 8)).unwrap();
+    assert_eq!(d.admin_ok(get(feature::INTERRUPT_COALESCING, 0)).unwrap(), 3 | 1 << 8);
+    let mut save = set(feature::ARBITRATION, 0);
+    save.set_dw(10, u32::from(feature::ARBITRATION) | 1 << 31);
+    assert_eq!(d.admin_command(save).unwrap().status(), Status::FEATURE_NOT_SAVEABLE.dnr());
+    assert_eq!(d.admin_command(get(0x7e, 0)).unwrap().status(), Status::INVALID_FIELD.dnr());
+    assert_eq!(
+        d.admin_command(set(feature::POWER_MANAGEMENT, 1)).unwrap().status(),
+        Status::INVALID_FIELD.dnr()
+    );
+
+    // An AER waits; enabling the temperature warning and dropping the over threshold
+    // below the composite temperature (313 K) completes it with a SMART event.
+    let cid = d.cid();
+    let mut aer = Sqe::new(admin_op::ASYNC_EVENT, cid);
+    aer.cdw0 = (u32::from(admin_op::ASYNC_EVENT) | u32::from(cid) << 16).into();
+    d.submit(0, &aer).unwrap();
+    d.admin_ok(set(feature::ASYNC_EVENT_CONFIG, 0x2)).unwrap();
+    // The event completes the AER while the Set Features runs: its completion comes first.
+    let set_cid = d.cid();
+    let mut threshold = set(feature::TEMPERATURE_THRESHOLD, 300);
+    threshold.cdw0 = (u32::from(admin_op::SET_FEATURES) | u32::from(set_cid) << 16).into();
+    d.submit(0, &threshold).unwrap();
+    let event = d.wait(0, Duration::from_secs(5)).unwrap();
+    assert_eq!(u16::from(event.cid), cid);
+    assert_eq!(u32::from(event.dw0), event::TYPE_SMART | event::TEMPERATURE_THRESHOLD << 8 | 2 << 16);
+    let done = d.wait(0, Duration::from_secs(5)).unwrap();
+    assert_eq!((u16::from(done.cid), done.status()), (set_cid, Status::SUCCESS));
+    // The SMART log shows the warning, the temperature and the I/O done.
+    assert_eq!(d.rw(1, true, 1, 0, 8, 512, &[DATA], 0).unwrap(), Status::SUCCESS);
+    let mut log = Sqe::new(admin_op::GET_LOG_PAGE, 0);
+    log.set_dw(10, u32::from(log_page::SMART) | (512 / 4 - 1) << 16);
+    log.prp1 = (DATA + 0x9000).into();
+    d.admin_ok(log).unwrap();
+    let mut smart = [0u8; 512];
+    d.t.get(DATA + 0x9000, &mut smart).unwrap();
+    assert_eq!((smart[0], u16::from_le_bytes([smart[1], smart[2]])), (2, 313));
+    assert_eq!(smart[64], 1, "host read commands");
+    // More AERs than AERL + 1 (4): the fifth is refused.
+    for _ in 0..5 {
+        let cid = d.cid();
+        d.submit(0, &Sqe::new(admin_op::ASYNC_EVENT, cid)).unwrap();
+    }
+    let over = d.wait(0, Duration::from_secs(5)).unwrap();
+    assert_eq!(over.status(), Status::AER_LIMIT);
+}
+
+#[test]
+fn invalid_doorbells_are_reported_and_change_nothing() {
+    let mut d = up(Rig::new(), 1);
+    let cid = d.cid();
+    d.submit(0, &Sqe::new(admin_op::ASYNC_EVENT, cid)).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    // SQ 1 has 64 entries: a tail of 64 is invalid; queue 3 does not exist.
+    d.t.write32(reg::DOORBELLS + 8, 64).unwrap();
+    let event = d.wait(0, Duration::from_secs(5)).unwrap();
+    assert_eq!(u32::from(event.dw0), event::TYPE_ERROR | event::INVALID_DOORBELL_VALUE << 8 | 1 << 16);
+    d.t.write32(reg::DOORBELLS + 8 * 3, 1).unwrap();
+    d.t.write32(reg::DOORBELLS + 0xff8, 1).unwrap();
+    // Odd widths are refused.
+    assert!(d.t.dev.region_write(0, reg::DOORBELLS + 8, &[1, 0]).is_err());
+    assert!(d.t.dev.region_write(0, reg::DOORBELLS + 9, &[1, 0, 0, 0]).is_err());
+    assert!(d.t.dev.region_write(0, reg::CC + 1, &[1, 0, 0, 0]).is_err());
+    // The queues still work.
+    assert_eq!(d.rw(1, true, 1, 0, 8, 512, &[DATA], 0).unwrap(), Status::SUCCESS);
+}
+
+#[test]
+fn an_abort_finds_a_queued_command_and_sq_deletion_aborts_the_rest() {
+    let mut d = up(Rig::new(), 0);
+    // A CQ of 2 entries holds one completion: with the head never released, the worker
+    // stalls on the second and the rest wait in the SQ.
+    let mut cq = Sqe::new(admin_op::CREATE_CQ, 0);
+    cq.prp1 = DATA.into();
+    cq.set_dw(10, 1 | 1 << 16);
+    cq.set_dw(11, 3 | 1 << 16);
+    d.admin_ok(cq).unwrap();
+    let mut sq = Sqe::new(admin_op::CREATE_SQ, 0);
+    sq.prp1 = (DATA + 0x1000).into();
+    sq.set_dw(10, 1 | 7 << 16);
+    sq.set_dw(11, 1 | 1 << 16);
+    d.admin_ok(sq).unwrap();
+    d.io.push(driver::QueuePair {
+        id: 1,
+        entries: 8,
+        sq_base: DATA + 0x1000,
+        cq_base: DATA,
+        sq_tail: 0,
+        cq_head: 0,
+        phase: true,
+        vector: 1,
+    });
+    d.io[0].entries = 8;
+    for cid in [0x10u16, 0x11, 0x12, 0x13] {
+        let mut sqe = Driver::<Rig>::rw_command(true, 1, 0, 1, DATA + 0x8000, 0);
+        sqe.cdw0 = (u32::from(nvm_op::READ) | u32::from(cid) << 16).into();
+        d.push(1, &sqe).unwrap();
+    }
+    // The driver's CQ view has 8 entries but the device's has 2: read by hand.
+    d.ring(1).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let mut abort = Sqe::new(admin_op::ABORT, 0);
+    abort.set_dw(10, 1 | 0x13 << 16);
+    assert_eq!(d.admin_ok(abort).unwrap() & 1, 0, "0x13 waits in the SQ: aborted");
+    abort.set_dw(10, 1 | 0x10 << 16);
+    assert_eq!(d.admin_ok(abort).unwrap() & 1, 1, "0x10 is done");
+    // Delete the SQ: 0x12 and 0x13 never ran; they complete as aborted once the CQ has room.
+    let mut del = Sqe::new(admin_op::DELETE_SQ, 0);
+    del.set_dw(10, 1);
+    let cid = d.cid();
+    del.cdw0 = (u32::from(admin_op::DELETE_SQ) | u32::from(cid) << 16).into();
+    d.submit(0, &del).unwrap();
+    let mut seen = Vec::new();
+    let mut head = 0u32;
+    let mut phase = true;
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while seen.len() < 4 && std::time::Instant::now() < deadline {
+        let mut cqe = Cqe::default();
+        d.t.get(DATA + u64::from(head) * 16, vm_memory::ByteValued::as_mut_slice(&mut cqe)).unwrap();
+        if cqe.phase() == phase {
+            seen.push((u16::from(cqe.cid), cqe.status()));
+            head = (head + 1) % 2;
+            if head == 0 {
+                phase = !phase;
+            }
+            d.t.write32(reg::DOORBELLS + 12, head).unwrap();
+        } else {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    assert_eq!(
+        seen,
+        [
+            (0x10, Status::SUCCESS),
+            (0x11, Status::SUCCESS),
+            (0x12, Status::ABORTED_SQ_DELETION),
+            (0x13, Status::ABORTED_SQ_DELETION)
+        ]
+    );
+    assert_eq!(d.wait(0, Duration::from_secs(5)).unwrap().status(), Status::SUCCESS, "the delete");
+}
+
+#[test]
+fn intx_follows_the_completion_queue() {
+    let config = NvmeConfig { namespaces: vec![Some(Backing::Ram(1 << 20))], ..NvmeConfig::default() };
+    let mut d = Driver::new(Rig::with(config, false));
+    d.enable().unwrap();
+    d.identify_controller().unwrap();
+    // The driver released the entry: the line is down. The guest's EOI unmasks.
+    assert!(!d.t.dev.irq_handle().intx_asserted());
+    d.t.eoi();
+    // An entry the host has not consumed keeps it up.
+    let cid = d.cid();
+    let mut get = Sqe::new(admin_op::GET_FEATURES, cid);
+    get.set_dw(10, u32::from(feature::ARBITRATION));
+    d.submit(0, &get).unwrap();
+    assert_eq!(d.t.wait_interrupt(0, Duration::from_secs(5)), Some(true));
+    assert!(d.t.dev.irq_handle().intx_asserted());
+    d.poll_one(0).unwrap().unwrap();
+    d.release(0).unwrap();
+    assert!(!d.t.dev.irq_handle().intx_asserted());
+}
+
+#[test]
+fn a_file_namespace_keeps_its_data_and_flush_reaches_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("disk.img");
+    File::create(&path).unwrap().set_len(8 << 20).unwrap();
+    let config = NvmeConfig {
+        namespaces: vec![Some(Backing::File(path.clone())), None, Some(Backing::Ram(1 << 20))],
+        lba_shift: 12,
+        ..NvmeConfig::default()
+    };
+    let mut d = up(Rig::with(config.clone(), true), 1);
+    let list = d.identify(cns::ACTIVE_NAMESPACES, 0).unwrap();
+    assert_eq!(&list[..12], &[1, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0]);
+    assert_eq!(u64::from(d.identify_namespace(2).unwrap().nsze), 0, "ns2 inactive: zeroes");
+    let data = pattern(3 * 4096, 5);
+    d.t.put(DATA, &data).unwrap();
+    assert_eq!(
+        d.rw(1, false, 1, 10, 3, 4096, &[DATA, DATA + 0x1000, DATA + 0x2000], 0).unwrap(),
+        Status::SUCCESS
+    );
+    let mut flush = Sqe::new(nvm_op::FLUSH, 0);
+    flush.nsid = 1.into();
+    assert_eq!(d.io_command(1, flush).unwrap().status(), Status::SUCCESS);
+    // Write Zeroes and Deallocate read back as zeroes.
+    let mut wz = Sqe::new(nvm_op::WRITE_ZEROES, 0);
+    wz.nsid = 1.into();
+    wz.set_dw(10, 11);
+    assert_eq!(d.io_command(1, wz).unwrap().status(), Status::SUCCESS);
+    let on_disk = std::fs::read(&path).unwrap();
+    assert_eq!(on_disk[40960..45056], data[..4096]);
+    assert!(on_disk[45056..49152].iter().all(|&b| b == 0));
+    assert_eq!(on_disk[49152..53248], data[8192..]);
+    let range = DsmRange { attributes: 0.into(), nlb: 1.into(), slba: 12.into() };
+    d.t.put(DATA + 0x9000, vm_memory::ByteValued::as_slice(&range)).unwrap();
+    let mut dsm = Sqe::new(nvm_op::DSM, 0);
+    dsm.nsid = 1.into();
+    dsm.prp1 = (DATA + 0x9000).into();
+    dsm.set_dw(11, 1 << 2);
+    assert_eq!(d.io_command(1, dsm).unwrap().status(), Status::SUCCESS);
+    let range = DsmRange { attributes: 0.into(), nlb: 1.into(), slba: (1 << 40).into() };
+    d.t.put(DATA + 0x9000, vm_memory::ByteValued::as_slice(&range)).unwrap();
+    assert_eq!(d.io_command(1, dsm).unwrap().status(), Status::LBA_OUT_OF_RANGE.dnr());
+    assert!(std::fs::read(&path).unwrap()[49152..53248].iter().all(|&b| b == 0));
+    d.t.dev.detach();
+    drop(d);
+    // A new device on the same file: the serial (and so the NGUID) and the data are the same.
+    let mut again = up(Rig::with(config, true), 1);
+    assert_eq!(again.rw(1, true, 1, 10, 1, 4096, &[DATA + 0x10_0000], 0).unwrap(), Status::SUCCESS);
+    let mut got = vec![0u8; 4096];
+    again.t.get(DATA + 0x10_0000, &mut got).unwrap();
+    assert_eq!(got, data[..4096]);
+}
+
+#[test]
+fn with_bus_mastering_off_commands_wait_and_go_on_when_it_is_back() {
+    let mut d = up(Rig::new(), 1);
+    let off = u64::from(COMMAND_MEMORY);
+    d.t.dev.region_write(CONFIG, COMMAND as u64, &off.to_le_bytes()[..2]).unwrap();
+    let calls = d.t.dma.stats().pin_calls;
+    d.t.put(DATA, &[0x5a; 4096]).unwrap();
+    let sqe = Driver::<Rig>::rw_command(false, 1, 0, 8, DATA, 0);
+    d.submit(1, &sqe).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(d.poll_one(1).unwrap().is_none(), "nothing completes while bus mastering is off");
+    assert_eq!(d.t.dma.stats().pin_calls, calls, "nothing pinned");
+    let on = u64::from(COMMAND_MEMORY | COMMAND_MASTER);
+    d.t.dev.region_write(CONFIG, COMMAND as u64, &on.to_le_bytes()[..2]).unwrap();
+    let cqe = d.wait(1, Duration::from_secs(5)).unwrap();
+    assert_eq!(cqe.status(), Status::SUCCESS);
+    assert_eq!(d.rw(1, true, 1, 0, 8, 512, &[DATA + 0x1000], 0).unwrap(), Status::SUCCESS);
+    let mut back = [0u8; 4096];
+    d.t.get(DATA + 0x1000, &mut back).unwrap();
+    assert_eq!(back, [0x5a; 4096]);
+}

@@ -1,0 +1,692 @@
+//! Instance lifecycle, after mdevctl: types from a registry, instances by UUID, persistent
+//! definitions.
+//!
+//! The [`Manager`] owns the daemon's instances. Each is created from a type (reserving its
+//! capacity) and served on `<run-dir>/<uuid>.sock`; stopping it frees the socket and the
+//! capacity. [`Definitions`] are JSON files in a state directory, one per UUID. As with
+//! mdevctl, defining a device does not start it; `start --uuid` starts a definition; definitions
+//! marked `auto` start with the daemon, and on [`Manager::reload`] (the daemon's SIGHUP) when they
+//! are new. [`sync_status`] tells how the definitions and the running instances differ.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+use umdev_mdev::types::{InstanceOptions, Registry, TypeError};
+use uuid::Uuid;
+
+use umdev_server::daemon::{Daemon, DaemonError, InstanceConfig, InstanceInfo};
+
+/// Why a lifecycle operation failed.
+#[derive(Debug, Error)]
+pub enum LifecycleError {
+    /// No such device type.
+    #[error("unknown device type {0:?} (see `umdev types`)")]
+    UnknownType(String),
+    /// The type has no capacity left.
+    #[error("type {0} has no available instances")]
+    Exhausted(String),
+    /// A running instance already has this UUID.
+    #[error("an instance with UUID {0} is already running")]
+    DuplicateUuid(Uuid),
+    /// No running instance has this UUID.
+    #[error("no running instance has UUID {0}")]
+    UnknownUuid(Uuid),
+    /// A definition already has this UUID.
+    #[error("a device with UUID {0} is already defined")]
+    AlreadyDefined(Uuid),
+    /// No definition has this UUID.
+    #[error("no device with UUID {0} is defined")]
+    NotDefined(Uuid),
+    /// The daemon already serves its maximum number of instances.
+    #[error("the daemon already serves its maximum of {0} instances (umdev daemon --max-instances)")]
+    TooManyInstances(usize),
+    /// Neither a type nor a definition to start from.
+    #[error("give a type, or the UUID of a defined device")]
+    NoType,
+    /// A client is connected and the stop was not forced.
+    #[error("instance {0} has a client connected; use --force to disconnect it")]
+    Busy(Uuid),
+    /// A bad option for the type.
+    #[error("{0}")]
+    BadOption(String),
+    /// The device could not be built, or its socket not served.
+    #[error("{0}")]
+    Failed(String),
+    /// Reading or writing definitions failed.
+    #[error("{what} {}: {source}", path.display())]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: io::Error,
+    },
+}
+
+impl LifecycleError {
+    /// The errno a sysfs-style interface would report.
+    pub fn errno(&self) -> i32 {
+        match self {
+            LifecycleError::UnknownType(_)
+            | LifecycleError::UnknownUuid(_)
+            | LifecycleError::NotDefined(_) => libc::ENOENT,
+            LifecycleError::Exhausted(_) => libc::EUSERS,
+            LifecycleError::DuplicateUuid(_) | LifecycleError::AlreadyDefined(_) => libc::EEXIST,
+            LifecycleError::Busy(_) => libc::EBUSY,
+            LifecycleError::TooManyInstances(_) => libc::ENOSPC,
+            LifecycleError::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
+            _ => libc::EINVAL,
+        }
+    }
+
+    fn from_type(e: TypeError) -> Self {
+        match e {
+            TypeError::UnknownType(t) => LifecycleError::UnknownType(t),
+            TypeError::Exhausted(t) => LifecycleError::Exhausted(t),
+            TypeError::BadOption { .. } => LifecycleError::BadOption(e.to_string()),
+            TypeError::Create { .. } => LifecycleError::Failed(e.to_string()),
+        }
+    }
+}
+
+/// A persistent device definition (`<state-dir>/<uuid>.json`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Definition {
+    /// The device's UUID.
+    pub uuid: Uuid,
+    /// Its type.
+    pub mdev_type: String,
+    /// `auto`: started with the daemon; `manual`: only by `umdev start --uuid`.
+    pub start: StartPolicy,
+    /// Creation options.
+    #[serde(default)]
+    pub options: InstanceOptions,
+}
+
+/// When a defined device starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StartPolicy {
+    /// With the daemon.
+    Auto,
+    /// On request.
+    Manual,
+}
+
+/// The definitions in a state directory.
+#[derive(Clone, Debug)]
+pub struct Definitions {
+    dir: PathBuf,
+}
+
+impl Definitions {
+    /// Definitions kept in `dir` (created when the first is written).
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        Definitions { dir: dir.into() }
+    }
+
+    fn path(&self, uuid: &Uuid) -> PathBuf {
+        self.dir.join(format!("{uuid}.json"))
+    }
+
+    fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> LifecycleError + 'a {
+        move |source| LifecycleError::Io { what, path: path.to_path_buf(), source }
+    }
+
+    /// Writes a new definition; fails if the UUID is already defined.
+    pub fn define(&self, def: &Definition) -> Result<(), LifecycleError> {
+        std::fs::create_dir_all(&self.dir).map_err(Self::io("creating", &self.dir))?;
+        let path = self.path(&def.uuid);
+        if path.exists() {
+            return Err(LifecycleError::AlreadyDefined(def.uuid));
+        }
+        let text = serde_json::to_string_pretty(def).map_err(|e| LifecycleError::Failed(e.to_string()))?;
+        // Write then rename: a crash never leaves a half-written definition.
+        let tmp = self.dir.join(format!(".{}.tmp", def.uuid));
+        std::fs::write(&tmp, text + "\n").map_err(Self::io("writing", &tmp))?;
+        std::fs::rename(&tmp, &path).map_err(Self::io("renaming", &path))
+    }
+
+    /// Removes a definition.
+    pub fn undefine(&self, uuid: &Uuid) -> Result<(), LifecycleError> {
+        let path = self.path(uuid);
+        match std::fs::remove_file(&path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Err(LifecycleError::NotDefined(*uuid)),
+            Err(e) => Err(Self::io("removing", &path)(e)),
+        }
+    }
+
+    /// The definition of `uuid`.
+    pub fn get(&self, uuid: &Uuid) -> Result<Definition, LifecycleError> {
+        let path = self.path(uuid);
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(LifecycleError::NotDefined(*uuid)),
+            Err(e) => return Err(Self::io("reading", &path)(e)),
+        };
+        serde_json::from_str(&text).map_err(|e| LifecycleError::Failed(format!("{}: {e}", path.display())))
+    }
+
+    /// Every readable definition, by UUID; unreadable files are logged and skipped.
+    pub fn list(&self) -> Vec<Definition> {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return Vec::new();
+        };
+        let mut defs: Vec<Definition> = entries
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().to_string();
+                let uuid = Uuid::parse_str(name.strip_suffix(".json")?).ok()?;
+                self.get(&uuid).inspect_err(|err| log::warn!("skipping definition {name}: {err}")).ok()
+            })
+            .collect();
+        defs.sort_by_key(|d| d.uuid);
+        defs
+    }
+}
+
+/// A running instance, as `umdev list` shows it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct InstanceSummary {
+    /// UUID.
+    pub uuid: Uuid,
+    /// Type.
+    pub mdev_type: String,
+    /// Socket clients connect to.
+    pub socket: PathBuf,
+    /// A client is connected.
+    pub connected: bool,
+    /// Options it was created with.
+    pub options: InstanceOptions,
+    /// What the device shows of itself: a serial port's pty path, say.
+    #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
+    pub device: serde_json::Value,
+    /// It was started from its definition (`start --uuid`, or `auto`), not ad hoc from a type.
+    #[serde(default)]
+    pub from_definition: bool,
+}
+
+/// A type, as `umdev types` shows it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct TypeSummary {
+    /// Name.
+    pub name: String,
+    /// Description.
+    pub description: String,
+    /// Device API.
+    pub device_api: String,
+    /// Instances that can still be created.
+    pub available_instances: u32,
+}
+
+struct Record {
+    mdev_type: String,
+    options: InstanceOptions,
+    socket: PathBuf,
+    from_definition: bool,
+}
+
+/// What [`Manager::reload`] did and found.
+#[derive(Debug, Default)]
+pub struct ReloadReport {
+    /// `auto` definitions that were not running and have been started.
+    pub started: Vec<Uuid>,
+    /// `auto` definitions that could not be started, and why.
+    pub failed: Vec<(Uuid, LifecycleError)>,
+    /// `auto` definitions left stopped because `umdev stop` stopped them.
+    pub held_back: Vec<Uuid>,
+    /// Instances started from a definition that has been removed since; they keep running.
+    pub undefined: Vec<Uuid>,
+    /// Instances whose definition's type or options changed since they started; they keep
+    /// running as they are.
+    pub changed: Vec<Uuid>,
+}
+
+/// How a definition and the running instances agree, as `umdev list --defined` shows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SyncState {
+    /// Running as defined.
+    Running,
+    /// A manual definition that is not running.
+    Stopped,
+    /// An `auto` definition that is not running.
+    NotStarted,
+    /// Running with another type or other options than its definition has now.
+    Changed,
+    /// Running from a definition that has been removed since.
+    Undefined,
+    /// Unknown: the daemon is not running.
+    Unknown,
+}
+
+impl SyncState {
+    /// Whether the definition and the instance agree; `None` when it cannot be told.
+    pub fn in_sync(self) -> Option<bool> {
+        match self {
+            SyncState::Running | SyncState::Stopped => Some(true),
+            SyncState::NotStarted | SyncState::Changed | SyncState::Undefined => Some(false),
+            SyncState::Unknown => None,
+        }
+    }
+
+    /// Its name in `umdev list --defined`.
+    pub fn name(self) -> &'static str {
+        match self {
+            SyncState::Running => "running",
+            SyncState::Stopped => "stopped",
+            SyncState::NotStarted => "not-started",
+            SyncState::Changed => "changed",
+            SyncState::Undefined => "undefined",
+            SyncState::Unknown => "unknown",
+        }
+    }
+
+    /// Why it is out of sync, for a person.
+    pub fn why(self) -> Option<&'static str> {
+        match self {
+            SyncState::NotStarted => Some("defined with --auto but not running"),
+            SyncState::Changed => Some("its definition changed since it started; stop and start it to apply"),
+            SyncState::Undefined => Some("running, but no longer defined"),
+            _ => None,
+        }
+    }
+}
+
+/// One definition (or one instance whose definition is gone) and how it stands.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DefinitionStatus {
+    /// The device's UUID.
+    pub uuid: Uuid,
+    /// The defined type (of an undefined instance: its running type).
+    pub mdev_type: String,
+    /// The definition's start policy; `None` for an instance whose definition is gone.
+    pub start: Option<StartPolicy>,
+    /// The defined options (of an undefined instance: its running options).
+    pub options: InstanceOptions,
+    /// How it stands.
+    pub state: SyncState,
+    /// [`SyncState::in_sync`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub in_sync: Option<bool>,
+    /// The type it runs with, when [`SyncState::Changed`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub running_type: Option<String>,
+    /// The options it runs with, when [`SyncState::Changed`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub running_options: Option<InstanceOptions>,
+}
+
+/// Compares `definitions` with the `running` instances (`None`: the daemon is not running).
+/// One row per definition, then one per instance started from a definition that is gone;
+/// instances started ad hoc from a type are not rows.
+pub fn sync_status(definitions: &[Definition], running: Option<&[InstanceSummary]>) -> Vec<DefinitionStatus> {
+    let find = |uuid: &Uuid| running.and_then(|r| r.iter().find(|i| i.uuid == *uuid));
+    let mut rows: Vec<DefinitionStatus> = definitions
+        .iter()
+        .map(|d| {
+            let instance = find(&d.uuid);
+            let state = match (running, instance) {
+                (None, _) => SyncState::Unknown,
+                (Some(_), Some(i)) if i.mdev_type == d.mdev_type && i.options == d.options => {
+                    SyncState::Running
+                }
+                (Some(_), Some(_)) => SyncState::Changed,
+                (Some(_), None) if d.start == StartPolicy::Auto => SyncState::NotStarted,
+                (Some(_), None) => SyncState::Stopped,
+            };
+            let changed = instance.filter(|_| state == SyncState::Changed);
+            DefinitionStatus {
+                uuid: d.uuid,
+                mdev_type: d.mdev_type.clone(),
+                start: Some(d.start),
+                options: d.options.clone(),
+                state,
+                in_sync: state.in_sync(),
+                running_type: changed.map(|i| i.mdev_type.clone()),
+                running_options: changed.map(|i| i.options.clone()),
+            }
+        })
+        .collect();
+    let defined: BTreeSet<Uuid> = definitions.iter().map(|d| d.uuid).collect();
+    for i in running.unwrap_or_default().iter().filter(|i| i.from_definition && !defined.contains(&i.uuid)) {
+        rows.push(DefinitionStatus {
+            uuid: i.uuid,
+            mdev_type: i.mdev_type.clone(),
+            start: None,
+            options: i.options.clone(),
+            state: SyncState::Undefined,
+            in_sync: SyncState::Undefined.in_sync(),
+            running_type: None,
+            running_options: None,
+        });
+    }
+    rows
+}
+
+/// The daemon's instances and the types they come from.
+pub struct Manager {
+    registry: Registry,
+    daemon: Daemon,
+    run_dir: PathBuf,
+    definitions: Definitions,
+    instances: Mutex<BTreeMap<Uuid, Record>>,
+    /// Instances `stop` stopped: a reload does not start their `auto` definitions again.
+    stopped: Mutex<BTreeSet<Uuid>>,
+    /// Applied to every instance (limits, timeouts); id, socket and pin mode are set per instance.
+    template: InstanceConfig,
+    max_instances: usize,
+}
+
+impl Manager {
+    /// A manager serving instance sockets in `run_dir`, definitions in `definitions`.
+    pub fn new(
+        registry: Registry,
+        run_dir: impl Into<PathBuf>,
+        definitions: Definitions,
+        template: InstanceConfig,
+    ) -> Self {
+        Manager {
+            registry,
+            daemon: Daemon::new(),
+            run_dir: run_dir.into(),
+            definitions,
+            instances: Mutex::new(BTreeMap::new()),
+            stopped: Mutex::new(BTreeSet::new()),
+            template,
+            max_instances: 256,
+        }
+    }
+
+    /// Serves at most `max` instances (default 256); each has at most one client.
+    pub fn with_max_instances(mut self, max: usize) -> Self {
+        self.max_instances = max;
+        self
+    }
+
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<Uuid, Record>> {
+        umdev_pinning::sync::lock(&self.instances)
+    }
+
+    /// The definitions store.
+    pub fn definitions(&self) -> &Definitions {
+        &self.definitions
+    }
+
+    /// The types and their capacity now.
+    pub fn types(&self) -> Vec<TypeSummary> {
+        self.registry
+            .types()
+            .iter()
+            .map(|t| TypeSummary {
+                name: t.name().to_string(),
+                description: t.description().to_string(),
+                device_api: t.device_api().to_string(),
+                available_instances: t.available_instances(),
+            })
+            .collect()
+    }
+
+    /// Starts an instance: of `mdev_type` with `options`, or (type `None`) the definition of
+    /// `uuid`. A missing UUID is generated.
+    pub fn start(
+        &self,
+        mdev_type: Option<&str>,
+        uuid: Option<Uuid>,
+        options: InstanceOptions,
+    ) -> Result<InstanceSummary, LifecycleError> {
+        let (mdev_type, uuid, options, from_definition) = match (mdev_type, uuid) {
+            (Some(t), uuid) => (t.to_string(), uuid.unwrap_or_else(Uuid::new_v4), options, false),
+            (None, Some(uuid)) => {
+                let def = self.definitions.get(&uuid)?;
+                (def.mdev_type, uuid, def.options, true)
+            }
+            (None, None) => return Err(LifecycleError::NoType),
+        };
+        let mut instances = self.lock();
+        if instances.contains_key(&uuid) {
+            return Err(LifecycleError::DuplicateUuid(uuid));
+        }
+        if instances.len() >= self.max_instances {
+            return Err(LifecycleError::TooManyInstances(self.max_instances));
+        }
+        let ty = self.registry.find(&mdev_type).map_err(LifecycleError::from_type)?;
+        let device = ty.create(&options).map_err(LifecycleError::from_type)?;
+        let socket = self.run_dir.join(format!("{uuid}.sock"));
+        let mut config = self.template.clone();
+        config.id = uuid.to_string();
+        config.socket = socket.clone();
+        config.dma.mode = options.pin_mode();
+        self.daemon.start(device, config).map_err(|e| LifecycleError::Failed(e.to_string()))?;
+        log::info!("started {mdev_type} instance {uuid} on {}", socket.display());
+        instances.insert(
+            uuid,
+            Record {
+                mdev_type: mdev_type.clone(),
+                options: options.clone(),
+                socket: socket.clone(),
+                from_definition,
+            },
+        );
+        umdev_pinning::sync::lock(&self.stopped).remove(&uuid);
+        let device = self.daemon.info(&uuid.to_string()).map(|i| i.device).unwrap_or_default();
+        Ok(InstanceSummary { uuid, mdev_type, socket, connected: false, options, device, from_definition })
+    }
+
+    /// Stops an instance; refused while a client is connected unless `force`, which
+    /// disconnects it and resets the device. Frees its socket and capacity.
+    pub fn stop(&self, uuid: Uuid, force: bool) -> Result<(), LifecycleError> {
+        // Out of the table while it stops (cutting a client and joining its threads can take
+        // the unmap timeout), so other control requests are not held up meanwhile.
+        let record = self.lock().remove(&uuid).ok_or(LifecycleError::UnknownUuid(uuid))?;
+        // Marked stopped before it stops: a reload meanwhile must not start it again. Only
+        // definitions are ever started by a reload, so only they are remembered.
+        let remember = record.from_definition;
+        if remember {
+            umdev_pinning::sync::lock(&self.stopped).insert(uuid);
+        }
+        let stopped = self.daemon.stop(&uuid.to_string(), force);
+        if stopped.is_err() {
+            if remember {
+                umdev_pinning::sync::lock(&self.stopped).remove(&uuid);
+            }
+            self.lock().insert(uuid, record);
+        }
+        match stopped {
+            Ok(()) => {
+                log::info!("stopped instance {uuid}");
+                Ok(())
+            }
+            Err(DaemonError::Busy(_)) => Err(LifecycleError::Busy(uuid)),
+            Err(e) => Err(LifecycleError::Failed(e.to_string())),
+        }
+    }
+
+    /// The running instances.
+    pub fn list(&self) -> Vec<InstanceSummary> {
+        self.lock()
+            .iter()
+            .map(|(uuid, r)| {
+                let info = self.daemon.info(&uuid.to_string());
+                InstanceSummary {
+                    uuid: *uuid,
+                    mdev_type: r.mdev_type.clone(),
+                    socket: r.socket.clone(),
+                    connected: info.as_ref().is_some_and(|i| i.connected),
+                    options: r.options.clone(),
+                    device: info.map(|i| i.device).unwrap_or_default(),
+                    from_definition: r.from_definition,
+                }
+            })
+            .collect()
+    }
+
+    /// One instance's counters.
+    pub fn stats(&self, uuid: Uuid) -> Result<InstanceInfo, LifecycleError> {
+        self.daemon.info(&uuid.to_string()).ok_or(LifecycleError::UnknownUuid(uuid))
+    }
+
+    /// Starts every `auto` definition; returns what failed.
+    pub fn autostart(&self) -> Vec<(Uuid, LifecycleError)> {
+        self.reload().failed
+    }
+
+    /// Re-reads the definitions: starts the `auto` ones that are not running (unless `stop`
+    /// stopped them: an operator's stop outlasts a reload), and reports the instances whose
+    /// definition has been removed or changed since they started. Nothing running is stopped
+    /// or restarted: a connected guest would lose its device.
+    pub fn reload(&self) -> ReloadReport {
+        let definitions = self.definitions.list();
+        let running = self.list();
+        // A definition removed since its instance was stopped need not be remembered.
+        umdev_pinning::sync::lock(&self.stopped).retain(|uuid| definitions.iter().any(|d| d.uuid == *uuid));
+        let mut report = ReloadReport::default();
+        for row in sync_status(&definitions, Some(&running)) {
+            match row.state {
+                SyncState::NotStarted if umdev_pinning::sync::lock(&self.stopped).contains(&row.uuid) => {
+                    report.held_back.push(row.uuid)
+                }
+                SyncState::NotStarted => match self.start(None, Some(row.uuid), InstanceOptions::default()) {
+                    Ok(_) => report.started.push(row.uuid),
+                    Err(e) => report.failed.push((row.uuid, e)),
+                },
+                SyncState::Undefined => report.undefined.push(row.uuid),
+                SyncState::Changed => report.changed.push(row.uuid),
+                SyncState::Running | SyncState::Stopped | SyncState::Unknown => {}
+            }
+        }
+        report
+    }
+
+    /// Stops everything.
+    pub fn shutdown(&self) {
+        self.daemon.shutdown();
+        self.lock().clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn definitions_round_trip_and_refuse_duplicates() {
+        let dir = std::env::temp_dir().join(format!("umdev-defs-{}", std::process::id()));
+        let defs = Definitions::new(&dir);
+        let uuid = Uuid::new_v4();
+        let def = Definition {
+            uuid,
+            mdev_type: "testdev".into(),
+            start: StartPolicy::Auto,
+            options: Default::default(),
+        };
+        defs.define(&def).unwrap();
+        assert!(matches!(defs.define(&def), Err(LifecycleError::AlreadyDefined(_))));
+        assert_eq!(defs.get(&uuid).unwrap(), def);
+        assert_eq!(defs.list(), vec![def]);
+        // A stray file is skipped, not fatal.
+        std::fs::write(dir.join("junk.json"), "{").unwrap();
+        assert_eq!(defs.list().len(), 1);
+        defs.undefine(&uuid).unwrap();
+        assert!(matches!(defs.undefine(&uuid), Err(LifecycleError::NotDefined(_))));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn def(n: u128, start: StartPolicy) -> Definition {
+        Definition {
+            uuid: Uuid::from_u128(n),
+            mdev_type: "testdev".into(),
+            start,
+            options: Default::default(),
+        }
+    }
+
+    fn running(d: &Definition, from_definition: bool) -> InstanceSummary {
+        InstanceSummary {
+            uuid: d.uuid,
+            mdev_type: d.mdev_type.clone(),
+            socket: PathBuf::from(format!("/run/umdev/{}.sock", d.uuid)),
+            connected: false,
+            options: d.options.clone(),
+            device: serde_json::Value::Null,
+            from_definition,
+        }
+    }
+
+    #[test]
+    fn sync_status_tells_every_way_definitions_and_instances_differ() {
+        let (up, auto_down, manual_down) =
+            (def(1, StartPolicy::Auto), def(2, StartPolicy::Auto), def(3, StartPolicy::Manual));
+        let mut changed = def(4, StartPolicy::Manual);
+        let gone = def(5, StartPolicy::Auto);
+        let ad_hoc = def(6, StartPolicy::Auto);
+        let mut instances = vec![running(&up, true), running(&changed, true), running(&gone, true)];
+        instances.push(running(&ad_hoc, false));
+        changed.options.pin_mode = Some(umdev_mdev::types::PinModeName::Lock);
+        let defs = [up, auto_down, manual_down, changed];
+        let rows = sync_status(&defs, Some(&instances));
+        let states: Vec<(u128, SyncState, Option<bool>)> =
+            rows.iter().map(|r| (r.uuid.as_u128(), r.state, r.in_sync)).collect();
+        assert_eq!(
+            states,
+            vec![
+                (1, SyncState::Running, Some(true)),
+                (2, SyncState::NotStarted, Some(false)),
+                (3, SyncState::Stopped, Some(true)),
+                (4, SyncState::Changed, Some(false)),
+                // Started from a definition that is gone; the ad hoc instance 6 is no row.
+                (5, SyncState::Undefined, Some(false)),
+            ]
+        );
+        assert_eq!(rows[3].running_options, Some(InstanceOptions::default()), "what it runs with");
+        assert_eq!(rows[4].start, None);
+        // Without a daemon nothing can be told.
+        assert!(sync_status(&defs, None)
+            .iter()
+            .all(|r| r.state == SyncState::Unknown && r.in_sync.is_none()));
+    }
+
+    #[test]
+    fn reload_starts_new_auto_definitions_and_leaves_running_ones_alone() {
+        let dir = std::env::temp_dir().join(format!("umdev-reload-{}", std::process::id()));
+        let (run, state) = (dir.join("run"), dir.join("state"));
+        std::fs::create_dir_all(&run).unwrap();
+        let registry =
+            Registry::with_types(vec![std::sync::Arc::new(umdev_devices::testdev::TestDevType::new(8))]);
+        let manager = Manager::new(registry, &run, Definitions::new(&state), InstanceConfig::new("", ""));
+        let (a, b) = (def(0xa, StartPolicy::Auto), def(0xb, StartPolicy::Auto));
+        manager.definitions().define(&a).unwrap();
+        assert!(manager.autostart().is_empty());
+        assert!(run.join(format!("{}.sock", a.uuid)).exists());
+
+        // A new auto definition starts; a removed one is reported and keeps running.
+        manager.definitions().define(&b).unwrap();
+        manager.definitions().undefine(&a.uuid).unwrap();
+        let report = manager.reload();
+        assert_eq!((report.started, report.undefined), (vec![b.uuid], vec![a.uuid]));
+        assert!(report.failed.is_empty() && report.changed.is_empty());
+        assert_eq!(manager.list().len(), 2);
+
+        // An auto instance stopped on purpose is not brought back by a reload.
+        manager.stop(b.uuid, false).unwrap();
+        let report = manager.reload();
+        assert_eq!((report.started, report.held_back), (vec![], vec![b.uuid]));
+        manager.start(None, Some(b.uuid), InstanceOptions::default()).unwrap();
+
+        // A changed definition is reported; the instance runs on as it was.
+        manager.definitions().undefine(&b.uuid).unwrap();
+        let mut b2 = b.clone();
+        b2.options.pin_mode = Some(umdev_mdev::types::PinModeName::Lock);
+        manager.definitions().define(&b2).unwrap();
+        assert_eq!(manager.reload().changed, vec![b.uuid]);
+        manager.shutdown();
+        assert_eq!(std::fs::read_dir(&run).unwrap().count(), 0, "every socket removed");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,40 @@
+//! # umdev-testkit
+//!
+//! What umdev's tests, benchmarks and fuzz targets share, kept out of the daemon:
+//!
+//! - [`client`]: a raw vfio-user client that sends any message, well-formed or not;
+//! - [`ccw_driver`] and [`ccw_guest`]: channel programs laid out in guest memory, and a guest
+//!   driving the ccw device through rust-vmm's `vfio_user::Client`;
+//! - [`nvme_driver`] and [`nvme_guest`]: an NVMe host driver over any register transport, and
+//!   a guest driving the nvme device over a raw client;
+//! - [`ccw_fuzz`]: the channel-program interpreter's fuzz harness and model;
+//! - [`server_fuzz`]: the vfio-user server's fuzz harnesses (the dispatcher and a real
+//!   connection), their input format and seeds.
+//!
+//! What it is not: a VMM, or anything the `umdev` daemon links.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(missing_docs)]
+
+pub mod ccw_driver;
+pub mod ccw_fuzz;
+pub mod ccw_guest;
+pub mod client;
+pub mod nvme_driver;
+pub mod nvme_guest;
+pub mod server_fuzz;
+
+/// A client that refuses every DMA message (ENODEV), for a device attached without a
+/// vfio-user connection whose guest memory is all shared with fds.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoClient;
+
+impl umdev_mdev::ClientDma for NoClient {
+    fn read(&self, _iova: u64, _buf: &mut [u8]) -> Result<(), umdev_mdev::ClientDmaError> {
+        Err(umdev_mdev::ClientDmaError::Refused(libc::ENODEV))
+    }
+
+    fn write(&self, _iova: u64, _data: &[u8]) -> Result<(), umdev_mdev::ClientDmaError> {
+        Err(umdev_mdev::ClientDmaError::Refused(libc::ENODEV))
+    }
+}
