@@ -13,8 +13,8 @@ use common::Harness;
 use crossbeam::channel::{unbounded, Sender};
 use umdev_mdev::irq::IrqHandle;
 use umdev_mdev::pci::{Bar, ClassCode, ConfigSpaceBuilder, PciDevice, PciIds, SimpleFunction};
-use umdev_mdev::request::{self, Completion, Permit, Requests};
-use umdev_mdev::DeviceError;
+use umdev_mdev::request::{self, Completion, Lane, Permit};
+use umdev_mdev::{DeviceContext, DeviceError};
 
 /// The result register: 0 idle, 1 done, 2 failed.
 #[derive(Default)]
@@ -30,10 +30,10 @@ struct Work {
 
 impl Completion for Work {
     type Outcome = ();
-    fn complete(self, (): ()) {
+    fn complete(self, (): (), _ctx: &DeviceContext) {
         umdev_mdev::sync::lock(&self.state).result = 1;
     }
-    fn fail(self) {
+    fn fail(self, _ctx: &DeviceContext) {
         umdev_mdev::sync::lock(&self.state).result = 2;
     }
 }
@@ -42,7 +42,7 @@ impl Completion for Work {
 /// a request whose handling panics); 0xc the last request's result.
 struct Panicky {
     state: Arc<Mutex<State>>,
-    requests: Requests,
+    lane: Lane,
     work: Sender<Permit<Work>>,
     _irq: IrqHandle,
 }
@@ -66,16 +66,13 @@ impl SimpleFunction for Panicky {
             0x4 => umdev_mdev::sync::lock(&self.state).scratch = value,
             0x8 => {
                 umdev_mdev::sync::lock(&self.state).result = 0;
-                let permit = self.requests.begin(Work { state: self.state.clone(), panic: value == 1 });
-                let _ = self.work.send(permit);
+                if let Ok(permit) = self.lane.begin(Work { state: self.state.clone(), panic: value == 1 }) {
+                    let _ = self.work.send(permit);
+                }
             }
             _ => {}
         }
         Ok(())
-    }
-
-    fn detach(&mut self) {
-        assert!(self.requests.wait_idle(Duration::from_secs(5)), "requests left running");
     }
 }
 
@@ -102,8 +99,9 @@ fn panicky() -> PciDevice<Mutex<Panicky>> {
             }
         }
     });
-    PciDevice::new(ConfigSpaceBuilder::new(ids).bar(0, Bar::mem32(4096)), |irq| {
-        Mutex::new(Panicky { state: Arc::default(), requests: Requests::new(), work: tx, _irq: irq })
+    PciDevice::new(ConfigSpaceBuilder::new(ids).bar(0, Bar::mem32(4096)), |host| {
+        let lane = host.requests.lane(|| {});
+        Mutex::new(Panicky { state: Arc::default(), lane, work: tx, _irq: host.irq })
     })
     .unwrap()
 }

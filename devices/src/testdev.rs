@@ -2,30 +2,29 @@
 //! DMA through the pinning engine or the client, INTx/MSI/MSI-X, a sparse-mmap BAR and an
 //! I/O BAR. The register ABI is in `docs/testdev.md`.
 //!
-//! DMA runs on a worker thread fed by a channel: server-to-client DMA must not be issued
-//! from the connection thread, and a DMA_UNMAP or reset must never wait for a transfer
-//! that may itself wait for the client. Jobs move data in 64 KiB chunks and check between
-//! chunks whether they were cancelled (by an overlapping unmap, a reset or a detach); a
-//! cancelled job's result is discarded if the registers were reset meanwhile.
+//! DMA runs on the device's worker thread: server-to-client DMA must not be issued from the
+//! connection thread, and a DMA_UNMAP or reset must never wait for a transfer that may itself
+//! wait for the client. A command is a request the framework tracks: it claims its range, so
+//! an overlapping unmap cancels it, as a reset or a detach does. Jobs move data in 64 KiB
+//! chunks and look between chunks whether they were cancelled; a cancelled job's result is
+//! discarded if the registers were reset meanwhile.
 
 use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
+use std::time::Duration;
 
-use crossbeam::channel::{unbounded, Receiver, Sender};
 use thiserror::Error;
-
-use umdev_mdev::request::{self, Completion, Permit, Requests};
-
 use umdev_mdev::guest::GuestError;
 use umdev_mdev::irq::IrqHandle;
 use umdev_mdev::pci::regmap::merge;
 use umdev_mdev::pci::{
-    Bar, ClassCode, ConfigSpaceBuilder, PciDevice, PciDeviceError, PciFunction, PciIds, Reg, RegMap,
+    Bar, ClassCode, ConfigSpaceBuilder, Host, PciDevice, PciDeviceError, PciFunction, PciIds, Reg, RegMap,
 };
-use umdev_mdev::{ClientDmaError, DeviceContext, DeviceError, RegionMmap, SparseArea};
+use umdev_mdev::request::{self, Completion, Lane, Permit};
+use umdev_mdev::worker::{Poll, Waiter, Wake, Worker};
+use umdev_mdev::{ClientDmaError, DeviceError, RegionMmap, SparseArea};
 
 /// The type name devices of this kind are created under.
 pub const TYPE_NAME: &str = "testdev";
@@ -149,11 +148,11 @@ pub fn create() -> Result<PciDevice<TestDev>, TestDevError> {
     let seals = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL;
     fcntl(&file, FcntlArg::F_ADD_SEALS(seals)).map_err(|e| TestDevError::Memfd(e.into()))?;
     let bar1 = Arc::new(OwnedFd::from(file));
-    Ok(PciDevice::new(config(), move |irq| TestDev::new(irq, bar1))?)
+    Ok(PciDevice::new(config(), move |host| TestDev::new(host, bar1))?)
 }
 
-/// How long a detach waits for the command in flight to let go.
-const DETACH_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+/// How long dropping the device waits for its worker to end.
+const STOP_WAIT: Duration = Duration::from_secs(5);
 
 /// One DMA command for the worker, and how it ends.
 #[derive(Debug)]
@@ -164,16 +163,22 @@ struct Job {
     len: u32,
     pattern: u8,
     generation: u64,
-    ctx: DeviceContext,
 }
 
 impl Completion for Job {
     type Outcome = Result<u32, i32>;
 
-    fn complete(self, outcome: Result<u32, i32>) {
+    fn complete(self, outcome: Result<u32, i32>, _ctx: &umdev_mdev::DeviceContext) {
+        // Reset meanwhile: the registers are no longer this job's. Looked at before taking
+        // their lock too: a stale job the worker never took ends when a new command replaces
+        // it, under that lock.
+        let stale = || self.inner.generation.load(Ordering::Acquire) != self.generation;
+        if stale() {
+            return;
+        }
         let mut regs = self.inner.regs();
-        if self.inner.generation.load(Ordering::Acquire) != self.generation {
-            return; // reset meanwhile: the registers are no longer this job's
+        if stale() {
+            return;
         }
         if let Err(errno) = outcome {
             log::debug!(
@@ -187,8 +192,8 @@ impl Completion for Job {
     }
 
     /// The device failed internally (the command's handling panicked): EIO.
-    fn fail(self) {
-        self.complete(Err(libc::EIO));
+    fn fail(self, ctx: &umdev_mdev::DeviceContext) {
+        self.complete(Err(libc::EIO), ctx);
     }
 }
 
@@ -204,8 +209,6 @@ struct Regs {
     irq_count: u32,
     isr: u32,
     io_scratch: u32,
-    /// `[addr, addr + len)` of the job in flight.
-    busy: Option<(u64, u64)>,
 }
 
 /// BAR0 and BAR2's register maps (docs/testdev.md): 32-bit registers; BAR0 takes accesses
@@ -236,8 +239,16 @@ impl Maps {
         let bar2 = [Reg::rw(IO_SCRATCH, IO_SCRATCH), Reg::ro(IO_ID, IO_ID)];
         Maps {
             // The whole BAR: accesses to the MSI-X table and PBA are the framework's and never reach here.
-            bar0: RegMap::new(0, BAR0_SIZE, 4, &[1, 2, 4, 8], false, &bar0).expect("a valid map"),
-            bar2: RegMap::new(2, BAR2_SIZE, 4, &[1, 2, 4], false, &bar2).expect("a valid map"),
+            bar0: RegMap::builder(0, BAR0_SIZE)
+                .widths(&[1, 2, 4, 8])
+                .unaligned()
+                .build(&bar0)
+                .expect("a valid map"),
+            bar2: RegMap::builder(2, BAR2_SIZE)
+                .widths(&[1, 2, 4])
+                .unaligned()
+                .build(&bar2)
+                .expect("a valid map"),
         }
     }
 }
@@ -247,13 +258,16 @@ impl Maps {
 struct Inner {
     regs: Mutex<Regs>,
     irq: IrqHandle,
-    ctx: Mutex<Option<DeviceContext>>,
-    /// Bumped (under the regs lock) by reset, detach and drop: jobs of an older generation
-    /// stop at their next chunk and leave the registers alone.
+    /// Bumped (under the regs lock) by reset, detach and drop: a job of an older generation
+    /// leaves the registers alone.
     generation: AtomicU64,
-    /// Set by an overlapping dma_unmap: the job in flight stops at its next chunk.
-    abort: AtomicBool,
+    /// The command the worker is to run next.
+    next: Mutex<Option<Permit<Job>>>,
 }
+
+/// Why the worker stops: the device is going.
+#[derive(Clone, Copy, Debug)]
+struct Close;
 
 /// The testdev function (serve it through [`PciDevice`]; see [`create`]).
 #[derive(Debug)]
@@ -261,36 +275,30 @@ pub struct TestDev {
     inner: Arc<Inner>,
     maps: Maps,
     bar1: Arc<OwnedFd>,
-    jobs: Option<Sender<Permit<Job>>>,
-    /// Commands in flight: a detach waits for them.
-    requests: Requests,
-    worker: Option<JoinHandle<()>>,
+    /// The worker's requests.
+    lane: Lane,
+    worker: Option<Worker<Close>>,
 }
 
 impl TestDev {
-    fn new(irq: IrqHandle, bar1: Arc<OwnedFd>) -> Self {
+    fn new(host: Host, bar1: Arc<OwnedFd>) -> Self {
         let inner = Arc::new(Inner {
             regs: Mutex::new(Regs::default()),
-            irq,
-            ctx: Mutex::new(None),
+            irq: host.irq,
             generation: AtomicU64::new(0),
-            abort: AtomicBool::new(false),
+            next: Mutex::new(None),
         });
-        let (tx, rx) = unbounded();
         let worker_inner = inner.clone();
-        let worker = std::thread::Builder::new()
-            .name("umdev-testdev-dma".into())
-            .spawn(move || worker(&worker_inner, &rx))
+        let worker = Worker::spawn("umdev-testdev-dma", Poll::NONE, move |w| worker(&worker_inner, w))
             .map_err(|e| log::error!("testdev: cannot start the DMA worker ({e}); DMA commands will fail"))
             .ok();
-        TestDev {
-            inner,
-            maps: Maps::new(),
-            bar1,
-            jobs: worker.is_some().then_some(tx),
-            requests: Requests::new(),
-            worker,
-        }
+        let bell = worker.as_ref().map(Worker::bell);
+        let lane = host.requests.lane(move || {
+            if let Some(bell) = &bell {
+                bell.ring();
+            }
+        });
+        TestDev { inner, maps: Maps::new(), bar1, lane, worker }
     }
 
     fn bar0_read(&self, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
@@ -345,14 +353,14 @@ impl TestDev {
             log::debug!("testdev: DMA_CMD {cmd} while busy ignored");
             return;
         }
-        let ctx = umdev_pinning::sync::lock(&self.inner.ctx).clone();
-        let (ctx, jobs) = match (cmd, ctx, &self.jobs) {
-            (CMD_FILL | CMD_CHECKSUM, _, _) if regs.dma_len > MAX_DMA_LEN => {
+        let worker = match cmd {
+            CMD_FILL | CMD_CHECKSUM if regs.dma_len > MAX_DMA_LEN => {
                 return self.inner.complete(regs, Err(libc::EINVAL));
             }
-            (CMD_FILL | CMD_CHECKSUM, Some(ctx), Some(jobs)) => (ctx, jobs),
-            (CMD_FILL | CMD_CHECKSUM, None, _) => return self.inner.complete(regs, Err(libc::ENODEV)),
-            (CMD_FILL | CMD_CHECKSUM, Some(_), None) => return self.inner.complete(regs, Err(libc::EIO)),
+            CMD_FILL | CMD_CHECKSUM => match &self.worker {
+                Some(worker) => worker,
+                None => return self.inner.complete(regs, Err(libc::EIO)),
+            },
             _ => return self.inner.complete(regs, Err(libc::EINVAL)),
         };
         let job = Job {
@@ -362,18 +370,19 @@ impl TestDev {
             len: regs.dma_len,
             pattern: regs.pattern as u8,
             generation: self.inner.generation.load(Ordering::Acquire),
-            ctx,
         };
+        let mut permit = match self.lane.begin(job) {
+            Ok(permit) => permit,
+            // Not reported through the job: completed here, under the registers' lock the
+            // caller holds.
+            Err(_detached) => return self.inner.complete(regs, Err(libc::ENODEV)),
+        };
+        // An unmap of the command's range cancels it.
+        permit.claim(regs.dma_addr, u64::from(regs.dma_len));
         regs.status = STATUS_BUSY;
         regs.result = 0;
-        regs.busy = Some((job.addr, job.addr.saturating_add(u64::from(job.len))));
-        self.inner.abort.store(false, Ordering::Release);
-        let permit = self.requests.begin(job);
-        if let Err(unsent) = jobs.send(permit) {
-            // The worker is gone: completed here, under the registers' lock the caller holds.
-            drop(unsent.0.into_inner());
-            self.inner.complete(regs, Err(libc::EIO));
-        }
+        *umdev_pinning::sync::lock(&self.inner.next) = Some(permit);
+        worker.wake();
     }
 
     fn bar1_read(&self, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
@@ -406,11 +415,11 @@ impl TestDev {
         })
     }
 
-    /// Cancels the job in flight and clears the registers (and BAR1).
+    /// Forgets the job in flight (the framework cancelled it) and clears the registers (and
+    /// BAR1).
     fn clear(&self) {
         let mut regs = self.inner.regs();
         self.inner.generation.fetch_add(1, Ordering::AcqRel);
-        self.inner.abort.store(true, Ordering::Release);
         *regs = Regs::default();
         self.inner.irq.intx_deassert();
         drop(regs);
@@ -436,47 +445,52 @@ impl Inner {
 
     /// Ends the current command: status, result, and the interrupt.
     fn complete(&self, regs: &mut Regs, outcome: Result<u32, i32>) {
-        regs.busy = None;
         (regs.status, regs.result) = match outcome {
             Ok(sum) => (STATUS_DONE, sum),
             Err(errno) => (STATUS_ERROR, errno as u32),
         };
         self.raise(regs);
     }
-
-    fn cancelled(&self, job: &Job) -> bool {
-        self.abort.load(Ordering::Acquire) || self.generation.load(Ordering::Acquire) != job.generation
-    }
 }
 
 impl Drop for TestDev {
     fn drop(&mut self) {
         self.inner.generation.fetch_add(1, Ordering::AcqRel);
-        self.inner.abort.store(true, Ordering::Release);
-        self.jobs = None; // the worker's channel closes
+        // A command the worker never took holds the shared state: it ends here (and leaves
+        // the registers alone: its generation is gone).
+        drop(umdev_pinning::sync::lock(&self.inner.next).take());
         if let Some(worker) = self.worker.take() {
-            if worker.join().is_err() {
-                log::error!("testdev: the DMA worker panicked");
+            worker.stop(Close);
+            if let Err(e) = worker.join(STOP_WAIT) {
+                log::error!("testdev: {e}");
             }
         }
     }
 }
 
-fn worker(inner: &Inner, jobs: &Receiver<Permit<Job>>) {
+/// The DMA worker: runs each command put in `inner.next`, until the device goes.
+fn worker(inner: &Inner, mut w: Waiter<Close>) {
     // The worker's one bounce buffer, for every job.
     let mut buf = vec![0u8; DMA_CHUNK];
-    for permit in jobs {
-        let job = permit.get();
-        match request::serve("a testdev DMA command", || run(inner, job, &mut buf)) {
-            Some(outcome) => permit.complete(outcome),
-            None => drop(permit), // fails it: EIO
+    loop {
+        let next = umdev_pinning::sync::lock(&inner.next).take();
+        if let Some(permit) = next {
+            match request::serve("a testdev DMA command", || run(&permit, &mut buf)) {
+                Some(outcome) => permit.complete(outcome),
+                None => drop(permit), // fails it: EIO
+            }
+            continue;
+        }
+        if let Wake::Stop(Close) = w.wait(|| false, None) {
+            return;
         }
     }
 }
 
 /// Runs one job chunk by chunk through `buf` ([`DMA_CHUNK`] bytes); the checksum (0 for a
 /// fill) or an errno.
-fn run(inner: &Inner, job: &Job, buf: &mut [u8]) -> Result<u32, i32> {
+fn run(permit: &Permit<Job>, buf: &mut [u8]) -> Result<u32, i32> {
+    let (job, ctx) = (permit.get(), permit.ctx());
     let len = job.len as usize;
     if job.cmd == CMD_FILL {
         buf[..len.min(DMA_CHUNK)].fill(job.pattern);
@@ -484,15 +498,15 @@ fn run(inner: &Inner, job: &Job, buf: &mut [u8]) -> Result<u32, i32> {
     let mut sum = 0u32;
     let mut done = 0usize;
     while done < len {
-        if inner.cancelled(job) {
+        if permit.cancelled().is_some() {
             return Err(libc::ECANCELED);
         }
         let n = (len - done).min(DMA_CHUNK);
         let iova = job.addr.checked_add(done as u64).ok_or(libc::EFAULT)?;
         if job.cmd == CMD_FILL {
-            job.ctx.write_either(iova, &buf[..n]).map_err(|e| guest_errno(&e))?;
+            ctx.write_either(iova, &buf[..n]).map_err(|e| guest_errno(&e))?;
         } else {
-            job.ctx.read_either(iova, &mut buf[..n]).map_err(|e| guest_errno(&e))?;
+            ctx.read_either(iova, &mut buf[..n]).map_err(|e| guest_errno(&e))?;
             sum = buf[..n].iter().fold(sum, |s, &b| s.wrapping_add(u32::from(b)));
         }
         done += n;
@@ -558,30 +572,6 @@ impl PciFunction for TestDev {
 
     fn reset(&self) {
         self.clear();
-    }
-
-    fn attach(&self, ctx: &DeviceContext) {
-        *umdev_pinning::sync::lock(&self.inner.ctx) = Some(ctx.clone());
-    }
-
-    fn detach(&self) {
-        *umdev_pinning::sync::lock(&self.inner.ctx) = None;
-        self.clear();
-        // The command in flight stops at its next chunk: wait for it to let go of the
-        // client's context, so nothing of the connection outlives it.
-        if !self.requests.wait_idle(DETACH_WAIT) {
-            log::warn!("testdev: a DMA command is still running {DETACH_WAIT:?} after a detach");
-        }
-    }
-
-    fn dma_unmap(&self, iova: u64, len: u64) {
-        let regs = self.inner.regs();
-        if let Some((start, end)) = regs.busy {
-            if start < iova.saturating_add(len) && iova < end {
-                log::debug!("testdev: unmap of {iova:#x}+{len:#x} cancels the DMA in flight");
-                self.inner.abort.store(true, Ordering::Release);
-            }
-        }
     }
 }
 

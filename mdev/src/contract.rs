@@ -31,10 +31,10 @@ use umdev_pinning::{DmaSpace, DmaSpaceConfig, Prot};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::device::{
-    ClientDma, ClientDmaError, DeviceContext, IrqAction, IrqData, SetIrqs, VfioDevice,
-    VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_INTX_IRQ_INDEX, VFIO_PCI_MSIX_IRQ_INDEX, VFIO_PCI_MSI_IRQ_INDEX,
-    VFIO_PCI_NUM_REGIONS,
+    ClientDma, ClientDmaError, IrqAction, IrqData, SetIrqs, VfioDevice, VFIO_PCI_CONFIG_REGION_INDEX,
+    VFIO_PCI_INTX_IRQ_INDEX, VFIO_PCI_MSIX_IRQ_INDEX, VFIO_PCI_MSI_IRQ_INDEX, VFIO_PCI_NUM_REGIONS,
 };
+use crate::guest::DeviceContext;
 
 /// Guest RAM the check maps at IOVA 0.
 pub const RAM_SIZE: u64 = 64 << 20;

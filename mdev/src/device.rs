@@ -7,13 +7,13 @@
 //! from its connection thread while the device's own threads run.
 
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use bitflags::bitflags;
 use thiserror::Error;
-use umdev_pinning::DmaSpace;
 use vmm_sys_util::eventfd::EventFd;
+
+use crate::guest::DeviceContext;
 
 pub use vfio_bindings::bindings::vfio::{
     VFIO_PCI_BAR0_REGION_INDEX, VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_ERR_IRQ_INDEX,
@@ -241,78 +241,6 @@ pub trait ClientDma: Send + Sync {
     fn read(&self, iova: u64, buf: &mut [u8]) -> Result<(), ClientDmaError>;
     /// Writes `data` to guest memory at `iova` through the client.
     fn write(&self, iova: u64, data: &[u8]) -> Result<(), ClientDmaError>;
-}
-
-/// Whether a device may master the bus: PCI's COMMAND.BME as the guest last wrote it. A
-/// device never reads or writes guest memory while it is off; [`DeviceContext`] refuses
-/// every pin and copy then, so a device cannot forget. Cheap to clone: clones share it.
-#[derive(Clone, Debug)]
-pub struct BusMaster(Arc<AtomicBool>);
-
-impl BusMaster {
-    /// A switch in state `on`.
-    pub fn new(on: bool) -> BusMaster {
-        BusMaster(Arc::new(AtomicBool::new(on)))
-    }
-
-    /// Whether the device may reach guest memory now.
-    pub fn enabled(&self) -> bool {
-        self.0.load(Ordering::Acquire)
-    }
-
-    /// Turns bus mastering on or off (the PCI layer, on COMMAND writes and resets).
-    pub fn set(&self, on: bool) {
-        self.0.store(on, Ordering::Release);
-    }
-}
-
-/// What a device gets when a client connects: its way to guest memory.
-///
-/// Guest memory is reached only through these methods, which refuse while bus mastering is
-/// off ([`crate::guest::GuestError::BusMasterOff`]): pin pages ([`DeviceContext::pin_pages`],
-/// [`DeviceContext::pin_range`]) to move bulk data through the guard, or copy bytes
-/// ([`DeviceContext::read_pinned`], [`DeviceContext::read_either`], [`DeviceContext::read_obj`], ...).
-#[derive(Clone)]
-pub struct DeviceContext {
-    /// The client's DMA space: fd-backed guest memory is pinned here.
-    pub(crate) dma: DmaSpace,
-    /// DMA through the client, for memory mapped without an fd.
-    pub(crate) client_dma: Arc<dyn ClientDma>,
-    /// The PCI function's bus master enable (always on for devices without one).
-    pub(crate) bus_master: BusMaster,
-}
-
-impl DeviceContext {
-    /// A context over the client's DMA space and its DMA channel, bus mastering on. The PCI
-    /// layer ([`crate::pci::PciDevice`]) ties it to the function's COMMAND.BME.
-    pub fn new(dma: DmaSpace, client_dma: Arc<dyn ClientDma>) -> DeviceContext {
-        DeviceContext { dma, client_dma, bus_master: BusMaster::new(true) }
-    }
-
-    /// The same context, gated by `bus_master`.
-    pub fn with_bus_master(mut self, bus_master: BusMaster) -> DeviceContext {
-        self.bus_master = bus_master;
-        self
-    }
-
-    /// Whether the device may reach guest memory now.
-    pub fn bus_master(&self) -> bool {
-        self.bus_master.enabled()
-    }
-
-    /// How the client's DMA space pins pages.
-    pub fn pin_mode(&self) -> umdev_pinning::PinMode {
-        self.dma.mode()
-    }
-}
-
-impl std::fmt::Debug for DeviceContext {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DeviceContext")
-            .field("dma", &self.dma)
-            .field("bus_master", &self.bus_master.enabled())
-            .finish_non_exhaustive()
-    }
 }
 
 /// A device as the vfio-user server sees it.

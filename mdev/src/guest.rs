@@ -1,5 +1,5 @@
-//! Guest memory for devices: pins, byte copies and typed objects, each by a path the device
-//! names.
+//! The client's context ([`DeviceContext`]) and guest memory through it: pins, byte copies and
+//! typed objects, each by a path the device names.
 //!
 //! - **Pinned** (`pin_pages`, `pin_range`, `read_pinned`, `write_pinned`): memory the client
 //!   mapped with an fd, through the pinning engine. Memory mapped without an fd fails
@@ -14,11 +14,15 @@
 //! themselves and keep the guard for the transfer. Every entry point refuses while the
 //! device's bus mastering is off.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
 use thiserror::Error;
-use umdev_pinning::{AccessError, PinError, PinnedPages, Prot, PAGE_SIZE};
+
+use umdev_pinning::{AccessError, DmaSpace, PinError, PinnedPages, Prot, PAGE_SIZE};
 use vm_memory::ByteValued;
 
-use crate::device::{ClientDmaError, DeviceContext};
+use crate::device::{ClientDma, ClientDmaError};
 
 /// Why a guest memory access failed.
 #[derive(Debug, Error)]
@@ -63,6 +67,78 @@ pub enum GuestError {
         /// Length.
         len: u64,
     },
+}
+
+/// Whether a device may master the bus: PCI's COMMAND.BME as the guest last wrote it. A
+/// device never reads or writes guest memory while it is off; [`DeviceContext`] refuses
+/// every pin and copy then, so a device cannot forget. Cheap to clone: clones share it.
+#[derive(Clone, Debug)]
+pub struct BusMaster(Arc<AtomicBool>);
+
+impl BusMaster {
+    /// A switch in state `on`.
+    pub fn new(on: bool) -> BusMaster {
+        BusMaster(Arc::new(AtomicBool::new(on)))
+    }
+
+    /// Whether the device may reach guest memory now.
+    pub fn enabled(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+
+    /// Turns bus mastering on or off (the PCI layer, on COMMAND writes and resets).
+    pub fn set(&self, on: bool) {
+        self.0.store(on, Ordering::Release);
+    }
+}
+
+/// What a device gets when a client connects: its way to guest memory.
+///
+/// Guest memory is reached only through these methods, which refuse while bus mastering is
+/// off ([`crate::guest::GuestError::BusMasterOff`]): pin pages ([`DeviceContext::pin_pages`],
+/// [`DeviceContext::pin_range`]) to move bulk data through the guard, or copy bytes
+/// ([`DeviceContext::read_pinned`], [`DeviceContext::read_either`], [`DeviceContext::read_obj`], ...).
+#[derive(Clone)]
+pub struct DeviceContext {
+    /// The client's DMA space: fd-backed guest memory is pinned here.
+    pub(crate) dma: DmaSpace,
+    /// DMA through the client, for memory mapped without an fd.
+    pub(crate) client_dma: Arc<dyn ClientDma>,
+    /// The PCI function's bus master enable (always on for devices without one).
+    pub(crate) bus_master: BusMaster,
+}
+
+impl DeviceContext {
+    /// A context over the client's DMA space and its DMA channel, bus mastering on. The PCI
+    /// layer ([`crate::pci::PciDevice`]) ties it to the function's COMMAND.BME.
+    pub fn new(dma: DmaSpace, client_dma: Arc<dyn ClientDma>) -> DeviceContext {
+        DeviceContext { dma, client_dma, bus_master: BusMaster::new(true) }
+    }
+
+    /// The same context, gated by `bus_master`.
+    pub fn with_bus_master(mut self, bus_master: BusMaster) -> DeviceContext {
+        self.bus_master = bus_master;
+        self
+    }
+
+    /// Whether the device may reach guest memory now.
+    pub fn bus_master(&self) -> bool {
+        self.bus_master.enabled()
+    }
+
+    /// How the client's DMA space pins pages.
+    pub fn pin_mode(&self) -> umdev_pinning::PinMode {
+        self.dma.mode()
+    }
+}
+
+impl std::fmt::Debug for DeviceContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceContext")
+            .field("dma", &self.dma)
+            .field("bus_master", &self.bus_master.enabled())
+            .finish_non_exhaustive()
+    }
 }
 
 impl DeviceContext {
@@ -216,42 +292,5 @@ fn access_error(e: AccessError, iova: u64) -> GuestError {
         // guard accepts the copy; reaching this means an engine bug, reported rather than
         // panicking.
         AccessError::OutOfRange { .. } | AccessError::ReadOnly => GuestError::NotMapped { iova: 0, len: 0 },
-    }
-}
-
-/// The IOVA ranges a device's request holds (or is about to take) pins in, so an unmap can
-/// tell whether it is affected: the page array's contiguous runs, as the engine will cut them.
-#[derive(Debug, Default)]
-pub struct PinnedRanges {
-    /// Inline room for a 128 KiB NVMe command's runs; rebuilt in place, so a request with
-    /// more keeps the grown list for the next one instead of allocating per request.
-    ranges: std::sync::Mutex<smallvec::SmallVec<[(u64, u64); 16]>>,
-}
-
-impl PinnedRanges {
-    /// The request is about to pin the pages `pfns` (IOVA page numbers).
-    pub fn hold(&self, pfns: &[u64]) {
-        let mut ranges = crate::sync::lock(&self.ranges);
-        ranges.clear();
-        for &pfn in pfns {
-            // Saturating: a guest names any page number, and the last one ends at 2^64.
-            let start = pfn.saturating_mul(PAGE_SIZE);
-            let end = start.saturating_add(PAGE_SIZE);
-            match ranges.last_mut() {
-                Some(last) if last.1 == start => last.1 = end,
-                _ => ranges.push((start, end)),
-            }
-        }
-    }
-
-    /// The request let go of its pins.
-    pub fn clear(&self) {
-        crate::sync::lock(&self.ranges).clear();
-    }
-
-    /// True if any held range overlaps `[iova, iova + len)`.
-    pub fn overlaps(&self, iova: u64, len: u64) -> bool {
-        let end = iova.saturating_add(len);
-        crate::sync::lock(&self.ranges).iter().any(|&(s, e)| s < end && iova < e)
     }
 }

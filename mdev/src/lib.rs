@@ -23,15 +23,17 @@ pub mod pci;
 pub mod request;
 pub mod types;
 pub mod unix_socket;
+pub mod worker;
 
 pub use device::{
-    BusMaster, ClientDma, ClientDmaError, DeviceContext, DeviceError, DeviceFlags, DeviceInfo, IrqAction,
-    IrqData, IrqFlags, IrqInfo, RegionFlags, RegionInfo, RegionMmap, SetIrqs, SparseArea, VfioDevice,
+    ClientDma, ClientDmaError, DeviceError, DeviceFlags, DeviceInfo, IrqAction, IrqData, IrqFlags, IrqInfo,
+    RegionFlags, RegionInfo, RegionMmap, SetIrqs, SparseArea, VfioDevice,
 };
 pub use device::{
     VFIO_PCI_BAR0_REGION_INDEX, VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_ERR_IRQ_INDEX,
     VFIO_PCI_INTX_IRQ_INDEX, VFIO_PCI_MSIX_IRQ_INDEX, VFIO_PCI_MSI_IRQ_INDEX, VFIO_PCI_NUM_IRQS,
     VFIO_PCI_NUM_REGIONS, VFIO_PCI_REQ_IRQ_INDEX, VFIO_PCI_ROM_REGION_INDEX, VFIO_PCI_VGA_REGION_INDEX,
 };
+pub use guest::{BusMaster, DeviceContext, GuestError};
 pub use umdev_pinning::sync;
 pub use vmm_sys_util::eventfd::EventFd;

@@ -1,83 +1,338 @@
-//! Requests that cannot be forgotten: a [`Permit`] per request a device's worker takes on.
+//! Requests a device's workers take on, tracked by the framework: each ends exactly once, and
+//! each is cancelled when the guest memory it holds pins in is unmapped, the device is reset,
+//! or the client leaves.
 //!
-//! A device that runs requests on its own threads (a channel program, a DMA command, an
-//! NVMe command) gets a permit for each from its [`Requests`]. The permit carries the
-//! request's [`Completion`]: completing it reports the outcome; dropping it without
-//! completing (an early return, a forgotten path, a panic unwinding through the worker)
-//! reports the completion's documented failure instead. Either way the permit counts down
-//! the requests a detach waits for ([`Requests::wait_idle`]), and whatever the request held
-//! (pins, the client's context) is dropped with it. [`serve`] runs a request's handling so
-//! that a panic fails that request and the worker goes on.
+//! The framework ([`crate::pci::PciDevice`]) owns a device's [`Requests`] and the client's
+//! [`DeviceContext`]; a device hands each of its workers a [`Lane`] and takes a [`Permit`] per
+//! request from it ([`Lane::begin`]). A permit carries:
+//!
+//! - the request's [`Completion`]: completing the permit reports the outcome; dropping it
+//!   unfinished (an early return, a forgotten path, a panic unwinding through the worker)
+//!   reports the completion's documented failure instead;
+//! - the client's context, for the request's guest accesses ([`Permit::ctx`]);
+//! - the request's pins, taken through the permit ([`Permit::pin_pages`]), so the framework
+//!   knows which IOVA ranges each request holds.
+//!
+//! A DMA_UNMAP over a range some requests hold pins in cancels them ([`Cancel::Unmapped`]);
+//! a reset or a detach cancels every request ([`Cancel::Reset`]). The device sees it at its
+//! next look ([`Permit::cancelled`]: between blocks of a transfer, before a wait) and ends
+//! the request with its documented status; its pins go with the permit, and the engine's
+//! unmap, which waits for them, returns. A detach also waits, boundedly, for every request
+//! to end, so nothing of the client's connection outlives it.
+//!
+//! Each lane has its own lock: workers of different queues share no lock or counter.
+//! [`serve`] runs a request's handling so that a panic fails that request and the worker
+//! goes on.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant};
 
-use umdev_pinning::sync;
+use smallvec::SmallVec;
+use umdev_pinning::{sync, PinnedPages, Prot, PAGE_SIZE};
 
-/// How a request ends, for the device to report.
+use crate::guest::{DeviceContext, GuestError};
+
+/// How a request ends, for the device to report (in guest memory through `ctx`, the
+/// request's context, or in the device's registers).
 pub trait Completion: Send + 'static {
     /// What the request produced.
     type Outcome;
     /// The request finished with `outcome`.
-    fn complete(self, outcome: Self::Outcome);
+    fn complete(self, outcome: Self::Outcome, ctx: &DeviceContext);
     /// The request was dropped unfinished (or its handling panicked): report the device's
     /// documented failure.
-    fn fail(self);
+    fn fail(self, ctx: &DeviceContext);
 }
 
-#[derive(Debug, Default)]
-struct Inner {
-    open: Mutex<Count>,
-    done: Condvar,
+/// Why the framework cancelled a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Cancel {
+    /// Guest memory the request holds pins in is being unmapped: stop using it. Once the
+    /// request lets go of those pins ([`Permit::release_pins`]) the unmap is satisfied and
+    /// the cancellation withdrawn.
+    Unmapped = 1,
+    /// The device was reset, or the client left: the request's result no longer matters.
+    Reset = 2,
 }
 
-/// Requests in flight, and the threads waiting for none (so a request that ends wakes
-/// nobody, without a syscall, when no one waits: the common case).
-#[derive(Debug, Default)]
-struct Count {
-    open: usize,
-    waiters: usize,
+impl Cancel {
+    fn from_u8(v: u8) -> Option<Cancel> {
+        match v {
+            1 => Some(Cancel::Unmapped),
+            2 => Some(Cancel::Reset),
+            _ => None,
+        }
+    }
 }
 
-/// The requests a device has in flight.
-#[derive(Clone, Debug, Default)]
+/// No client is attached: the request could not start. Its completion comes back
+/// unreported.
+pub struct Detached<C>(pub C);
+
+impl<C> std::fmt::Debug for Detached<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Detached")
+    }
+}
+
+impl<C> std::fmt::Display for Detached<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("no client is attached")
+    }
+}
+
+/// A device's requests, across its lanes, and the client's context. Cheap to clone.
+#[derive(Clone, Default)]
 pub struct Requests {
-    inner: Arc<Inner>,
+    inner: Arc<Tracker>,
+}
+
+#[derive(Default)]
+struct Tracker {
+    /// The client's context while one is attached.
+    context: Mutex<Option<Arc<DeviceContext>>>,
+    /// Bumped by every attach and detach: a lane refreshes its copy of the context when it
+    /// has moved.
+    attachment: AtomicU64,
+    lanes: Mutex<Vec<Weak<LaneInner>>>,
 }
 
 impl Requests {
-    /// No requests.
+    /// No requests, no client.
     pub fn new() -> Requests {
         Requests::default()
     }
 
-    /// Takes on a request that ends through `completion`.
-    pub fn begin<C: Completion>(&self, completion: C) -> Permit<C> {
-        sync::lock(&self.inner.open).open += 1;
-        Permit { completion: Some(completion), inner: self.inner.clone() }
+    /// A lane for one worker; `wake` wakes that worker when one of its requests is cancelled.
+    pub fn lane(&self, wake: impl Fn() + Send + Sync + 'static) -> Lane {
+        let inner = Arc::new(LaneInner {
+            tracker: self.inner.clone(),
+            state: Mutex::new(LaneState::default()),
+            idle: Condvar::new(),
+            wake: Box::new(wake),
+        });
+        let mut lanes = sync::lock(&self.inner.lanes);
+        lanes.retain(|l| l.strong_count() > 0);
+        lanes.push(Arc::downgrade(&inner));
+        Lane { inner }
+    }
+
+    /// The client's context, if one is attached.
+    pub fn context(&self) -> Option<DeviceContext> {
+        sync::lock(&self.inner.context).as_deref().cloned()
+    }
+
+    /// A client connected (the framework's call).
+    pub fn attach(&self, ctx: DeviceContext) {
+        *sync::lock(&self.inner.context) = Some(Arc::new(ctx));
+        self.inner.attachment.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The client left (the framework's call): no request starts from here on, and every
+    /// request in flight is cancelled ([`Cancel::Reset`]).
+    pub fn detach(&self) {
+        *sync::lock(&self.inner.context) = None;
+        let attachment = self.inner.attachment.fetch_add(1, Ordering::AcqRel) + 1;
+        // The lanes' copies go too: a context holds the client's connection.
+        self.each_lane(|lane| {
+            let mut st = lane.state();
+            st.ctx = None;
+            st.attachment = attachment;
+        });
+        self.cancel_all();
+    }
+
+    /// Cancels every request in flight ([`Cancel::Reset`]): a reset.
+    pub fn cancel_all(&self) {
+        self.each_lane(|lane| {
+            let mut st = lane.state();
+            let mut any = false;
+            for slot in st.slots.iter_mut().filter(|s| s.live) {
+                slot.cancel.fetch_max(Cancel::Reset as u8, Ordering::AcqRel);
+                any = true;
+            }
+            drop(st);
+            if any {
+                (lane.wake)();
+            }
+        });
+    }
+
+    /// `[iova, iova + len)` is being unmapped: cancels ([`Cancel::Unmapped`]) the requests
+    /// holding pins (or about to take them) in it, and wakes their workers.
+    pub fn cancel_overlapping(&self, iova: u64, len: u64) {
+        let end = iova.saturating_add(len);
+        self.each_lane(|lane| {
+            let mut st = lane.state();
+            let mut any = false;
+            for slot in st.slots.iter_mut().filter(|s| s.live) {
+                if slot.ranges.iter().any(|&(s, e)| s < end && iova < e) {
+                    let _ = slot.cancel.compare_exchange(
+                        0,
+                        Cancel::Unmapped as u8,
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    );
+                    any = true;
+                }
+            }
+            drop(st);
+            if any {
+                log::debug!("an unmap of {iova:#x}+{len:#x} cancels requests holding pins in it");
+                (lane.wake)();
+            }
+        });
     }
 
     /// Requests in flight now.
     pub fn in_flight(&self) -> usize {
-        sync::lock(&self.inner.open).open
+        let mut n = 0;
+        self.each_lane(|lane| n += lane.state().open);
+        n
     }
 
     /// Waits until no request is in flight, at most `bound`; false if some still are.
     pub fn wait_idle(&self, bound: Duration) -> bool {
-        let mut count = sync::lock(&self.inner.open);
-        count.waiters += 1;
-        let (mut count, _) = sync::wait_timeout_while(&self.inner.done, count, bound, |c| c.open > 0);
-        count.waiters -= 1;
-        count.open == 0
+        let deadline = Instant::now() + bound;
+        let mut idle = true;
+        self.each_lane(|lane| {
+            let mut st = lane.state();
+            st.waiters += 1;
+            let left = deadline.saturating_duration_since(Instant::now());
+            let (mut st, _) = sync::wait_timeout_while(&lane.idle, st, left, |s| s.open > 0);
+            st.waiters -= 1;
+            idle &= st.open == 0;
+        });
+        idle
+    }
+
+    fn each_lane(&self, mut f: impl FnMut(&LaneInner)) {
+        let lanes: Vec<Arc<LaneInner>> =
+            sync::lock(&self.inner.lanes).iter().filter_map(Weak::upgrade).collect();
+        for lane in &lanes {
+            f(lane);
+        }
+    }
+}
+
+impl std::fmt::Debug for Requests {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Requests").field("in_flight", &self.in_flight()).finish_non_exhaustive()
+    }
+}
+
+/// One worker's requests: permits are taken here, under the lane's own lock. Clones share
+/// the lane.
+pub struct Lane {
+    inner: Arc<LaneInner>,
+}
+
+struct LaneInner {
+    tracker: Arc<Tracker>,
+    state: Mutex<LaneState>,
+    /// Notified when `open` drops to 0 with waiters.
+    idle: Condvar,
+    wake: Box<dyn Fn() + Send + Sync>,
+}
+
+#[derive(Default)]
+struct LaneState {
+    /// The context as of `attachment`.
+    ctx: Option<Arc<DeviceContext>>,
+    attachment: u64,
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+    open: usize,
+    waiters: usize,
+}
+
+/// A request's record in its lane: reused by the next request.
+struct Slot {
+    live: bool,
+    /// The IOVA ranges its pins cover (or are about to).
+    ranges: SmallVec<[(u64, u64); 4]>,
+    /// 0, or a [`Cancel`]; shared with the permit, which reads it without the lock.
+    cancel: Arc<AtomicU8>,
+}
+
+impl LaneInner {
+    fn state(&self) -> MutexGuard<'_, LaneState> {
+        sync::lock(&self.state)
+    }
+}
+
+impl Clone for Lane {
+    fn clone(&self) -> Self {
+        Lane { inner: self.inner.clone() }
+    }
+}
+
+impl Lane {
+    /// Takes on a request that ends through `completion`; [`Detached`] (with `completion`
+    /// back, unreported) if no client is attached.
+    pub fn begin<C: Completion>(&self, completion: C) -> Result<Permit<C>, Detached<C>> {
+        let lane = &self.inner;
+        let mut st = lane.state();
+        let attachment = lane.tracker.attachment.load(Ordering::Acquire);
+        if st.attachment != attachment {
+            st.ctx = sync::lock(&lane.tracker.context).clone();
+            st.attachment = attachment;
+        }
+        let Some(ctx) = st.ctx.clone() else { return Err(Detached(completion)) };
+        let index = match st.free.pop() {
+            Some(i) => i,
+            None => {
+                st.slots.push(Slot {
+                    live: false,
+                    ranges: SmallVec::new(),
+                    cancel: Arc::new(AtomicU8::new(0)),
+                });
+                st.slots.len() as u32 - 1
+            }
+        };
+        let slot = &mut st.slots[index as usize];
+        slot.live = true;
+        slot.cancel.store(0, Ordering::Release);
+        let cancel = slot.cancel.clone();
+        st.open += 1;
+        Ok(Permit {
+            completion: Some(completion),
+            lane: lane.clone(),
+            index,
+            cancel,
+            ctx,
+            pins: SmallVec::new(),
+        })
+    }
+
+    /// The client's context, if one is attached.
+    pub fn context(&self) -> Option<DeviceContext> {
+        sync::lock(&self.inner.tracker.context).as_deref().cloned()
+    }
+
+    /// Requests of this lane in flight now.
+    pub fn in_flight(&self) -> usize {
+        self.inner.state().open
+    }
+}
+
+impl std::fmt::Debug for Lane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lane").field("in_flight", &self.in_flight()).finish_non_exhaustive()
     }
 }
 
 /// One request in flight: complete it, or drop it to fail it.
-#[derive(Debug)]
 pub struct Permit<C: Completion> {
     completion: Option<C>,
-    inner: Arc<Inner>,
+    lane: Arc<LaneInner>,
+    index: u32,
+    cancel: Arc<AtomicU8>,
+    ctx: Arc<DeviceContext>,
+    /// The request's pins, released with the permit (or by [`Permit::release_pins`]).
+    pins: SmallVec<[PinnedPages; 1]>,
 }
 
 impl<C: Completion> Permit<C> {
@@ -86,30 +341,112 @@ impl<C: Completion> Permit<C> {
         self.completion.as_ref().expect("present until the permit is consumed")
     }
 
-    /// Ends the request without reporting through its completion (the caller reports in
-    /// its own way); the request is counted down all the same.
-    pub fn into_inner(mut self) -> C {
-        self.completion.take().expect("present until the permit is consumed")
+    /// The request's completion, mutably.
+    pub fn get_mut(&mut self) -> &mut C {
+        self.completion.as_mut().expect("present until the permit is consumed")
     }
 
-    /// Ends the request with `outcome`.
+    /// The client's context the request runs in.
+    pub fn ctx(&self) -> &DeviceContext {
+        &self.ctx
+    }
+
+    /// Why the request was cancelled, if it was: it should stop at its next block.
+    pub fn cancelled(&self) -> Option<Cancel> {
+        Cancel::from_u8(self.cancel.load(Ordering::Acquire))
+    }
+
+    /// Pins the guest pages `pfns` for `prot` with one call to the engine (see
+    /// [`DeviceContext::pin_pages`]), as this request's: an unmap of any of them cancels the
+    /// request. The pins are kept until [`Permit::release_pins`] or the permit's end.
+    pub fn pin_pages(&mut self, pfns: &[u64], prot: Prot) -> Result<&PinnedPages, GuestError> {
+        // Announced before the engine pins: an unmap that starts meanwhile (a long lock-mode
+        // call) or right after finds the ranges and cancels the request.
+        let before = {
+            let mut st = self.lane.state();
+            let ranges = &mut st.slots[self.index as usize].ranges;
+            let before = ranges.len();
+            for &pfn in pfns {
+                // Saturating: a guest names any page number, and the last page ends at 2^64.
+                let start = pfn.saturating_mul(PAGE_SIZE);
+                let end = start.saturating_add(PAGE_SIZE);
+                let merge = ranges.len() > before;
+                match ranges.last_mut() {
+                    Some(last) if merge && last.1 == start => last.1 = end,
+                    _ => ranges.push((start, end)),
+                }
+            }
+            before
+        };
+        match self.ctx.pin_pages(pfns, prot) {
+            Ok(pins) => {
+                self.pins.push(pins);
+                Ok(self.pins.last().expect("just pushed"))
+            }
+            Err(e) => {
+                self.lane.state().slots[self.index as usize].ranges.truncate(before);
+                Err(e)
+            }
+        }
+    }
+
+    /// The request will reach `[iova, iova + len)` through byte copies
+    /// ([`DeviceContext::read_either`] and the like, which pin briefly): an unmap of any of it
+    /// cancels the request, as for its own pins. Until [`Permit::release_pins`] or the end.
+    pub fn claim(&mut self, iova: u64, len: u64) {
+        let end = iova.saturating_add(len);
+        self.lane.state().slots[self.index as usize].ranges.push((iova, end));
+    }
+
+    /// The request's pins, in the order they were taken.
+    pub fn pins(&self) -> &[PinnedPages] {
+        &self.pins
+    }
+
+    /// Lets go of the request's pins (and claims). True if an unmap hit them meanwhile (the request was
+    /// cancelled as [`Cancel::Unmapped`]); that cancellation is withdrawn, since the pins the
+    /// unmap waits for are gone. A [`Cancel::Reset`] stays.
+    pub fn release_pins(&mut self) -> bool {
+        self.pins.clear();
+        self.lane.state().slots[self.index as usize].ranges.clear();
+        self.cancel.compare_exchange(Cancel::Unmapped as u8, 0, Ordering::AcqRel, Ordering::Acquire).is_ok()
+    }
+
+    /// Ends the request with `outcome` (its pins are released after the completion reports).
     pub fn complete(mut self, outcome: C::Outcome) {
         if let Some(completion) = self.completion.take() {
-            completion.complete(outcome);
+            completion.complete(outcome, &self.ctx);
         }
+    }
+
+    /// Ends the request without reporting through its completion (the caller reports in its
+    /// own way); the request is counted down all the same.
+    pub fn into_inner(mut self) -> C {
+        self.completion.take().expect("present until the permit is consumed")
     }
 }
 
 impl<C: Completion> Drop for Permit<C> {
     fn drop(&mut self) {
         if let Some(completion) = self.completion.take() {
-            completion.fail();
+            completion.fail(&self.ctx);
         }
-        let mut count = sync::lock(&self.inner.open);
-        count.open = count.open.saturating_sub(1);
-        if count.open == 0 && count.waiters > 0 {
-            self.inner.done.notify_all();
+        self.pins.clear();
+        let mut st = self.lane.state();
+        let slot = &mut st.slots[self.index as usize];
+        slot.live = false;
+        slot.ranges.clear();
+        st.free.push(self.index);
+        st.open -= 1;
+        if st.open == 0 && st.waiters > 0 {
+            self.lane.idle.notify_all();
         }
+    }
+}
+
+impl<C: Completion> std::fmt::Debug for Permit<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Permit").field("cancelled", &self.cancelled()).finish_non_exhaustive()
     }
 }
 
@@ -133,29 +470,60 @@ pub fn serve<R>(what: impl std::fmt::Display, handle: impl FnOnce() -> R) -> Opt
 
 #[cfg(test)]
 mod tests {
+    use std::os::fd::AsFd;
+    use std::sync::atomic::AtomicUsize;
+
+    use umdev_pinning::DmaSpace;
+
     use super::*;
+    use crate::device::{ClientDma, ClientDmaError};
 
     struct Report(std::sync::mpsc::Sender<Result<u32, ()>>);
 
     impl Completion for Report {
         type Outcome = u32;
-        fn complete(self, outcome: u32) {
+        fn complete(self, outcome: u32, _ctx: &DeviceContext) {
             let _ = self.0.send(Ok(outcome));
         }
-        fn fail(self) {
+        fn fail(self, _ctx: &DeviceContext) {
             let _ = self.0.send(Err(()));
         }
     }
 
+    struct NoClient;
+
+    impl ClientDma for NoClient {
+        fn read(&self, _iova: u64, _buf: &mut [u8]) -> Result<(), ClientDmaError> {
+            Err(ClientDmaError::Refused(libc::ENODEV))
+        }
+        fn write(&self, _iova: u64, _data: &[u8]) -> Result<(), ClientDmaError> {
+            Err(ClientDmaError::Refused(libc::ENODEV))
+        }
+    }
+
+    /// 16 pages of guest RAM at IOVA 0, and requests attached to it.
+    fn attached() -> (Requests, DmaSpace, std::fs::File) {
+        let ram = std::fs::File::from(
+            nix::sys::memfd::memfd_create(c"request-test", nix::sys::memfd::MFdFlags::MFD_CLOEXEC).unwrap(),
+        );
+        ram.set_len(16 * PAGE_SIZE).unwrap();
+        let dma = DmaSpace::default();
+        dma.map(0, 16 * PAGE_SIZE, ram.as_fd(), 0, Prot::READ_WRITE).unwrap();
+        let requests = Requests::new();
+        requests.attach(DeviceContext::new(dma.clone(), Arc::new(NoClient)));
+        (requests, dma, ram)
+    }
+
     #[test]
     fn completed_forgotten_and_panicking_requests_all_end_and_count_down() {
-        let requests = Requests::new();
+        let (requests, _dma, _ram) = attached();
+        let lane = requests.lane(|| {});
         let (tx, rx) = std::sync::mpsc::channel();
-        requests.begin(Report(tx.clone())).complete(7);
+        lane.begin(Report(tx.clone())).unwrap().complete(7);
         assert_eq!(rx.recv().unwrap(), Ok(7));
-        drop(requests.begin(Report(tx.clone())));
+        drop(lane.begin(Report(tx.clone())).unwrap());
         assert_eq!(rx.recv().unwrap(), Err(()), "forgotten: failed");
-        let permit = requests.begin(Report(tx.clone()));
+        let permit = lane.begin(Report(tx.clone())).unwrap();
         assert_eq!(requests.in_flight(), 1);
         let served = serve("a test request", move || {
             let _permit = permit;
@@ -165,13 +533,81 @@ mod tests {
         assert_eq!(rx.recv().unwrap(), Err(()), "panicked: failed");
         assert!(requests.wait_idle(Duration::ZERO));
         // A request in flight holds a detach up to its bound.
-        let held = requests.begin(Report(tx));
+        let held = lane.begin(Report(tx)).unwrap();
         assert!(!requests.wait_idle(Duration::from_millis(10)));
         let waiter = {
             let requests = requests.clone();
-            std::thread::spawn(move || requests.wait_idle(Duration::from_secs(5)))
+            std::thread::spawn(move || requests.wait_idle(Duration::from_secs(60)))
         };
         held.complete(1);
         assert!(waiter.join().unwrap());
+    }
+
+    #[test]
+    fn an_unmap_cancels_exactly_the_requests_holding_pins_in_it() {
+        let (requests, dma, _ram) = attached();
+        let woken = Arc::new(AtomicUsize::new(0));
+        let w = woken.clone();
+        let lane = requests.lane(move || {
+            w.fetch_add(1, Ordering::Relaxed);
+        });
+        let (tx, _rx) = std::sync::mpsc::channel();
+        let mut a = lane.begin(Report(tx.clone())).unwrap();
+        let mut b = lane.begin(Report(tx.clone())).unwrap();
+        let c = lane.begin(Report(tx)).unwrap();
+        a.pin_pages(&[1, 2, 3], Prot::READ).unwrap();
+        b.pin_pages(&[8], Prot::WRITE).unwrap();
+        assert_eq!(dma.pin_count(2 * PAGE_SIZE), 1);
+        requests.cancel_overlapping(3 * PAGE_SIZE, PAGE_SIZE);
+        assert_eq!((a.cancelled(), b.cancelled(), c.cancelled()), (Some(Cancel::Unmapped), None, None));
+        assert_eq!(woken.load(Ordering::Relaxed), 1);
+        // Letting go satisfies the unmap: the cancellation is withdrawn, the pins are gone.
+        assert!(a.release_pins());
+        assert_eq!((a.cancelled(), dma.pin_count(2 * PAGE_SIZE)), (None, 0));
+        // An unmap after the release finds nothing of `a` to cancel.
+        requests.cancel_overlapping(0, 4 * PAGE_SIZE);
+        assert_eq!(a.cancelled(), None);
+        // A reset cancels everything and is not withdrawn by a release.
+        requests.cancel_all();
+        assert!(!b.release_pins());
+        assert_eq!(
+            (a.cancelled(), b.cancelled(), c.cancelled()),
+            (Some(Cancel::Reset), Some(Cancel::Reset), Some(Cancel::Reset))
+        );
+        drop((a, b, c));
+        assert_eq!(dma.stats().pinned_pages, 0);
+    }
+
+    #[test]
+    fn a_failed_pin_announces_nothing_and_the_pins_go_with_the_permit() {
+        let (requests, dma, _ram) = attached();
+        let lane = requests.lane(|| {});
+        let (tx, _rx) = std::sync::mpsc::channel();
+        let mut p = lane.begin(Report(tx)).unwrap();
+        assert!(p.pin_pages(&[100], Prot::READ).is_err(), "not mapped");
+        requests.cancel_overlapping(100 * PAGE_SIZE, PAGE_SIZE);
+        assert_eq!(p.cancelled(), None);
+        p.pin_pages(&[4, 5], Prot::READ).unwrap();
+        p.pin_pages(&[5], Prot::READ).unwrap();
+        assert_eq!(dma.pin_count(5 * PAGE_SIZE), 2);
+        drop(p);
+        assert_eq!(dma.pin_count(5 * PAGE_SIZE), 0);
+    }
+
+    #[test]
+    fn no_request_starts_without_a_client_and_a_detach_cancels_the_rest() {
+        let (requests, _dma, _ram) = attached();
+        let lane = requests.lane(|| {});
+        let (tx, _rx) = std::sync::mpsc::channel();
+        let p = lane.begin(Report(tx.clone())).unwrap();
+        requests.detach();
+        assert_eq!(p.cancelled(), Some(Cancel::Reset));
+        assert!(lane.begin(Report(tx.clone())).is_err());
+        assert!(requests.context().is_none());
+        drop(p);
+        let (_r, dma, _ram) = attached();
+        requests.attach(DeviceContext::new(dma, Arc::new(NoClient)));
+        let p = lane.begin(Report(tx)).unwrap();
+        assert_eq!(p.cancelled(), None, "a new attachment starts clean");
     }
 }

@@ -1,40 +1,32 @@
 //! The ccw device's [`Bus`]: guest memory through the pinning engine, one pin call per CCW.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use smallvec::SmallVec;
 use umdev_pinning::{PinError, Prot, PAGE_SIZE};
 
-use super::program::{Bus, BusError, Direction, Partial, Piece, Reason};
-use crate::store::{Durability, Store};
-use umdev_mdev::guest::{GuestError, PinnedRanges};
-use umdev_mdev::DeviceContext;
+use umdev_mdev::guest::GuestError;
+use umdev_mdev::request::{Cancel, Permit};
 
-/// A stop request for a running program: 0 none, else a [`Reason`] code.
+use super::program::{Bus, BusError, Direction, Partial, Piece, Reason};
+use super::Job;
+use crate::store::{Durability, Store};
+
+/// A HALT for a running program (the subchannel's doorbell), seen at its next block.
 #[derive(Debug, Default)]
-pub(crate) struct StopFlag(AtomicU32);
+pub(crate) struct StopFlag(AtomicBool);
 
 impl StopFlag {
-    pub(crate) fn request(&self, reason: Reason) {
-        // The first reason wins.
-        let _ = self.0.compare_exchange(0, reason as u32, Ordering::AcqRel, Ordering::Acquire);
+    pub(crate) fn request(&self) {
+        self.0.store(true, Ordering::Release);
     }
 
     pub(crate) fn clear(&self) {
-        self.0.store(0, Ordering::Release);
+        self.0.store(false, Ordering::Release);
     }
 
-    /// Withdraws a request for `reason`, if it is the one pending.
-    pub(crate) fn withdraw(&self, reason: Reason) {
-        let _ = self.0.compare_exchange(reason as u32, 0, Ordering::AcqRel, Ordering::Acquire);
-    }
-
-    pub(crate) fn get(&self) -> Option<Reason> {
-        match self.0.load(Ordering::Acquire) {
-            0 => None,
-            x if x == Reason::Unmapped as u32 => Some(Reason::Unmapped),
-            _ => Some(Reason::Halted),
-        }
+    pub(crate) fn requested(&self) -> bool {
+        self.0.load(Ordering::Acquire)
     }
 }
 
@@ -45,16 +37,16 @@ pub(crate) struct BusCounters {
     pub(crate) client_transfers: AtomicU32,
 }
 
-/// One program's view of guest memory and the store.
+/// One program's view of guest memory and the store: its request's permit, through which
+/// it reaches guest memory and takes its pins.
 pub(crate) struct PinningBus<'a> {
-    pub(crate) ctx: &'a DeviceContext,
+    pub(crate) permit: &'a mut Permit<Job>,
     pub(crate) store: &'a Store,
     pub(crate) stop: &'a StopFlag,
     /// The device's generation, and the one this program started in: a reset bumps it, and
     /// a program of an older generation stops even if a new start cleared the stop flag.
     pub(crate) generation: &'a AtomicU64,
     pub(crate) started_in: u64,
-    pub(crate) pinned: &'a PinnedRanges,
     pub(crate) counters: &'a BusCounters,
 }
 
@@ -86,12 +78,16 @@ pub(crate) const DATA_BLOCK: usize = 4096;
 impl PinningBus<'_> {
     /// Why the program must stop now, if it must.
     fn stop_reason(&self) -> Option<Reason> {
-        if !self.ctx.bus_master() {
+        if !self.permit.ctx().bus_master() {
             return Some(Reason::BusMasterOff);
         }
-        self.stop.get().or_else(|| {
-            (self.generation.load(Ordering::Acquire) != self.started_in).then_some(Reason::Halted)
-        })
+        match self.permit.cancelled() {
+            Some(Cancel::Unmapped) => return Some(Reason::Unmapped),
+            Some(Cancel::Reset) => return Some(Reason::Halted),
+            None => {}
+        }
+        let halted = self.stop.requested() || self.generation.load(Ordering::Acquire) != self.started_in;
+        halted.then_some(Reason::Halted)
     }
 
     /// True if `len` bytes at `pos` lie inside the store.
@@ -117,10 +113,10 @@ impl PinningBus<'_> {
                 match dir {
                     Direction::ToGuest => {
                         self.store.read(pos + moved, buf).map_err(|_| fail(BusError::Device))?;
-                        self.ctx.write_either(addr, buf).map_err(|e| fail(guest_error(&e)))?;
+                        self.permit.ctx().write_either(addr, buf).map_err(|e| fail(guest_error(&e)))?;
                     }
                     Direction::FromGuest => {
-                        self.ctx.read_either(addr, buf).map_err(|e| fail(guest_error(&e)))?;
+                        self.permit.ctx().read_either(addr, buf).map_err(|e| fail(guest_error(&e)))?;
                         self.store.write(pos + moved, buf).map_err(|_| fail(BusError::Device))?;
                     }
                 }
@@ -148,7 +144,7 @@ fn blocks(p: &Piece) -> impl Iterator<Item = (u64, usize)> {
 
 impl Bus for PinningBus<'_> {
     fn fetch(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), BusError> {
-        self.ctx.read_either(addr, buf).map_err(|e| guest_error(&e))
+        self.permit.ctx().read_either(addr, buf).map_err(|e| guest_error(&e))
     }
 
     fn transfer(&mut self, dir: Direction, pieces: &[Piece], store_pos: u64) -> Result<(), Partial> {
@@ -169,21 +165,17 @@ impl Bus for PinningBus<'_> {
         if let Some(reason) = self.stop_reason() {
             return Err(BusError::Stopped(reason).into());
         }
-        // Announced before the pin call: an unmap arriving while the engine pins (a long
-        // lock-mode call) or right after it returns finds these pages and stops the program.
-        self.pinned.hold(&pfns);
+        // Taken through the program's permit: an unmap arriving while the engine pins (a long
+        // lock-mode call) or while the data moves cancels the program.
         self.counters.pin_calls.fetch_add(1, Ordering::Relaxed);
-        let pins = match self.ctx.pin_pages(&pfns, prot) {
-            Ok(pins) => pins,
+        match self.permit.pin_pages(&pfns, prot) {
+            Ok(_) => {}
             Err(GuestError::Pin(PinError::NoHostMemory { .. })) => {
-                self.pinned.clear();
                 return self.through_client(dir, pieces, store_pos);
             }
-            Err(e) => {
-                self.pinned.clear();
-                return Err(guest_error(&e).into());
-            }
-        };
+            Err(e) => return Err(guest_error(&e).into()),
+        }
+        let pins = self.permit.pins().last().expect("pinned above");
         let mut moved = 0u64;
         let mut result = Ok(());
         'copy: for (p, &page) in pieces.iter().zip(&first_page) {
@@ -218,14 +210,10 @@ impl Bus for PinningBus<'_> {
                 moved += len as u64;
             }
         }
-        drop(pins);
-        self.pinned.clear();
-        if result.is_ok() {
-            // An unmap that found these pins after the last block was checked asked this
-            // program to stop; its pins are gone now, so it has nothing left to stop (a halt
-            // request stays).
-            self.stop.withdraw(Reason::Unmapped);
-        }
+        // An unmap that found these pins after the last block was checked cancelled the
+        // program; its pins are gone now, so the cancellation is withdrawn and a program that
+        // moved everything goes on (a halt stays).
+        self.permit.release_pins();
         result.map_err(|error| Partial { error, moved })
     }
 
@@ -236,7 +224,8 @@ impl Bus for PinningBus<'_> {
             if n == 0 {
                 break;
             }
-            self.ctx
+            self.permit
+                .ctx()
                 .write_either(p.addr, &data[done..done + n])
                 .map_err(|e| Partial { error: guest_error(&e), moved: done as u64 })?;
             done += n;

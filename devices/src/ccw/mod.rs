@@ -14,23 +14,20 @@ mod bus;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crossbeam::channel::{unbounded, Receiver, Sender};
-
 use thiserror::Error;
-use umdev_mdev::request::{self, Completion, Permit, Requests};
+use umdev_mdev::request::{self, Completion, Lane, Permit, Requests};
+use umdev_mdev::worker::{Poll, Waiter, Wake, Worker};
 use umdev_pinning::PinMode;
 
 use self::bus::{BusCounters, PinningBus, StopFlag};
 use self::program::{Reason, Status};
 pub use crate::store::Store;
-use umdev_mdev::guest::PinnedRanges;
 use umdev_mdev::irq::IrqHandle;
 use umdev_mdev::pci::bar::Bar;
 use umdev_mdev::pci::config::{ClassCode, ConfigSpaceBuilder, PciIds};
-use umdev_mdev::pci::device::{PciDevice, PciFunction};
+use umdev_mdev::pci::device::{Host, PciDevice, PciFunction};
 use umdev_mdev::pci::regmap::{Reg, RegMap};
 use umdev_mdev::{DeviceContext, DeviceError};
 
@@ -170,7 +167,7 @@ pub fn create(cfg: CcwConfig) -> Result<PciDevice<Ccw>, CcwError> {
     if cfg.subchannels == 0 || cfg.subchannels > MAX_SUBCHANNELS {
         return Err(CcwError::Option(format!("subchannels must be 1 to {MAX_SUBCHANNELS}")));
     }
-    PciDevice::try_new(config(cfg.subchannels), |irq| Ccw::new(irq, cfg))
+    PciDevice::try_new(config(cfg.subchannels), |host| Ccw::new(host, cfg))
 }
 
 /// Registers of one subchannel.
@@ -187,8 +184,10 @@ struct SubRegs {
 struct Subchannel {
     index: u16,
     regs: Mutex<SubRegs>,
+    /// A HALT for the running program.
     stop: StopFlag,
-    pinned: PinnedRanges,
+    /// The program the worker is to run next.
+    next: Mutex<Option<Permit<Job>>>,
 }
 
 impl Subchannel {
@@ -197,14 +196,14 @@ impl Subchannel {
     }
 }
 
-/// How long a detach waits for running programs to stop.
-const DETACH_WAIT: Duration = Duration::from_secs(5);
+/// How long dropping the device waits for a subchannel's worker to end.
+const STOP_WAIT: Duration = Duration::from_secs(5);
 
 /// One channel program in flight: what its subchannel's worker runs, and how it ends.
+#[derive(Debug)]
 struct Job {
     shared: Arc<Shared>,
     index: usize,
-    ctx: DeviceContext,
     cpa: u64,
     status_addr: u64,
     generation: u64,
@@ -213,13 +212,13 @@ struct Job {
 impl Completion for Job {
     type Outcome = Status;
 
-    fn complete(self, status: Status) {
-        self.shared.complete(&self, status);
+    fn complete(self, status: Status, ctx: &DeviceContext) {
+        self.shared.complete(&self, status, ctx);
     }
 
     /// The device failed internally (its handling of the program panicked): the program
     /// ends with unit check, reason `DeviceError`, nothing counted (docs/ccw.md).
-    fn fail(self) {
+    fn fail(self, ctx: &DeviceContext) {
         let (dstat, cstat) = Reason::DeviceError.status_bits();
         let status = Status {
             dstat,
@@ -230,22 +229,21 @@ impl Completion for Job {
             ccws: 0,
             bytes: 0,
         };
-        self.shared.complete(&self, status);
+        self.shared.complete(&self, status, ctx);
     }
 }
 
 /// State shared by the register side and the workers.
+#[derive(Debug)]
 struct Shared {
     irq: IrqHandle,
     store: Store,
     subchannels: Vec<Subchannel>,
-    ctx: Mutex<Option<DeviceContext>>,
     /// Bumped by reset and detach: a program of an older generation reports nothing.
     generation: AtomicU64,
     counters: BusCounters,
     programs: AtomicU64,
-    /// Programs queued or running, so a detach can wait for the workers to let go of the
-    /// client's context (and with it the connection's socket).
+    /// The programs, tracked by the framework (which also keeps the client's context).
     requests: Requests,
     /// Held while a subchannel's state changes together with the interrupt it implies
     /// (completion and raise, ACK and deassert, reset), so the INTx level always matches
@@ -254,20 +252,6 @@ struct Shared {
 }
 
 impl Shared {
-    fn ctx(&self) -> MutexGuard<'_, Option<DeviceContext>> {
-        umdev_pinning::sync::lock(&self.ctx)
-    }
-
-    /// Waits (boundedly) until no program is queued or running.
-    fn wait_idle(&self, bound: Duration) {
-        if !self.requests.wait_idle(bound) {
-            log::warn!(
-                "ccw: {} program(s) still running {bound:?} after a detach",
-                self.requests.in_flight()
-            );
-        }
-    }
-
     fn line(&self) -> MutexGuard<'_, ()> {
         umdev_pinning::sync::lock(&self.line)
     }
@@ -281,13 +265,13 @@ impl Shared {
     }
 
     /// A program ended: status block, registers, interrupt.
-    fn complete(&self, job: &Job, status: Status) {
+    fn complete(&self, job: &Job, status: Status, ctx: &DeviceContext) {
         let sc = &self.subchannels[job.index];
         if self.generation.load(Ordering::Acquire) != job.generation {
             return; // reset meanwhile: the program's subchannel state is gone
         }
         if job.status_addr != 0 {
-            if let Err(e) = job.ctx.write_obj(job.status_addr, &status.block()) {
+            if let Err(e) = ctx.write_obj(job.status_addr, &status.block()) {
                 log::debug!("ccw: subchannel {}: status block at {:#x}: {e}", sc.index, job.status_addr);
             }
         }
@@ -319,16 +303,20 @@ impl Shared {
     }
 }
 
-/// A subchannel's worker thread and its job queue.
-struct Worker {
-    jobs: Option<Sender<Permit<Job>>>,
-    thread: Option<JoinHandle<()>>,
+/// Why a subchannel's worker stops: the device is going.
+#[derive(Clone, Copy, Debug)]
+struct Close;
+
+/// A subchannel's worker thread and its requests.
+struct Channel {
+    worker: Worker<Close>,
+    lane: Lane,
 }
 
 /// The ccw PCI function (serve it through [`PciDevice`]; see [`create`]).
 pub struct Ccw {
     shared: Arc<Shared>,
-    workers: Vec<Worker>,
+    channels: Vec<Channel>,
     map: RegMap<CcwReg>,
 }
 
@@ -338,64 +326,66 @@ impl std::fmt::Debug for Ccw {
     }
 }
 
-fn worker(shared: &Shared, index: usize, jobs: &Receiver<Permit<Job>>) {
+/// Subchannel `index`'s worker: runs each program put in its `next`, until the device goes.
+fn worker(shared: &Shared, index: usize, mut w: Waiter<Close>) {
     let sc = &shared.subchannels[index];
-    for permit in jobs {
-        let job = permit.get();
+    loop {
+        let next = umdev_pinning::sync::lock(&sc.next).take();
+        let Some(mut permit) = next else {
+            if let Wake::Stop(Close) = w.wait(|| false, None) {
+                return;
+            }
+            continue;
+        };
+        let (cpa, started_in) = (permit.get().cpa, permit.get().generation);
         let status = request::serve("a ccw channel program", || {
             let mut bus = PinningBus {
-                ctx: &job.ctx,
+                permit: &mut permit,
                 store: &shared.store,
                 stop: &sc.stop,
                 generation: &shared.generation,
-                started_in: job.generation,
-                pinned: &sc.pinned,
+                started_in,
                 counters: &shared.counters,
             };
-            program::run(&mut bus, job.cpa)
+            program::run(&mut bus, cpa)
         });
         match status {
             Some(status) => permit.complete(status),
-            None => {
-                sc.pinned.clear(); // a panic may have left the ranges announced
-                drop(permit); // fails the program: DeviceError
-            }
+            None => drop(permit), // fails the program: DeviceError
         }
     }
 }
 
 impl Ccw {
-    fn new(irq: IrqHandle, cfg: CcwConfig) -> Result<Ccw, CcwError> {
+    fn new(host: Host, cfg: CcwConfig) -> Result<Ccw, CcwError> {
         let subchannels = (0..cfg.subchannels)
             .map(|i| Subchannel {
                 index: i as u16,
                 regs: Mutex::new(SubRegs::default()),
                 stop: StopFlag::default(),
-                pinned: PinnedRanges::default(),
+                next: Mutex::new(None),
             })
             .collect();
         let shared = Arc::new(Shared {
-            irq,
+            irq: host.irq,
             store: cfg.store,
             subchannels,
-            ctx: Mutex::new(None),
             generation: AtomicU64::new(0),
             counters: BusCounters::default(),
             programs: AtomicU64::new(0),
-            requests: Requests::new(),
+            requests: host.requests,
             line: Mutex::new(()),
         });
-        let mut workers = Vec::new();
+        let mut channels = Vec::new();
         for i in 0..cfg.subchannels as usize {
-            let (tx, rx) = unbounded();
             let s = shared.clone();
-            let thread = std::thread::Builder::new()
-                .name(format!("umdev-ccw-sch{i}"))
-                .spawn(move || worker(&s, i, &rx))
+            let worker = Worker::spawn(format!("umdev-ccw-sch{i}"), Poll::NONE, move |w| worker(&s, i, w))
                 .map_err(CcwError::Thread)?;
-            workers.push(Worker { jobs: Some(tx), thread: Some(thread) });
+            let bell = worker.bell();
+            let lane = shared.requests.lane(move || bell.ring());
+            channels.push(Channel { worker, lane });
         }
-        Ok(Ccw { shared, workers, map: register_map(cfg.subchannels) })
+        Ok(Ccw { shared, channels, map: register_map(cfg.subchannels) })
     }
 
     /// Programs completed by all subchannels.
@@ -414,7 +404,7 @@ impl Ccw {
             regs::VERSION => 1,
             regs::SUBCHANNELS => self.shared.subchannels.len() as u32,
             regs::PIN_MODE => {
-                let lock = self.shared.ctx().as_ref().is_some_and(|c| c.pin_mode() == PinMode::Lock);
+                let lock = self.shared.requests.context().is_some_and(|c| c.pin_mode() == PinMode::Lock);
                 u32::from(lock)
             }
             regs::STORE_SIZE_LO => self.shared.store.size() as u32,
@@ -464,7 +454,7 @@ impl Ccw {
             regs::STATUS_LO => set_lo(&mut sc.regs().status_addr),
             regs::STATUS_HI => set_hi(&mut sc.regs().status_addr),
             regs::DOORBELL if value == regs::DOORBELL_START => self.start(index),
-            regs::DOORBELL if value == regs::DOORBELL_HALT => sc.stop.request(Reason::Halted),
+            regs::DOORBELL if value == regs::DOORBELL_HALT => sc.stop.request(),
             regs::ACK => {
                 let _line = self.shared.line();
                 {
@@ -485,32 +475,31 @@ impl Ccw {
     /// with status pending is ignored, as SSCH would refuse it).
     fn start(&self, index: usize) {
         let sc = &self.shared.subchannels[index];
-        let Some(ctx) = self.shared.ctx().clone() else {
-            log::debug!("ccw: start on subchannel {index} with no client");
-            return;
-        };
+        let Some(channel) = self.channels.get(index) else { return };
         let mut r = sc.regs();
         if r.state != regs::STATE_IDLE {
             log::debug!("ccw: start on subchannel {index} refused: not idle");
             return;
         }
-        let Some(tx) = self.workers.get(index).and_then(|w| w.jobs.as_ref()) else { return };
-        sc.stop.clear();
         let job = Job {
             shared: self.shared.clone(),
             index,
-            ctx,
             cpa: r.cpa,
             status_addr: r.status_addr,
             generation: self.shared.generation.load(Ordering::Acquire),
         };
+        let permit = match channel.lane.begin(job) {
+            Ok(permit) => permit,
+            Err(_) => {
+                log::debug!("ccw: start on subchannel {index} with no client");
+                return;
+            }
+        };
+        sc.stop.clear();
         r.state = regs::STATE_BUSY;
-        let permit = self.shared.requests.begin(job);
-        // Unlocked first: a permit that fails completes under the registers' lock.
         drop(r);
-        if let Err(unsent) = tx.send(permit) {
-            drop(unsent); // the worker is gone: the program fails (DeviceError)
-        }
+        *umdev_pinning::sync::lock(&sc.next) = Some(permit);
+        channel.worker.wake();
     }
 
     /// Stops every running program and forgets all subchannel state.
@@ -518,7 +507,7 @@ impl Ccw {
         let _line = self.shared.line();
         self.shared.generation.fetch_add(1, Ordering::AcqRel);
         for sc in &self.shared.subchannels {
-            sc.stop.request(Reason::Halted);
+            sc.stop.request();
             *sc.regs() = SubRegs::default();
         }
         self.shared.irq.intx_deassert();
@@ -557,7 +546,7 @@ fn register_map(subchannels: u32) -> RegMap<CcwReg> {
         map.push(sub(r, Reg::ro));
     }
     // The whole BAR: accesses to the MSI-X table and PBA are the framework's and never reach here.
-    RegMap::new(0, BAR0_SIZE, 4, &[4], true, &map).expect("a valid register map")
+    RegMap::builder(0, BAR0_SIZE).build(&map).expect("a valid register map")
 }
 
 impl PciFunction for Ccw {
@@ -581,39 +570,18 @@ impl PciFunction for Ccw {
     fn reset(&self) {
         self.stop_all();
     }
-
-    fn attach(&self, ctx: &DeviceContext) {
-        *self.shared.ctx() = Some(ctx.clone());
-    }
-
-    fn detach(&self) {
-        self.stop_all();
-        // Stopped programs end at their next piece, and client DMA fails at once now that
-        // the connection is closed: wait for the workers to drop the client's context, so
-        // nothing of the connection outlives it. (Not in reset: a worker may be waiting for
-        // a client DMA reply that the thread calling reset has to deliver.)
-        self.shared.wait_idle(DETACH_WAIT);
-        *self.shared.ctx() = None;
-    }
-
-    fn dma_unmap(&self, iova: u64, len: u64) {
-        // Stop the programs holding pins in the range; they drop their pins at the next
-        // piece and complete with unit exception, so the engine's unmap completes promptly.
-        for sc in &self.shared.subchannels {
-            if sc.pinned.overlaps(iova, len) {
-                sc.stop.request(Reason::Unmapped);
-            }
-        }
-    }
 }
 
 impl Drop for Ccw {
     fn drop(&mut self) {
         self.stop_all();
-        for w in &mut self.workers {
-            drop(w.jobs.take());
-            if let Some(t) = w.thread.take() {
-                let _ = t.join();
+        for (sc, channel) in self.shared.subchannels.iter().zip(self.channels.drain(..)) {
+            // A program its worker never took holds the shared state: it ends here (and
+            // reports nothing: its generation is gone).
+            drop(umdev_pinning::sync::lock(&sc.next).take());
+            channel.worker.stop(Close);
+            if let Err(e) = channel.worker.join(STOP_WAIT) {
+                log::error!("ccw: {e}");
             }
         }
     }
@@ -764,13 +732,12 @@ mod tests {
         let job = |cpa| Job {
             shared: ccw.shared.clone(),
             index: 0,
-            ctx: ccw.shared.ctx().clone().unwrap(),
             cpa,
             status_addr: 0x3000,
             generation: ccw.shared.generation.load(Ordering::Acquire),
         };
         ccw.shared.subchannels[0].regs().state = regs::STATE_BUSY;
-        drop(ccw.shared.requests.begin(job(0x2000)));
+        drop(ccw.channels[0].lane.begin(job(0x2000)).unwrap());
 
         assert_eq!(ccw.shared.requests.in_flight(), 0);
         let mut block = [0u8; 32];

@@ -250,7 +250,7 @@ pub fn create(ports: usize) -> Result<MttyDevice, MttyError> {
 /// A new card with one port per entry of `backends` (1 or 2).
 pub fn create_with(backends: &[Backend]) -> Result<MttyDevice, MttyError> {
     let config = config(backends.len())?;
-    PciDevice::try_new(config, |irq| Mtty::start(irq, backends))
+    PciDevice::try_new(config, |host| Mtty::start(host.irq, backends))
 }
 
 /// What a host peer's thread needs to know of its port before it polls.
@@ -318,11 +318,17 @@ impl Mtty {
         let regs: Vec<Reg<u8>> = (0..PORT_BAR_SIZE as u8).map(|r| Reg::rw(r, u64::from(r))).collect();
         // One map per port's BAR, so a refused access names its own region.
         let maps = (0..uarts.len() as u32)
-            .map(|bar| RegMap::new(bar, PORT_BAR_SIZE, 1, &[1, 2, 3, 4, 5, 6, 7, 8], false, &regs))
+            .map(|bar| {
+                RegMap::builder(bar, PORT_BAR_SIZE)
+                    .unit(1)
+                    .widths(&[1, 2, 3, 4, 5, 6, 7, 8])
+                    .unaligned()
+                    .build(&regs)
+            })
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| MttyError::Backend(e.to_string()))?;
-        let shared =
-            Shared::new(|waker| Mtty { uarts, ports, maps, irq, waker, timer_sleep: None, timer: None });
+        let make = |waker| Mtty { uarts, ports, maps, irq, waker, timer_sleep: None, timer: None };
+        let shared = Shared::closing(make, Mtty::close);
         for (port, (endpoint, wake)) in endpoints.into_iter().enumerate() {
             if let (Some(endpoint), Some(wake)) = (endpoint, wake) {
                 let path = endpoint.path().display().to_string();
@@ -340,6 +346,15 @@ impl Mtty {
             .ok();
         shared.lock().timer = timer;
         Ok(shared)
+    }
+
+    /// The device is going: the host threads sleep in poll, so wake them to see it.
+    fn close(&mut self) {
+        for port in &self.ports {
+            if let Some(host) = &port.host {
+                host.wake();
+            }
+        }
     }
 
     /// Number of ports (1 or 2).
@@ -568,15 +583,6 @@ impl SimpleFunction for Mtty {
             })
             .collect();
         serde_json::json!({ "ports": ports })
-    }
-
-    fn close(&mut self) {
-        // The host threads sleep in poll: wake them to see that the device is going.
-        for port in &self.ports {
-            if let Some(host) = &port.host {
-                host.wake();
-            }
-        }
     }
 }
 

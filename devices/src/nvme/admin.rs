@@ -8,7 +8,7 @@ use smallvec::SmallVec;
 use umdev_pinning::{PinnedPages, Prot};
 use vm_memory::ByteValued;
 
-use super::ctrl::{stop, ControllerConfig, Ctrl};
+use super::ctrl::{ControllerConfig, Ctrl, Stop};
 use super::namespace::Namespace;
 use super::prp;
 use super::queue::{completion, Coalescing, Cq, Sq};
@@ -549,7 +549,7 @@ fn delete_sq(w: &QueueWorker, sqe: &Sqe) -> Outcome {
     };
     if let Some(entry) = entry {
         // Its worker completes what is still queued as aborted, then stops.
-        ctrl.stop_queue(entry, stop::DELETE);
+        ctrl.stop_queue(entry, Stop::Delete);
     }
     ctrl.open_sq_doorbell(qid, 0);
     Outcome::ok(0)

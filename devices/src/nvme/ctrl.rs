@@ -6,9 +6,8 @@
 //! commands. Enable starts the admin worker; Create I/O SQ starts the others; Delete, a
 //! disable (CC.EN 1 -> 0), a reset and a detach stop and join them.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::admin::AdminState;
@@ -16,9 +15,11 @@ use super::namespace::Namespace;
 use super::queue::{Cq, Doorbell, DoorbellPage, Sq};
 use super::spec::{event, reg};
 use super::stats::QueueStats;
-use super::worker::{self, QueueWorker};
+use super::worker::QueueWorker;
 use umdev_mdev::irq::{IrqHandle, IrqMode};
+use umdev_mdev::pci::Host;
 use umdev_mdev::request::Requests;
+use umdev_mdev::worker::{Poll, Worker};
 use umdev_mdev::DeviceContext;
 
 /// How long a disable waits for workers to finish the command they are on.
@@ -65,7 +66,7 @@ struct Registers {
 pub struct SqEntry {
     /// The queue.
     pub sq: Arc<Sq>,
-    thread: Option<JoinHandle<()>>,
+    worker: Worker<Stop>,
 }
 
 /// The live queues, by identifier.
@@ -78,13 +79,12 @@ pub struct Queues {
 }
 
 /// Why a queue's worker stops.
-pub mod stop {
-    /// Running.
-    pub const RUN: u8 = 0;
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stop {
     /// Delete I/O SQ: commands left in the queue complete as aborted.
-    pub const DELETE: u8 = 1;
+    Delete = 1,
     /// A disable or reset: nothing more is posted.
-    pub const RESET: u8 = 2;
+    Reset = 2,
 }
 
 /// The controller.
@@ -119,8 +119,10 @@ pub struct Ctrl {
     fatal: AtomicBool,
     /// Volatile write cache enabled (Set Features 06h), read on every write.
     pub write_cache: AtomicBool,
-    /// Workers alive, for the bounded wait of a disable.
-    workers: Requests,
+    /// The framework's tracker of the commands (and the client's context).
+    requests: Requests,
+    /// Queue workers alive (including any left to finish on their own).
+    running: Arc<AtomicUsize>,
     /// When the controller was made (SMART power-on hours).
     pub born: Instant,
     /// Shutdown notifications seen, and resets without one (SMART).
@@ -132,11 +134,11 @@ pub struct Ctrl {
 
 impl Ctrl {
     /// A disabled controller.
-    pub fn new(irq: IrqHandle, config: ControllerConfig, page: Option<DoorbellPage>) -> Ctrl {
+    pub fn new(host: Host, config: ControllerConfig, page: Option<DoorbellPage>) -> Ctrl {
         let slots = usize::from(config.io_queues) + 1;
         let admin = AdminState::new(&config);
         Ctrl {
-            irq,
+            irq: host.irq,
             regs: Mutex::new(Registers::default()),
             cc: AtomicU32::new(0),
             intms: AtomicU32::new(0),
@@ -153,7 +155,8 @@ impl Ctrl {
             generation: AtomicU64::new(0),
             fatal: AtomicBool::new(false),
             write_cache: AtomicBool::new(true),
-            workers: Requests::new(),
+            requests: host.requests,
+            running: Arc::new(AtomicUsize::new(0)),
             born: Instant::now(),
             unsafe_shutdowns: AtomicU64::new(0),
             doorbell_messages: AtomicU64::new(0),
@@ -301,27 +304,34 @@ impl Ctrl {
         generation: u64,
     ) -> Result<(), String> {
         let id = usize::from(sq.id);
-        let ctrl = self.clone();
-        let alive = self.workers.begin(worker::Alive);
-        let w = QueueWorker::new(ctrl, sq.clone(), ctx, generation);
+        let bell = self.sq_doorbells[id].bell().clone();
+        let lane = {
+            let bell = bell.clone();
+            self.requests.lane(move || bell.ring())
+        };
+        let w = QueueWorker::new(self.clone(), sq.clone(), ctx, generation, lane);
         let name = if id == 0 { "umdev-nvme-admin".to_string() } else { format!("umdev-nvme-q{id}") };
-        let thread = std::thread::Builder::new()
-            .name(name)
-            .spawn(move || {
-                w.run();
-                drop(alive);
-            })
-            .map_err(|e| format!("starting a queue worker: {e}"))?;
-        queues.sqs[id] = Some(SqEntry { sq, thread: Some(thread) });
+        let running = self.running.clone();
+        running.fetch_add(1, Ordering::AcqRel);
+        let alive = Running(running.clone());
+        let worker = Worker::spawn_on(&bell, name, Poll(self.config.poll), move |waiter| {
+            let _alive = alive;
+            w.run(waiter);
+        })
+        .map_err(|e| {
+            running.fetch_sub(1, Ordering::AcqRel);
+            format!("starting a queue worker: {e}")
+        })?;
+        queues.sqs[id] = Some(SqEntry { sq, worker });
         Ok(())
     }
 
-    /// Stops one queue's worker (`why`: a [`stop`] value) and waits for it, boundedly.
-    pub fn stop_queue(&self, mut entry: SqEntry, why: u8) {
-        entry.sq.stop.store(why, Ordering::Release);
-        self.sq_doorbells[usize::from(entry.sq.id)].wake();
-        if let Some(t) = entry.thread.take() {
-            join_bounded(t, STOP_WAIT);
+    /// Stops one queue's worker and waits for it, boundedly.
+    pub fn stop_queue(&self, entry: SqEntry, why: Stop) {
+        entry.sq.stop(why);
+        entry.worker.stop(why);
+        if let Err(e) = entry.worker.join(STOP_WAIT) {
+            log::warn!("nvme: {e}");
         }
     }
 
@@ -333,21 +343,16 @@ impl Ctrl {
             self.generation.fetch_add(1, Ordering::AcqRel);
             let entries: Vec<SqEntry> = queues.sqs.iter_mut().filter_map(Option::take).collect();
             for e in &entries {
-                e.sq.stop.store(stop::RESET, Ordering::Release);
-                self.sq_doorbells[usize::from(e.sq.id)].wake();
+                e.sq.stop(Stop::Reset);
+                e.worker.stop(Stop::Reset);
             }
             queues.cqs.iter_mut().for_each(|c| *c = None);
             entries
         };
-        if !self.workers.wait_idle(STOP_WAIT) {
-            log::warn!(
-                "nvme: {} queue worker(s) still busy {STOP_WAIT:?} after a disable",
-                self.workers.in_flight()
-            );
-        }
-        for mut e in entries {
-            if let Some(t) = e.thread.take() {
-                join_bounded(t, Duration::ZERO);
+        let deadline = Instant::now() + STOP_WAIT;
+        for e in entries {
+            if let Err(e) = e.worker.join(deadline.saturating_duration_since(Instant::now())) {
+                log::warn!("nvme: {e} after a disable");
             }
         }
         for db in self.sq_doorbells.iter().chain(self.cq_doorbells.iter()) {
@@ -567,13 +572,13 @@ impl Ctrl {
         }
     }
 
-    /// `[iova, iova + len)` is being unmapped: rings let go of their pins (pinned again
-    /// on next use), and a command holding pins there ends with a data transfer error.
+    /// `[iova, iova + len)` is being unmapped: rings let go of their pins (pinned again on
+    /// next use). A command holding pins there was cancelled by the framework; it ends with
+    /// a data transfer error.
     pub fn dma_unmap(&self, iova: u64, len: u64) {
         let queues = self.queues();
         for sq in queues.sqs.iter().flatten() {
             sq.sq.unmapping(iova, len);
-            sq.sq.held.unmapping(iova, len);
         }
         for cq in queues.cqs.iter().flatten() {
             cq.unmapping(iova, len);
@@ -589,7 +594,7 @@ impl Ctrl {
 
     /// Workers running now.
     pub fn workers(&self) -> usize {
-        self.workers.in_flight()
+        self.running.load(Ordering::Acquire)
     }
 
     /// Queue pairs live now (the admin queue included).
@@ -606,16 +611,11 @@ fn set_high(r: &mut u64, v: u32) {
     *r = (*r & 0xffff_ffff) | u64::from(v) << 32;
 }
 
-/// Joins `t` if it finishes within `bound`; otherwise leaves it to finish on its own (it
-/// posts nothing: its generation is gone).
-fn join_bounded(t: JoinHandle<()>, bound: Duration) {
-    let deadline = Instant::now() + bound;
-    while !t.is_finished() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    if t.is_finished() {
-        let _ = t.join();
-    } else {
-        log::warn!("nvme: a queue worker did not stop; left to finish on its own");
+/// Counts a queue worker down as it ends.
+struct Running(Arc<AtomicUsize>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }

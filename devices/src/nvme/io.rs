@@ -14,11 +14,12 @@ use super::namespace::Namespace;
 use super::prp;
 use super::spec::{nvm_op, DsmRange, DsmRanges, Sqe, Status};
 use super::stats::Transfer;
-use super::worker::{Outcome, QueueWorker};
+use super::worker::{Command, Outcome, QueueWorker};
 use crate::store::Durability;
+use umdev_mdev::request::Permit;
 
-/// Executes an I/O command.
-pub fn execute(w: &QueueWorker, sqe: &Sqe) -> Outcome {
+/// Executes an I/O command, taking its pins through its `permit`.
+pub fn execute(w: &QueueWorker, permit: &mut Permit<Command>, sqe: &Sqe) -> Outcome {
     if sqe.fuse() != 0 || sqe.psdt() != 0 {
         return Status::INVALID_FIELD.dnr().into(); // no fused commands, no SGLs
     }
@@ -36,8 +37,8 @@ pub fn execute(w: &QueueWorker, sqe: &Sqe) -> Outcome {
         };
     };
     match sqe.opcode() {
-        nvm_op::READ => read_write(w, ns, sqe, true),
-        nvm_op::WRITE => read_write(w, ns, sqe, false),
+        nvm_op::READ => read_write(w, permit, ns, sqe, true),
+        nvm_op::WRITE => read_write(w, permit, ns, sqe, false),
         nvm_op::FLUSH => flush(std::iter::once(ns)),
         nvm_op::WRITE_ZEROES => write_zeroes(ns, sqe),
         nvm_op::DSM => dataset_management(w, ns, sqe),
@@ -50,7 +51,13 @@ fn lba_range(sqe: &Sqe) -> (u64, u64) {
     (u64::from(sqe.dw(10)) | u64::from(sqe.dw(11)) << 32, u64::from(sqe.dw(12) & 0xffff) + 1)
 }
 
-fn read_write(w: &QueueWorker, ns: &Namespace, sqe: &Sqe, read: bool) -> Outcome {
+fn read_write(
+    w: &QueueWorker,
+    permit: &mut Permit<Command>,
+    ns: &Namespace,
+    sqe: &Sqe,
+    read: bool,
+) -> Outcome {
     let (slba, nlb) = lba_range(sqe);
     if !ns.in_range(slba, nlb) {
         return Status::LBA_OUT_OF_RANGE.dnr().into();
@@ -65,12 +72,9 @@ fn read_write(w: &QueueWorker, ns: &Namespace, sqe: &Sqe, read: bool) -> Outcome
     };
     // A read writes guest memory.
     let prot = if read { Prot::WRITE } else { Prot::READ };
-    let held = &w.sq.held;
-    held.announce(&pages.pfns);
-    let pins = match w.ctx.pin_pages(&pages.pfns, prot) {
+    let pins = match permit.pin_pages(&pages.pfns, prot) {
         Ok(pins) => pins,
         Err(e) => {
-            held.clear();
             log::debug!(
                 "nvme: pinning {} pages for {}: {e}",
                 pages.pfns.len(),
@@ -101,13 +105,12 @@ fn read_write(w: &QueueWorker, ns: &Namespace, sqe: &Sqe, read: bool) -> Outcome
         }
     };
     let poisoned = pins.poisoned();
-    drop(pins);
-    held.clear();
+    let unmapped = permit.release_pins();
     if let Err(status) = moved {
         return status.into();
     }
     // The client truncated the memory, or unmapped it while we held it.
-    if poisoned || held.hit.swap(false, Ordering::AcqRel) {
+    if poisoned || unmapped {
         return Status::DATA_TRANSFER_ERROR.into();
     }
     w.stats().transfer(Transfer {

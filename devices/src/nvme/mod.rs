@@ -331,10 +331,12 @@ pub fn create(config: NvmeConfig) -> Result<PciDevice<Nvme>, NvmeError> {
     .iter()
     .map(|&(o, rw)| if rw { Reg::rw(o, o) } else { Reg::ro(o, o) })
     .collect();
-    let map = RegMap::new(0, reg::DOORBELLS, 4, &[4, 8], true, &regs)
+    let map = RegMap::builder(0, reg::DOORBELLS)
+        .widths(&[4, 8])
+        .build(&regs)
         .map_err(|e| NvmeError::Option(format!("register map: {e}")))?;
-    Ok(PciDevice::new(self::config(config.io_queues), |irq| Nvme {
-        ctrl: Arc::new(Ctrl::new(irq, controller, page)),
+    Ok(PciDevice::new(self::config(config.io_queues), |host| Nvme {
+        ctrl: Arc::new(Ctrl::new(host, controller, page)),
         map,
         mmap,
     })?)

@@ -7,7 +7,6 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::Thread;
 use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
@@ -15,23 +14,23 @@ use umdev_pinning::{PinnedPages, Prot};
 use vm_memory::mmap::MmapRegion;
 use vm_memory::{FileOffset, VolatileMemory};
 
+use super::ctrl::Stop;
 use super::spec::{Cqe, Sqe, Status, CQE_SIZE, PAGE, SQE_SIZE};
 use umdev_mdev::guest::GuestError;
-use umdev_mdev::guest::PinnedRanges;
+use umdev_mdev::worker::Bell;
 use umdev_mdev::DeviceContext;
 
-/// A doorbell register's value, written by the connection thread and watched by a worker.
-/// Each has a cache line of its own: the doorbells of different queues are watched by
-/// different threads.
+/// A doorbell register's value, written by the connection thread and watched by a worker,
+/// and the bell that wakes that worker. Each has a cache line of its own: the doorbells of
+/// different queues are watched by different threads.
 #[repr(align(64))]
 #[derive(Debug, Default)]
 pub struct Doorbell {
     /// Entries of the queue it belongs to; 0 while no queue has its ID.
     size: AtomicU32,
     value: AtomicU32,
-    /// The worker is about to sleep or sleeping: a write must wake it.
-    sleeping: AtomicBool,
-    worker: Mutex<Option<Thread>>,
+    /// Wakes the queue's worker; successive workers of the queue ID take it over.
+    bell: Bell,
 }
 
 impl Doorbell {
@@ -51,57 +50,20 @@ impl Doorbell {
         self.value.load(Ordering::Acquire)
     }
 
-    /// The doorbell was written: store and wake the worker if it sleeps.
+    /// The doorbell was written: store and wake the worker.
     pub fn ring(&self, value: u32) {
         self.value.store(value, Ordering::SeqCst);
-        if self.sleeping.load(Ordering::SeqCst) {
-            self.wake();
-        }
+        self.bell.ring();
     }
 
-    /// Wakes the watching worker (a stop, bus mastering back on).
+    /// Wakes the worker (bus mastering back on).
     pub fn wake(&self) {
-        if let Some(t) = umdev_mdev::sync::lock(&self.worker).as_ref() {
-            t.unpark();
-        }
+        self.bell.ring();
     }
 
-    /// The calling thread watches this doorbell (`None`: nobody does).
-    pub fn set_worker(&self, worker: Option<Thread>) {
-        *umdev_mdev::sync::lock(&self.worker) = worker;
-    }
-
-    /// The calling thread stops watching this doorbell, unless another has taken it over (a
-    /// worker outlived by its queue's successor must not unregister the successor).
-    pub fn leave(&self) {
-        let mut worker = umdev_mdev::sync::lock(&self.worker);
-        if worker.as_ref().is_some_and(|t| t.id() == std::thread::current().id()) {
-            *worker = None;
-        }
-    }
-
-    /// Watches for `spin` without sleeping for the value to differ from `seen`: a doorbell
-    /// that finds its worker watching costs the writer no wake-up. True if it changed.
-    pub fn watch(&self, seen: u32, spin: Duration) -> bool {
-        let until = Instant::now() + spin;
-        loop {
-            if self.value.load(Ordering::Acquire) != seen {
-                return true;
-            }
-            if Instant::now() >= until {
-                return false;
-            }
-            std::hint::spin_loop();
-        }
-    }
-
-    /// Sleeps until the value differs from `seen`, `wake` is called, or `timeout` passes.
-    pub fn wait(&self, seen: u32, timeout: Duration) {
-        self.sleeping.store(true, Ordering::SeqCst);
-        if self.value.load(Ordering::SeqCst) == seen {
-            std::thread::park_timeout(timeout);
-        }
-        self.sleeping.store(false, Ordering::SeqCst);
+    /// The bell a queue's worker is started on.
+    pub fn bell(&self) -> &Bell {
+        &self.bell
     }
 }
 
@@ -222,36 +184,6 @@ fn truncated(iova: u64) -> GuestError {
     GuestError::Truncated { iova }
 }
 
-/// The IOVA ranges a command holds pins in, and whether an unmap hit them.
-#[derive(Debug, Default)]
-pub struct HeldRanges {
-    ranges: PinnedRanges,
-    /// An unmap hit them: the command ends with a data transfer error.
-    pub hit: AtomicBool,
-}
-
-impl HeldRanges {
-    /// Announces the pages about to be pinned.
-    pub fn announce(&self, pfns: &[u64]) {
-        self.hit.store(false, Ordering::Release);
-        self.ranges.hold(pfns);
-    }
-
-    /// The command let go of its pins.
-    pub fn clear(&self) {
-        self.ranges.clear();
-    }
-
-    /// An unmap of `[iova, iova + len)`: true (and `hit` set) if it overlaps.
-    pub fn unmapping(&self, iova: u64, len: u64) -> bool {
-        let overlaps = self.ranges.overlaps(iova, len);
-        if overlaps {
-            self.hit.store(true, Ordering::Release);
-        }
-        overlaps
-    }
-}
-
 /// A submission queue.
 #[derive(Debug)]
 pub struct Sq {
@@ -264,10 +196,8 @@ pub struct Sq {
     pub cq: Arc<Cq>,
     /// Head as the worker last published it (the next entry it fetches).
     pub head: AtomicU32,
-    /// Why the worker must stop (`ctrl::stop`), or running.
-    pub stop: AtomicU8,
-    /// Pins the command being executed holds.
-    pub held: HeldRanges,
+    /// Why the worker must stop, or running (0).
+    stop: AtomicU8,
     /// Command identifiers an Abort named while they waited in the queue.
     aborts: Mutex<SmallVec<[u16; 4]>>,
     has_aborts: AtomicBool,
@@ -283,9 +213,22 @@ impl Sq {
             cq,
             head: AtomicU32::new(0),
             stop: AtomicU8::new(0),
-            held: HeldRanges::default(),
             aborts: Mutex::new(SmallVec::new()),
             has_aborts: AtomicBool::new(false),
+        }
+    }
+
+    /// Tells the queue's worker to stop for `why` (the first reason stays).
+    pub fn stop(&self, why: Stop) {
+        let _ = self.stop.compare_exchange(0, why as u8, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    /// Why the queue's worker must stop, if it must.
+    pub fn stopping(&self) -> Option<Stop> {
+        match self.stop.load(Ordering::Acquire) {
+            0 => None,
+            x if x == Stop::Delete as u8 => Some(Stop::Delete),
+            _ => Some(Stop::Reset),
         }
     }
 

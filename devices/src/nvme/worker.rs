@@ -4,16 +4,17 @@
 //! dropping it unfinished (a panic in the command's handling, caught by
 //! [`request::serve`]) posts Internal Error instead, so the host always gets an answer.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::ctrl::{stop, Ctrl, DoorbellMode};
+use super::ctrl::{Ctrl, DoorbellMode, Stop};
 use super::queue::{completion, PostError, RingError, Signal, Sq};
 use super::spec::{Cqe, Sqe, Status};
 use super::{admin, io};
 use umdev_mdev::guest::GuestError;
-use umdev_mdev::request::{self, Completion, Permit, Requests};
+use umdev_mdev::request::{self, Completion, Lane, Permit};
+use umdev_mdev::worker::{Waiter, Wake};
 use umdev_mdev::DeviceContext;
 
 /// How long an idle worker sleeps between looks (it is woken by doorbells anyway).
@@ -22,41 +23,6 @@ const IDLE: Duration = Duration::from_millis(500);
 /// it looks at the page.
 const POLL_SPIN: Duration = Duration::from_micros(50);
 const POLL_INTERVAL: Duration = Duration::from_micros(200);
-
-/// Workers watching their doorbell without sleeping now, across the process.
-static SPINNERS: AtomicUsize = AtomicUsize::new(0);
-
-/// A worker's turn to watch its doorbell without sleeping; given back on drop.
-struct Spinner;
-
-impl Spinner {
-    /// A turn, if fewer workers spin than the process has spare CPUs.
-    fn take() -> Option<Spinner> {
-        static SPARE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-        let spare = *SPARE.get_or_init(|| {
-            std::thread::available_parallelism().map_or(1, |n| n.get()).saturating_sub(1).max(1)
-        });
-        SPINNERS
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < spare).then_some(n + 1))
-            .ok()
-            .map(|_| Spinner)
-    }
-}
-
-impl Drop for Spinner {
-    fn drop(&mut self) {
-        SPINNERS.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// A worker's lifetime, counted so a disable can wait for workers boundedly.
-pub struct Alive;
-
-impl Completion for Alive {
-    type Outcome = ();
-    fn complete(self, (): ()) {}
-    fn fail(self) {}
-}
 
 /// What executing a command produced.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -90,7 +56,8 @@ pub struct QueueWorker {
     pub ctx: DeviceContext,
     /// The controller generation the queue belongs to.
     pub generation: u64,
-    requests: Requests,
+    /// The queue's commands, tracked by the framework.
+    lane: Lane,
 }
 
 /// A command in flight: how it completes.
@@ -102,22 +69,28 @@ pub struct Command {
 impl Completion for Command {
     type Outcome = Outcome;
 
-    fn complete(self, outcome: Outcome) {
+    fn complete(self, outcome: Outcome, _ctx: &DeviceContext) {
         if let Outcome::Done(status, dw0) = outcome {
             self.worker.finish(&self.sqe, status, dw0);
         }
     }
 
     /// The handling of the command failed inside the controller: Internal Error.
-    fn fail(self) {
+    fn fail(self, _ctx: &DeviceContext) {
         self.worker.finish(&self.sqe, Status::INTERNAL_ERROR, 0);
     }
 }
 
 impl QueueWorker {
     /// A worker for `sq`.
-    pub fn new(ctrl: Arc<Ctrl>, sq: Arc<Sq>, ctx: DeviceContext, generation: u64) -> Arc<QueueWorker> {
-        Arc::new(QueueWorker { ctrl, sq, ctx, generation, requests: Requests::new() })
+    pub fn new(
+        ctrl: Arc<Ctrl>,
+        sq: Arc<Sq>,
+        ctx: DeviceContext,
+        generation: u64,
+        lane: Lane,
+    ) -> Arc<QueueWorker> {
+        Arc::new(QueueWorker { ctrl, sq, ctx, generation, lane })
     }
 
     /// The queue's statistics.
@@ -126,13 +99,13 @@ impl QueueWorker {
     }
 
     fn stopping(&self) -> bool {
-        self.sq.stop.load(Ordering::Acquire) != stop::RUN
+        self.sq.stopping().is_some()
     }
 
     /// The controller is being reset or disabled (or already was since this worker began):
     /// long work stops, waits end.
     pub(super) fn cancelled(&self) -> bool {
-        self.sq.stop.load(Ordering::Acquire) == stop::RESET || !self.current()
+        self.sq.stopping() == Some(Stop::Reset) || !self.current()
     }
 
     /// Whether this queue's work still counts (no disable since it started).
@@ -141,10 +114,8 @@ impl QueueWorker {
     }
 
     /// Serves the queue until told to stop.
-    pub fn run(self: Arc<Self>) {
+    pub fn run(self: Arc<Self>, mut waiter: Waiter<Stop>) {
         let id = self.sq.id;
-        let doorbell = &self.ctrl.sq_doorbells[usize::from(id)];
-        doorbell.set_worker(Some(std::thread::current()));
         let mut head = 0u32;
         let mut last_work = Instant::now();
         // Commands fetched since the worker last found its queue empty, and whether that
@@ -156,7 +127,7 @@ impl QueueWorker {
             if self.ctrl.fatal() || !self.ctx.bus_master() {
                 // Until the next doorbell or a wake-up (a reset, bus mastering back on), not
                 // until one differing from `head`: queued commands must not keep it awake.
-                doorbell.wait(doorbell.value(), Duration::from_millis(10));
+                waiter.sleep(|| false, Some(Duration::from_millis(10)));
                 continue;
             }
             let tail = self.ctrl.sq_tail(id);
@@ -170,7 +141,7 @@ impl QueueWorker {
                         1,
                     );
                 }
-                self.idle(head, last_work, false);
+                self.idle(&mut waiter, head, last_work, false);
                 continue;
             }
             if tail == head {
@@ -178,7 +149,7 @@ impl QueueWorker {
                     lone = fetched == 1;
                     fetched = 0;
                 }
-                self.idle(head, last_work, lone);
+                self.idle(&mut waiter, head, last_work, lone);
                 continue;
             }
             let sqe = match self.sq.fetch(&self.ctx, head) {
@@ -193,7 +164,11 @@ impl QueueWorker {
             last_work = Instant::now();
             fetched = fetched.saturating_add(1);
             let aborted = self.sq.advance(head, sqe.cid());
-            let permit = self.requests.begin(Command { worker: self.clone(), sqe });
+            let permit = match self.lane.begin(Command { worker: self.clone(), sqe }) {
+                Ok(permit) => permit,
+                // The client left: the framework stops the queue next.
+                Err(_) => continue,
+            };
             if aborted {
                 permit.complete(Status::ABORT_REQUESTED.into());
                 continue;
@@ -201,13 +176,12 @@ impl QueueWorker {
             self.execute(permit);
             self.raise_due(false);
         }
-        if self.sq.stop.load(Ordering::Acquire) == stop::DELETE {
+        if self.sq.stopping() == Some(Stop::Delete) {
             self.abort_remaining(head);
         }
-        doorbell.leave();
     }
 
-    fn execute(self: &Arc<Self>, permit: Permit<Command>) {
+    fn execute(self: &Arc<Self>, mut permit: Permit<Command>) {
         let sqe = permit.get().sqe;
         let outcome = request::serve(
             format_args!("nvme command {:#04x} on queue {}", sqe.opcode(), self.sq.id),
@@ -215,7 +189,7 @@ impl QueueWorker {
                 if self.sq.id == 0 {
                     admin::execute(self, &sqe)
                 } else {
-                    io::execute(self, &sqe)
+                    io::execute(self, &mut permit, &sqe)
                 }
             },
         );
@@ -228,44 +202,31 @@ impl QueueWorker {
     /// Nothing to fetch: held interrupts go out, then sleep until a doorbell (or until
     /// coalescing's aggregation time is up). `lone`: the work just done was a single
     /// command, the only case where a message doorbell is watched for before sleeping.
-    fn idle(&self, head: u32, last_work: Instant, lone: bool) {
+    fn idle(&self, waiter: &mut Waiter<Stop>, head: u32, last_work: Instant, lone: bool) {
         self.raise_due(true);
         let wait = match self.sq.cq.deadline() {
             Some(deadline) => deadline.saturating_duration_since(Instant::now()).min(IDLE),
             None => IDLE,
         };
-        let id = usize::from(self.sq.id);
-        match self.ctrl.config.doorbells {
-            DoorbellMode::Message => {
-                let doorbell = &self.ctrl.sq_doorbells[id];
-                let spin = self.ctrl.config.poll;
-                // Right after a lone command (queue depth 1: the wake-up is the whole
-                // latency) the next doorbell is likely close: watch for it (a doorbell that
-                // finds its worker awake costs no wake-up), if a CPU is free for it. At most
-                // one worker per spare CPU watches at a time. After a batch the wake-up is
-                // shared by the batch's commands and watching would only burn the CPU the
-                // client needs to send the next one.
-                // The turn is given back before sleeping, so a sleeping worker does not keep
-                // another queue's worker from watching.
-                if lone && !spin.is_zero() && last_work.elapsed() < spin {
-                    if let Some(spinning) = Spinner::take() {
-                        let rang = doorbell.watch(head, spin.saturating_sub(last_work.elapsed()));
-                        drop(spinning);
-                        if rang {
-                            return;
-                        }
-                    }
-                }
-                doorbell.wait(head, wait)
+        let id = self.sq.id;
+        let rung = || self.ctrl.sq_tail(id) != head;
+        let woke = match self.ctrl.config.doorbells {
+            // Right after a lone command (queue depth 1: the wake-up is the whole latency)
+            // the next doorbell is likely close: the worker polls for it (its `poll_us`) if a
+            // CPU is free. After a batch the wake-up is shared by the batch's commands and
+            // polling would only burn the CPU the client needs to send the next one.
+            DoorbellMode::Message if lone && last_work.elapsed() < self.ctrl.config.poll => {
+                waiter.wait(rung, Some(wait))
             }
-            DoorbellMode::Mapped => {
-                if last_work.elapsed() < POLL_SPIN {
-                    std::hint::spin_loop();
-                } else {
-                    std::thread::park_timeout(wait.min(POLL_INTERVAL));
-                }
+            DoorbellMode::Message => waiter.sleep(rung, Some(wait)),
+            DoorbellMode::Mapped if last_work.elapsed() < POLL_SPIN => {
+                std::hint::spin_loop();
+                Wake::Work
             }
-        }
+            DoorbellMode::Mapped => waiter.sleep(rung, Some(wait.min(POLL_INTERVAL))),
+        };
+        // A stop is seen by the run loop's own look.
+        let _ = woke;
     }
 
     /// Raises the CQ's vector if held completions are due (see [`super::queue::Cq::due`]).

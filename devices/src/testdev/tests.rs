@@ -12,7 +12,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use super::*;
 use umdev_mdev::pci::regs::{CAPABILITY_LIST, COMMAND, COMMAND_INTX_DISABLE, COMMAND_MASTER, COMMAND_MEMORY};
 use umdev_mdev::pci::regs::{CAP_ID_MSI, CAP_ID_MSIX, CAP_ID_PM, MSIX_CTRL_ENABLE, MSI_CTRL_ENABLE};
-use umdev_mdev::{ClientDma, IrqAction, IrqData, RegionFlags, SetIrqs, VfioDevice};
+use umdev_mdev::{ClientDma, DeviceContext, IrqAction, IrqData, RegionFlags, SetIrqs, VfioDevice};
 use umdev_mdev::{VFIO_PCI_CONFIG_REGION_INDEX as CONFIG, VFIO_PCI_INTX_IRQ_INDEX, VFIO_PCI_MSIX_IRQ_INDEX};
 use umdev_mdev::{VFIO_PCI_MSI_IRQ_INDEX, VFIO_PCI_ROM_REGION_INDEX, VFIO_PCI_VGA_REGION_INDEX};
 
@@ -289,20 +289,12 @@ fn a_command_the_device_drops_ends_with_eio() {
     let rig = rig();
     let intx = rig.eventfd(VFIO_PCI_INTX_IRQ_INDEX, 0);
     let dev = rig.dev.function();
-    let ctx = umdev_pinning::sync::lock(&dev.inner.ctx).clone().unwrap();
     let generation = dev.inner.generation.load(Ordering::Acquire);
     dev.inner.regs().status = regs::STATUS_BUSY;
-    let job = Job {
-        inner: dev.inner.clone(),
-        cmd: regs::CMD_FILL,
-        addr: RAM,
-        len: 16,
-        pattern: 1,
-        generation,
-        ctx,
-    };
-    drop(dev.requests.begin(job));
-    assert_eq!(dev.requests.in_flight(), 0);
+    let job =
+        Job { inner: dev.inner.clone(), cmd: regs::CMD_FILL, addr: RAM, len: 16, pattern: 1, generation };
+    drop(dev.lane.begin(job).unwrap());
+    assert_eq!(dev.lane.in_flight(), 0);
     assert_eq!(
         (rig.reg(regs::DMA_STATUS), rig.reg(regs::DMA_RESULT)),
         (regs::STATUS_ERROR, libc::EIO as u32)

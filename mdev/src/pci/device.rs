@@ -16,10 +16,25 @@ use super::caps::MsixCap;
 use super::config::{ConfigChanges, ConfigError, ConfigSpace, ConfigSpaceBuilder};
 use super::regs::{NUM_BARS, STATUS, STATUS_INTERRUPT};
 use crate::device::{
-    BusMaster, DeviceContext, DeviceError, DeviceFlags, DeviceInfo, IrqInfo, RegionFlags, RegionInfo,
-    RegionMmap, SetIrqs, VfioDevice, VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_NUM_IRQS, VFIO_PCI_NUM_REGIONS,
+    DeviceError, DeviceFlags, DeviceInfo, IrqInfo, RegionFlags, RegionInfo, RegionMmap, SetIrqs, VfioDevice,
+    VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_NUM_IRQS, VFIO_PCI_NUM_REGIONS,
 };
+use crate::guest::{BusMaster, DeviceContext};
 use crate::irq::{Interrupts, IrqHandle, IrqLayout, MsiLayout};
+use crate::request::Requests;
+
+/// How long a detach waits for the function's requests to end.
+const DETACH_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// What the framework builds a function with: its interrupts, and the tracker of its
+/// requests (which also holds the client's context while one is attached).
+#[derive(Clone, Debug)]
+pub struct Host {
+    /// Raises the function's interrupts on whatever the guest enabled.
+    pub irq: IrqHandle,
+    /// The function's requests: hand each worker a [`Requests::lane`].
+    pub requests: Requests,
+}
 
 /// The device-specific part of a PCI function: its BARs' registers and its work.
 ///
@@ -40,19 +55,25 @@ pub trait PciFunction: Send + Sync + 'static {
         None
     }
 
-    /// DEVICE_RESET (also run on detach): stop work, back to the power-on state. The
-    /// adapter resets config space and interrupts right after.
+    /// DEVICE_RESET (also run on detach): stop work, back to the power-on state. Every
+    /// request in flight is already cancelled; the adapter resets config space and
+    /// interrupts right after.
     fn reset(&self) {}
 
-    /// A client connected.
+    /// A client connected. Its context is the framework's ([`Host::requests`] hands it to
+    /// each request); this is for devices with state of their own to set up.
     fn attach(&self, ctx: &DeviceContext) {
         let _ = ctx;
     }
 
-    /// The client is gone: stop all work, drop every pin and the context. A reset follows.
+    /// The client is gone: every request is cancelled and no new one can start; stop the
+    /// work that is not a request (queues, timers). The framework then waits (boundedly) for
+    /// the requests to end, and a reset follows.
     fn detach(&self) {}
 
-    /// `[iova, iova + len)` is being unmapped: stop using it and drop its pins promptly.
+    /// `[iova, iova + len)` is being unmapped. Requests holding pins in it are already
+    /// cancelled; this is for pins the device keeps outside requests (a ring it keeps
+    /// pinned, say): drop them promptly.
     fn dma_unmap(&self, iova: u64, len: u64) {
         let _ = (iova, len);
     }
@@ -92,6 +113,7 @@ pub struct PciDevice<F> {
     /// COMMAND.BME, shared with every context handed to the function.
     bus_master: BusMaster,
     irqs: Interrupts,
+    requests: Requests,
     function: F,
     regions: Vec<RegionInfo>,
     msix: Option<MsixCap>,
@@ -102,18 +124,15 @@ pub struct PciDevice<F> {
 
 impl<F: PciFunction> PciDevice<F> {
     /// Builds the config space, the interrupts, and the function (`make` receives its
-    /// interrupt handle).
-    pub fn new(
-        builder: ConfigSpaceBuilder,
-        make: impl FnOnce(IrqHandle) -> F,
-    ) -> Result<Self, PciDeviceError> {
-        Self::try_new(builder, |irq| Ok::<_, PciDeviceError>(make(irq)))
+    /// [`Host`]).
+    pub fn new(builder: ConfigSpaceBuilder, make: impl FnOnce(Host) -> F) -> Result<Self, PciDeviceError> {
+        Self::try_new(builder, |host| Ok::<_, PciDeviceError>(make(host)))
     }
 
     /// As [`PciDevice::new`], for functions whose construction can fail.
     pub fn try_new<E: From<PciDeviceError>>(
         builder: ConfigSpaceBuilder,
-        make: impl FnOnce(IrqHandle) -> Result<F, E>,
+        make: impl FnOnce(Host) -> Result<F, E>,
     ) -> Result<Self, E> {
         let config = builder.build().map_err(PciDeviceError::from)?;
         let irqs = Interrupts::new(IrqLayout {
@@ -123,7 +142,8 @@ impl<F: PciFunction> PciDevice<F> {
                 .map(|(_, m)| MsiLayout { vectors: m.vectors, per_vector_mask: m.per_vector_mask }),
             msix: config.msix().map(|(_, m)| m.vectors),
         });
-        let function = make(irqs.handle())?;
+        let requests = Requests::new();
+        let function = make(Host { irq: irqs.handle(), requests: requests.clone() })?;
         let msix = config.msix().map(|(_, m)| m);
         let mut regions: Vec<RegionInfo> = (0..VFIO_PCI_NUM_REGIONS).map(|_| RegionInfo::absent()).collect();
         for (index, region) in regions.iter_mut().enumerate().take(NUM_BARS) {
@@ -137,7 +157,16 @@ impl<F: PciFunction> PciDevice<F> {
         }
         regions[VFIO_PCI_CONFIG_REGION_INDEX as usize] = RegionInfo::read_write(config.size() as u64);
         let bus_master = BusMaster::new(config.bus_master());
-        Ok(PciDevice { config: Mutex::new(config), bus_master, irqs, function, regions, msix, held: None })
+        Ok(PciDevice {
+            config: Mutex::new(config),
+            bus_master,
+            irqs,
+            requests,
+            function,
+            regions,
+            msix,
+            held: None,
+        })
     }
 
     /// The device, keeping `value` alive until it drops (an instance's share of its type's
@@ -259,6 +288,7 @@ impl<F: PciFunction> PciDevice<F> {
         // Bus mastering goes first: from here on the function can start no guest access (its
         // programs stop at their next block), whatever its own reset does.
         self.bus_master.set(false);
+        self.requests.cancel_all();
         self.function.reset();
         self.irqs.reset();
         let mut config = self.config();
@@ -403,15 +433,28 @@ impl<F: PciFunction> VfioDevice for PciDevice<F> {
 
     fn attach(&self, context: DeviceContext) {
         // Every guest access the function makes through this context follows COMMAND.BME.
-        self.function.attach(&context.with_bus_master(self.bus_master.clone()));
+        let context = context.with_bus_master(self.bus_master.clone());
+        self.requests.attach(context.clone());
+        self.function.attach(&context);
     }
 
     fn detach(&self) {
+        self.requests.detach();
         self.function.detach();
+        // Cancelled requests end at their next block, and client DMA fails at once now that
+        // the connection is closed: wait for them to let go of the client's context, so
+        // nothing of the connection outlives it.
+        if !self.requests.wait_idle(DETACH_WAIT) {
+            log::warn!(
+                "{} request(s) still running {DETACH_WAIT:?} after a detach",
+                self.requests.in_flight()
+            );
+        }
         self.reset_all();
     }
 
     fn dma_unmap(&self, iova: u64, len: u64) {
+        self.requests.cancel_overlapping(iova, len);
         self.function.dma_unmap(iova, len);
     }
 

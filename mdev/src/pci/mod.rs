@@ -26,6 +26,6 @@ pub use caps::{MsiCap, MsixCap, PcieCap, PmCap};
 pub use config::{
     ClassCode, ConfigChanges, ConfigError, ConfigSpace, ConfigSpaceBuilder, IrqRegisters, PciIds,
 };
-pub use device::{PciDevice, PciDeviceError, PciFunction};
-pub use regmap::{Access, Hit, Reg, RegMap};
+pub use device::{Host, PciDevice, PciDeviceError, PciFunction};
+pub use regmap::{Access, Hit, Reg, RegMap, RegMapBuilder};
 pub use simple::{Shared, SharedRef, SimpleFunction, Waker, WeakShared};

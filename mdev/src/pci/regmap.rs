@@ -104,10 +104,50 @@ pub enum RegMapError {
     },
 }
 
+/// How a [`RegMap`] is declared: by default 4-byte registers taking aligned 4-byte accesses.
+#[derive(Clone, Copy, Debug)]
+pub struct RegMapBuilder<K> {
+    region: u32,
+    size: u64,
+    unit: u64,
+    widths: &'static [usize],
+    aligned: bool,
+    keys: std::marker::PhantomData<K>,
+}
+
+impl<K: Copy> RegMapBuilder<K> {
+    /// Registers are `bytes` wide (1, 2, 4 or 8) and aligned to it.
+    pub fn unit(mut self, bytes: u64) -> Self {
+        self.unit = bytes;
+        self
+    }
+
+    /// The access widths accepted, in bytes (an access wider than the unit covers several
+    /// registers, lowest first).
+    pub fn widths(mut self, widths: &'static [usize]) -> Self {
+        self.widths = widths;
+        self
+    }
+
+    /// Accesses may start at any offset (by default an access is aligned to its width).
+    pub fn unaligned(mut self) -> Self {
+        self.aligned = false;
+        self
+    }
+
+    /// The map of `regs`.
+    pub fn build(self, regs: &[Reg<K>]) -> Result<RegMap<K>, RegMapError> {
+        RegMap::new(self.region, self.size, self.unit, self.widths, self.aligned, regs)
+    }
+}
+
 impl<K: Copy> RegMap<K> {
-    /// A map of BAR `region`, `size` bytes of `unit`-byte registers, accepting accesses of
-    /// `widths` bytes (aligned to their width if `aligned`).
-    pub fn new(
+    /// Declares the map of BAR `region`, `size` bytes.
+    pub fn builder(region: u32, size: u64) -> RegMapBuilder<K> {
+        RegMapBuilder { region, size, unit: 4, widths: &[4], aligned: true, keys: std::marker::PhantomData }
+    }
+
+    fn new(
         region: u32,
         size: u64,
         unit: u64,

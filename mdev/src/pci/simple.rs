@@ -3,19 +3,24 @@
 //!
 //! [`PciFunction`] takes `&self` because the server calls in while a device's own threads
 //! run; a device without threads (or whose threads reach it only through [`Shared`])
-//! implements [`SimpleFunction`] instead and is served wrapped in a `Mutex`, an `RwLock`
-//! or a [`Shared`], through the blanket implementations here. A [`Shared`] also hands the
-//! device's threads [`SharedRef`]s: the same state, a condition variable to sleep on, and a
-//! `closed` flag that tells them to exit when the device goes.
+//! implements [`SimpleFunction`] instead and is served wrapped in a `Mutex` or a [`Shared`].
+//! A [`Shared`] also hands the device's threads [`SharedRef`]s: the same state, a condition
+//! variable to sleep on, and a `closed` flag that tells them to exit when the device goes.
+//!
+//! A panic in a call leaves the lock poisoned; the framework takes it anyway and the device
+//! keeps serving, so a function's state must be consistent after any call that panics (plain
+//! fields and counters are; a multi-step update must be ordered so that stopping halfway
+//! leaves something valid).
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use umdev_pinning::sync;
 
 use super::device::PciFunction;
-use crate::device::{DeviceContext, DeviceError, RegionMmap};
+use crate::device::{DeviceError, RegionMmap};
+use crate::guest::DeviceContext;
 
 /// A PCI function whose every call gets `&mut self`: the framework serializes them.
 pub trait SimpleFunction: Send + 'static {
@@ -57,93 +62,56 @@ pub trait SimpleFunction: Send + 'static {
     fn bus_master_changed(&mut self, on: bool) {
         let _ = on;
     }
-
-    /// The device is going (its [`Shared`] is dropping): tell threads that sleep elsewhere
-    /// than on the state's condition variable (in `poll`, say) to look at
-    /// [`SharedRef::closed`]. Threads waiting on the state are woken anyway.
-    fn close(&mut self) {}
 }
 
-/// Forwards every [`PciFunction`] call to `$target` (an expression of `$self` giving a
-/// guard that derefs to the [`SimpleFunction`]).
-macro_rules! forward_simple {
-    ($self:ident => $read:expr, $write:expr) => {
-        fn bar_read(&$self, bar: u8, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
-            $write.bar_read(bar, offset, data)
-        }
-        fn bar_write(&$self, bar: u8, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
-            $write.bar_write(bar, offset, data)
-        }
-        fn bar_mmap(&$self, bar: u8) -> Option<RegionMmap> {
-            $read.bar_mmap(bar)
-        }
-        fn reset(&$self) {
-            $write.reset()
-        }
-        fn attach(&$self, ctx: &DeviceContext) {
-            $write.attach(ctx)
-        }
-        fn detach(&$self) {
-            $write.detach()
-        }
-        fn dma_unmap(&$self, iova: u64, len: u64) {
-            $write.dma_unmap(iova, len)
-        }
-        fn describe(&$self) -> serde_json::Value {
-            $read.describe()
-        }
-        fn bus_master_changed(&$self, on: bool) {
-            $write.bus_master_changed(on)
+/// Forwards every [`PciFunction`] call of a lock type to the [`SimpleFunction`] its
+/// `$lock(self)` guard derefs to: the one forwarding the two serving types share.
+macro_rules! serve_simple {
+    ($ty:ident, $lock:expr) => {
+        impl<T: SimpleFunction> PciFunction for $ty<T> {
+            fn bar_read(&self, bar: u8, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
+                $lock(self).bar_read(bar, offset, data)
+            }
+            fn bar_write(&self, bar: u8, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
+                $lock(self).bar_write(bar, offset, data)
+            }
+            fn bar_mmap(&self, bar: u8) -> Option<RegionMmap> {
+                $lock(self).bar_mmap(bar)
+            }
+            fn reset(&self) {
+                $lock(self).reset()
+            }
+            fn attach(&self, ctx: &DeviceContext) {
+                $lock(self).attach(ctx)
+            }
+            fn detach(&self) {
+                $lock(self).detach()
+            }
+            fn dma_unmap(&self, iova: u64, len: u64) {
+                $lock(self).dma_unmap(iova, len)
+            }
+            fn describe(&self) -> serde_json::Value {
+                $lock(self).describe()
+            }
+            fn bus_master_changed(&self, on: bool) {
+                $lock(self).bus_master_changed(on)
+            }
         }
     };
 }
 
-impl<T: SimpleFunction> PciFunction for Mutex<T> {
-    forward_simple!(self => sync::lock(self), sync::lock(self));
-}
-
-impl<T: SimpleFunction + Sync> PciFunction for RwLock<T> {
-    forward_simple!(self => sync::read(self), sync::write(self));
-}
-
-impl<T: SimpleFunction> PciFunction for Shared<T> {
-    forward_simple!(self => self.lock(), self.lock());
-}
-
-impl<T: PciFunction + ?Sized> PciFunction for Arc<T> {
-    fn bar_read(&self, bar: u8, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
-        (**self).bar_read(bar, offset, data)
-    }
-    fn bar_write(&self, bar: u8, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
-        (**self).bar_write(bar, offset, data)
-    }
-    fn bar_mmap(&self, bar: u8) -> Option<RegionMmap> {
-        (**self).bar_mmap(bar)
-    }
-    fn reset(&self) {
-        (**self).reset()
-    }
-    fn attach(&self, ctx: &DeviceContext) {
-        (**self).attach(ctx)
-    }
-    fn detach(&self) {
-        (**self).detach()
-    }
-    fn dma_unmap(&self, iova: u64, len: u64) {
-        (**self).dma_unmap(iova, len)
-    }
-    fn describe(&self) -> serde_json::Value {
-        (**self).describe()
-    }
-    fn bus_master_changed(&self, on: bool) {
-        (**self).bus_master_changed(on)
-    }
-}
+serve_simple!(Mutex, sync::lock);
+serve_simple!(Shared, Shared::lock);
 
 struct Inner<T> {
     state: Mutex<T>,
     changed: Arc<Condvar>,
     closed: AtomicBool,
+    /// Tells threads that sleep elsewhere than on `changed` that the device is going.
+    on_close: Option<fn(&mut T)>,
+    /// Threads' handles alive ([`SharedRef`]s), and their drops' signal.
+    refs: Mutex<usize>,
+    released: Condvar,
 }
 
 /// A [`SimpleFunction`]'s state shared with the device's own threads. The server calls
@@ -178,9 +146,28 @@ impl<T: SimpleFunction> Shared<T> {
 
     /// Shares the state `make` builds; it gets the [`Waker`] for its threads.
     pub fn new(make: impl FnOnce(Waker) -> T) -> Shared<T> {
+        Self::with_close(make, None)
+    }
+
+    /// As [`Shared::new`], for a device whose threads sleep elsewhere than on the state's
+    /// condition variable (in `poll`, say): `close` runs on the state when the device goes,
+    /// to tell them to look at [`SharedRef::closed`].
+    pub fn closing(make: impl FnOnce(Waker) -> T, close: fn(&mut T)) -> Shared<T> {
+        Self::with_close(make, Some(close))
+    }
+
+    fn with_close(make: impl FnOnce(Waker) -> T, on_close: Option<fn(&mut T)>) -> Shared<T> {
         let changed = Arc::new(Condvar::new());
         let state = Mutex::new(make(Waker(changed.clone())));
-        Shared { inner: Arc::new(Inner { state, changed, closed: AtomicBool::new(false) }) }
+        let inner = Inner {
+            state,
+            changed,
+            closed: AtomicBool::new(false),
+            on_close,
+            refs: Mutex::new(0),
+            released: Condvar::new(),
+        };
+        Shared { inner: Arc::new(inner) }
     }
 
     /// Locks the state.
@@ -190,7 +177,7 @@ impl<T: SimpleFunction> Shared<T> {
 
     /// A handle for one of the device's threads.
     pub fn share(&self) -> SharedRef<T> {
-        SharedRef { inner: self.inner.clone() }
+        SharedRef::new(self.inner.clone())
     }
 
     /// A handle that does not keep the state alive (for handles given out to users, who
@@ -229,17 +216,26 @@ impl<T> std::fmt::Debug for WeakShared<T> {
 impl<T: SimpleFunction> Drop for Shared<T> {
     fn drop(&mut self) {
         self.inner.closed.store(true, Ordering::Release);
-        sync::lock(&self.inner.state).close();
-        let deadline = Instant::now() + Self::CLOSE_WAIT;
-        while Arc::strong_count(&self.inner) > 1 {
-            // Under the lock, so a thread between its `closed` check and its wait sees it.
-            drop(sync::lock(&self.inner.state));
-            self.inner.changed.notify_all();
-            if Instant::now() >= deadline {
-                log::error!("a device thread did not let go of its state in {:?}", Self::CLOSE_WAIT);
-                return;
+        {
+            let mut state = sync::lock(&self.inner.state);
+            if let Some(close) = self.inner.on_close {
+                close(&mut state);
             }
-            std::thread::sleep(Duration::from_millis(1));
+            // Under the lock, so a thread between its `closed` check and its wait sees it.
+            self.inner.changed.notify_all();
+        }
+        let refs = sync::lock(&self.inner.refs);
+        let (refs, _) = sync::wait_timeout_while(&self.inner.released, refs, Self::CLOSE_WAIT, |n| *n > 0);
+        if *refs > 0 {
+            log::error!("a device thread did not let go of its state in {:?}", Self::CLOSE_WAIT);
+            return;
+        }
+        drop(refs);
+        // The last handle's count is down; its `Arc` goes a moment later, as its drop
+        // returns. Waiting for that keeps the state's own drop on this thread.
+        let deadline = Instant::now() + Self::CLOSE_WAIT;
+        while Arc::strong_count(&self.inner) > 1 && Instant::now() < deadline {
+            std::thread::yield_now();
         }
     }
 }
@@ -267,9 +263,26 @@ impl<T> SharedRef<T> {
     }
 }
 
+impl<T> SharedRef<T> {
+    fn new(inner: Arc<Inner<T>>) -> SharedRef<T> {
+        *sync::lock(&inner.refs) += 1;
+        SharedRef { inner }
+    }
+}
+
 impl<T> Clone for SharedRef<T> {
     fn clone(&self) -> Self {
-        SharedRef { inner: self.inner.clone() }
+        SharedRef::new(self.inner.clone())
+    }
+}
+
+impl<T> Drop for SharedRef<T> {
+    fn drop(&mut self) {
+        let mut refs = sync::lock(&self.inner.refs);
+        *refs -= 1;
+        if *refs == 0 {
+            self.inner.released.notify_all();
+        }
     }
 }
 
@@ -312,17 +325,16 @@ mod tests {
     }
 
     #[test]
-    fn every_lock_flavour_serves_a_simple_function() {
+    fn both_serving_types_serve_a_simple_function() {
         fn read(f: &dyn PciFunction) -> u8 {
             let mut b = [0u8];
             f.bar_read(0, 0, &mut b).unwrap();
             b[0]
         }
         let waker = Waker(Arc::new(Condvar::new()));
-        let mutex = Mutex::new(Counter { reads: 0, ticks: 0, waker: waker.clone() });
-        let rw = RwLock::new(Counter { reads: 0, ticks: 0, waker: waker.clone() });
-        let arc = Arc::new(Mutex::new(Counter { reads: 0, ticks: 0, waker }));
-        for f in [&mutex as &dyn PciFunction, &rw, &arc] {
+        let mutex = Mutex::new(Counter { reads: 0, ticks: 0, waker });
+        let shared = Shared::new(|waker| Counter { reads: 0, ticks: 0, waker });
+        for f in [&mutex as &dyn PciFunction, &shared] {
             assert_eq!((read(f), read(f)), (1, 2));
             f.reset();
             assert_eq!(read(f), 1);
@@ -333,22 +345,26 @@ mod tests {
     fn a_shared_state_is_reached_by_the_devices_thread_and_released_on_drop() {
         let shared = Shared::new(|waker| Counter { reads: 0, ticks: 0, waker });
         let r = shared.share();
+        let (tx, rx) = std::sync::mpsc::channel();
         let thread = std::thread::spawn(move || {
             let mut g = r.lock();
             while !r.closed() {
                 g.ticks += 1;
                 g = r.wait(g);
             }
+            drop(g);
+            tx.send(()).unwrap();
+            // `r` goes last: the drop below waits for it.
         });
         let mut b = [0u8];
-        for _ in 0..10 {
-            shared.bar_read(0, 0, &mut b).unwrap(); // wakes the thread each time
+        while shared.lock().ticks < 2 {
+            shared.bar_read(0, 0, &mut b).unwrap(); // wakes the thread
+            std::thread::yield_now();
         }
-        std::thread::sleep(Duration::from_millis(20));
-        assert!(shared.lock().ticks >= 1);
-        let started = Instant::now();
+        // Returns once the thread let go of its handle, which it does after it was told to
+        // go (CLOSE_WAIT would log an error instead and return early).
         drop(shared);
+        assert!(rx.try_recv().is_ok(), "the thread was told to go and let go");
         thread.join().unwrap();
-        assert!(started.elapsed() < Duration::from_secs(1), "the thread was told to go");
     }
 }

@@ -1,0 +1,430 @@
+//! Worker threads, the one way a device runs work of its own: a named thread per queue or
+//! channel that sleeps until it is woken (a doorbell) or told to stop, with an optional
+//! bounded poll before it sleeps.
+//!
+//! A device owns a [`Worker`] and rings it with [`Worker::wake`] (or its [`Bell`]);
+//! the thread's body gets a [`Waiter`] and calls [`Waiter::wait`] whenever it has nothing to
+//! do. [`Worker::stop`] hands the thread a typed reason (`S`) and wakes it; the body returns
+//! when it sees one. [`Worker::join`] waits for the body to return for at most a bound, on an
+//! event the thread signals as it ends (a panic included), never by sleeping in a loop.
+//!
+//! **Polling.** A wake-up costs the waker a syscall and the worker a few microseconds, which at
+//! queue depth 1 is the whole latency. A worker given a [`Poll`] budget watches for work for
+//! up to that long before it sleeps, if a CPU is free for it: at most one worker per spare CPU
+//! of the process polls at a time (the turns are shared by every device), and a turn is given
+//! back before sleeping. A ring while the worker polls costs the ringer no syscall.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::thread::{JoinHandle, Thread};
+use std::time::{Duration, Instant};
+
+use umdev_pinning::sync;
+
+/// How long a worker watches for work before it sleeps.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Poll(pub Duration);
+
+impl Poll {
+    /// Never poll: sleep at once.
+    pub const NONE: Poll = Poll(Duration::ZERO);
+}
+
+/// Workers polling now, across the process.
+static POLLERS: AtomicUsize = AtomicUsize::new(0);
+
+/// A worker's turn to poll; given back on drop.
+struct PollTurn;
+
+impl PollTurn {
+    /// A turn, if fewer workers poll than the process has spare CPUs.
+    fn take() -> Option<PollTurn> {
+        static SPARE: OnceLock<usize> = OnceLock::new();
+        let spare = *SPARE.get_or_init(|| {
+            std::thread::available_parallelism().map_or(1, |n| n.get()).saturating_sub(1).max(1)
+        });
+        POLLERS
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < spare).then_some(n + 1))
+            .ok()
+            .map(|_| PollTurn)
+    }
+}
+
+impl Drop for PollTurn {
+    fn drop(&mut self) {
+        POLLERS.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Why a [`Waiter::wait`] returned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wake<S> {
+    /// Rung, or the caller's condition held: look for work.
+    Work,
+    /// Nothing new: the timeout passed (or the thread woke spuriously).
+    Timeout,
+    /// Told to stop, with this reason: return.
+    Stop(S),
+}
+
+/// A worker's wake point: what wakes it ("rings"). A device may keep one for good (a queue's
+/// doorbell) and start successive workers on it ([`Worker::spawn_on`]). Cheap to clone.
+#[derive(Clone, Default)]
+pub struct Bell(Arc<BellInner>);
+
+#[derive(Default)]
+struct BellInner {
+    /// Bumped by every ring: a waiter that saw the same value has missed nothing.
+    rings: AtomicU32,
+    /// The worker is about to sleep or sleeping: a ring must unpark it.
+    sleeping: AtomicBool,
+    /// The worker ringing wakes (taken only when it sleeps).
+    thread: Mutex<Option<Thread>>,
+}
+
+impl Bell {
+    /// A bell no worker listens to yet.
+    pub fn new() -> Bell {
+        Bell::default()
+    }
+
+    /// Wakes the worker: its next (or current) [`Waiter::wait`] returns [`Wake::Work`]. Costs
+    /// no syscall while the worker is awake or polling.
+    pub fn ring(&self) {
+        self.0.rings.fetch_add(1, Ordering::SeqCst);
+        if self.0.sleeping.load(Ordering::SeqCst) {
+            if let Some(t) = sync::lock(&self.0.thread).as_ref() {
+                t.unpark();
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Bell {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bell").field("rings", &self.0.rings.load(Ordering::Relaxed)).finish()
+    }
+}
+
+/// What a worker and its device share besides the bell.
+struct Control<S> {
+    /// Set once a stop reason is stored: the waiter's fast check.
+    stopping: AtomicBool,
+    stop: Mutex<Option<S>>,
+    /// Set, and `ended` notified, when the body returns or unwinds.
+    done: Mutex<bool>,
+    ended: Condvar,
+}
+
+impl<S: Copy> Control<S> {
+    fn stop_reason(&self) -> Option<S> {
+        if !self.stopping.load(Ordering::Acquire) {
+            return None;
+        }
+        *sync::lock(&self.stop)
+    }
+}
+
+/// The worker thread's side: waits for work or a stop.
+pub struct Waiter<S> {
+    bell: Bell,
+    control: Arc<Control<S>>,
+    poll: Poll,
+    /// The bell's rings as this waiter last returned.
+    seen: u32,
+}
+
+impl<S: Copy> Waiter<S> {
+    /// The stop reason, once the device asked the thread to stop.
+    pub fn stopped(&self) -> Option<S> {
+        self.control.stop_reason()
+    }
+
+    /// The worker's bell (to hand to whoever rings it).
+    pub fn bell(&self) -> Bell {
+        self.bell.clone()
+    }
+
+    /// Waits until rung since the last return, `ready` holds, the device stops the worker,
+    /// or `timeout` passes (`None`: no limit). With a [`Poll`] budget and a turn free, first
+    /// watches for up to the budget without sleeping. `ready` is the worker's own look for
+    /// work that arrives without a ring (a doorbell in shared memory); it is called while
+    /// polling and once more before sleeping.
+    pub fn wait(&mut self, ready: impl FnMut() -> bool, timeout: Option<Duration>) -> Wake<S> {
+        self.wait_with(ready, timeout, self.poll)
+    }
+
+    /// As [`Waiter::wait`], without polling first (the work just done says none is near).
+    pub fn sleep(&mut self, ready: impl FnMut() -> bool, timeout: Option<Duration>) -> Wake<S> {
+        self.wait_with(ready, timeout, Poll::NONE)
+    }
+
+    fn wait_with(
+        &mut self,
+        mut ready: impl FnMut() -> bool,
+        timeout: Option<Duration>,
+        poll: Poll,
+    ) -> Wake<S> {
+        let start = Instant::now();
+        if let Some(wake) = self.look(&mut ready) {
+            return wake;
+        }
+        let budget = match timeout {
+            Some(t) => poll.0.min(t),
+            None => poll.0,
+        };
+        if !budget.is_zero() {
+            if let Some(_turn) = PollTurn::take() {
+                while start.elapsed() < budget {
+                    std::hint::spin_loop();
+                    if let Some(wake) = self.look(&mut ready) {
+                        return wake;
+                    }
+                }
+            }
+        }
+        let left = timeout.map(|t| t.saturating_sub(start.elapsed()));
+        if left == Some(Duration::ZERO) {
+            return Wake::Timeout;
+        }
+        let bell = &self.bell.0;
+        bell.sleeping.store(true, Ordering::SeqCst);
+        // Looked at again after `sleeping` is visible: a ring from here on unparks us, and
+        // one before it is seen now.
+        let wake = self.look(&mut ready);
+        if wake.is_none() {
+            match left {
+                Some(left) => std::thread::park_timeout(left),
+                None => std::thread::park(),
+            }
+        }
+        self.bell.0.sleeping.store(false, Ordering::SeqCst);
+        wake.or_else(|| self.look(&mut ready)).unwrap_or(Wake::Timeout)
+    }
+
+    /// A stop, a ring since the last return, or `ready`.
+    fn look(&mut self, ready: &mut impl FnMut() -> bool) -> Option<Wake<S>> {
+        if let Some(s) = self.control.stop_reason() {
+            return Some(Wake::Stop(s));
+        }
+        let rings = self.bell.0.rings.load(Ordering::SeqCst);
+        if rings != self.seen {
+            self.seen = rings;
+            return Some(Wake::Work);
+        }
+        ready().then_some(Wake::Work)
+    }
+}
+
+/// The thread did not end within the bound of [`Worker::join`]; it was left to end on its own.
+#[derive(Debug, thiserror::Error)]
+#[error("worker thread {0} did not stop in time; left to end on its own")]
+pub struct Stuck(pub String);
+
+/// A device's handle on one worker thread. Dropping it stops nothing by itself: call
+/// [`Worker::stop`] and [`Worker::join`] (a device's reset or drop does).
+pub struct Worker<S> {
+    bell: Bell,
+    control: Arc<Control<S>>,
+    thread: Option<JoinHandle<()>>,
+    name: String,
+}
+
+impl<S: Copy + Send + 'static> Worker<S> {
+    /// Starts the thread `name` on a bell of its own, running `body` with its [`Waiter`];
+    /// `poll` is how long the waiter watches for work before it sleeps.
+    pub fn spawn(
+        name: impl Into<String>,
+        poll: Poll,
+        body: impl FnOnce(Waiter<S>) + Send + 'static,
+    ) -> std::io::Result<Worker<S>> {
+        Self::spawn_on(&Bell::new(), name, poll, body)
+    }
+
+    /// As [`Worker::spawn`], on `bell`: the worker takes over the bell from any worker before.
+    pub fn spawn_on(
+        bell: &Bell,
+        name: impl Into<String>,
+        poll: Poll,
+        body: impl FnOnce(Waiter<S>) + Send + 'static,
+    ) -> std::io::Result<Worker<S>> {
+        let name = name.into();
+        let control = Arc::new(Control {
+            stopping: AtomicBool::new(false),
+            stop: Mutex::new(None),
+            done: Mutex::new(false),
+            ended: Condvar::new(),
+        });
+        let seen = bell.0.rings.load(Ordering::SeqCst);
+        let waiter = Waiter { bell: bell.clone(), control: control.clone(), poll, seen };
+        let thread = std::thread::Builder::new().name(name.clone()).spawn(move || {
+            let _ended = Ended(waiter.control.clone());
+            body(waiter);
+        })?;
+        *sync::lock(&bell.0.thread) = Some(thread.thread().clone());
+        // Rung meanwhile (before the thread was registered): seen at its first look, since
+        // `seen` was read before.
+        Ok(Worker { bell: bell.clone(), control, thread: Some(thread), name })
+    }
+
+    /// Wakes the thread (rings its bell).
+    pub fn wake(&self) {
+        self.bell.ring();
+    }
+
+    /// The worker's bell.
+    pub fn bell(&self) -> Bell {
+        self.bell.clone()
+    }
+
+    /// Asks the thread to stop for `why` and wakes it; the first reason given is kept.
+    pub fn stop(&self, why: S) {
+        {
+            let mut stop = sync::lock(&self.control.stop);
+            if stop.is_none() {
+                *stop = Some(why);
+            }
+        }
+        self.control.stopping.store(true, Ordering::Release);
+        // This thread itself, not the bell's: a successor may hold the bell already.
+        if let Some(t) = &self.thread {
+            t.thread().unpark();
+        }
+    }
+
+    /// Waits for the thread to end, at most `bound`; a thread still running then is left to
+    /// end on its own ([`Stuck`]). A body that panicked counts as ended (the panic was
+    /// reported on its thread).
+    pub fn join(mut self, bound: Duration) -> Result<(), Stuck> {
+        let done = sync::lock(&self.control.done);
+        let (done, _) = sync::wait_timeout_while(&self.control.ended, done, bound, |d| !*d);
+        let ended = *done;
+        drop(done);
+        match self.thread.take() {
+            Some(t) if ended => {
+                let _ = t.join();
+                Ok(())
+            }
+            _ => Err(Stuck(std::mem::take(&mut self.name))),
+        }
+    }
+
+    /// Whether the thread has ended.
+    pub fn ended(&self) -> bool {
+        *sync::lock(&self.control.done)
+    }
+}
+
+impl<S> std::fmt::Debug for Worker<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker").field("name", &self.name).finish_non_exhaustive()
+    }
+}
+
+/// Marks the worker ended when its body returns or unwinds.
+struct Ended<S>(Arc<Control<S>>);
+
+impl<S> Drop for Ended<S> {
+    fn drop(&mut self) {
+        *sync::lock(&self.0.done) = true;
+        self.0.ended.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    enum Why {
+        Reset,
+        Delete,
+    }
+
+    /// A worker that counts the wakes it sees until it is stopped, then reports the reason.
+    fn counter(poll: Poll) -> (Worker<Why>, std::sync::mpsc::Receiver<Result<u32, Why>>) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let worker = Worker::spawn("umdev-test-worker", poll, move |mut w: Waiter<Why>| {
+            let mut seen = 0;
+            loop {
+                match w.wait(|| false, None) {
+                    Wake::Work => {
+                        seen += 1;
+                        let _ = tx.send(Ok(seen));
+                    }
+                    Wake::Timeout => {}
+                    Wake::Stop(why) => {
+                        let _ = tx.send(Err(why));
+                        return;
+                    }
+                }
+            }
+        })
+        .unwrap();
+        (worker, rx)
+    }
+
+    #[test]
+    fn every_wake_is_seen_and_a_stop_carries_its_reason() {
+        for poll in [Poll::NONE, Poll(Duration::from_millis(1))] {
+            let (worker, rx) = counter(poll);
+            for n in 1..=100 {
+                worker.wake();
+                // The worker may fold wakes that come before it looks into one; wait for each.
+                assert_eq!(rx.recv().unwrap(), Ok(n));
+            }
+            worker.stop(Why::Delete);
+            worker.stop(Why::Reset); // the first reason stays
+            assert_eq!(rx.recv().unwrap(), Err(Why::Delete));
+            worker.join(Duration::from_secs(60)).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_ready_condition_and_a_timeout_end_a_wait() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let flag = Arc::new(AtomicBool::new(false));
+        let seen = flag.clone();
+        let worker = Worker::spawn("umdev-test-ready", Poll::NONE, move |mut w: Waiter<Why>| {
+            assert_eq!(w.wait(|| false, Some(Duration::from_millis(1))), Wake::Timeout);
+            tx.send(()).unwrap();
+            // Woken by the condition alone (a doorbell in shared memory): the timeout is the
+            // worker's periodic look, as a mapped doorbell page needs.
+            while w.wait(|| seen.load(Ordering::Acquire), Some(Duration::from_millis(1))) != Wake::Work {}
+            tx.send(()).unwrap();
+            assert!(matches!(w.wait(|| false, None), Wake::Stop(Why::Reset)));
+        })
+        .unwrap();
+        rx.recv().unwrap();
+        flag.store(true, Ordering::Release);
+        rx.recv().unwrap();
+        worker.stop(Why::Reset);
+        worker.join(Duration::from_secs(60)).unwrap();
+    }
+
+    #[test]
+    fn join_waits_for_the_end_and_gives_up_on_a_stuck_thread() {
+        let (release, hold) = std::sync::mpsc::channel::<()>();
+        let worker = Worker::spawn("umdev-test-stuck", Poll::NONE, move |_w: Waiter<Why>| {
+            let _ = hold.recv();
+        })
+        .unwrap();
+        worker.stop(Why::Reset);
+        assert!(!worker.ended());
+        assert!(worker.join(Duration::from_millis(10)).is_err(), "still blocked");
+        drop(release);
+        // A panicking body counts as ended.
+        let worker =
+            Worker::spawn("umdev-test-panic", Poll::NONE, |_w: Waiter<Why>| panic!("on purpose")).unwrap();
+        worker.join(Duration::from_secs(60)).unwrap();
+    }
+
+    #[test]
+    fn polling_turns_are_bounded_by_spare_cpus() {
+        let turns: Vec<_> = std::iter::from_fn(PollTurn::take).take(1024).collect();
+        let spare = std::thread::available_parallelism().map_or(1, |n| n.get()).saturating_sub(1).max(1);
+        // Other tests may hold turns meanwhile: never more than the spare CPUs.
+        assert!(turns.len() <= spare);
+        drop(turns);
+    }
+}
