@@ -1,12 +1,18 @@
 //! `umdev`: the vfio-user mediated-device server and its tools.
 
+#[cfg(feature = "bench")]
 mod affinity;
+#[cfg(feature = "bench")]
 mod ccwbench;
+#[cfg(feature = "bench")]
 mod demo;
 mod logging;
 mod manage;
+#[cfg(feature = "bench")]
 mod nvmebench;
+#[cfg(feature = "bench")]
 mod pinbench;
+#[cfg(feature = "bench")]
 mod protobench;
 mod run;
 
@@ -114,6 +120,7 @@ impl CreateArgs {
 #[derive(Subcommand)]
 enum Command {
     /// The main job: show run-split pinning end to end and verify every byte.
+    #[cfg(feature = "bench")]
     Demo,
     /// List the device types and their available instances.
     Types {
@@ -214,6 +221,7 @@ enum Command {
         #[command(flatten)]
         limits: LimitArgs,
     },
+    #[cfg(feature = "bench")]
     /// Benchmark the vfio-user server: round-trip latency against a bare socket, DMA map cost
     /// by size, isolation between 64 instances.
     Protobench {
@@ -224,6 +232,7 @@ enum Command {
         #[arg(long)]
         quick: bool,
     },
+    #[cfg(feature = "bench")]
     /// Benchmark the ccw device end to end: 2 MiB scattered programs against memcpy, 4 KiB
     /// program latency against a REGION_READ round trip; track and lock modes.
     Ccwbench {
@@ -237,6 +246,7 @@ enum Command {
         #[arg(long)]
         mode: Option<String>,
     },
+    #[cfg(feature = "bench")]
     /// Benchmark the nvme controller end to end: 4 KiB random I/O at queue depth 1 and 32 on
     /// 1 and 2 queues, 128 KiB sequential I/O, server CPU per I/O, against memcpy and a
     /// posted-doorbell-to-interrupt floor.
@@ -267,6 +277,7 @@ enum Command {
         #[arg(long)]
         dir: Option<PathBuf>,
     },
+    #[cfg(feature = "bench")]
     /// Benchmark run-split pinning against per-page pinning and plain translation (the grid; --threads for many threads, --svg for a picture).
     Pinbench {
         /// One JSON object per line instead of a table.
@@ -287,7 +298,22 @@ enum Command {
         #[arg(long)]
         svg: Option<std::path::PathBuf>,
     },
+    /// `demo` and the benchmarks in a build without them: says how to get them.
+    #[cfg(not(feature = "bench"))]
+    #[command(name = "demo", hide = true, aliases = ["pinbench", "protobench", "ccwbench", "nvmebench"])]
+    NoBench {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+        args: Vec<String>,
+    },
 }
+
+/// What `umdev demo` and the benchmarks say in a build without them.
+#[cfg(not(feature = "bench"))]
+const NO_BENCH: &str =
+    "this umdev was built without `demo` and the benchmarks (pinbench, protobench, ccwbench, \
+     nvmebench): a service build (`cargo install --path . --no-default-features`) leaves out the test \
+     clients they drive the devices with. From a checkout: `cargo run --release -- demo`; installed: \
+     `cargo install --path .` (feature `bench`, on by default)";
 
 fn main() {
     // Sockets and state files are the daemon's alone.
@@ -300,7 +326,11 @@ fn main() {
         _ => manage::Dirs::resolve(cli.run_dir, cli.state_dir),
     };
     let result = match cli.command {
+        #[cfg(feature = "bench")]
         Command::Demo => demo::run(),
+        #[cfg(not(feature = "bench"))]
+        Command::NoBench { .. } => Err(NO_BENCH.into()),
+        #[cfg(feature = "bench")]
         Command::Ccwbench { json, quick, mode } => mode
             .as_deref()
             .map(str::parse::<umdev_pinning::PinMode>)
@@ -313,6 +343,7 @@ fn main() {
                     ccwbench::print(&r);
                 }
             }),
+        #[cfg(feature = "bench")]
         Command::Nvmebench { json, quick, only, opts } => {
             nvmebench::run(quick, only.as_deref(), &opts).map(|r| {
                 if json {
@@ -322,6 +353,7 @@ fn main() {
                 }
             })
         }
+        #[cfg(feature = "bench")]
         Command::Protobench { json, quick } => protobench::run(quick).map(|r| {
             if json {
                 println!("{}", serde_json::to_string(&r).expect("report serializes"));
@@ -354,6 +386,7 @@ fn main() {
                 run::run(&umdev::builtin_registry(), &type_name, &options, config)
             })
         }
+        #[cfg(feature = "bench")]
         Command::Pinbench { json, rounds, batch_us, threads, svg } => {
             pinbench::command(&pinbench::Options { json, rounds, batch_us, threads, svg })
         }
@@ -386,7 +419,7 @@ fn man(dir: Option<&Path>) -> Result<(), String> {
     };
     std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
     let subcommands: Vec<clap::Command> =
-        cli.get_subcommands().filter(|c| c.get_name() != "help").cloned().collect();
+        cli.get_subcommands().filter(|c| c.get_name() != "help" && !c.is_hide_set()).cloned().collect();
     for command in std::iter::once(cli).chain(subcommands) {
         // Subcommands have no version of their own: every page names umdev's.
         let page = clap_mangen::Man::new(command).source(concat!("umdev ", env!("CARGO_PKG_VERSION")));
