@@ -615,7 +615,7 @@ impl umdev_mdev::types::DeviceType for TestDevType {
         &self,
         options: &umdev_mdev::types::InstanceOptions,
     ) -> Result<std::sync::Arc<dyn umdev_mdev::VfioDevice>, umdev_mdev::types::TypeError> {
-        options.only(self.name(), &[])?;
+        self.check(options)?;
         self.pool.instance(self.name(), 1, create)
     }
 }
