@@ -175,7 +175,7 @@ impl NvmeConfig {
             // The schema let only ns1..ns16 through.
             let index = n.parse::<usize>().map_err(|e| format!("{key}: {e}"))? - 1;
             let backing = match store {
-                StoreSpec::Ram(bytes) if bytes % (1 << config.lba_shift) != 0 => {
+                StoreSpec::Ram(bytes) if !bytes.is_multiple_of(1 << config.lba_shift) => {
                     return Err(format!(
                         "{key}=ram:{}: not a whole number of {}-byte blocks (lba={})",
                         umdev_mdev::types::format_size(*bytes),
