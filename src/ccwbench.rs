@@ -3,6 +3,7 @@
 //! and one data CCW each, kept in flight on four subchannels), and a 4-byte REGION_READ
 //! round trip for the doorbell-to-interrupt latency of 4 KiB programs.
 
+use crate::output::out;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -517,21 +518,23 @@ pub fn run(quick: bool, only: Option<PinMode>) -> Result<Report, String> {
     })
 }
 
-pub fn print(r: &Report) {
-    println!(
+pub fn print(r: &Report) -> crate::output::Out {
+    out!(
         "2 MiB programs: a SEEK and one CCW with 512 scattered 4 KiB IDAWs, in flight on {} subchannels.",
         SUBCHANNELS - 1
-    );
-    println!("Floors, measured in every round beside the device (medians):");
-    println!("  memcpy of 2 MiB (warm buffers):                        {:.2} GB/s", r.memcpy_gb_per_sec);
-    println!(
-        "  memcpy of the programs' own blocks (one thread, no I/O): {:.2} GB/s\n",
-        r.same_copy_gb_per_sec
-    );
-    println!(
+    )?;
+    out!("Floors, measured in every round beside the device (medians):")?;
+    out!("  memcpy of 2 MiB (warm buffers):                        {:.2} GB/s", r.memcpy_gb_per_sec)?;
+    out!("  memcpy of the programs' own blocks (one thread, no I/O): {:.2} GB/s\n", r.same_copy_gb_per_sec)?;
+    out!(
         "{:<6} {:<6} {:>10} {:>10} {:>14} {:>16}",
-        "mode", "dir", "prog/s", "GB/s", "vs 2MiB memcpy", "vs same blocks"
-    );
+        "mode",
+        "dir",
+        "prog/s",
+        "GB/s",
+        "vs 2MiB memcpy",
+        "vs same blocks"
+    )?;
     for m in &r.modes {
         for (dir, pps, gbs, vm, vs) in [
             (
@@ -549,7 +552,7 @@ pub fn print(r: &Report) {
                 m.big_write_vs_same_copy,
             ),
         ] {
-            println!(
+            out!(
                 "{:<6} {:<6} {:>10.0} {:>10.2} {:>13.0}% {:>15.0}%",
                 m.mode,
                 dir,
@@ -557,17 +560,23 @@ pub fn print(r: &Report) {
                 gbs,
                 100.0 * vm,
                 100.0 * vs
-            );
+            )?;
         }
     }
-    println!("\n4 KiB programs on one subchannel (us):");
-    println!(
+    out!("\n4 KiB programs on one subchannel (us):")?;
+    out!(
         "{:<6} {:<10} {:>10} {:>16} {:>16} {:>16} {:>7}",
-        "mode", "placement", "prog/s", "doorbell->irq p50", "doorbell->irq p99", "REGION_READ p50", "ratio"
-    );
+        "mode",
+        "placement",
+        "prog/s",
+        "doorbell->irq p50",
+        "doorbell->irq p99",
+        "REGION_READ p50",
+        "ratio"
+    )?;
     for m in &r.modes {
         for l in &m.small {
-            println!(
+            out!(
                 "{:<6} {:<10} {:>10.0} {:>16.1} {:>16.1} {:>16.1} {:>7.2}",
                 m.mode,
                 l.placement,
@@ -576,7 +585,8 @@ pub fn print(r: &Report) {
                 l.doorbell_to_irq_p99_us,
                 l.region_read_p50_us,
                 l.ratio
-            );
+            )?;
         }
     }
+    Ok(())
 }

@@ -9,6 +9,7 @@
 //! Each 128 KiB buffer is 32 guest pages in 8 runs of 4 at scattered addresses (a PRP list
 //! per command; what a guest's block layer hands a driver looks like this).
 
+use crate::output::out;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -504,21 +505,22 @@ pub fn run(quick: bool, only: Option<&str>, opts: &[String]) -> Result<Report, S
 }
 
 /// Prints the report as tables.
-pub fn print(r: &Report) {
+pub fn print(r: &Report) -> crate::output::Out {
     let f = &r.floors;
-    println!("nvme over vfio-user: RAM namespace, doorbells as posted REGION_WRITEs, MSI-X per queue.");
-    println!("Floors, measured in this run (mean of before and after):");
-    println!("  memcpy of 2 MiB (warm buffers):                        {:6.2} GB/s", f.memcpy_2m_gb_per_sec);
-    println!(
+    out!("nvme over vfio-user: RAM namespace, doorbells as posted REGION_WRITEs, MSI-X per queue.")?;
+    out!("Floors, measured in this run (mean of before and after):")?;
+    out!("  memcpy of 2 MiB (warm buffers):                        {:6.2} GB/s", f.memcpy_2m_gb_per_sec)?;
+    out!(
         "  memcpy of 128 KiB blocks streamed over 256 MiB:        {:6.2} GB/s",
         f.memcpy_128k_stream_gb_per_sec
-    );
-    println!(
+    )?;
+    out!(
         "  posted REGION_WRITE -> MSI-X eventfd (testdev):         p50 {:.1} us, p99 {:.1} us",
-        f.doorbell_irq_p50_us, f.doorbell_irq_p99_us
-    );
-    println!();
-    println!("workload        qd queues       IOPS    GB/s  lat p50  lat p99  server CPU/IO   vs floor");
+        f.doorbell_irq_p50_us,
+        f.doorbell_irq_p99_us
+    )?;
+    out!("")?;
+    out!("workload        qd queues       IOPS    GB/s  lat p50  lat p99  server CPU/IO   vs floor")?;
     for row in &r.rows {
         let vs = if let Some(ratio) = row.vs_memcpy {
             format!("{:.0}% of memcpy", 100.0 * ratio)
@@ -527,7 +529,7 @@ pub fn print(r: &Report) {
         } else {
             String::new()
         };
-        println!(
+        out!(
             "{:<14} {:>3} {:>6} {:>10.0} {:>7.2} {:>6.1}us {:>6.1}us {:>11.2}us   {}",
             row.workload,
             row.qd,
@@ -538,12 +540,12 @@ pub fn print(r: &Report) {
             row.latency_p99_us,
             row.server_cpu_us_per_io,
             vs
-        );
+        )?;
     }
     let io = &r.server;
     if !io.is_null() {
-        println!();
-        println!(
+        out!("")?;
+        out!(
             "server: {} commands, {} pages in {} runs, {} pin calls ({:.1} pages, {:.2} runs per command)",
             io["commands"],
             io["pages"],
@@ -551,6 +553,7 @@ pub fn print(r: &Report) {
             io["pin_calls"],
             io["mean_pages_per_command"].as_f64().unwrap_or(0.0),
             io["mean_runs_per_command"].as_f64().unwrap_or(0.0)
-        );
+        )?;
     }
+    Ok(())
 }

@@ -322,7 +322,7 @@ impl OptionSpec {
             None => key == self.key,
             Some((first, last)) => key
                 .strip_prefix(self.key)
-                .filter(|n| !n.is_empty() && !n.starts_with('0') && n.bytes().all(|b| b.is_ascii_digit()))
+                .filter(|n| n.bytes().all(|b| b.is_ascii_digit()) && (n.len() == 1 || !n.starts_with('0')))
                 .and_then(|n| n.parse::<u32>().ok())
                 .is_some_and(|n| (first..=last).contains(&n)),
         }
@@ -577,6 +577,13 @@ mod tests {
         assert!(parse(&[("queues", "+3")]).is_err());
         let unknown = parse(&[("foo", "bar")]).unwrap_err();
         assert_eq!(unknown, r#"unknown option "foo" (it takes lba, queues, ns1..ns16)"#);
+        let port = OptionSpec::new("port", ValueSyntax::Choice(&["pty"]), None, "").numbered(0, 1);
+        assert!(
+            port.matches("port0")
+                && port.matches("port1")
+                && !port.matches("port00")
+                && !port.matches("port2")
+        );
         for key in ["ns0", "ns17", "ns01", "ns", "nsx"] {
             assert!(parse(&[(key, "ram:1M")]).unwrap_err().starts_with("unknown option"), "{key}");
         }
