@@ -285,7 +285,7 @@ fn start_instance(
     let started = (|| {
         let mut options = InstanceOptions::default();
         options.params.insert("subchannels".into(), SUBCHANNELS.to_string());
-        options.params.insert("size".into(), "64M".into());
+        options.params.insert("store".into(), "ram:64M".into());
         let device = umdev::builtin_registry()
             .find("ccw")
             .and_then(|t| t.create(&options))
@@ -301,11 +301,16 @@ fn start_instance(
     started.map(|d| (d, socket))
 }
 
-fn bench_mode(mode: PinMode, rounds: usize) -> Result<(ModeReport, f64, f64), String> {
-    let dir = std::env::temp_dir().join(format!("umdev-ccwbench-{}-{mode}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+fn bench_mode(
+    mode: PinMode,
+    rounds: usize,
+    progress: &mut crate::progress::Progress,
+) -> Result<(ModeReport, f64, f64), String> {
+    let dir = crate::protobench::tempfile_dir_for(&format!("ccwbench-{mode}"))?;
+    let dir = dir.path();
     let result = (|| {
-        let (daemon, socket) = start_instance(&dir, "big", mode, None)?;
+        progress.step(format_args!("{mode}: 2 MiB scattered programs"));
+        let (daemon, socket) = start_instance(dir, "big", mode, None)?;
         let big = run_big(&socket, rounds);
         daemon.shutdown();
         let big = big?;
@@ -315,7 +320,8 @@ fn bench_mode(mode: PinMode, rounds: usize) -> Result<(ModeReport, f64, f64), St
         }
         let mut small = Vec::new();
         for (name, client_cpu, server_cpu) in placements {
-            let (daemon, socket) = start_instance(&dir, "small", mode, Some(server_cpu))?;
+            progress.step(format_args!("{mode}: 4 KiB program latency, {name}"));
+            let (daemon, socket) = start_instance(dir, "small", mode, Some(server_cpu))?;
             pin_to(client_cpu)?;
             let row = run_small(&socket, rounds, name);
             unpin()?;
@@ -339,7 +345,6 @@ fn bench_mode(mode: PinMode, rounds: usize) -> Result<(ModeReport, f64, f64), St
             big.same,
         ))
     })();
-    let _ = std::fs::remove_dir_all(&dir);
     result
 }
 
@@ -504,11 +509,12 @@ fn run_small(socket: &Path, rounds: usize, placement: &str) -> Result<LatencyRow
 
 pub fn run(quick: bool, only: Option<PinMode>) -> Result<Report, String> {
     let rounds = if quick { 5 } else { 41 };
-    let results = [PinMode::Track, PinMode::Lock]
-        .into_iter()
-        .filter(|m| only.is_none_or(|o| o == *m))
-        .map(|m| bench_mode(m, rounds))
-        .collect::<Result<Vec<_>, _>>()?;
+    let modes: Vec<PinMode> =
+        [PinMode::Track, PinMode::Lock].into_iter().filter(|m| only.is_none_or(|o| o == *m)).collect();
+    let steps = if crate::affinity::cpus() >= 2 { 3 } else { 2 };
+    let mut progress = crate::progress::Progress::new("ccwbench", modes.len() * steps);
+    let results =
+        modes.into_iter().map(|m| bench_mode(m, rounds, &mut progress)).collect::<Result<Vec<_>, _>>()?;
     let first = results.first().ok_or("no mode measured")?;
     let (memcpy, same) = (first.1, first.2);
     Ok(Report {

@@ -69,19 +69,17 @@ fn gather(g: &CcwGuest, data: &Data, len: usize) -> Result<Vec<u8>, String> {
 }
 
 pub fn run() -> Result<(), String> {
-    let dir = std::env::temp_dir().join(format!("umdev-demo-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let socket = dir.join("ccw.sock");
+    let dir = crate::protobench::tempfile_dir_for("demo")?;
+    let socket = dir.path().join("ccw.sock");
     let mut options = InstanceOptions::default();
     options.params.insert("subchannels".into(), "4".into());
-    options.params.insert("size".into(), "256M".into());
+    options.params.insert("store".into(), "ram:256M".into());
     let device =
         umdev::builtin_registry().find("ccw").and_then(|t| t.create(&options)).map_err(|e| e.to_string())?;
     let daemon = Daemon::new();
     daemon.start(device, InstanceConfig::new("demo", &socket)).map_err(|e| e.to_string())?;
     let result = drive(&daemon, &socket);
     daemon.shutdown();
-    let _ = std::fs::remove_dir_all(&dir);
     result
 }
 

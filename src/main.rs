@@ -5,6 +5,8 @@ mod affinity;
 #[cfg(feature = "bench")]
 mod ccwbench;
 #[cfg(feature = "bench")]
+mod cleanup;
+#[cfg(feature = "bench")]
 mod demo;
 mod logging;
 mod manage;
@@ -13,6 +15,8 @@ mod nvmebench;
 mod output;
 #[cfg(feature = "bench")]
 mod pinbench;
+#[cfg(feature = "bench")]
+mod progress;
 #[cfg(feature = "bench")]
 mod protobench;
 mod run;
@@ -469,6 +473,17 @@ fn main() {
 }
 
 fn dispatch(command: Command, dirs: &manage::Dirs) -> output::Out {
+    #[cfg(feature = "bench")]
+    if matches!(
+        command,
+        Command::Demo
+            | Command::Ccwbench { .. }
+            | Command::Nvmebench { .. }
+            | Command::Protobench { .. }
+            | Command::Pinbench { .. }
+    ) {
+        cleanup::install()?;
+    }
     match command {
         #[cfg(feature = "bench")]
         Command::Demo => demo::run(),

@@ -255,11 +255,14 @@ pub fn run(effort: Effort, mut emit: impl FnMut(&Row) -> Result<(), String>) -> 
         None => kinds.push(BackingKind::Huge),
         Some(why) => eprintln!("pinbench: {why}"),
     }
+    let mut progress =
+        crate::progress::Progress::new("pinbench", kinds.len() * 2 * PATTERNS.len() * SIZES.len());
     for kind in kinds {
         for mode in [PinMode::Track, PinMode::Lock] {
             let bench = Bench::new(kind, mode).map_err(|e| format!("{}: {e}", kind.name()))?;
             for pattern in PATTERNS {
                 for n in SIZES {
+                    progress.step(format_args!("{} {mode} {} {n} pages", kind.name(), pattern.name()));
                     let mut rng = Rng::new(0x5eed ^ (n as u64) << 8 ^ pattern as u64);
                     let pfns: Vec<u64> =
                         pattern.offsets(n, &mut rng).into_iter().map(|o| IOVA_BASE / PAGE_SIZE + o).collect();

@@ -356,17 +356,24 @@ pub struct Report {
 pub fn run(quick: bool) -> Result<Report, String> {
     let dir = tempfile_dir()?;
     let cpus = crate::affinity::cpus();
+    let mut progress = crate::progress::Progress::new("protobench", if cpus >= 2 { 6 } else { 3 });
     let (blocks, per_block) = if quick { (4, 500) } else { (10, 2000) };
+    progress.step("REGION_READ round trips, one CPU");
     let mut latency_rows = vec![latency(dir.path(), (0, 0), Duration::ZERO, blocks, per_block)?];
     if cpus >= 2 {
+        progress.step("REGION_READ round trips, two CPUs");
         latency_rows.push(latency(dir.path(), (0, 1), Duration::ZERO, blocks, per_block)?);
+        progress.step("REGION_READ round trips, two CPUs, busy-polling");
         latency_rows.push(latency(dir.path(), (0, 1), Duration::from_micros(50), blocks, per_block)?);
     }
     let map_rounds = if quick { 21 } else { 201 };
+    progress.step("DMA_MAP and DMA_UNMAP, one CPU");
     let mut map = map_costs(dir.path(), map_rounds, (0, 0))?;
     if cpus >= 2 {
+        progress.step("DMA_MAP and DMA_UNMAP, two CPUs");
         map.extend(map_costs(dir.path(), map_rounds, (0, 1))?);
     }
+    progress.step("64 instances, one flooded");
     let flood = flood(dir.path(), 64, Duration::from_millis(if quick { 300 } else { 1500 }))?;
     Ok(Report { latency: latency_rows, map, flood })
 }
@@ -382,19 +389,20 @@ impl TempDir {
 impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
+        crate::cleanup::forget_dir(&self.0);
     }
 }
-/// A fresh private directory under the temp dir, named for this process and `what`.
+/// A fresh private directory under the temp dir, named for this process and `what`; removed
+/// on drop, or on a signal (crate::cleanup).
 pub fn tempfile_dir_for(what: &str) -> Result<TempDir, String> {
     let dir = std::env::temp_dir().join(format!("umdev-{what}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    crate::cleanup::dir(&dir);
+    std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
     Ok(TempDir(dir))
 }
 
 fn tempfile_dir() -> Result<TempDir, String> {
-    let dir = std::env::temp_dir().join(format!("umdev-protobench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    Ok(TempDir(dir))
+    tempfile_dir_for("protobench")
 }
 
 pub fn print(r: &Report) -> crate::output::Out {
