@@ -24,6 +24,17 @@ struct Leftovers {
 
 static LEFTOVERS: Mutex<Leftovers> = Mutex::new(Leftovers { dirs: Vec::new(), children: Vec::new() });
 
+/// A signal came: the cleanup thread is stopping the process.
+static STOPPING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Once a signal came, waits for the cleanup thread to end the process: what the benchmark
+/// meanwhile failed at (its server gone) is no error of its own.
+pub fn wait_if_stopping() {
+    while STOPPING.load(std::sync::atomic::Ordering::Acquire) {
+        std::thread::park();
+    }
+}
+
 fn leftovers() -> std::sync::MutexGuard<'static, Leftovers> {
     LEFTOVERS.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
@@ -36,6 +47,7 @@ pub fn install() -> Result<(), String> {
         .name("umdev-cleanup".into())
         .spawn(move || {
             if let Some(signal) = signals.forever().next() {
+                STOPPING.store(true, std::sync::atomic::Ordering::Release);
                 let what = std::mem::take(&mut *leftovers());
                 for &pid in &what.children {
                     stop_child(pid);

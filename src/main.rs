@@ -461,6 +461,8 @@ fn main() {
         _ => manage::Dirs::resolve(cli.run_dir, cli.state_dir),
     };
     let result = dispatch(cli.command, &dirs);
+    #[cfg(feature = "bench")]
+    cleanup::wait_if_stopping();
     match result {
         // The reader of a pipe went away: what it read was all it wanted.
         Err(_) if output::closed() => std::process::exit(0),
