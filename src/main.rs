@@ -628,3 +628,62 @@ fn man(dir: Option<&Path>) -> output::Out {
     }
     Ok(())
 }
+
+/// The documents' commands, as tests/docs.rs reads them.
+#[cfg(test)]
+#[path = "../tests/common/docs.rs"]
+mod docs;
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use clap::error::ErrorKind;
+
+    use super::{cli_command, docs};
+
+    /// Every `umdev` command README.md and docs/*.md show, in code blocks and in prose, is one
+    /// the CLI takes (tests/docs.rs runs the code blocks' for real). A span in prose may leave
+    /// out a required argument (`umdev run --type ccw`), nothing more.
+    #[test]
+    fn every_umdev_command_the_documents_show_parses() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut failures = Vec::new();
+        let mut parsed = 0;
+        for line in docs::lines(root) {
+            for simple in docs::simple_commands(&line.text) {
+                let Some(args) = simple.umdev_args("5a1e4c36-0f8e-4a5e-9d2f-000000000d0c") else { continue };
+                parsed += 1;
+                match cli_command().try_get_matches_from(std::iter::once("umdev".to_string()).chain(args)) {
+                    Ok(_) => {}
+                    Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => {}
+                    Err(e) if line.inline && e.kind() == ErrorKind::MissingRequiredArgument => {}
+                    Err(e) => failures.push(format!(
+                        "{}:{}: `{}`: {}",
+                        line.file,
+                        line.line,
+                        line.text,
+                        e.to_string().lines().next().unwrap_or_default()
+                    )),
+                }
+            }
+        }
+        assert!(parsed > 50, "only {parsed} commands found");
+        assert!(failures.is_empty(), "commands the CLI refuses:\n{}", failures.join("\n"));
+    }
+
+    #[test]
+    fn the_extractor_sees_what_a_shell_sees() {
+        let cut = docs::simple_commands("umdev man --dir /x && mandb -q | cat > 'a b' &");
+        assert_eq!(cut.len(), 3);
+        assert_eq!(cut[0].words, ["umdev", "man", "--dir", "/x"]);
+        assert_eq!((cut[2].stdout_to.as_deref(), cut[2].background), (Some("a b"), true));
+        let quoted = docs::simple_commands(r#"qemu -device '{"a": "b c"}' ..."#);
+        assert_eq!(quoted[0].words[2], r#"{"a": "b c"}"#);
+        // A wrong command is caught: the one docs/nvme.md showed.
+        let wrong = docs::simple_commands("umdev stats UUID")[0].umdev_args("u").unwrap();
+        assert!(cli_command()
+            .try_get_matches_from(std::iter::once("umdev".to_string()).chain(wrong))
+            .is_err());
+    }
+}
