@@ -25,7 +25,9 @@ fn get_qemu(dir: &Path, path: &str) -> Command {
 fn tools(dir: &Path) -> String {
     let bin = dir.join("bin");
     std::fs::create_dir(&bin).unwrap();
-    for tool in ["sh", "mkdir", "flock", "grep", "sed", "head", "cat", "rm"] {
+    for tool in
+        ["sh", "bash", "mkdir", "mktemp", "flock", "grep", "sed", "head", "tail", "cat", "rm", "dirname"]
+    {
         let real = ["/usr/bin", "/bin"].iter().map(|d| Path::new(d).join(tool)).find(|p| p.exists());
         std::os::unix::fs::symlink(real.unwrap_or_else(|| panic!("no {tool}")), bin.join(tool)).unwrap();
     }
@@ -97,4 +99,20 @@ fn umdev_qemu_is_used_as_given() {
     let out = Command::new(common::qemu::get_qemu()).env("UMDEV_QEMU", "/opt/my/qemu").output().unwrap();
     assert!(out.status.success());
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "/opt/my/qemu");
+}
+
+#[test]
+fn the_guest_harness_says_why_it_cannot_run_without_qemu() {
+    let dir = tempfile::tempdir().unwrap();
+    let bin = tools(dir.path());
+    let out = Command::new(common::guest::harness())
+        .arg("prepare")
+        .env_remove("UMDEV_QEMU")
+        .env("UMDEV_QEMU_DIR", dir.path().join("qemu"))
+        .env("PATH", &bin)
+        .output()
+        .unwrap();
+    // 77: the guest tests skip (tests/common/guest.rs), saying this.
+    assert_eq!(out.status.code(), Some(77), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no QEMU: get-qemu: no apt-get"));
 }

@@ -248,6 +248,38 @@ fn a_defined_device_starts_as_defined_unless_overridden() {
 }
 
 #[test]
+fn a_definition_that_did_not_start_says_why_and_a_stopped_one_is_stopped() {
+    let env = Dirs::new();
+    env.ok(&["define", "-t", "testdev", "-u", A, "--auto"]);
+    env.ok(&["define", "-t", "testdev", "-u", B, "--auto"]);
+    // Room for one: the other auto definition cannot start.
+    let daemon = env.daemon(&["--max-instances", "1"]);
+    let rows = json(&env.ok(&["list", "-d", "--json"]));
+    let state = |uuid: &str| rows.as_array().unwrap().iter().find(|r| r["uuid"] == uuid).unwrap().clone();
+    assert_eq!(state(A)["state"], "running");
+    assert_eq!(state(B)["state"], "not-started");
+    assert!(state(B)["error"].as_str().unwrap().contains("maximum of 1 instances"), "{}", state(B));
+    assert!(env
+        .ok(&["list", "-d"])
+        .contains("not-started  (out of sync: defined with --auto but not running: the daemon"));
+    // Stopped on purpose, an auto definition is stopped, not out of sync; B now starts.
+    env.ok(&["stop", "-u", A]);
+    env.ok(&["start", "-u", B]);
+    let rows = json(&env.ok(&["list", "-d", "--json"]));
+    let states: Vec<&str> = rows.as_array().unwrap().iter().map(|r| r["state"].as_str().unwrap()).collect();
+    assert_eq!(states, ["stopped", "running"]);
+    assert!(rows[1].get("error").is_none(), "a start clears the last error");
+    // start --jsonfile: a transient device from mdevctl's config.
+    env.ok(&["stop", "-u", B]);
+    let config = r#"{"mdev_type": "ccw", "attrs": [{"store": "ram:1M"}, {"subchannels": "2"}]}"#;
+    let started = env.with_stdin(&["start", "--jsonfile", "-"], config);
+    assert!(started.status.success(), "{}", stderr_of(&started));
+    let running = json(&env.ok(&["list", "--json", "-t", "ccw"]));
+    assert_eq!(running[0]["options"]["params"], json(r#"{"store": "ram:1M", "subchannels": "2"}"#));
+    stop(daemon);
+}
+
+#[test]
 fn an_unusable_definition_is_listed_as_invalid_and_can_be_undefined() {
     let env = Dirs::new();
     env.ok(&["define", "-t", "testdev", "-u", A, "--auto"]);
