@@ -606,7 +606,7 @@ impl umdev_mdev::types::DeviceType for TestDevType {
         TYPE_NAME
     }
     fn description(&self) -> &str {
-        "test device: registers, DMA through pins or the client, INTx/MSI/MSI-X, sparse-mmap BAR (docs/testdev.md)"
+        "test device: registers, DMA through pins or the client, INTx/MSI/MSI-X, sparse-mmap BAR"
     }
     fn available_instances(&self) -> u32 {
         self.pool.free()

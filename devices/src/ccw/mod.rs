@@ -729,7 +729,7 @@ impl umdev_mdev::types::DeviceType for CcwType {
     }
 
     fn description(&self) -> &str {
-        "channel-I/O DMA engine: CCW programs with IDAW scatter lists, pinned one call per CCW (docs/ccw.md)"
+        "channel-I/O DMA engine: CCW programs with IDAW scatter lists, pinned one call per CCW"
     }
 
     fn available_instances(&self) -> u32 {

@@ -663,9 +663,9 @@ impl DeviceType for MttyType {
 
     fn description(&self) -> &str {
         if self.ports == 1 {
-            "Single port serial: a 16550A UART on an I/O BAR, INTx/MSI; loopback, pty or socket line (docs/mtty.md)"
+            "Single port serial: a 16550A UART on an I/O BAR, INTx/MSI; loopback, pty or socket line"
         } else {
-            "Dual port serial: two 16550A UARTs on I/O BARs, INTx/MSI; loopback, pty or socket lines (docs/mtty.md)"
+            "Dual port serial: two 16550A UARTs on I/O BARs, INTx/MSI; loopback, pty or socket lines"
         }
     }
 

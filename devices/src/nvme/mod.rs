@@ -518,7 +518,7 @@ impl umdev_mdev::types::DeviceType for NvmeType {
     }
 
     fn description(&self) -> &str {
-        "NVMe controller (NVMe 1.3): RAM or file namespaces, every command's PRP list pinned with one call (docs/nvme.md)"
+        "NVMe controller (NVMe 1.3): RAM or file namespaces, every command's PRP list pinned with one call"
     }
 
     fn available_instances(&self) -> u32 {
