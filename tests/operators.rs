@@ -486,4 +486,32 @@ mod benches {
             }
         }
     }
+
+    #[test]
+    fn a_benchmark_draws_a_bar_on_a_terminal() {
+        use std::io::Read;
+        let pty = nix::pty::openpty(None, None).unwrap();
+        let mut bench = ChildGuard(
+            umdev()
+                .args(["ccwbench", "--quick", "--mode", "track"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::from(pty.slave))
+                .spawn()
+                .unwrap(),
+        );
+        // The terminal's other end, until the benchmark closes its side (EIO).
+        let mut master = std::fs::File::from(pty.master);
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = master.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            seen.extend_from_slice(&buf[..n]);
+        }
+        assert!(bench.wait().unwrap().success());
+        let seen = String::from_utf8_lossy(&seen);
+        assert!(seen.contains("ccwbench [") && seen.contains("track:"), "{seen:?}");
+        assert!(!seen.contains("umdev ccwbench: [1/"), "lines are for logs, not terminals: {seen:?}");
+    }
 }

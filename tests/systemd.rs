@@ -359,7 +359,7 @@ fn log_lines_carry_priorities_for_the_journal_and_stay_plain_in_a_terminal() {
 
 #[test]
 fn completions_and_man_pages_come_from_the_cli() {
-    let verbs = ["daemon", "start", "stop", "list", "define", "undefine", "stats", "types", "run"];
+    let verbs = ["daemon", "start", "stop", "list", "define", "modify", "undefine", "stats", "types", "run"];
     for shell in ["bash", "zsh", "fish"] {
         let out = umdev().args(["completions", shell]).output().unwrap();
         assert!(out.status.success(), "{shell}");
