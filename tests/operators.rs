@@ -514,4 +514,13 @@ mod benches {
         assert!(seen.contains("ccwbench [") && seen.contains("track:"), "{seen:?}");
         assert!(!seen.contains("umdev ccwbench: [1/"), "lines are for logs, not terminals: {seen:?}");
     }
+
+    #[test]
+    fn pinbench_writes_a_picture_everyone_can_read_and_stops_at_a_closed_pipe() {
+        let env = Dirs::new();
+        let svg = env.path().join("grid.svg");
+        env.ok(&["pinbench", "--rounds", "1", "--batch-us", "1", "--svg", svg.to_str().unwrap()]);
+        assert_eq!(std::fs::metadata(&svg).unwrap().permissions().mode() & 0o777, 0o644);
+        into_a_closed_pipe(&env, &["pinbench", "--rounds", "1", "--batch-us", "1", "--json"]);
+    }
 }
