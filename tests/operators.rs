@@ -6,9 +6,7 @@
 mod common;
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::Path;
 use std::process::Stdio;
-use std::time::{Duration, Instant};
 
 use common::process::{umdev, ChildGuard, Dirs};
 
@@ -402,6 +400,9 @@ fn umdev_run_prints_journal_lines_only() {
 
 #[cfg(feature = "bench")]
 mod benches {
+    use std::path::Path;
+    use std::time::{Duration, Instant};
+
     use super::*;
 
     #[test]
