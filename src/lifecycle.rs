@@ -3,10 +3,12 @@
 //!
 //! The [`Manager`] owns the daemon's instances. Each is created from a type (reserving its
 //! capacity) and served on `<run-dir>/<uuid>.sock`; stopping it frees the socket and the
-//! capacity. [`Definitions`] are JSON files in a state directory, one per UUID. As with
-//! mdevctl, defining a device does not start it; `start --uuid` starts a definition; definitions
-//! marked `auto` start with the daemon, and on [`Manager::reload`] (the daemon's SIGHUP) when they
-//! are new. [`sync_status`] tells how the definitions and the running instances differ.
+//! capacity. [`Definitions`] are JSON files in a state directory, one per UUID, each checked by
+//! [`check_definition`] as starting it would check it. As with mdevctl, defining a device does
+//! not start it; `start --uuid` starts a definition as defined (options over it only when the
+//! caller asks to override); definitions marked `auto` start with the daemon, and on
+//! [`Manager::reload`] (the daemon's SIGHUP) when they are new. [`sync_status`] tells how the
+//! definitions and what the daemon runs ([`DaemonStatus`]) differ.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io;
