@@ -3,6 +3,7 @@
 //! and one data CCW each, kept in flight on four subchannels), and a 4-byte REGION_READ
 //! round trip for the doorbell-to-interrupt latency of 4 KiB programs.
 
+use crate::output::out;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -284,7 +285,7 @@ fn start_instance(
     let started = (|| {
         let mut options = InstanceOptions::default();
         options.params.insert("subchannels".into(), SUBCHANNELS.to_string());
-        options.params.insert("size".into(), "64M".into());
+        options.params.insert("store".into(), "ram:64M".into());
         let device = umdev::builtin_registry()
             .find("ccw")
             .and_then(|t| t.create(&options))
@@ -300,11 +301,16 @@ fn start_instance(
     started.map(|d| (d, socket))
 }
 
-fn bench_mode(mode: PinMode, rounds: usize) -> Result<(ModeReport, f64, f64), String> {
-    let dir = std::env::temp_dir().join(format!("umdev-ccwbench-{}-{mode}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+fn bench_mode(
+    mode: PinMode,
+    rounds: usize,
+    progress: &mut crate::progress::Progress,
+) -> Result<(ModeReport, f64, f64), String> {
+    let dir = crate::protobench::tempfile_dir_for(&format!("ccwbench-{mode}"))?;
+    let dir = dir.path();
     let result = (|| {
-        let (daemon, socket) = start_instance(&dir, "big", mode, None)?;
+        progress.step(format_args!("{mode}: 2 MiB scattered programs"));
+        let (daemon, socket) = start_instance(dir, "big", mode, None)?;
         let big = run_big(&socket, rounds);
         daemon.shutdown();
         let big = big?;
@@ -314,7 +320,8 @@ fn bench_mode(mode: PinMode, rounds: usize) -> Result<(ModeReport, f64, f64), St
         }
         let mut small = Vec::new();
         for (name, client_cpu, server_cpu) in placements {
-            let (daemon, socket) = start_instance(&dir, "small", mode, Some(server_cpu))?;
+            progress.step(format_args!("{mode}: 4 KiB program latency, {name}"));
+            let (daemon, socket) = start_instance(dir, "small", mode, Some(server_cpu))?;
             pin_to(client_cpu)?;
             let row = run_small(&socket, rounds, name);
             unpin()?;
@@ -338,7 +345,6 @@ fn bench_mode(mode: PinMode, rounds: usize) -> Result<(ModeReport, f64, f64), St
             big.same,
         ))
     })();
-    let _ = std::fs::remove_dir_all(&dir);
     result
 }
 
@@ -503,11 +509,12 @@ fn run_small(socket: &Path, rounds: usize, placement: &str) -> Result<LatencyRow
 
 pub fn run(quick: bool, only: Option<PinMode>) -> Result<Report, String> {
     let rounds = if quick { 5 } else { 41 };
-    let results = [PinMode::Track, PinMode::Lock]
-        .into_iter()
-        .filter(|m| only.is_none_or(|o| o == *m))
-        .map(|m| bench_mode(m, rounds))
-        .collect::<Result<Vec<_>, _>>()?;
+    let modes: Vec<PinMode> =
+        [PinMode::Track, PinMode::Lock].into_iter().filter(|m| only.is_none_or(|o| o == *m)).collect();
+    let steps = if crate::affinity::cpus() >= 2 { 3 } else { 2 };
+    let mut progress = crate::progress::Progress::new("ccwbench", modes.len() * steps);
+    let results =
+        modes.into_iter().map(|m| bench_mode(m, rounds, &mut progress)).collect::<Result<Vec<_>, _>>()?;
     let first = results.first().ok_or("no mode measured")?;
     let (memcpy, same) = (first.1, first.2);
     Ok(Report {
@@ -517,21 +524,23 @@ pub fn run(quick: bool, only: Option<PinMode>) -> Result<Report, String> {
     })
 }
 
-pub fn print(r: &Report) {
-    println!(
+pub fn print(r: &Report) -> crate::output::Out {
+    out!(
         "2 MiB programs: a SEEK and one CCW with 512 scattered 4 KiB IDAWs, in flight on {} subchannels.",
         SUBCHANNELS - 1
-    );
-    println!("Floors, measured in every round beside the device (medians):");
-    println!("  memcpy of 2 MiB (warm buffers):                        {:.2} GB/s", r.memcpy_gb_per_sec);
-    println!(
-        "  memcpy of the programs' own blocks (one thread, no I/O): {:.2} GB/s\n",
-        r.same_copy_gb_per_sec
-    );
-    println!(
+    )?;
+    out!("Floors, measured in every round beside the device (medians):")?;
+    out!("  memcpy of 2 MiB (warm buffers):                        {:.2} GB/s", r.memcpy_gb_per_sec)?;
+    out!("  memcpy of the programs' own blocks (one thread, no I/O): {:.2} GB/s\n", r.same_copy_gb_per_sec)?;
+    out!(
         "{:<6} {:<6} {:>10} {:>10} {:>14} {:>16}",
-        "mode", "dir", "prog/s", "GB/s", "vs 2MiB memcpy", "vs same blocks"
-    );
+        "mode",
+        "dir",
+        "prog/s",
+        "GB/s",
+        "vs 2MiB memcpy",
+        "vs same blocks"
+    )?;
     for m in &r.modes {
         for (dir, pps, gbs, vm, vs) in [
             (
@@ -549,7 +558,7 @@ pub fn print(r: &Report) {
                 m.big_write_vs_same_copy,
             ),
         ] {
-            println!(
+            out!(
                 "{:<6} {:<6} {:>10.0} {:>10.2} {:>13.0}% {:>15.0}%",
                 m.mode,
                 dir,
@@ -557,17 +566,23 @@ pub fn print(r: &Report) {
                 gbs,
                 100.0 * vm,
                 100.0 * vs
-            );
+            )?;
         }
     }
-    println!("\n4 KiB programs on one subchannel (us):");
-    println!(
+    out!("\n4 KiB programs on one subchannel (us):")?;
+    out!(
         "{:<6} {:<10} {:>10} {:>16} {:>16} {:>16} {:>7}",
-        "mode", "placement", "prog/s", "doorbell->irq p50", "doorbell->irq p99", "REGION_READ p50", "ratio"
-    );
+        "mode",
+        "placement",
+        "prog/s",
+        "doorbell->irq p50",
+        "doorbell->irq p99",
+        "REGION_READ p50",
+        "ratio"
+    )?;
     for m in &r.modes {
         for l in &m.small {
-            println!(
+            out!(
                 "{:<6} {:<10} {:>10.0} {:>16.1} {:>16.1} {:>16.1} {:>7.2}",
                 m.mode,
                 l.placement,
@@ -576,7 +591,8 @@ pub fn print(r: &Report) {
                 l.doorbell_to_irq_p99_us,
                 l.region_read_p50_us,
                 l.ratio
-            );
+            )?;
         }
     }
+    Ok(())
 }

@@ -39,9 +39,12 @@ pub enum ControlRequest {
         mdev_type: Option<String>,
         /// UUID; generated if `None`.
         uuid: Option<Uuid>,
-        /// Creation options.
+        /// Creation options (of a defined device: only with `override_definition`).
         #[serde(default)]
         options: InstanceOptions,
+        /// Put `options` over a definition's for this start.
+        #[serde(default)]
+        override_definition: bool,
     },
     /// Stop an instance.
     Stop {
@@ -53,6 +56,8 @@ pub enum ControlRequest {
     },
     /// The running instances.
     List,
+    /// The running instances, the defined ones `stop` stopped, and the last start errors.
+    Status,
     /// One instance's counters.
     Stats {
         /// Which.
@@ -92,6 +97,12 @@ pub enum ControlError {
     /// Nothing listens on the control socket.
     #[error("the umdev daemon is not running (no control socket at {0}); start it with `umdev daemon`")]
     NotRunning(PathBuf),
+    /// The control socket is there, but nothing listens: its daemon died.
+    #[error(
+        "the umdev daemon is not running: {0} is a stale control socket (its daemon died without \
+         removing it); `umdev daemon` removes it when it starts"
+    )]
+    Stale(PathBuf),
     /// The exchange failed.
     #[error("talking to the daemon: {0}")]
     Io(#[from] io::Error),
@@ -100,18 +111,26 @@ pub enum ControlError {
     Protocol(String),
 }
 
+impl ControlError {
+    /// True when no daemon answers (the control socket is missing or stale).
+    pub fn not_running(&self) -> bool {
+        matches!(self, ControlError::NotRunning(_) | ControlError::Stale(_))
+    }
+}
+
 fn handle(manager: &Manager, request: ControlRequest) -> ControlResponse {
     let fail = |e: LifecycleError| ControlResponse::failure(e.to_string(), e.errno());
     match request {
         ControlRequest::Types => ControlResponse::success(manager.types()),
-        ControlRequest::Start { mdev_type, uuid, options } => manager
-            .start(mdev_type.as_deref(), uuid, options)
+        ControlRequest::Start { mdev_type, uuid, options, override_definition } => manager
+            .start(mdev_type.as_deref(), uuid, options, override_definition)
             .map(ControlResponse::success)
             .unwrap_or_else(fail),
         ControlRequest::Stop { uuid, force } => {
             manager.stop(uuid, force).map(|()| ControlResponse::success(uuid)).unwrap_or_else(fail)
         }
         ControlRequest::List => ControlResponse::success(manager.list()),
+        ControlRequest::Status => ControlResponse::success(manager.status()),
         ControlRequest::Stats { uuid } => {
             manager.stats(uuid).map(ControlResponse::success).unwrap_or_else(fail)
         }
@@ -217,8 +236,11 @@ impl Drop for ControlServer {
 pub fn request(path: &Path, request: &ControlRequest) -> Result<ControlResponse, ControlError> {
     let mut stream = match UnixStream::connect(path) {
         Ok(s) => s,
-        Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused) => {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
             return Err(ControlError::NotRunning(path.to_path_buf()))
+        }
+        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+            return Err(ControlError::Stale(path.to_path_buf()))
         }
         Err(e) => return Err(e.into()),
     };

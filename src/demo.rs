@@ -7,6 +7,7 @@
 //! into other buffers on every subchannel at once, and verifies every byte. Exits non-zero on
 //! any mismatch.
 
+use crate::output::out;
 use std::time::Instant;
 
 use umdev_devices::ccw::program::cmd;
@@ -68,36 +69,41 @@ fn gather(g: &CcwGuest, data: &Data, len: usize) -> Result<Vec<u8>, String> {
 }
 
 pub fn run() -> Result<(), String> {
-    let dir = std::env::temp_dir().join(format!("umdev-demo-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let socket = dir.join("ccw.sock");
+    let dir = crate::protobench::tempfile_dir_for("demo")?;
+    let socket = dir.path().join("ccw.sock");
     let mut options = InstanceOptions::default();
     options.params.insert("subchannels".into(), "4".into());
-    options.params.insert("size".into(), "256M".into());
+    options.params.insert("store".into(), "ram:256M".into());
     let device =
         umdev::builtin_registry().find("ccw").and_then(|t| t.create(&options)).map_err(|e| e.to_string())?;
     let daemon = Daemon::new();
     daemon.start(device, InstanceConfig::new("demo", &socket)).map_err(|e| e.to_string())?;
     let result = drive(&daemon, &socket);
     daemon.shutdown();
-    let _ = std::fs::remove_dir_all(&dir);
     result
 }
 
 fn drive(daemon: &Daemon, socket: &std::path::Path) -> Result<(), String> {
     let mut g = CcwGuest::connect(socket)?;
-    println!(
+    out!(
         "umdev demo: a ccw device served over vfio-user; rust-vmm's vfio_user::Client maps {} MiB of memfd guest RAM",
         RAM_SIZE >> 20
-    );
-    println!(
+    )?;
+    out!(
         "{} subchannels; each program writes a buffer to the device, then reads it back elsewhere\n",
         g.subchannels
-    );
-    println!(
+    )?;
+    out!(
         "{:<11} {:>8} {:>9} {:>9} {:>7} {:>10} {:>14} {:>9}",
-        "pattern", "programs", "MiB", "pages", "runs", "pin calls", "per-page calls", "GB/s"
-    );
+        "pattern",
+        "programs",
+        "MiB",
+        "pages",
+        "runs",
+        "pin calls",
+        "per-page calls",
+        "GB/s"
+    )?;
     let mut rng = Rng::new(2020);
     let started = Instant::now();
     let mut total_bytes = 0u64;
@@ -150,25 +156,25 @@ fn drive(daemon: &Daemon, socket: &std::path::Path) -> Result<(), String> {
         let after = daemon.info("demo").ok_or("instance gone")?.dma;
         let (pages, runs, calls) =
             (after.pages - before.pages, after.runs - before.runs, after.pin_calls - before.pin_calls);
-        println!(
+        out!(
             "{name:<11} {programs:>8} {:>9.1} {pages:>9} {runs:>7} {calls:>10} {pages:>14} {:>9.2}",
             bytes as f64 / f64::from(1 << 20),
             bytes as f64 / secs / 1e9
-        );
+        )?;
         total_bytes += bytes;
         total_programs += programs;
     }
     let dma = daemon.info("demo").ok_or("instance gone")?.dma;
-    println!(
+    out!(
         "\nverified {total_programs} programs, {:.1} MiB, every byte, in {:.2} s",
         total_bytes as f64 / f64::from(1 << 20),
         started.elapsed().as_secs_f64()
-    );
-    println!(
+    )?;
+    out!(
         "pinning engine: {} pin calls pinned {} pages in {} runs (per-page pinning, as Linux type1 does, would make {} calls); pins held now: {}",
         dma.pin_calls, dma.pages, dma.runs, dma.pages, dma.pins_held
-    );
-    println!("(pin calls include the short pins that fetch CCWs and IDAW lists)");
+    )?;
+    out!("(pin calls include the short pins that fetch CCWs and IDAW lists)")?;
     if dma.pins_held != 0 {
         return Err("pins leaked".into());
     }

@@ -1,10 +1,12 @@
 //! Support code of the `umdev` binary that tests and tools share: the device types it
-//! serves, and a guest-side driver for the ccw device over vfio-user.
+//! serves, the instance lifecycle and its definitions, the daemon's control socket, and
+//! mdevctl's JSON shapes.
 
 #![deny(missing_docs)]
 
 pub mod control;
 pub mod lifecycle;
+pub mod mdevctl;
 
 use std::sync::Arc;
 

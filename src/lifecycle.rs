@@ -3,19 +3,22 @@
 //!
 //! The [`Manager`] owns the daemon's instances. Each is created from a type (reserving its
 //! capacity) and served on `<run-dir>/<uuid>.sock`; stopping it frees the socket and the
-//! capacity. [`Definitions`] are JSON files in a state directory, one per UUID. As with
-//! mdevctl, defining a device does not start it; `start --uuid` starts a definition; definitions
-//! marked `auto` start with the daemon, and on [`Manager::reload`] (the daemon's SIGHUP) when they
-//! are new. [`sync_status`] tells how the definitions and the running instances differ.
+//! capacity. [`Definitions`] are JSON files in a state directory, one per UUID, each checked by
+//! [`check_definition`] as starting it would check it. As with mdevctl, defining a device does
+//! not start it; `start --uuid` starts a definition as defined (options over it only when the
+//! caller asks to override); definitions marked `auto` start with the daemon, and on
+//! [`Manager::reload`] (the daemon's SIGHUP) when they are new. [`sync_status`] tells how the
+//! definitions and what the daemon runs ([`DaemonStatus`]) differ.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
-use umdev_mdev::types::{InstanceOptions, Registry, TypeError};
+use umdev_mdev::types::{DeviceType, InstanceOptions, Registry, TypeError};
 use uuid::Uuid;
 
 use umdev_server::daemon::{Daemon, DaemonError, InstanceConfig, InstanceInfo};
@@ -47,6 +50,30 @@ pub enum LifecycleError {
     /// Neither a type nor a definition to start from.
     #[error("give a type, or the UUID of a defined device")]
     NoType,
+    /// A defined device started with another type than its definition's.
+    #[error("{uuid} is defined as a {defined} device, not {given}")]
+    TypeConflict {
+        /// The device.
+        uuid: Uuid,
+        /// Its definition's type.
+        defined: String,
+        /// The type asked for.
+        given: String,
+    },
+    /// A defined device started with options, without asking to override its definition's.
+    #[error(
+        "{0} is defined: it starts with its definition's options (`umdev modify` changes them); \
+         add --override to start it once with these on top"
+    )]
+    ExtraOptions(Uuid),
+    /// A definition file that cannot be used.
+    #[error("definition {}: {why}", path.display())]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        why: String,
+    },
     /// A client is connected and the stop was not forced.
     #[error("instance {0} has a client connected; use --force to disconnect it")]
     Busy(Uuid),
@@ -77,6 +104,7 @@ impl LifecycleError {
             | LifecycleError::NotDefined(_) => libc::ENOENT,
             LifecycleError::Exhausted(_) => libc::EUSERS,
             LifecycleError::DuplicateUuid(_) | LifecycleError::AlreadyDefined(_) => libc::EEXIST,
+            LifecycleError::Invalid { .. } => libc::EBADMSG,
             LifecycleError::Busy(_) => libc::EBUSY,
             LifecycleError::TooManyInstances(_) => libc::ENOSPC,
             LifecycleError::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
@@ -141,10 +169,22 @@ impl Definitions {
     /// Writes a new definition; fails if the UUID is already defined.
     pub fn define(&self, def: &Definition) -> Result<(), LifecycleError> {
         std::fs::create_dir_all(&self.dir).map_err(Self::io("creating", &self.dir))?;
-        let path = self.path(&def.uuid);
-        if path.exists() {
+        if self.path(&def.uuid).exists() {
             return Err(LifecycleError::AlreadyDefined(def.uuid));
         }
+        self.write(def)
+    }
+
+    /// Replaces the definition of `def.uuid`; fails if it is not defined.
+    pub fn replace(&self, def: &Definition) -> Result<(), LifecycleError> {
+        if !self.path(&def.uuid).exists() {
+            return Err(LifecycleError::NotDefined(def.uuid));
+        }
+        self.write(def)
+    }
+
+    fn write(&self, def: &Definition) -> Result<(), LifecycleError> {
+        let path = self.path(&def.uuid);
         let text = serde_json::to_string_pretty(def).map_err(|e| LifecycleError::Failed(e.to_string()))?;
         // Write then rename: a crash never leaves a half-written definition.
         let tmp = self.dir.join(format!(".{}.tmp", def.uuid));
@@ -152,7 +192,7 @@ impl Definitions {
         std::fs::rename(&tmp, &path).map_err(Self::io("renaming", &path))
     }
 
-    /// Removes a definition.
+    /// Removes a definition (a file that cannot be read as one too: it is named by its UUID).
     pub fn undefine(&self, uuid: &Uuid) -> Result<(), LifecycleError> {
         let path = self.path(uuid);
         match std::fs::remove_file(&path) {
@@ -162,7 +202,8 @@ impl Definitions {
         }
     }
 
-    /// The definition of `uuid`.
+    /// The definition of `uuid`. A file whose JSON does not parse, or names another UUID than
+    /// its file name, is [`LifecycleError::Invalid`].
     pub fn get(&self, uuid: &Uuid) -> Result<Definition, LifecycleError> {
         let path = self.path(uuid);
         let text = match std::fs::read_to_string(&path) {
@@ -170,25 +211,60 @@ impl Definitions {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(LifecycleError::NotDefined(*uuid)),
             Err(e) => return Err(Self::io("reading", &path)(e)),
         };
-        serde_json::from_str(&text).map_err(|e| LifecycleError::Failed(format!("{}: {e}", path.display())))
+        let invalid = |why: String| LifecycleError::Invalid { path: path.clone(), why };
+        let def: Definition = serde_json::from_str(&text).map_err(|e| invalid(e.to_string()))?;
+        if def.uuid != *uuid {
+            return Err(invalid(format!(
+                "it holds UUID {}; a definition's file is named after its UUID (rename the file, or `umdev \
+                 undefine -u {uuid}`)",
+                def.uuid
+            )));
+        }
+        Ok(def)
     }
 
-    /// Every readable definition, by UUID; unreadable files are logged and skipped.
-    pub fn list(&self) -> Vec<Definition> {
+    /// Every definition file (`<uuid>.json`), by UUID, read or with why it cannot be.
+    pub fn entries(&self) -> Vec<(Uuid, Result<Definition, LifecycleError>)> {
         let Ok(entries) = std::fs::read_dir(&self.dir) else {
             return Vec::new();
         };
-        let mut defs: Vec<Definition> = entries
+        let mut all: Vec<(Uuid, Result<Definition, LifecycleError>)> = entries
             .flatten()
             .filter_map(|e| {
                 let name = e.file_name().to_string_lossy().to_string();
                 let uuid = Uuid::parse_str(name.strip_suffix(".json")?).ok()?;
-                self.get(&uuid).inspect_err(|err| log::warn!("skipping definition {name}: {err}")).ok()
+                Some((uuid, self.get(&uuid)))
             })
             .collect();
-        defs.sort_by_key(|d| d.uuid);
-        defs
+        all.sort_by_key(|(uuid, _)| *uuid);
+        all
     }
+
+    /// Every readable definition, by UUID; unreadable files are logged and skipped.
+    pub fn list(&self) -> Vec<Definition> {
+        self.entries()
+            .into_iter()
+            .filter_map(|(uuid, def)| {
+                def.inspect_err(|err| log::warn!("skipping definition {uuid}: {err}")).ok()
+            })
+            .collect()
+    }
+}
+
+/// Checks a definition as starting it would: its type exists and takes its options.
+pub fn check_definition(registry: &Registry, def: &Definition) -> Result<(), LifecycleError> {
+    let ty = registry.find(&def.mdev_type).map_err(LifecycleError::from_type)?;
+    ty.check(&def.options).map_err(LifecycleError::from_type)
+}
+
+/// `base` with `over`'s pin mode (if set) and parameters on top.
+pub fn overlay(base: &InstanceOptions, over: &InstanceOptions) -> InstanceOptions {
+    let mut out = base.clone();
+    if over.pin_mode.is_some() {
+        out.pin_mode = over.pin_mode;
+    }
+    out.params.extend(over.params.iter().map(|(k, v)| (k.clone(), v.clone())));
+    out
 }
 
 /// A running instance, as `umdev list` shows it.
@@ -210,6 +286,13 @@ pub struct InstanceSummary {
     /// It was started from its definition (`start --uuid`, or `auto`), not ad hoc from a type.
     #[serde(default)]
     pub from_definition: bool,
+    /// What `start --override` put over its definition's options.
+    #[serde(default, skip_serializing_if = "is_empty_options")]
+    pub overrides: InstanceOptions,
+}
+
+fn is_empty_options(o: &InstanceOptions) -> bool {
+    *o == InstanceOptions::default()
 }
 
 /// A type, as `umdev types` shows it.
@@ -223,6 +306,45 @@ pub struct TypeSummary {
     pub device_api: String,
     /// Instances that can still be created.
     pub available_instances: u32,
+    /// The options it takes (`--opt KEY=VALUE`).
+    #[serde(default)]
+    pub options: Vec<OptionSummary>,
+}
+
+/// One option of a type, as `umdev types` shows it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct OptionSummary {
+    /// The key (`lba`, `ns1..ns16`).
+    pub key: String,
+    /// What a value looks like, with its range.
+    pub syntax: String,
+    /// The value without the option.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default: Option<String>,
+    /// What it does.
+    pub help: String,
+}
+
+impl TypeSummary {
+    /// A type's summary, its capacity capped at `room` more instances.
+    pub fn of(ty: &dyn DeviceType, room: usize) -> TypeSummary {
+        TypeSummary {
+            name: ty.name().to_string(),
+            description: ty.description().to_string(),
+            device_api: ty.device_api().to_string(),
+            available_instances: ty.available_instances().min(u32::try_from(room).unwrap_or(u32::MAX)),
+            options: ty
+                .options()
+                .iter()
+                .map(|o| OptionSummary {
+                    key: o.key_pattern(),
+                    syntax: o.syntax(),
+                    default: o.default.map(str::to_string),
+                    help: o.help.to_string(),
+                })
+                .collect(),
+        }
+    }
 }
 
 struct Record {
@@ -230,6 +352,7 @@ struct Record {
     options: InstanceOptions,
     socket: PathBuf,
     from_definition: bool,
+    overrides: InstanceOptions,
 }
 
 /// What [`Manager::reload`] did and found.
@@ -252,16 +375,18 @@ pub struct ReloadReport {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum SyncState {
-    /// Running as defined.
+    /// Running as defined (with `start --override`'s options on top, if any).
     Running,
-    /// A manual definition that is not running.
+    /// Not running: a manual definition, or an `auto` one stopped with `umdev stop`.
     Stopped,
-    /// An `auto` definition that is not running.
+    /// An `auto` definition that is not running, though nobody stopped it.
     NotStarted,
     /// Running with another type or other options than its definition has now.
     Changed,
     /// Running from a definition that has been removed since.
     Undefined,
+    /// A definition that cannot be started: unreadable, or its type or options refused.
+    Invalid,
     /// Unknown: the daemon is not running.
     Unknown,
 }
@@ -271,7 +396,9 @@ impl SyncState {
     pub fn in_sync(self) -> Option<bool> {
         match self {
             SyncState::Running | SyncState::Stopped => Some(true),
-            SyncState::NotStarted | SyncState::Changed | SyncState::Undefined => Some(false),
+            SyncState::NotStarted | SyncState::Changed | SyncState::Undefined | SyncState::Invalid => {
+                Some(false)
+            }
             SyncState::Unknown => None,
         }
     }
@@ -284,6 +411,7 @@ impl SyncState {
             SyncState::NotStarted => "not-started",
             SyncState::Changed => "changed",
             SyncState::Undefined => "undefined",
+            SyncState::Invalid => "invalid",
             SyncState::Unknown => "unknown",
         }
     }
@@ -294,8 +422,55 @@ impl SyncState {
             SyncState::NotStarted => Some("defined with --auto but not running"),
             SyncState::Changed => Some("its definition changed since it started; stop and start it to apply"),
             SyncState::Undefined => Some("running, but no longer defined"),
+            SyncState::Invalid => Some("it cannot be started"),
             _ => None,
         }
+    }
+}
+
+/// What the daemon says of its instances, for `umdev list --defined`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DaemonStatus {
+    /// The running instances.
+    pub instances: Vec<InstanceSummary>,
+    /// Defined devices stopped with `umdev stop`: a reload leaves them stopped.
+    #[serde(default)]
+    pub stopped: Vec<Uuid>,
+    /// Why a definition's last start failed, by UUID (cleared when it starts).
+    #[serde(default)]
+    pub errors: BTreeMap<Uuid, String>,
+}
+
+/// A definition file as `umdev list --defined` sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DefinitionEntry {
+    /// The UUID its file is named by.
+    pub uuid: Uuid,
+    /// The definition, if the file reads as one.
+    pub definition: Option<Definition>,
+    /// Why it cannot be started (unreadable, or refused by [`check_definition`]).
+    pub error: Option<String>,
+}
+
+impl DefinitionEntry {
+    /// A definition that reads and passes [`check_definition`].
+    pub fn valid(definition: Definition) -> Self {
+        DefinitionEntry { uuid: definition.uuid, definition: Some(definition), error: None }
+    }
+
+    /// Every file of `definitions`, each checked against `registry`.
+    pub fn all(definitions: &Definitions, registry: &Registry) -> Vec<DefinitionEntry> {
+        definitions
+            .entries()
+            .into_iter()
+            .map(|(uuid, def)| match def {
+                Ok(def) => {
+                    let error = check_definition(registry, &def).err().map(|e| e.to_string());
+                    DefinitionEntry { uuid, definition: Some(def), error }
+                }
+                Err(e) => DefinitionEntry { uuid, definition: None, error: Some(e.to_string()) },
+            })
+            .collect()
     }
 }
 
@@ -304,7 +479,7 @@ impl SyncState {
 pub struct DefinitionStatus {
     /// The device's UUID.
     pub uuid: Uuid,
-    /// The defined type (of an undefined instance: its running type).
+    /// The defined type (of an undefined instance: its running type; `-` when unreadable).
     pub mdev_type: String,
     /// The definition's start policy; `None` for an instance whose definition is gone.
     pub start: Option<StartPolicy>,
@@ -315,6 +490,12 @@ pub struct DefinitionStatus {
     /// [`SyncState::in_sync`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub in_sync: Option<bool>,
+    /// Why: an invalid definition's fault, or why a not-started one's last start failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// What `start --override` put over the definition, when running so.
+    #[serde(default, skip_serializing_if = "is_empty_options")]
+    pub overrides: InstanceOptions,
     /// The type it runs with, when [`SyncState::Changed`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub running_type: Option<String>,
@@ -323,39 +504,70 @@ pub struct DefinitionStatus {
     pub running_options: Option<InstanceOptions>,
 }
 
-/// Compares `definitions` with the `running` instances (`None`: the daemon is not running).
+/// Compares `definitions` with what the daemon runs (`None`: the daemon is not running).
 /// One row per definition, then one per instance started from a definition that is gone;
 /// instances started ad hoc from a type are not rows.
-pub fn sync_status(definitions: &[Definition], running: Option<&[InstanceSummary]>) -> Vec<DefinitionStatus> {
-    let find = |uuid: &Uuid| running.and_then(|r| r.iter().find(|i| i.uuid == *uuid));
+pub fn sync_status(definitions: &[DefinitionEntry], daemon: Option<&DaemonStatus>) -> Vec<DefinitionStatus> {
+    let find = |uuid: &Uuid| daemon.and_then(|d| d.instances.iter().find(|i| i.uuid == *uuid));
     let mut rows: Vec<DefinitionStatus> = definitions
         .iter()
-        .map(|d| {
-            let instance = find(&d.uuid);
-            let state = match (running, instance) {
+        .map(|entry| {
+            let uuid = entry.uuid;
+            let instance = find(&uuid);
+            let Some(d) = entry.definition.as_ref().filter(|_| entry.error.is_none()) else {
+                let d = entry.definition.as_ref();
+                return DefinitionStatus {
+                    uuid,
+                    mdev_type: d.map_or("-".into(), |d| d.mdev_type.clone()),
+                    start: d.map(|d| d.start),
+                    options: d.map(|d| d.options.clone()).unwrap_or_default(),
+                    state: SyncState::Invalid,
+                    in_sync: SyncState::Invalid.in_sync(),
+                    error: entry.error.clone(),
+                    overrides: InstanceOptions::default(),
+                    running_type: instance.map(|i| i.mdev_type.clone()),
+                    running_options: instance.map(|i| i.options.clone()),
+                };
+            };
+            let stopped = daemon.is_some_and(|s| s.stopped.contains(&uuid));
+            let state = match (daemon, instance) {
                 (None, _) => SyncState::Unknown,
-                (Some(_), Some(i)) if i.mdev_type == d.mdev_type && i.options == d.options => {
+                (Some(_), Some(i))
+                    if i.mdev_type == d.mdev_type && i.options == overlay(&d.options, &i.overrides) =>
+                {
                     SyncState::Running
                 }
                 (Some(_), Some(_)) => SyncState::Changed,
-                (Some(_), None) if d.start == StartPolicy::Auto => SyncState::NotStarted,
+                (Some(_), None) if d.start == StartPolicy::Auto && !stopped => SyncState::NotStarted,
                 (Some(_), None) => SyncState::Stopped,
             };
             let changed = instance.filter(|_| state == SyncState::Changed);
+            let error = match state {
+                SyncState::NotStarted | SyncState::Stopped => {
+                    daemon.and_then(|s| s.errors.get(&uuid).cloned())
+                }
+                _ => None,
+            };
             DefinitionStatus {
-                uuid: d.uuid,
+                uuid,
                 mdev_type: d.mdev_type.clone(),
                 start: Some(d.start),
                 options: d.options.clone(),
                 state,
                 in_sync: state.in_sync(),
+                error,
+                overrides: instance
+                    .filter(|_| state == SyncState::Running)
+                    .map(|i| i.overrides.clone())
+                    .unwrap_or_default(),
                 running_type: changed.map(|i| i.mdev_type.clone()),
                 running_options: changed.map(|i| i.options.clone()),
             }
         })
         .collect();
     let defined: BTreeSet<Uuid> = definitions.iter().map(|d| d.uuid).collect();
-    for i in running.unwrap_or_default().iter().filter(|i| i.from_definition && !defined.contains(&i.uuid)) {
+    let running = daemon.map(|d| d.instances.as_slice()).unwrap_or_default();
+    for i in running.iter().filter(|i| i.from_definition && !defined.contains(&i.uuid)) {
         rows.push(DefinitionStatus {
             uuid: i.uuid,
             mdev_type: i.mdev_type.clone(),
@@ -363,6 +575,8 @@ pub fn sync_status(definitions: &[Definition], running: Option<&[InstanceSummary
             options: i.options.clone(),
             state: SyncState::Undefined,
             in_sync: SyncState::Undefined.in_sync(),
+            error: None,
+            overrides: InstanceOptions::default(),
             running_type: None,
             running_options: None,
         });
@@ -379,6 +593,10 @@ pub struct Manager {
     instances: Mutex<BTreeMap<Uuid, Record>>,
     /// Instances `stop` stopped: a reload does not start their `auto` definitions again.
     stopped: Mutex<BTreeSet<Uuid>>,
+    /// Why each definition's last start failed (until it starts).
+    errors: Mutex<BTreeMap<Uuid, String>>,
+    /// Counts starts and stops, for [`Manager::wait_change`].
+    changes: (Mutex<u64>, Condvar),
     /// Applied to every instance (limits, timeouts); id, socket and pin mode are set per instance.
     template: InstanceConfig,
     max_instances: usize,
@@ -399,6 +617,8 @@ impl Manager {
             definitions,
             instances: Mutex::new(BTreeMap::new()),
             stopped: Mutex::new(BTreeSet::new()),
+            errors: Mutex::new(BTreeMap::new()),
+            changes: (Mutex::new(0), Condvar::new()),
             template,
             max_instances: 256,
         }
@@ -419,36 +639,79 @@ impl Manager {
         &self.definitions
     }
 
-    /// The types and their capacity now.
-    pub fn types(&self) -> Vec<TypeSummary> {
-        self.registry
-            .types()
-            .iter()
-            .map(|t| TypeSummary {
-                name: t.name().to_string(),
-                description: t.description().to_string(),
-                device_api: t.device_api().to_string(),
-                available_instances: t.available_instances(),
-            })
-            .collect()
+    /// The registry of types.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
     }
 
-    /// Starts an instance: of `mdev_type` with `options`, or (type `None`) the definition of
-    /// `uuid`. A missing UUID is generated.
+    /// The types and their capacity now: a type's own, capped by the instances this daemon
+    /// may still start (`--max-instances`).
+    pub fn types(&self) -> Vec<TypeSummary> {
+        let room = self.max_instances.saturating_sub(self.lock().len());
+        self.registry.types().iter().map(|t| TypeSummary::of(t.as_ref(), room)).collect()
+    }
+
+    /// Starts an instance: of `mdev_type` with `options`, or the definition of `uuid`.
+    ///
+    /// A defined `uuid` starts as its definition says; `mdev_type`, if given, must be the
+    /// definition's, and `options` are refused unless `override_definition`, which puts them
+    /// over the definition's for this start (the summary's `overrides`). A UUID that is not
+    /// defined starts ad hoc from `mdev_type`; a missing one is generated.
     pub fn start(
         &self,
         mdev_type: Option<&str>,
         uuid: Option<Uuid>,
         options: InstanceOptions,
+        override_definition: bool,
     ) -> Result<InstanceSummary, LifecycleError> {
-        let (mdev_type, uuid, options, from_definition) = match (mdev_type, uuid) {
-            (Some(t), uuid) => (t.to_string(), uuid.unwrap_or_else(Uuid::new_v4), options, false),
-            (None, Some(uuid)) => {
-                let def = self.definitions.get(&uuid)?;
-                (def.mdev_type, uuid, def.options, true)
-            }
-            (None, None) => return Err(LifecycleError::NoType),
+        let defined = match uuid.map(|u| self.definitions.get(&u)) {
+            None | Some(Err(LifecycleError::NotDefined(_))) => None,
+            Some(Ok(def)) => Some(def),
+            Some(Err(e)) => return Err(e),
         };
+        let (mdev_type, uuid, options, overrides) = match (defined, mdev_type, uuid) {
+            (Some(def), given, _) => {
+                if let Some(given) = given.filter(|t| *t != def.mdev_type) {
+                    return Err(LifecycleError::TypeConflict {
+                        uuid: def.uuid,
+                        defined: def.mdev_type,
+                        given: given.to_string(),
+                    });
+                }
+                if options != InstanceOptions::default() && !override_definition {
+                    return Err(LifecycleError::ExtraOptions(def.uuid));
+                }
+                let result = self.start_instance(
+                    &def.mdev_type,
+                    def.uuid,
+                    overlay(&def.options, &options),
+                    true,
+                    options,
+                );
+                let mut errors = umdev_pinning::sync::lock(&self.errors);
+                match &result {
+                    Ok(_) => errors.remove(&def.uuid),
+                    Err(e) => errors.insert(def.uuid, e.to_string()),
+                };
+                return result;
+            }
+            (None, Some(t), uuid) => {
+                (t.to_string(), uuid.unwrap_or_else(Uuid::new_v4), options, InstanceOptions::default())
+            }
+            (None, None, Some(uuid)) => return Err(LifecycleError::NotDefined(uuid)),
+            (None, None, None) => return Err(LifecycleError::NoType),
+        };
+        self.start_instance(&mdev_type, uuid, options, false, overrides)
+    }
+
+    fn start_instance(
+        &self,
+        mdev_type: &str,
+        uuid: Uuid,
+        options: InstanceOptions,
+        from_definition: bool,
+        overrides: InstanceOptions,
+    ) -> Result<InstanceSummary, LifecycleError> {
         let mut instances = self.lock();
         if instances.contains_key(&uuid) {
             return Err(LifecycleError::DuplicateUuid(uuid));
@@ -456,7 +719,7 @@ impl Manager {
         if instances.len() >= self.max_instances {
             return Err(LifecycleError::TooManyInstances(self.max_instances));
         }
-        let ty = self.registry.find(&mdev_type).map_err(LifecycleError::from_type)?;
+        let ty = self.registry.find(mdev_type).map_err(LifecycleError::from_type)?;
         let device = ty.create(&options).map_err(LifecycleError::from_type)?;
         let socket = self.run_dir.join(format!("{uuid}.sock"));
         let mut config = self.template.clone();
@@ -468,15 +731,53 @@ impl Manager {
         instances.insert(
             uuid,
             Record {
-                mdev_type: mdev_type.clone(),
+                mdev_type: mdev_type.to_string(),
                 options: options.clone(),
                 socket: socket.clone(),
                 from_definition,
+                overrides: overrides.clone(),
             },
         );
+        drop(instances);
         umdev_pinning::sync::lock(&self.stopped).remove(&uuid);
+        self.changed();
         let device = self.daemon.info(&uuid.to_string()).map(|i| i.device).unwrap_or_default();
-        Ok(InstanceSummary { uuid, mdev_type, socket, connected: false, options, device, from_definition })
+        Ok(InstanceSummary {
+            uuid,
+            mdev_type: mdev_type.to_string(),
+            socket,
+            connected: false,
+            options,
+            device,
+            from_definition,
+            overrides,
+        })
+    }
+
+    fn changed(&self) {
+        *umdev_pinning::sync::lock(&self.changes.0) += 1;
+        self.changes.1.notify_all();
+    }
+
+    /// Waits until an instance starts or stops after `seen` (a value this returned before; 0
+    /// at first), or `timeout` passes; returns the count of starts and stops so far.
+    pub fn wait_change(&self, seen: u64, timeout: Duration) -> u64 {
+        let count = umdev_pinning::sync::lock(&self.changes.0);
+        let (count, _) = self
+            .changes
+            .1
+            .wait_timeout_while(count, timeout, |c| *c == seen)
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *count
+    }
+
+    /// The instances, and what `umdev list --defined` needs beside them.
+    pub fn status(&self) -> DaemonStatus {
+        DaemonStatus {
+            instances: self.list(),
+            stopped: umdev_pinning::sync::lock(&self.stopped).iter().copied().collect(),
+            errors: umdev_pinning::sync::lock(&self.errors).clone(),
+        }
     }
 
     /// Stops an instance; refused while a client is connected unless `force`, which
@@ -501,6 +802,7 @@ impl Manager {
         match stopped {
             Ok(()) => {
                 log::info!("stopped instance {uuid}");
+                self.changed();
                 Ok(())
             }
             Err(DaemonError::Busy(_)) => Err(LifecycleError::Busy(uuid)),
@@ -522,6 +824,7 @@ impl Manager {
                     options: r.options.clone(),
                     device: info.map(|i| i.device).unwrap_or_default(),
                     from_definition: r.from_definition,
+                    overrides: r.overrides.clone(),
                 }
             })
             .collect()
@@ -542,23 +845,39 @@ impl Manager {
     /// definition has been removed or changed since they started. Nothing running is stopped
     /// or restarted: a connected guest would lose its device.
     pub fn reload(&self) -> ReloadReport {
-        let definitions = self.definitions.list();
-        let running = self.list();
+        let entries = DefinitionEntry::all(&self.definitions, &self.registry);
         // A definition removed since its instance was stopped need not be remembered.
-        umdev_pinning::sync::lock(&self.stopped).retain(|uuid| definitions.iter().any(|d| d.uuid == *uuid));
+        umdev_pinning::sync::lock(&self.stopped).retain(|uuid| entries.iter().any(|d| d.uuid == *uuid));
+        umdev_pinning::sync::lock(&self.errors).retain(|uuid, _| entries.iter().any(|d| d.uuid == *uuid));
+        let status = self.status();
         let mut report = ReloadReport::default();
-        for row in sync_status(&definitions, Some(&running)) {
+        for (row, entry) in sync_status(&entries, Some(&status))
+            .into_iter()
+            .zip(entries.iter().map(Some).chain(std::iter::repeat(None)))
+        {
             match row.state {
-                SyncState::NotStarted if umdev_pinning::sync::lock(&self.stopped).contains(&row.uuid) => {
-                    report.held_back.push(row.uuid)
+                SyncState::Stopped if row.start == Some(StartPolicy::Auto) => report.held_back.push(row.uuid),
+                SyncState::NotStarted => {
+                    match self.start(None, Some(row.uuid), InstanceOptions::default(), false) {
+                        Ok(_) => report.started.push(row.uuid),
+                        Err(e) => report.failed.push((row.uuid, e)),
+                    }
                 }
-                SyncState::NotStarted => match self.start(None, Some(row.uuid), InstanceOptions::default()) {
-                    Ok(_) => report.started.push(row.uuid),
-                    Err(e) => report.failed.push((row.uuid, e)),
-                },
+                // An auto definition that cannot start is a failure to report; a manual one
+                // waits for its `umdev start`, which will say why.
+                SyncState::Invalid
+                    if entry
+                        .and_then(|e| e.definition.as_ref())
+                        .is_none_or(|d| d.start == StartPolicy::Auto)
+                        && status.instances.iter().all(|i| i.uuid != row.uuid) =>
+                {
+                    let why = row.error.unwrap_or_default();
+                    umdev_pinning::sync::lock(&self.errors).insert(row.uuid, why.clone());
+                    report.failed.push((row.uuid, LifecycleError::Failed(why)));
+                }
                 SyncState::Undefined => report.undefined.push(row.uuid),
                 SyncState::Changed => report.changed.push(row.uuid),
-                SyncState::Running | SyncState::Stopped | SyncState::Unknown => {}
+                _ => {}
             }
         }
         report
@@ -616,6 +935,7 @@ mod tests {
             options: d.options.clone(),
             device: serde_json::Value::Null,
             from_definition,
+            overrides: InstanceOptions::default(),
         }
     }
 
@@ -626,11 +946,29 @@ mod tests {
         let mut changed = def(4, StartPolicy::Manual);
         let gone = def(5, StartPolicy::Auto);
         let ad_hoc = def(6, StartPolicy::Auto);
+        let held = def(7, StartPolicy::Auto);
+        let mut overridden = def(8, StartPolicy::Manual);
         let mut instances = vec![running(&up, true), running(&changed, true), running(&gone, true)];
         instances.push(running(&ad_hoc, false));
+        let mut with_override = running(&overridden, true);
+        with_override.overrides.pin_mode = Some(umdev_mdev::types::PinModeName::Lock);
+        with_override.options.pin_mode = Some(umdev_mdev::types::PinModeName::Lock);
+        instances.push(with_override);
         changed.options.pin_mode = Some(umdev_mdev::types::PinModeName::Lock);
-        let defs = [up, auto_down, manual_down, changed];
-        let rows = sync_status(&defs, Some(&instances));
+        overridden.options.params.insert("x".into(), "1".into());
+        let status = DaemonStatus {
+            instances,
+            stopped: vec![held.uuid],
+            errors: [(auto_down.uuid, "no room".to_string())].into(),
+        };
+        let mut entries: Vec<DefinitionEntry> =
+            [up, auto_down, manual_down, changed, held].into_iter().map(DefinitionEntry::valid).collect();
+        entries.push(DefinitionEntry {
+            uuid: Uuid::from_u128(9),
+            definition: None,
+            error: Some("bad JSON".into()),
+        });
+        let rows = sync_status(&entries, Some(&status));
         let states: Vec<(u128, SyncState, Option<bool>)> =
             rows.iter().map(|r| (r.uuid.as_u128(), r.state, r.in_sync)).collect();
         assert_eq!(
@@ -640,14 +978,26 @@ mod tests {
                 (2, SyncState::NotStarted, Some(false)),
                 (3, SyncState::Stopped, Some(true)),
                 (4, SyncState::Changed, Some(false)),
+                // An auto definition stopped on purpose is stopped, not out of sync.
+                (7, SyncState::Stopped, Some(true)),
+                (9, SyncState::Invalid, Some(false)),
                 // Started from a definition that is gone; the ad hoc instance 6 is no row.
                 (5, SyncState::Undefined, Some(false)),
+                // Running from a definition that is gone, with an override: still undefined.
+                (8, SyncState::Undefined, Some(false)),
             ]
         );
+        assert_eq!(rows[1].error.as_deref(), Some("no room"), "a not-started definition's last error");
         assert_eq!(rows[3].running_options, Some(InstanceOptions::default()), "what it runs with");
-        assert_eq!(rows[4].start, None);
+        assert_eq!(rows[5].error.as_deref(), Some("bad JSON"));
+        assert_eq!(rows[6].start, None);
+        // An override over a definition is running as asked, not changed.
+        let entries = [DefinitionEntry::valid(def(8, StartPolicy::Manual))];
+        let rows = sync_status(&entries, Some(&status));
+        assert_eq!(rows[0].state, SyncState::Running);
+        assert_eq!(rows[0].overrides.pin_mode, Some(umdev_mdev::types::PinModeName::Lock));
         // Without a daemon nothing can be told.
-        assert!(sync_status(&defs, None)
+        assert!(sync_status(&entries, None)
             .iter()
             .all(|r| r.state == SyncState::Unknown && r.in_sync.is_none()));
     }
@@ -677,7 +1027,7 @@ mod tests {
         manager.stop(b.uuid, false).unwrap();
         let report = manager.reload();
         assert_eq!((report.started, report.held_back), (vec![], vec![b.uuid]));
-        manager.start(None, Some(b.uuid), InstanceOptions::default()).unwrap();
+        manager.start(None, Some(b.uuid), InstanceOptions::default(), false).unwrap();
 
         // A changed definition is reported; the instance runs on as it was.
         manager.definitions().undefine(&b.uuid).unwrap();

@@ -1,19 +1,30 @@
 //! `umdev`: the vfio-user mediated-device server and its tools.
 
+#[cfg(feature = "bench")]
 mod affinity;
+#[cfg(feature = "bench")]
 mod ccwbench;
+#[cfg(feature = "bench")]
+mod cleanup;
+#[cfg(feature = "bench")]
 mod demo;
 mod logging;
 mod manage;
+#[cfg(feature = "bench")]
 mod nvmebench;
+mod output;
+#[cfg(feature = "bench")]
 mod pinbench;
+#[cfg(feature = "bench")]
+mod progress;
+#[cfg(feature = "bench")]
 mod protobench;
 mod run;
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use clap::{CommandFactory, Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use output::out;
 
 #[derive(Parser)]
 #[command(
@@ -41,14 +52,14 @@ struct Cli {
 #[derive(clap::Args, Clone)]
 struct LimitArgs {
     /// DMA mappings a client may hold (4096).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     max_dma_maps: Option<u32>,
     /// DMA mappings all clients of this process may hold together: each is a VMA, a per-process kernel
     /// resource (half of vm.max_map_count: 32765 by default).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     max_process_mappings: Option<u64>,
     /// Pins a device may hold at once, repeats counted (16777216).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     max_pins: Option<u64>,
     /// Bytes one region access or message carries at most (1048576; also bounds the message size).
     #[arg(long)]
@@ -62,14 +73,14 @@ impl LimitArgs {
     fn apply(&self, config: &mut umdev_server::InstanceConfig) -> Result<(), String> {
         let l = &mut config.limits;
         if let Some(n) = self.max_dma_maps {
-            l.max_dma_maps = n.max(1);
-            config.dma.max_mappings = n.max(1) as usize;
+            l.max_dma_maps = n;
+            config.dma.max_mappings = n as usize;
         }
         if let Some(n) = self.max_process_mappings {
             umdev_pinning::set_process_mapping_limit(n);
         }
         if let Some(n) = self.max_pins {
-            config.dma.max_pins = n.max(1);
+            config.dma.max_pins = n;
         }
         if let Some(n) = self.max_data_xfer {
             if !(4096..=64 << 20).contains(&n) {
@@ -93,59 +104,111 @@ struct CreateArgs {
     /// How the instance pins guest pages: track or lock.
     #[arg(long)]
     pin_mode: Option<String>,
-    /// Type-specific option, key=value (repeatable).
-    #[arg(long = "opt")]
+    /// A type's option, KEY=VALUE (repeatable, each key once; `umdev types -v` lists them).
+    #[arg(long = "opt", value_name = "KEY=VALUE")]
     opts: Vec<String>,
 }
 
 impl CreateArgs {
     fn options(&self) -> Result<umdev_mdev::types::InstanceOptions, String> {
-        use umdev_mdev::types::PinModeName;
-        let pin_mode = match self.pin_mode.as_deref() {
-            None => None,
-            Some("track") => Some(PinModeName::Track),
-            Some("lock") => Some(PinModeName::Lock),
-            Some(other) => return Err(format!("unknown pin mode {other:?} (track or lock)")),
-        };
-        Ok(umdev_mdev::types::InstanceOptions { pin_mode, params: run::parse_params(&self.opts)? })
+        Ok(umdev_mdev::types::InstanceOptions {
+            pin_mode: parse_pin_mode(self.pin_mode.as_deref())?,
+            params: parse_params(&self.opts)?,
+        })
     }
+
+    fn given(&self) -> bool {
+        self.pin_mode.is_some() || !self.opts.is_empty()
+    }
+}
+
+fn parse_pin_mode(mode: Option<&str>) -> Result<Option<umdev_mdev::types::PinModeName>, String> {
+    use umdev_mdev::types::PinModeName;
+    match mode {
+        None => Ok(None),
+        Some("track") => Ok(Some(PinModeName::Track)),
+        Some("lock") => Ok(Some(PinModeName::Lock)),
+        Some(other) => Err(format!("unknown pin mode {other:?} (track or lock)")),
+    }
+}
+
+/// `KEY=VALUE` options; a key given twice is refused (which one was meant?).
+fn parse_params(pairs: &[String]) -> Result<std::collections::BTreeMap<String, String>, String> {
+    let mut params = std::collections::BTreeMap::new();
+    for p in pairs {
+        let (k, v) = p.split_once('=').ok_or_else(|| format!("option {p:?} is not KEY=VALUE"))?;
+        if k.is_empty() {
+            return Err(format!("option {p:?} has no key"));
+        }
+        if let Some(first) = params.insert(k.to_string(), v.to_string()) {
+            return Err(format!("option {k} given twice ({k}={first} and {k}={v})"));
+        }
+    }
+    Ok(params)
 }
 
 #[derive(Subcommand)]
 enum Command {
     /// The main job: show run-split pinning end to end and verify every byte.
+    #[cfg(feature = "bench")]
     Demo,
-    /// List the device types and their available instances.
+    /// List the device types, their available instances and (-v) their options.
     Types {
-        /// JSON instead of text.
-        #[arg(long)]
+        /// Only this type, with its options.
+        #[arg(value_name = "TYPE")]
+        type_name: Option<String>,
+        /// Each type's options too (`--opt KEY=VALUE`).
+        #[arg(short, long)]
+        verbose: bool,
+        /// JSON instead of text (with each type's options).
+        #[arg(long, conflicts_with = "dumpjson")]
         json: bool,
+        /// mdevctl's JSON (`[{"umdev": [{TYPE: {...}}]}]`).
+        #[arg(long)]
+        dumpjson: bool,
+        /// The parent (umdev has one: `umdev`).
+        #[arg(short, long)]
+        parent: Option<String>,
     },
     /// Run the daemon: a control socket and every started instance, until SIGINT/SIGTERM.
     ///
     /// SIGHUP re-reads the definitions: new --auto ones start, running instances are left
     /// alone (one whose definition was removed or changed is logged). Under systemd
     /// (contrib/systemd/umdev.service, Type=notify) it reports READY=1 once the control socket
-    /// listens and the --auto definitions have started, and uses $RUNTIME_DIRECTORY and
-    /// $CONFIGURATION_DIRECTORY as its run and definitions directories.
+    /// listens and the --auto definitions have started, STATUS= as instances and clients come
+    /// and go, and uses $RUNTIME_DIRECTORY and $CONFIGURATION_DIRECTORY as its run and
+    /// definitions directories. One daemon per run and definitions directory (each is locked);
+    /// sockets a daemon that died left there are removed at start.
     Daemon {
         /// Opt-in adaptive busy-polling after each reply, up to this many microseconds.
         #[arg(long, default_value_t = 0)]
         busy_poll_us: u64,
         /// Instances (and so vfio-user connections, one each) the daemon serves at most.
-        #[arg(long, default_value_t = 256)]
-        max_instances: usize,
+        #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+        max_instances: u64,
         #[command(flatten)]
         limits: LimitArgs,
     },
     /// Start an instance of a type, or a defined device by UUID.
+    ///
+    /// A defined UUID starts as its definition says: a --type must be the definition's, and
+    /// options are refused unless --override puts them over the definition's for this start.
     Start {
         /// Device type (omit to start the definition of --uuid).
-        #[arg(long = "type")]
+        #[arg(short = 't', long = "type")]
         type_name: Option<String>,
         /// The instance's UUID (generated if omitted).
         #[arg(long, short = 'u')]
         uuid: Option<String>,
+        /// The parent (umdev has one: `umdev`).
+        #[arg(short, long)]
+        parent: Option<String>,
+        /// The type and options from an mdevctl device config (`-` for standard input).
+        #[arg(long, conflicts_with_all = ["type_name", "pin_mode", "opts"])]
+        jsonfile: Option<PathBuf>,
+        /// Start a defined device with these options over its definition's (this once).
+        #[arg(long = "override")]
+        override_definition: bool,
         #[command(flatten)]
         create: CreateArgs,
     },
@@ -161,27 +224,79 @@ enum Command {
     /// List running instances, or with --defined the persistent definitions.
     ///
     /// With --defined each definition's state says whether the daemon agrees with it: running,
-    /// stopped (manual), or out of sync: not-started (--auto but not running), changed (its
-    /// definition changed since it started), undefined (running, no longer defined).
+    /// stopped (manual, or stopped with `umdev stop`), or out of sync: not-started (--auto but
+    /// not running; with its last start error), changed (its definition changed since it
+    /// started), undefined (running, no longer defined), invalid (it cannot be started, and why).
     List {
         /// The definitions instead of running instances.
-        #[arg(long)]
+        #[arg(short, long)]
         defined: bool,
         /// JSON instead of text.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "dumpjson")]
         json: bool,
+        /// mdevctl's JSON: one device's config with -u, else `[{"umdev": [{UUID: config}]}]`.
+        #[arg(long)]
+        dumpjson: bool,
+        /// Only this UUID.
+        #[arg(short, long)]
+        uuid: Option<String>,
+        /// Only this type.
+        #[arg(short = 't', long = "type")]
+        type_name: Option<String>,
+        /// The parent (umdev has one: `umdev`).
+        #[arg(short, long)]
+        parent: Option<String>,
     },
     /// Define a persistent device (it is not started; --auto starts it with the daemon).
+    ///
+    /// The definition is checked as starting it would be: an unknown type, key or bad value
+    /// fails now, with the message `start` would give.
     Define {
         /// Device type.
-        #[arg(long = "type")]
-        type_name: String,
+        #[arg(short = 't', long = "type", required_unless_present = "jsonfile")]
+        type_name: Option<String>,
         /// The device's UUID (generated if omitted).
         #[arg(long, short = 'u')]
         uuid: Option<String>,
+        /// The parent (umdev has one: `umdev`).
+        #[arg(short, long)]
+        parent: Option<String>,
         /// Start it whenever the daemon starts.
-        #[arg(long)]
+        #[arg(short, long)]
         auto: bool,
+        /// The type, start policy and options from an mdevctl device config (`-` for standard
+        /// input), as `umdev list -d -u UUID --dumpjson` prints one.
+        #[arg(long, conflicts_with_all = ["type_name", "auto", "pin_mode", "opts"])]
+        jsonfile: Option<PathBuf>,
+        #[command(flatten)]
+        create: CreateArgs,
+    },
+    /// Change a definition: its type, start policy, options or pin mode.
+    ///
+    /// Checked as `define` checks one. A running instance keeps what it started with until it
+    /// is stopped and started.
+    Modify {
+        /// The device's UUID.
+        #[arg(long, short = 'u')]
+        uuid: String,
+        /// The parent (umdev has one: `umdev`).
+        #[arg(short, long)]
+        parent: Option<String>,
+        /// Its new type.
+        #[arg(short = 't', long = "type")]
+        type_name: Option<String>,
+        /// Start it with the daemon.
+        #[arg(short, long, conflicts_with = "manual")]
+        auto: bool,
+        /// Start it only on `umdev start -u`.
+        #[arg(short, long)]
+        manual: bool,
+        /// Remove an option (repeatable; `pin_mode` removes the pin mode).
+        #[arg(long = "delopt", value_name = "KEY")]
+        delopts: Vec<String>,
+        /// Replace the whole definition with an mdevctl device config (`-` for standard input).
+        #[arg(long, conflicts_with_all = ["type_name", "auto", "manual", "pin_mode", "opts", "delopts"])]
+        jsonfile: Option<PathBuf>,
         #[command(flatten)]
         create: CreateArgs,
     },
@@ -190,6 +305,9 @@ enum Command {
         /// The device's UUID.
         #[arg(long, short = 'u')]
         uuid: String,
+        /// The parent (umdev has one: `umdev`).
+        #[arg(short, long)]
+        parent: Option<String>,
     },
     /// An instance's counters as JSON: messages per command, errors, pins, runs, pages, ...
     Stats {
@@ -201,7 +319,7 @@ enum Command {
     /// `-device vfio-user-pci,socket=...`).
     Run {
         /// Device type (see `umdev types`).
-        #[arg(long = "type")]
+        #[arg(short = 't', long = "type")]
         type_name: String,
         /// Socket path to listen on (created mode 0600, removed on exit).
         #[arg(long)]
@@ -214,6 +332,7 @@ enum Command {
         #[command(flatten)]
         limits: LimitArgs,
     },
+    #[cfg(feature = "bench")]
     /// Benchmark the vfio-user server: round-trip latency against a bare socket, DMA map cost
     /// by size, isolation between 64 instances.
     Protobench {
@@ -224,6 +343,7 @@ enum Command {
         #[arg(long)]
         quick: bool,
     },
+    #[cfg(feature = "bench")]
     /// Benchmark the ccw device end to end: 2 MiB scattered programs against memcpy, 4 KiB
     /// program latency against a REGION_READ round trip; track and lock modes.
     Ccwbench {
@@ -237,6 +357,7 @@ enum Command {
         #[arg(long)]
         mode: Option<String>,
     },
+    #[cfg(feature = "bench")]
     /// Benchmark the nvme controller end to end: 4 KiB random I/O at queue depth 1 and 32 on
     /// 1 and 2 queues, 128 KiB sequential I/O, server CPU per I/O, against memcpy and a
     /// posted-doorbell-to-interrupt floor.
@@ -267,134 +388,302 @@ enum Command {
         #[arg(long)]
         dir: Option<PathBuf>,
     },
+    #[cfg(feature = "bench")]
     /// Benchmark run-split pinning against per-page pinning and plain translation (the grid; --threads for many threads, --svg for a picture).
     Pinbench {
         /// One JSON object per line instead of a table.
         #[arg(long)]
         json: bool,
         /// Rounds per row (medians are taken over them).
-        #[arg(long, default_value_t = 31)]
-        rounds: usize,
+        #[arg(long, default_value_t = 31, value_parser = clap::value_parser!(u64).range(1..))]
+        rounds: u64,
         /// Target microseconds per timed batch.
-        #[arg(long, default_value_t = 400)]
+        #[arg(long, default_value_t = 400, value_parser = clap::value_parser!(u64).range(1..))]
         batch_us: u64,
         /// Instead of the grid: T threads pinning single pages and 64-entry IDAW lists, on one
         /// mapping and on one mapping each, for each T of this list (e.g. `1,2,4,16`).
-        #[arg(long, value_delimiter = ',')]
-        threads: Option<Vec<usize>>,
+        #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..=1024))]
+        threads: Option<Vec<u64>>,
         /// Also draw ns per call against pages (runs, per-page, translate; log-log) into this
         /// SVG file.
         #[arg(long)]
         svg: Option<std::path::PathBuf>,
     },
+    /// `demo` and the benchmarks in a build without them: says how to get them.
+    #[cfg(not(feature = "bench"))]
+    #[command(name = "demo", hide = true, aliases = ["pinbench", "protobench", "ccwbench", "nvmebench"])]
+    NoBench {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+        args: Vec<String>,
+    },
+}
+
+/// What `umdev demo` and the benchmarks say in a build without them.
+#[cfg(not(feature = "bench"))]
+const NO_BENCH: &str =
+    "this umdev was built without `demo` and the benchmarks (pinbench, protobench, ccwbench, \
+     nvmebench): a service build (`cargo install --path . --no-default-features`) leaves out the test \
+     clients they drive the devices with. From a checkout: `cargo run --release -- demo`; installed: \
+     `cargo install --path .` (feature `bench`, on by default)";
+
+/// The CLI, with every type's options in the help of the commands that take them (and so in
+/// their man pages).
+fn cli_command() -> clap::Command {
+    let registry = umdev::builtin_registry();
+    let mut text = String::from("Device types and their options:\n");
+    for ty in registry.types() {
+        let summary = umdev::lifecycle::TypeSummary::of(ty.as_ref(), usize::MAX);
+        text.push_str(&format!("\n{}: {}\n", summary.name, summary.description));
+        for line in manage::option_lines(&summary) {
+            text.push_str(&line);
+            text.push('\n');
+        }
+    }
+    let mut cli = Cli::command();
+    for name in ["start", "define", "modify", "run", "types"] {
+        cli = cli.mut_subcommand(name, |c| c.after_long_help(text.clone()));
+    }
+    cli
 }
 
 fn main() {
-    // Sockets and state files are the daemon's alone.
+    // Sockets and state files are the daemon's alone; files a user names are made 0644
+    // explicitly (output::write_file).
     // SAFETY: umask only changes this process's file creation mask.
     unsafe { libc::umask(0o077) };
-    let cli = Cli::parse();
+    let cli = match Cli::from_arg_matches(&cli_command().get_matches()) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     logging::init(cli.log_format);
     let dirs = match cli.command {
         Command::Daemon { .. } => manage::Dirs::for_daemon(cli.run_dir, cli.state_dir),
         _ => manage::Dirs::resolve(cli.run_dir, cli.state_dir),
     };
-    let result = match cli.command {
-        Command::Demo => demo::run(),
-        Command::Ccwbench { json, quick, mode } => mode
-            .as_deref()
-            .map(str::parse::<umdev_pinning::PinMode>)
-            .transpose()
-            .and_then(|only| ccwbench::run(quick, only))
-            .map(|r| {
-                if json {
-                    println!("{}", serde_json::to_string(&r).expect("report serializes"));
-                } else {
-                    ccwbench::print(&r);
-                }
-            }),
-        Command::Nvmebench { json, quick, only, opts } => {
-            nvmebench::run(quick, only.as_deref(), &opts).map(|r| {
-                if json {
-                    println!("{}", serde_json::to_string(&r).expect("report serializes"));
-                } else {
-                    nvmebench::print(&r);
-                }
-            })
+    let result = dispatch(cli.command, &dirs);
+    #[cfg(feature = "bench")]
+    cleanup::wait_if_stopping();
+    match result {
+        // The reader of a pipe went away: what it read was all it wanted.
+        Err(_) if output::closed() => std::process::exit(0),
+        Err(e) => {
+            log::error!(target: logging::STATUS, "{e}");
+            std::process::exit(1);
         }
-        Command::Protobench { json, quick } => protobench::run(quick).map(|r| {
+        Ok(()) => {}
+    }
+}
+
+fn dispatch(command: Command, dirs: &manage::Dirs) -> output::Out {
+    #[cfg(feature = "bench")]
+    if matches!(
+        command,
+        Command::Demo
+            | Command::Ccwbench { .. }
+            | Command::Nvmebench { .. }
+            | Command::Protobench { .. }
+            | Command::Pinbench { .. }
+    ) {
+        cleanup::install()?;
+    }
+    match command {
+        #[cfg(feature = "bench")]
+        Command::Demo => demo::run(),
+        #[cfg(not(feature = "bench"))]
+        Command::NoBench { .. } => Err(NO_BENCH.into()),
+        #[cfg(feature = "bench")]
+        Command::Ccwbench { json, quick, mode } => {
+            let only = mode.as_deref().map(str::parse::<umdev_pinning::PinMode>).transpose()?;
+            let r = ccwbench::run(quick, only)?;
             if json {
-                println!("{}", serde_json::to_string(&r).expect("report serializes"));
+                out!("{}", serde_json::to_string(&r).map_err(|e| e.to_string())?)
             } else {
-                protobench::print(&r);
+                ccwbench::print(&r)
             }
-        }),
-        Command::Types { json } => manage::types(&dirs, json),
+        }
+        #[cfg(feature = "bench")]
+        Command::Nvmebench { json, quick, only, opts } => {
+            let r = nvmebench::run(quick, only.as_deref(), &opts)?;
+            if json {
+                out!("{}", serde_json::to_string(&r).map_err(|e| e.to_string())?)
+            } else {
+                nvmebench::print(&r)
+            }
+        }
+        #[cfg(feature = "bench")]
+        Command::Protobench { json, quick } => {
+            let r = protobench::run(quick)?;
+            if json {
+                out!("{}", serde_json::to_string(&r).map_err(|e| e.to_string())?)
+            } else {
+                protobench::print(&r)
+            }
+        }
+        Command::Types { type_name, verbose, json, dumpjson, parent } => {
+            manage::check_parent(parent.as_deref())?;
+            manage::types(dirs, &manage::TypesView { json, dumpjson, verbose, only: type_name })
+        }
         Command::Daemon { busy_poll_us, max_instances, limits } => {
             let mut template = umdev_server::InstanceConfig::new("", "");
             template.busy_poll = std::time::Duration::from_micros(busy_poll_us);
-            limits.apply(&mut template).and_then(|()| manage::daemon(&dirs, template, max_instances))
+            limits.apply(&mut template)?;
+            manage::daemon(dirs, template, usize::try_from(max_instances).unwrap_or(usize::MAX))
         }
-        Command::Start { type_name, uuid, create } => {
-            create.options().and_then(|o| manage::start(&dirs, type_name, uuid.as_deref(), o))
+        Command::Start { type_name, uuid, parent, jsonfile, override_definition, create } => {
+            manage::check_parent(parent.as_deref())?;
+            let options = create.options()?;
+            manage::start(
+                dirs,
+                manage::StartArgs { mdev_type: type_name, uuid, options, jsonfile, override_definition },
+            )
         }
-        Command::Stop { uuid, force } => manage::stop(&dirs, &uuid, force),
-        Command::List { defined, json } => manage::list(&dirs, defined, json),
-        Command::Define { type_name, uuid, auto, create } => {
-            create.options().and_then(|o| manage::define(&dirs, &type_name, uuid.as_deref(), auto, o))
+        Command::Stop { uuid, force } => manage::stop(dirs, &uuid, force),
+        Command::List { defined, json, dumpjson, uuid, type_name, parent } => {
+            manage::check_parent(parent.as_deref())?;
+            manage::list(dirs, &manage::ListView { defined, json, dumpjson, uuid, mdev_type: type_name })
         }
-        Command::Undefine { uuid } => manage::undefine(&dirs, &uuid),
-        Command::Stats { uuid } => manage::stats(&dirs, &uuid),
+        Command::Define { type_name, uuid, parent, auto, jsonfile, create } => {
+            manage::check_parent(parent.as_deref())?;
+            let options = create.options()?;
+            manage::define(dirs, manage::DefineArgs { mdev_type: type_name, uuid, auto, options, jsonfile })
+        }
+        Command::Modify { uuid, parent, type_name, auto, manual, delopts, jsonfile, create } => {
+            use umdev::lifecycle::StartPolicy;
+            manage::check_parent(parent.as_deref())?;
+            let start = match (auto, manual) {
+                (true, _) => Some(StartPolicy::Auto),
+                (_, true) => Some(StartPolicy::Manual),
+                _ => None,
+            };
+            if type_name.is_none()
+                && start.is_none()
+                && !create.given()
+                && delopts.is_empty()
+                && jsonfile.is_none()
+            {
+                return Err(
+                    "nothing to modify: give -t, --auto, --manual, --opt, --delopt, --pin-mode or --jsonfile"
+                        .into(),
+                );
+            }
+            let set = create.options()?;
+            manage::modify(
+                dirs,
+                manage::ModifyArgs { uuid, mdev_type: type_name, start, set, remove: delopts, jsonfile },
+            )
+        }
+        Command::Undefine { uuid, parent } => {
+            manage::check_parent(parent.as_deref())?;
+            manage::undefine(dirs, &uuid)
+        }
+        Command::Stats { uuid } => manage::stats(dirs, &uuid),
         Command::Run { type_name, socket, create, busy_poll_us, limits } => {
-            create.options().and_then(|options| {
-                let mut config = umdev_server::InstanceConfig::new(type_name.clone(), &socket);
-                config.busy_poll = std::time::Duration::from_micros(busy_poll_us);
-                config.dma.mode = options.pin_mode();
-                limits.apply(&mut config)?;
-                run::run(&umdev::builtin_registry(), &type_name, &options, config)
-            })
+            let options = create.options()?;
+            let mut config = umdev_server::InstanceConfig::new(type_name.clone(), &socket);
+            config.busy_poll = std::time::Duration::from_micros(busy_poll_us);
+            config.dma.mode = options.pin_mode();
+            limits.apply(&mut config)?;
+            run::run(&umdev::builtin_registry(), &type_name, &options, config)
         }
+        #[cfg(feature = "bench")]
         Command::Pinbench { json, rounds, batch_us, threads, svg } => {
-            pinbench::command(&pinbench::Options { json, rounds, batch_us, threads, svg })
+            let threads = threads.map(|t| t.into_iter().map(|n| n as usize).collect());
+            pinbench::command(&pinbench::Options { json, rounds: rounds as usize, batch_us, threads, svg })
         }
         Command::Completions { shell } => completions(shell),
         Command::Man { dir } => man(dir.as_deref()),
-    };
-    if let Err(e) = result {
-        log::error!(target: logging::STATUS, "{e}");
-        std::process::exit(1);
     }
 }
 
 /// `umdev completions SHELL`: from the same CLI definition as the parser.
-fn completions(shell: clap_complete::Shell) -> Result<(), String> {
+fn completions(shell: clap_complete::Shell) -> output::Out {
     // Into a buffer first: clap_complete panics on a failed write (a closed pipe, say).
     let mut script = Vec::new();
-    clap_complete::generate(shell, &mut Cli::command(), "umdev", &mut script);
-    std::io::stdout().write_all(&script).map_err(|e| format!("writing the completion script: {e}"))
+    clap_complete::generate(shell, &mut cli_command(), "umdev", &mut script);
+    output::bytes(&script)
 }
 
-/// `umdev man [--dir DIR]`: umdev(1) to stdout, or a page per command into DIR.
-fn man(dir: Option<&Path>) -> Result<(), String> {
-    let mut cli = Cli::command();
+/// `umdev man [--dir DIR]`: umdev(1) to stdout, or a page per command into DIR (0644, and
+/// DIR 0755 if it is made).
+fn man(dir: Option<&Path>) -> output::Out {
+    let mut cli = cli_command();
     // Built, the subcommands know their full names (umdev-daemon) and the global options.
     cli.build();
     let Some(dir) = dir else {
         let mut page = Vec::new();
         clap_mangen::Man::new(cli).render(&mut page).map_err(|e| format!("rendering umdev(1): {e}"))?;
-        return std::io::stdout().write_all(&page).map_err(|e| format!("writing umdev(1): {e}"));
+        return output::bytes(&page);
     };
-    std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    output::create_dir(dir)?;
     let subcommands: Vec<clap::Command> =
-        cli.get_subcommands().filter(|c| c.get_name() != "help").cloned().collect();
+        cli.get_subcommands().filter(|c| c.get_name() != "help" && !c.is_hide_set()).cloned().collect();
     for command in std::iter::once(cli).chain(subcommands) {
         // Subcommands have no version of their own: every page names umdev's.
         let page = clap_mangen::Man::new(command).source(concat!("umdev ", env!("CARGO_PKG_VERSION")));
         let path = dir.join(page.get_filename());
         let mut text = Vec::new();
         page.render(&mut text).map_err(|e| format!("rendering {}: {e}", path.display()))?;
-        std::fs::write(&path, text).map_err(|e| format!("writing {}: {e}", path.display()))?;
-        println!("{}", path.display());
+        output::write_file(&path, &text)?;
+        out!("{}", path.display())?;
     }
     Ok(())
+}
+
+/// The documents' commands, as tests/docs.rs reads them.
+#[cfg(test)]
+#[path = "../tests/common/docs.rs"]
+mod docs;
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use clap::error::ErrorKind;
+
+    use super::{cli_command, docs};
+
+    /// Every `umdev` command README.md and docs/*.md show, in code blocks and in prose, is one
+    /// the CLI takes (tests/docs.rs runs the code blocks' for real). A span in prose may leave
+    /// out a required argument (`umdev run --type ccw`), nothing more.
+    #[test]
+    fn every_umdev_command_the_documents_show_parses() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut failures = Vec::new();
+        let mut parsed = 0;
+        for line in docs::lines(root) {
+            for simple in docs::simple_commands(&line.text) {
+                let Some(args) = simple.umdev_args("5a1e4c36-0f8e-4a5e-9d2f-000000000d0c") else { continue };
+                parsed += 1;
+                match cli_command().try_get_matches_from(std::iter::once("umdev".to_string()).chain(args)) {
+                    Ok(_) => {}
+                    Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => {}
+                    Err(e) if line.inline && e.kind() == ErrorKind::MissingRequiredArgument => {}
+                    Err(e) => failures.push(format!(
+                        "{}:{}: `{}`: {}",
+                        line.file,
+                        line.line,
+                        line.text,
+                        e.to_string().lines().next().unwrap_or_default()
+                    )),
+                }
+            }
+        }
+        assert!(parsed > 50, "only {parsed} commands found");
+        assert!(failures.is_empty(), "commands the CLI refuses:\n{}", failures.join("\n"));
+    }
+
+    #[test]
+    fn the_extractor_sees_what_a_shell_sees() {
+        let cut = docs::simple_commands("umdev man --dir /x && mandb -q | cat > 'a b' &");
+        assert_eq!(cut.len(), 3);
+        assert_eq!(cut[0].words, ["umdev", "man", "--dir", "/x"]);
+        assert_eq!((cut[2].stdout_to.as_deref(), cut[2].background), (Some("a b"), true));
+        let quoted = docs::simple_commands(r#"qemu -device '{"a": "b c"}' ..."#);
+        assert_eq!(quoted[0].words[2], r#"{"a": "b c"}"#);
+        // A wrong command is caught: the one docs/nvme.md showed.
+        let wrong = docs::simple_commands("umdev stats UUID")[0].umdev_args("u").unwrap();
+        assert!(cli_command()
+            .try_get_matches_from(std::iter::once("umdev".to_string()).chain(wrong))
+            .is_err());
+    }
 }

@@ -1,22 +1,27 @@
 //! The mdevctl-style lifecycle commands: `umdev daemon` (also as a systemd service,
-//! contrib/systemd/umdev.service), `start`, `stop`, `list`, `define`,
+//! contrib/systemd/umdev.service), `start`, `stop`, `list`, `define`, `modify`,
 //! `undefine`, `stats`, and a daemon-aware `types`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use sd_notify::NotifyState;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
-use umdev::control::{request, ControlError, ControlRequest, ControlResponse, ControlServer};
+use umdev::control::{request, ControlRequest, ControlResponse, ControlServer};
 use umdev::lifecycle::{
-    sync_status, Definition, Definitions, InstanceSummary, Manager, ReloadReport, StartPolicy, TypeSummary,
+    check_definition, sync_status, DaemonStatus, Definition, DefinitionEntry, Definitions, InstanceSummary,
+    LifecycleError, Manager, ReloadReport, StartPolicy, TypeSummary,
 };
-use umdev_mdev::types::InstanceOptions;
+use umdev::mdevctl::{self, DeviceConfig, PARENT};
+use umdev_mdev::types::{InstanceOptions, PinModeName};
 use umdev_server::InstanceConfig;
 use uuid::Uuid;
 
 use crate::logging::STATUS;
+use crate::output::{out, Out};
 
 /// Where the daemon keeps its sockets and definitions.
 #[derive(Clone, Debug)]
@@ -92,8 +97,105 @@ fn ask(dirs: &Dirs, req: ControlRequest) -> Result<serde_json::Value, String> {
     }
 }
 
+/// What the daemon answers to `req`, or `None` when no daemon runs.
+fn ask_if_running<T: serde::de::DeserializeOwned>(
+    dirs: &Dirs,
+    req: &ControlRequest,
+) -> Result<Option<T>, String> {
+    match request(&dirs.control(), req) {
+        Ok(answer) if answer.ok => {
+            serde_json::from_value(answer.result.unwrap_or_default()).map(Some).map_err(|e| e.to_string())
+        }
+        Ok(answer) => Err(answer.error.unwrap_or_else(|| "the daemon refused the request".into())),
+        Err(e) if e.not_running() => Ok(None),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 fn parse_uuid(s: &str) -> Result<Uuid, String> {
     Uuid::parse_str(s).map_err(|_| format!("{s:?} is not a UUID"))
+}
+
+/// `-p PARENT`: umdev's types have one parent, [`PARENT`].
+pub fn check_parent(parent: Option<&str>) -> Result<(), String> {
+    match parent {
+        None | Some(PARENT) => Ok(()),
+        Some(other) => {
+            Err(format!("no parent device {other:?}: umdev's types all hang off one parent, {PARENT:?}"))
+        }
+    }
+}
+
+/// A device config from `--jsonfile FILE` (`-` for standard input).
+pub fn read_jsonfile(path: &Path) -> Result<DeviceConfig, String> {
+    let text = if path == Path::new("-") {
+        std::io::read_to_string(std::io::stdin()).map_err(|e| format!("reading standard input: {e}"))?
+    } else {
+        std::fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?
+    };
+    DeviceConfig::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The daemon's and its definitions' directories, held for one daemon: a lock on each
+/// directory itself (a second daemon on either is refused), which goes when the daemon exits,
+/// however it exits. Locking the directory, not a file in it, leaves nothing behind and works
+/// where the definitions are read-only to the daemon (systemd's ConfigurationDirectory=).
+struct DirLocks {
+    _locks: Vec<nix::fcntl::Flock<std::fs::File>>,
+}
+
+impl DirLocks {
+    fn take(dirs: &Dirs) -> Result<DirLocks, String> {
+        use nix::fcntl::{Flock, FlockArg};
+        std::fs::create_dir_all(&dirs.state)
+            .map_err(|e| format!("creating {}: {e}", dirs.state.display()))?;
+        let mut locks = Vec::new();
+        let mut held: Vec<PathBuf> = Vec::new();
+        for (dir, what) in [(&dirs.run, "the run directory"), (&dirs.state, "the definitions in")] {
+            let canonical = std::fs::canonicalize(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+            if held.contains(&canonical) {
+                continue;
+            }
+            let file = std::fs::File::open(dir).map_err(|e| format!("opening {}: {e}", dir.display()))?;
+            let lock = Flock::lock(file, FlockArg::LockExclusiveNonblock).map_err(|(_, e)| {
+                let pid = std::fs::read_to_string(dirs.run.join(PID_FILE)).unwrap_or_default();
+                let pid = pid.trim();
+                let holder = if pid.is_empty() { String::new() } else { format!(" (pid {pid})") };
+                format!("another umdev daemon{holder} already uses {what} {}: {e}", dir.display())
+            })?;
+            locks.push(lock);
+            held.push(canonical);
+        }
+        let _ = std::fs::write(dirs.run.join(PID_FILE), format!("{}\n", std::process::id()));
+        Ok(DirLocks { _locks: locks })
+    }
+}
+
+/// The daemon's pid, in its run directory while it runs (for a second daemon's message).
+const PID_FILE: &str = "daemon.pid";
+
+/// Removes the sockets a daemon that died left in `run` (the control socket and `<uuid>.sock`
+/// files nothing listens on). Called with the run directory's lock held: no daemon of ours is
+/// there, and a socket someone else still serves is left alone.
+fn remove_stale_sockets(run: &Path) -> Vec<PathBuf> {
+    use std::os::unix::fs::FileTypeExt;
+    let Ok(entries) = std::fs::read_dir(run) else { return Vec::new() };
+    let mut removed = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().to_string();
+        let ours =
+            name == "control.sock" || name.strip_suffix(".sock").is_some_and(|u| Uuid::parse_str(u).is_ok());
+        let is_socket = entry.file_type().is_ok_and(|t| t.is_socket());
+        let path = entry.path();
+        if ours
+            && is_socket
+            && std::os::unix::net::UnixStream::connect(&path).is_err()
+            && std::fs::remove_file(&path).is_ok()
+        {
+            removed.push(path);
+        }
+    }
+    removed
 }
 
 /// `umdev daemon`: serves the control socket and instances until SIGINT/SIGTERM; SIGHUP
@@ -101,9 +203,20 @@ fn parse_uuid(s: &str) -> Result<Uuid, String> {
 ///
 /// Under systemd (`Type=notify`, $NOTIFY_SOCKET) it reports READY=1 once the control socket
 /// listens and every `auto` definition has been started, RELOADING=1/READY=1 around a SIGHUP,
-/// and STOPPING=1 before it stops its instances.
+/// STATUS= whenever the instances or their clients change, and STOPPING=1 before it stops
+/// its instances.
 pub fn daemon(dirs: &Dirs, template: InstanceConfig, max_instances: usize) -> Result<(), String> {
     std::fs::create_dir_all(&dirs.run).map_err(|e| format!("creating {}: {e}", dirs.run.display()))?;
+    let locks = DirLocks::take(dirs)?;
+    let stale = remove_stale_sockets(&dirs.run);
+    if !stale.is_empty() {
+        log::warn!(
+            target: STATUS,
+            "removed {} stale socket(s) a daemon that died left in {}",
+            stale.len(),
+            dirs.run.display()
+        );
+    }
     // Before anything starts: a SIGHUP while the auto definitions start waits its turn.
     let mut signals =
         Signals::new([SIGINT, SIGTERM, SIGHUP]).map_err(|e| format!("installing signal handlers: {e}"))?;
@@ -130,7 +243,7 @@ pub fn daemon(dirs: &Dirs, template: InstanceConfig, max_instances: usize) -> Re
         dirs.state.display(),
         manager.list().len()
     );
-    notify(&[NotifyState::Ready, NotifyState::Status(&serving(&manager))]);
+    let status = StatusReporter::start(manager.clone());
     for signal in signals.forever() {
         if signal != SIGHUP {
             log::info!(target: STATUS, "signal {signal}, shutting down");
@@ -142,12 +255,63 @@ pub fn daemon(dirs: &Dirs, template: InstanceConfig, max_instances: usize) -> Re
         reloading.extend(NotifyState::monotonic_usec_now().ok());
         notify(&reloading);
         report(&manager.reload());
-        notify(&[NotifyState::Ready, NotifyState::Status(&serving(&manager))]);
+        status.ready();
     }
+    drop(status);
     notify(&[NotifyState::Stopping, NotifyState::Status("stopping every instance")]);
     drop(control);
     manager.shutdown();
+    let _ = std::fs::remove_file(dirs.run.join(PID_FILE));
+    drop(locks);
     Ok(())
+}
+
+/// READY=1, then STATUS= whenever what the daemon serves changes: at once for a start or a
+/// stop, within a second for a client that comes or goes (the server keeps no hook for that).
+struct StatusReporter {
+    manager: Arc<Manager>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl StatusReporter {
+    fn start(manager: Arc<Manager>) -> StatusReporter {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut reporter = StatusReporter { manager: manager.clone(), stop: stop.clone(), thread: None };
+        reporter.ready();
+        // Only a service manager listens; without one there is nothing to follow.
+        if std::env::var_os("NOTIFY_SOCKET").is_none() {
+            return reporter;
+        }
+        reporter.thread = std::thread::Builder::new()
+            .name("umdev-status".into())
+            .spawn(move || {
+                let (mut seen, mut last) = (0, serving(&manager));
+                while !stop.load(Ordering::Acquire) {
+                    seen = manager.wait_change(seen, Duration::from_secs(1));
+                    let now = serving(&manager);
+                    if now != last && !stop.load(Ordering::Acquire) {
+                        notify(&[NotifyState::Status(&now)]);
+                        last = now;
+                    }
+                }
+            })
+            .ok();
+        reporter
+    }
+
+    fn ready(&self) {
+        notify(&[NotifyState::Ready, NotifyState::Status(&serving(&self.manager))]);
+    }
+}
+
+impl Drop for StatusReporter {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 /// Tells the service manager about the daemon, if one started it with $NOTIFY_SOCKET (a no-op
@@ -194,140 +358,379 @@ fn report(r: &ReloadReport) {
     }
 }
 
-/// `umdev types`: the running daemon's view (live capacity), else the built-in registry.
-pub fn types(dirs: &Dirs, json: bool) -> Result<(), String> {
-    let types: Vec<TypeSummary> = match request(&dirs.control(), &ControlRequest::Types) {
-        Ok(answer) if answer.ok => {
-            serde_json::from_value(answer.result.unwrap_or_default()).map_err(|e| e.to_string())?
-        }
-        Ok(answer) => return Err(answer.error.unwrap_or_default()),
-        Err(ControlError::NotRunning(_)) => {
-            let registry = umdev::builtin_registry();
+/// What `umdev types` shows.
+pub struct TypesView {
+    /// One JSON array of types (umdev's shape, with their options).
+    pub json: bool,
+    /// mdevctl's `types --dumpjson` shape.
+    pub dumpjson: bool,
+    /// Each type's options too.
+    pub verbose: bool,
+    /// Only this type (its options shown).
+    pub only: Option<String>,
+}
+
+/// `umdev types`: the running daemon's view (live capacity), else what a daemon started now
+/// would offer, said on stderr.
+pub fn types(dirs: &Dirs, view: &TypesView) -> Out {
+    let types: Vec<TypeSummary> = match ask_if_running(dirs, &ControlRequest::Types)? {
+        Some(types) => types,
+        None => {
+            log::info!(
+                target: STATUS,
+                "no daemon runs on {}: the capacity a daemon started now would have",
+                dirs.run.display()
+            );
             let manager = Manager::new(
-                registry,
+                umdev::builtin_registry(),
                 "/nonexistent",
                 Definitions::new("/nonexistent"),
                 InstanceConfig::new("", ""),
             );
             manager.types()
         }
-        Err(e) => return Err(e.to_string()),
     };
-    if json {
-        println!("{}", serde_json::to_string_pretty(&types).map_err(|e| e.to_string())?);
-    } else {
-        for t in types {
-            println!(
-                "{}\n  Available instances: {}\n  Device API: {}\n  Description: {}",
-                t.name, t.available_instances, t.device_api, t.description
-            );
+    let types: Vec<TypeSummary> = match &view.only {
+        None => types,
+        Some(name) => {
+            let one: Vec<TypeSummary> = types.into_iter().filter(|t| t.name == *name).collect();
+            if one.is_empty() {
+                return Err(format!("unknown device type {name:?} (see `umdev types`)"));
+            }
+            one
+        }
+    };
+    if view.dumpjson {
+        let entries: Vec<serde_json::Value> = types
+            .iter()
+            .map(|t| {
+                serde_json::json!({ t.name.clone(): {
+                    "available_instances": t.available_instances,
+                    "device_api": t.device_api,
+                    "name": t.name,
+                    "description": t.description,
+                }})
+            })
+            .collect();
+        return out!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!([{ PARENT: entries }]))
+                .map_err(|e| e.to_string())?
+        );
+    }
+    if view.json {
+        return out!("{}", serde_json::to_string_pretty(&types).map_err(|e| e.to_string())?);
+    }
+    let verbose = view.verbose || view.only.is_some();
+    for t in &types {
+        out!(
+            "{}\n  Available instances: {}\n  Device API: {}\n  Description: {}",
+            t.name,
+            t.available_instances,
+            t.device_api,
+            t.description
+        )?;
+        if verbose {
+            for line in option_lines(t) {
+                out!("{line}")?;
+            }
         }
     }
+    if !verbose {
+        out!("(`umdev types -v` or `umdev types TYPE` lists each type's --opt options)")?;
+    }
     Ok(())
+}
+
+/// A type's options as help and man pages show them.
+pub fn option_lines(t: &TypeSummary) -> Vec<String> {
+    let mut lines =
+        vec!["  Options (--opt KEY=VALUE, each key once; and --pin-mode track|lock):".to_string()];
+    if t.options.is_empty() {
+        lines.push("    none".into());
+    }
+    for o in &t.options {
+        let default = o.default.as_deref().map(|d| format!(" (default {d})")).unwrap_or_default();
+        lines.push(format!("    {}={}{default}", o.key, o.syntax));
+        lines.push(format!("        {}", o.help));
+    }
+    lines
+}
+
+/// What `umdev start` starts.
+pub struct StartArgs {
+    /// `-t`.
+    pub mdev_type: Option<String>,
+    /// `-u`.
+    pub uuid: Option<String>,
+    /// `--opt` and `--pin-mode`.
+    pub options: InstanceOptions,
+    /// `--jsonfile`.
+    pub jsonfile: Option<PathBuf>,
+    /// `--override`.
+    pub override_definition: bool,
 }
 
 /// `umdev start`.
-pub fn start(
-    dirs: &Dirs,
-    mdev_type: Option<String>,
-    uuid: Option<&str>,
-    options: InstanceOptions,
-) -> Result<(), String> {
-    let uuid = uuid.map(parse_uuid).transpose()?;
-    let result = ask(dirs, ControlRequest::Start { mdev_type, uuid, options })?;
+pub fn start(dirs: &Dirs, args: StartArgs) -> Out {
+    let uuid = args.uuid.as_deref().map(parse_uuid).transpose()?;
+    let (mdev_type, options) = match &args.jsonfile {
+        Some(path) => {
+            let config = read_jsonfile(path)?;
+            let options = config.options()?;
+            (Some(config.mdev_type), options)
+        }
+        None => (args.mdev_type, args.options),
+    };
+    // Checked here too, for the same message as `define` without a round trip.
+    if let Some(t) = &mdev_type {
+        let registry = umdev::builtin_registry();
+        let defined = uuid.is_some_and(|u| Definitions::new(&dirs.state).get(&u).is_ok());
+        if !defined {
+            let ty =
+                registry.find(t).map_err(|_| format!("unknown device type {t:?} (see `umdev types`)"))?;
+            ty.check(&options).map_err(|e| e.to_string())?;
+        }
+    }
+    let result = ask(
+        dirs,
+        ControlRequest::Start { mdev_type, uuid, options, override_definition: args.override_definition },
+    )?;
     let started: InstanceSummary = serde_json::from_value(result).map_err(|e| e.to_string())?;
-    println!("{} {}", started.uuid, started.socket.display());
+    out!("{} {}", started.uuid, started.socket.display())?;
+    if started.overrides != InstanceOptions::default() {
+        out!("  over its definition: {}", describe_options(&started.overrides))?;
+    }
     for line in host_endpoints(&started.device) {
-        println!("  {line}");
+        out!("  {line}")?;
     }
     Ok(())
 }
 
+/// Options as `--pin-mode` and `--opt` would give them: `pin_mode=lock ns1=ram:1G`.
+pub fn describe_options(o: &InstanceOptions) -> String {
+    let mut parts: Vec<String> =
+        o.pin_mode.iter().map(|m| format!("pin_mode={}", pin_mode_name(*m))).collect();
+    parts.extend(o.params.iter().map(|(k, v)| format!("{k}={v}")));
+    if parts.is_empty() {
+        "(no options)".into()
+    } else {
+        parts.join(" ")
+    }
+}
+
+fn pin_mode_name(m: PinModeName) -> &'static str {
+    match m {
+        PinModeName::Track => "track",
+        PinModeName::Lock => "lock",
+    }
+}
+
 /// `umdev stop`.
-pub fn stop(dirs: &Dirs, uuid: &str, force: bool) -> Result<(), String> {
+pub fn stop(dirs: &Dirs, uuid: &str, force: bool) -> Out {
     ask(dirs, ControlRequest::Stop { uuid: parse_uuid(uuid)?, force }).map(drop)
 }
 
 /// `umdev stats`.
-pub fn stats(dirs: &Dirs, uuid: &str) -> Result<(), String> {
+pub fn stats(dirs: &Dirs, uuid: &str) -> Out {
     let result = ask(dirs, ControlRequest::Stats { uuid: parse_uuid(uuid)? })?;
-    println!("{}", serde_json::to_string_pretty(&result).map_err(|e| e.to_string())?);
-    Ok(())
+    out!("{}", serde_json::to_string_pretty(&result).map_err(|e| e.to_string())?)
+}
+
+/// What `umdev list` shows.
+pub struct ListView {
+    /// The definitions instead of the instances.
+    pub defined: bool,
+    /// umdev's JSON.
+    pub json: bool,
+    /// mdevctl's JSON: a listing, or one device's config when `-u` names one.
+    pub dumpjson: bool,
+    /// Only this UUID.
+    pub uuid: Option<String>,
+    /// Only this type.
+    pub mdev_type: Option<String>,
 }
 
 /// `umdev list [--defined]`. With `--defined`, how each definition stands against the running
 /// daemon: running, stopped, or out of sync (auto but not running, changed since it started,
-/// running but no longer defined).
-pub fn list(dirs: &Dirs, defined: bool, json: bool) -> Result<(), String> {
-    if defined {
-        let defs = Definitions::new(&dirs.state).list();
+/// running but no longer defined, invalid).
+pub fn list(dirs: &Dirs, view: &ListView) -> Out {
+    let uuid = view.uuid.as_deref().map(parse_uuid).transpose()?;
+    let wanted =
+        |u: &Uuid, t: &str| uuid.is_none_or(|w| w == *u) && view.mdev_type.as_deref().is_none_or(|w| w == t);
+    if view.defined {
+        let registry = umdev::builtin_registry();
+        let entries = DefinitionEntry::all(&Definitions::new(&dirs.state), &registry);
         // Definitions need no daemon; without one their state is unknown.
-        let running: Option<Vec<InstanceSummary>> = match request(&dirs.control(), &ControlRequest::List) {
-            Ok(answer) if answer.ok => {
-                Some(serde_json::from_value(answer.result.unwrap_or_default()).map_err(|e| e.to_string())?)
-            }
-            Ok(answer) => {
-                return Err(answer.error.unwrap_or_else(|| "the daemon refused the request".into()))
-            }
-            Err(ControlError::NotRunning(_)) => None,
-            Err(e) => return Err(e.to_string()),
-        };
-        let rows = sync_status(&defs, running.as_deref());
-        if json {
-            println!("{}", serde_json::to_string_pretty(&rows).map_err(|e| e.to_string())?);
-        } else {
-            for r in rows {
-                let start = match r.start {
-                    Some(StartPolicy::Auto) => "auto",
-                    Some(StartPolicy::Manual) => "manual",
-                    None => "-",
-                };
-                let why = r.state.why().map(|w| format!("  (out of sync: {w})")).unwrap_or_default();
-                println!("{} {} {start} {}{why}", r.uuid, r.mdev_type, r.state.name());
-            }
+        let daemon: Option<DaemonStatus> = ask_if_running(dirs, &ControlRequest::Status)?;
+        let rows: Vec<_> = sync_status(&entries, daemon.as_ref())
+            .into_iter()
+            .filter(|r| wanted(&r.uuid, &r.mdev_type))
+            .collect();
+        if view.dumpjson {
+            let configs: Vec<(Uuid, DeviceConfig)> = rows
+                .iter()
+                .filter_map(|r| Some((r.uuid, DeviceConfig::of(&r.mdev_type, r.start?, &r.options))))
+                .collect();
+            return dump(&configs, uuid.is_some());
+        }
+        if view.json {
+            return out!("{}", serde_json::to_string_pretty(&rows).map_err(|e| e.to_string())?);
+        }
+        for r in rows {
+            let start = match r.start {
+                Some(StartPolicy::Auto) => "auto",
+                Some(StartPolicy::Manual) => "manual",
+                None => "-",
+            };
+            let why = match (r.state.why(), &r.error) {
+                (Some(w), Some(e)) => format!("  (out of sync: {w}: {e})"),
+                (Some(w), None) => format!("  (out of sync: {w})"),
+                (None, Some(e)) => format!("  (last start failed: {e})"),
+                (None, None) => String::new(),
+            };
+            let overrides = if r.overrides == InstanceOptions::default() {
+                String::new()
+            } else {
+                format!("  (started with {} over its definition)", describe_options(&r.overrides))
+            };
+            out!("{} {} {start} {}{why}{overrides}", r.uuid, r.mdev_type, r.state.name())?;
         }
         return Ok(());
     }
     let result = ask(dirs, ControlRequest::List)?;
     let list: Vec<InstanceSummary> = serde_json::from_value(result).map_err(|e| e.to_string())?;
-    if json {
-        println!("{}", serde_json::to_string_pretty(&list).map_err(|e| e.to_string())?);
-    } else {
-        for i in list {
-            let connected = if i.connected { " (connected)" } else { "" };
-            println!("{} {} {}{connected}", i.uuid, i.mdev_type, i.socket.display());
-            for line in host_endpoints(&i.device) {
-                println!("  {line}");
-            }
+    let list: Vec<InstanceSummary> = list.into_iter().filter(|i| wanted(&i.uuid, &i.mdev_type)).collect();
+    if view.dumpjson {
+        let configs: Vec<(Uuid, DeviceConfig)> = list
+            .iter()
+            .map(|i| (i.uuid, DeviceConfig::of(&i.mdev_type, StartPolicy::Manual, &i.options)))
+            .collect();
+        return dump(&configs, uuid.is_some());
+    }
+    if view.json {
+        return out!("{}", serde_json::to_string_pretty(&list).map_err(|e| e.to_string())?);
+    }
+    for i in list {
+        let connected = if i.connected { " (connected)" } else { "" };
+        out!("{} {} {}{connected}", i.uuid, i.mdev_type, i.socket.display())?;
+        for line in host_endpoints(&i.device) {
+            out!("  {line}")?;
         }
     }
     Ok(())
 }
 
-/// `umdev define`.
-pub fn define(
-    dirs: &Dirs,
-    mdev_type: &str,
-    uuid: Option<&str>,
-    auto: bool,
-    options: InstanceOptions,
-) -> Result<(), String> {
-    if umdev::builtin_registry().find(mdev_type).is_err() {
-        return Err(format!("unknown device type {mdev_type:?} (see `umdev types`)"));
-    }
-    let uuid = match uuid {
+/// `--dumpjson`: one device's config when a UUID was asked for (as mdevctl, whose output then
+/// is a config file), else the listing.
+fn dump(configs: &[(Uuid, DeviceConfig)], one: bool) -> Out {
+    let value = match configs {
+        [(_, config)] if one => serde_json::to_value(config).map_err(|e| e.to_string())?,
+        [] if one => return Err("no such device".into()),
+        _ => mdevctl::listing(configs),
+    };
+    out!("{}", serde_json::to_string_pretty(&value).map_err(|e| e.to_string())?)
+}
+
+/// What `umdev define` defines.
+pub struct DefineArgs {
+    /// `-t`.
+    pub mdev_type: Option<String>,
+    /// `-u`.
+    pub uuid: Option<String>,
+    /// `--auto`.
+    pub auto: bool,
+    /// `--opt` and `--pin-mode`.
+    pub options: InstanceOptions,
+    /// `--jsonfile`.
+    pub jsonfile: Option<PathBuf>,
+}
+
+/// `umdev define`: checked as starting it would be, so a bad definition is refused now with
+/// the message `start` would give.
+pub fn define(dirs: &Dirs, args: DefineArgs) -> Out {
+    let uuid = match &args.uuid {
         Some(u) => parse_uuid(u)?,
         None => Uuid::new_v4(),
     };
-    let start = if auto { StartPolicy::Auto } else { StartPolicy::Manual };
-    let def = Definition { uuid, mdev_type: mdev_type.to_string(), start, options };
+    let def = match &args.jsonfile {
+        Some(path) => {
+            let config = read_jsonfile(path)?;
+            Definition { uuid, options: config.options()?, mdev_type: config.mdev_type, start: config.start }
+        }
+        None => {
+            let start = if args.auto { StartPolicy::Auto } else { StartPolicy::Manual };
+            let mdev_type = args.mdev_type.ok_or("give a type (-t TYPE) or --jsonfile")?;
+            Definition { uuid, mdev_type, start, options: args.options }
+        }
+    };
+    check(&def)?;
     Definitions::new(&dirs.state).define(&def).map_err(|e| e.to_string())?;
-    println!("{uuid}");
+    out!("{uuid}")
+}
+
+fn check(def: &Definition) -> Out {
+    match check_definition(&umdev::builtin_registry(), def) {
+        Err(LifecycleError::UnknownType(t)) => Err(format!("unknown device type {t:?} (see `umdev types`)")),
+        other => other.map_err(|e| e.to_string()),
+    }
+}
+
+/// What `umdev modify` changes.
+pub struct ModifyArgs {
+    /// `-u`.
+    pub uuid: String,
+    /// `-t`.
+    pub mdev_type: Option<String>,
+    /// `--auto` (`Some(Auto)`) or `--manual`.
+    pub start: Option<StartPolicy>,
+    /// `--opt`: set (or replace) these.
+    pub set: InstanceOptions,
+    /// `--delopt`: remove these keys.
+    pub remove: Vec<String>,
+    /// `--jsonfile`: the whole config instead.
+    pub jsonfile: Option<PathBuf>,
+}
+
+/// `umdev modify`: changes a definition, checked as `define` checks one. A running instance
+/// keeps what it started with until it is stopped and started (as with mdevctl).
+pub fn modify(dirs: &Dirs, args: ModifyArgs) -> Out {
+    let uuid = parse_uuid(&args.uuid)?;
+    let definitions = Definitions::new(&dirs.state);
+    let mut def = definitions.get(&uuid).map_err(|e| e.to_string())?;
+    if let Some(path) = &args.jsonfile {
+        let config = read_jsonfile(path)?;
+        def =
+            Definition { uuid, options: config.options()?, mdev_type: config.mdev_type, start: config.start };
+    }
+    if let Some(t) = args.mdev_type {
+        def.mdev_type = t;
+    }
+    if let Some(start) = args.start {
+        def.start = start;
+    }
+    if args.set.pin_mode.is_some() {
+        def.options.pin_mode = args.set.pin_mode;
+    }
+    for key in &args.remove {
+        if key == "pin_mode" {
+            def.options.pin_mode = None;
+        } else if def.options.params.remove(key).is_none() {
+            return Err(format!("{uuid} has no option {key:?} to remove"));
+        }
+    }
+    def.options.params.extend(args.set.params);
+    check(&def)?;
+    definitions.replace(&def).map_err(|e| e.to_string())?;
+    let running: Option<Vec<InstanceSummary>> = ask_if_running(dirs, &ControlRequest::List).unwrap_or(None);
+    if running.is_some_and(|r| r.iter().any(|i| i.uuid == uuid)) {
+        log::info!(target: STATUS, "{uuid} runs as it started; stop and start it to apply the change");
+    }
     Ok(())
 }
 
 /// `umdev undefine`.
-pub fn undefine(dirs: &Dirs, uuid: &str) -> Result<(), String> {
+pub fn undefine(dirs: &Dirs, uuid: &str) -> Out {
     Definitions::new(&dirs.state).undefine(&parse_uuid(uuid)?).map_err(|e| e.to_string())
 }
 

@@ -9,6 +9,7 @@
 //! Each 128 KiB buffer is 32 guest pages in 8 runs of 4 at scattered addresses (a PRP list
 //! per command; what a guest's block layer hands a driver looks like this).
 
+use crate::output::out;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -91,23 +92,38 @@ struct Server {
 }
 
 impl Server {
+    /// Starts `umdev run` and waits until it listens. One that exits first fails the
+    /// benchmark with what it said; one that is still starting after a minute, with that.
     fn start(dir: &Path, name: &str, args: &[&str]) -> Result<Server, String> {
         let socket = dir.join(format!("{name}.sock"));
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-        let child = Command::new(exe)
+        let mut command = Command::new(exe);
+        command
             .arg("run")
             .arg("--socket")
             .arg(&socket)
             .args(args)
             .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("starting umdev run: {e}"))?;
-        let server = Server { child, socket };
-        let deadline = Instant::now() + Duration::from_secs(10);
+            .stderr(Stdio::piped());
+        crate::cleanup::die_with_parent(&mut command);
+        let child = command.spawn().map_err(|e| format!("starting umdev run: {e}"))?;
+        crate::cleanup::child(child.id());
+        let mut server = Server { child, socket };
+        let deadline = Instant::now() + Duration::from_secs(60);
         while !server.socket.exists() {
+            if let Ok(Some(status)) = server.child.try_wait() {
+                let mut err = String::new();
+                if let Some(mut e) = server.child.stderr.take() {
+                    let _ = std::io::Read::read_to_string(&mut e, &mut err);
+                }
+                return Err(format!(
+                    "the server under test (umdev run {}) exited ({status}): {}",
+                    args.join(" "),
+                    err.trim()
+                ));
+            }
             if Instant::now() > deadline {
-                return Err(format!("umdev run {args:?} never listened"));
+                return Err(format!("umdev run {} did not listen within a minute", args.join(" ")));
             }
             std::thread::sleep(Duration::from_millis(5));
         }
@@ -139,6 +155,7 @@ impl Server {
             let _ = std::io::Read::read_to_string(&mut e, &mut err);
         }
         let _ = self.child.wait();
+        crate::cleanup::forget_child(self.child.id());
         err.lines()
             .find_map(|l| l.split_once(" on exit: ").map(|(_, j)| j.to_string()))
             .and_then(|j| serde_json::from_str(&j).ok())
@@ -150,6 +167,7 @@ impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        crate::cleanup::forget_child(self.child.id());
     }
 }
 
@@ -445,8 +463,41 @@ fn config8(c: &mut RawClient, off: u32) -> Result<u32, String> {
     Ok(u32::from(*r.payload.get(16).ok_or("short config read")?))
 }
 
-/// Runs the benchmark.
+/// The workloads, in the order they run: 4 KiB random reads and writes on 1 and 2 queues at
+/// QD1 and QD32, then 128 KiB sequential reads and writes on 1 and 2 queues.
+fn workloads() -> Vec<(Kind, bool, u16, usize)> {
+    let mut all = Vec::new();
+    for kind in [Kind::RandRead, Kind::RandWrite] {
+        for queues in [1u16, 2] {
+            for qd in [1usize, 32] {
+                all.push((kind, false, queues, qd));
+            }
+        }
+    }
+    for kind in [Kind::SeqRead, Kind::SeqWrite] {
+        for queues in [1u16, 2] {
+            all.push((kind, true, queues, 8));
+        }
+    }
+    all
+}
+
+/// Runs the benchmark: the workloads whose name starts with `only` (refused if none does).
 pub fn run(quick: bool, only: Option<&str>, opts: &[String]) -> Result<Report, String> {
+    let chosen: Vec<(Kind, bool, u16, usize)> = workloads()
+        .into_iter()
+        .filter(|(kind, big, _, _)| only.is_none_or(|o| kind.name(*big).starts_with(o)))
+        .collect();
+    if chosen.is_empty() {
+        let mut names: Vec<String> = workloads().iter().map(|(k, big, _, _)| k.name(*big)).collect();
+        names.dedup();
+        return Err(format!(
+            "--only {:?} selects no workload (they are {})",
+            only.unwrap_or(""),
+            names.join(", ")
+        ));
+    }
+    let mut progress = crate::progress::Progress::new("nvmebench", chosen.len() + 4);
     let dir = crate::protobench::tempfile_dir_for("nvmebench")?;
     let duration = if quick { Duration::from_millis(400) } else { Duration::from_secs(2) };
     let ns = format!("ns1=ram:{}M", NS_BYTES >> 20);
@@ -455,6 +506,7 @@ pub fn run(quick: bool, only: Option<&str>, opts: &[String]) -> Result<Report, S
     for o in opts {
         args.extend(["--opt", o.as_str()]);
     }
+    progress.step("starting the servers");
     let server = Server::start(dir.path(), "nvme", &args)?;
     let floor_server = Server::start(dir.path(), "testdev", &["--type", "testdev"])?;
     log::info!("nvmebench: server pid {}", server.child.id());
@@ -462,30 +514,24 @@ pub fn run(quick: bool, only: Option<&str>, opts: &[String]) -> Result<Report, S
     let mut d = NvmeGuest::connect(&server.socket, RAM, 3)?.driver();
     d.enable()?;
     d.create_io_queues(2, QUEUE_ENTRIES, false)?;
+    progress.step("filling the namespace");
     fill(&mut d)?;
 
     let rounds = if quick { 2 } else { 5 };
+    progress.step("floors: memcpy, posted doorbell to interrupt");
     let (m2, m128) = memcpy_floors(rounds);
     let (f50, f99) = doorbell_irq_floor(&floor_server.socket, if quick { 2000 } else { 20000 })?;
     let mut rows = Vec::new();
-    let wanted = |kind: Kind, big: bool| only.is_none_or(|o| kind.name(big).starts_with(o));
-    for kind in [Kind::RandRead, Kind::RandWrite] {
-        for queues in [1u16, 2] {
-            for qd in [1usize, 32] {
-                if wanted(kind, false) {
-                    rows.push(workload(&mut d, &server, kind, false, qd, queues, duration)?);
-                }
-            }
-        }
-    }
-    for kind in [Kind::SeqRead, Kind::SeqWrite] {
-        for queues in [1u16, 2] {
-            if wanted(kind, true) {
-                rows.push(big_workload(&mut d, &server, kind, queues, duration, if quick { 3 } else { 7 })?);
-            }
-        }
+    for (kind, big, queues, qd) in chosen {
+        progress.step(format_args!("{} qd{qd} on {queues} queue(s)", kind.name(big)));
+        rows.push(if big {
+            big_workload(&mut d, &server, kind, queues, duration, if quick { 3 } else { 7 })?
+        } else {
+            workload(&mut d, &server, kind, false, qd, queues, duration)?
+        });
     }
     // The floors again, after: the median of both sittings is reported.
+    progress.step("floors again");
     let (m2b, m128b) = memcpy_floors(rounds);
     let (f50b, f99b) = doorbell_irq_floor(&floor_server.socket, if quick { 2000 } else { 20000 })?;
     drop(d);
@@ -504,21 +550,22 @@ pub fn run(quick: bool, only: Option<&str>, opts: &[String]) -> Result<Report, S
 }
 
 /// Prints the report as tables.
-pub fn print(r: &Report) {
+pub fn print(r: &Report) -> crate::output::Out {
     let f = &r.floors;
-    println!("nvme over vfio-user: RAM namespace, doorbells as posted REGION_WRITEs, MSI-X per queue.");
-    println!("Floors, measured in this run (mean of before and after):");
-    println!("  memcpy of 2 MiB (warm buffers):                        {:6.2} GB/s", f.memcpy_2m_gb_per_sec);
-    println!(
+    out!("nvme over vfio-user: RAM namespace, doorbells as posted REGION_WRITEs, MSI-X per queue.")?;
+    out!("Floors, measured in this run (mean of before and after):")?;
+    out!("  memcpy of 2 MiB (warm buffers):                        {:6.2} GB/s", f.memcpy_2m_gb_per_sec)?;
+    out!(
         "  memcpy of 128 KiB blocks streamed over 256 MiB:        {:6.2} GB/s",
         f.memcpy_128k_stream_gb_per_sec
-    );
-    println!(
+    )?;
+    out!(
         "  posted REGION_WRITE -> MSI-X eventfd (testdev):         p50 {:.1} us, p99 {:.1} us",
-        f.doorbell_irq_p50_us, f.doorbell_irq_p99_us
-    );
-    println!();
-    println!("workload        qd queues       IOPS    GB/s  lat p50  lat p99  server CPU/IO   vs floor");
+        f.doorbell_irq_p50_us,
+        f.doorbell_irq_p99_us
+    )?;
+    out!("")?;
+    out!("workload        qd queues       IOPS    GB/s  lat p50  lat p99  server CPU/IO   vs floor")?;
     for row in &r.rows {
         let vs = if let Some(ratio) = row.vs_memcpy {
             format!("{:.0}% of memcpy", 100.0 * ratio)
@@ -527,7 +574,7 @@ pub fn print(r: &Report) {
         } else {
             String::new()
         };
-        println!(
+        out!(
             "{:<14} {:>3} {:>6} {:>10.0} {:>7.2} {:>6.1}us {:>6.1}us {:>11.2}us   {}",
             row.workload,
             row.qd,
@@ -538,12 +585,12 @@ pub fn print(r: &Report) {
             row.latency_p99_us,
             row.server_cpu_us_per_io,
             vs
-        );
+        )?;
     }
     let io = &r.server;
     if !io.is_null() {
-        println!();
-        println!(
+        out!("")?;
+        out!(
             "server: {} commands, {} pages in {} runs, {} pin calls ({:.1} pages, {:.2} runs per command)",
             io["commands"],
             io["pages"],
@@ -551,6 +598,7 @@ pub fn print(r: &Report) {
             io["pin_calls"],
             io["mean_pages_per_command"].as_f64().unwrap_or(0.0),
             io["mean_runs_per_command"].as_f64().unwrap_or(0.0)
-        );
+        )?;
     }
+    Ok(())
 }

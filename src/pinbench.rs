@@ -4,6 +4,7 @@
 //! followed by the kernel's floor, timed in the same alternating rounds: bare
 //! mlock+munlock of the same runs, and page by page.
 
+use crate::output::out;
 use std::fs::File;
 use std::hint::black_box;
 use std::os::fd::AsFd;
@@ -247,23 +248,26 @@ pub fn hugetlb_unavailable() -> Option<String> {
 }
 
 /// Runs the whole grid, calling `emit` for each row as it completes.
-pub fn run(effort: Effort, mut emit: impl FnMut(&Row)) -> Result<Vec<Row>, String> {
+pub fn run(effort: Effort, mut emit: impl FnMut(&Row) -> Result<(), String>) -> Result<Vec<Row>, String> {
     let mut rows = Vec::new();
     let mut kinds = vec![BackingKind::Small];
     match hugetlb_unavailable() {
         None => kinds.push(BackingKind::Huge),
         Some(why) => eprintln!("pinbench: {why}"),
     }
+    let mut progress =
+        crate::progress::Progress::new("pinbench", kinds.len() * 2 * PATTERNS.len() * SIZES.len());
     for kind in kinds {
         for mode in [PinMode::Track, PinMode::Lock] {
             let bench = Bench::new(kind, mode).map_err(|e| format!("{}: {e}", kind.name()))?;
             for pattern in PATTERNS {
                 for n in SIZES {
+                    progress.step(format_args!("{} {mode} {} {n} pages", kind.name(), pattern.name()));
                     let mut rng = Rng::new(0x5eed ^ (n as u64) << 8 ^ pattern as u64);
                     let pfns: Vec<u64> =
                         pattern.offsets(n, &mut rng).into_iter().map(|o| IOVA_BASE / PAGE_SIZE + o).collect();
                     for row in measure(&bench.space, kind, mode, pattern, &pfns, effort)? {
-                        emit(&row);
+                        emit(&row)?;
                         rows.push(row);
                     }
                 }
@@ -417,8 +421,8 @@ fn mlock(addr: usize, len: usize, lock: bool) {
 }
 
 /// Prints the human table.
-pub fn print_table(rows: &[Row]) {
-    println!(
+pub fn print_table(rows: &[Row]) -> crate::output::Out {
+    out!(
         "{:<11} {:<11} {:>6} {:<12} {:>5} {:>12} {:>10} {:>14} {:>7} {:>13} {:>9} {:>8}",
         "backing",
         "pattern",
@@ -432,9 +436,9 @@ pub fn print_table(rows: &[Row]) {
         "translate ns",
         "runs/tr",
         "read ns"
-    );
+    )?;
     for r in rows {
-        println!(
+        out!(
             "{:<11} {:<11} {:>6} {:<12} {:>5} {:>12.0} {:>10.1} {:>14.0} {:>7.2} {:>13.0} {:>9.2} {:>8.0}",
             r.backing,
             r.pattern,
@@ -448,8 +452,9 @@ pub fn print_table(rows: &[Row]) {
             r.translate_ns,
             r.runs_ns / r.translate_ns,
             r.read_ns
-        );
+        )?;
     }
+    Ok(())
 }
 
 /// Heap bytes in use, per glibc.
@@ -655,17 +660,28 @@ pub fn run_threads(threads: &[usize], rounds: usize, duration: Duration) -> Resu
 }
 
 /// Prints the many-threads table.
-pub fn print_threads(rows: &[ThreadRow]) {
-    println!(
+pub fn print_threads(rows: &[ThreadRow]) -> crate::output::Out {
+    out!(
         "{:<9} {:<12} {:>7} {:>14} {:>14} {:>8}",
-        "workload", "placement", "threads", "calls/s", "pages/s", "vs T=1"
-    );
+        "workload",
+        "placement",
+        "threads",
+        "calls/s",
+        "pages/s",
+        "vs T=1"
+    )?;
     for r in rows {
-        println!(
+        out!(
             "{:<9} {:<12} {:>7} {:>14.0} {:>14.0} {:>8.2}",
-            r.workload, r.placement, r.threads, r.calls_per_sec, r.pages_per_sec, r.speedup
-        );
+            r.workload,
+            r.placement,
+            r.threads,
+            r.calls_per_sec,
+            r.pages_per_sec,
+            r.speedup
+        )?;
     }
+    Ok(())
 }
 
 /// What `umdev pinbench` was asked for.
@@ -689,37 +705,43 @@ pub fn command(o: &Options) -> Result<(), String> {
         let rows = run_threads(threads, o.rounds.clamp(1, 15), Duration::from_millis(100))?;
         if o.json {
             for row in &rows {
-                println!("{}", serde_json::to_string(row).expect("rows serialize"));
+                out!("{}", serde_json::to_string(row).expect("rows serialize"))?;
             }
         } else {
-            print_threads(&rows);
+            print_threads(&rows)?;
         }
         return Ok(());
     }
-    let effort = Effort { rounds: o.rounds.max(1), batch: Duration::from_micros(o.batch_us.max(1)) };
+    let effort = Effort { rounds: o.rounds, batch: Duration::from_micros(o.batch_us) };
     let rows = run(effort, |row| {
         if o.json {
-            println!("{}", serde_json::to_string(row).expect("rows serialize"));
+            out!("{}", serde_json::to_string(row).expect("rows serialize"))?;
         }
+        Ok(())
     })?;
     if let Some(path) = &o.svg {
         plot::draw(&rows, path)?;
+        // Drawn through the process's umask (077); a picture is for everyone to read.
+        std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o644))
+            .map_err(|e| format!("chmod {}: {e}", path.display()))?;
     }
     let memory = memory_report()?;
     if o.json {
-        println!("{}", serde_json::to_string(&memory).expect("report serializes"));
+        out!("{}", serde_json::to_string(&memory).expect("report serializes"))?;
     } else {
-        print_table(&rows);
-        println!();
-        println!(
+        print_table(&rows)?;
+        out!("")?;
+        out!(
             "bookkeeping: {} bytes of heap for 1 GiB pinned ({:.4}% of pinned memory); {} bytes per mapping",
-            memory.heap_per_gib_pinned, memory.percent_of_pinned, memory.heap_per_mapping
-        );
-        println!(
+            memory.heap_per_gib_pinned,
+            memory.percent_of_pinned,
+            memory.heap_per_mapping
+        )?;
+        out!(
             "map+unmap (engine, no socket): 1 GiB sparse memfd {:.1} us, 64 GiB sparse memfd {:.1} us (medians)",
             memory.map_unmap_1g_ns / 1000.0,
             memory.map_unmap_64g_ns / 1000.0
-        );
+        )?;
     }
     Ok(())
 }

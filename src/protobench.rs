@@ -8,6 +8,7 @@
 //!    without and with a client flooding instance 0 with posted writes (the flood and its
 //!    instance on one CPU, the probe and the others on the other).
 
+use crate::output::out;
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
@@ -355,17 +356,24 @@ pub struct Report {
 pub fn run(quick: bool) -> Result<Report, String> {
     let dir = tempfile_dir()?;
     let cpus = crate::affinity::cpus();
+    let mut progress = crate::progress::Progress::new("protobench", if cpus >= 2 { 6 } else { 3 });
     let (blocks, per_block) = if quick { (4, 500) } else { (10, 2000) };
+    progress.step("REGION_READ round trips, one CPU");
     let mut latency_rows = vec![latency(dir.path(), (0, 0), Duration::ZERO, blocks, per_block)?];
     if cpus >= 2 {
+        progress.step("REGION_READ round trips, two CPUs");
         latency_rows.push(latency(dir.path(), (0, 1), Duration::ZERO, blocks, per_block)?);
+        progress.step("REGION_READ round trips, two CPUs, busy-polling");
         latency_rows.push(latency(dir.path(), (0, 1), Duration::from_micros(50), blocks, per_block)?);
     }
     let map_rounds = if quick { 21 } else { 201 };
+    progress.step("DMA_MAP and DMA_UNMAP, one CPU");
     let mut map = map_costs(dir.path(), map_rounds, (0, 0))?;
     if cpus >= 2 {
+        progress.step("DMA_MAP and DMA_UNMAP, two CPUs");
         map.extend(map_costs(dir.path(), map_rounds, (0, 1))?);
     }
+    progress.step("64 instances, one flooded");
     let flood = flood(dir.path(), 64, Duration::from_millis(if quick { 300 } else { 1500 }))?;
     Ok(Report { latency: latency_rows, map, flood })
 }
@@ -381,53 +389,73 @@ impl TempDir {
 impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
+        crate::cleanup::forget_dir(&self.0);
     }
 }
-/// A fresh private directory under the temp dir, named for this process and `what`.
+/// A fresh private directory under the temp dir, named for this process and `what`; removed
+/// on drop, or on a signal (crate::cleanup).
 pub fn tempfile_dir_for(what: &str) -> Result<TempDir, String> {
     let dir = std::env::temp_dir().join(format!("umdev-{what}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    crate::cleanup::dir(&dir);
+    std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
     Ok(TempDir(dir))
 }
 
 fn tempfile_dir() -> Result<TempDir, String> {
-    let dir = std::env::temp_dir().join(format!("umdev-protobench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    Ok(TempDir(dir))
+    tempfile_dir_for("protobench")
 }
 
-pub fn print(r: &Report) {
-    println!(
-        "REGION_READ of 4 bytes, round trip (us), against a bare UNIX-socket ping-pong of the same sizes:"
-    );
-    println!(
+pub fn print(r: &Report) -> crate::output::Out {
+    out!("REGION_READ of 4 bytes, round trip (us), against a bare UNIX-socket ping-pong of the same sizes:")?;
+    out!(
         "{:<30} {:>10} {:>10} {:>10} {:>10} {:>8}",
-        "placement", "floor p50", "floor p99", "umdev p50", "umdev p99", "p50 x"
-    );
+        "placement",
+        "floor p50",
+        "floor p99",
+        "umdev p50",
+        "umdev p99",
+        "p50 x"
+    )?;
     for l in &r.latency {
-        println!(
+        out!(
             "{:<30} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>8.2}",
-            l.placement, l.floor_p50_us, l.floor_p99_us, l.umdev_p50_us, l.umdev_p99_us, l.ratio_p50
-        );
+            l.placement,
+            l.floor_p50_us,
+            l.floor_p99_us,
+            l.umdev_p50_us,
+            l.umdev_p99_us,
+            l.ratio_p50
+        )?;
     }
-    println!();
-    println!("DMA_MAP and DMA_UNMAP of a sparse memfd over the socket, each a round trip (us):");
-    println!(
+    out!("")?;
+    out!("DMA_MAP and DMA_UNMAP of a sparse memfd over the socket, each a round trip (us):")?;
+    out!(
         "{:<10} {:>6} {:>9} {:>9} {:>11} {:>11}",
-        "placement", "size", "map p50", "map p99", "unmap p50", "unmap p99"
-    );
+        "placement",
+        "size",
+        "map p50",
+        "map p99",
+        "unmap p50",
+        "unmap p99"
+    )?;
     for m in &r.map {
-        println!(
+        out!(
             "{:<10} {:>4} G {:>9.1} {:>9.1} {:>11.1} {:>11.1}",
-            m.placement, m.size_gib, m.map_p50_us, m.map_p99_us, m.unmap_p50_us, m.unmap_p99_us
-        );
+            m.placement,
+            m.size_gib,
+            m.map_p50_us,
+            m.map_p99_us,
+            m.unmap_p50_us,
+            m.unmap_p99_us
+        )?;
     }
-    println!();
+    out!("")?;
     let f = &r.flood;
-    println!("{} instances, probe REGION_READ across instances 1-{} (us):", f.instances, f.instances - 1);
-    println!("  quiet:   p50 {:.2}, p99 {:.2}", f.probe_p50_us_quiet, f.probe_p99_us_quiet);
-    println!(
+    out!("{} instances, probe REGION_READ across instances 1-{} (us):", f.instances, f.instances - 1)?;
+    out!("  quiet:   p50 {:.2}, p99 {:.2}", f.probe_p50_us_quiet, f.probe_p99_us_quiet)?;
+    out!(
         "  flooded: p50 {:.2}, p99 {:.2}   (instance 0 flooded with {:.0} posted writes/s; its own read p50 {:.0} us)",
         f.probe_p50_us_flooded, f.probe_p99_us_flooded, f.flood_messages_per_sec, f.flooded_instance_read_p50_us
-    );
+    )?;
+    Ok(())
 }

@@ -6,17 +6,7 @@ use signal_hook::iterator::Signals;
 use umdev_mdev::types::{InstanceOptions, Registry};
 use umdev_server::{Daemon, InstanceConfig};
 
-/// Parses `key=value` options.
-pub fn parse_params(pairs: &[String]) -> Result<std::collections::BTreeMap<String, String>, String> {
-    pairs
-        .iter()
-        .map(|p| {
-            p.split_once('=')
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .ok_or_else(|| format!("option {p:?} is not key=value"))
-        })
-        .collect()
-}
+use crate::logging::STATUS;
 
 /// Serves one instance of `type_name` with `config` until SIGINT or SIGTERM.
 pub fn run(
@@ -33,22 +23,24 @@ pub fn run(
     let socket = config.socket.clone();
     let endpoints = crate::manage::host_endpoints(&device.describe());
     daemon.start(device.clone(), config).map_err(|e| e.to_string())?;
-    eprintln!(
-        "umdev: serving a {type_name} device on {} (Ctrl-C to stop)\n  qemu-system-x86_64 ... -device '{{\"driver\":\"vfio-user-pci\",\"socket\":{{\"type\":\"unix\",\"path\":\"{}\"}}}}'",
+    // Every line through the status log: under the journal each carries its priority.
+    let mut started = format!(
+        "serving a {type_name} device on {} (Ctrl-C to stop)\n  qemu-system-x86_64 ... -device '{{\"driver\":\"vfio-user-pci\",\"socket\":{{\"type\":\"unix\",\"path\":\"{}\"}}}}'",
         socket.display(),
         socket.display()
     );
     for line in endpoints {
-        eprintln!("  {line}");
+        started.push_str(&format!("\n  {line}"));
     }
+    log::info!(target: STATUS, "{started}");
     if let Some(signal) = signals.forever().next() {
-        eprintln!("umdev: signal {signal}, shutting down");
+        log::info!(target: STATUS, "signal {signal}, shutting down");
     }
     daemon.shutdown();
     // What the device did, for the log (`umdev stats` shows the same while it runs).
     let state = device.describe();
     if !state.is_null() {
-        eprintln!("umdev: {type_name} on exit: {state}");
+        log::info!(target: STATUS, "{type_name} on exit: {state}");
     }
     Ok(())
 }

@@ -94,6 +94,31 @@ impl Notifications {
         let n = self.socket.recv(&mut buf).expect("a notification before the timeout");
         String::from_utf8_lossy(&buf[..n]).lines().map(str::to_string).collect()
     }
+
+    /// The next datagram with `assignment` (`READY=1`), passing over STATUS= updates alone;
+    /// any other datagram on the way is a failure.
+    fn next_with(&self, assignment: &str) -> Vec<String> {
+        loop {
+            let datagram = self.next();
+            if has(&datagram, assignment) {
+                return datagram;
+            }
+            assert!(datagram.iter().all(|l| l.starts_with("STATUS=")), "{datagram:?} before {assignment}");
+        }
+    }
+
+    /// Waits for a STATUS= update starting with `prefix`.
+    fn status(&self, prefix: &str) -> String {
+        loop {
+            if let Some(status) =
+                self.next().into_iter().find_map(|l| l.strip_prefix("STATUS=").map(str::to_string))
+            {
+                if status.starts_with(prefix) {
+                    return status;
+                }
+            }
+        }
+    }
 }
 
 struct Service {
@@ -170,13 +195,21 @@ fn has(datagram: &[String], assignment: &str) -> bool {
 fn the_daemon_under_systemd_notifies_reloads_and_cleans_up() {
     let svc = Service::new();
     svc.ok(&["define", "--type", "testdev", "--uuid", AUTO, "--auto"]);
-    // An auto definition that cannot start: the daemon is ready all the same, and says why.
-    svc.ok(&["define", "--type", "testdev", "--uuid", BROKEN, "--auto", "--opt", "bogus=1"]);
+    // An auto definition that cannot start (written by hand: `define` refuses it): the daemon
+    // is ready all the same, and says why.
+    assert!(svc
+        .fails(&["define", "--type", "testdev", "--uuid", BROKEN, "--auto", "--opt", "bogus=1"])
+        .contains("bogus"));
+    std::fs::write(
+        svc.state.join(format!("{BROKEN}.json")),
+        format!(r#"{{"uuid": "{BROKEN}", "mdev_type": "testdev", "start": "auto", "options": {{"params": {{"bogus": "1"}}}}}}"#),
+    )
+    .unwrap();
     let (mut daemon, journal) = svc.start();
 
     // READY=1 is the first notification, and when it comes the daemon serves: the control
     // socket answers and the auto instance's socket is there.
-    let ready = svc.notifications.next();
+    let ready = svc.notifications.next_with("READY=1");
     assert!(has(&ready, "READY=1"), "{ready:?}");
     assert!(UnixStream::connect(svc.run.join("control.sock")).is_ok(), "control socket answers at READY");
     assert!(svc.socket(AUTO).exists(), "auto instance's socket exists at READY");
@@ -188,6 +221,16 @@ fn the_daemon_under_systemd_notifies_reloads_and_cleans_up() {
     let up = journal.wait_for(&["daemon running"]);
     assert!(up.starts_with("<6>"), "an info priority: {up}");
     assert!(up.contains(&svc.state.display().to_string()), "the definitions from $CONFIGURATION_DIRECTORY");
+    // STATUS= follows the instances' clients (and instances: see the reload below).
+    let mut client = common::raw::RawClient::connect(&svc.socket(AUTO)).unwrap();
+    client.negotiate().unwrap();
+    assert_eq!(
+        svc.notifications.status("serving 1 instance(s), 1"),
+        "serving 1 instance(s), 1 with a client"
+    );
+    drop(client);
+    svc.notifications.status("serving 1 instance(s), 0");
+
     // The library crates' records too: info and up by default under the journal.
     journal.wait_for(&["<6>instance", AUTO, "listening on"]);
     assert!(journal.all().iter().all(|l| l.len() > 3 && l.starts_with('<')), "{:#?}", journal.all());
@@ -202,9 +245,9 @@ fn the_daemon_under_systemd_notifies_reloads_and_cleans_up() {
         "out of sync until the reload"
     );
     signal(&daemon, Signal::SIGHUP);
-    assert!(has(&svc.notifications.next(), "RELOADING=1"));
-    let reloaded = svc.notifications.next();
-    assert!(has(&reloaded, "READY=1"), "{reloaded:?}");
+    svc.notifications.next_with("RELOADING=1");
+    let reloaded = svc.notifications.next_with("READY=1");
+    assert!(reloaded.contains(&"STATUS=serving 2 instance(s), 0 with a client".to_string()), "{reloaded:?}");
     assert!(svc.socket(LATER).exists(), "the new auto definition started before READY");
     assert_eq!(svc.running(), vec![AUTO.to_string(), LATER.to_string()], "the undefined one keeps running");
     assert!(svc.socket(AUTO).exists());
@@ -237,7 +280,7 @@ fn the_daemon_under_systemd_notifies_reloads_and_cleans_up() {
 
     // SIGTERM: STOPPING=1, then every socket is gone and the exit is clean.
     signal(&daemon, Signal::SIGTERM);
-    assert!(has(&svc.notifications.next(), "STOPPING=1"));
+    svc.notifications.next_with("STOPPING=1");
     let deadline = Instant::now() + TIMEOUT;
     let status = loop {
         if let Some(status) = daemon.try_wait().unwrap() {
@@ -257,14 +300,15 @@ fn an_operators_stop_outlasts_a_reload() {
     let svc = Service::new();
     svc.ok(&["define", "--type", "testdev", "--uuid", AUTO, "--auto"]);
     let (daemon, journal) = svc.start();
-    assert!(has(&svc.notifications.next(), "READY=1"));
+    svc.notifications.next_with("READY=1");
     svc.ok(&["stop", "--uuid", AUTO]);
     signal(&daemon, Signal::SIGHUP);
-    assert!(has(&svc.notifications.next(), "RELOADING=1"));
-    assert!(has(&svc.notifications.next(), "READY=1"));
+    svc.notifications.next_with("RELOADING=1");
+    svc.notifications.next_with("READY=1");
     assert!(svc.running().is_empty(), "not restarted by the reload");
     journal.wait_for(&["<6>", AUTO, "stays stopped"]);
-    assert_eq!(svc.defined(), vec![(AUTO.into(), "not-started".into())]);
+    // Stopped on purpose: stopped, not out of sync.
+    assert_eq!(svc.defined(), vec![(AUTO.into(), "stopped".into())]);
     svc.ok(&["start", "--uuid", AUTO]);
     assert_eq!(svc.defined(), vec![(AUTO.into(), "running".into())]);
 }
@@ -315,7 +359,7 @@ fn log_lines_carry_priorities_for_the_journal_and_stay_plain_in_a_terminal() {
 
 #[test]
 fn completions_and_man_pages_come_from_the_cli() {
-    let verbs = ["daemon", "start", "stop", "list", "define", "undefine", "stats", "types", "run"];
+    let verbs = ["daemon", "start", "stop", "list", "define", "modify", "undefine", "stats", "types", "run"];
     for shell in ["bash", "zsh", "fish"] {
         let out = umdev().args(["completions", shell]).output().unwrap();
         assert!(out.status.success(), "{shell}");

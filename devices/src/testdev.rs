@@ -596,7 +596,7 @@ impl umdev_mdev::types::DeviceType for TestDevType {
         TYPE_NAME
     }
     fn description(&self) -> &str {
-        "test device: registers, DMA through pins or the client, INTx/MSI/MSI-X, sparse-mmap BAR (docs/testdev.md)"
+        "test device: registers, DMA through pins or the client, INTx/MSI/MSI-X, sparse-mmap BAR"
     }
     fn available_instances(&self) -> u32 {
         self.pool.free()
@@ -605,7 +605,7 @@ impl umdev_mdev::types::DeviceType for TestDevType {
         &self,
         options: &umdev_mdev::types::InstanceOptions,
     ) -> Result<std::sync::Arc<dyn umdev_mdev::VfioDevice>, umdev_mdev::types::TypeError> {
-        options.only(self.name(), &[])?;
+        self.check(options)?;
         self.pool.instance(self.name(), 1, create)
     }
 }

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod ccw;
+pub mod docs;
 pub mod guest;
 pub mod process;
 pub mod qemu;

@@ -91,6 +91,53 @@ impl Dirs {
             .unwrap()
     }
 
+    /// Where the daemons of [`Dirs::daemon`] write their stderr.
+    pub fn log(&self) -> PathBuf {
+        self.dir.path().join("daemon.log")
+    }
+
+    /// `umdev daemon` on these directories (with `args`), once its control socket answers;
+    /// its stderr goes to [`Dirs::log`].
+    pub fn daemon(&self, args: &[&str]) -> ChildGuard {
+        let child = ChildGuard(
+            umdev()
+                .arg("--run-dir")
+                .arg(&self.run)
+                .arg("--state-dir")
+                .arg(&self.state)
+                .arg("daemon")
+                .args(args)
+                .stderr(std::fs::OpenOptions::new().create(true).append(true).open(self.log()).unwrap())
+                .spawn()
+                .unwrap(),
+        );
+        let control = self.run.join("control.sock");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::os::unix::net::UnixStream::connect(&control).is_err() {
+            assert!(Instant::now() < deadline, "the daemon never came up");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        child
+    }
+
+    /// `umdev <args>` with `input` on its stdin, run to completion.
+    pub fn with_stdin(&self, args: &[&str], input: &str) -> Output {
+        use std::io::Write;
+        let mut child = umdev()
+            .arg("--run-dir")
+            .arg(&self.run)
+            .arg("--state-dir")
+            .arg(&self.state)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+        child.wait_with_output().unwrap()
+    }
+
     /// Runs a command that must succeed; its stdout.
     pub fn ok(&self, args: &[&str]) -> String {
         let out = self.umdev(args);

@@ -7,25 +7,24 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
-/// The QEMU binary: `$UMDEV_QEMU`, else what `../shared/tools/get-qemu` installs. `None`
-/// (with the reason printed) when QEMU cannot be fetched: the only case a QEMU test skips.
+/// The repository's QEMU fetcher (`scripts/get-qemu`).
+pub fn get_qemu() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/get-qemu")
+}
+
+/// The QEMU binary, from `scripts/get-qemu` (`$UMDEV_QEMU`, a system QEMU with vfio-user-pci, or
+/// Debian's, fetched once and cached). `None`, with the reason printed, when QEMU cannot be
+/// obtained (exit 77): the only case a QEMU test skips. Any other failure fails the test.
 pub fn qemu_binary() -> Option<PathBuf> {
-    if let Some(path) = std::env::var_os("UMDEV_QEMU") {
-        return Some(PathBuf::from(path));
-    }
-    let tool = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/tools/get-qemu");
-    let out = match Command::new(&tool).output() {
-        Ok(out) => out,
-        Err(e) => {
-            eprintln!("SKIPPED: cannot run {} to fetch QEMU: {e}", tool.display());
-            return None;
+    let out = Command::new(get_qemu()).output().expect("running scripts/get-qemu");
+    match out.status.code() {
+        Some(0) => Some(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())),
+        Some(77) => {
+            eprintln!("SKIPPED: QEMU cannot be obtained: {}", String::from_utf8_lossy(&out.stderr).trim());
+            None
         }
-    };
-    if !out.status.success() {
-        eprintln!("SKIPPED: get-qemu could not fetch QEMU: {}", String::from_utf8_lossy(&out.stderr).trim());
-        return None;
+        _ => panic!("scripts/get-qemu failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr)),
     }
-    Some(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
 }
 
 /// A running QEMU with one vfio-user-pci device at 00:04.0.

@@ -43,7 +43,7 @@ pub const BAR0_SIZE: u64 = 4096;
 pub const MAX_SUBCHANNELS: u32 = 16;
 /// Subchannels unless the `subchannels` option says otherwise.
 pub const DEFAULT_SUBCHANNELS: u32 = 4;
-/// RAM disk size unless the `size` option says otherwise (64 MiB).
+/// RAM disk size unless the `store` option says otherwise (64 MiB).
 pub const DEFAULT_STORE_SIZE: u64 = 64 << 20;
 /// Offset of the MSI-X table in BAR0.
 pub const MSIX_TABLE_OFFSET: u32 = 0x800;
@@ -587,10 +587,21 @@ impl Drop for Ccw {
     }
 }
 
-/// The `ccw` device type. Options: `size=64M` (RAM disk size, K/M/G suffixes, at most 64 GiB),
-/// `file=/path` (back the store with an existing file instead), `subchannels=4` (1 to 16).
+/// The `ccw` device type; its options are [`CcwType::option_specs`].
 pub struct CcwType {
     pool: Arc<umdev_mdev::types::Pool>,
+}
+
+/// The largest RAM store (64 GiB).
+pub const MAX_RAM_STORE: u64 = 64 << 30;
+
+/// What an instance's options ask for, checked, before anything is opened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CcwPlan {
+    /// Subchannels.
+    pub subchannels: u32,
+    /// The store.
+    pub store: umdev_mdev::types::StoreSpec,
 }
 
 impl CcwType {
@@ -599,34 +610,84 @@ impl CcwType {
         CcwType { pool: umdev_mdev::types::Pool::new(capacity) }
     }
 
-    /// The configuration an instance with these options would get, or why the
-    /// options are refused (the same check `create` makes).
+    /// The type's options (docs/ccw.md), as `umdev types -v` lists them.
+    pub fn option_specs() -> Vec<umdev_mdev::types::OptionSpec> {
+        use umdev_mdev::types::{OptionSpec, ValueSyntax};
+        let store = ValueSyntax::Store { min: 4096, max_ram: MAX_RAM_STORE };
+        vec![
+            OptionSpec::new(
+                "store",
+                store,
+                Some("ram:64M"),
+                "the bytes programs read and write: a RAM disk, or a host file or block device used in place",
+            ),
+            OptionSpec::new(
+                "subchannels",
+                ValueSyntax::Integer { min: 1, max: MAX_SUBCHANNELS as u64 },
+                Some("4"),
+                "subchannels, each with its own worker thread",
+            ),
+            OptionSpec::new(
+                "size",
+                ValueSyntax::Size { min: 4096, max: MAX_RAM_STORE },
+                None,
+                "the older spelling of store=ram:SIZE",
+            ),
+            OptionSpec::new(
+                "file",
+                ValueSyntax::Custom { syntax: "/PATH", check: |_| Ok(()) },
+                None,
+                "the older spelling of store=file:/PATH",
+            ),
+        ]
+    }
+
+    /// What these options ask for, or why they are refused (the check `create` makes),
+    /// opening nothing.
+    pub fn plan(options: &umdev_mdev::types::InstanceOptions) -> Result<CcwPlan, String> {
+        use umdev_mdev::types::{parse_options, StoreSpec};
+        let p = parse_options(&Self::option_specs(), &options.params)?;
+        let subchannels = p.number("subchannels").map_or(DEFAULT_SUBCHANNELS, |n| n as u32);
+        // `size=` and `file=` are `store=` as it was first spelled; one of the three at most.
+        let given: Vec<&str> = ["store", "size", "file"].into_iter().filter(|k| p.get(k).is_some()).collect();
+        if given.len() > 1 {
+            return Err(format!(
+                "{} name the same store: give one (store=ram:SIZE or store=file:/PATH)",
+                given.join(" and ")
+            ));
+        }
+        let store = if let Some(store) = p.store("store") {
+            store.clone()
+        } else if let Some(bytes) = p.number("size") {
+            StoreSpec::Ram(bytes)
+        } else if let Some(path) = p.text("file") {
+            // The same check as store=file:, the message naming what was given.
+            let spec = Self::option_specs()[0];
+            match spec
+                .parse("file", &format!("file:{path}"))
+                .map_err(|e| e.replacen("file=file:", "file=", 1))?
+            {
+                umdev_mdev::types::OptionValue::Store(store) => store,
+                _ => unreachable!("a store option parses to a store"),
+            }
+        } else {
+            StoreSpec::Ram(DEFAULT_STORE_SIZE)
+        };
+        Ok(CcwPlan { subchannels, store })
+    }
+
+    /// The configuration an instance with these options would get: [`CcwType::plan`], with
+    /// the store opened or made.
     pub fn config(options: &umdev_mdev::types::InstanceOptions) -> Result<CcwConfig, String> {
-        let p = &options.params;
-        let subchannels = match p.get("subchannels") {
-            Some(v) => v
-                .parse::<u32>()
-                .ok()
-                .filter(|n| (1..=MAX_SUBCHANNELS).contains(n))
-                .ok_or_else(|| format!("subchannels={v}: must be 1 to {MAX_SUBCHANNELS}"))?,
-            None => DEFAULT_SUBCHANNELS,
-        };
-        let store = match (p.get("file"), p.get("size")) {
-            (Some(_), Some(_)) => return Err("give size or file, not both".into()),
-            (Some(path), None) => {
-                Store::open(std::path::Path::new(path)).map_err(|e| format!("file={path}: {e}"))?
+        use umdev_mdev::types::StoreSpec;
+        let plan = Self::plan(options)?;
+        let store = match &plan.store {
+            StoreSpec::Ram(bytes) => {
+                Store::ram(*bytes).map_err(|e| format!("RAM disk of {bytes} bytes: {e}"))?
             }
-            (None, size) => {
-                let bytes = match size {
-                    Some(s) => umdev_mdev::types::parse_size(s)
-                        .filter(|&n| n > 0 && n <= 64 << 30)
-                        .ok_or_else(|| format!("size={s}: a size from 1 byte to 64G (K, M, G suffixes)"))?,
-                    None => DEFAULT_STORE_SIZE,
-                };
-                Store::ram(bytes).map_err(|e| format!("RAM disk of {bytes} bytes: {e}"))?
-            }
+            StoreSpec::File(path) => Store::open(path).map_err(|e| format!("{}: {e}", path.display()))?,
         };
-        Ok(CcwConfig { subchannels, store })
+        Ok(CcwConfig { subchannels: plan.subchannels, store })
     }
 }
 
@@ -636,23 +697,35 @@ impl umdev_mdev::types::DeviceType for CcwType {
     }
 
     fn description(&self) -> &str {
-        "channel-I/O DMA engine: CCW programs with IDAW scatter lists, pinned one call per CCW (docs/ccw.md)"
+        "channel-I/O DMA engine: CCW programs with IDAW scatter lists, pinned one call per CCW"
     }
 
     fn available_instances(&self) -> u32 {
         self.pool.free()
     }
 
+    fn options(&self) -> Vec<umdev_mdev::types::OptionSpec> {
+        Self::option_specs()
+    }
+
+    fn check(
+        &self,
+        options: &umdev_mdev::types::InstanceOptions,
+    ) -> Result<(), umdev_mdev::types::TypeError> {
+        Self::plan(options).map(drop).map_err(bad_option)
+    }
+
     fn create(
         &self,
         options: &umdev_mdev::types::InstanceOptions,
     ) -> Result<Arc<dyn umdev_mdev::VfioDevice>, umdev_mdev::types::TypeError> {
-        use umdev_mdev::types::TypeError;
-        options.only(TYPE_NAME, &["size", "file", "subchannels"])?;
-        let bad = |why: String| TypeError::BadOption { ty: TYPE_NAME.into(), why };
-        let config = Self::config(options).map_err(bad)?;
+        let config = Self::config(options).map_err(bad_option)?;
         self.pool.instance(TYPE_NAME, 1, || create(config))
     }
+}
+
+fn bad_option(why: String) -> umdev_mdev::types::TypeError {
+    umdev_mdev::types::TypeError::BadOption { ty: TYPE_NAME.into(), why }
 }
 
 #[cfg(test)]

@@ -42,7 +42,9 @@ use umdev_mdev::pci::{
     Bar, ClassCode, ConfigSpaceBuilder, PciDevice, PciDeviceError, PciIds, Reg, RegMap, Shared, SharedRef,
     SimpleFunction, Waker, WeakShared,
 };
-use umdev_mdev::types::{DeviceType, InstanceOptions, Pool, TypeError};
+use umdev_mdev::types::{
+    parse_options, DeviceType, InstanceOptions, OptionSpec, Pool, TypeError, ValueSyntax,
+};
 use umdev_mdev::{DeviceError, VfioDevice};
 
 /// Type name of the one-port card.
@@ -627,18 +629,32 @@ impl MttyType {
         self.ports
     }
 
+    /// The type's options (docs/mtty.md), as `umdev types -v` lists them.
+    pub fn option_specs(&self) -> Vec<OptionSpec> {
+        const BACKEND: ValueSyntax = ValueSyntax::Custom {
+            syntax: "loopback|null|pty|socket:/PATH",
+            check: |v| Backend::parse(v).map(drop),
+        };
+        let mut specs = vec![OptionSpec::new("backend", BACKEND, Some("loopback"), "every port's line")];
+        specs.push(
+            OptionSpec::new("port", BACKEND, None, "one port's line, over backend")
+                .numbered(0, self.ports - 1),
+        );
+        specs
+    }
+
     /// Each port's backend from the instance options.
     fn backends(&self, options: &InstanceOptions) -> Result<Vec<Backend>, TypeError> {
         let bad = |why: String| TypeError::BadOption { ty: self.name().into(), why };
-        let keys: Vec<String> = (0..self.ports).map(|p| format!("port{p}")).collect();
-        let mut known: Vec<&str> = keys.iter().map(String::as_str).collect();
-        known.push("backend");
-        options.only(self.name(), &known)?;
+        parse_options(&self.option_specs(), &options.params).map_err(bad)?;
+        // Checked above: each value parses.
         let parse = |key: &str| {
-            options.params.get(key).map(|v| Backend::parse(v).map_err(|e| bad(format!("{key}: {e}"))))
+            options.params.get(key).map(|v| Backend::parse(v).map_err(|e| bad(format!("{key}={v}: {e}"))))
         };
         let default = parse("backend").transpose()?.unwrap_or(Backend::Loopback);
-        keys.iter().map(|k| Ok(parse(k).transpose()?.unwrap_or_else(|| default.clone()))).collect()
+        (0..self.ports)
+            .map(|p| Ok(parse(&format!("port{p}")).transpose()?.unwrap_or_else(|| default.clone())))
+            .collect()
     }
 }
 
@@ -653,14 +669,22 @@ impl DeviceType for MttyType {
 
     fn description(&self) -> &str {
         if self.ports == 1 {
-            "Single port serial: a 16550A UART on an I/O BAR, INTx/MSI; loopback, pty or socket line (docs/mtty.md)"
+            "Single port serial: a 16550A UART on an I/O BAR, INTx/MSI; loopback, pty or socket line"
         } else {
-            "Dual port serial: two 16550A UARTs on I/O BARs, INTx/MSI; loopback, pty or socket lines (docs/mtty.md)"
+            "Dual port serial: two 16550A UARTs on I/O BARs, INTx/MSI; loopback, pty or socket lines"
         }
     }
 
     fn available_instances(&self) -> u32 {
         self.pool.free() / self.ports
+    }
+
+    fn options(&self) -> Vec<OptionSpec> {
+        self.option_specs()
+    }
+
+    fn check(&self, options: &InstanceOptions) -> Result<(), TypeError> {
+        self.backends(options).map(drop)
     }
 
     fn create(&self, options: &InstanceOptions) -> Result<Arc<dyn VfioDevice>, TypeError> {

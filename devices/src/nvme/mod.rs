@@ -38,6 +38,7 @@ use self::queue::DoorbellPage;
 use self::spec::reg;
 use self::stats::Totals;
 use umdev_mdev::pci::{Bar, ClassCode, ConfigSpaceBuilder, PciDevice, PciFunction, PciIds, Reg, RegMap};
+use umdev_mdev::types::{parse_options, OptionSpec, OptionValue, StoreSpec, ValueSyntax};
 use umdev_mdev::{DeviceContext, DeviceError, RegionMmap, SparseArea};
 
 /// The type's name.
@@ -111,69 +112,102 @@ impl Default for NvmeConfig {
 }
 
 impl NvmeConfig {
-    /// Parses the type's options (docs/nvme.md).
+    /// The type's options (docs/nvme.md), as `umdev types -v` lists them.
+    pub fn option_specs() -> Vec<OptionSpec> {
+        vec![
+            OptionSpec::new(
+                "ns",
+                ValueSyntax::Store { min: 4096, max_ram: 1 << 40 },
+                None,
+                "namespace N: a RAM disk (a whole number of blocks) or a host file or block device, used in \
+                 place (its size rounded down to whole blocks); ns1=ram:1G when no namespace is given",
+            )
+            .numbered(1, MAX_NAMESPACES),
+            OptionSpec::new(
+                "lba",
+                ValueSyntax::Choice(&["512", "4096"]),
+                Some("512"),
+                "bytes per logical block",
+            ),
+            OptionSpec::new(
+                "queues",
+                ValueSyntax::Integer { min: 1, max: MAX_IO_QUEUES as u64 },
+                Some("4"),
+                "I/O queue pairs offered",
+            ),
+            OptionSpec::new(
+                "entries",
+                ValueSyntax::Integer { min: 2, max: MAX_ENTRIES as u64 },
+                Some("1024"),
+                "entries per queue at most",
+            ),
+            OptionSpec::new(
+                "doorbells",
+                ValueSyntax::Choice(&["message", "mmap"]),
+                Some("message"),
+                "doorbells as posted REGION_WRITEs, or on a page the guest writes directly",
+            ),
+            OptionSpec::new(
+                "serial",
+                ValueSyntax::Text { max_len: 20 },
+                None,
+                "Identify serial number (default: derived from the file namespaces' paths, else random)",
+            ),
+            OptionSpec::new(
+                "poll_us",
+                ValueSyntax::Integer { min: 0, max: 10_000 },
+                Some("50"),
+                "microseconds a queue's worker watches its doorbell after a lone command before it sleeps",
+            ),
+        ]
+    }
+
+    /// Parses the type's options (docs/nvme.md): the schema of [`NvmeConfig::option_specs`],
+    /// then what spans keys (a RAM namespace is whole blocks of `lba`).
     pub fn from_options(options: &umdev_mdev::types::InstanceOptions) -> Result<NvmeConfig, String> {
-        let p = &options.params;
+        let p = parse_options(&Self::option_specs(), &options.params)?;
         let mut config = NvmeConfig { namespaces: Vec::new(), ..NvmeConfig::default() };
-        for (key, value) in p {
-            if let Some(n) = key.strip_prefix("ns") {
-                let nsid = n
-                    .parse::<u32>()
-                    .ok()
-                    .filter(|n| (1..=MAX_NAMESPACES).contains(n))
-                    .ok_or_else(|| format!("{key}: namespaces are ns1 to ns{MAX_NAMESPACES}"))?;
-                let backing = Backing::parse(value).map_err(|e| format!("{key}={e}"))?;
-                let index = nsid as usize - 1;
-                if config.namespaces.len() <= index {
-                    config.namespaces.resize(index + 1, None);
+        if let Some(v) = p.word("lba") {
+            config.lba_shift = if v == "4096" { 12 } else { 9 };
+        }
+        for (key, value) in p.iter() {
+            let (Some(n), OptionValue::Store(store)) = (key.strip_prefix("ns"), value) else { continue };
+            // The schema let only ns1..ns16 through.
+            let index = n.parse::<usize>().map_err(|e| format!("{key}: {e}"))? - 1;
+            let backing = match store {
+                StoreSpec::Ram(bytes) if !bytes.is_multiple_of(1 << config.lba_shift) => {
+                    return Err(format!(
+                        "{key}=ram:{}: not a whole number of {}-byte blocks (lba={})",
+                        umdev_mdev::types::format_size(*bytes),
+                        1u32 << config.lba_shift,
+                        1u32 << config.lba_shift
+                    ))
                 }
-                config.namespaces[index] = Some(backing);
+                StoreSpec::Ram(bytes) => Backing::Ram(*bytes),
+                StoreSpec::File(path) => Backing::File(path.clone()),
+            };
+            if config.namespaces.len() <= index {
+                config.namespaces.resize(index + 1, None);
             }
+            config.namespaces[index] = Some(backing);
         }
         if config.namespaces.is_empty() {
             config.namespaces = NvmeConfig::default().namespaces;
         }
-        if let Some(v) = p.get("lba") {
-            config.lba_shift = match v.as_str() {
-                "512" => 9,
-                "4096" | "4K" | "4k" => 12,
-                _ => return Err(format!("lba={v}: 512 or 4096")),
-            };
+        if let Some(n) = p.number("queues") {
+            config.io_queues = n as u16;
         }
-        if let Some(v) = p.get("queues") {
-            config.io_queues = v
-                .parse::<u16>()
-                .ok()
-                .filter(|n| (1..=MAX_IO_QUEUES).contains(n))
-                .ok_or_else(|| format!("queues={v}: 1 to {MAX_IO_QUEUES} I/O queue pairs"))?;
+        if let Some(n) = p.number("entries") {
+            config.max_entries = n as u32;
         }
-        if let Some(v) = p.get("entries") {
-            config.max_entries = v
-                .parse::<u32>()
-                .ok()
-                .filter(|n| (2..=MAX_ENTRIES).contains(n))
-                .ok_or_else(|| format!("entries={v}: 2 to {MAX_ENTRIES} entries per queue"))?;
+        if let Some(v) = p.word("doorbells") {
+            config.doorbells = if v == "mmap" { DoorbellMode::Mapped } else { DoorbellMode::Message };
         }
-        if let Some(v) = p.get("doorbells") {
-            config.doorbells = match v.as_str() {
-                "message" => DoorbellMode::Message,
-                "mmap" => DoorbellMode::Mapped,
-                _ => return Err(format!("doorbells={v}: message or mmap")),
-            };
-        }
-        if let Some(v) = p.get("poll_us") {
-            let us = v
-                .parse::<u64>()
-                .ok()
-                .filter(|&n| n <= 10_000)
-                .ok_or_else(|| format!("poll_us={v}: 0 to 10000"))?;
+        if let Some(us) = p.number("poll_us") {
             config.poll = std::time::Duration::from_micros(us);
         }
-        if let Some(v) = p.get("serial") {
-            if v.is_empty() || v.len() > 20 || !v.bytes().all(|c| c.is_ascii_graphic()) {
-                return Err(format!("serial={v}: 1 to 20 printable ASCII characters"));
-            }
-            config.serial = Some(v.clone());
+        if let Some(v) = p.text("serial") {
+            config.serial = Some(v.to_string());
         }
         Ok(config)
     }
@@ -194,16 +228,6 @@ impl NvmeConfig {
             return Err(format!("{} namespaces: at most {MAX_NAMESPACES}", self.namespaces.len()));
         }
         Ok(())
-    }
-
-    /// The option names the type takes.
-    pub fn option_names() -> Vec<String> {
-        let mut names: Vec<String> = ["lba", "queues", "entries", "doorbells", "serial", "poll_us"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        names.extend((1..=MAX_NAMESPACES).map(|n| format!("ns{n}")));
-        names
     }
 }
 
@@ -478,10 +502,7 @@ impl Drop for Nvme {
     }
 }
 
-/// The `nvme` device type. Options: `ns1=ram:1G` .. `ns16=file:/path` (namespaces: a RAM
-/// disk or a host file or block device), `lba=512|4096`, `queues=4` (I/O queue pairs, 1 to
-/// 64), `entries=1024` (per queue, 2 to 4096), `doorbells=message|mmap`, `serial=`,
-/// `poll_us=50` (how long a worker watches its doorbell after a lone command before sleeping).
+/// The `nvme` device type; its options are [`NvmeConfig::option_specs`].
 pub struct NvmeType {
     pool: Arc<umdev_mdev::types::Pool>,
 }
@@ -499,7 +520,7 @@ impl umdev_mdev::types::DeviceType for NvmeType {
     }
 
     fn description(&self) -> &str {
-        "NVMe controller (NVMe 1.3): RAM or file namespaces, every command's PRP list pinned with one call (docs/nvme.md)"
+        "NVMe controller (NVMe 1.3): RAM or file namespaces, every command's PRP list pinned with one call"
     }
 
     fn available_instances(&self) -> u32 {
@@ -510,12 +531,22 @@ impl umdev_mdev::types::DeviceType for NvmeType {
         &self,
         options: &umdev_mdev::types::InstanceOptions,
     ) -> Result<Arc<dyn umdev_mdev::VfioDevice>, umdev_mdev::types::TypeError> {
-        use umdev_mdev::types::TypeError;
-        let names = NvmeConfig::option_names();
-        let names: Vec<&str> = names.iter().map(String::as_str).collect();
-        options.only(TYPE_NAME, &names)?;
-        let bad = |why: String| TypeError::BadOption { ty: TYPE_NAME.into(), why };
-        let config = NvmeConfig::from_options(options).map_err(bad)?;
+        let config = NvmeConfig::from_options(options).map_err(bad_option)?;
         self.pool.instance(TYPE_NAME, 1, || create(config))
     }
+
+    fn options(&self) -> Vec<OptionSpec> {
+        NvmeConfig::option_specs()
+    }
+
+    fn check(
+        &self,
+        options: &umdev_mdev::types::InstanceOptions,
+    ) -> Result<(), umdev_mdev::types::TypeError> {
+        NvmeConfig::from_options(options).map(drop).map_err(bad_option)
+    }
+}
+
+fn bad_option(why: String) -> umdev_mdev::types::TypeError {
+    umdev_mdev::types::TypeError::BadOption { ty: TYPE_NAME.into(), why }
 }

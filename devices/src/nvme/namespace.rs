@@ -16,21 +16,6 @@ pub enum Backing {
     File(PathBuf),
 }
 
-impl Backing {
-    /// Parses `ram:SIZE` (K, M, G suffixes) or `file:/absolute/path`.
-    pub fn parse(text: &str) -> Result<Backing, String> {
-        match text.split_once(':') {
-            Some(("ram", size)) => umdev_mdev::types::parse_size(size)
-                .filter(|&n| n > 0 && n <= 1 << 40)
-                .map(Backing::Ram)
-                .ok_or_else(|| format!("{text}: ram:SIZE, 1 byte to 1T (K, M, G suffixes)")),
-            Some(("file", path)) if path.starts_with('/') => Ok(Backing::File(PathBuf::from(path))),
-            Some(("file", _)) => Err(format!("{text}: the file must be an absolute path")),
-            _ => Err(format!("{text}: ram:SIZE or file:/PATH")),
-        }
-    }
-}
-
 /// One active namespace.
 #[derive(Debug)]
 pub struct Namespace {
@@ -93,17 +78,6 @@ impl Namespace {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn backings_parse() {
-        assert_eq!(Backing::parse("ram:1G"), Ok(Backing::Ram(1 << 30)));
-        assert_eq!(Backing::parse("file:/x/y.img"), Ok(Backing::File("/x/y.img".into())));
-        assert!(Backing::parse("file:rel.img").is_err());
-        assert!(Backing::parse("ram:0").is_err());
-        assert!(Backing::parse("ram:2000T").is_err());
-        assert!(Backing::parse("disk:1G").is_err());
-        assert!(Backing::parse("1G").is_err());
-    }
 
     #[test]
     fn a_namespace_is_whole_blocks() {

@@ -1,0 +1,117 @@
+//! What a benchmark (or the demo) would leave behind if it were stopped: its temporary
+//! directories and the `umdev run` servers it started. Each is registered while it exists;
+//! on SIGINT, SIGTERM or SIGHUP (Ctrl-C, `kill`, `timeout`) a thread stops the servers,
+//! removes the directories and exits 128 + the signal. A server also gets SIGTERM from the
+//! kernel if the benchmark dies any other way (`PR_SET_PDEATHSIG`).
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{kill, Signal};
+use nix::sys::wait::{waitpid, WaitPidFlag};
+use nix::unistd::Pid;
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+use signal_hook::iterator::Signals;
+
+#[derive(Default)]
+struct Leftovers {
+    dirs: Vec<PathBuf>,
+    children: Vec<u32>,
+}
+
+static LEFTOVERS: Mutex<Leftovers> = Mutex::new(Leftovers { dirs: Vec::new(), children: Vec::new() });
+
+/// A signal came: the cleanup thread is stopping the process.
+static STOPPING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Once a signal came, waits for the cleanup thread to end the process: what the benchmark
+/// meanwhile failed at (its server gone) is no error of its own.
+pub fn wait_if_stopping() {
+    while STOPPING.load(std::sync::atomic::Ordering::Acquire) {
+        std::thread::park();
+    }
+}
+
+fn leftovers() -> std::sync::MutexGuard<'static, Leftovers> {
+    LEFTOVERS.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Cleans up on SIGINT, SIGTERM and SIGHUP from now on (call once, before anything is made).
+pub fn install() -> Result<(), String> {
+    let mut signals =
+        Signals::new([SIGINT, SIGTERM, SIGHUP]).map_err(|e| format!("installing signal handlers: {e}"))?;
+    std::thread::Builder::new()
+        .name("umdev-cleanup".into())
+        .spawn(move || {
+            if let Some(signal) = signals.forever().next() {
+                STOPPING.store(true, std::sync::atomic::Ordering::Release);
+                let what = std::mem::take(&mut *leftovers());
+                for &pid in &what.children {
+                    stop_child(pid);
+                }
+                for dir in &what.dirs {
+                    let _ = std::fs::remove_dir_all(dir);
+                }
+                eprintln!(
+                    "umdev: signal {signal}: stopped {} server(s), removed {} temporary director(ies)",
+                    what.children.len(),
+                    what.dirs.len()
+                );
+                std::process::exit(128 + signal);
+            }
+        })
+        .map_err(|e| format!("starting the cleanup thread: {e}"))?;
+    Ok(())
+}
+
+/// SIGTERM (a `umdev run` removes its socket and exits), then SIGKILL after 5 s.
+fn stop_child(pid: u32) {
+    let pid = Pid::from_raw(pid as i32);
+    let _ = kill(pid, Signal::SIGTERM);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match waitpid(pid, Some(WaitPidFlag::WNOHANG)) {
+            Ok(nix::sys::wait::WaitStatus::StillAlive) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(10))
+            }
+            Ok(nix::sys::wait::WaitStatus::StillAlive) => {
+                let _ = kill(pid, Signal::SIGKILL);
+                let _ = waitpid(pid, None);
+                return;
+            }
+            _ => return,
+        }
+    }
+}
+
+/// Registers a temporary directory to remove on a signal.
+pub fn dir(path: &Path) {
+    leftovers().dirs.push(path.to_path_buf());
+}
+
+/// The directory is gone (or kept on purpose).
+pub fn forget_dir(path: &Path) {
+    leftovers().dirs.retain(|d| d != path);
+}
+
+/// Registers a child process to stop on a signal.
+pub fn child(pid: u32) {
+    leftovers().children.push(pid);
+}
+
+/// The child has been reaped.
+pub fn forget_child(pid: u32) {
+    leftovers().children.retain(|c| *c != pid);
+}
+
+/// Makes `command`'s process get SIGTERM when this one dies, however it dies.
+pub fn die_with_parent(command: &mut Command) {
+    // SAFETY: prctl(PR_SET_PDEATHSIG) is async-signal-safe and touches no memory of the
+    // parent, as a pre_exec closure must.
+    unsafe {
+        command.pre_exec(|| nix::sys::prctl::set_pdeathsig(Signal::SIGTERM).map_err(std::io::Error::from));
+    }
+}

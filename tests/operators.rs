@@ -1,0 +1,527 @@
+//! What an operator used to mdevctl meets, as real processes: options checked when a device
+//! is defined (with the message starting it gives), every option discoverable, `modify`,
+//! mdevctl's JSON, overrides only when asked, a dead daemon's leftovers, one daemon per
+//! directory, output into a closed pipe, files a user asks for readable by all.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::process::Stdio;
+
+use common::process::{umdev, ChildGuard, Dirs};
+
+const A: &str = "5a1e4c36-0f8e-4a5e-9d2f-00000000e001";
+const B: &str = "5a1e4c36-0f8e-4a5e-9d2f-00000000e002";
+
+fn stderr_of(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stderr).trim().to_string()
+}
+
+fn json(text: &str) -> serde_json::Value {
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+fn stop(mut daemon: ChildGuard) {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(daemon.id() as i32), nix::sys::signal::Signal::SIGTERM)
+        .unwrap();
+    assert!(daemon.wait().unwrap().success());
+}
+
+#[test]
+fn a_bad_option_fails_at_define_with_the_message_start_gives() {
+    let env = Dirs::new();
+    let daemon = env.daemon(&[]);
+    let tiny = env.path().join("tiny.img");
+    std::fs::write(&tiny, b"sixby!").unwrap();
+    let tiny_ccw = format!("file={}", tiny.display());
+    let tiny_nvme = format!("ns1=file:{}", tiny.display());
+    let cases: &[(&str, &str, &str)] = &[
+        ("nvme", "lba=3", "lba=3: one of 512, 4096"),
+        ("nvme", "foo=bar", "unknown option \"foo\" (it takes ns1..ns16, lba, queues"),
+        (
+            "nvme",
+            "ns1=file:/nonexistent/disk.img",
+            "ns1=file:/nonexistent/disk.img: /nonexistent/disk.img: No such file",
+        ),
+        ("nvme", &tiny_nvme, "6 bytes; a store has at least 4096"),
+        ("nvme", "ns1=ram:1000", "ns1=ram:1000: ram:SIZE takes a size from 4K to 1T"),
+        ("nvme", "ns1=ram:5000", "ns1=ram:5000: not a whole number of 512-byte blocks"),
+        ("nvme", "ns1=ram:1025G", "a size from 4K to 1T"),
+        ("nvme", "queues=0", "queues=0: a whole number from 1 to 64"),
+        ("ccw", "size=abc", "size=abc: a size from 4K to 64G"),
+        ("ccw", "store=file:disk.img", "store=file:disk.img: the file must be an absolute path"),
+        ("ccw", "file=disk.img", "file=disk.img: the file must be an absolute path"),
+        ("ccw", &tiny_ccw, "6 bytes; a store has at least 4096"),
+        ("ccw", "store=ram:1T", "store=ram:1T: ram:SIZE takes a size from 4K to 64G"),
+        ("mtty-1", "port1=pty", "unknown option \"port1\" (it takes backend, port0)"),
+        ("mtty-2", "backend=serial", "backend=serial: unknown backend \"serial\""),
+        ("testdev", "size=1", "unknown option \"size\": this type takes none"),
+    ];
+    for (ty, opt, want) in cases {
+        let defined = env.umdev(&["define", "-t", ty, "--opt", opt]);
+        let started = env.umdev(&["start", "-t", ty, "--opt", opt]);
+        assert!(!defined.status.success() && !started.status.success(), "{ty} {opt}");
+        assert!(stderr_of(&defined).contains(want), "{ty} {opt}: {}", stderr_of(&defined));
+        assert_eq!(stderr_of(&defined), stderr_of(&started), "{ty} {opt}: one message");
+    }
+    assert!(
+        !env.state.exists() || std::fs::read_dir(&env.state).unwrap().count() == 0,
+        "nothing was written"
+    );
+    // The T suffix, exact sizes, and the older ccw spellings are accepted.
+    env.ok(&["define", "-t", "nvme", "--opt", "ns1=ram:1T", "--opt", "ns2=ram:4096", "--opt", "lba=4096"]);
+    env.ok(&["define", "-t", "ccw", "--opt", "size=1M"]);
+    let image = env.path().join("disk.img");
+    std::fs::File::create(&image).unwrap().set_len(1 << 20).unwrap();
+    env.ok(&["define", "-t", "ccw", "--opt", &format!("store=file:{}", image.display())]);
+    assert!(env
+        .fails(&["define", "-t", "ccw", "--opt", "size=1M", "--opt", &format!("file={}", image.display())])
+        .contains("size and file name the same store"));
+    // A key given twice is refused, not the last one taken.
+    let twice = env.fails(&["define", "-t", "nvme", "--opt", "lba=512", "--opt", "lba=4096"]);
+    assert!(twice.contains("option lba given twice (lba=512 and lba=4096)"), "{twice}");
+    assert!(env.fails(&["daemon", "--max-instances", "0"]).contains("0"));
+    assert!(env
+        .fails(&["run", "-t", "testdev", "--socket", "/tmp/x.sock", "--max-dma-maps", "0"])
+        .contains("0"));
+    stop(daemon);
+}
+
+#[test]
+fn every_option_can_be_found_from_the_cli() {
+    let env = Dirs::new();
+    let types = json(&env.ok(&["types", "--json"]));
+    let verbose = env.ok(&["types", "-v"]);
+    let dir = env.path().join("man/man1");
+    env.ok(&["man", "--dir", dir.to_str().unwrap()]);
+    let define_page = std::fs::read_to_string(dir.join("umdev-define.1")).unwrap();
+    let mut keys = 0;
+    for t in types.as_array().unwrap() {
+        let name = t["name"].as_str().unwrap();
+        let one = env.ok(&["types", name]);
+        for o in t["options"].as_array().unwrap() {
+            let line = format!("{}={}", o["key"].as_str().unwrap(), o["syntax"].as_str().unwrap());
+            assert!(verbose.contains(&line) && one.contains(&line), "{name}: {line} not listed");
+            // man renders `-` as `\-`.
+            let key = o["key"].as_str().unwrap().replace('-', "\\-");
+            assert!(define_page.contains(&key), "umdev-define(1) lacks {name}'s {key}");
+            keys += 1;
+        }
+    }
+    assert!(keys >= 14, "{keys} keys");
+    assert!(
+        verbose.contains("ns1..ns16=ram:SIZE|file:/PATH") && verbose.contains("store=ram:SIZE|file:/PATH")
+    );
+    // Files asked for are readable by all; the directories made for them too.
+    for path in [dir.as_path(), dir.parent().unwrap()] {
+        assert_eq!(
+            std::fs::metadata(path).unwrap().permissions().mode() & 0o777,
+            0o755,
+            "{}",
+            path.display()
+        );
+    }
+    for page in std::fs::read_dir(&dir).unwrap() {
+        let page = page.unwrap().path();
+        assert_eq!(
+            std::fs::metadata(&page).unwrap().permissions().mode() & 0o777,
+            0o644,
+            "{}",
+            page.display()
+        );
+    }
+    // -p names umdev's one parent.
+    env.ok(&["types", "-p", "umdev"]);
+    assert!(env.fails(&["types", "-p", "0000:00:02.0"]).contains("one parent"));
+    let mdevctl = json(&env.ok(&["types", "--dumpjson"]));
+    assert!(mdevctl[0]["umdev"].as_array().unwrap().iter().any(|t| t.get("nvme").is_some()), "{mdevctl}");
+}
+
+#[test]
+fn types_are_the_daemons_and_follow_its_limit() {
+    let env = Dirs::new();
+    let none = env.umdev(&["types"]);
+    assert!(stderr_of(&none).contains("no daemon runs"), "{}", stderr_of(&none));
+    let daemon = env.daemon(&["--max-instances", "2"]);
+    let available = |ty: &str| {
+        let types = json(&env.ok(&["types", "--json"]));
+        types.as_array().unwrap().iter().find(|t| t["name"] == ty).unwrap()["available_instances"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!((available("testdev"), available("mtty-2")), (2, 2));
+    env.ok(&["start", "-t", "testdev"]);
+    assert_eq!((available("testdev"), available("nvme")), (1, 1));
+    assert!(stderr_of(&env.umdev(&["types"])).is_empty(), "a daemon answered");
+    stop(daemon);
+}
+
+#[test]
+fn modify_and_mdevctls_json() {
+    let env = Dirs::new();
+    env.ok(&["define", "-t", "nvme", "-u", A, "--opt", "ns1=ram:16M"]);
+    let state = |uuid: &str| {
+        let rows = json(&env.ok(&["list", "-d", "--json", "-u", uuid]));
+        assert_eq!(rows.as_array().unwrap().len(), 1);
+        rows[0].clone()
+    };
+    assert_eq!(state(A)["start"], "manual");
+    env.ok(&["modify", "-u", A, "--auto"]);
+    assert_eq!(state(A)["start"], "auto");
+    env.ok(&["modify", "-u", A, "--manual", "--opt", "lba=4096", "--pin-mode", "lock"]);
+    let row = state(A);
+    assert_eq!(
+        (row["start"].as_str(), row["options"]["params"]["lba"].as_str()),
+        (Some("manual"), Some("4096"))
+    );
+    assert_eq!(row["options"]["pin_mode"], "lock");
+    // Checked as define checks: the definition is left as it was.
+    assert!(env.fails(&["modify", "-u", A, "--opt", "lba=3"]).contains("lba=3: one of 512, 4096"));
+    assert!(env.fails(&["modify", "-u", A, "-t", "ccw"]).contains("unknown option \"lba\""));
+    assert!(env.fails(&["modify", "-u", A, "--delopt", "queues"]).contains("no option \"queues\""));
+    assert!(env.fails(&["modify", "-u", A]).contains("nothing to modify"));
+    assert!(env.fails(&["modify", "-u", B, "--auto"]).contains("no device"));
+    env.ok(&["modify", "-u", A, "--delopt", "lba", "--delopt", "pin_mode"]);
+    assert_eq!(state(A)["options"], json(r#"{"params": {"ns1": "ram:16M"}}"#));
+
+    // One device: mdevctl's config file format, which define --jsonfile takes back.
+    let config = env.ok(&["list", "-d", "-u", A, "--dumpjson"]);
+    assert_eq!(
+        json(&config),
+        json(r#"{"mdev_type": "nvme", "start": "manual", "attrs": [{"ns1": "ram:16M"}]}"#)
+    );
+    let copied = env.with_stdin(&["define", "-u", B, "--jsonfile", "-"], &config);
+    assert!(copied.status.success(), "{}", stderr_of(&copied));
+    assert_eq!(json(&env.ok(&["list", "-d", "-u", B, "--dumpjson"])), json(&config));
+    // All of them: [{parent: [{uuid: config}]}], filtered by type.
+    env.ok(&["define", "-t", "testdev"]);
+    let all = json(&env.ok(&["list", "-d", "--dumpjson", "-t", "nvme"]));
+    let devices = all[0]["umdev"].as_array().unwrap();
+    assert_eq!(devices.len(), 2, "{all}");
+    assert_eq!(devices[0][A]["mdev_type"], "nvme");
+    assert_eq!(env.ok(&["list", "-d", "-t", "testdev"]).lines().count(), 1);
+    // A config with a bad value, or a key twice, is refused like --opt.
+    let bad =
+        env.with_stdin(&["define", "--jsonfile", "-"], r#"{"mdev_type": "nvme", "attrs": [{"lba": "3"}]}"#);
+    assert!(stderr_of(&bad).contains("lba=3: one of 512, 4096"));
+    let twice = env.with_stdin(
+        &["define", "--jsonfile", "-"],
+        r#"{"mdev_type": "nvme", "attrs": [{"lba": "512"}, {"lba": "4096"}]}"#,
+    );
+    assert!(stderr_of(&twice).contains("given twice"));
+    // modify --jsonfile replaces the whole definition.
+    let replaced = env.with_stdin(
+        &["modify", "-u", B, "--jsonfile", "-"],
+        r#"{"mdev_type": "ccw", "start": "auto", "attrs": [{"store": "ram:1M"}]}"#,
+    );
+    assert!(replaced.status.success(), "{}", stderr_of(&replaced));
+    assert_eq!(state(B)["mdev_type"], "ccw");
+}
+
+#[test]
+fn a_defined_device_starts_as_defined_unless_overridden() {
+    let env = Dirs::new();
+    env.ok(&["define", "-t", "nvme", "-u", A, "--opt", "ns1=ram:16M"]);
+    let daemon = env.daemon(&[]);
+    let extra = env.fails(&["start", "-u", A, "--opt", "queues=2"]);
+    assert!(extra.contains("is defined") && extra.contains("--override"), "{extra}");
+    assert!(env.fails(&["start", "-u", A, "--pin-mode", "lock"]).contains("--override"));
+    assert!(env
+        .fails(&["start", "-u", A, "-t", "ccw"])
+        .contains(&format!("{A} is defined as a nvme device, not ccw")));
+    let started = env.ok(&["start", "-u", A, "-t", "nvme", "--override", "--opt", "queues=2"]);
+    assert_eq!(started.lines().nth(1).map(str::trim), Some("over its definition: queues=2"), "{started}");
+    let running = json(&env.ok(&["list", "--json", "-u", A]));
+    assert_eq!(running[0]["options"]["params"], json(r#"{"ns1": "ram:16M", "queues": "2"}"#));
+    let defined = json(&env.ok(&["list", "-d", "--json"]));
+    assert_eq!(
+        (defined[0]["state"].as_str(), defined[0]["overrides"]["params"]["queues"].as_str()),
+        (Some("running"), Some("2"))
+    );
+    assert!(env.ok(&["list", "-d"]).contains("started with queues=2 over its definition"));
+    // Plain starts of it say nothing of overrides.
+    env.ok(&["stop", "-u", A]);
+    assert_eq!(env.ok(&["start", "-u", A]).lines().count(), 1);
+    stop(daemon);
+}
+
+#[test]
+fn a_definition_that_did_not_start_says_why_and_a_stopped_one_is_stopped() {
+    let env = Dirs::new();
+    env.ok(&["define", "-t", "testdev", "-u", A, "--auto"]);
+    env.ok(&["define", "-t", "testdev", "-u", B, "--auto"]);
+    // Room for one: the other auto definition cannot start.
+    let daemon = env.daemon(&["--max-instances", "1"]);
+    let rows = json(&env.ok(&["list", "-d", "--json"]));
+    let state = |uuid: &str| rows.as_array().unwrap().iter().find(|r| r["uuid"] == uuid).unwrap().clone();
+    assert_eq!(state(A)["state"], "running");
+    assert_eq!(state(B)["state"], "not-started");
+    assert!(state(B)["error"].as_str().unwrap().contains("maximum of 1 instances"), "{}", state(B));
+    assert!(env
+        .ok(&["list", "-d"])
+        .contains("not-started  (out of sync: defined with --auto but not running: the daemon"));
+    // Stopped on purpose, an auto definition is stopped, not out of sync; B now starts.
+    env.ok(&["stop", "-u", A]);
+    env.ok(&["start", "-u", B]);
+    let rows = json(&env.ok(&["list", "-d", "--json"]));
+    let states: Vec<&str> = rows.as_array().unwrap().iter().map(|r| r["state"].as_str().unwrap()).collect();
+    assert_eq!(states, ["stopped", "running"]);
+    assert!(rows[1].get("error").is_none(), "a start clears the last error");
+    // start --jsonfile: a transient device from mdevctl's config.
+    env.ok(&["stop", "-u", B]);
+    let config = r#"{"mdev_type": "ccw", "attrs": [{"store": "ram:1M"}, {"subchannels": "2"}]}"#;
+    let started = env.with_stdin(&["start", "--jsonfile", "-"], config);
+    assert!(started.status.success(), "{}", stderr_of(&started));
+    let running = json(&env.ok(&["list", "--json", "-t", "ccw"]));
+    assert_eq!(running[0]["options"]["params"], json(r#"{"store": "ram:1M", "subchannels": "2"}"#));
+    stop(daemon);
+}
+
+#[test]
+fn an_unusable_definition_is_listed_as_invalid_and_can_be_undefined() {
+    let env = Dirs::new();
+    env.ok(&["define", "-t", "testdev", "-u", A, "--auto"]);
+    // A copy under another name: its file and its content disagree.
+    std::fs::copy(env.state.join(format!("{A}.json")), env.state.join(format!("{B}.json"))).unwrap();
+    let rows = json(&env.ok(&["list", "-d", "--json"]));
+    let b = rows.as_array().unwrap().iter().find(|r| r["uuid"] == B).unwrap();
+    assert_eq!(b["state"], "invalid");
+    assert!(b["error"].as_str().unwrap().contains(&format!("it holds UUID {A}")), "{b}");
+    let daemon = env.daemon(&[]);
+    assert!(env.fails(&["start", "-u", B]).contains("holds UUID"));
+    let text = env.ok(&["list", "-d"]);
+    assert!(
+        text.contains(&format!("{B} - - invalid  (out of sync: it cannot be started: definition")),
+        "{text}"
+    );
+    env.ok(&["undefine", "-u", B]);
+    assert_eq!(json(&env.ok(&["list", "-d", "--json"])).as_array().unwrap().len(), 1);
+    stop(daemon);
+}
+
+#[test]
+fn a_dead_daemons_sockets_are_named_and_removed_and_one_daemon_holds_its_directories() {
+    let env = Dirs::new();
+    let mut daemon = env.daemon(&[]);
+    let started = env.ok(&["start", "-t", "testdev", "-u", A]);
+    let socket = env.run.join(format!("{A}.sock"));
+    assert!(started.contains(socket.to_str().unwrap()));
+    // A second daemon on the same directories is refused, naming the first.
+    let second = env.umdev(&["daemon"]);
+    assert!(
+        stderr_of(&second).contains(&format!("another umdev daemon (pid {})", daemon.id())),
+        "{}",
+        stderr_of(&second)
+    );
+    let other_run = env.path().join("run2");
+    let other = umdev()
+        .args([
+            "--run-dir",
+            other_run.to_str().unwrap(),
+            "--state-dir",
+            env.state.to_str().unwrap(),
+            "daemon",
+        ])
+        .output()
+        .unwrap();
+    assert!(stderr_of(&other).contains("already uses the definitions in"), "{}", stderr_of(&other));
+
+    daemon.kill().unwrap();
+    daemon.wait().unwrap();
+    assert!(socket.exists() && env.run.join("control.sock").exists(), "SIGKILL leaves the sockets");
+    let list = env.fails(&["list"]);
+    assert!(list.contains("stale control socket"), "{list}");
+    let daemon = env.daemon(&[]);
+    assert!(!socket.exists(), "the dead daemon's instance socket is removed");
+    let log = std::fs::read_to_string(env.log()).unwrap();
+    assert!(log.contains("removed 2 stale socket(s)"), "{log}");
+    assert_eq!(env.ok(&["list"]), "");
+    stop(daemon);
+}
+
+/// `umdev <args>` writing into a pipe nobody reads any more (`umdev ... | head -0`): it must
+/// end quietly with status 0.
+fn into_a_closed_pipe(env: &Dirs, args: &[&str]) {
+    let (read, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
+    drop(read);
+    let out = umdev()
+        .arg("--run-dir")
+        .arg(&env.run)
+        .arg("--state-dir")
+        .arg(&env.state)
+        .args(args)
+        .stdout(Stdio::from(write))
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "umdev {args:?} into a closed pipe: {} {}", out.status, stderr_of(&out));
+    assert!(!stderr_of(&out).contains("panicked"), "{}", stderr_of(&out));
+}
+
+#[test]
+fn a_closed_stdout_ends_a_command_quietly() {
+    let env = Dirs::new();
+    env.ok(&["define", "-t", "testdev", "-u", A]);
+    for args in [&["types", "-v"][..], &["list", "-d"], &["completions", "bash"], &["man"], &["--help"]] {
+        into_a_closed_pipe(&env, args);
+    }
+    let daemon = env.daemon(&[]);
+    env.ok(&["start", "-u", A]);
+    for args in [&["list"][..], &["list", "--json"], &["stats", "-u", A], &["types", "--json"]] {
+        into_a_closed_pipe(&env, args);
+    }
+    stop(daemon);
+}
+
+#[test]
+fn umdev_run_prints_journal_lines_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("m.sock");
+    let mut child = common::process::run_with_stderr(
+        &socket,
+        &["--log-format", "journal", "-t", "mtty-1", "--opt", "backend=pty"],
+        Stdio::piped(),
+    );
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM)
+        .unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(child.wait().unwrap().success());
+    let lines: Vec<&str> = err.lines().collect();
+    assert!(lines.len() >= 5, "{err}");
+    for line in &lines {
+        assert!(
+            line.starts_with("<6>") || line.starts_with("<4>") || line.starts_with("<3>"),
+            "{line:?} in {err}"
+        );
+    }
+    assert!(err.contains("<6>  port 0: pty /dev/pts/") && err.contains("on exit: {"), "{err}");
+}
+
+#[cfg(feature = "bench")]
+mod benches {
+    use std::path::Path;
+    use std::time::{Duration, Instant};
+
+    use super::*;
+
+    #[test]
+    fn the_demo_into_a_closed_pipe_cleans_up() {
+        let env = Dirs::new();
+        into_a_closed_pipe(&env, &["demo"]);
+        let left: Vec<String> = std::fs::read_dir(std::env::temp_dir())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().to_string())
+            .filter(|n| n.starts_with("umdev-demo-"))
+            .filter(|n| {
+                let pid: i32 = n.trim_start_matches("umdev-demo-").parse().unwrap_or(0);
+                // Ours, or another's that is gone: a demo running now may hold its own.
+                !Path::new(&format!("/proc/{pid}")).exists()
+            })
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
+    }
+
+    #[test]
+    fn a_benchmark_refuses_nothing_to_do() {
+        let env = Dirs::new();
+        let only = env.fails(&["nvmebench", "--only", "bogus"]);
+        assert!(only.contains("selects no workload (they are 4k-randread"), "{only}");
+        assert!(env.fails(&["pinbench", "--rounds", "0"]).contains("0"));
+        assert!(env.fails(&["pinbench", "--threads", "1,0"]).contains("0"));
+        assert!(env.fails(&["ccwbench", "--mode", "pinned"]).contains("pinned"));
+        // The server under test refuses its options: its own words come through.
+        let refused = env.fails(&["nvmebench", "--quick", "--opt", "lba=3"]);
+        assert!(refused.contains("bad option for type nvme: lba=3: one of 512, 4096"), "{refused}");
+    }
+
+    /// The pids of `pid`'s children.
+    fn children(pid: u32) -> Vec<u32> {
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .collect()
+    }
+
+    #[test]
+    fn a_stopped_benchmark_leaves_no_server_and_no_directory() {
+        use std::io::BufRead;
+        for signal in [nix::sys::signal::Signal::SIGINT, nix::sys::signal::Signal::SIGTERM] {
+            let mut bench = ChildGuard(
+                umdev()
+                    .args(["nvmebench", "--quick"])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap(),
+            );
+            let pid = bench.id();
+            let mut lines = std::io::BufReader::new(bench.stderr.take().unwrap()).lines();
+            // Progress shows on stderr while it runs; by the second step both servers run.
+            let mut seen = Vec::new();
+            while !seen.iter().any(|l: &String| l.contains("[2/")) {
+                seen.push(lines.next().expect("progress lines").unwrap());
+            }
+            assert!(seen[0].starts_with("umdev nvmebench: [1/"), "{seen:?}");
+            let servers = children(pid);
+            assert_eq!(servers.len(), 2, "two umdev run servers");
+            let dir = std::env::temp_dir().join(format!("umdev-nvmebench-{pid}"));
+            assert!(dir.exists());
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal).unwrap();
+            let rest: Vec<String> = lines.map_while(Result::ok).collect();
+            let status = bench.wait().unwrap();
+            assert_eq!(status.code(), Some(128 + signal as i32), "{rest:?}");
+            assert!(!dir.exists(), "{} left behind", dir.display());
+            // The servers are gone (reaped by the benchmark, or by init once it exited).
+            let deadline = Instant::now() + Duration::from_secs(20);
+            for server in servers {
+                while Path::new(&format!("/proc/{server}")).exists()
+                    && std::fs::read_to_string(format!("/proc/{server}/stat"))
+                        .is_ok_and(|s| !s.contains(") Z "))
+                {
+                    assert!(Instant::now() < deadline, "server {server} still runs");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_benchmark_draws_a_bar_on_a_terminal() {
+        use std::io::Read;
+        let pty = nix::pty::openpty(None, None).unwrap();
+        let mut bench = ChildGuard(
+            umdev()
+                .args(["ccwbench", "--quick", "--mode", "track"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::from(pty.slave))
+                .spawn()
+                .unwrap(),
+        );
+        // The terminal's other end, until the benchmark closes its side (EIO).
+        let mut master = std::fs::File::from(pty.master);
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = master.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            seen.extend_from_slice(&buf[..n]);
+        }
+        assert!(bench.wait().unwrap().success());
+        let seen = String::from_utf8_lossy(&seen);
+        assert!(seen.contains("ccwbench [") && seen.contains("track:"), "{seen:?}");
+        assert!(!seen.contains("umdev ccwbench: [1/"), "lines are for logs, not terminals: {seen:?}");
+    }
+
+    #[test]
+    fn pinbench_writes_a_picture_everyone_can_read_and_stops_at_a_closed_pipe() {
+        let env = Dirs::new();
+        let svg = env.path().join("grid.svg");
+        env.ok(&["pinbench", "--rounds", "1", "--batch-us", "1", "--svg", svg.to_str().unwrap()]);
+        assert_eq!(std::fs::metadata(&svg).unwrap().permissions().mode() & 0o777, 0o644);
+        into_a_closed_pipe(&env, &["pinbench", "--rounds", "1", "--batch-us", "1", "--json"]);
+    }
+}
