@@ -113,7 +113,7 @@ impl RegionInfo {
 /// DEVICE_GET_IRQ_INFO's answer for one index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IrqInfo {
-    /// Flags.
+    /// How the index's vectors are signalled and masked.
     pub flags: IrqFlags,
     /// Vectors in the index (0: not supported).
     pub count: u32,
@@ -150,13 +150,13 @@ pub enum IrqData {
 pub struct SetIrqs {
     /// IRQ index (`VFIO_PCI_*_IRQ_INDEX`).
     pub index: u32,
-    /// First vector.
+    /// First vector named.
     pub start: u32,
-    /// Vectors named.
+    /// Vectors named, from `start`.
     pub count: u32,
-    /// What to do.
+    /// What is done to them.
     pub action: IrqAction,
-    /// With what.
+    /// Which of them, or the eventfds they signal.
     pub data: IrqData,
 }
 

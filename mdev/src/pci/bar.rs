@@ -68,11 +68,6 @@ impl Bar {
         self.size
     }
 
-    /// Whether it is marked prefetchable.
-    pub fn is_prefetchable(&self) -> bool {
-        self.prefetchable
-    }
-
     /// Whether it decodes I/O space.
     pub fn is_io(&self) -> bool {
         self.kind == BarKind::Io

@@ -19,7 +19,7 @@ pub enum Access {
     ReadOnly,
     /// Writes reach the register; reads return 0.
     WriteOnly,
-    /// Both.
+    /// Reads see the register and writes reach it.
     ReadWrite,
 }
 
@@ -31,7 +31,7 @@ pub struct Reg<K> {
     pub key: K,
     /// Offset of the first register.
     pub offset: u64,
-    /// Access rules.
+    /// What the guest may do with it.
     pub access: Access,
     /// Registers in the array (1 for a plain register).
     pub count: u32,
