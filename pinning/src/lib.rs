@@ -39,30 +39,37 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![deny(missing_docs)]
 
+mod account;
+mod budget;
+mod counters;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
-mod lock;
 mod mapping;
 mod mmap;
 pub mod page;
+mod page_counts;
 mod pin;
 mod reaper;
+mod record;
+mod run;
+mod run_scan;
+mod shard;
+mod shard_table;
 mod sigbus;
-mod slot_lock;
-mod slots;
 mod space;
+mod spin;
 pub mod sync;
-mod table;
 
-pub use lock::{has_cap_ipc_lock, process_lock_limit, LockAccount, OverLimit, PinMode};
+pub use account::{has_cap_ipc_lock, process_lock_limit, LockAccount, OverLimit, PinMode};
 pub use mmap::{process_mapping_limit, process_mappings, set_process_mapping_limit, Backing, MmapError};
 pub use page::{Prot, PAGE_SHIFT, PAGE_SIZE};
-pub use pin::{AccessError, PinError, PinnedPages, PinnedRun, Segment, UnpinError};
+pub use page_counts::{CHUNK_BYTES, CHUNK_PAGES, MAX_PIN_COUNT};
+pub use pin::{AccessError, PinError, PinnedPages, UnpinError};
+pub use run::{PinnedRun, Segment};
 pub use sigbus::recovered_faults;
 pub use space::{
     DmaSpace, DmaSpaceConfig, DmaStats, MapError, MappingInfo, UnmapError, UnmapNotifier, Unmapped,
 };
-pub use table::{CHUNK_BYTES, CHUNK_PAGES, MAX_PIN_COUNT};
 
 #[cfg(test)]
 pub(crate) mod testutil {

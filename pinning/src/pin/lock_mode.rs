@@ -1,0 +1,191 @@
+//! Lock mode: per-page counts under the mappings' locks.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use smallvec::SmallVec;
+
+use super::guard::{HoldWord, PinnedPages};
+use super::plan::Plan;
+use super::PinError;
+use crate::mapping::{Mapping, MappingPins, MappingState, Released, RunFailure};
+use crate::page::PAGE_SHIFT;
+use crate::run::PinnedRun;
+use crate::space::DmaSpace;
+use crate::spin::SlotGuard;
+
+/// The locks of a plan's mappings, taken in mapping-id order, indexed by slot.
+pub(crate) enum Locked<'a> {
+    /// The usual plan: one mapping.
+    One(SlotGuard<'a, MappingPins>),
+    /// Any other number of mappings.
+    Many(SmallVec<[Option<SlotGuard<'a, MappingPins>>; 2]>),
+}
+
+impl<'a> Locked<'a> {
+    pub(crate) fn take(mappings: &'a [Arc<Mapping>]) -> Self {
+        if let [only] = mappings {
+            return Locked::One(only.lock());
+        }
+        let mut guards: SmallVec<[Option<SlotGuard<'a, MappingPins>>; 2]> =
+            mappings.iter().map(|_| None).collect();
+        let mut order: SmallVec<[usize; 4]> = (0..mappings.len()).collect();
+        order.sort_unstable_by_key(|&slot| mappings[slot].id);
+        for slot in order {
+            guards[slot] = Some(mappings[slot].lock());
+        }
+        Locked::Many(guards)
+    }
+
+    pub(crate) fn get(&mut self, slot: usize) -> &mut MappingPins {
+        match self {
+            Locked::One(guard) => {
+                debug_assert_eq!(slot, 0, "a one-mapping plan has slot 0 only");
+                guard
+            }
+            Locked::Many(guards) => guards[slot].as_mut().expect("every slot is locked"),
+        }
+    }
+}
+
+/// Removes one pin per page of `runs` (all known to be pinned), then munlocks and refunds.
+/// Returns the pins removed.
+pub(crate) fn unpin_runs(mappings: &[Arc<Mapping>], locked: &mut Locked<'_>, runs: &[PinnedRun]) -> u64 {
+    if let [mapping] = mappings {
+        // The usual plan: one mapping, one list of sub-runs to munlock.
+        let pins = locked.get(0);
+        let mut released = Released::new();
+        let removed = runs.iter().rev().map(|run| unpin_run_of(mapping, pins, run, &mut released)).sum();
+        mapping.release(pins, &released);
+        return removed;
+    }
+    let mut released: SmallVec<[Released; 2]> = mappings.iter().map(|_| Released::new()).collect();
+    let mut removed = 0u64;
+    for run in runs.iter().rev() {
+        removed +=
+            unpin_run_of(&mappings[run.slot()], locked.get(run.slot()), run, &mut released[run.slot()]);
+    }
+    for (slot, m) in mappings.iter().enumerate() {
+        m.release(locked.get(slot), &released[slot]);
+    }
+    removed
+}
+
+/// [`unpin_runs`] for one run, in its mapping; the pins removed.
+fn unpin_run_of(mapping: &Mapping, pins: &mut MappingPins, run: &PinnedRun, released: &mut Released) -> u64 {
+    let first = run.page_in(mapping);
+    if mapping.try_unpin_run(pins, first, run.npages(), released).is_ok() {
+        return run.npages();
+    }
+    // Someone unpinned pages this guard owns (unpin_pages on pins it did not take).
+    // Release what is still pinned, page by page, rather than underflow a count.
+    log::error!("pins of the run at IOVA {:#x} were released behind its guard", run.iova);
+    let mut removed = 0;
+    for page in first..first + run.npages() {
+        if pins.table.count(page) > 0 {
+            mapping.unpin_run(pins, page, 1, released);
+            removed += 1;
+        }
+    }
+    removed
+}
+
+/// The error of `run` (in `mapping`) failing at a page of the mapping.
+fn run_error(run: &PinnedRun, mapping: &Mapping, failure: RunFailure) -> PinError {
+    let first = run.page_in(mapping);
+    let at = |page: u64| (run.index() + (page - first) as usize, (run.iova >> PAGE_SHIFT) + (page - first));
+    match failure {
+        RunFailure::Overflow { page } => {
+            let (index, pfn) = at(page);
+            PinError::CountOverflow { index, pfn }
+        }
+        RunFailure::OverLimit { page, over } => {
+            let (index, pfn) = at(page);
+            PinError::LockLimit { index, pfn, over }
+        }
+        RunFailure::Lock { page, error } => {
+            let (index, pfn) = at(page);
+            PinError::Lock { index, pfn, source: error }
+        }
+        RunFailure::Unmapping { page } => {
+            let (index, pfn) = at(page);
+            PinError::Unmapping { index, pfn }
+        }
+    }
+}
+
+impl DmaSpace {
+    /// Lock mode: reserves the plan's pins from its first mapping's stock and pins its runs,
+    /// all under its mappings' locks; the counters go there too (no shared atomic per call
+    /// but the lock account's).
+    pub(super) fn apply(&self, plan: Result<Box<Plan>, PinError>) -> Result<PinnedPages, PinError> {
+        let plan = plan.inspect_err(|_| {
+            self.counters().pin_failures.fetch_add(1, Ordering::Relaxed);
+        })?;
+        let policy = &self.inner.policy;
+        let mut locked = Locked::take(&plan.mappings);
+        if policy.reserve_in(locked.get(0), plan.pages).is_err() {
+            // Short: take back every mapping's unused stock, each lock alone, and try again.
+            drop(locked);
+            self.reclaim_mapping_stocks();
+            locked = Locked::take(&plan.mappings);
+            if let Err(held) = policy.reserve_in(locked.get(0), plan.pages) {
+                drop(locked);
+                self.counters().pin_failures.fetch_add(1, Ordering::Relaxed);
+                let requested = plan.pages;
+                Plan::recycle(plan);
+                return Err(PinError::PinLimit { requested, held, max: policy.max_pins });
+            }
+        }
+        match Self::pin_runs(&plan, &mut locked) {
+            Ok(()) => {
+                let counts = &mut locked.get(0).counts;
+                counts.pin_calls += 1;
+                counts.runs += plan.runs.len() as u64;
+                counts.pages += plan.pages;
+                drop(locked);
+                Ok(PinnedPages { hold: HoldWord::counted(plan) })
+            }
+            Err(e) => {
+                policy.restock(locked.get(0), plan.pages);
+                drop(locked);
+                self.counters().pin_failures.fetch_add(1, Ordering::Relaxed);
+                Plan::recycle(plan);
+                Err(e)
+            }
+        }
+    }
+
+    /// Gives every mapping's unused lock-mode stock back to the space's count.
+    #[cold]
+    fn reclaim_mapping_stocks(&self) {
+        let mappings: Vec<Arc<Mapping>> = self.read_table().values().cloned().collect();
+        for m in mappings {
+            let mut pins = m.lock();
+            self.inner.policy.give(std::mem::take(&mut pins.stock));
+        }
+    }
+
+    fn pin_runs(plan: &Plan, locked: &mut Locked<'_>) -> Result<(), PinError> {
+        // A mapping may have left the table (or started leaving) between planning and
+        // locking; report the first entry affected.
+        for run in &plan.runs {
+            let pfn = run.iova >> PAGE_SHIFT;
+            match plan.mappings[run.slot()].state() {
+                MappingState::Live => {}
+                MappingState::Unmapping => return Err(PinError::Unmapping { index: run.index(), pfn }),
+                MappingState::Removed => return Err(PinError::NotMapped { index: run.index(), pfn }),
+            }
+        }
+        for (done, run) in plan.runs.iter().enumerate() {
+            let mapping = &plan.mappings[run.slot()];
+            if let Err(failure) = mapping.pin_run(locked.get(run.slot()), run.page_in(mapping), run.npages())
+            {
+                // The call's reservation is returned whole by the caller.
+                unpin_runs(&plan.mappings, locked, &plan.runs[..done]);
+                return Err(run_error(run, mapping, failure));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,215 @@
+//! Track-mode records: the runs of a call, owned by a slot while its guard lives.
+
+use std::cell::UnsafeCell;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use crate::mapping::Mapping;
+use crate::page::Prot;
+use crate::run::PinnedRun;
+use crate::space::SpaceInner;
+
+/// The runs of one track-mode pin call, owned by the slot it was pinned from while its
+/// guard lives. Immutable from publication to retirement, so the guard reads it unlocked.
+#[derive(Debug, Default)]
+pub(crate) struct Record {
+    /// The runs, in call order (`PinnedRun::slot` indexes `mappings`). A plain Vec: records
+    /// are reused, so it keeps its capacity and a push is a store.
+    pub(crate) runs: Vec<PinnedRun>,
+    /// The mappings the runs lie in. Valid while the record is live: an unmap does not
+    /// remove a mapping a live record names, and `abandon_all` keeps such mappings with the
+    /// space, which outlives its records.
+    pub(crate) mappings: Vec<NonNull<Mapping>>,
+    /// Pages pinned (entries of the call).
+    pub(crate) pages: u64,
+    /// The guard's space, slot and access (set at publication).
+    pub(crate) owner: Owner,
+    /// Position in the slot's `live` list. Changed (under the slot's lock) when another
+    /// record retires, while this record's guard may be reading the record on another
+    /// thread: hence through a shared reference, as an atomic.
+    pub(crate) at: AtomicUsize,
+}
+
+impl Record {
+    /// The record as its guard and the slot's readers see it.
+    pub(crate) fn view(&self) -> RecordRef<'_> {
+        RecordRef { runs: &self.runs, mappings: &self.mappings, pages: self.pages }
+    }
+}
+
+/// What a guard keeps in its record rather than in itself, so that the guard is one word:
+/// the space and slot that published the record, and the access the pages were pinned for.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Owner {
+    pub(crate) space: NonNull<SpaceInner>,
+    pub(crate) slot: usize,
+    pub(crate) prot: Prot,
+}
+
+impl Default for Owner {
+    /// No owner yet: a record before its first publication.
+    fn default() -> Self {
+        Owner { space: NonNull::dangling(), slot: 0, prot: Prot::empty() }
+    }
+}
+
+/// A record of a call whose runs all lie in one mapping and number at most [`SMALL_RUNS`]
+/// (every single page, every range inside one mapping, short IDAW and PRP lists): written in
+/// place in a slot's fixed array, no list to grow or clear.
+///
+/// Its guard usually lets go of it without the slot's lock: it clears `live` (after which
+/// it touches nothing of the space), and the slot reclaims the entry, its pins and its
+/// counts the next time it looks under its lock (when its free set runs out, when it is
+/// read, or near the pin limit). Readers of a slot's records skip entries no longer live.
+#[derive(Debug)]
+pub(crate) struct SmallRecord {
+    /// The mapping of every run, kept valid as `Record::mappings` is while `live`.
+    pub(crate) mapping: NonNull<Mapping>,
+    /// Pages pinned (entries of the call).
+    pub(crate) pages: u64,
+    /// True from publication until the guard lets go (release order: everything the guard
+    /// did with the pages happens before a reader sees it false).
+    pub(crate) live: AtomicBool,
+    /// Runs used.
+    pub(crate) len: u8,
+    /// The entry's position in the slot's array (fixed).
+    pub(crate) at: u32,
+    /// The guard's space, slot and access (set at publication).
+    pub(crate) owner: Owner,
+    /// The runs, in call order (`slot` 0: `mapping`).
+    pub(crate) runs: [PinnedRun; SMALL_RUNS],
+}
+
+/// Most pins a slot keeps in small records (see `Slot::small_pins`).
+pub(crate) const SMALL_PINS: u64 = crate::budget::PIN_STOCK;
+
+/// Most runs a [`SmallRecord`] holds.
+pub(crate) const SMALL_RUNS: usize = 8;
+
+impl SmallRecord {
+    /// The guard's space, slot and access.
+    pub(crate) fn owner(&self) -> Owner {
+        self.owner
+    }
+
+    /// The mapping of the runs (valid while the entry is live).
+    pub(crate) fn mapping(&self) -> &Mapping {
+        // SAFETY: a live entry's mapping stays allocated (see `Record::mappings`).
+        unsafe { self.mapping.as_ref() }
+    }
+
+    /// True until the guard lets go.
+    pub(crate) fn is_live(&self) -> bool {
+        self.live.load(Ordering::Acquire)
+    }
+
+    /// The guard lets go of the entry without its slot's lock; the slot reclaims it later.
+    /// Through a pointer, borrowing only the flag: from the store on, the slot may rewrite
+    /// the entry, or the space and the array may go.
+    ///
+    /// # Safety
+    /// `entry` is a live entry of its slot, whose guard calls this once, holds no reference
+    /// to it across the call and touches neither it nor its space afterwards.
+    pub(crate) unsafe fn release(entry: NonNull<SmallRecord>) {
+        // SAFETY: the entry is allocated until this store (per the contract, it is live);
+        // only the atomic flag is borrowed, and only for the store.
+        unsafe { (*std::ptr::addr_of!((*entry.as_ptr()).live)).store(false, Ordering::Release) };
+    }
+
+    /// The record as its guard and the slot's readers see it.
+    pub(crate) fn view(&self) -> RecordRef<'_> {
+        RecordRef {
+            runs: &self.runs[..usize::from(self.len)],
+            mappings: std::slice::from_ref(&self.mapping),
+            pages: self.pages,
+        }
+    }
+
+    /// Fills run `k` (the caller planned the call in `mapping`).
+    #[inline(always)]
+    pub(crate) fn set_run(&mut self, k: usize, run: PinnedRun) {
+        self.runs[k] = run;
+    }
+}
+
+/// Entries of a slot's small-record array (its free set is one word).
+pub(crate) const SMALL_RECORDS: usize = 64;
+
+/// A slot's small records, apart from the slot so that a guard reading its entry never
+/// aliases the `&mut Slot` of a thread pinning into another entry.
+pub(crate) type SmallRecords = [UnsafeCell<SmallRecord>; SMALL_RECORDS];
+
+/// A live record of either kind, as a guard holds it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum RecordPtr {
+    /// A boxed record of any runs.
+    Boxed(NonNull<Record>),
+    /// An entry of the slot's small-record array.
+    Small(NonNull<SmallRecord>),
+}
+
+impl RecordPtr {
+    /// The record's owner (see [`Owner`]).
+    ///
+    /// # Safety
+    /// The record is live (published and not retired).
+    pub(crate) unsafe fn owner(self) -> Owner {
+        match self {
+            // SAFETY: per the contract.
+            RecordPtr::Boxed(r) => unsafe { r.as_ref() }.owner,
+            // SAFETY: per the contract.
+            RecordPtr::Small(r) => unsafe { r.as_ref() }.owner,
+        }
+    }
+
+    /// The record.
+    ///
+    /// # Safety
+    /// The record is live (published and not retired) for as long as the view is used.
+    pub(crate) unsafe fn view<'a>(self) -> RecordRef<'a> {
+        match self {
+            // SAFETY: live records are valid and immutable until retired (the contract).
+            RecordPtr::Boxed(r) => unsafe { r.as_ref() }.view(),
+            // SAFETY: as above; a live entry is written only before it is published.
+            RecordPtr::Small(r) => unsafe { r.as_ref() }.view(),
+        }
+    }
+}
+
+/// What a live record holds, of either kind.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RecordRef<'a> {
+    /// The runs, in call order (`PinnedRun::slot` indexes `mappings`).
+    pub(crate) runs: &'a [PinnedRun],
+    /// The mappings the runs lie in (see `Record::mappings`).
+    mappings: &'a [NonNull<Mapping>],
+    /// Pages pinned (entries of the call).
+    pub(crate) pages: u64,
+}
+
+impl<'a> RecordRef<'a> {
+    /// The mapping of run slot `i`.
+    pub(crate) fn mapping(&self, i: usize) -> &'a Mapping {
+        // SAFETY: a live record's mappings stay allocated (see `Record::mappings`): for the
+        // guard, until it retires or releases the record; for a reader of the slot's records,
+        // while it holds the slot's lock (a small record seen live may be released meanwhile,
+        // but whatever frees a mapping first marks it and then scans this slot under that
+        // lock). A record being filled is asked only by the pin call filling it, under its
+        // slot's lock, with pointers it just took from the table, which cannot change.
+        unsafe { self.mappings[i].as_ref() }
+    }
+
+    /// The mappings the runs lie in.
+    pub(crate) fn mappings(&self) -> impl Iterator<Item = &'a Mapping> + 'a {
+        // SAFETY: as in `mapping`.
+        self.mappings.iter().map(|m| unsafe { m.as_ref() })
+    }
+
+    /// Pins this record holds in `m`.
+    pub(crate) fn pins_in(&self, m: &Mapping) -> u64 {
+        let Some(slot) = self.mappings.iter().position(|p| std::ptr::eq(p.as_ptr(), m)) else {
+            return 0;
+        };
+        self.runs.iter().filter(|r| r.slot() == slot).map(|r| r.npages()).sum()
+    }
+}
