@@ -1,4 +1,4 @@
-//! Locked-memory accounting: the budget lock-mode pins draw on.
+//! MappingGuards-memory accounting: the budget lock-mode pins draw on.
 //!
 //! Like the kernel's `vfio_lock_acct`, a page is charged once when its pin count goes from
 //! 0 to 1 and refunded at 1 to 0, and a run is checked against the limit before it is

@@ -6,16 +6,16 @@ use std::sync::Arc;
 use crate::account::{LockAccount, PinMode};
 use crate::counters::{Counters, LockCounts};
 use crate::mapping::MappingPins;
-use crate::shard::PerSlot;
+use crate::shard::PerShard;
 
 /// How the mappings of one space pin, and what they count: shared by all of them.
 #[derive(Debug)]
 pub(crate) struct PinPolicy {
     pub(crate) mode: PinMode,
     pub(crate) account: Arc<LockAccount>,
-    /// Counters, one set per thread slot, summed when read.
-    pub(crate) counters: PerSlot<Counters>,
-    /// Pins held across the space plus the unused stock of its track-mode slots and of its
+    /// Counters, one set per thread shard, summed when read.
+    pub(crate) counters: PerShard<Counters>,
+    /// Pins held across the space plus the unused stock of its track-mode shards and of its
     /// mappings (lock mode), against `max_pins`.
     pub(crate) held: crossbeam::utils::CachePadded<AtomicU64>,
     pub(crate) max_pins: u64,
@@ -25,7 +25,7 @@ pub(crate) struct PinPolicy {
     pub(crate) departures: AtomicU64,
 }
 
-/// Pins a slot (track mode) or a mapping (lock mode) reserves from the space's count at a time.
+/// Pins a shard (track mode) or a mapping (lock mode) reserves from the space's count at a time.
 pub(crate) const PIN_STOCK: u64 = 4096;
 
 impl PinPolicy {
@@ -33,7 +33,7 @@ impl PinPolicy {
         PinPolicy {
             mode,
             account,
-            counters: PerSlot::default(),
+            counters: PerShard::default(),
             held: Default::default(),
             max_pins,
             departures: AtomicU64::new(0),

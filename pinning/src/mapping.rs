@@ -17,8 +17,8 @@ use crate::budget::PinPolicy;
 use crate::counters::LockCounts;
 use crate::mmap::HostMemory;
 use crate::page::{iova_of, Prot, PAGE_SIZE};
-use crate::page_counts::PinTable;
-use crate::spin::{SlotGuard, SlotLock};
+use crate::page_counts::PageCounts;
+use crate::spin::{SpinGuard, SpinLock};
 
 /// Where a mapping is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,7 +46,7 @@ impl MappingState {
 /// because they hold this lock anyway.
 #[derive(Debug, Default)]
 pub(crate) struct MappingPins {
-    pub(crate) table: PinTable,
+    pub(crate) page_counts: PageCounts,
     /// Pins reserved from the space's limit and not used yet, for lock-mode calls whose first
     /// run lies here: such a call takes its pins from here and gives them back here, touching
     /// the space's shared count once per [`PIN_STOCK`] pins.
@@ -98,12 +98,12 @@ pub(crate) struct Mapping {
     pub(crate) memory: Option<HostMemory>,
     pub(crate) policy: Arc<PinPolicy>,
     /// A swap lock, not a futex mutex: every lock-mode pin and drop takes it, and its release
-    /// is a plain store (see `slot_lock`). Lock-mode holds include mlock and munlock calls
+    /// is a plain store (see `spin`). Lock-mode holds include mlock and munlock calls
     /// (a page's take microseconds, a piece's at most a millisecond or so): waiters spin,
     /// yield, then nap.
-    pins: SlotLock<MappingPins>,
+    pins: SpinLock<MappingPins>,
     /// A [`MappingState`]. Changed under the lock; read without it by track-mode pins, which
-    /// check it under their slot's lock (see `slots`).
+    /// check it under their shard's lock (see `shards`).
     state: AtomicU8,
     /// Signalled when an unmapping mapping's last pin drops (without its mutex, which guards
     /// nothing: the waiter looks again every millisecond, so a wake-up that comes between
@@ -131,7 +131,7 @@ impl Mapping {
             prot,
             memory,
             policy,
-            pins: SlotLock::default(),
+            pins: SpinLock::default(),
             state: AtomicU8::new(MappingState::Live as u8),
             drained: (Mutex::new(()), Condvar::new()),
             claims: AtomicU32::new(0),
@@ -182,7 +182,7 @@ impl Mapping {
 
     /// Takes the pin state for an unmap: a lock-mode pin call holding it gives way at its
     /// next mlock piece instead of finishing a long run first.
-    pub(crate) fn lock_for_unmap(&self) -> SlotGuard<'_, MappingPins> {
+    pub(crate) fn lock_for_unmap(&self) -> SpinGuard<'_, MappingPins> {
         self.claims.fetch_add(1, Ordering::AcqRel);
         let pins = self.lock();
         self.claims.fetch_sub(1, Ordering::AcqRel);
@@ -192,7 +192,7 @@ impl Mapping {
     /// Locks the pin state. A holder that panicked let go as it unwound; the table is still
     /// the best record of what is pinned, so keep using it.
     #[inline]
-    pub(crate) fn lock(&self) -> SlotGuard<'_, MappingPins> {
+    pub(crate) fn lock(&self) -> SpinGuard<'_, MappingPins> {
         self.pins.lock()
     }
 
@@ -202,30 +202,30 @@ impl Mapping {
         if self.policy.mode == PinMode::Track {
             // The hot path: one pass over the counts.
             return pins
-                .table
+                .page_counts
                 .try_increment(page, npages)
                 .map(drop)
                 .map_err(|page| RunFailure::Overflow { page });
         }
         if npages == 1 {
             // One page, the usual lock-mode call: one look at its count.
-            let count = pins.table.count(page);
+            let count = pins.page_counts.count(page);
             if count == crate::page_counts::MAX_PIN_COUNT {
                 return Err(RunFailure::Overflow { page });
             }
             if count == 0 {
                 self.lock_fresh(&mut pins.counts, &[(page, 1)])?;
             }
-            pins.table.increment_one(page);
+            pins.page_counts.increment_one(page);
             return Ok(());
         }
-        if let Some(page) = pins.table.find_saturated(page, npages) {
+        if let Some(page) = pins.page_counts.find_saturated(page, npages) {
             return Err(RunFailure::Overflow { page });
         }
         let mut fresh: Released = SmallVec::new();
-        pins.table.for_each_unpinned(page, npages, |s, l| fresh.push((s, l)));
+        pins.page_counts.for_each_unpinned(page, npages, |s, l| fresh.push((s, l)));
         self.lock_fresh(&mut pins.counts, &fresh)?;
-        pins.table.increment(page, npages);
+        pins.page_counts.increment(page, npages);
         Ok(())
     }
 
@@ -285,19 +285,19 @@ impl Mapping {
     ) -> Result<(), u64> {
         if self.policy.mode == PinMode::Track {
             // The hot path: one checked pass over the counts.
-            return pins.table.try_decrement(page, npages).map(drop);
+            return pins.page_counts.try_decrement(page, npages).map(drop);
         }
         if npages == 1 {
             // One page: one checked pass, and it goes to munlock if that was its last pin.
-            if pins.table.try_decrement_one(page)? {
+            if pins.page_counts.try_decrement_one(page)? {
                 released.push((page, 1));
             }
             return Ok(());
         }
-        if let Some(page) = pins.table.find_unpinned(page, npages) {
+        if let Some(page) = pins.page_counts.find_unpinned(page, npages) {
             return Err(page);
         }
-        pins.table.decrement(page, npages, Some(&mut |s, l| released.push((s, l))));
+        pins.page_counts.decrement(page, npages, Some(&mut |s, l| released.push((s, l))));
         Ok(())
     }
 
@@ -306,9 +306,9 @@ impl Mapping {
     /// [`Mapping::release`].
     pub(crate) fn unpin_run(&self, pins: &mut MappingPins, page: u64, npages: u64, released: &mut Released) {
         if self.policy.mode == PinMode::Lock {
-            pins.table.decrement(page, npages, Some(&mut |s, l| released.push((s, l))));
+            pins.page_counts.decrement(page, npages, Some(&mut |s, l| released.push((s, l))));
         } else {
-            pins.table.decrement(page, npages, None);
+            pins.page_counts.decrement(page, npages, None);
         }
     }
 
@@ -325,7 +325,7 @@ impl Mapping {
             self.policy.account.refund(pages * PAGE_SIZE);
         }
         // Unmapping, or taken by abandon_all while an unmap waited: wake the waiter.
-        if self.state() != MappingState::Live && pins.table.pins() == 0 {
+        if self.state() != MappingState::Live && pins.page_counts.pins() == 0 {
             self.drained.1.notify_all();
         }
     }
@@ -355,7 +355,7 @@ impl Mapping {
         let (lock, cv) = &self.drained;
         let mut guard = crate::sync::lock(lock);
         loop {
-            let left = self.lock().table.pins();
+            let left = self.lock().page_counts.pins();
             let now = Instant::now();
             if left == 0 || now >= deadline {
                 return left;
@@ -369,7 +369,7 @@ impl Mapping {
 impl Drop for Mapping {
     fn drop(&mut self) {
         let state = self.pins.get_mut();
-        let pins = state.table.pins();
+        let pins = state.page_counts.pins();
         // What guards dropped after the mapping left the table gave back and counted.
         let (stock, counts) = (std::mem::take(&mut state.stock), std::mem::take(&mut state.counts));
         self.policy.give(stock);

@@ -106,19 +106,19 @@ pub fn process_mappings() -> u64 {
 
 /// A reserved place in the process's mapping budget, returned on drop.
 #[derive(Debug)]
-struct BudgetSlot;
+struct BudgetReservation;
 
-impl BudgetSlot {
-    fn reserve() -> Result<BudgetSlot, MmapError> {
+impl BudgetReservation {
+    fn reserve() -> Result<BudgetReservation, MmapError> {
         let limit = process_mapping_limit();
         LIVE_MAPPINGS
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |live| (live < limit).then_some(live + 1))
-            .map(|_| BudgetSlot)
+            .map(|_| BudgetReservation)
             .map_err(|_| MmapError::ProcessLimit { limit })
     }
 }
 
-impl Drop for BudgetSlot {
+impl Drop for BudgetReservation {
     fn drop(&mut self) {
         LIVE_MAPPINGS.fetch_sub(1, Ordering::AcqRel);
     }
@@ -142,7 +142,7 @@ pub(crate) struct HostMemory {
     /// Set by the SIGBUS handler when the file shrank under the mapping (see `sigbus`).
     poisoned: Arc<AtomicBool>,
     /// Released after the munmap in `drop`.
-    _slot: BudgetSlot,
+    _reservation: BudgetReservation,
 }
 
 // SAFETY: HostMemory is a plain address range in this process's address space; the engine
@@ -173,14 +173,14 @@ impl HostMemory {
         let len = usize::try_from(size).map_err(|_| MmapError::TooLarge(size))?;
         let length = NonZeroUsize::new(len).ok_or(MmapError::TooLarge(size))?;
         let file_offset = libc::off_t::try_from(offset).map_err(|_| MmapError::TooLarge(offset))?;
-        let slot = BudgetSlot::reserve()?;
+        let reservation = BudgetReservation::reserve()?;
         // SAFETY: a fresh mapping chosen by the kernel (no MAP_FIXED), so no existing memory is
         // replaced; the fd is a regular file checked above to cover [offset, offset + size).
         let addr =
             unsafe { mman::mmap(None, length, prot.mmap_flags(), MapFlags::MAP_SHARED, fd, file_offset) }
                 .map_err(|e| MmapError::Mmap(e.into()))?;
         let poisoned = sigbus::register(addr.as_ptr() as usize, len, prot);
-        Ok(HostMemory { addr: addr.cast(), len, backing, poisoned, _slot: slot })
+        Ok(HostMemory { addr: addr.cast(), len, backing, poisoned, _reservation: reservation })
     }
 
     fn backing_of(fd: BorrowedFd<'_>) -> Result<Backing, MmapError> {

@@ -30,12 +30,12 @@ impl Chunk {
 }
 
 /// Bytes of heap one allocated chunk costs (its box; the hash table's slot is counted by
-/// `PinTable::bookkeeping_bytes`).
+/// `PageCounts::bookkeeping_bytes`).
 pub const CHUNK_BYTES: usize = std::mem::size_of::<Chunk>();
 
 /// The pin counts of one mapping, indexed by page offset within the mapping.
 #[derive(Debug, Default)]
-pub(crate) struct PinTable {
+pub(crate) struct PageCounts {
     chunks: FxHashMap<u64, Box<Chunk>>,
     /// One emptied chunk kept for reuse, so a pin/unpin loop on one chunk does not
     /// allocate and free every time.
@@ -72,7 +72,7 @@ fn segments(first: u64, npages: u64) -> impl Iterator<Item = Segment> {
     })
 }
 
-impl PinTable {
+impl PageCounts {
     /// Distinct pages with a non-zero count.
     pub(crate) fn pinned_pages(&self) -> u64 {
         self.pinned_pages
@@ -269,7 +269,7 @@ impl PinTable {
     }
 
     /// Adds one pin to every page of the range. The caller has checked
-    /// [`PinTable::find_saturated`]. Returns how many pages went from 0 to 1.
+    /// [`PageCounts::find_saturated`]. Returns how many pages went from 0 to 1.
     pub(crate) fn increment(&mut self, first: u64, npages: u64) -> u64 {
         let mut new_pages = 0u64;
         for seg in segments(first, npages) {
@@ -288,7 +288,7 @@ impl PinTable {
     }
 
     /// Removes one pin from every page of the range. The caller has checked
-    /// [`PinTable::find_unpinned`]. Calls `released(start, len)` for each maximal sub-run of
+    /// [`PageCounts::find_unpinned`]. Calls `released(start, len)` for each maximal sub-run of
     /// pages that went from 1 to 0, if given. Returns how many pages went to 0.
     pub(crate) fn decrement(
         &mut self,
@@ -371,7 +371,7 @@ impl<F: FnMut(u64, u64)> Drop for RunBuilder<F> {
 mod tests {
     use super::*;
 
-    fn collect_unpinned(t: &PinTable, first: u64, n: u64) -> Vec<(u64, u64)> {
+    fn collect_unpinned(t: &PageCounts, first: u64, n: u64) -> Vec<(u64, u64)> {
         let mut v = Vec::new();
         t.for_each_unpinned(first, n, |s, l| v.push((s, l)));
         v
@@ -379,7 +379,7 @@ mod tests {
 
     #[test]
     fn empty_table_allocates_nothing() {
-        let t = PinTable::default();
+        let t = PageCounts::default();
         assert_eq!(t.bookkeeping_bytes(), 0);
         assert_eq!(t.count(12345), 0);
         assert_eq!(t.find_unpinned(0, 10), Some(0));
@@ -388,7 +388,7 @@ mod tests {
 
     #[test]
     fn counts_across_chunk_boundaries() {
-        let mut t = PinTable::default();
+        let mut t = PageCounts::default();
         assert_eq!(t.increment(500, 30), 30);
         assert_eq!(t.increment(510, 4), 0);
         assert_eq!(t.count(499), 0);
@@ -411,7 +411,7 @@ mod tests {
 
     #[test]
     fn checked_passes_change_nothing_on_failure() {
-        let mut t = PinTable::default();
+        let mut t = PageCounts::default();
         t.increment(1000, 30);
         for _ in 1..MAX_PIN_COUNT {
             t.increment(1020, 1);
@@ -433,7 +433,7 @@ mod tests {
 
     #[test]
     fn one_page_ops_agree_with_the_range_ops() {
-        let (mut one, mut range) = (PinTable::default(), PinTable::default());
+        let (mut one, mut range) = (PageCounts::default(), PageCounts::default());
         for page in [0u64, 511, 512, 4000, 511, 511, 0] {
             assert_eq!(one.increment_one(page), range.increment(page, 1) == 1);
         }
@@ -447,7 +447,7 @@ mod tests {
 
     #[test]
     fn saturation_is_detected() {
-        let mut t = PinTable::default();
+        let mut t = PageCounts::default();
         for _ in 0..MAX_PIN_COUNT {
             t.increment(7, 1);
         }
@@ -457,7 +457,7 @@ mod tests {
 
     #[test]
     fn unpinned_runs_merge_over_absent_chunks() {
-        let mut t = PinTable::default();
+        let mut t = PageCounts::default();
         t.increment(0, 1);
         t.increment(2000, 1);
         assert_eq!(collect_unpinned(&t, 0, 2001), vec![(1, 1999)]);

@@ -2,10 +2,10 @@
 //! track-mode records when their last handle went, and mappings `abandon_all` took while
 //! records still named them.
 //!
-//! A guard of a small record lets go of it without its slot's lock when the space is not
-//! closing (see `slots::SmallRecord`); a guard that sees the space closed retires its record
+//! A guard of a small record lets go of it without its shard's lock when the space is not
+//! closing (see `shards::SmallRecord`); a guard that sees the space closed retires its record
 //! under the lock and lets go of the space if it was the last. One that looked just before
-//! the space closed and let go just after leaves its slot holding the space with nothing
+//! the space closed and let go just after leaves its shard holding the space with nothing
 //! left to retire it; and one that let go just as `abandon_all` looked leaves its mapping
 //! (guest memory) mapped. The reaper catches both: such a space is looked at every
 //! [`REAP_EVERY`] (`SpaceInner::reap`) until nothing is left to wait for.
@@ -28,7 +28,7 @@ struct Watched {
     running: bool,
 }
 
-/// Watches a closed space whose slots still hold it.
+/// Watches a closed space whose shards still hold it.
 pub(crate) fn watch(space: Weak<SpaceInner>) {
     let mut watched = crate::sync::lock(&WATCHED);
     if !watched.spaces.iter().any(|w| w.ptr_eq(&space)) {
@@ -55,7 +55,7 @@ fn run() {
             // A panic while letting go of a space (its notifier's drop, say) must not stop
             // the reaper for every other space: it is logged and the space watched again.
             let reaped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                // Gone already: its last record retired under its slot's lock.
+                // Gone already: its last record retired under its shard's lock.
                 let Some(space) = weak.upgrade() else { return false };
                 let more = space.reap();
                 // May be the last reference: the space goes here.

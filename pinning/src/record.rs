@@ -1,4 +1,4 @@
-//! Track-mode records: the runs of a call, owned by a slot while its guard lives.
+//! Track-mode records: the runs of a call, owned by a shard while its guard lives.
 
 use std::cell::UnsafeCell;
 use std::ptr::NonNull;
@@ -9,11 +9,11 @@ use crate::page::Prot;
 use crate::run::PinnedRun;
 use crate::space::SpaceInner;
 
-/// The runs of one track-mode pin call, owned by the slot it was pinned from while its
+/// The runs of one track-mode pin call, owned by the shard it was pinned from while its
 /// guard lives. Immutable from publication to retirement, so the guard reads it unlocked.
 #[derive(Debug, Default)]
 pub(crate) struct Record {
-    /// The runs, in call order (`PinnedRun::slot` indexes `mappings`). A plain Vec: records
+    /// The runs, in call order (`PinnedRun::mapping_index` indexes `mappings`). A plain Vec: records
     /// are reused, so it keeps its capacity and a push is a store.
     pub(crate) runs: Vec<PinnedRun>,
     /// The mappings the runs lie in. Valid while the record is live: an unmap does not
@@ -22,45 +22,45 @@ pub(crate) struct Record {
     pub(crate) mappings: Vec<NonNull<Mapping>>,
     /// Pages pinned (entries of the call).
     pub(crate) pages: u64,
-    /// The guard's space, slot and access (set at publication).
+    /// The guard's space, shard and access (set at publication).
     pub(crate) owner: Owner,
-    /// Position in the slot's `live` list. Changed (under the slot's lock) when another
+    /// Position in the shard's `live` list. Changed (under the shard's lock) when another
     /// record retires, while this record's guard may be reading the record on another
     /// thread: hence through a shared reference, as an atomic.
     pub(crate) at: AtomicUsize,
 }
 
 impl Record {
-    /// The record as its guard and the slot's readers see it.
+    /// The record as its guard and the shard's readers see it.
     pub(crate) fn view(&self) -> RecordRef<'_> {
         RecordRef { runs: &self.runs, mappings: &self.mappings, pages: self.pages }
     }
 }
 
 /// What a guard keeps in its record rather than in itself, so that the guard is one word:
-/// the space and slot that published the record, and the access the pages were pinned for.
+/// the space and shard that published the record, and the access the pages were pinned for.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Owner {
     pub(crate) space: NonNull<SpaceInner>,
-    pub(crate) slot: usize,
+    pub(crate) shard: usize,
     pub(crate) prot: Prot,
 }
 
 impl Default for Owner {
     /// No owner yet: a record before its first publication.
     fn default() -> Self {
-        Owner { space: NonNull::dangling(), slot: 0, prot: Prot::empty() }
+        Owner { space: NonNull::dangling(), shard: 0, prot: Prot::empty() }
     }
 }
 
 /// A record of a call whose runs all lie in one mapping and number at most [`SMALL_RUNS`]
 /// (every single page, every range inside one mapping, short IDAW and PRP lists): written in
-/// place in a slot's fixed array, no list to grow or clear.
+/// place in a shard's fixed array, no list to grow or clear.
 ///
-/// Its guard usually lets go of it without the slot's lock: it clears `live` (after which
-/// it touches nothing of the space), and the slot reclaims the entry, its pins and its
+/// Its guard usually lets go of it without the shard's lock: it clears `live` (after which
+/// it touches nothing of the space), and the shard reclaims the entry, its pins and its
 /// counts the next time it looks under its lock (when its free set runs out, when it is
-/// read, or near the pin limit). Readers of a slot's records skip entries no longer live.
+/// read, or near the pin limit). Readers of a shard's records skip entries no longer live.
 #[derive(Debug)]
 pub(crate) struct SmallRecord {
     /// The mapping of every run, kept valid as `Record::mappings` is while `live`.
@@ -72,22 +72,22 @@ pub(crate) struct SmallRecord {
     pub(crate) live: AtomicBool,
     /// Runs used.
     pub(crate) len: u8,
-    /// The entry's position in the slot's array (fixed).
+    /// The entry's position in the shard's array (fixed).
     pub(crate) at: u32,
-    /// The guard's space, slot and access (set at publication).
+    /// The guard's space, shard and access (set at publication).
     pub(crate) owner: Owner,
-    /// The runs, in call order (`slot` 0: `mapping`).
+    /// The runs, in call order (mapping index 0: `mapping`).
     pub(crate) runs: [PinnedRun; SMALL_RUNS],
 }
 
-/// Most pins a slot keeps in small records (see `Slot::small_pins`).
+/// Most pins a shard keeps in small records (see `Shard::small_pins`).
 pub(crate) const SMALL_PINS: u64 = crate::budget::PIN_STOCK;
 
 /// Most runs a [`SmallRecord`] holds.
 pub(crate) const SMALL_RUNS: usize = 8;
 
 impl SmallRecord {
-    /// The guard's space, slot and access.
+    /// The guard's space, shard and access.
     pub(crate) fn owner(&self) -> Owner {
         self.owner
     }
@@ -103,12 +103,12 @@ impl SmallRecord {
         self.live.load(Ordering::Acquire)
     }
 
-    /// The guard lets go of the entry without its slot's lock; the slot reclaims it later.
-    /// Through a pointer, borrowing only the flag: from the store on, the slot may rewrite
+    /// The guard lets go of the entry without its shard's lock; the shard reclaims it later.
+    /// Through a pointer, borrowing only the flag: from the store on, the shard may rewrite
     /// the entry, or the space and the array may go.
     ///
     /// # Safety
-    /// `entry` is a live entry of its slot, whose guard calls this once, holds no reference
+    /// `entry` is a live entry of its shard, whose guard calls this once, holds no reference
     /// to it across the call and touches neither it nor its space afterwards.
     pub(crate) unsafe fn release(entry: NonNull<SmallRecord>) {
         // SAFETY: the entry is allocated until this store (per the contract, it is live);
@@ -116,7 +116,7 @@ impl SmallRecord {
         unsafe { (*std::ptr::addr_of!((*entry.as_ptr()).live)).store(false, Ordering::Release) };
     }
 
-    /// The record as its guard and the slot's readers see it.
+    /// The record as its guard and the shard's readers see it.
     pub(crate) fn view(&self) -> RecordRef<'_> {
         RecordRef {
             runs: &self.runs[..usize::from(self.len)],
@@ -132,11 +132,11 @@ impl SmallRecord {
     }
 }
 
-/// Entries of a slot's small-record array (its free set is one word).
+/// Entries of a shard's small-record array (its free set is one word).
 pub(crate) const SMALL_RECORDS: usize = 64;
 
-/// A slot's small records, apart from the slot so that a guard reading its entry never
-/// aliases the `&mut Slot` of a thread pinning into another entry.
+/// A shard's small records, apart from the shard so that a guard reading its entry never
+/// aliases the `&mut Shard` of a thread pinning into another entry.
 pub(crate) type SmallRecords = [UnsafeCell<SmallRecord>; SMALL_RECORDS];
 
 /// A live record of either kind, as a guard holds it.
@@ -144,7 +144,7 @@ pub(crate) type SmallRecords = [UnsafeCell<SmallRecord>; SMALL_RECORDS];
 pub(crate) enum RecordPtr {
     /// A boxed record of any runs.
     Boxed(NonNull<Record>),
-    /// An entry of the slot's small-record array.
+    /// An entry of the shard's small-record array.
     Small(NonNull<SmallRecord>),
 }
 
@@ -179,7 +179,7 @@ impl RecordPtr {
 /// What a live record holds, of either kind.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct RecordRef<'a> {
-    /// The runs, in call order (`PinnedRun::slot` indexes `mappings`).
+    /// The runs, in call order (`PinnedRun::mapping_index` indexes `mappings`).
     pub(crate) runs: &'a [PinnedRun],
     /// The mappings the runs lie in (see `Record::mappings`).
     mappings: &'a [NonNull<Mapping>],
@@ -188,14 +188,14 @@ pub(crate) struct RecordRef<'a> {
 }
 
 impl<'a> RecordRef<'a> {
-    /// The mapping of run slot `i`.
+    /// The mapping of mapping index `i`.
     pub(crate) fn mapping(&self, i: usize) -> &'a Mapping {
         // SAFETY: a live record's mappings stay allocated (see `Record::mappings`): for the
-        // guard, until it retires or releases the record; for a reader of the slot's records,
-        // while it holds the slot's lock (a small record seen live may be released meanwhile,
-        // but whatever frees a mapping first marks it and then scans this slot under that
+        // guard, until it retires or releases the record; for a reader of the shard's records,
+        // while it holds the shard's lock (a small record seen live may be released meanwhile,
+        // but whatever frees a mapping first marks it and then scans this shard under that
         // lock). A record being filled is asked only by the pin call filling it, under its
-        // slot's lock, with pointers it just took from the table, which cannot change.
+        // shard's lock, with pointers it just took from the table, which cannot change.
         unsafe { self.mappings[i].as_ref() }
     }
 
@@ -207,9 +207,9 @@ impl<'a> RecordRef<'a> {
 
     /// Pins this record holds in `m`.
     pub(crate) fn pins_in(&self, m: &Mapping) -> u64 {
-        let Some(slot) = self.mappings.iter().position(|p| std::ptr::eq(p.as_ptr(), m)) else {
+        let Some(mi) = self.mappings.iter().position(|p| std::ptr::eq(p.as_ptr(), m)) else {
             return 0;
         };
-        self.runs.iter().filter(|r| r.slot() == slot).map(|r| r.npages()).sum()
+        self.runs.iter().filter(|r| r.mapping_index() == mi).map(|r| r.npages()).sum()
     }
 }

@@ -17,30 +17,36 @@ pub struct PinnedRun {
     npages: u32,
     index: u32,
     /// Which of the guard's mappings holds the run.
-    slot: u32,
+    mapping_index: u32,
 }
 
 const _: () = assert!(std::mem::size_of::<PinnedRun>() == 32);
 
 impl PinnedRun {
     /// No run (a free entry's contents).
-    pub(crate) const EMPTY: PinnedRun = PinnedRun { iova: 0, host: 0, npages: 0, index: 0, slot: 0 };
+    pub(crate) const EMPTY: PinnedRun = PinnedRun { iova: 0, host: 0, npages: 0, index: 0, mapping_index: 0 };
 
     /// A run of `npages` pages from page `pfn`, entry `index` of its call, in the guard's
-    /// mapping `slot`, at `host`. `npages` and `index` are below the call's length, which
+    /// mapping `mapping_index`, at `host`. `npages` and `index` are below the call's length, which
     /// `max_pages_per_call` keeps within 32 bits.
     #[inline(always)]
-    pub(crate) fn new(pfn: u64, npages: u64, index: usize, host: usize, slot: usize) -> Self {
+    pub(crate) fn new(pfn: u64, npages: u64, index: usize, host: usize, mapping_index: usize) -> Self {
         debug_assert!(
-            npages <= u64::from(u32::MAX) && index <= u32::MAX as usize && slot <= u32::MAX as usize
+            npages <= u64::from(u32::MAX) && index <= u32::MAX as usize && mapping_index <= u32::MAX as usize
         );
-        PinnedRun { iova: iova_of(pfn), host, npages: npages as u32, index: index as u32, slot: slot as u32 }
+        PinnedRun {
+            iova: iova_of(pfn),
+            host,
+            npages: npages as u32,
+            index: index as u32,
+            mapping_index: mapping_index as u32,
+        }
     }
 
     /// Which of the guard's mappings holds the run.
     #[inline]
-    pub(crate) fn slot(&self) -> usize {
-        self.slot as usize
+    pub(crate) fn mapping_index(&self) -> usize {
+        self.mapping_index as usize
     }
 
     /// The run's first page as an offset within `mapping`, the one that holds it.

@@ -1,50 +1,50 @@
-//! Per-thread slots: each thread takes a slot once (round robin), so that state every pin
-//! call touches can be spread over cache lines, one per slot.
+//! Per-thread shards: each thread takes a shard once (round robin), so that state every pin
+//! call touches can be spread over cache lines, one per shard.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crossbeam::utils::CachePadded;
 
-/// Slots per space: enough that the threads of a busy device rarely share one.
-pub(crate) const SLOTS: usize = 16;
+/// Shards per space: enough that the threads of a busy device rarely share one.
+pub(crate) const SHARDS: usize = 16;
 
-static NEXT_SLOT: AtomicUsize = AtomicUsize::new(0);
+static NEXT_SHARD: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
-    /// This thread's slot, `usize::MAX` until first asked (a const initialiser: reading it
+    /// This thread's shard, `usize::MAX` until first asked (a const initialiser: reading it
     /// is a plain thread-local load).
     static SLOT: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) };
 }
 
-/// This thread's slot.
+/// This thread's shard.
 #[inline]
-pub(crate) fn this_slot() -> usize {
+pub(crate) fn this_shard() -> usize {
     SLOT.with(|s| {
-        let slot = s.get();
-        if slot != usize::MAX {
-            return slot;
+        let shard = s.get();
+        if shard != usize::MAX {
+            return shard;
         }
-        let slot = NEXT_SLOT.fetch_add(1, Ordering::Relaxed) % SLOTS;
-        s.set(slot);
-        slot
+        let shard = NEXT_SHARD.fetch_add(1, Ordering::Relaxed) % SHARDS;
+        s.set(shard);
+        shard
     })
 }
 
-/// One `T` per slot, each on its own cache line.
+/// One `T` per shard, each on its own cache line.
 #[derive(Debug, Default)]
-pub(crate) struct PerSlot<T> {
-    slots: [CachePadded<T>; SLOTS],
+pub(crate) struct PerShard<T> {
+    shards: [CachePadded<T>; SHARDS],
 }
 
-impl<T> PerSlot<T> {
+impl<T> PerShard<T> {
     /// This thread's `T`.
     #[inline]
     pub(crate) fn here(&self) -> &T {
-        &self.slots[this_slot()]
+        &self.shards[this_shard()]
     }
 
-    /// Every slot's `T`.
+    /// Every shard's `T`.
     pub(crate) fn all(&self) -> impl Iterator<Item = &T> {
-        self.slots.iter().map(|s| &**s)
+        self.shards.iter().map(|s| &**s)
     }
 }

@@ -1,14 +1,14 @@
-//! Per-thread slots: state that every pin call touches, spread over cache lines so that
+//! Per-thread shards: state that every pin call touches, spread over cache lines so that
 //! threads pinning at the same time do not pass one line back and forth. Each thread takes
-//! a slot once (round robin); readers of totals sum over all of them.
+//! a shard once (round robin); readers of totals sum over all of them.
 //!
-//! [`SlotTable`] is the space's mapping table behind one lock per slot (a
-//! [`SlotLock`]: one atomic swap to take, a plain store to give back), with the records of
-//! track-mode pins. Reading the table takes the calling thread's slot lock only; changing it
+//! [`ShardTable`] is the space's mapping table behind one lock per shard (a
+//! [`SpinLock`]: one atomic swap to take, a plain store to give back), with the records of
+//! track-mode pins. Reading the table takes the calling thread's shard lock only; changing it
 //! takes all of them, in order. A track-mode pin call does its whole work (look up its pages,
-//! check their mappings are live, record its runs) under its own slot's lock: one
+//! check their mappings are live, record its runs) under its own shard's lock: one
 //! uncontended lock per call, shared with no other thread. An unmap marks its mappings first
-//! and then looks at every slot, so either it sees a call's record or the call sees the mark.
+//! and then looks at every shard, so either it sees a call's record or the call sees the mark.
 
 use std::cell::UnsafeCell;
 use std::ops::{Deref, DerefMut};
@@ -24,60 +24,60 @@ use crate::record::{
     Owner, Record, RecordPtr, RecordRef, SmallRecord, SmallRecords, SMALL_PINS, SMALL_RECORDS, SMALL_RUNS,
 };
 use crate::run::PinnedRun;
-use crate::shard::{this_slot, SLOTS};
+use crate::shard::{this_shard, SHARDS};
 use crate::space::{MappingTable, SpaceInner};
-use crate::spin::{SlotGuard, SlotLock};
+use crate::spin::{SpinGuard, SpinLock};
 
-/// Emptied records a slot keeps for reuse.
+/// Emptied records a shard keeps for reuse.
 const FREE_RECORDS: usize = 64;
 
 /// Most runs a kept record has room for (a 512-entry scattered list): bigger ones are freed.
 const KEEP_RUNS: usize = 512;
 
-/// One slot: its live records and what keeps them valid.
-pub(crate) struct Slot {
-    /// Records of live track-mode guards pinned from this slot (boxes owned by the slot).
+/// One shard: its live records and what keeps them valid.
+pub(crate) struct Shard {
+    /// Records of live track-mode guards pinned from this shard (boxes owned by the shard).
     live: Vec<NonNull<Record>>,
     /// Retired records kept for reuse: their run lists keep their capacity. Boxed because a
     /// published record must not move (its guard points at it) and a reused box costs no
     /// allocation.
     #[allow(clippy::vec_box)]
     free: Vec<Box<Record>>,
-    /// The small-record array, allocated at the slot's first such call. Held by pointer,
-    /// not by value or Box, so that `&mut Slot` does not cover entries that guards read.
+    /// The small-record array, allocated at the shard's first such call. Held by pointer,
+    /// not by value or Box, so that `&mut Shard` does not cover entries that guards read.
     small: Option<NonNull<SmallRecords>>,
-    /// Entries of `small` the slot may hand out (bit `i`: entry `i`); all until it exists.
+    /// Entries of `small` the shard may hand out (bit `i`: entry `i`); all until it exists.
     /// A clear bit is a live entry or one its guard released that is not reclaimed yet.
     small_free: u64,
     /// Small calls left before a full array is looked at again, after a look found it full
-    /// (see `Slot::reclaim_short_small`).
+    /// (see `Shard::reclaim_short_small`).
     small_backoff: u32,
     /// Pins in small records, live or released and not yet reclaimed: at most
     /// [`SMALL_PINS`], so that pins released without the lock and not yet taken back can
-    /// deny other slots' calls at most that many pins below the space's limit.
+    /// deny other shards' calls at most that many pins below the space's limit.
     small_pins: u64,
     /// Pins the live records hold.
     pins: u64,
-    /// The space, held while the slot has live records once the space's handles are gone
+    /// The space, held while the shard has live records once the space's handles are gone
     /// (see `SpaceHandle`).
     pub(crate) keepalive: Option<Arc<SpaceInner>>,
-    /// Pins this slot reserved from the space's limit and has not used: track-mode calls
-    /// take from it under the slot's lock, touching the shared count once per stock.
+    /// Pins this shard reserved from the space's limit and has not used: track-mode calls
+    /// take from it under the shard's lock, touching the shared count once per stock.
     pub(crate) stock: u64,
-    /// Track-mode counters of the calls made from this slot (summed by `stats`).
-    pub(crate) counts: SlotCounts,
-    /// The mapping this slot's calls last resolved, as (first page, end page, the table's
+    /// Track-mode counters of the calls made from this shard (summed by `stats`).
+    pub(crate) counts: ShardCounts,
+    /// The mapping this shard's calls last resolved, as (first page, end page, the table's
     /// Arc): the usual next hit, without a tree walk. Cleared whenever the table changes
-    /// (which takes every slot's lock).
-    pub(crate) hint: SlotHint,
+    /// (which takes every shard's lock).
+    pub(crate) hint: ShardHint,
 }
 
-/// A slot's last resolved mapping: (first page, end page, the table's entry).
-pub(crate) type SlotHint = Option<(u64, u64, NonNull<Arc<Mapping>>)>;
+/// A shard's last resolved mapping: (first page, end page, the table's entry).
+pub(crate) type ShardHint = Option<(u64, u64, NonNull<Arc<Mapping>>)>;
 
-/// Counters of one slot's track-mode calls.
+/// Counters of one shard's track-mode calls.
 #[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct SlotCounts {
+pub(crate) struct ShardCounts {
     pub(crate) pin_calls: u64,
     pub(crate) pin_failures: u64,
     pub(crate) unpin_calls: u64,
@@ -85,9 +85,9 @@ pub(crate) struct SlotCounts {
     pub(crate) pages: u64,
 }
 
-impl Default for Slot {
+impl Default for Shard {
     fn default() -> Self {
-        Slot {
+        Shard {
             live: Vec::new(),
             free: Vec::new(),
             small: None,
@@ -97,15 +97,15 @@ impl Default for Slot {
             pins: 0,
             keepalive: None,
             stock: 0,
-            counts: SlotCounts::default(),
+            counts: ShardCounts::default(),
             hint: None,
         }
     }
 }
 
-impl std::fmt::Debug for Slot {
+impl std::fmt::Debug for Shard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Slot")
+        f.debug_struct("Shard")
             .field("live", &self.live.len())
             .field("small", &(!self.small_free).count_ones())
             .field("pins", &self.pins)
@@ -113,13 +113,13 @@ impl std::fmt::Debug for Slot {
     }
 }
 
-// SAFETY: a slot owns its record boxes and its small-record array (moved between threads
+// SAFETY: a shard owns its record boxes and its small-record array (moved between threads
 // with it, like Boxes), and the mapping pointers in them are only dereferenced under the
-// invariants of `Record::mappings`, by whichever thread holds the slot's lock or the
+// invariants of `Record::mappings`, by whichever thread holds the shard's lock or the
 // record's guard.
-unsafe impl Send for Slot {}
+unsafe impl Send for Shard {}
 
-impl Slot {
+impl Shard {
     /// An empty record to fill, reused if one is free.
     pub(crate) fn fresh(&mut self) -> Box<Record> {
         self.free.pop().unwrap_or_default()
@@ -136,7 +136,7 @@ impl Slot {
         }
     }
 
-    /// Makes `record` live; the pointer stays valid until [`Slot::retire`].
+    /// Makes `record` live; the pointer stays valid until [`Shard::retire`].
     pub(crate) fn publish(&mut self, mut record: Box<Record>, owner: Owner) -> NonNull<Record> {
         record.owner = owner;
         record.at.store(self.live.len(), Ordering::Relaxed);
@@ -146,9 +146,9 @@ impl Slot {
         ptr
     }
 
-    /// A free entry of the slot's small-record array to fill, `None` if every entry is
+    /// A free entry of the shard's small-record array to fill, `None` if every entry is
     /// taken (the caller reclaims released ones, or records the call in a box). Nothing
-    /// reads the entry until [`Slot::publish_small`].
+    /// reads the entry until [`Shard::publish_small`].
     #[inline(always)]
     pub(crate) fn free_small(&mut self) -> Option<NonNull<SmallRecord>> {
         if self.small_free == 0 {
@@ -159,17 +159,17 @@ impl Slot {
             None => self.allocate_small(),
         };
         let at = self.small_free.trailing_zeros() as usize;
-        // SAFETY: `small` is this slot's array (allocated, freed only with the slot); entry
+        // SAFETY: `small` is this shard's array (allocated, freed only with the shard); entry
         // `at` is free (its last guard released it and the release was seen), so no guard
-        // reads it, and we hold the slot's lock (`&mut self`), the only way to write entries.
+        // reads it, and we hold the shard's lock (`&mut self`), the only way to write entries.
         Some(NonNull::from(unsafe { &mut *(*small.as_ptr())[at].get() }))
     }
 
-    /// Makes a filled entry of [`Slot::free_small`] live with `len` runs of `pages` pages
+    /// Makes a filled entry of [`Shard::free_small`] live with `len` runs of `pages` pages
     /// in `mapping`; the pointer stays valid until released or retired.
     ///
     /// # Safety
-    /// `entry` came from `free_small` of this slot, under the same hold of its lock.
+    /// `entry` came from `free_small` of this shard, under the same hold of its lock.
     #[inline(always)]
     pub(crate) unsafe fn publish_small(
         &mut self,
@@ -192,7 +192,7 @@ impl Slot {
     }
 
     /// Takes back the entries whose guards released them without the lock: their pins go
-    /// back to the slot's stock and their calls are counted as unpins.
+    /// back to the shard's stock and their calls are counted as unpins.
     pub(crate) fn reclaim_small(&mut self) {
         let Some(small) = self.small else { return };
         let (mut freed, mut pages) = (0u64, 0u64);
@@ -200,8 +200,8 @@ impl Slot {
         while taken != 0 {
             let at = taken.trailing_zeros() as usize;
             taken &= taken - 1;
-            // SAFETY: an entry of this slot's array; we only read it (its guard may be
-            // reading it too) and hold the slot's lock.
+            // SAFETY: an entry of this shard's array; we only read it (its guard may be
+            // reading it too) and hold the shard's lock.
             let entry = unsafe { &*(*small.as_ptr())[at].get() };
             if !entry.is_live() {
                 freed |= 1 << at;
@@ -233,16 +233,16 @@ impl Slot {
         small
     }
 
-    /// Retires a live record of this slot.
+    /// Retires a live record of this shard.
     ///
     /// # Safety
-    /// `record` was published by this slot and not retired since, and no reference to it
+    /// `record` was published by this shard and not retired since, and no reference to it
     /// outlives this call.
     #[inline]
     pub(crate) unsafe fn retire(&mut self, record: RecordPtr) {
         match record {
             RecordPtr::Small(entry) => {
-                // SAFETY: per the contract, a live entry of this slot's array.
+                // SAFETY: per the contract, a live entry of this shard's array.
                 let entry = unsafe { entry.as_ref() };
                 entry.live.store(false, Ordering::Relaxed);
                 self.small_free |= 1 << entry.at;
@@ -254,14 +254,14 @@ impl Slot {
         }
     }
 
-    /// Retires a live boxed record of this slot (contract of [`Slot::retire`]).
+    /// Retires a live boxed record of this shard (contract of [`Shard::retire`]).
     unsafe fn retire_boxed(&mut self, record: NonNull<Record>) {
-        // SAFETY: per the contract, the record is live in this slot: a box it owns.
+        // SAFETY: per the contract, the record is live in this shard: a box it owns.
         let record = unsafe { Box::from_raw(record.as_ptr()) };
         let at = record.at.load(Ordering::Relaxed);
         self.live.swap_remove(at);
         if let Some(moved) = self.live.get_mut(at) {
-            // SAFETY: live records are valid boxes owned by this slot; only shared references
+            // SAFETY: live records are valid boxes owned by this shard; only shared references
             // to them exist (their guards'), and `at` is atomic.
             unsafe { moved.as_ref() }.at.store(at, Ordering::Relaxed);
         }
@@ -271,12 +271,12 @@ impl Slot {
 
     /// The live records.
     pub(crate) fn records(&self) -> impl Iterator<Item = RecordRef<'_>> {
-        // SAFETY: live records are valid boxes owned by this slot, borrowed with it.
+        // SAFETY: live records are valid boxes owned by this shard, borrowed with it.
         let boxed = self.live.iter().map(|r| unsafe { r.as_ref() }.view());
         let small = self.small.into_iter().flat_map(move |small| {
             let live = !self.small_free;
             (0..SMALL_RECORDS).filter(move |i| live & (1 << i) != 0).filter_map(move |i| {
-                // SAFETY: an entry of this slot's array, rewritten only under the slot's lock
+                // SAFETY: an entry of this shard's array, rewritten only under the shard's lock
                 // we are borrowed under; read only if still live (then its guard holds it).
                 let entry = unsafe { &*(*small.as_ptr())[i].get() };
                 entry.is_live().then(|| entry.view())
@@ -325,7 +325,7 @@ impl Slot {
         self.pins
     }
 
-    /// Heap bytes of the slot's records.
+    /// Heap bytes of the shard's records.
     pub(crate) fn bookkeeping_bytes(&self) -> usize {
         let each = |r: &Record| {
             std::mem::size_of::<Record>()
@@ -339,18 +339,18 @@ impl Slot {
     }
 }
 
-/// A live boxed record of a slot, borrowed with the slot.
+/// A live boxed record of a shard, borrowed with the shard.
 fn unsafe_ref(record: &NonNull<Record>) -> &Record {
-    // SAFETY: live records are valid boxes owned by their slot, which the caller borrows.
+    // SAFETY: live records are valid boxes owned by their shard, which the caller borrows.
     unsafe { record.as_ref() }
 }
 
-impl Drop for Slot {
+impl Drop for Shard {
     fn drop(&mut self) {
         if !self.is_empty() {
-            // Cannot happen (live records keep their space, which owns the slot); if it
+            // Cannot happen (live records keep their space, which owns the shard); if it
             // did, their guards still point at them: leak rather than free under them.
-            log::error!("a pin slot dropped with {} pins in live records; leaking them", self.pins);
+            log::error!("a pin shard dropped with {} pins in live records; leaking them", self.pins);
             return;
         }
         if let Some(small) = self.small.take() {
@@ -361,41 +361,41 @@ impl Drop for Slot {
     }
 }
 
-/// The mapping table and the slots, as described in the module documentation.
+/// The mapping table and the shards, as described in the module documentation.
 #[derive(Default)]
-pub(crate) struct SlotTable {
-    slots: [CachePadded<SlotLock<Slot>>; SLOTS],
+pub(crate) struct ShardTable {
+    shards: [CachePadded<SpinLock<Shard>>; SHARDS],
     table: UnsafeCell<MappingTable>,
 }
 
-// SAFETY: the table is reached only through `TableRead` (holding one slot lock: shared) and
-// `TableWrite` (holding every slot lock: exclusive), so its accesses are serialised by the
-// slot locks exactly as an RwLock's would be; its contents (Arc<Mapping>) are Send + Sync.
-unsafe impl Sync for SlotTable {}
-// SAFETY: as above; moving the table between threads moves owned Arcs and slots (Send).
-unsafe impl Send for SlotTable {}
+// SAFETY: the table is reached only through `TableRead` (holding one shard lock: shared) and
+// `TableWrite` (holding every shard lock: exclusive), so its accesses are serialised by the
+// shard locks exactly as an RwLock's would be; its contents (Arc<Mapping>) are Send + Sync.
+unsafe impl Sync for ShardTable {}
+// SAFETY: as above; moving the table between threads moves owned Arcs and shards (Send).
+unsafe impl Send for ShardTable {}
 
-impl std::fmt::Debug for SlotTable {
+impl std::fmt::Debug for ShardTable {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SlotTable").finish_non_exhaustive()
+        f.debug_struct("ShardTable").finish_non_exhaustive()
     }
 }
 
-/// The table read under the calling thread's slot lock, and that slot.
+/// The table read under the calling thread's shard lock, and that shard.
 pub(crate) struct TableRead<'a> {
-    slot: SlotGuard<'a, Slot>,
+    shard: SpinGuard<'a, Shard>,
     index: usize,
     table: &'a MappingTable,
 }
 
 impl<'a> TableRead<'a> {
-    /// The table and the locked slot, apart (both borrowed from this read: the table is
-    /// safe to read only while the slot's lock is held).
-    pub(crate) fn parts(&mut self) -> (&MappingTable, &mut Slot) {
-        (self.table, &mut self.slot)
+    /// The table and the locked shard, apart (both borrowed from this read: the table is
+    /// safe to read only while the shard's lock is held).
+    pub(crate) fn parts(&mut self) -> (&MappingTable, &mut Shard) {
+        (self.table, &mut self.shard)
     }
 
-    /// Which slot is locked.
+    /// Which shard is locked.
     pub(crate) fn index(&self) -> usize {
         self.index
     }
@@ -408,9 +408,9 @@ impl Deref for TableRead<'_> {
     }
 }
 
-/// The table under every slot lock.
+/// The table under every shard lock.
 pub(crate) struct TableWrite<'a> {
-    _slots: SmallVec<[SlotGuard<'a, Slot>; SLOTS]>,
+    _shards: SmallVec<[SpinGuard<'a, Shard>; SHARDS]>,
     table: &'a mut MappingTable,
 }
 
@@ -427,61 +427,62 @@ impl DerefMut for TableWrite<'_> {
     }
 }
 
-impl SlotTable {
-    /// Reads the table under this thread's slot lock. The thread must not hold a
+impl ShardTable {
+    /// Reads the table under this thread's shard lock. The thread must not hold a
     /// `TableRead` or `TableWrite` of this table already.
     #[inline]
     pub(crate) fn read(&self) -> TableRead<'_> {
-        let index = this_slot();
-        let slot = self.slots[index].lock();
-        // SAFETY: we hold a slot lock, so no TableWrite (which holds them all) exists; other
+        let index = this_shard();
+        let shard = self.shards[index].lock();
+        // SAFETY: we hold a shard lock, so no TableWrite (which holds them all) exists; other
         // readers only read.
         let table = unsafe { &*self.table.get() };
-        TableRead { slot, index, table }
+        TableRead { shard, index, table }
     }
 
-    /// Locks every slot, in order, and gives the table for changing. The thread must not
-    /// hold a slot lock of this table already.
+    /// Locks every shard, in order, and gives the table for changing. The thread must not
+    /// hold a shard lock of this table already.
     pub(crate) fn write(&self) -> TableWrite<'_> {
-        let mut slots: SmallVec<[SlotGuard<'_, Slot>; SLOTS]> = self.slots.iter().map(|s| s.lock()).collect();
-        // The table may change: every slot's hint may point at an entry about to go.
-        for slot in &mut slots {
-            slot.hint = None;
+        let mut shards: SmallVec<[SpinGuard<'_, Shard>; SHARDS]> =
+            self.shards.iter().map(|s| s.lock()).collect();
+        // The table may change: every shard's hint may point at an entry about to go.
+        for shard in &mut shards {
+            shard.hint = None;
         }
-        // SAFETY: we hold every slot lock: no TableRead or other TableWrite exists.
+        // SAFETY: we hold every shard lock: no TableRead or other TableWrite exists.
         let table = unsafe { &mut *self.table.get() };
-        TableWrite { _slots: slots, table }
+        TableWrite { _shards: shards, table }
     }
 
-    /// Slot `index` alone (for a guard's retirement; the table is not read).
-    pub(crate) fn lock_slot(&self, index: usize) -> SlotGuard<'_, Slot> {
-        self.slots[index].lock()
+    /// Shard `index` alone (for a guard's retirement; the table is not read).
+    pub(crate) fn lock_shard(&self, index: usize) -> SpinGuard<'_, Shard> {
+        self.shards[index].lock()
     }
 
-    /// Calls `f` with every slot but `own` that is not locked at the moment (for a thread
+    /// Calls `f` with every shard but `own` that is not locked at the moment (for a thread
     /// that holds `own`: it cannot wait for the others without risking a deadlock).
-    pub(crate) fn try_each_other(&self, own: usize, mut f: impl FnMut(&mut Slot)) {
-        for (i, s) in self.slots.iter().enumerate() {
+    pub(crate) fn try_each_other(&self, own: usize, mut f: impl FnMut(&mut Shard)) {
+        for (i, s) in self.shards.iter().enumerate() {
             if i == own {
                 continue;
             }
-            if let Some(mut slot) = s.try_lock() {
-                f(&mut slot);
+            if let Some(mut shard) = s.try_lock() {
+                f(&mut shard);
             }
         }
     }
 
-    /// Calls `f` with each slot in turn, each locked. The thread must hold no slot lock.
-    pub(crate) fn for_each_slot(&self, mut f: impl FnMut(&mut Slot)) {
-        for s in &self.slots {
+    /// Calls `f` with each shard in turn, each locked. The thread must hold no shard lock.
+    pub(crate) fn for_each_shard(&self, mut f: impl FnMut(&mut Shard)) {
+        for s in &self.shards {
             f(&mut s.lock());
         }
     }
 
-    /// Pins live records hold in `m`, over every slot. The thread must hold no slot lock.
+    /// Pins live records hold in `m`, over every shard. The thread must hold no shard lock.
     pub(crate) fn pins_in(&self, m: &Mapping) -> u64 {
         let mut pins = 0;
-        self.for_each_slot(|s| pins += s.records().map(|r| r.pins_in(m)).sum::<u64>());
+        self.for_each_shard(|s| pins += s.records().map(|r| r.pins_in(m)).sum::<u64>());
         pins
     }
 }

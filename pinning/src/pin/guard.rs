@@ -7,7 +7,7 @@ use std::sync::Arc;
 use smallvec::SmallVec;
 use vm_memory::VolatileSlice;
 
-use super::lock_mode::{unpin_runs, Locked};
+use super::lock_mode::{unpin_runs, MappingGuards};
 use super::plan::Plan;
 use super::track::trim_stock;
 use super::AccessError;
@@ -34,7 +34,7 @@ pub struct PinnedPages {
 /// with one load (as a three-word enum it was copied with 16-byte loads of the 8-byte
 /// stores that wrote it, which the CPU cannot forward: about 15 ns a call on this VM). The
 /// pointer to what holds the pins, its kind in the two low bits (all three pointees are
-/// 8-byte aligned); null once released. A record keeps its space, slot and access (its
+/// 8-byte aligned); null once released. A record keeps its space, shard and access (its
 /// `Owner`), a plan its access.
 pub(crate) struct HoldWord(*mut u8);
 
@@ -109,7 +109,7 @@ impl HoldWord {
         // SAFETY: a guard's record is live until the guard lets go of it, which the caller
         // does with what this returns.
         let owner = unsafe { record.owner() };
-        Hold::Recorded { space: owner.space, slot: owner.slot, record }
+        Hold::Recorded { space: owner.space, shard: owner.shard, record }
     }
 }
 
@@ -135,9 +135,9 @@ impl std::fmt::Debug for HoldWord {
 /// How a guard holds its pins, taken out of its [`HoldWord`].
 #[derive(Debug)]
 pub(crate) enum Hold {
-    /// Track mode: a live record in slot `slot` of the space, which that slot keeps alive
+    /// Track mode: a live record in shard `shard` of the space, which that shard keeps alive
     /// while the record lives; the record names the runs and their mappings.
-    Recorded { space: NonNull<SpaceInner>, slot: usize, record: RecordPtr },
+    Recorded { space: NonNull<SpaceInner>, shard: usize, record: RecordPtr },
     /// Lock mode: counted per page in the mappings' tables; the guard keeps the mappings.
     /// Boxed so that a guard stays small to move; the box is reused by the thread's next
     /// call (see `SPARE_PLAN`).
@@ -147,8 +147,8 @@ pub(crate) enum Hold {
 }
 
 // SAFETY: a recorded guard's record is immutable while the guard lives and names its space,
-// which outlives the record (its slot holds it); reading either from any thread is sound.
-// Retiring a record takes the slot's lock; releasing a small record is one atomic store,
+// which outlives the record (its shard holds it); reading either from any thread is sound.
+// Retiring a record takes the shard's lock; releasing a small record is one atomic store,
 // after which the guard touches nothing, from whichever thread drops it. A counted guard's
 // word owns a boxed plan that holds only Arcs and plain data.
 unsafe impl Send for PinnedPages {}
@@ -409,19 +409,19 @@ impl PinnedPages {
     /// for good (logged; their mappings are never unmapped, as with any pin never returned).
     pub fn forget(mut self) {
         // The guard is released from here on; in lock mode the plan goes, its counts stay.
-        if let Hold::Recorded { space, slot, record } = self.hold.take() {
+        if let Hold::Recorded { space, shard, record } = self.hold.take() {
             // SAFETY: the record is live until retired below, after the view's last use.
             let rec = unsafe { record.view() };
             // Counted first, then retired: an unmap sees the pins throughout.
             for (done, run) in rec.runs.iter().enumerate() {
-                let mapping = rec.mapping(run.slot());
+                let mapping = rec.mapping(run.mapping_index());
                 // Bound first: the undo below locks mappings again.
                 let counted =
-                    mapping.lock().table.try_increment(run.page_in(mapping), run.npages()).map(drop);
+                    mapping.lock().page_counts.try_increment(run.page_in(mapping), run.npages()).map(drop);
                 if let Err(page) = counted {
                     for undo in rec.runs[..done].iter().rev() {
-                        let m = rec.mapping(undo.slot());
-                        m.lock().table.decrement(undo.page_in(m), undo.npages(), None);
+                        let m = rec.mapping(undo.mapping_index());
+                        m.lock().page_counts.decrement(undo.page_in(m), undo.npages(), None);
                     }
                     // Only after 65535 kept pins of one page: these stay held for good.
                     log::error!(
@@ -432,12 +432,12 @@ impl PinnedPages {
                     return;
                 }
             }
-            // SAFETY: the slot keeps the space alive while the record is live.
+            // SAFETY: the shard keeps the space alive while the record is live.
             let space = unsafe { space.as_ref() };
-            let mut locked = space.slots.lock_slot(slot);
-            // SAFETY: the record was published in this slot and is retired once, here.
+            let mut locked = space.shards.lock_shard(shard);
+            // SAFETY: the record was published in this shard and is retired once, here.
             unsafe { locked.retire(record) };
-            // Its pins stay reserved (now counted); the slot lets go of a closed space.
+            // Its pins stay reserved (now counted); the shard lets go of a closed space.
             let last = if space.closed.load(Ordering::SeqCst) && locked.is_empty() {
                 locked.keepalive.take()
             } else {
@@ -453,13 +453,13 @@ impl Drop for PinnedPages {
     #[inline]
     fn drop(&mut self) {
         if let HoldView::Recorded(RecordPtr::Small(entry)) = self.hold.view() {
-            // SAFETY: the entry is live until released or retired here, and the slot keeps
+            // SAFETY: the entry is live until released or retired here, and the shard keeps
             // the space alive while it is.
             let record = unsafe { entry.as_ref() };
             // SAFETY: as just said.
             let space = unsafe { record.owner().space.as_ref() };
-            // Nobody to wake and a space that is not closing: let go without the slot's lock
-            // (the slot reclaims the entry). An unmap that marks the mapping just after this
+            // Nobody to wake and a space that is not closing: let go without the shard's lock
+            // (the shard reclaims the entry). An unmap that marks the mapping just after this
             // look saw the entry live and looks again within a millisecond; a mapping that
             // abandon_all took meanwhile, or a space that closed meanwhile, is left to the
             // reaper.
@@ -480,7 +480,7 @@ fn retire(hold: Hold) {
     match hold {
         Hold::Released => {}
         Hold::Counted(plan) => {
-            let mut locked = Locked::take(&plan.mappings);
+            let mut locked = MappingGuards::take(&plan.mappings);
             let removed = unpin_runs(&plan.mappings, &mut locked, &plan.runs);
             if let Some(m) = plan.mappings.first() {
                 let first = locked.get(0);
@@ -490,10 +490,10 @@ fn retire(hold: Hold) {
             drop(locked);
             Plan::recycle(plan);
         }
-        Hold::Recorded { space, slot, record } => {
-            // SAFETY: the slot keeps the space alive while the record is live.
+        Hold::Recorded { space, shard, record } => {
+            // SAFETY: the shard keeps the space alive while the record is live.
             let space = unsafe { space.as_ref() };
-            let mut locked = space.slots.lock_slot(slot);
+            let mut locked = space.shards.lock_shard(shard);
             // SAFETY: the record is live until retired below, after the view's last use.
             let rec = unsafe { record.view() };
             let pages = rec.pages;
@@ -507,9 +507,9 @@ fn retire(hold: Hold) {
                     MappingState::Removed => (waking, orphaned) = (true, true),
                 }
             }
-            // Hold the space across the wake-up: after the slot's lock it may go.
+            // Hold the space across the wake-up: after the shard's lock it may go.
             let keep = if waking { locked.keepalive.clone() } else { None };
-            // SAFETY: the record was published in this slot and is retired once, here.
+            // SAFETY: the record was published in this shard and is retired once, here.
             unsafe { locked.retire(record) };
             locked.counts.unpin_calls += 1;
             locked.stock += pages;

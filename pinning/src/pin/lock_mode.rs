@@ -12,45 +12,49 @@ use crate::mapping::{Mapping, MappingPins, MappingState, Released, RunFailure};
 use crate::page::PAGE_SHIFT;
 use crate::run::PinnedRun;
 use crate::space::DmaSpace;
-use crate::spin::SlotGuard;
+use crate::spin::SpinGuard;
 
-/// The locks of a plan's mappings, taken in mapping-id order, indexed by slot.
-pub(crate) enum Locked<'a> {
+/// The locks of a plan's mappings, taken in mapping-id order, indexed by mapping index.
+pub(crate) enum MappingGuards<'a> {
     /// The usual plan: one mapping.
-    One(SlotGuard<'a, MappingPins>),
+    One(SpinGuard<'a, MappingPins>),
     /// Any other number of mappings.
-    Many(SmallVec<[Option<SlotGuard<'a, MappingPins>>; 2]>),
+    Many(SmallVec<[Option<SpinGuard<'a, MappingPins>>; 2]>),
 }
 
-impl<'a> Locked<'a> {
+impl<'a> MappingGuards<'a> {
     pub(crate) fn take(mappings: &'a [Arc<Mapping>]) -> Self {
         if let [only] = mappings {
-            return Locked::One(only.lock());
+            return MappingGuards::One(only.lock());
         }
-        let mut guards: SmallVec<[Option<SlotGuard<'a, MappingPins>>; 2]> =
+        let mut guards: SmallVec<[Option<SpinGuard<'a, MappingPins>>; 2]> =
             mappings.iter().map(|_| None).collect();
         let mut order: SmallVec<[usize; 4]> = (0..mappings.len()).collect();
-        order.sort_unstable_by_key(|&slot| mappings[slot].id);
-        for slot in order {
-            guards[slot] = Some(mappings[slot].lock());
+        order.sort_unstable_by_key(|&mi| mappings[mi].id);
+        for mi in order {
+            guards[mi] = Some(mappings[mi].lock());
         }
-        Locked::Many(guards)
+        MappingGuards::Many(guards)
     }
 
-    pub(crate) fn get(&mut self, slot: usize) -> &mut MappingPins {
+    pub(crate) fn get(&mut self, mi: usize) -> &mut MappingPins {
         match self {
-            Locked::One(guard) => {
-                debug_assert_eq!(slot, 0, "a one-mapping plan has slot 0 only");
+            MappingGuards::One(guard) => {
+                debug_assert_eq!(mi, 0, "a one-mapping plan has mapping index 0 only");
                 guard
             }
-            Locked::Many(guards) => guards[slot].as_mut().expect("every slot is locked"),
+            MappingGuards::Many(guards) => guards[mi].as_mut().expect("every mapping is locked"),
         }
     }
 }
 
 /// Removes one pin per page of `runs` (all known to be pinned), then munlocks and refunds.
 /// Returns the pins removed.
-pub(crate) fn unpin_runs(mappings: &[Arc<Mapping>], locked: &mut Locked<'_>, runs: &[PinnedRun]) -> u64 {
+pub(crate) fn unpin_runs(
+    mappings: &[Arc<Mapping>],
+    locked: &mut MappingGuards<'_>,
+    runs: &[PinnedRun],
+) -> u64 {
     if let [mapping] = mappings {
         // The usual plan: one mapping, one list of sub-runs to munlock.
         let pins = locked.get(0);
@@ -62,11 +66,15 @@ pub(crate) fn unpin_runs(mappings: &[Arc<Mapping>], locked: &mut Locked<'_>, run
     let mut released: SmallVec<[Released; 2]> = mappings.iter().map(|_| Released::new()).collect();
     let mut removed = 0u64;
     for run in runs.iter().rev() {
-        removed +=
-            unpin_run_of(&mappings[run.slot()], locked.get(run.slot()), run, &mut released[run.slot()]);
+        removed += unpin_run_of(
+            &mappings[run.mapping_index()],
+            locked.get(run.mapping_index()),
+            run,
+            &mut released[run.mapping_index()],
+        );
     }
-    for (slot, m) in mappings.iter().enumerate() {
-        m.release(locked.get(slot), &released[slot]);
+    for (mi, m) in mappings.iter().enumerate() {
+        m.release(locked.get(mi), &released[mi]);
     }
     removed
 }
@@ -82,7 +90,7 @@ fn unpin_run_of(mapping: &Mapping, pins: &mut MappingPins, run: &PinnedRun, rele
     log::error!("pins of the run at IOVA {:#x} were released behind its guard", run.iova);
     let mut removed = 0;
     for page in first..first + run.npages() {
-        if pins.table.count(page) > 0 {
+        if pins.page_counts.count(page) > 0 {
             mapping.unpin_run(pins, page, 1, released);
             removed += 1;
         }
@@ -123,12 +131,12 @@ impl DmaSpace {
             self.counters().pin_failures.fetch_add(1, Ordering::Relaxed);
         })?;
         let policy = &self.inner.policy;
-        let mut locked = Locked::take(&plan.mappings);
+        let mut locked = MappingGuards::take(&plan.mappings);
         if policy.reserve_in(locked.get(0), plan.pages).is_err() {
             // Short: take back every mapping's unused stock, each lock alone, and try again.
             drop(locked);
             self.reclaim_mapping_stocks();
-            locked = Locked::take(&plan.mappings);
+            locked = MappingGuards::take(&plan.mappings);
             if let Err(held) = policy.reserve_in(locked.get(0), plan.pages) {
                 drop(locked);
                 self.counters().pin_failures.fetch_add(1, Ordering::Relaxed);
@@ -166,20 +174,21 @@ impl DmaSpace {
         }
     }
 
-    fn pin_runs(plan: &Plan, locked: &mut Locked<'_>) -> Result<(), PinError> {
+    fn pin_runs(plan: &Plan, locked: &mut MappingGuards<'_>) -> Result<(), PinError> {
         // A mapping may have left the table (or started leaving) between planning and
         // locking; report the first entry affected.
         for run in &plan.runs {
             let pfn = run.iova >> PAGE_SHIFT;
-            match plan.mappings[run.slot()].state() {
+            match plan.mappings[run.mapping_index()].state() {
                 MappingState::Live => {}
                 MappingState::Unmapping => return Err(PinError::Unmapping { index: run.index(), pfn }),
                 MappingState::Removed => return Err(PinError::NotMapped { index: run.index(), pfn }),
             }
         }
         for (done, run) in plan.runs.iter().enumerate() {
-            let mapping = &plan.mappings[run.slot()];
-            if let Err(failure) = mapping.pin_run(locked.get(run.slot()), run.page_in(mapping), run.npages())
+            let mapping = &plan.mappings[run.mapping_index()];
+            if let Err(failure) =
+                mapping.pin_run(locked.get(run.mapping_index()), run.page_in(mapping), run.npages())
             {
                 // The call's reservation is returned whole by the caller.
                 unpin_runs(&plan.mappings, locked, &plan.runs[..done]);

@@ -88,7 +88,7 @@ impl DmaSpace {
     /// plain translation as an unsafe translator (libvfio-user's `vfu_addr_to_sgl`) does it,
     /// the floor pinbench measures pins against.
     ///
-    /// `f` runs under the table's read lock (this thread's slot): it must not call into this
+    /// `f` runs under the table's read lock (this thread's shard): it must not call into this
     /// space (pin, unpin, drop a guard of it, map, look up); it should only record the runs.
     pub fn translate_pages(
         &self,
@@ -98,7 +98,7 @@ impl DmaSpace {
     ) -> Result<(), PinError> {
         self.check_count(pfns.len() as u64)?;
         let mut read = self.read_table();
-        let (table, slot) = read.parts();
+        let (table, shard) = read.parts();
         // The mapping last resolved: first page, end page, host address of its first page.
         let mut hint: Option<(u64, u64, usize)> = None;
         let mut i = 0;
@@ -107,7 +107,7 @@ impl DmaSpace {
             let (first, end, host) = match hint {
                 Some(h @ (first, end, _)) if start >= first && start < end => h,
                 _ => {
-                    let Some(m) = lookup(table, &mut slot.hint, start) else {
+                    let Some(m) = lookup(table, &mut shard.hint, start) else {
                         return Err(PinError::NotMapped { index: i, pfn: start });
                     };
                     if !m.prot.contains(prot) {

@@ -10,7 +10,7 @@ use crate::mapping::Mapping;
 use crate::page::{Prot, PAGE_SIZE};
 use crate::run::{PinnedRun, Runs};
 use crate::run_scan::run_length;
-use crate::shard_table::{SlotHint, TableRead};
+use crate::shard_table::{ShardHint, TableRead};
 use crate::space::MappingTable;
 
 pub(crate) type Mappings = SmallVec<[Arc<Mapping>; 2]>;
@@ -59,24 +59,24 @@ pub(crate) struct Planned<'a> {
 /// Resolves page numbers to mappings under a table read, cutting the call into `runs`.
 pub(crate) struct Planner<'a, 'r> {
     table: &'a MappingTable,
-    /// The slot's hint: the mapping this thread resolved last (its lock is held).
-    slot_hint: &'a mut SlotHint,
+    /// The shard's hint: the mapping this thread resolved last (its lock is held).
+    shard_hint: &'a mut ShardHint,
     wanted: Prot,
     /// Whether the access check applies (unpins need none).
     pinning: bool,
     runs: &'r mut Runs,
     planned: Planned<'a>,
-    /// The mapping last resolved: its guard slot, page range and host address of its first
+    /// The mapping last resolved: its mapping index, page range and host address of its first
     /// page. The usual next hit.
     hint: Option<(usize, u64, u64, usize)>,
 }
 
 impl<'a, 'r> Planner<'a, 'r> {
     fn new(read: &'a mut TableRead<'_>, wanted: Prot, pinning: bool, runs: &'r mut Runs) -> Self {
-        let (table, slot) = read.parts();
+        let (table, shard) = read.parts();
         Planner {
             table,
-            slot_hint: &mut slot.hint,
+            shard_hint: &mut shard.hint,
             wanted,
             pinning,
             runs,
@@ -125,14 +125,14 @@ impl<'a, 'r> Planner<'a, 'r> {
         Ok(())
     }
 
-    /// The guard slot of the mapping holding `pfn` (entry `index` of the call).
+    /// The mapping index of the mapping holding `pfn` (entry `index` of the call).
     fn resolve(&mut self, pfn: u64, index: usize) -> Result<(usize, u64, u64, usize), PinError> {
         if let Some(hint @ (_, first, end, _)) = self.hint {
             if pfn >= first && pfn < end {
                 return Ok(hint);
             }
         }
-        let Some(mapping) = lookup(self.table, self.slot_hint, pfn) else {
+        let Some(mapping) = lookup(self.table, self.shard_hint, pfn) else {
             return Err(PinError::NotMapped { index, pfn });
         };
         if self.pinning {
@@ -147,15 +147,15 @@ impl<'a, 'r> Planner<'a, 'r> {
             }
         }
         let mappings = &mut self.planned.mappings;
-        let slot = match mappings.iter().position(|m| Arc::ptr_eq(m, mapping)) {
-            Some(slot) => slot,
+        let mi = match mappings.iter().position(|m| Arc::ptr_eq(m, mapping)) {
+            Some(mi) => mi,
             None => {
                 mappings.push(mapping);
                 mappings.len() - 1
             }
         };
         // Unpins plan message-only regions too: they have no host address (and get none).
-        let hint = (slot, mapping.first_pfn, mapping.end_pfn(), mapping.host_addr(0).unwrap_or(0));
+        let hint = (mi, mapping.first_pfn, mapping.end_pfn(), mapping.host_addr(0).unwrap_or(0));
         self.hint = Some(hint);
         Ok(hint)
     }
@@ -163,14 +163,14 @@ impl<'a, 'r> Planner<'a, 'r> {
     #[inline]
     fn push_run(
         &mut self,
-        (slot, first, _, base): (usize, u64, u64, usize),
+        (mi, first, _, base): (usize, u64, u64, usize),
         pfn: u64,
         npages: u64,
         index: usize,
     ) {
         let page = pfn - first;
         let host = if base == 0 { 0 } else { base + (page * PAGE_SIZE) as usize };
-        self.runs.push(PinnedRun::new(pfn, npages, index, host, slot));
+        self.runs.push(PinnedRun::new(pfn, npages, index, host, mi));
         self.planned.pages += npages;
     }
 
@@ -214,13 +214,17 @@ pub(crate) enum Entries<'p> {
     Range(u64, u64),
 }
 
-/// The mapping holding `pfn`: the slot's hint, else the table (which then becomes the hint).
-/// The caller holds the slot's lock, which `hint` belongs to.
+/// The mapping holding `pfn`: the shard's hint, else the table (which then becomes the hint).
+/// The caller holds the shard's lock, which `hint` belongs to.
 #[inline]
-pub(crate) fn lookup<'t>(table: &'t MappingTable, hint: &mut SlotHint, pfn: u64) -> Option<&'t Arc<Mapping>> {
+pub(crate) fn lookup<'t>(
+    table: &'t MappingTable,
+    hint: &mut ShardHint,
+    pfn: u64,
+) -> Option<&'t Arc<Mapping>> {
     match *hint {
-        // SAFETY: the hint points into the table, which cannot change while the slot is
-        // locked (the caller holds it); `SlotTable::write` clears it.
+        // SAFETY: the hint points into the table, which cannot change while the shard is
+        // locked (the caller holds it); `ShardTable::write` clears it.
         Some((first, end, m)) if pfn >= first && pfn < end => Some(unsafe { &*m.as_ptr() }),
         _ => match table.range(..=pfn).next_back() {
             Some((_, m)) if m.contains(pfn) => {

@@ -196,7 +196,7 @@ fn the_pin_limit_is_exact_across_threads_whatever_their_stock() {
     let space = DmaSpace::new(DmaSpaceConfig { max_pins: 6000, ..Default::default() });
     let file = memfd(8192);
     space.map(0, 8192 * P, file.as_fd(), 0, Prot::READ_WRITE).unwrap();
-    // Thread A pins and unpins: its slot keeps (up to two stocks of) unused reservation.
+    // Thread A pins and unpins: its shard keeps (up to two stocks of) unused reservation.
     std::thread::scope(|s| {
         s.spawn(|| {
             for _ in 0..3 {
@@ -329,7 +329,7 @@ fn a_track_guard_outlives_its_space_and_keeps_its_memory() {
     let other = space.pin_pages(&[2], Prot::READ).unwrap();
     drop(space);
     drop(f);
-    // The memory is still mapped: the slot keeps the space until its last record goes.
+    // The memory is still mapped: the shard keeps the space until its last record goes.
     pins.write(0, b"still here").unwrap();
     let mut buf = [0u8; 10];
     pins.read(0, &mut buf).unwrap();
@@ -344,7 +344,7 @@ fn a_closed_space_is_let_go_after_a_guard_released_without_the_lock() {
     let weak = Arc::downgrade(&space.inner.space);
     let pins = space.pin_pages(&[7], Prot::READ).unwrap();
     let entry = small_entry(&pins);
-    // The space closes while the guard is live: its slot keeps the space...
+    // The space closes while the guard is live: its shard keeps the space...
     drop(space);
     drop(f);
     assert!(weak.upgrade().is_some());
@@ -395,17 +395,17 @@ fn an_orphan_is_unmapped_after_a_guard_released_without_the_lock() {
 }
 
 #[test]
-fn small_records_hold_at_most_a_stock_of_pins_per_slot() {
+fn small_records_hold_at_most_a_stock_of_pins_per_shard() {
     let (space, _f) = space_with(Default::default());
     let big = memfd(4096);
     space.map(1 << 30, 4096 * P, big.as_fd(), 0, Prot::READ).unwrap();
     let small = |g: &PinnedPages| matches!(g.hold.view(), HoldView::Recorded(RecordPtr::Small(_)));
-    // Ranges of 1024 pages: four fill the slot's share, the fifth goes in a box.
+    // Ranges of 1024 pages: four fill the shard's share, the fifth goes in a box.
     let guards: Vec<PinnedPages> =
         (0..5).map(|_| space.pin_range(1 << 30, 1024, Prot::READ).unwrap()).collect();
     assert_eq!(guards.iter().filter(|g| small(g)).count(), 4);
     drop(guards);
-    // Released, they are taken back when the slot next needs the room.
+    // Released, they are taken back when the shard next needs the room.
     let again: Vec<PinnedPages> =
         (0..4).map(|_| space.pin_range(1 << 30, 1024, Prot::READ).unwrap()).collect();
     assert!(again.iter().all(small));
@@ -416,7 +416,7 @@ fn small_records_hold_at_most_a_stock_of_pins_per_slot() {
 #[test]
 fn single_page_guards_beyond_the_small_record_array_are_boxed_and_all_count() {
     let (space, _f) = space_with(Default::default());
-    // More live single pages than the array holds, from one thread (one slot).
+    // More live single pages than the array holds, from one thread (one shard).
     drop(space.pin_pages(&[0], Prot::READ).unwrap());
     let guards: Vec<PinnedPages> =
         (0..150u64).map(|i| space.pin_pages(&[i % 64], Prot::READ).unwrap()).collect();
@@ -492,7 +492,7 @@ fn abandoned_mappings_stay_mapped_under_track_guards() {
 
 #[test]
 fn overlapping_runs_from_many_threads_count_per_page_and_hold_an_unmap() {
-    // More threads than slots, so slots are shared; every call overlaps the others.
+    // More threads than shards, so shards are shared; every call overlaps the others.
     let (space, _f) = space_with(Default::default());
     let guards: Vec<PinnedPages> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..40u64)

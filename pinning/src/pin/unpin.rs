@@ -4,7 +4,7 @@ use std::sync::atomic::Ordering;
 
 use smallvec::SmallVec;
 
-use super::lock_mode::Locked;
+use super::lock_mode::MappingGuards;
 use super::plan::{Plan, Planner};
 use super::{PinError, UnpinError};
 use crate::account::PinMode;
@@ -65,27 +65,29 @@ impl DmaSpace {
     }
 
     fn unpin_checked(plan: &Plan) -> Result<(), UnpinError> {
-        let mut locked = Locked::take(&plan.mappings);
+        let mut locked = MappingGuards::take(&plan.mappings);
         let mut released: SmallVec<[Released; 2]> = plan.mappings.iter().map(|_| Released::new()).collect();
         for (done, run) in plan.runs.iter().enumerate() {
-            let mapping = &plan.mappings[run.slot()];
-            let pins = locked.get(run.slot());
+            let mapping = &plan.mappings[run.mapping_index()];
+            let pins = locked.get(run.mapping_index());
             let first = run.page_in(mapping);
-            if let Err(page) = mapping.try_unpin_run(pins, first, run.npages(), &mut released[run.slot()]) {
+            if let Err(page) =
+                mapping.try_unpin_run(pins, first, run.npages(), &mut released[run.mapping_index()])
+            {
                 // Put back what this call took; nothing was munlocked yet.
                 for undo in plan.runs[..done].iter().rev() {
-                    let at = undo.page_in(&plan.mappings[undo.slot()]);
-                    locked.get(undo.slot()).table.increment(at, undo.npages());
+                    let at = undo.page_in(&plan.mappings[undo.mapping_index()]);
+                    locked.get(undo.mapping_index()).page_counts.increment(at, undo.npages());
                 }
                 let index = run.index() + (page - first) as usize;
                 return Err(UnpinError::NotPinned { index, pfn: (run.iova >> PAGE_SHIFT) + (page - first) });
             }
         }
-        for (slot, m) in plan.mappings.iter().enumerate() {
-            m.release(locked.get(slot), &released[slot]);
+        for (mi, m) in plan.mappings.iter().enumerate() {
+            m.release(locked.get(mi), &released[mi]);
         }
         if let Some(m) = plan.mappings.first() {
-            // Lock mode reserves from its first mapping's stock; track mode from its slot's,
+            // Lock mode reserves from its first mapping's stock; track mode from its shard's,
             // which this call does not hold: straight back to the space then.
             match m.policy.mode {
                 PinMode::Lock => m.policy.restock(locked.get(0), plan.pages),

@@ -25,7 +25,7 @@ use crate::counters::Counters;
 use crate::mapping::{Mapping, MappingState};
 use crate::mmap::HostMemory;
 use crate::page::{is_page_aligned, pfn_of, Prot, PAGE_SIZE};
-use crate::shard_table::{SlotTable, TableRead, TableWrite};
+use crate::shard_table::{ShardTable, TableRead, TableWrite};
 
 pub(crate) type MappingTable = BTreeMap<u64, Arc<Mapping>>;
 
@@ -33,10 +33,10 @@ pub(crate) struct SpaceInner {
     pub(crate) config: DmaSpaceConfig,
     pub(crate) policy: Arc<PinPolicy>,
     /// Mappings by first page number, and the track-mode pin records, behind one lock per
-    /// thread slot (see `slots`).
-    pub(crate) slots: SlotTable,
+    /// thread shard (see `shards`).
+    pub(crate) shards: ShardTable,
     notifier: RwLock<Option<UnmapNotifier>>,
-    /// Set once every `DmaSpace` handle is gone: slots then let go of the space as their
+    /// Set once every `DmaSpace` handle is gone: shards then let go of the space as their
     /// last record retires.
     pub(crate) closed: AtomicBool,
     /// Woken when a track-mode record in an unmapping mapping retires.
@@ -48,40 +48,40 @@ pub(crate) struct SpaceInner {
 impl SpaceInner {
     /// Lets go of abandoned mappings no record names any more (their memory is unmapped).
     /// Called as records naming them retire, and at each map and unmap: a guard that let go
-    /// without its slot's lock just as abandon_all looked leaves its mapping here until then.
+    /// without its shard's lock just as abandon_all looked leaves its mapping here until then.
     pub(crate) fn prune_orphans(&self) {
         let gone: Vec<Arc<Mapping>> = {
             let mut orphans = crate::sync::lock(&self.orphans);
             if orphans.is_empty() {
                 return;
             }
-            let (keep, gone): (Vec<_>, Vec<_>) = orphans.drain(..).partition(|m| self.slots.pins_in(m) != 0);
+            let (keep, gone): (Vec<_>, Vec<_>) = orphans.drain(..).partition(|m| self.shards.pins_in(m) != 0);
             *orphans = keep;
             gone
         };
         drop(gone);
     }
 
-    /// Makes every slot without live records let go of the space; true if some slot still
-    /// holds it. The caller holds a reference of its own (a slot's may be the last but it).
-    pub(crate) fn release_idle_slots(&self) -> bool {
+    /// Makes every shard without live records let go of the space; true if some shard still
+    /// holds it. The caller holds a reference of its own (a shard's may be the last but it).
+    pub(crate) fn release_idle_shards(&self) -> bool {
         let mut holding = false;
-        self.slots.for_each_slot(|slot| {
-            if slot.is_empty() {
-                drop(slot.keepalive.take());
+        self.shards.for_each_shard(|shard| {
+            if shard.is_empty() {
+                drop(shard.keepalive.take());
             }
-            holding |= slot.keepalive.is_some();
+            holding |= shard.keepalive.is_some();
         });
         holding
     }
 
     /// What the reaper does with a space it watches: lets go of orphans no record names,
-    /// and, once the space is closed, makes idle slots let go of it. True if there is more
-    /// to wait for (orphans still named, or slots still holding a closed space).
+    /// and, once the space is closed, makes idle shards let go of it. True if there is more
+    /// to wait for (orphans still named, or shards still holding a closed space).
     pub(crate) fn reap(&self) -> bool {
         self.prune_orphans();
         let orphans = !crate::sync::lock(&self.orphans).is_empty();
-        let holding = self.closed.load(Ordering::SeqCst) && self.release_idle_slots();
+        let holding = self.closed.load(Ordering::SeqCst) && self.release_idle_shards();
         orphans || holding
     }
 
@@ -107,11 +107,11 @@ impl Deref for SpaceHandle {
 
 impl Drop for SpaceHandle {
     fn drop(&mut self) {
-        // From here on a slot's last retiring record lets go of the space; slots without
+        // From here on a shard's last retiring record lets go of the space; shards without
         // records let go now. (No pin can start: there is no handle to call it on.)
         self.space.closed.store(true, Ordering::SeqCst);
         if self.space.reap() {
-            // Guards still hold records: the last to retire under its slot's lock lets go
+            // Guards still hold records: the last to retire under its shard's lock lets go
             // of the space, and the reaper catches one released without the lock.
             crate::reaper::watch(Arc::downgrade(&self.space));
         }
@@ -144,7 +144,7 @@ impl DmaSpace {
         let inner = SpaceInner {
             config,
             policy,
-            slots: SlotTable::default(),
+            shards: ShardTable::default(),
             notifier: RwLock::default(),
             closed: AtomicBool::new(false),
             drained: (Mutex::new(()), Condvar::new()),
@@ -172,13 +172,13 @@ impl DmaSpace {
         self.inner.policy.counters()
     }
 
-    /// The table, read under this thread's slot lock.
+    /// The table, read under this thread's shard lock.
     pub(crate) fn read_table(&self) -> TableRead<'_> {
-        self.inner.slots.read()
+        self.inner.shards.read()
     }
 
     fn write_table(&self) -> TableWrite<'_> {
-        self.inner.slots.write()
+        self.inner.shards.write()
     }
 
     /// Registers the device's unmap notifier, replacing any earlier one.
@@ -313,10 +313,10 @@ impl DmaSpace {
             let mut pins = m.lock();
             m.set_state(&mut pins, MappingState::Removed);
             drop(pins);
-            // Slots first, then the counts, each lock alone (never a mapping's lock while
-            // taking slot locks: `remove` holds every slot lock and then takes mappings').
-            let recorded = self.inner.slots.pins_in(m);
-            let counted = m.lock().table.pins();
+            // Shards first, then the counts, each lock alone (never a mapping's lock while
+            // taking shard locks: `remove` holds every shard lock and then takes mappings').
+            let recorded = self.inner.shards.pins_in(m);
+            let counted = m.lock().page_counts.pins();
             if counted + recorded != 0 {
                 log::error!(
                     "abandoning the mapping at {:#x} with {} pins held",
@@ -334,7 +334,7 @@ impl DmaSpace {
         // still pinned with the space, which outlives its guards.
         if !named.is_empty() {
             crate::sync::lock(&self.inner.orphans).extend(named);
-            // A guard that let go meanwhile (under its slot's lock or without it) may have
+            // A guard that let go meanwhile (under its shard's lock or without it) may have
             // left nothing to name an orphan: look now, and let the reaper look until none
             // is left (a small record's guard tells nobody when it lets go).
             if self.inner.space.reap() {
@@ -362,12 +362,12 @@ impl DmaSpace {
             }
             m.set_state(&mut pins, MappingState::Unmapping);
             drop(pins);
-            // Marked first, then the slots looked at: a track-mode pin either saw the mark
-            // under its slot's lock or left its record there for this to see.
-            // Slots before counts, each lock alone: forget counts first and retires second,
+            // Marked first, then the shards looked at: a track-mode pin either saw the mark
+            // under its shard's lock or left its record there for this to see.
+            // Shards before counts, each lock alone: forget counts first and retires second,
             // so this sees its pins one way or the other.
-            let recorded = self.inner.slots.pins_in(m);
-            let counted = m.lock().table.pins();
+            let recorded = self.inner.shards.pins_in(m);
+            let counted = m.lock().page_counts.pins();
             if recorded + counted != 0 {
                 busy.push(m.clone());
             }
@@ -428,8 +428,8 @@ impl DmaSpace {
         let (lock, cv) = &self.inner.drained;
         let mut guard = crate::sync::lock(lock);
         loop {
-            let recorded = self.inner.slots.pins_in(m);
-            let left = recorded + m.lock().table.pins();
+            let recorded = self.inner.shards.pins_in(m);
+            let left = recorded + m.lock().page_counts.pins();
             let now = Instant::now();
             if left == 0 || now >= deadline {
                 return left;
@@ -481,11 +481,11 @@ impl DmaSpace {
             _ => return 0,
         };
         let page = pfn - mapping.first_pfn;
-        let mut count = u64::from(mapping.lock().table.count(page));
-        self.inner.slots.for_each_slot(|slot| {
-            for record in slot.records() {
+        let mut count = u64::from(mapping.lock().page_counts.count(page));
+        self.inner.shards.for_each_shard(|shard| {
+            for record in shard.records() {
                 for run in record.runs.iter() {
-                    let held_in = record.mapping(run.slot());
+                    let held_in = record.mapping(run.mapping_index());
                     // Runs of other mappings have no page in this one.
                     if std::ptr::eq(held_in, &*mapping) {
                         let first = run.page_in(held_in);
@@ -551,18 +551,18 @@ impl DmaSpace {
         let orphans: Vec<Arc<Mapping>> = crate::sync::lock(&self.inner.orphans).clone();
         // Track-mode records, as (mapping, first page, pages), for the totals.
         let mut recorded: Vec<(*const Mapping, u64, u64)> = Vec::new();
-        self.inner.slots.for_each_slot(|slot| {
-            stats.bookkeeping_bytes += slot.bookkeeping_bytes() as u64;
-            stats.pins_held += slot.pins();
-            let c = slot.counts;
+        self.inner.shards.for_each_shard(|shard| {
+            stats.bookkeeping_bytes += shard.bookkeeping_bytes() as u64;
+            stats.pins_held += shard.pins();
+            let c = shard.counts;
             stats.pin_calls += c.pin_calls;
             stats.pin_failures += c.pin_failures;
             stats.unpin_calls += c.unpin_calls;
             stats.runs += c.runs;
             stats.pages += c.pages;
-            for record in slot.records() {
+            for record in shard.records() {
                 for run in record.runs.iter() {
-                    let mapping = record.mapping(run.slot());
+                    let mapping = record.mapping(run.mapping_index());
                     recorded.push((mapping, run.page_in(mapping), run.npages()));
                 }
             }
@@ -574,14 +574,14 @@ impl DmaSpace {
             if i < listed {
                 stats.mappings += 1;
                 stats.mapped_bytes += m.size();
-                stats.pins_held += pins.table.pins();
-                stats.pinned_pages += pins.table.pinned_pages();
-                stats.bookkeeping_bytes += pins.table.bookkeeping_bytes() as u64;
+                stats.pins_held += pins.page_counts.pins();
+                stats.pinned_pages += pins.page_counts.pinned_pages();
+                stats.bookkeeping_bytes += pins.page_counts.bookkeeping_bytes() as u64;
                 stats.poisoned_mappings += u64::from(m.poisoned());
             }
             // Distinct recorded pages that the counts do not already cover (without counts,
             // the merged runs' lengths).
-            let counted = pins.table.pins() != 0;
+            let counted = pins.page_counts.pins() != 0;
             let ptr: *const Mapping = &**m;
             let from = recorded.partition_point(|r| r.0 < ptr);
             let mut next = 0u64; // first page not yet counted
@@ -589,7 +589,7 @@ impl DmaSpace {
                 let start = first.max(next);
                 if counted {
                     for page in start..first + n {
-                        stats.pinned_pages += u64::from(pins.table.count(page) == 0);
+                        stats.pinned_pages += u64::from(pins.page_counts.count(page) == 0);
                     }
                 } else {
                     stats.pinned_pages += (first + n).saturating_sub(start);

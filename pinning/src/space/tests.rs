@@ -79,7 +79,7 @@ fn map_is_lazy_whatever_the_size() {
     let stats = space.stats();
     assert_eq!(stats.bookkeeping_bytes, 0);
     assert_eq!(stats.mapped_bytes, 64 << 30);
-    // Pinning one page allocates one slot's small-record array (19 KiB, a track-mode call) or one
+    // Pinning one page allocates one shard's small-record array (19 KiB, a track-mode call) or one
     // chunk of counts, nothing per page of the mapping.
     let last = (1u64 << 40) + (64 << 30) - PAGE_SIZE;
     let pins = space.pin_range(last, 1, Prot::READ).unwrap();
