@@ -7,17 +7,18 @@
 use std::io;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
 use std::time::Instant;
 
 use smallvec::SmallVec;
 
 use crate::account::{OverLimit, PinMode};
 use crate::budget::PinPolicy;
-use crate::counters::LockCounts;
+use crate::budget::PIN_STOCK;
+use crate::counters::Counts;
 use crate::mmap::HostMemory;
 use crate::page::{iova_of, Prot, PAGE_SIZE};
 use crate::page_counts::PageCounts;
+use crate::run::PinnedRun;
 use crate::spin::{SpinGuard, SpinLock};
 
 /// Where a mapping is in its life.
@@ -51,12 +52,89 @@ pub(crate) struct MappingPins {
     /// run lies here: such a call takes its pins from here and gives them back here, touching
     /// the space's shared count once per [`PIN_STOCK`] pins.
     pub(crate) stock: u64,
-    /// Lock-mode calls' counters, plain under the lock (a shared atomic costs as much as a
+    /// Lock-mode calls' counts, plain under the lock (a shared atomic costs as much as a
     /// lock); summed by `stats`, moved to the space's when the mapping leaves the table.
-    pub(crate) counts: LockCounts,
+    pub(crate) counts: Counts,
     /// Set as the mapping leaves the table: from then on pins given back go straight to the
     /// space's count (a guard may keep a removed mapping alive for long).
     pub(crate) left: bool,
+}
+
+impl MappingPins {
+    /// Reserves `pins` for a lock-mode call whose first run lies in this mapping (locked by
+    /// the caller): from the stock, refilled from the space's count when short; `Err(held)`
+    /// if the space's count cannot give them. A mapping that has left the table keeps no
+    /// stock: its calls take exactly their pins.
+    ///
+    /// The caller, refused, takes back every mapping's unused stock and tries once more, so
+    /// a call fails only if the pins held, plus stock taken by other calls meanwhile, leave
+    /// no room.
+    pub(crate) fn reserve(&mut self, policy: &PinPolicy, pins: u64) -> Result<(), u64> {
+        if let Some(left) = self.stock.checked_sub(pins) {
+            self.stock = left;
+            return Ok(());
+        }
+        // The stock goes into the call; the count gives the rest, and a new stock if it can.
+        let short = pins - self.stock;
+        let refill = if self.left { None } else { short.checked_add(PIN_STOCK) };
+        if refill.is_some_and(|more| policy.take(more).is_ok()) {
+            self.stock = PIN_STOCK;
+            return Ok(());
+        }
+        policy.take(short)?;
+        self.stock = 0;
+        Ok(())
+    }
+
+    /// Returns pins reserved with [`MappingPins::reserve`] to the stock (the surplus beyond
+    /// two stocks' worth, or all of it once the mapping has left the table, to the space).
+    pub(crate) fn restock(&mut self, policy: &PinPolicy, pins: u64) {
+        if self.left {
+            policy.give(pins);
+            return;
+        }
+        self.stock += pins;
+        if self.stock > 2 * PIN_STOCK {
+            policy.give(self.stock - PIN_STOCK);
+            self.stock = PIN_STOCK;
+        }
+    }
+}
+
+/// Wakes an unmap waiting for a mapping's pins to drop (DESIGN.md I7). An event count: the
+/// waiter reads the epoch before it looks at the pins and sleeps only if no signal came
+/// since, so a signal between its look and its sleep is never lost. The mutex is a leaf
+/// lock (held for nothing but the check and the notify), so a signal may be sent under
+/// any other lock.
+#[derive(Debug, Default)]
+pub(crate) struct Drained {
+    epoch: AtomicU64,
+    lock: Mutex<()>,
+    cv: Condvar,
+}
+
+impl Drained {
+    /// The epoch to pass to [`Drained::wait`]; read before looking at the pins.
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::SeqCst)
+    }
+
+    /// Wakes every waiter: pins of the mapping went (the caller changed them first).
+    pub(crate) fn signal(&self) {
+        self.epoch.fetch_add(1, Ordering::SeqCst);
+        let _held = crate::sync::lock(&self.lock);
+        self.cv.notify_all();
+    }
+
+    /// Sleeps until a signal after epoch `seen`, or `until`.
+    pub(crate) fn wait(&self, seen: u64, until: Instant) {
+        let held = crate::sync::lock(&self.lock);
+        let now = Instant::now();
+        if self.epoch.load(Ordering::SeqCst) != seen || now >= until {
+            return;
+        }
+        drop(crate::sync::wait_timeout(&self.cv, held, until - now));
+    }
 }
 
 /// Why pinning one run failed; `page` is the page offset within the mapping.
@@ -105,10 +183,8 @@ pub(crate) struct Mapping {
     /// A [`MappingState`]. Changed under the lock; read without it by track-mode pins, which
     /// check it under their shard's lock (see `shards`).
     state: AtomicU8,
-    /// Signalled when an unmapping mapping's last pin drops (without its mutex, which guards
-    /// nothing: the waiter looks again every millisecond, so a wake-up that comes between
-    /// its look and its wait costs it at most that).
-    drained: (Mutex<()>, Condvar),
+    /// Signalled when pins of a mapping that is no longer live drop (I7).
+    pub(crate) drained: Drained,
     /// Unmaps waiting to claim the mapping (set before they take its lock): a lock-mode pin
     /// in progress stops at its next piece and fails `Unmapping`.
     claims: AtomicU32,
@@ -133,11 +209,12 @@ impl Mapping {
             policy,
             pins: SpinLock::default(),
             state: AtomicU8::new(MappingState::Live as u8),
-            drained: (Mutex::new(()), Condvar::new()),
+            drained: Drained::default(),
             claims: AtomicU32::new(0),
         }
     }
 
+    #[inline]
     pub(crate) fn iova(&self) -> u64 {
         iova_of(self.first_pfn)
     }
@@ -157,21 +234,31 @@ impl Mapping {
         self.npages * PAGE_SIZE
     }
 
+    /// The first page of `run` (which lies in this mapping) as an offset within it.
+    #[inline]
+    pub(crate) fn run_page(&self, run: &PinnedRun) -> u64 {
+        run.page_in(self.first_pfn)
+    }
+
     /// One past the last page number.
+    #[inline]
     pub(crate) fn end_pfn(&self) -> u64 {
         self.first_pfn + self.npages
     }
 
+    #[inline]
     pub(crate) fn contains(&self, pfn: u64) -> bool {
         pfn >= self.first_pfn && pfn < self.end_pfn()
     }
 
     /// Host address of page offset `page`, for fd-backed mappings.
+    #[inline]
     pub(crate) fn host_addr(&self, page: u64) -> Option<usize> {
         self.memory.as_ref().map(|m| m.addr_at(page * PAGE_SIZE))
     }
 
     /// True once the client truncated the file behind the mapping (see `sigbus`).
+    #[inline]
     pub(crate) fn poisoned(&self) -> bool {
         self.memory.as_ref().is_some_and(|m| m.poisoned())
     }
@@ -230,7 +317,7 @@ impl Mapping {
     }
 
     /// Charges and mlocks sub-runs that are about to get their first pin.
-    fn lock_fresh(&self, counts: &mut LockCounts, fresh: &[(u64, u64)]) -> Result<(), RunFailure> {
+    fn lock_fresh(&self, counts: &mut Counts, fresh: &[(u64, u64)]) -> Result<(), RunFailure> {
         let Some(&(first, _)) = fresh.first() else {
             return Ok(());
         };
@@ -274,8 +361,9 @@ impl Mapping {
     }
 
     /// Removes a pin from pages `[page, page + npages)` unless one of them is not pinned;
-    /// then returns that page and changes nothing. Sub-runs that reach 0 are appended to
-    /// `released` (lock mode only) for [`Mapping::release`].
+    /// then returns that page and changes nothing. The one check of every unpin (I12).
+    /// Sub-runs that reach 0 are appended to `released` (lock mode only) for
+    /// [`Mapping::release`].
     pub(crate) fn try_unpin_run(
         &self,
         pins: &mut MappingPins,
@@ -283,36 +371,13 @@ impl Mapping {
         npages: u64,
         released: &mut Released,
     ) -> Result<(), u64> {
-        if self.policy.mode == PinMode::Track {
-            // The hot path: one checked pass over the counts.
-            return pins.page_counts.try_decrement(page, npages).map(drop);
-        }
-        if npages == 1 {
-            // One page: one checked pass, and it goes to munlock if that was its last pin.
-            if pins.page_counts.try_decrement_one(page)? {
-                released.push((page, 1));
-            }
-            return Ok(());
-        }
-        if let Some(page) = pins.page_counts.find_unpinned(page, npages) {
-            return Err(page);
-        }
-        pins.page_counts.decrement(page, npages, Some(&mut |s, l| released.push((s, l))));
-        Ok(())
+        let mut munlock = |start, len| released.push((start, len));
+        let report: Option<&mut dyn FnMut(u64, u64)> =
+            if self.policy.mode == PinMode::Lock { Some(&mut munlock) } else { None };
+        pins.page_counts.try_decrement(page, npages, report).map(drop)
     }
 
-    /// Removes a pin from pages `[page, page + npages)`, which the caller has checked are
-    /// all pinned. Sub-runs that reach 0 are appended to `released` (lock mode only) for
-    /// [`Mapping::release`].
-    pub(crate) fn unpin_run(&self, pins: &mut MappingPins, page: u64, npages: u64, released: &mut Released) {
-        if self.policy.mode == PinMode::Lock {
-            pins.page_counts.decrement(page, npages, Some(&mut |s, l| released.push((s, l))));
-        } else {
-            pins.page_counts.decrement(page, npages, None);
-        }
-    }
-
-    /// munlocks and refunds sub-runs collected by [`Mapping::unpin_run`], then wakes an
+    /// munlocks and refunds sub-runs collected by [`Mapping::try_unpin_run`], then wakes an
     /// unmap waiting for this mapping to drain.
     pub(crate) fn release(&self, pins: &mut MappingPins, released: &[(u64, u64)]) {
         if !released.is_empty() {
@@ -324,13 +389,13 @@ impl Mapping {
             }
             self.policy.account.refund(pages * PAGE_SIZE);
         }
-        // Unmapping, or taken by abandon_all while an unmap waited: wake the waiter.
-        if self.state() != MappingState::Live && pins.page_counts.pins() == 0 {
-            self.drained.1.notify_all();
+        // Unmapping, or taken by abandon_all while an unmap waited: wake the waiter (I7).
+        if self.state() != MappingState::Live {
+            self.drained.signal();
         }
     }
 
-    fn munlock(&self, counts: &mut LockCounts, memory: &HostMemory, page: u64, npages: u64) {
+    fn munlock(&self, counts: &mut Counts, memory: &HostMemory, page: u64, npages: u64) {
         counts.munlock_calls += 1;
         if let Err(e) = memory.munlock(page * PAGE_SIZE, npages * PAGE_SIZE) {
             // The pages stay resident until the mapping goes; nothing else is wrong.
@@ -340,29 +405,14 @@ impl Mapping {
     }
 
     /// Called as the mapping leaves the space's table (with the table's write lock held, so
-    /// that `stats` sees its counts either here or in the space's counters): gives its
-    /// lock-mode stock back to the space and moves its counters to the space's.
+    /// that `stats` sees its counts either here or in the space's): gives its lock-mode
+    /// stock back to the space and moves its counts to the space's (I9).
     pub(crate) fn leave_table(&self, pins: &mut MappingPins) {
         pins.left = true;
         self.policy.give(std::mem::take(&mut pins.stock));
-        self.policy.add_counts(&std::mem::take(&mut pins.counts));
+        self.policy.add_departed(&std::mem::take(&mut pins.counts));
         // After the move and under the mapping's lock: see `PinPolicy::departures`.
         self.policy.departures.fetch_add(1, Ordering::Release);
-    }
-
-    /// Waits until no pins are held or `deadline` passes; returns the pins left.
-    pub(crate) fn wait_drained(&self, deadline: Instant) -> u64 {
-        let (lock, cv) = &self.drained;
-        let mut guard = crate::sync::lock(lock);
-        loop {
-            let left = self.lock().page_counts.pins();
-            let now = Instant::now();
-            if left == 0 || now >= deadline {
-                return left;
-            }
-            let wait = (deadline - now).min(Duration::from_millis(1));
-            guard = crate::sync::wait_timeout(cv, guard, wait).0;
-        }
     }
 }
 
@@ -373,7 +423,7 @@ impl Drop for Mapping {
         // What guards dropped after the mapping left the table gave back and counted.
         let (stock, counts) = (std::mem::take(&mut state.stock), std::mem::take(&mut state.counts));
         self.policy.give(stock);
-        self.policy.add_counts(&counts);
+        self.policy.add_departed(&counts);
         if pins != 0 {
             if let Some(memory) = self.memory.take() {
                 // Pins taken without a guard were never returned: their holder may still use

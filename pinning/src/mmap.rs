@@ -194,12 +194,14 @@ impl HostMemory {
         }
     }
 
+    #[inline]
     pub(crate) fn backing(&self) -> Backing {
         self.backing
     }
 
     /// True once an access faulted past the end of the file: the client shrank it, and the
     /// mapping now holds zero pages.
+    #[inline]
     pub(crate) fn poisoned(&self) -> bool {
         self.poisoned.load(Ordering::Acquire)
     }

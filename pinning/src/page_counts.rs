@@ -204,68 +204,20 @@ impl PageCounts {
         fresh
     }
 
-    /// Removes one pin from page `page` unless it is not pinned (then `Err(page)`, nothing
-    /// changed). True if it went to 0. One chunk lookup.
-    pub(crate) fn try_decrement_one(&mut self, page: u64) -> Result<bool, u64> {
-        let idx = page / CHUNK_PAGES;
-        let Some(chunk) = self.chunks.get_mut(&idx) else {
-            return Err(page);
-        };
-        let count = &mut chunk.counts[(page % CHUNK_PAGES) as usize];
-        if *count == 0 {
-            return Err(page);
-        }
-        *count -= 1;
-        let freed = *count == 0;
-        chunk.live -= u32::from(freed);
-        let empty = chunk.live == 0;
-        self.pinned_pages -= u64::from(freed);
-        self.pins -= 1;
-        if empty {
-            self.retire(idx);
-        }
-        Ok(freed)
-    }
-
     /// Removes one pin from every page of the range unless one of them is not pinned; then
-    /// returns that page and changes nothing. One pass (one chunk lookup per segment).
-    pub(crate) fn try_decrement(&mut self, first: u64, npages: u64) -> Result<u64, u64> {
-        let mut freed_pages = 0u64;
-        for seg in segments(first, npages) {
-            let unpinned = match self.chunks.get_mut(&seg.chunk) {
-                None => Some(seg.page),
-                Some(chunk) => {
-                    let counts = &mut chunk.counts[seg.start..seg.start + seg.len];
-                    if counts.iter().fold(0, |acc, &c| acc | Count::from(c == 0)) != 0 {
-                        counts.iter().position(|&c| c == 0).map(|i| seg.page + i as u64)
-                    } else {
-                        let mut freed = 0u32;
-                        for c in counts.iter_mut() {
-                            *c -= 1;
-                            freed += u32::from(*c == 0);
-                        }
-                        chunk.live -= freed;
-                        freed_pages += u64::from(freed);
-                        if chunk.live == 0 {
-                            self.retire(seg.chunk);
-                        }
-                        None
-                    }
-                }
-            };
-            if let Some(page) = unpinned {
-                // Put back the segments of this run already taken.
-                if seg.page > first {
-                    self.pinned_pages -= freed_pages;
-                    self.pins -= seg.page - first;
-                    self.increment(first, seg.page - first);
-                }
-                return Err(page);
-            }
+    /// returns that page and changes nothing. Calls `released(start, len)` for each maximal
+    /// sub-run of pages that went from 1 to 0, if given. Returns how many pages went to 0.
+    /// The one checked unpin (a look, then the pass).
+    pub(crate) fn try_decrement(
+        &mut self,
+        first: u64,
+        npages: u64,
+        released: Option<&mut dyn FnMut(u64, u64)>,
+    ) -> Result<u64, u64> {
+        if let Some(page) = self.find_unpinned(first, npages) {
+            return Err(page);
         }
-        self.pinned_pages -= freed_pages;
-        self.pins -= npages;
-        Ok(freed_pages)
+        Ok(self.decrement(first, npages, released))
     }
 
     /// Adds one pin to every page of the range. The caller has checked
@@ -423,11 +375,11 @@ mod tests {
         assert_eq!(t.try_increment(1000, 10), Ok(0));
         assert_eq!(t.count(1005), 2);
         // try_decrement: page 999 is not pinned.
-        assert_eq!(t.try_decrement(999, 5), Err(999));
-        assert_eq!(t.try_decrement(1000, 40), Err(1030));
+        assert_eq!(t.try_decrement(999, 5, None), Err(999));
+        assert_eq!(t.try_decrement(1000, 40, None), Err(1030));
         assert_eq!(t.count(1000), 2);
-        assert_eq!(t.try_decrement(1000, 10), Ok(0));
-        assert_eq!(t.try_decrement(1000, 30), Ok(29));
+        assert_eq!(t.try_decrement(1000, 10, None), Ok(0));
+        assert_eq!(t.try_decrement(1000, 30, None), Ok(29));
         assert_eq!(t.pinned_pages(), 1);
     }
 
@@ -438,7 +390,10 @@ mod tests {
             assert_eq!(one.increment_one(page), range.increment(page, 1) == 1);
         }
         for page in [511u64, 0, 7, 511, 4000, 0, 512, 511, 4000] {
-            assert_eq!(one.try_decrement_one(page), range.try_decrement(page, 1).map(|freed| freed == 1));
+            let mut freed = Vec::new();
+            let checked = one.try_decrement(page, 1, Some(&mut |s, l| freed.push((s, l))));
+            assert_eq!(checked.map(|n| n == 1), range.try_decrement(page, 1, None).map(|n| n == 1));
+            assert_eq!(freed.len() as u64, checked.unwrap_or(0));
             assert_eq!((one.pins(), one.pinned_pages()), (range.pins(), range.pinned_pages()));
             assert_eq!(one.bookkeeping_bytes(), range.bookkeeping_bytes());
         }

@@ -7,7 +7,6 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use crate::mapping::Mapping;
 use crate::page::Prot;
 use crate::run::PinnedRun;
-use crate::space::SpaceInner;
 
 /// The runs of one track-mode pin call, owned by the shard it was pinned from while its
 /// guard lives. Immutable from publication to retirement, so the guard reads it unlocked.
@@ -32,6 +31,7 @@ pub(crate) struct Record {
 
 impl Record {
     /// The record as its guard and the shard's readers see it.
+    #[inline]
     pub(crate) fn view(&self) -> RecordRef<'_> {
         RecordRef { runs: &self.runs, mappings: &self.mappings, pages: self.pages }
     }
@@ -41,7 +41,10 @@ impl Record {
 /// the space and shard that published the record, and the access the pages were pinned for.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Owner {
-    pub(crate) space: NonNull<SpaceInner>,
+    /// The space whose shard published the record, its type erased: records sit below the
+    /// space in the module order. Only `pin::track` makes and reads it, as a `SpaceInner`
+    /// (I4 keeps it allocated while the record is live).
+    pub(crate) space: NonNull<()>,
     pub(crate) shard: usize,
     pub(crate) prot: Prot,
 }
@@ -87,18 +90,15 @@ pub(crate) const SMALL_PINS: u64 = crate::budget::PIN_STOCK;
 pub(crate) const SMALL_RUNS: usize = 8;
 
 impl SmallRecord {
-    /// The guard's space, shard and access.
-    pub(crate) fn owner(&self) -> Owner {
-        self.owner
-    }
-
     /// The mapping of the runs (valid while the entry is live).
+    #[inline]
     pub(crate) fn mapping(&self) -> &Mapping {
         // SAFETY: a live entry's mapping stays allocated (see `Record::mappings`).
         unsafe { self.mapping.as_ref() }
     }
 
     /// True until the guard lets go.
+    #[inline]
     pub(crate) fn is_live(&self) -> bool {
         self.live.load(Ordering::Acquire)
     }
@@ -110,6 +110,7 @@ impl SmallRecord {
     /// # Safety
     /// `entry` is a live entry of its shard, whose guard calls this once, holds no reference
     /// to it across the call and touches neither it nor its space afterwards.
+    #[inline]
     pub(crate) unsafe fn release(entry: NonNull<SmallRecord>) {
         // SAFETY: the entry is allocated until this store (per the contract, it is live);
         // only the atomic flag is borrowed, and only for the store.
@@ -153,6 +154,7 @@ impl RecordPtr {
     ///
     /// # Safety
     /// The record is live (published and not retired).
+    #[inline]
     pub(crate) unsafe fn owner(self) -> Owner {
         match self {
             // SAFETY: per the contract.
@@ -166,6 +168,7 @@ impl RecordPtr {
     ///
     /// # Safety
     /// The record is live (published and not retired) for as long as the view is used.
+    #[inline]
     pub(crate) unsafe fn view<'a>(self) -> RecordRef<'a> {
         match self {
             // SAFETY: live records are valid and immutable until retired (the contract).
@@ -189,6 +192,7 @@ pub(crate) struct RecordRef<'a> {
 
 impl<'a> RecordRef<'a> {
     /// The mapping of mapping index `i`.
+    #[inline]
     pub(crate) fn mapping(&self, i: usize) -> &'a Mapping {
         // SAFETY: a live record's mappings stay allocated (see `Record::mappings`): for the
         // guard, until it retires or releases the record; for a reader of the shard's records,
@@ -200,6 +204,7 @@ impl<'a> RecordRef<'a> {
     }
 
     /// The mappings the runs lie in.
+    #[inline]
     pub(crate) fn mappings(&self) -> impl Iterator<Item = &'a Mapping> + 'a {
         // SAFETY: as in `mapping`.
         self.mappings.iter().map(|m| unsafe { m.as_ref() })

@@ -2,7 +2,6 @@
 
 use smallvec::SmallVec;
 
-use crate::mapping::Mapping;
 use crate::page::{iova_of, PAGE_SHIFT, PAGE_SIZE};
 
 /// Consecutive entries of a pin call with consecutive page numbers in one mapping, pinned as
@@ -49,29 +48,35 @@ impl PinnedRun {
         self.mapping_index as usize
     }
 
-    /// The run's first page as an offset within `mapping`, the one that holds it.
+    /// The run's first page as an offset within the mapping that holds it, whose first
+    /// page is `mapping_first_pfn`.
     #[inline]
-    pub(crate) fn page_in(&self, mapping: &Mapping) -> u64 {
-        (self.iova >> PAGE_SHIFT) - mapping.first_pfn
+    pub(crate) fn page_in(&self, mapping_first_pfn: u64) -> u64 {
+        (self.iova >> PAGE_SHIFT) - mapping_first_pfn
     }
 
     /// IOVA of the run's first page.
+    #[inline]
     pub fn iova(&self) -> u64 {
         self.iova
     }
     /// Pages in the run.
+    #[inline]
     pub fn npages(&self) -> u64 {
         u64::from(self.npages)
     }
     /// Position of the run's first page in the call's array.
+    #[inline]
     pub fn index(&self) -> usize {
         self.index as usize
     }
     /// Host address of the run's first page. Valid while the pins are held.
+    #[inline]
     pub fn host_addr(&self) -> usize {
         self.host
     }
     /// Bytes in the run.
+    #[inline]
     pub fn len(&self) -> u64 {
         self.npages() * PAGE_SIZE
     }

@@ -3,8 +3,6 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crossbeam::utils::CachePadded;
-
 /// Shards per space: enough that the threads of a busy device rarely share one.
 pub(crate) const SHARDS: usize = 16;
 
@@ -13,13 +11,13 @@ static NEXT_SHARD: AtomicUsize = AtomicUsize::new(0);
 thread_local! {
     /// This thread's shard, `usize::MAX` until first asked (a const initialiser: reading it
     /// is a plain thread-local load).
-    static SLOT: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) };
+    static SHARD: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) };
 }
 
 /// This thread's shard.
 #[inline]
 pub(crate) fn this_shard() -> usize {
-    SLOT.with(|s| {
+    SHARD.with(|s| {
         let shard = s.get();
         if shard != usize::MAX {
             return shard;
@@ -28,23 +26,4 @@ pub(crate) fn this_shard() -> usize {
         s.set(shard);
         shard
     })
-}
-
-/// One `T` per shard, each on its own cache line.
-#[derive(Debug, Default)]
-pub(crate) struct PerShard<T> {
-    shards: [CachePadded<T>; SHARDS],
-}
-
-impl<T> PerShard<T> {
-    /// This thread's `T`.
-    #[inline]
-    pub(crate) fn here(&self) -> &T {
-        &self.shards[this_shard()]
-    }
-
-    /// Every shard's `T`.
-    pub(crate) fn all(&self) -> impl Iterator<Item = &T> {
-        self.shards.iter().map(|s| &**s)
-    }
 }

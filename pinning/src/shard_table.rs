@@ -1,16 +1,17 @@
-//! Per-thread shards: state that every pin call touches, spread over cache lines so that
-//! threads pinning at the same time do not pass one line back and forth. Each thread takes
-//! a shard once (round robin); readers of totals sum over all of them.
+//! The shard table: a space's mapping table behind one lock per shard, and each shard's
+//! track-mode records, stock of pins and counts.
 //!
-//! [`ShardTable`] is the space's mapping table behind one lock per shard (a
-//! [`SpinLock`]: one atomic swap to take, a plain store to give back), with the records of
-//! track-mode pins. Reading the table takes the calling thread's shard lock only; changing it
-//! takes all of them, in order. A track-mode pin call does its whole work (look up its pages,
-//! check their mappings are live, record its runs) under its own shard's lock: one
-//! uncontended lock per call, shared with no other thread. An unmap marks its mappings first
-//! and then looks at every shard, so either it sees a call's record or the call sees the mark.
+//! Reading the table takes the calling thread's shard lock only (a [`SpinLock`]: one atomic
+//! swap to take, a plain store to give back); changing it takes all of them, in order, and
+//! clears every shard's hint (DESIGN.md I2). A track-mode pin call does its whole work (look
+//! up its pages, check their mappings are live, record its runs) under its own shard's lock:
+//! one uncontended lock per call, shared with no other thread. An unmap marks its mappings
+//! first and then looks at every shard, so either it sees a call's record or the call sees
+//! the mark (I6).
 
+use std::any::Any;
 use std::cell::UnsafeCell;
+use std::collections::BTreeMap;
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,13 +20,13 @@ use std::sync::Arc;
 use crossbeam::utils::CachePadded;
 use smallvec::SmallVec;
 
+use crate::counters::Counts;
 use crate::mapping::Mapping;
 use crate::record::{
     Owner, Record, RecordPtr, RecordRef, SmallRecord, SmallRecords, SMALL_PINS, SMALL_RECORDS, SMALL_RUNS,
 };
 use crate::run::PinnedRun;
 use crate::shard::{this_shard, SHARDS};
-use crate::space::{MappingTable, SpaceInner};
 use crate::spin::{SpinGuard, SpinLock};
 
 /// Emptied records a shard keeps for reuse.
@@ -58,31 +59,40 @@ pub(crate) struct Shard {
     small_pins: u64,
     /// Pins the live records hold.
     pins: u64,
-    /// The space, held while the shard has live records once the space's handles are gone
-    /// (see `SpaceHandle`).
-    pub(crate) keepalive: Option<Arc<SpaceInner>>,
+    /// The space, held from the shard's first record on and let go once the space is
+    /// closed and the shard holds no live record (I4, I8). Its type erased: the shard table
+    /// sits below the space in the module order.
+    pub(crate) keepalive: Option<Arc<dyn Any + Send + Sync>>,
     /// Pins this shard reserved from the space's limit and has not used: track-mode calls
     /// take from it under the shard's lock, touching the shared count once per stock.
     pub(crate) stock: u64,
-    /// Track-mode counters of the calls made from this shard (summed by `stats`).
-    pub(crate) counts: ShardCounts,
-    /// The mapping this shard's calls last resolved, as (first page, end page, the table's
-    /// Arc): the usual next hit, without a tree walk. Cleared whenever the table changes
-    /// (which takes every shard's lock).
-    pub(crate) hint: ShardHint,
+    /// Counts of the track-mode calls made from this shard, and of the space's other events
+    /// on its threads (summed by `stats`).
+    pub(crate) counts: Counts,
+    /// The mapping this shard's calls last resolved: the usual next hit, without a tree walk.
+    pub(crate) hint: Option<ShardHint>,
 }
 
-/// A shard's last resolved mapping: (first page, end page, the table's entry).
-pub(crate) type ShardHint = Option<(u64, u64, NonNull<Arc<Mapping>>)>;
+/// The mappings of a space by first page number.
+pub(crate) type MappingTable = BTreeMap<u64, Arc<Mapping>>;
 
-/// Counters of one shard's track-mode calls.
+/// A shard's last resolved mapping. Its pointer into the table is valid while the shard's
+/// lock is held: every table change clears every hint first (I2).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ShardHint {
+    pub(crate) first_pfn: u64,
+    pub(crate) end_pfn: u64,
+    /// The table's entry for the mapping.
+    pub(crate) entry: NonNull<Arc<Mapping>>,
+}
+
+/// Pins that live records hold in one mapping.
 #[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct ShardCounts {
-    pub(crate) pin_calls: u64,
-    pub(crate) pin_failures: u64,
-    pub(crate) unpin_calls: u64,
-    pub(crate) runs: u64,
-    pub(crate) pages: u64,
+pub(crate) struct RecordedPins {
+    pub(crate) pins: u64,
+    /// Of those, pins in small records: their guards may let go without the shard's lock
+    /// and then tell nobody (I5, I7).
+    pub(crate) in_small: u64,
 }
 
 impl Default for Shard {
@@ -97,7 +107,7 @@ impl Default for Shard {
             pins: 0,
             keepalive: None,
             stock: 0,
-            counts: ShardCounts::default(),
+            counts: Counts::default(),
             hint: None,
         }
     }
@@ -121,6 +131,7 @@ unsafe impl Send for Shard {}
 
 impl Shard {
     /// An empty record to fill, reused if one is free.
+    #[inline]
     pub(crate) fn fresh(&mut self) -> Box<Record> {
         self.free.pop().unwrap_or_default()
     }
@@ -137,6 +148,7 @@ impl Shard {
     }
 
     /// Makes `record` live; the pointer stays valid until [`Shard::retire`].
+    #[inline]
     pub(crate) fn publish(&mut self, mut record: Box<Record>, owner: Owner) -> NonNull<Record> {
         record.owner = owner;
         record.at.store(self.live.len(), Ordering::Relaxed);
@@ -271,9 +283,18 @@ impl Shard {
 
     /// The live records.
     pub(crate) fn records(&self) -> impl Iterator<Item = RecordRef<'_>> {
-        // SAFETY: live records are valid boxes owned by this shard, borrowed with it.
-        let boxed = self.live.iter().map(|r| unsafe { r.as_ref() }.view());
-        let small = self.small.into_iter().flat_map(move |small| {
+        self.boxed_records().chain(self.small_records())
+    }
+
+    /// The live boxed records.
+    fn boxed_records(&self) -> impl Iterator<Item = RecordRef<'_>> {
+        // SAFETY: (I3) live records are valid boxes owned by this shard, borrowed with it.
+        self.live.iter().map(|r| unsafe { r.as_ref() }.view())
+    }
+
+    /// The live small records.
+    fn small_records(&self) -> impl Iterator<Item = RecordRef<'_>> {
+        self.small.into_iter().flat_map(move |small| {
             let live = !self.small_free;
             (0..SMALL_RECORDS).filter(move |i| live & (1 << i) != 0).filter_map(move |i| {
                 // SAFETY: an entry of this shard's array, rewritten only under the shard's lock
@@ -281,8 +302,14 @@ impl Shard {
                 let entry = unsafe { &*(*small.as_ptr())[i].get() };
                 entry.is_live().then(|| entry.view())
             })
-        });
-        boxed.chain(small)
+        })
+    }
+
+    /// Pins this shard's live records hold in `m`.
+    fn pins_in(&self, m: &Mapping) -> RecordedPins {
+        let boxed: u64 = self.boxed_records().map(|r| r.pins_in(m)).sum();
+        let in_small: u64 = self.small_records().map(|r| r.pins_in(m)).sum();
+        RecordedPins { pins: boxed + in_small, in_small }
     }
 
     /// True unless a free entry and room under [`SMALL_PINS`] take a call of `pages` pages
@@ -391,11 +418,13 @@ pub(crate) struct TableRead<'a> {
 impl<'a> TableRead<'a> {
     /// The table and the locked shard, apart (both borrowed from this read: the table is
     /// safe to read only while the shard's lock is held).
+    #[inline]
     pub(crate) fn parts(&mut self) -> (&MappingTable, &mut Shard) {
         (self.table, &mut self.shard)
     }
 
     /// Which shard is locked.
+    #[inline]
     pub(crate) fn index(&self) -> usize {
         self.index
     }
@@ -455,6 +484,7 @@ impl ShardTable {
     }
 
     /// Shard `index` alone (for a guard's retirement; the table is not read).
+    #[inline]
     pub(crate) fn lock_shard(&self, index: usize) -> SpinGuard<'_, Shard> {
         self.shards[index].lock()
     }
@@ -480,9 +510,18 @@ impl ShardTable {
     }
 
     /// Pins live records hold in `m`, over every shard. The thread must hold no shard lock.
-    pub(crate) fn pins_in(&self, m: &Mapping) -> u64 {
-        let mut pins = 0;
-        self.for_each_shard(|s| pins += s.records().map(|r| r.pins_in(m)).sum::<u64>());
-        pins
+    pub(crate) fn pins_in(&self, m: &Mapping) -> RecordedPins {
+        let mut total = RecordedPins::default();
+        self.for_each_shard(|s| {
+            let here = s.pins_in(m);
+            total.pins += here.pins;
+            total.in_small += here.in_small;
+        });
+        total
+    }
+
+    /// This thread's shard alone, for counting an event (the thread must hold no shard lock).
+    pub(crate) fn counts_here(&self) -> SpinGuard<'_, Shard> {
+        self.lock_shard(this_shard())
     }
 }

@@ -1,21 +1,17 @@
 //! The guard: pins held until it drops.
 
 use std::ptr::NonNull;
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
 
 use smallvec::SmallVec;
 use vm_memory::VolatileSlice;
 
-use super::lock_mode::{unpin_runs, MappingGuards};
+use super::error::AccessError;
 use super::plan::Plan;
-use super::track::trim_stock;
-use super::AccessError;
+use super::{lock_mode, track};
 use crate::mapping::{Mapping, MappingState};
 use crate::page::{Prot, PAGE_SIZE};
-use crate::record::{Record, RecordPtr, RecordRef, SmallRecord};
+use crate::record::{Owner, Record, RecordPtr, RecordRef, SmallRecord};
 use crate::run::{PinnedRun, Segment};
-use crate::space::SpaceInner;
 
 /// Pins held on behalf of a device: the host address of every page and the runs they were
 /// pinned in. Dropping the guard unpins them.
@@ -30,12 +26,12 @@ pub struct PinnedPages {
     pub(crate) hold: HoldWord,
 }
 
-/// A guard's [`Hold`] in one word, so that a guard returned through memory is read back
-/// with one load (as a three-word enum it was copied with 16-byte loads of the 8-byte
-/// stores that wrote it, which the CPU cannot forward: about 15 ns a call on this VM). The
-/// pointer to what holds the pins, its kind in the two low bits (all three pointees are
-/// 8-byte aligned); null once released. A record keeps its space, shard and access (its
-/// `Owner`), a plan its access.
+/// A guard's [`Hold`] in one word: the pointer to what holds the pins, its kind in the two
+/// low bits (all three pointees are 8-byte aligned); null once released. A record keeps its
+/// space, shard and access (its `Owner`), a plan its access. What it buys: a guard returned
+/// through memory is read back with one load, where a wider guard is copied with wide loads
+/// of the narrow stores that wrote it, which the CPU cannot forward from its store buffer
+/// (docs/benchmarks.md gives the A/B).
 pub(crate) struct HoldWord(*mut u8);
 
 const HOLD_SMALL: usize = 1;
@@ -52,14 +48,15 @@ pub(crate) enum HoldView<'a> {
 }
 
 impl HoldWord {
-    pub(crate) fn recorded(record: RecordPtr) -> Self {
+    #[inline(always)]
+    fn recorded(record: RecordPtr) -> Self {
         match record {
             RecordPtr::Small(p) => HoldWord(p.as_ptr().cast::<u8>().map_addr(|a| a | HOLD_SMALL)),
             RecordPtr::Boxed(p) => HoldWord(p.as_ptr().cast::<u8>().map_addr(|a| a | HOLD_BOXED)),
         }
     }
 
-    pub(crate) fn counted(plan: Box<Plan>) -> Self {
+    fn counted(plan: Box<Plan>) -> Self {
         HoldWord(Box::into_raw(plan).cast::<u8>().map_addr(|a| a | HOLD_COUNTED))
     }
 
@@ -106,10 +103,10 @@ impl HoldWord {
                 return Hold::Counted(unsafe { Box::from_raw(ptr.cast::<Plan>().as_ptr()) });
             }
         };
-        // SAFETY: a guard's record is live until the guard lets go of it, which the caller
-        // does with what this returns.
+        // SAFETY: (I3) a guard's record is live until the guard lets go of it, which the
+        // caller does with what this returns.
         let owner = unsafe { record.owner() };
-        Hold::Recorded { space: owner.space, shard: owner.shard, record }
+        Hold::Recorded { owner, record }
     }
 }
 
@@ -137,7 +134,7 @@ impl std::fmt::Debug for HoldWord {
 pub(crate) enum Hold {
     /// Track mode: a live record in shard `shard` of the space, which that shard keeps alive
     /// while the record lives; the record names the runs and their mappings.
-    Recorded { space: NonNull<SpaceInner>, shard: usize, record: RecordPtr },
+    Recorded { owner: Owner, record: RecordPtr },
     /// Lock mode: counted per page in the mappings' tables; the guard keeps the mappings.
     /// Boxed so that a guard stays small to move; the box is reused by the thread's next
     /// call (see `SPARE_PLAN`).
@@ -146,16 +143,28 @@ pub(crate) enum Hold {
     Released,
 }
 
-// SAFETY: a recorded guard's record is immutable while the guard lives and names its space,
-// which outlives the record (its shard holds it); reading either from any thread is sound.
-// Retiring a record takes the shard's lock; releasing a small record is one atomic store,
-// after which the guard touches nothing, from whichever thread drops it. A counted guard's
-// word owns a boxed plan that holds only Arcs and plain data.
+// SAFETY: (I3, I4, I5) a recorded guard's record is immutable while the guard lives and
+// names its space, which outlives the record (its shard holds it); reading either from any
+// thread is sound. Retiring a record takes the shard's lock; releasing a small record is one
+// atomic store, after which the guard touches nothing, from whichever thread drops it. A
+// counted guard's word owns a boxed plan that holds only Arcs and plain data.
 unsafe impl Send for PinnedPages {}
 // SAFETY: as above: shared access only reads the record and the mappings.
 unsafe impl Sync for PinnedPages {}
 
 impl PinnedPages {
+    /// The guard of a track-mode record.
+    #[inline(always)]
+    pub(super) fn recorded(record: RecordPtr) -> Self {
+        PinnedPages { hold: HoldWord::recorded(record) }
+    }
+
+    /// The guard of a lock-mode plan.
+    #[inline(always)]
+    pub(super) fn counted(plan: Box<Plan>) -> Self {
+        PinnedPages { hold: HoldWord::counted(plan) }
+    }
+
     fn record(&self) -> Option<RecordRef<'_>> {
         match self.hold.view() {
             // SAFETY: the record is live until this guard retires it (drop or forget), and
@@ -409,42 +418,11 @@ impl PinnedPages {
     /// for good (logged; their mappings are never unmapped, as with any pin never returned).
     pub fn forget(mut self) {
         // The guard is released from here on; in lock mode the plan goes, its counts stay.
-        if let Hold::Recorded { space, shard, record } = self.hold.take() {
-            // SAFETY: the record is live until retired below, after the view's last use.
-            let rec = unsafe { record.view() };
-            // Counted first, then retired: an unmap sees the pins throughout.
-            for (done, run) in rec.runs.iter().enumerate() {
-                let mapping = rec.mapping(run.mapping_index());
-                // Bound first: the undo below locks mappings again.
-                let counted =
-                    mapping.lock().page_counts.try_increment(run.page_in(mapping), run.npages()).map(drop);
-                if let Err(page) = counted {
-                    for undo in rec.runs[..done].iter().rev() {
-                        let m = rec.mapping(undo.mapping_index());
-                        m.lock().page_counts.decrement(undo.page_in(m), undo.npages(), None);
-                    }
-                    // Only after 65535 kept pins of one page: these stay held for good.
-                    log::error!(
-                        "page {:#x} cannot count more kept pins; the {} pins of this guard stay held",
-                        mapping.iova() + page * PAGE_SIZE,
-                        rec.pages
-                    );
-                    return;
-                }
-            }
-            // SAFETY: the shard keeps the space alive while the record is live.
-            let space = unsafe { space.as_ref() };
-            let mut locked = space.shards.lock_shard(shard);
-            // SAFETY: the record was published in this shard and is retired once, here.
-            unsafe { locked.retire(record) };
-            // Its pins stay reserved (now counted); the shard lets go of a closed space.
-            let last = if space.closed.load(Ordering::SeqCst) && locked.is_empty() {
-                locked.keepalive.take()
-            } else {
-                None
-            };
-            drop(locked);
-            drop(last);
+        match self.hold.take() {
+            // SAFETY: (I3) the record is live and this guard's; it is retired once, there.
+            Hold::Recorded { owner, record } => unsafe { track::forget(owner, record) },
+            Hold::Counted(plan) => Plan::recycle(plan),
+            Hold::Released => {}
         }
     }
 }
@@ -453,18 +431,17 @@ impl Drop for PinnedPages {
     #[inline]
     fn drop(&mut self) {
         if let HoldView::Recorded(RecordPtr::Small(entry)) = self.hold.view() {
-            // SAFETY: the entry is live until released or retired here, and the shard keeps
-            // the space alive while it is.
+            // SAFETY: (I3, I4) the entry is live until released or retired here, and its shard
+            // keeps the space alive while it is.
             let record = unsafe { entry.as_ref() };
-            // SAFETY: as just said.
-            let space = unsafe { record.owner().space.as_ref() };
             // Nobody to wake and a space that is not closing: let go without the shard's lock
             // (the shard reclaims the entry). An unmap that marks the mapping just after this
-            // look saw the entry live and looks again within a millisecond; a mapping that
-            // abandon_all took meanwhile, or a space that closed meanwhile, is left to the
-            // reaper.
-            if record.mapping().state() == MappingState::Live && !space.closed.load(Ordering::SeqCst) {
-                // SAFETY: the entry is live and this guard's; `record` is not used again.
+            // look, or a close or abandon_all just after it, learns of the release by looking
+            // again (I7, I8).
+            // SAFETY: (I4) the record is live.
+            let closing = unsafe { track::space_closed(&record.owner) };
+            if record.mapping().state() == MappingState::Live && !closing {
+                // SAFETY: (I5) the entry is live and this guard's; `record` is not used again.
                 unsafe { SmallRecord::release(entry) };
                 return;
             }
@@ -479,64 +456,8 @@ impl Drop for PinnedPages {
 fn retire(hold: Hold) {
     match hold {
         Hold::Released => {}
-        Hold::Counted(plan) => {
-            let mut locked = MappingGuards::take(&plan.mappings);
-            let removed = unpin_runs(&plan.mappings, &mut locked, &plan.runs);
-            if let Some(m) = plan.mappings.first() {
-                let first = locked.get(0);
-                first.counts.unpin_calls += 1;
-                m.policy.restock(first, removed);
-            }
-            drop(locked);
-            Plan::recycle(plan);
-        }
-        Hold::Recorded { space, shard, record } => {
-            // SAFETY: the shard keeps the space alive while the record is live.
-            let space = unsafe { space.as_ref() };
-            let mut locked = space.shards.lock_shard(shard);
-            // SAFETY: the record is live until retired below, after the view's last use.
-            let rec = unsafe { record.view() };
-            let pages = rec.pages;
-            // One look at the mappings' states: an unmap waiting for these pins is
-            // woken once they are gone; an abandoned mapping may be free to go.
-            let (mut waking, mut orphaned) = (false, false);
-            for m in rec.mappings() {
-                match m.state() {
-                    MappingState::Live => {}
-                    MappingState::Unmapping => waking = true,
-                    MappingState::Removed => (waking, orphaned) = (true, true),
-                }
-            }
-            // Hold the space across the wake-up: after the shard's lock it may go.
-            let keep = if waking { locked.keepalive.clone() } else { None };
-            // SAFETY: the record was published in this shard and is retired once, here.
-            unsafe { locked.retire(record) };
-            locked.counts.unpin_calls += 1;
-            locked.stock += pages;
-            trim_stock(&space.policy, &mut locked);
-            let last = if space.closed.load(Ordering::SeqCst) && locked.is_empty() {
-                locked.keepalive.take()
-            } else {
-                None
-            };
-            drop(locked);
-            if keep.is_some() || last.is_some() {
-                retired_late(keep, last, waking, orphaned);
-            }
-        }
-    }
-}
-
-/// The rest of a guard's retirement when its mappings are going or its space has closed.
-#[cold]
-fn retired_late(keep: Option<Arc<SpaceInner>>, last: Option<Arc<SpaceInner>>, waking: bool, orphaned: bool) {
-    if let Some(space) = keep.as_ref().or(last.as_ref()) {
-        if waking {
-            space.wake_unmap();
-        }
-        if orphaned {
-            // An abandoned mapping the record named may be free to go now.
-            space.prune_orphans();
-        }
+        Hold::Counted(plan) => lock_mode::release(plan),
+        // SAFETY: (I3) the record is live and this guard's; it is retired once, there.
+        Hold::Recorded { owner, record } => unsafe { track::retire(owner, record) },
     }
 }

@@ -1,13 +1,18 @@
-//! Lock mode: per-page counts under the mappings' locks.
+//! Lock mode: per-page counts under the mappings' locks, and an mlock for every page
+//! that gets its first pin.
+//!
+//! A call is planned into a [`Plan`] (which holds its mappings), then the locks of its
+//! mappings are taken in mapping-id order and held for the whole call, so that the call is
+//! all-or-nothing even when it repeats pages or spans mappings. Its bookkeeping happens
+//! under its first mapping's lock, which it holds anyway: its pins are reserved from that
+//! mapping's stock and it is counted there.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use smallvec::SmallVec;
 
-use super::guard::{HoldWord, PinnedPages};
+use super::error::PinError;
 use super::plan::Plan;
-use super::PinError;
 use crate::mapping::{Mapping, MappingPins, MappingState, Released, RunFailure};
 use crate::page::PAGE_SHIFT;
 use crate::run::PinnedRun;
@@ -48,60 +53,38 @@ impl<'a> MappingGuards<'a> {
     }
 }
 
-/// Removes one pin per page of `runs` (all known to be pinned), then munlocks and refunds.
-/// Returns the pins removed.
-pub(crate) fn unpin_runs(
-    mappings: &[Arc<Mapping>],
-    locked: &mut MappingGuards<'_>,
-    runs: &[PinnedRun],
-) -> u64 {
-    if let [mapping] = mappings {
-        // The usual plan: one mapping, one list of sub-runs to munlock.
-        let pins = locked.get(0);
-        let mut released = Released::new();
-        let removed = runs.iter().rev().map(|run| unpin_run_of(mapping, pins, run, &mut released)).sum();
-        mapping.release(pins, &released);
-        return removed;
-    }
+/// Removes one pin per page of `runs`, then munlocks and refunds. Returns the pins removed.
+pub(crate) fn unpin_runs(mappings: &[Arc<Mapping>], held: &mut MappingGuards<'_>, runs: &[PinnedRun]) -> u64 {
     let mut released: SmallVec<[Released; 2]> = mappings.iter().map(|_| Released::new()).collect();
     let mut removed = 0u64;
     for run in runs.iter().rev() {
-        removed += unpin_run_of(
-            &mappings[run.mapping_index()],
-            locked.get(run.mapping_index()),
-            run,
-            &mut released[run.mapping_index()],
-        );
+        let mi = run.mapping_index();
+        removed += unpin_run_of(&mappings[mi], held.get(mi), run, &mut released[mi]);
     }
     for (mi, m) in mappings.iter().enumerate() {
-        m.release(locked.get(mi), &released[mi]);
+        m.release(held.get(mi), &released[mi]);
     }
     removed
 }
 
 /// [`unpin_runs`] for one run, in its mapping; the pins removed.
 fn unpin_run_of(mapping: &Mapping, pins: &mut MappingPins, run: &PinnedRun, released: &mut Released) -> u64 {
-    let first = run.page_in(mapping);
+    let first = mapping.run_page(run);
     if mapping.try_unpin_run(pins, first, run.npages(), released).is_ok() {
         return run.npages();
     }
     // Someone unpinned pages this guard owns (unpin_pages on pins it did not take).
     // Release what is still pinned, page by page, rather than underflow a count.
-    log::error!("pins of the run at IOVA {:#x} were released behind its guard", run.iova);
-    let mut removed = 0;
-    for page in first..first + run.npages() {
-        if pins.page_counts.count(page) > 0 {
-            mapping.unpin_run(pins, page, 1, released);
-            removed += 1;
-        }
-    }
-    removed
+    log::error!("pins of the run at IOVA {:#x} were released behind its guard", run.iova());
+    (first..first + run.npages())
+        .filter(|&page| mapping.try_unpin_run(pins, page, 1, released).is_ok())
+        .count() as u64
 }
 
 /// The error of `run` (in `mapping`) failing at a page of the mapping.
 fn run_error(run: &PinnedRun, mapping: &Mapping, failure: RunFailure) -> PinError {
-    let first = run.page_in(mapping);
-    let at = |page: u64| (run.index() + (page - first) as usize, (run.iova >> PAGE_SHIFT) + (page - first));
+    let first = mapping.run_page(run);
+    let at = |page: u64| (run.index() + (page - first) as usize, (run.iova() >> PAGE_SHIFT) + (page - first));
     match failure {
         RunFailure::Overflow { page } => {
             let (index, pfn) = at(page);
@@ -122,42 +105,55 @@ fn run_error(run: &PinnedRun, mapping: &Mapping, failure: RunFailure) -> PinErro
     }
 }
 
+/// Lets go of a lock-mode guard's pins, under its mappings' locks.
+pub(crate) fn release(plan: Box<Plan>) {
+    let mut held = MappingGuards::take(&plan.mappings);
+    let removed = unpin_runs(&plan.mappings, &mut held, &plan.runs);
+    if let Some(m) = plan.mappings.first() {
+        let first = held.get(0);
+        first.counts.unpin_calls += 1;
+        first.restock(&m.policy, removed);
+    }
+    drop(held);
+    Plan::recycle(plan);
+}
+
 impl DmaSpace {
     /// Lock mode: reserves the plan's pins from its first mapping's stock and pins its runs,
-    /// all under its mappings' locks; the counters go there too (no shared atomic per call
-    /// but the lock account's).
-    pub(super) fn apply(&self, plan: Result<Box<Plan>, PinError>) -> Result<PinnedPages, PinError> {
-        let plan = plan.inspect_err(|_| {
-            self.counters().pin_failures.fetch_add(1, Ordering::Relaxed);
-        })?;
+    /// all under its mappings' locks; the counts go there too (no shared atomic per call
+    /// but the lock account's). A failure is counted in this thread's shard.
+    pub(super) fn apply(&self, plan: Result<Box<Plan>, PinError>) -> Result<Box<Plan>, PinError> {
+        let applied = plan.and_then(|plan| self.apply_plan(plan));
+        if applied.is_err() {
+            self.inner.count(|c| c.pin_failures += 1);
+        }
+        applied
+    }
+
+    fn apply_plan(&self, plan: Box<Plan>) -> Result<Box<Plan>, PinError> {
         let policy = &self.inner.policy;
-        let mut locked = MappingGuards::take(&plan.mappings);
-        if policy.reserve_in(locked.get(0), plan.pages).is_err() {
+        let mut held = MappingGuards::take(&plan.mappings);
+        if held.get(0).reserve(policy, plan.pages).is_err() {
             // Short: take back every mapping's unused stock, each lock alone, and try again.
-            drop(locked);
+            drop(held);
             self.reclaim_mapping_stocks();
-            locked = MappingGuards::take(&plan.mappings);
-            if let Err(held) = policy.reserve_in(locked.get(0), plan.pages) {
-                drop(locked);
-                self.counters().pin_failures.fetch_add(1, Ordering::Relaxed);
+            held = MappingGuards::take(&plan.mappings);
+            if let Err(in_use) = held.get(0).reserve(policy, plan.pages) {
+                drop(held);
                 let requested = plan.pages;
                 Plan::recycle(plan);
-                return Err(PinError::PinLimit { requested, held, max: policy.max_pins });
+                return Err(PinError::PinLimit { requested, held: in_use, max: policy.max_pins });
             }
         }
-        match Self::pin_runs(&plan, &mut locked) {
+        match Self::pin_runs(&plan, &mut held) {
             Ok(()) => {
-                let counts = &mut locked.get(0).counts;
-                counts.pin_calls += 1;
-                counts.runs += plan.runs.len() as u64;
-                counts.pages += plan.pages;
-                drop(locked);
-                Ok(PinnedPages { hold: HoldWord::counted(plan) })
+                held.get(0).counts.pinned(plan.runs.len() as u64, plan.pages);
+                drop(held);
+                Ok(plan)
             }
             Err(e) => {
-                policy.restock(locked.get(0), plan.pages);
-                drop(locked);
-                self.counters().pin_failures.fetch_add(1, Ordering::Relaxed);
+                held.get(0).restock(policy, plan.pages);
+                drop(held);
                 Plan::recycle(plan);
                 Err(e)
             }
@@ -174,11 +170,11 @@ impl DmaSpace {
         }
     }
 
-    fn pin_runs(plan: &Plan, locked: &mut MappingGuards<'_>) -> Result<(), PinError> {
+    fn pin_runs(plan: &Plan, held: &mut MappingGuards<'_>) -> Result<(), PinError> {
         // A mapping may have left the table (or started leaving) between planning and
         // locking; report the first entry affected.
         for run in &plan.runs {
-            let pfn = run.iova >> PAGE_SHIFT;
+            let pfn = run.iova() >> PAGE_SHIFT;
             match plan.mappings[run.mapping_index()].state() {
                 MappingState::Live => {}
                 MappingState::Unmapping => return Err(PinError::Unmapping { index: run.index(), pfn }),
@@ -188,10 +184,10 @@ impl DmaSpace {
         for (done, run) in plan.runs.iter().enumerate() {
             let mapping = &plan.mappings[run.mapping_index()];
             if let Err(failure) =
-                mapping.pin_run(locked.get(run.mapping_index()), run.page_in(mapping), run.npages())
+                mapping.pin_run(held.get(run.mapping_index()), mapping.run_page(run), run.npages())
             {
                 // The call's reservation is returned whole by the caller.
-                unpin_runs(&plan.mappings, locked, &plan.runs[..done]);
+                unpin_runs(&plan.mappings, held, &plan.runs[..done]);
                 return Err(run_error(run, mapping, failure));
             }
         }

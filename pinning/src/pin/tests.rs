@@ -8,6 +8,7 @@ use vm_memory::VolatileSlice;
 
 use super::guard::HoldView;
 use super::*;
+use crate::page::PAGE_SIZE;
 use crate::record::{RecordPtr, SmallRecord};
 use crate::testutil::{locked_bytes_in, memfd};
 use crate::{DmaSpaceConfig, DmaStats, LockAccount, PinMode};

@@ -1,134 +1,161 @@
-//! Track mode: a call recorded in its thread's shard.
+//! Track mode: a pin call recorded in its thread's shard, never counted per page.
+//!
+//! The whole call runs under one lock, its thread's shard's (the mapping table is read
+//! under it): its runs are cut into a record of the shard, its pins reserved from the
+//! shard's stock, its mappings checked live, and the record published. A call whose runs lie
+//! in one mapping and number at most [`SMALL_RUNS`] goes into an entry of the shard's
+//! small-record array, whose guard usually lets go with one release store and no lock
+//! (DESIGN.md I5); other calls go into a reused boxed record that the guard retires under
+//! the shard's lock.
 
 use std::ptr::NonNull;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::guard::{HoldWord, PinnedPages};
-use super::plan::{lookup, Entries};
-use super::PinError;
+use smallvec::SmallVec;
+
+use super::error::PinError;
+use super::plan::{check_pin, cut, Entries, RunSink, Window};
 use crate::budget::{PinPolicy, PIN_STOCK};
-use crate::mapping::MappingState;
+use crate::mapping::{Mapping, MappingState};
 use crate::page::{Prot, PAGE_SHIFT, PAGE_SIZE};
-use crate::record::{Owner, Record, RecordPtr, SMALL_PINS, SMALL_RUNS};
+use crate::record::{Owner, Record, RecordPtr, SmallRecord, SMALL_PINS, SMALL_RUNS};
 use crate::run::PinnedRun;
-use crate::run_scan::run_length;
-use crate::shard_table::{Shard, ShardHint, TableRead};
-use crate::space::{DmaSpace, MappingTable, SpaceInner};
+use crate::shard_table::{MappingTable, Shard, ShardHint, TableRead};
+use crate::space::{keepalive, DmaSpace, SpaceInner};
 
-/// The mapping a track-mode run lies in: its index in the record's mappings, page range and host address
-/// of its first page.
-type Resolved = (usize, u64, u64, usize);
-
-/// Finds the mapping holding `pfn` (entry `index`) for a track-mode call: the shard's hint,
-/// else the table (which then becomes the hint); checks its access and memory; adds it to the
-/// record's mappings if new. The caller holds the shard's lock, which `hint` belongs to.
-#[inline]
-fn resolve_into(
-    table: &MappingTable,
-    hint: &mut ShardHint,
-    wanted: Prot,
-    pfn: u64,
-    index: usize,
-    record: &mut Record,
-) -> Result<Resolved, PinError> {
-    let Some(mapping) = lookup(table, hint, pfn) else {
-        return Err(PinError::NotMapped { index, pfn });
-    };
-    if !mapping.prot.contains(wanted) {
-        return Err(PinError::Permission { index, pfn, wanted, have: mapping.prot });
-    }
-    let Some(base) = mapping.host_addr(0) else {
-        return Err(PinError::NoHostMemory { index, pfn });
-    };
-    if mapping.poisoned() {
-        return Err(PinError::Poisoned { index, pfn });
-    }
-    let ptr = NonNull::from(&**mapping);
-    let mi = match record.mappings.iter().position(|&m| m == ptr) {
-        Some(mi) => mi,
-        None => {
-            record.mappings.push(ptr);
-            record.mappings.len() - 1
-        }
-    };
-    Ok((mi, mapping.first_pfn, mapping.end_pfn(), base))
+/// The space a record's owner names.
+///
+/// # Safety
+/// The record is live (I4: its shard keeps the space allocated until it retires), and the
+/// owner was made by [`owner`] (its pointer is a `SpaceInner`).
+#[inline(always)]
+unsafe fn space_of<'a>(owner: &Owner) -> &'a SpaceInner {
+    // SAFETY: per the contract.
+    unsafe { owner.space.cast::<SpaceInner>().as_ref() }
 }
 
-#[inline]
-fn push_run_into(record: &mut Record, (mi, first, _, base): Resolved, pfn: u64, npages: u64, index: usize) {
-    let page = pfn - first;
-    let host = base + (page * PAGE_SIZE) as usize;
-    record.runs.push(PinnedRun::new(pfn, npages, index, host, mi));
-    record.pages += npages;
+/// True once the space of a live record has closed (its handles are gone).
+///
+/// # Safety
+/// As for [`space_of`].
+#[inline(always)]
+pub(crate) unsafe fn space_closed(owner: &Owner) -> bool {
+    // SAFETY: per the contract.
+    unsafe { space_of(owner) }.closed.load(Ordering::SeqCst)
 }
 
-/// Cuts an array into maximal runs, into a track-mode record. Out of line: its loop gets
-/// the registers to itself.
-#[inline(never)]
-fn plan_array_into(
-    table: &MappingTable,
-    hint: &mut ShardHint,
-    wanted: Prot,
-    pfns: &[u64],
-    record: &mut Record,
-) -> Result<(), PinError> {
-    let Some(&first) = pfns.first() else { return Ok(()) };
-    let mut hit = resolve_into(table, hint, wanted, first, 0, record)?;
-    let mut i = 0;
-    while i < pfns.len() {
-        let start = pfns[i];
-        if start < hit.1 || start >= hit.2 {
-            hit = resolve_into(table, hint, wanted, start, i, record)?;
+/// The owner of a record published by shard `shard` of `space`.
+#[inline(always)]
+fn owner(space: &SpaceInner, shard: usize, prot: Prot) -> Owner {
+    Owner { space: NonNull::from(space).cast(), shard, prot }
+}
+
+/// Cuts a call into an entry of the shard's small-record array: stops (with `()`) at a
+/// second mapping, a ninth run, or anything the general path must report.
+struct SmallSink<'r> {
+    entry: &'r mut SmallRecord,
+    prot: Prot,
+    mapping: Option<NonNull<Mapping>>,
+    len: usize,
+}
+
+impl RunSink for SmallSink<'_> {
+    type Stop = ();
+
+    #[inline(always)]
+    fn unmapped(&mut self, _: u64, _: usize) {}
+
+    #[inline(always)]
+    fn enter(&mut self, mapping: &Arc<Mapping>, _: u64, _: usize) -> Result<Window, ()> {
+        let memory = mapping.memory.as_ref().ok_or(())?;
+        if self.mapping.is_some()
+            || !mapping.prot.contains(self.prot)
+            || memory.poisoned()
+            || mapping.state() != MappingState::Live
+        {
+            return Err(());
         }
-        let n = run_length(&pfns[i..], hit.2 - start);
-        let page = start - hit.1;
-        let host = hit.3 + (page * PAGE_SIZE) as usize;
-        let run = PinnedRun::new(start, n, i, host, hit.0);
-        if record.runs.len() == record.runs.capacity() {
+        self.mapping = Some(NonNull::from(&**mapping));
+        let host_base = memory.addr_at(0);
+        Ok(Window { first_pfn: mapping.first_pfn, end_pfn: mapping.end_pfn(), host_base, mapping_index: 0 })
+    }
+
+    #[inline(always)]
+    fn run(&mut self, window: &Window, pfn: u64, npages: u64, index: usize) -> Result<(), ()> {
+        if self.len == SMALL_RUNS {
+            return Err(());
+        }
+        self.entry.set_run(self.len, PinnedRun::new(pfn, npages, index, window.host_of(pfn), 0));
+        self.len += 1;
+        Ok(())
+    }
+}
+
+/// Cuts a call into a boxed record: every error reported, any number of runs and mappings.
+struct RecordSink<'r> {
+    record: &'r mut Record,
+    prot: Prot,
+    /// Entries in the call (room for the runs is reserved from it).
+    entries: usize,
+}
+
+impl RunSink for RecordSink<'_> {
+    type Stop = PinError;
+
+    fn unmapped(&mut self, pfn: u64, index: usize) -> PinError {
+        PinError::NotMapped { index, pfn }
+    }
+
+    #[inline]
+    fn enter(&mut self, mapping: &Arc<Mapping>, pfn: u64, index: usize) -> Result<Window, PinError> {
+        let host_base = check_pin(mapping, self.prot, pfn, index)?;
+        let ptr = NonNull::from(&**mapping);
+        let mappings = &mut self.record.mappings;
+        let mapping_index = match mappings.iter().position(|&m| m == ptr) {
+            Some(mi) => mi,
+            None => {
+                mappings.push(ptr);
+                mappings.len() - 1
+            }
+        };
+        Ok(Window { first_pfn: mapping.first_pfn, end_pfn: mapping.end_pfn(), host_base, mapping_index })
+    }
+
+    #[inline(always)]
+    fn run(&mut self, window: &Window, pfn: u64, npages: u64, index: usize) -> Result<(), PinError> {
+        let runs = &mut self.record.runs;
+        if runs.len() == runs.capacity() {
             // At most one run per entry left; more than 4096 at a time only as needed.
-            record.runs.reserve((pfns.len() - i).min(4096));
+            runs.reserve((self.entries - index).min(4096));
         }
-        let len = record.runs.len();
-        // SAFETY: there is room for one more (just ensured), and a PinnedRun needs no drop.
-        unsafe {
-            record.runs.as_mut_ptr().add(len).write(run);
-            record.runs.set_len(len + 1);
-        }
-        i += n as usize;
+        runs.push(PinnedRun::new(pfn, npages, index, window.host_of(pfn), window.mapping_index));
+        self.record.pages += npages;
+        Ok(())
     }
-    // The runs cover every entry once.
-    record.pages += pfns.len() as u64;
-    Ok(())
 }
 
-/// Cuts `[pfn, pfn + npages)` at mapping boundaries, into a track-mode record.
-fn plan_range_into(
+/// Cuts a call into `record`. Out of line: its loop gets the registers to itself.
+#[inline(never)]
+fn cut_into_record(
     table: &MappingTable,
-    hint: &mut ShardHint,
-    wanted: Prot,
-    pfn: u64,
-    npages: u64,
+    hint: &mut Option<ShardHint>,
+    prot: Prot,
+    entries: Entries<'_>,
     record: &mut Record,
 ) -> Result<(), PinError> {
-    let mut done = 0u64;
-    while done < npages {
-        let here = pfn + done;
-        let hit = resolve_into(table, hint, wanted, here, done as usize, record)?;
-        let n = (hit.2 - here).min(npages - done);
-        push_run_into(record, hit, here, n, done as usize);
-        done += n;
-    }
-    Ok(())
+    let mut sink = RecordSink { record, prot, entries: entries.len() as usize };
+    cut(table, hint, entries, &mut sink)
 }
 
 /// Track mode's fast path: a call whose runs all lie in one mapping and number at most
 /// [`SMALL_RUNS`] (every single page, every range inside one mapping, short IDAW and PRP
-/// lists) is planned in place into a free entry of the shard's small-record array. `None`
-/// when the call is not such a call, or has an error to report, or does not fit the shard's
+/// lists) is cut in place into a free entry of the shard's small-record array. `None` when
+/// the call is not such a call, or has an error to report, or does not fit the shard's
 /// stock and the limit, or the array is full: the general path then does the whole call, as
 /// if this had not run (what this may have changed — the shard's hint, released entries taken
-/// back, surplus stock returned, the array allocated — leaves nothing counted twice).
+/// back, surplus stock returned, the array allocated, an entry written but not published —
+/// leaves nothing counted twice).
 #[inline(always)]
 fn pin_small(
     space: &Arc<SpaceInner>,
@@ -136,77 +163,36 @@ fn pin_small(
     shard: &mut Shard,
     shard_index: usize,
     prot: Prot,
-    what: &Entries<'_>,
+    entries: Entries<'_>,
     max_pages: u64,
-) -> Option<PinnedPages> {
-    let (pfn, npages) = match *what {
-        Entries::Array(pfns) => (*pfns.first()?, pfns.len() as u64),
-        Entries::Range(pfn, npages) => (pfn, npages),
-    };
+) -> Option<RecordPtr> {
+    let npages = entries.len();
     // Bigger calls never fit a shard's share of small-record pins: no look for room.
     if npages == 0 || npages > max_pages || npages > SMALL_PINS {
         return None;
     }
-    let mapping = lookup(table, &mut shard.hint, pfn)?;
-    let memory = mapping.memory.as_ref()?;
-    if !mapping.prot.contains(prot) || memory.poisoned() || mapping.state() != MappingState::Live {
-        return None;
-    }
-    let base = memory.addr_at(0);
     if shard.small_short(npages) && !reclaim_small(&space.policy, shard, npages) {
         return None;
     }
     let entry = shard.free_small()?;
-    // SAFETY: a free entry of our locked shard: nobody else reads or writes it until it is
-    // published below.
+    // SAFETY: (I3) a free entry of our locked shard: nobody else reads or writes it until it
+    // is published below.
     let record = unsafe { &mut *entry.as_ptr() };
-    let (first, end) = (mapping.first_pfn, mapping.end_pfn());
-    let run = |pfn: u64, npages: u64, index: usize| {
-        PinnedRun::new(pfn, npages, index, base + ((pfn - first) * PAGE_SIZE) as usize, 0)
-    };
-    let len = match *what {
-        Entries::Range(pfn, npages) => {
-            if npages > end - pfn {
-                return None;
-            }
-            record.set_run(0, run(pfn, npages, 0));
-            1
-        }
-        // One page, most calls of a channel program: `lookup` found it in the mapping.
-        Entries::Array(&[pfn]) => {
-            record.set_run(0, run(pfn, 1, 0));
-            1
-        }
-        Entries::Array(pfns) => {
-            let (mut i, mut k) = (0, 0);
-            while i < pfns.len() {
-                let start = pfns[i];
-                if start < first || start >= end || k == SMALL_RUNS {
-                    return None;
-                }
-                let n = if i + 1 == pfns.len() { 1 } else { run_length(&pfns[i..], end - start) };
-                record.set_run(k, run(start, n, i));
-                k += 1;
-                i += n as usize;
-            }
-            k
-        }
-    };
+    let mut sink = SmallSink { entry: record, prot, mapping: None, len: 0 };
+    cut(table, &mut shard.hint, entries, &mut sink).ok()?;
+    let (mapping, len) = (sink.mapping?, sink.len);
     if shard.stock < npages && !refill_stock(&space.policy, shard, npages) {
         return None;
     }
     shard.stock -= npages;
-    let owner = Owner { space: NonNull::from(&**space), shard: shard_index, prot };
     // SAFETY: `entry` came from `free_small` of this shard under this hold of its lock.
-    unsafe { shard.publish_small(entry, len, npages, NonNull::from(&**mapping), owner) };
+    unsafe { shard.publish_small(entry, len, npages, mapping, owner(space, shard_index, prot)) };
     if shard.keepalive.is_none() {
-        // Once per shard: the shard holds the space while it has records (see SpaceHandle).
-        shard.keepalive = Some(Arc::clone(space));
+        // Once per shard: the shard holds the space while it has records (I4).
+        shard.keepalive = Some(keepalive(space));
     }
-    shard.counts.pin_calls += 1;
-    shard.counts.runs += len as u64;
-    shard.counts.pages += npages;
-    Some(PinnedPages { hold: HoldWord::recorded(RecordPtr::Small(entry)) })
+    shard.counts.pinned(len as u64, npages);
+    Some(RecordPtr::Small(entry))
 }
 
 /// Takes back a shard's released small records when it is short for a call of `pages`
@@ -233,7 +219,7 @@ fn refill_stock(policy: &PinPolicy, shard: &mut Shard, pins: u64) -> bool {
 
 /// Gives a shard's stock beyond two stocks' worth back to the space.
 #[inline]
-pub(crate) fn trim_stock(policy: &PinPolicy, shard: &mut Shard) {
+fn trim_stock(policy: &PinPolicy, shard: &mut Shard) {
     if shard.stock > 2 * PIN_STOCK {
         policy.give(shard.stock - PIN_STOCK);
         shard.stock = PIN_STOCK;
@@ -277,22 +263,22 @@ fn refill_and_reserve(space: &SpaceInner, shard: &mut Shard, own: usize, pins: u
 }
 
 impl DmaSpace {
-    /// Track mode: the small-record fast path, else [`DmaSpace::pin_recorded`], under one take of
-    /// this thread's shard lock.
+    /// Track mode: the small-record fast path, else [`DmaSpace::pin_recorded`], under one
+    /// take of this thread's shard lock.
     #[inline(always)]
-    pub(super) fn pin_tracked(&self, prot: Prot, what: Entries<'_>) -> Result<PinnedPages, PinError> {
+    pub(super) fn pin_tracked(&self, prot: Prot, entries: Entries<'_>) -> Result<RecordPtr, PinError> {
         let mut read = self.read_table();
         let shard_index = read.index();
         let (table, shard) = read.parts();
         let max = self.config().max_pages_per_call;
-        match pin_small(&self.inner.space, table, shard, shard_index, prot, &what, max) {
-            Some(pinned) => Ok(pinned),
-            None => self.pin_recorded(read, prot, what),
+        match pin_small(&self.inner.space, table, shard, shard_index, prot, entries, max) {
+            Some(record) => Ok(record),
+            None => self.pin_recorded(read, prot, entries),
         }
     }
 
-    /// Track mode: the whole call under this thread's shard lock. The runs are planned into a
-    /// record of the shard, the mappings checked live, the pins reserved, and the record
+    /// Track mode: the whole call under this thread's shard lock. The runs are cut into a
+    /// record of the shard, the pins reserved, the mappings checked live, and the record
     /// published; the guard points at it. No per-page work, no lock or line shared with
     /// other threads (but the shard's, when more threads than shards pin at once).
     #[inline(never)]
@@ -300,67 +286,152 @@ impl DmaSpace {
         &self,
         mut read: TableRead<'_>,
         prot: Prot,
-        what: Entries<'_>,
-    ) -> Result<PinnedPages, PinError> {
-        let checked = match what {
-            Entries::Array(pfns) => self.check_count(pfns.len() as u64).inspect_err(|_| {
-                self.counters().pin_failures.fetch_add(1, Ordering::Relaxed);
-            }),
-            Entries::Range(pfn, npages) => self.check_range(pfn, npages),
-        };
-        checked?;
+        entries: Entries<'_>,
+    ) -> Result<RecordPtr, PinError> {
         let space = &self.inner.space;
         let shard_index = read.index();
         let (table, shard) = read.parts();
+        if let Err(e) = entries.check(self.config().max_pages_per_call) {
+            shard.counts.pin_failures += 1;
+            return Err(e);
+        }
         let mut record = shard.fresh();
-        let planned = match what {
-            Entries::Array(pfns) => plan_array_into(table, &mut shard.hint, prot, pfns, &mut record),
-            Entries::Range(pfn, npages) => {
-                plan_range_into(table, &mut shard.hint, prot, pfn, npages, &mut record)
-            }
-        };
-        let reserved =
-            planned.and_then(|()| {
-                // The limit first, then the mappings' state, in the order lock mode checks them.
-                reserve_in_shard(space, shard, shard_index, record.pages).map_err(|held| {
-                    PinError::PinLimit { requested: record.pages, held, max: space.policy.max_pins }
-                })?;
-                // A mapping an unmap has marked grants no new pins; the unmap, which marks first
-                // and then looks at the shards, either waits for this record or was seen here.
-                for i in 0..record.mappings.len() {
-                    let state = record.view().mapping(i).state();
-                    if state != MappingState::Live {
-                        shard.stock += record.pages;
-                        // Report the first entry in that mapping.
-                        let run = record
-                            .runs
-                            .iter()
-                            .find(|r| r.mapping_index() == i)
-                            .expect("a planned mapping has a run");
-                        let (index, pfn) = (run.index(), run.iova >> PAGE_SHIFT);
-                        return Err(match state {
-                            MappingState::Unmapping => PinError::Unmapping { index, pfn },
-                            _ => PinError::NotMapped { index, pfn },
-                        });
-                    }
-                }
-                Ok(())
-            });
-        if let Err(e) = reserved {
+        let recorded = cut_into_record(table, &mut shard.hint, prot, entries, &mut record)
+            .and_then(|()| reserve_and_check_live(space, shard, shard_index, &record));
+        if let Err(e) = recorded {
             shard.discard(record);
             shard.counts.pin_failures += 1;
             return Err(e);
         }
         if shard.keepalive.is_none() {
-            // Once per shard: the shard holds the space while it has records (see SpaceHandle).
-            shard.keepalive = Some(Arc::clone(space));
+            // Once per shard: the shard holds the space while it has records (I4).
+            shard.keepalive = Some(keepalive(space));
         }
-        shard.counts.pin_calls += 1;
-        shard.counts.runs += record.runs.len() as u64;
-        shard.counts.pages += record.pages;
-        let owner = Owner { space: NonNull::from(&**space), shard: shard_index, prot };
-        let record = RecordPtr::Boxed(shard.publish(record, owner));
+        shard.counts.pinned(record.runs.len() as u64, record.pages);
+        let record = RecordPtr::Boxed(shard.publish(record, owner(space, shard_index, prot)));
         drop(read);
-        Ok(PinnedPages { hold: HoldWord::recorded(record) })
+        Ok(record)
     }
+}
+
+/// Reserves a cut record's pins, then checks its mappings are live (the order lock mode
+/// checks them in). A mapping an unmap has marked grants no new pins; the unmap, which marks
+/// first and then looks at the shards, either waits for this record or was seen here (I6).
+fn reserve_and_check_live(
+    space: &SpaceInner,
+    shard: &mut Shard,
+    own: usize,
+    record: &Record,
+) -> Result<(), PinError> {
+    reserve_in_shard(space, shard, own, record.pages).map_err(|held| PinError::PinLimit {
+        requested: record.pages,
+        held,
+        max: space.policy.max_pins,
+    })?;
+    let view = record.view();
+    for (i, mapping) in view.mappings().enumerate() {
+        let state = mapping.state();
+        if state != MappingState::Live {
+            shard.stock += record.pages;
+            // Report the first entry in that mapping.
+            let run =
+                record.runs.iter().find(|r| r.mapping_index() == i).expect("a planned mapping has a run");
+            let (index, pfn) = (run.index(), run.iova() >> PAGE_SHIFT);
+            return Err(match state {
+                MappingState::Unmapping => PinError::Unmapping { index, pfn },
+                _ => PinError::NotMapped { index, pfn },
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Retires a guard's record under its shard's lock: a boxed record, or a small one whose
+/// mapping is going or whose space is closing. Wakes an unmap waiting for its pins (I7) and
+/// lets go of a closed space with its last record (I8).
+///
+/// # Safety
+/// `record` is live, published with `owner`, and retired once, here.
+pub(crate) unsafe fn retire(owner: Owner, record: RecordPtr) {
+    // SAFETY: (I4) the record is live, so its shard keeps the space.
+    let space = unsafe { space_of(&owner) };
+    let mut shard = space.shards.lock_shard(owner.shard);
+    // SAFETY: (I3) the record is live until retired below, after the view's last use.
+    let view = unsafe { record.view() };
+    let pages = view.pages;
+    // One look at the mappings' states: an unmap waiting for these pins is woken once they
+    // are gone (under this lock, while the mappings are still allocated: I1); an abandoned
+    // mapping may be free to go.
+    let (mut waking, mut orphaned) = (false, false);
+    for m in view.mappings() {
+        match m.state() {
+            MappingState::Live => {}
+            MappingState::Unmapping => waking = true,
+            MappingState::Removed => (waking, orphaned) = (true, true),
+        }
+    }
+    // Hold the space across the prune: after the shard's lock it may go.
+    let keep = if orphaned { shard.keepalive.clone() } else { None };
+    let mut departing: SmallVec<[NonNull<Mapping>; 2]> = SmallVec::new();
+    if waking {
+        departing.extend(view.mappings().filter(|m| m.state() != MappingState::Live).map(NonNull::from));
+    }
+    // SAFETY: the record was published in this shard and is retired once, here.
+    unsafe { shard.retire(record) };
+    for m in &departing {
+        // SAFETY: (I1) the shard's lock is still held: whatever frees the mapping looks at
+        // this shard first, and the record named it until just now.
+        unsafe { m.as_ref() }.drained.signal();
+    }
+    shard.counts.unpin_calls += 1;
+    shard.stock += pages;
+    trim_stock(&space.policy, &mut shard);
+    let last =
+        if space.closed.load(Ordering::SeqCst) && shard.is_empty() { shard.keepalive.take() } else { None };
+    drop(shard);
+    drop(last);
+    if let Some(space) = keep.and_then(|keep| keep.downcast::<SpaceInner>().ok()) {
+        // An abandoned mapping the record named may be free to go now.
+        space.prune_orphans();
+    }
+}
+
+/// Moves a guard's pins from its record to the per-page counts (`PinnedPages::forget`),
+/// then retires the record. A page that cannot count more keeps the guard's pins held for
+/// good (logged).
+///
+/// # Safety
+/// As for [`retire`].
+pub(crate) unsafe fn forget(owner: Owner, record: RecordPtr) {
+    // SAFETY: (I3) the record is live until retired below, after the view's last use.
+    let view = unsafe { record.view() };
+    // Counted first, then retired: an unmap sees the pins throughout.
+    for (done, run) in view.runs.iter().enumerate() {
+        let mapping = view.mapping(run.mapping_index());
+        // Bound first: the undo below locks mappings again.
+        let counted = mapping.lock().page_counts.try_increment(mapping.run_page(run), run.npages()).map(drop);
+        if let Err(page) = counted {
+            for undo in view.runs[..done].iter().rev() {
+                let m = view.mapping(undo.mapping_index());
+                m.lock().page_counts.decrement(m.run_page(undo), undo.npages(), None);
+            }
+            // Only after 65535 kept pins of one page: these stay held for good.
+            log::error!(
+                "page {:#x} cannot count more kept pins; the {} pins of this guard stay held",
+                mapping.iova() + page * PAGE_SIZE,
+                view.pages
+            );
+            return;
+        }
+    }
+    // SAFETY: (I4) the record is live, so its shard keeps the space.
+    let space = unsafe { space_of(&owner) };
+    let mut shard = space.shards.lock_shard(owner.shard);
+    // SAFETY: the record was published in this shard and is retired once, here.
+    unsafe { shard.retire(record) };
+    // Its pins stay reserved (now counted); the shard lets go of a closed space (I8).
+    let last =
+        if space.closed.load(Ordering::SeqCst) && shard.is_empty() { shard.keepalive.take() } else { None };
+    drop(shard);
+    drop(last);
 }

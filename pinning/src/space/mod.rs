@@ -1,16 +1,21 @@
 //! A client's DMA space: its IOVA mappings, and the map/unmap side of pinning.
 //!
-//! The mapping table is behind a read-write lock that pins hold only while they look up
-//! mappings; pin counts live in each mapping under its own lock. Unmap never removes a
-//! mapping that holds pins: it marks it so new pins are refused, asks the device to let go
-//! (the unmap notifier, called with no engine lock held), and waits a bounded time.
+//! The mapping table lives in the shard table (`shard_table`): a pin reads it under its
+//! thread's shard lock, a map or unmap changes it under all of them. Track-mode pins are
+//! records in the shards; per-page counts (lock mode, kept pins) live in each mapping under
+//! its own lock. Unmap never removes a mapping that holds pins: it marks it so new pins are
+//! refused, asks the device to let go (the unmap notifier, called with no engine lock held),
+//! and waits a bounded time, woken as the pins drop (DESIGN.md I6, I7).
+//!
+//! A space outlives its handles while guards hold records in it (I8): `SpaceHandle` is the
+//! users' share, `SpaceInner` what the shards keep alive.
 
-use std::collections::BTreeMap;
+use std::any::Any;
 use std::ops::Deref;
 use std::os::fd::BorrowedFd;
 use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 mod config;
@@ -21,13 +26,16 @@ pub use config::{DmaSpaceConfig, DmaStats, MapError, MappingInfo, UnmapError, Un
 
 use crate::account::{LockAccount, PinMode};
 use crate::budget::PinPolicy;
-use crate::counters::Counters;
+use crate::counters::Counts;
 use crate::mapping::{Mapping, MappingState};
 use crate::mmap::HostMemory;
 use crate::page::{is_page_aligned, pfn_of, Prot, PAGE_SIZE};
-use crate::shard_table::{ShardTable, TableRead, TableWrite};
+use crate::reaper::Reap;
+use crate::shard_table::{MappingTable, ShardTable, TableRead, TableWrite};
 
-pub(crate) type MappingTable = BTreeMap<u64, Arc<Mapping>>;
+/// How often an unmap waiting for pins looks again while small records it saw live may be
+/// let go of without a word (I7). Every other release wakes it.
+const RELOOK: Duration = Duration::from_millis(1);
 
 pub(crate) struct SpaceInner {
     pub(crate) config: DmaSpaceConfig,
@@ -39,8 +47,6 @@ pub(crate) struct SpaceInner {
     /// Set once every `DmaSpace` handle is gone: shards then let go of the space as their
     /// last record retires.
     pub(crate) closed: AtomicBool,
-    /// Woken when a track-mode record in an unmapping mapping retires.
-    pub(crate) drained: (Mutex<()>, Condvar),
     /// Mappings `abandon_all` took while records still named them: kept until the space goes.
     orphans: Mutex<Vec<Arc<Mapping>>>,
 }
@@ -55,7 +61,8 @@ impl SpaceInner {
             if orphans.is_empty() {
                 return;
             }
-            let (keep, gone): (Vec<_>, Vec<_>) = orphans.drain(..).partition(|m| self.shards.pins_in(m) != 0);
+            let (keep, gone): (Vec<_>, Vec<_>) =
+                orphans.drain(..).partition(|m| self.shards.pins_in(m).pins != 0);
             *orphans = keep;
             gone
         };
@@ -75,21 +82,33 @@ impl SpaceInner {
         holding
     }
 
-    /// What the reaper does with a space it watches: lets go of orphans no record names,
-    /// and, once the space is closed, makes idle shards let go of it. True if there is more
-    /// to wait for (orphans still named, or shards still holding a closed space).
-    pub(crate) fn reap(&self) -> bool {
+    /// Counts an event in this thread's shard. The thread must hold no shard lock.
+    pub(crate) fn count(&self, event: impl FnOnce(&mut Counts)) {
+        event(&mut self.shards.counts_here().counts);
+    }
+
+    /// Starts the reaper on this space (I8).
+    fn watch(self: &Arc<Self>) {
+        let weak: Weak<dyn Reap> = Arc::downgrade(self) as Weak<dyn Reap>;
+        crate::reaper::watch(weak);
+    }
+}
+
+impl Reap for SpaceInner {
+    /// Lets go of orphans no record names, and, once the space is closed, makes idle shards
+    /// let go of it. True if there is more to wait for (orphans still named, or shards still
+    /// holding a closed space).
+    fn reap(&self) -> bool {
         self.prune_orphans();
         let orphans = !crate::sync::lock(&self.orphans).is_empty();
         let holding = self.closed.load(Ordering::SeqCst) && self.release_idle_shards();
         orphans || holding
     }
+}
 
-    /// Wakes an unmap waiting for records to retire.
-    pub(crate) fn wake_unmap(&self) {
-        let _guard = crate::sync::lock(&self.drained.0);
-        self.drained.1.notify_all();
-    }
+/// The space a shard keeps alive, as the shard stores it (I4).
+pub(crate) fn keepalive(space: &Arc<SpaceInner>) -> Arc<dyn Any + Send + Sync> {
+    Arc::clone(space) as Arc<dyn Any + Send + Sync>
 }
 
 /// The users' share of a space: when the last handle goes, the space closes, and lives on
@@ -112,8 +131,8 @@ impl Drop for SpaceHandle {
         self.space.closed.store(true, Ordering::SeqCst);
         if self.space.reap() {
             // Guards still hold records: the last to retire under its shard's lock lets go
-            // of the space, and the reaper catches one released without the lock.
-            crate::reaper::watch(Arc::downgrade(&self.space));
+            // of the space, and the reaper catches one released without the lock (I8).
+            self.space.watch();
         }
     }
 }
@@ -147,18 +166,19 @@ impl DmaSpace {
             shards: ShardTable::default(),
             notifier: RwLock::default(),
             closed: AtomicBool::new(false),
-            drained: (Mutex::new(()), Condvar::new()),
             orphans: Mutex::default(),
         };
         DmaSpace { inner: Arc::new(SpaceHandle { space: Arc::new(inner) }) }
     }
 
     /// The configuration it was created with (`max_pages_per_call` capped, see there).
+    #[inline]
     pub fn config(&self) -> &DmaSpaceConfig {
         &self.inner.config
     }
 
     /// How pins hold pages in this space.
+    #[inline]
     pub fn mode(&self) -> PinMode {
         self.inner.policy.mode
     }
@@ -168,11 +188,8 @@ impl DmaSpace {
         &self.inner.policy.account
     }
 
-    pub(crate) fn counters(&self) -> &Counters {
-        self.inner.policy.counters()
-    }
-
     /// The table, read under this thread's shard lock.
+    #[inline]
     pub(crate) fn read_table(&self) -> TableRead<'_> {
         self.inner.shards.read()
     }
@@ -315,7 +332,7 @@ impl DmaSpace {
             drop(pins);
             // Shards first, then the counts, each lock alone (never a mapping's lock while
             // taking shard locks: `remove` holds every shard lock and then takes mappings').
-            let recorded = self.inner.shards.pins_in(m);
+            let recorded = self.inner.shards.pins_in(m).pins;
             let counted = m.lock().page_counts.pins();
             if counted + recorded != 0 {
                 log::error!(
@@ -338,7 +355,7 @@ impl DmaSpace {
             // left nothing to name an orphan: look now, and let the reaper look until none
             // is left (a small record's guard tells nobody when it lets go).
             if self.inner.space.reap() {
-                crate::reaper::watch(Arc::downgrade(&self.inner.space));
+                self.inner.space.watch();
             }
         }
         unmapped
@@ -366,7 +383,7 @@ impl DmaSpace {
             // under its shard's lock or left its record there for this to see.
             // Shards before counts, each lock alone: forget counts first and retires second,
             // so this sees its pins one way or the other.
-            let recorded = self.inner.shards.pins_in(m);
+            let recorded = self.inner.shards.pins_in(m).pins;
             let counted = m.lock().page_counts.pins();
             if recorded + counted != 0 {
                 busy.push(m.clone());
@@ -395,12 +412,14 @@ impl DmaSpace {
     }
 
     fn wait_for_pins(&self, busy: &[Arc<Mapping>]) -> Result<(), UnmapError> {
-        let counters = self.counters();
-        counters.unmap_waits.fetch_add(1, Ordering::Relaxed);
         let notifier = crate::sync::read(&self.inner.notifier).clone();
+        let calls = if notifier.is_some() { busy.len() as u64 } else { 0 };
+        self.inner.count(|c| {
+            c.unmap_waits += 1;
+            c.notifier_calls += calls;
+        });
         if let Some(notify) = notifier {
             for m in busy {
-                counters.notifier_calls.fetch_add(1, Ordering::Relaxed);
                 notify(m.iova(), m.size());
             }
         }
@@ -409,7 +428,7 @@ impl DmaSpace {
         for m in busy {
             let pins = self.wait_drained(m, deadline);
             if pins != 0 {
-                counters.unmap_busy.fetch_add(1, Ordering::Relaxed);
+                self.inner.count(|c| c.unmap_busy += 1);
                 return Err(UnmapError::Busy { iova: m.iova(), pins, waited: start.elapsed() });
             }
         }
@@ -417,25 +436,20 @@ impl DmaSpace {
     }
 
     /// Waits until `m` holds no pins (counted or recorded) or `deadline` passes; returns the
-    /// pins left.
+    /// pins left. Woken by whoever lets go of its pins under a lock (I7); while small
+    /// records it saw live hold some, it also looks again every [`RELOOK`], since their
+    /// guards may let go without the lock and tell nobody (I5).
     fn wait_drained(&self, m: &Mapping, deadline: Instant) -> u64 {
-        if self.mode() == PinMode::Lock {
-            return m.wait_drained(deadline);
-        }
-        // Guards wake `drained` as their records in an unmapping mapping retire; pins kept
-        // with forget and released by unpin_pages wake the mapping's own condition instead,
-        // so the wait also looks again every millisecond.
-        let (lock, cv) = &self.inner.drained;
-        let mut guard = crate::sync::lock(lock);
         loop {
+            let seen = m.drained.epoch();
             let recorded = self.inner.shards.pins_in(m);
-            let left = recorded + m.lock().page_counts.pins();
+            let left = recorded.pins + m.lock().page_counts.pins();
             let now = Instant::now();
             if left == 0 || now >= deadline {
                 return left;
             }
-            let wait = (deadline - now).min(Duration::from_millis(1));
-            guard = crate::sync::wait_timeout(cv, guard, wait).0;
+            let until = if recorded.in_small != 0 { deadline.min(now + RELOOK) } else { deadline };
+            m.drained.wait(seen, until);
         }
     }
 
@@ -488,7 +502,7 @@ impl DmaSpace {
                     let held_in = record.mapping(run.mapping_index());
                     // Runs of other mappings have no page in this one.
                     if std::ptr::eq(held_in, &*mapping) {
-                        let first = run.page_in(held_in);
+                        let first = held_in.run_page(run);
                         count += u64::from((first..first + run.npages()).contains(&page));
                     }
                 }
@@ -497,56 +511,53 @@ impl DmaSpace {
         u32::try_from(count).unwrap_or(u32::MAX)
     }
 
-    /// The space's counters plus its mappings' lock-mode counts, and the mappings. Summed
-    /// without holding the table (a mapping's lock may be held for a long mlock), and again if
-    /// a mapping left the table meanwhile, moving its counts from one sum to the other.
-    fn counter_totals(&self) -> (DmaStats, Vec<Arc<Mapping>>) {
-        let sum = |f: fn(&Counters) -> &std::sync::atomic::AtomicU64| -> u64 {
-            self.inner.policy.counters.all().map(|c| f(c).load(Ordering::Relaxed)).sum()
-        };
-        let departures = &self.inner.policy.departures;
+    /// The counts of the space's shards, of its mappings and of the mappings that left its
+    /// table, and the mappings. Summed without holding the table (a mapping's lock may be
+    /// held for a long mlock), and again if a mapping left the table meanwhile, moving its
+    /// counts from one sum to the other (I9).
+    fn counter_totals(&self) -> (Counts, Vec<Arc<Mapping>>) {
+        let policy = &self.inner.policy;
         let mut tries = 0;
         loop {
-            let before = departures.load(Ordering::Acquire);
+            let before = policy.departures.load(Ordering::Acquire);
             let mappings: Vec<Arc<Mapping>> = self.read_table().values().cloned().collect();
-            let mut stats = DmaStats {
-                pin_calls: sum(|c| &c.pin_calls),
-                pin_failures: sum(|c| &c.pin_failures),
-                unpin_calls: sum(|c| &c.unpin_calls),
-                unpin_failures: sum(|c| &c.unpin_failures),
-                runs: sum(|c| &c.runs),
-                pages: sum(|c| &c.pages),
-                mlock_calls: sum(|c| &c.mlock_calls),
-                munlock_calls: sum(|c| &c.munlock_calls),
-                munlock_failures: sum(|c| &c.munlock_failures),
-                unmap_waits: sum(|c| &c.unmap_waits),
-                unmap_busy: sum(|c| &c.unmap_busy),
-                notifier_calls: sum(|c| &c.notifier_calls),
-                ..DmaStats::default()
-            };
+            let mut total = *policy.departed.lock();
+            self.inner.shards.for_each_shard(|shard| {
+                // Released small records count their unpins as they are taken back.
+                shard.reclaim_small();
+                total += &shard.counts;
+            });
             for m in &mappings {
-                let c = m.lock().counts;
-                stats.pin_calls += c.pin_calls;
-                stats.unpin_calls += c.unpin_calls;
-                stats.runs += c.runs;
-                stats.pages += c.pages;
-                stats.mlock_calls += c.mlock_calls;
-                stats.munlock_calls += c.munlock_calls;
-                stats.munlock_failures += c.munlock_failures;
+                total += &m.lock().counts;
             }
             // Unchanged: every mapping summed was in the table throughout, with its counts.
             // Under a storm of unmaps the fourth sum stands, which may miss the counts of a
             // mapping that left while it was taken.
             tries += 1;
-            if departures.load(Ordering::Acquire) == before || tries == 4 {
-                return (stats, mappings);
+            if policy.departures.load(Ordering::Acquire) == before || tries == 4 {
+                return (total, mappings);
             }
         }
     }
 
     /// Counters and current totals.
     pub fn stats(&self) -> DmaStats {
-        let (mut stats, mappings) = self.counter_totals();
+        let (counts, mappings) = self.counter_totals();
+        let mut stats = DmaStats {
+            pin_calls: counts.pin_calls,
+            pin_failures: counts.pin_failures,
+            unpin_calls: counts.unpin_calls,
+            unpin_failures: counts.unpin_failures,
+            runs: counts.runs,
+            pages: counts.pages,
+            mlock_calls: counts.mlock_calls,
+            munlock_calls: counts.munlock_calls,
+            munlock_failures: counts.munlock_failures,
+            unmap_waits: counts.unmap_waits,
+            unmap_busy: counts.unmap_busy,
+            notifier_calls: counts.notifier_calls,
+            ..DmaStats::default()
+        };
         // Abandoned mappings still named by records: their pages are pinned, they are not mapped.
         let orphans: Vec<Arc<Mapping>> = crate::sync::lock(&self.inner.orphans).clone();
         // Track-mode records, as (mapping, first page, pages), for the totals.
@@ -554,16 +565,10 @@ impl DmaSpace {
         self.inner.shards.for_each_shard(|shard| {
             stats.bookkeeping_bytes += shard.bookkeeping_bytes() as u64;
             stats.pins_held += shard.pins();
-            let c = shard.counts;
-            stats.pin_calls += c.pin_calls;
-            stats.pin_failures += c.pin_failures;
-            stats.unpin_calls += c.unpin_calls;
-            stats.runs += c.runs;
-            stats.pages += c.pages;
             for record in shard.records() {
                 for run in record.runs.iter() {
                     let mapping = record.mapping(run.mapping_index());
-                    recorded.push((mapping, run.page_in(mapping), run.npages()));
+                    recorded.push((mapping, mapping.run_page(run), run.npages()));
                 }
             }
         });
