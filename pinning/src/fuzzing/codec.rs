@@ -1,6 +1,7 @@
 //! The byte format of fuzzer inputs: every byte string decodes to a valid program.
 
-use super::*;
+use super::op::*;
+use crate::PinMode;
 
 /// The page a byte names: the low window, the high window or a page without an address.
 pub fn page_of(b: u8) -> u64 {

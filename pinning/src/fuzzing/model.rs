@@ -1,6 +1,13 @@
 //! The per-page model the engine is checked against.
 
-use super::*;
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::rc::Rc;
+
+use super::op::*;
+use crate::{PinError, Prot, UnpinError};
 
 /// A mapping in the model: its pages and, for fd-backed ones, what they hold.
 pub(super) struct ModelMapping {

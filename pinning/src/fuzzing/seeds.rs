@@ -1,6 +1,8 @@
 //! Hand-made seeds for the fuzzer and its corpus replay.
 
-use super::*;
+use super::codec::encode;
+use super::op::*;
+use crate::PinMode;
 
 /// Hand-made seeds, as `(name, input)`: the README's IDAW example, guards and forgotten pins,
 /// each limit, busy and splitting unmaps, the top of the IOVA space. The corpus replay runs

@@ -118,18 +118,18 @@ pub(crate) fn release(plan: Box<Plan>) {
     Plan::recycle(plan);
 }
 
-impl DmaSpace {
-    /// Lock mode: reserves the plan's pins from its first mapping's stock and pins its runs,
-    /// all under its mappings' locks; the counts go there too (no shared atomic per call
-    /// but the lock account's). A failure is counted in this thread's shard.
-    pub(super) fn apply(&self, plan: Result<Box<Plan>, PinError>) -> Result<Box<Plan>, PinError> {
-        let applied = plan.and_then(|plan| self.apply_plan(plan));
-        if applied.is_err() {
-            self.inner.count(|c| c.pin_failures += 1);
-        }
-        applied
+/// Lock mode: reserves the plan's pins from its first mapping's stock and pins its runs,
+/// all under its mappings' locks; the counts go there too (no shared atomic per call but
+/// the lock account's). A failure is counted in this thread's shard.
+pub(super) fn apply(space: &DmaSpace, plan: Result<Box<Plan>, PinError>) -> Result<Box<Plan>, PinError> {
+    let applied = plan.and_then(|plan| space.apply_plan(plan));
+    if applied.is_err() {
+        space.inner.count(|c| c.pin_failures += 1);
     }
+    applied
+}
 
+impl DmaSpace {
     fn apply_plan(&self, plan: Box<Plan>) -> Result<Box<Plan>, PinError> {
         let policy = &self.inner.policy;
         let mut held = MappingGuards::take(&plan.mappings);

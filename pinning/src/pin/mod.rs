@@ -52,7 +52,7 @@ impl DmaSpace {
     #[inline(always)]
     fn pin(&self, prot: Prot, entries: Entries<'_>) -> Result<PinnedPages, PinError> {
         if self.mode() == PinMode::Track {
-            return self.pin_tracked(prot, entries).map(PinnedPages::recorded);
+            return track::pin(self, prot, entries).map(PinnedPages::recorded);
         }
         let planned = entries.check(self.config().max_pages_per_call).and_then(|()| {
             let mut plan = Plan::boxed(prot);
@@ -68,7 +68,7 @@ impl DmaSpace {
                 }
             }
         });
-        self.apply(planned).map(PinnedPages::counted)
+        lock_mode::apply(self, planned).map(PinnedPages::counted)
     }
 
     /// Translates `pfns` the way [`DmaSpace::pin_pages`] does (the same table, run splitting

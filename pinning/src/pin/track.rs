@@ -262,56 +262,54 @@ fn refill_and_reserve(space: &SpaceInner, shard: &mut Shard, own: usize, pins: u
     policy.take(pins)
 }
 
-impl DmaSpace {
-    /// Track mode: the small-record fast path, else [`DmaSpace::pin_recorded`], under one
-    /// take of this thread's shard lock.
-    #[inline(always)]
-    pub(super) fn pin_tracked(&self, prot: Prot, entries: Entries<'_>) -> Result<RecordPtr, PinError> {
-        let mut read = self.read_table();
-        let shard_index = read.index();
-        let (table, shard) = read.parts();
-        let max = self.config().max_pages_per_call;
-        match pin_small(&self.inner.space, table, shard, shard_index, prot, entries, max) {
-            Some(record) => Ok(record),
-            None => self.pin_recorded(read, prot, entries),
-        }
+/// Pins a track-mode call: the small-record fast path, else [`pin_recorded`], under one
+/// take of this thread's shard lock.
+#[inline(always)]
+pub(super) fn pin(space: &DmaSpace, prot: Prot, entries: Entries<'_>) -> Result<RecordPtr, PinError> {
+    let mut read = space.read_table();
+    let shard_index = read.index();
+    let (table, shard) = read.parts();
+    let max = space.config().max_pages_per_call;
+    match pin_small(&space.inner.space, table, shard, shard_index, prot, entries, max) {
+        Some(record) => Ok(record),
+        None => pin_recorded(space, read, prot, entries),
     }
+}
 
-    /// Track mode: the whole call under this thread's shard lock. The runs are cut into a
-    /// record of the shard, the pins reserved, the mappings checked live, and the record
-    /// published; the guard points at it. No per-page work, no lock or line shared with
-    /// other threads (but the shard's, when more threads than shards pin at once).
-    #[inline(never)]
-    fn pin_recorded(
-        &self,
-        mut read: TableRead<'_>,
-        prot: Prot,
-        entries: Entries<'_>,
-    ) -> Result<RecordPtr, PinError> {
-        let space = &self.inner.space;
-        let shard_index = read.index();
-        let (table, shard) = read.parts();
-        if let Err(e) = entries.check(self.config().max_pages_per_call) {
-            shard.counts.pin_failures += 1;
-            return Err(e);
-        }
-        let mut record = shard.fresh();
-        let recorded = cut_into_record(table, &mut shard.hint, prot, entries, &mut record)
-            .and_then(|()| reserve_and_check_live(space, shard, shard_index, &record));
-        if let Err(e) = recorded {
-            shard.discard(record);
-            shard.counts.pin_failures += 1;
-            return Err(e);
-        }
-        if shard.keepalive.is_none() {
-            // Once per shard: the shard holds the space while it has records (I4).
-            shard.keepalive = Some(keepalive(space));
-        }
-        shard.counts.pinned(record.runs.len() as u64, record.pages);
-        let record = RecordPtr::Boxed(shard.publish(record, owner(space, shard_index, prot)));
-        drop(read);
-        Ok(record)
+/// Track mode: the whole call under this thread's shard lock. The runs are cut into a
+/// record of the shard, the pins reserved, the mappings checked live, and the record
+/// published; the guard points at it. No per-page work, no lock or line shared with other
+/// threads (but the shard's, when more threads than shards pin at once).
+#[inline(never)]
+fn pin_recorded(
+    dma: &DmaSpace,
+    mut read: TableRead<'_>,
+    prot: Prot,
+    entries: Entries<'_>,
+) -> Result<RecordPtr, PinError> {
+    let space = &dma.inner.space;
+    let shard_index = read.index();
+    let (table, shard) = read.parts();
+    if let Err(e) = entries.check(dma.config().max_pages_per_call) {
+        shard.counts.pin_failures += 1;
+        return Err(e);
     }
+    let mut record = shard.fresh();
+    let recorded = cut_into_record(table, &mut shard.hint, prot, entries, &mut record)
+        .and_then(|()| reserve_and_check_live(space, shard, shard_index, &record));
+    if let Err(e) = recorded {
+        shard.discard(record);
+        shard.counts.pin_failures += 1;
+        return Err(e);
+    }
+    if shard.keepalive.is_none() {
+        // Once per shard: the shard holds the space while it has records (I4).
+        shard.keepalive = Some(keepalive(space));
+    }
+    shard.counts.pinned(record.runs.len() as u64, record.pages);
+    let record = RecordPtr::Boxed(shard.publish(record, owner(space, shard_index, prot)));
+    drop(read);
+    Ok(record)
 }
 
 /// Reserves a cut record's pins, then checks its mappings are live (the order lock mode
