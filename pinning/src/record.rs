@@ -93,7 +93,7 @@ impl SmallRecord {
     /// The mapping of the runs (valid while the entry is live).
     #[inline]
     pub(crate) fn mapping(&self) -> &Mapping {
-        // SAFETY: a live entry's mapping stays allocated (see `Record::mappings`).
+        // SAFETY: (I1) a live entry's mapping stays allocated (see `Record::mappings`).
         unsafe { self.mapping.as_ref() }
     }
 
@@ -112,7 +112,7 @@ impl SmallRecord {
     /// to it across the call and touches neither it nor its space afterwards.
     #[inline]
     pub(crate) unsafe fn release(entry: NonNull<SmallRecord>) {
-        // SAFETY: the entry is allocated until this store (per the contract, it is live);
+        // SAFETY: (I3, I5) the entry is allocated until this store (per the contract, it is live);
         // only the atomic flag is borrowed, and only for the store.
         unsafe { (*std::ptr::addr_of!((*entry.as_ptr()).live)).store(false, Ordering::Release) };
     }
@@ -157,9 +157,9 @@ impl RecordPtr {
     #[inline]
     pub(crate) unsafe fn owner(self) -> Owner {
         match self {
-            // SAFETY: per the contract.
+            // SAFETY: (I3, I4) per the contract.
             RecordPtr::Boxed(r) => unsafe { r.as_ref() }.owner,
-            // SAFETY: per the contract.
+            // SAFETY: (I3, I4) per the contract.
             RecordPtr::Small(r) => unsafe { r.as_ref() }.owner,
         }
     }
@@ -171,9 +171,9 @@ impl RecordPtr {
     #[inline]
     pub(crate) unsafe fn view<'a>(self) -> RecordRef<'a> {
         match self {
-            // SAFETY: live records are valid and immutable until retired (the contract).
+            // SAFETY: (I3) live records are valid and immutable until retired (the contract).
             RecordPtr::Boxed(r) => unsafe { r.as_ref() }.view(),
-            // SAFETY: as above; a live entry is written only before it is published.
+            // SAFETY: (I3) as above; a live entry is written only before it is published.
             RecordPtr::Small(r) => unsafe { r.as_ref() }.view(),
         }
     }
@@ -194,7 +194,7 @@ impl<'a> RecordRef<'a> {
     /// The mapping of mapping index `i`.
     #[inline]
     pub(crate) fn mapping(&self, i: usize) -> &'a Mapping {
-        // SAFETY: a live record's mappings stay allocated (see `Record::mappings`): for the
+        // SAFETY: (I1) a live record's mappings stay allocated (see `Record::mappings`): for the
         // guard, until it retires or releases the record; for a reader of the shard's records,
         // while it holds the shard's lock (a small record seen live may be released meanwhile,
         // but whatever frees a mapping first marks it and then scans this shard under that
@@ -206,7 +206,7 @@ impl<'a> RecordRef<'a> {
     /// The mappings the runs lie in.
     #[inline]
     pub(crate) fn mappings(&self) -> impl Iterator<Item = &'a Mapping> + 'a {
-        // SAFETY: as in `mapping`.
+        // SAFETY: (I1) as in `mapping`.
         self.mappings.iter().map(|m| unsafe { m.as_ref() })
     }
 

@@ -123,7 +123,7 @@ impl std::fmt::Debug for Shard {
     }
 }
 
-// SAFETY: a shard owns its record boxes and its small-record array (moved between threads
+// SAFETY: (I1, I3) a shard owns its record boxes and its small-record array (moved between threads
 // with it, like Boxes), and the mapping pointers in them are only dereferenced under the
 // invariants of `Record::mappings`, by whichever thread holds the shard's lock or the
 // record's guard.
@@ -171,7 +171,7 @@ impl Shard {
             None => self.allocate_small(),
         };
         let at = self.small_free.trailing_zeros() as usize;
-        // SAFETY: `small` is this shard's array (allocated, freed only with the shard); entry
+        // SAFETY: (I3) `small` is this shard's array (allocated, freed only with the shard); entry
         // `at` is free (its last guard released it and the release was seen), so no guard
         // reads it, and we hold the shard's lock (`&mut self`), the only way to write entries.
         Some(NonNull::from(unsafe { &mut *(*small.as_ptr())[at].get() }))
@@ -191,7 +191,7 @@ impl Shard {
         mapping: NonNull<Mapping>,
         owner: Owner,
     ) {
-        // SAFETY: per the contract, a free entry we hold the only reference to.
+        // SAFETY: (I3) per the contract, a free entry we hold the only reference to.
         let e = unsafe { &mut *entry.as_ptr() };
         e.owner = owner;
         e.len = len as u8;
@@ -212,7 +212,7 @@ impl Shard {
         while taken != 0 {
             let at = taken.trailing_zeros() as usize;
             taken &= taken - 1;
-            // SAFETY: an entry of this shard's array; we only read it (its guard may be
+            // SAFETY: (I3) an entry of this shard's array; we only read it (its guard may be
             // reading it too) and hold the shard's lock.
             let entry = unsafe { &*(*small.as_ptr())[at].get() };
             if !entry.is_live() {
@@ -254,26 +254,26 @@ impl Shard {
     pub(crate) unsafe fn retire(&mut self, record: RecordPtr) {
         match record {
             RecordPtr::Small(entry) => {
-                // SAFETY: per the contract, a live entry of this shard's array.
+                // SAFETY: (I3) per the contract, a live entry of this shard's array.
                 let entry = unsafe { entry.as_ref() };
                 entry.live.store(false, Ordering::Relaxed);
                 self.small_free |= 1 << entry.at;
                 self.pins -= entry.pages;
                 self.small_pins -= entry.pages;
             }
-            // SAFETY: per the contract.
+            // SAFETY: (I3) per the contract.
             RecordPtr::Boxed(record) => unsafe { self.retire_boxed(record) },
         }
     }
 
     /// Retires a live boxed record of this shard (contract of [`Shard::retire`]).
     unsafe fn retire_boxed(&mut self, record: NonNull<Record>) {
-        // SAFETY: per the contract, the record is live in this shard: a box it owns.
+        // SAFETY: (I3) per the contract, the record is live in this shard: a box it owns.
         let record = unsafe { Box::from_raw(record.as_ptr()) };
         let at = record.at.load(Ordering::Relaxed);
         self.live.swap_remove(at);
         if let Some(moved) = self.live.get_mut(at) {
-            // SAFETY: live records are valid boxes owned by this shard; only shared references
+            // SAFETY: (I3) live records are valid boxes owned by this shard; only shared references
             // to them exist (their guards'), and `at` is atomic.
             unsafe { moved.as_ref() }.at.store(at, Ordering::Relaxed);
         }
@@ -297,7 +297,7 @@ impl Shard {
         self.small.into_iter().flat_map(move |small| {
             let live = !self.small_free;
             (0..SMALL_RECORDS).filter(move |i| live & (1 << i) != 0).filter_map(move |i| {
-                // SAFETY: an entry of this shard's array, rewritten only under the shard's lock
+                // SAFETY: (I3) an entry of this shard's array, rewritten only under the shard's lock
                 // we are borrowed under; read only if still live (then its guard holds it).
                 let entry = unsafe { &*(*small.as_ptr())[i].get() };
                 entry.is_live().then(|| entry.view())
@@ -368,7 +368,7 @@ impl Shard {
 
 /// A live boxed record of a shard, borrowed with the shard.
 fn unsafe_ref(record: &NonNull<Record>) -> &Record {
-    // SAFETY: live records are valid boxes owned by their shard, which the caller borrows.
+    // SAFETY: (I3) live records are valid boxes owned by their shard, which the caller borrows.
     unsafe { record.as_ref() }
 }
 
@@ -381,7 +381,7 @@ impl Drop for Shard {
             return;
         }
         if let Some(small) = self.small.take() {
-            // SAFETY: allocated by `allocate_small` as a leaked Box; no entry is live, so
+            // SAFETY: (I3, I4) allocated by `allocate_small` as a leaked Box; no entry is live, so
             // no guard points into it.
             drop(unsafe { Box::from_raw(small.as_ptr()) });
         }
@@ -395,11 +395,11 @@ pub(crate) struct ShardTable {
     table: UnsafeCell<MappingTable>,
 }
 
-// SAFETY: the table is reached only through `TableRead` (holding one shard lock: shared) and
+// SAFETY: (I2, I11) the table is reached only through `TableRead` (holding one shard lock: shared) and
 // `TableWrite` (holding every shard lock: exclusive), so its accesses are serialised by the
 // shard locks exactly as an RwLock's would be; its contents (Arc<Mapping>) are Send + Sync.
 unsafe impl Sync for ShardTable {}
-// SAFETY: as above; moving the table between threads moves owned Arcs and shards (Send).
+// SAFETY: (I2, I11) as above; moving the table between threads moves owned Arcs and shards (Send).
 unsafe impl Send for ShardTable {}
 
 impl std::fmt::Debug for ShardTable {
@@ -463,7 +463,7 @@ impl ShardTable {
     pub(crate) fn read(&self) -> TableRead<'_> {
         let index = this_shard();
         let shard = self.shards[index].lock();
-        // SAFETY: we hold a shard lock, so no TableWrite (which holds them all) exists; other
+        // SAFETY: (I2) we hold a shard lock, so no TableWrite (which holds them all) exists; other
         // readers only read.
         let table = unsafe { &*self.table.get() };
         TableRead { shard, index, table }
@@ -478,7 +478,7 @@ impl ShardTable {
         for shard in &mut shards {
             shard.hint = None;
         }
-        // SAFETY: we hold every shard lock: no TableRead or other TableWrite exists.
+        // SAFETY: (I2) we hold every shard lock: no TableRead or other TableWrite exists.
         let table = unsafe { &mut *self.table.get() };
         TableWrite { _shards: shards, table }
     }

@@ -368,6 +368,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[cfg_attr(miri, ignore = "Miri: memfd")]
     fn encode_and_decode_round_trip() {
         let ops = vec![
             Op::Map { page: 4, pages: 8, prot: 3, message_only: false, offset_pages: 2 },
@@ -389,6 +390,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "Miri: memfd")]
     fn seeds_round_trip_and_run() {
         for (name, seed) in seeds() {
             let (mode, ops) = decode(&seed);
@@ -398,6 +400,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "Miri: memfd")]
     fn every_byte_string_decodes() {
         for len in 0..64 {
             let data: Vec<u8> = (0..len).map(|i| (i * 37 + len) as u8).collect();

@@ -74,7 +74,7 @@ impl HoldWord {
             Some((ptr, HOLD_BOXED)) => HoldView::Recorded(RecordPtr::Boxed(ptr.cast())),
             Some((ptr, kind)) => {
                 debug_assert_eq!(kind, HOLD_COUNTED, "a hold word's kind is one of three");
-                // SAFETY: the word owns the plan's box until `take`; the view borrows the word.
+                // SAFETY: (I15) the word owns the plan's box until `take`; the view borrows the word.
                 HoldView::Counted(unsafe { ptr.cast::<Plan>().as_ref() })
             }
         }
@@ -83,7 +83,7 @@ impl HoldWord {
     /// The access the pages were pinned for.
     fn prot(&self) -> Prot {
         match self.view() {
-            // SAFETY: a guard's record is live until the guard lets go of it.
+            // SAFETY: (I3, I15) a guard's record is live until the guard lets go of it.
             HoldView::Recorded(record) => unsafe { record.owner() }.prot,
             HoldView::Counted(plan) => plan.prot,
             HoldView::Released => Prot::empty(),
@@ -99,7 +99,7 @@ impl HoldWord {
             Some((ptr, HOLD_BOXED)) => RecordPtr::Boxed(ptr.cast()),
             Some((ptr, kind)) => {
                 debug_assert_eq!(kind, HOLD_COUNTED, "a hold word's kind is one of three");
-                // SAFETY: the word owned this box (made by `counted`) and has just given it up.
+                // SAFETY: (I15) the word owned this box (made by `counted`) and has just given it up.
                 return Hold::Counted(unsafe { Box::from_raw(ptr.cast::<Plan>().as_ptr()) });
             }
         };
@@ -149,7 +149,7 @@ pub(crate) enum Hold {
 // atomic store, after which the guard touches nothing, from whichever thread drops it. A
 // counted guard's word owns a boxed plan that holds only Arcs and plain data.
 unsafe impl Send for PinnedPages {}
-// SAFETY: as above: shared access only reads the record and the mappings.
+// SAFETY: (I3, I4) as above: shared access only reads the record and the mappings.
 unsafe impl Sync for PinnedPages {}
 
 impl PinnedPages {
@@ -167,7 +167,7 @@ impl PinnedPages {
 
     fn record(&self) -> Option<RecordRef<'_>> {
         match self.hold.view() {
-            // SAFETY: the record is live until this guard retires it (drop or forget), and
+            // SAFETY: (I3, I15) the record is live until this guard retires it (drop or forget), and
             // the view is borrowed with the guard.
             HoldView::Recorded(record) => Some(unsafe { record.view() }),
             _ => None,
@@ -316,7 +316,7 @@ impl PinnedPages {
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), AccessError> {
         self.check(offset, buf.len())?;
         self.for_each_piece(offset, buf.len(), |host, at, n| {
-            // SAFETY: [host, host + n) lies in pinned pages of a mapping this guard keeps
+            // SAFETY: (I13) [host, host + n) lies in pinned pages of a mapping this guard keeps
             // mapped while the slice lives, readable (every mapping grants read). The client
             // may write them during the copy, so no Rust reference to them is made: the copy
             // goes through VolatileSlice, vm-memory's accessor for memory another party
@@ -335,7 +335,7 @@ impl PinnedPages {
         }
         self.check(offset, buf.len())?;
         self.for_each_piece(offset, buf.len(), |host, at, n| {
-            // SAFETY: as in read; the pin asked for WRITE, which the planner checked the
+            // SAFETY: (I13) as in read; the pin asked for WRITE, which the planner checked the
             // mapping grants, so the pages are mapped writable.
             let dst = unsafe { VolatileSlice::new(host as *mut u8, n) };
             dst.copy_from(&buf[at..at + n]);
@@ -348,7 +348,7 @@ impl PinnedPages {
     pub fn read_volatile(&self, offset: u64, dst: &VolatileSlice<'_>) -> Result<(), AccessError> {
         self.check(offset, dst.len())?;
         self.for_each_piece(offset, dst.len(), |host, at, n| {
-            // SAFETY: [host, host + n) lies in pinned, readable pages this guard keeps mapped.
+            // SAFETY: (I13) [host, host + n) lies in pinned, readable pages this guard keeps mapped.
             let src = unsafe { VolatileSlice::new(host as *mut u8, n) };
             src.copy_to_volatile_slice(dst.subslice(at, n).expect("a piece lies inside the checked range"));
         });
@@ -363,7 +363,7 @@ impl PinnedPages {
         }
         self.check(offset, src.len())?;
         self.for_each_piece(offset, src.len(), |host, at, n| {
-            // SAFETY: [host, host + n) lies in pinned pages this guard keeps mapped, writable
+            // SAFETY: (I13) [host, host + n) lies in pinned pages this guard keeps mapped, writable
             // since the pin asked for WRITE.
             let dst = unsafe { VolatileSlice::new(host as *mut u8, n) };
             src.subslice(at, n).expect("a piece lies inside the checked range").copy_to_volatile_slice(dst);
@@ -391,11 +391,11 @@ impl PinnedPages {
         let mut next_host = 0usize;
         self.for_each_piece(offset, len, |host, _, n| {
             if let Some(last) = out.last_mut().filter(|_| host == next_host) {
-                // SAFETY: the previous slice ends where this piece starts: together they are
+                // SAFETY: (I13) the previous slice ends where this piece starts: together they are
                 // one range of pinned pages this guard keeps mapped.
                 *last = unsafe { VolatileSlice::new(last.ptr_guard_mut().as_ptr(), last.len() + n) };
             } else {
-                // SAFETY: [host, host + n) lies in pinned pages of a mapping this guard keeps
+                // SAFETY: (I13) [host, host + n) lies in pinned pages of a mapping this guard keeps
                 // mapped (and writable if WRITE was asked for, checked above) while the
                 // slice, which borrows the guard, lives.
                 out.push(unsafe { VolatileSlice::new(host as *mut u8, n) });
@@ -409,7 +409,7 @@ impl PinnedPages {
     pub fn unpin(self) {}
 
     /// Keeps the pins but drops the guard: the caller now owns them and must release them
-    /// with [`DmaSpace::unpin_pages`] or [`DmaSpace::unpin_range`] (the `vfio_pin_pages`
+    /// with [`crate::DmaSpace::unpin_pages`] or [`crate::DmaSpace::unpin_range`] (the `vfio_pin_pages`
     /// model). Memory under pins kept this way is never unmapped while they are held.
     ///
     /// In track mode the pins move from the guard's record to the per-page counts (the

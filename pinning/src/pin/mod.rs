@@ -37,14 +37,12 @@ impl DmaSpace {
     ///
     /// The pins are held until the returned guard drops (or [`PinnedPages::forget`] hands
     /// them to [`DmaSpace::unpin_pages`]). On error nothing stays pinned.
-    #[inline]
     pub fn pin_pages(&self, pfns: &[u64], prot: Prot) -> Result<PinnedPages, PinError> {
         self.pin(prot, Entries::Array(pfns))
     }
 
     /// Pins the `npages` pages from `iova` (page aligned; rounded down otherwise). The range
     /// may span adjacent mappings; it is pinned one run per mapping.
-    #[inline]
     pub fn pin_range(&self, iova: u64, npages: u64, prot: Prot) -> Result<PinnedPages, PinError> {
         self.pin(prot, Entries::Range { pfn: iova >> PAGE_SHIFT, npages })
     }
@@ -52,7 +50,13 @@ impl DmaSpace {
     #[inline(always)]
     fn pin(&self, prot: Prot, entries: Entries<'_>) -> Result<PinnedPages, PinError> {
         if self.mode() == PinMode::Track {
-            return track::pin(self, prot, entries).map(PinnedPages::recorded);
+            // The small-record fast path, else the general one, under one take of this
+            // thread's shard lock.
+            let mut read = self.read_table();
+            if let Some(record) = track::pin_fast(self, &mut read, prot, entries) {
+                return Ok(PinnedPages::recorded(record));
+            }
+            return track::pin_recorded(self, read, prot, entries).map(PinnedPages::recorded);
         }
         let planned = entries.check(self.config().max_pages_per_call).and_then(|()| {
             let mut plan = Plan::boxed(prot);

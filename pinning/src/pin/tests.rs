@@ -68,6 +68,7 @@ fn segments_merge_only_host_adjacent_runs() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "Miri: reads the file back")]
 fn a_run_never_crosses_a_mapping_boundary() {
     let space = DmaSpace::default();
     let (a, b) = (memfd(4), memfd(4));
@@ -112,6 +113,7 @@ fn failures_unwind_everything_and_name_the_first_bad_page() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "Miri: mlock")]
 fn the_count_limit_fails_the_whole_call() {
     // Per-page counts (lock mode; kept pins in track mode) stop at MAX_PIN_COUNT.
     let lock = DmaSpaceConfig {
@@ -130,6 +132,7 @@ fn the_count_limit_fails_the_whole_call() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "Miri: 70000 calls: too slow")]
 fn track_mode_guards_count_past_the_per_page_limit_up_to_the_space_limit() {
     let (space, _f) = space_with(DmaSpaceConfig { max_pins: 70_000, ..Default::default() });
     let held: Vec<_> = (0..70_000).map(|_| space.pin_pages(&[4], Prot::READ).unwrap()).collect();
@@ -228,6 +231,7 @@ fn lock_space_of(max_pins: u64) -> DmaSpace {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "Miri: mlock")]
 fn lock_mode_stocks_in_mappings_keep_the_limit_exact_and_counts_outlive_the_table() {
     // Lock-mode calls reserve from their first mapping's stock and count there: the
     // limit must still be exact across mappings, an unmap must hand both back.
@@ -270,6 +274,7 @@ fn lock_mode_stocks_in_mappings_keep_the_limit_exact_and_counts_outlive_the_tabl
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "Miri: mlock")]
 fn lock_mode_pins_let_go_after_their_mapping_left_the_table_go_straight_back_to_the_space() {
     // A removed mapping kept alive by a guard keeps no stock: what its guards give back
     // is the space's at once, not when the last of them drops.
@@ -289,6 +294,7 @@ fn lock_mode_pins_let_go_after_their_mapping_left_the_table_go_straight_back_to_
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "Miri: mlock")]
 fn a_guard_survives_its_pins_being_unpinned_behind_its_back() {
     // Lock mode counts every pin per page, so unpin_pages can take a guard's pins; the
     // guard then releases only what it still holds.
@@ -367,7 +373,7 @@ fn small_entry(pins: &PinnedPages) -> NonNull<SmallRecord> {
 /// under the lock does, whatever the space and mapping look like now.
 fn release_unlocked(pins: PinnedPages, entry: NonNull<SmallRecord>) {
     std::mem::forget(pins);
-    // SAFETY: the entry is live (its guard was forgotten, not dropped).
+    // SAFETY: (I5) the entry is live (its guard was forgotten, not dropped).
     unsafe { SmallRecord::release(entry) };
 }
 
@@ -557,6 +563,7 @@ fn is_mapped(addr: usize) -> bool {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "Miri: 65535 calls: too slow")]
 fn forgetting_onto_a_saturated_page_neither_hangs_nor_frees_the_pins() {
     let space = DmaSpace::new(DmaSpaceConfig {
         max_pins: 1 << 20,
@@ -577,6 +584,7 @@ fn forgetting_onto_a_saturated_page_neither_hangs_nor_frees_the_pins() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "Miri: mlock, 2000 mappings")]
 fn abandon_all_racing_an_unmap_that_waits_deadlocks_in_neither_mode() {
     for mode in [PinMode::Lock, PinMode::Track] {
         const N: u64 = 2000;
@@ -622,6 +630,7 @@ fn abandon_all_racing_an_unmap_that_waits_deadlocks_in_neither_mode() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "Miri: mlock, msync")]
 fn an_abandoned_mapping_is_unmapped_when_its_last_guard_drops() {
     for mode in [PinMode::Lock, PinMode::Track] {
         let space = DmaSpace::new(DmaSpaceConfig {
@@ -647,6 +656,7 @@ fn an_abandoned_mapping_is_unmapped_when_its_last_guard_drops() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "Miri: mlock")]
 fn both_modes_report_the_pin_limit_before_an_unmapping_mapping() {
     let mut seen = Vec::new();
     for mode in [PinMode::Lock, PinMode::Track] {
@@ -697,6 +707,7 @@ fn volatile_copies_cross_runs() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "Miri: reads the file back")]
 fn guards_check_bounds_and_access() {
     let (space, file) = space_with(Default::default());
     let ro = space.pin_pages(&[3], Prot::READ).unwrap();
@@ -724,6 +735,7 @@ fn lock_space(limit: u64) -> (DmaSpace, std::fs::File, usize) {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "Miri: mlock")]
 fn lock_mode_locks_each_page_once_and_unlocks_at_zero() {
     let (space, _f, host) = lock_space(u64::MAX);
     let locked = || locked_bytes_in(host, 64 * P as usize);
@@ -747,6 +759,7 @@ fn lock_mode_locks_each_page_once_and_unlocks_at_zero() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "Miri: mlock")]
 fn lock_limit_is_checked_per_run_and_unwinds_fully() {
     let (space, _f, host) = lock_space(6 * P);
     let keep = space.pin_pages(&[1, 2], Prot::READ).unwrap();
@@ -765,6 +778,7 @@ fn lock_limit_is_checked_per_run_and_unwinds_fully() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "Miri: hugetlbfs")]
 fn hugetlb_backing_is_locked_by_accounting_alone() {
     use nix::sys::memfd::{memfd_create, MFdFlags};
     let huge = 2u64 << 20;
@@ -793,6 +807,7 @@ fn hugetlb_backing_is_locked_by_accounting_alone() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "Miri: mlock")]
 fn unpin_of_a_repeated_page_unlocks_once() {
     let (space, _f, host) = lock_space(u64::MAX);
     space.pin_pages(&[2, 2, 3], Prot::READ).unwrap().forget();

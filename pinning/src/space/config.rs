@@ -18,7 +18,7 @@ use crate::page::Prot;
 /// owns its DMA space should capture it weakly, or the two keep each other alive.
 pub type UnmapNotifier = Arc<dyn Fn(u64, u64) + Send + Sync>;
 
-/// How a [`DmaSpace`] behaves; `Default` gives the documented defaults.
+/// How a [`crate::DmaSpace`] behaves; `Default` gives the documented defaults.
 #[derive(Clone, Debug)]
 pub struct DmaSpaceConfig {
     /// Most mappings at once (default 4096; each is a VMA, counted against the process's

@@ -9,6 +9,7 @@ use crate::PinError;
 const RW: Prot = Prot::READ_WRITE;
 
 #[test]
+#[cfg_attr(miri, ignore = "Miri: maps no file")]
 fn map_rejects_bad_requests_with_distinct_errors() {
     let space = DmaSpace::new(DmaSpaceConfig { max_mappings: 2, ..Default::default() });
     let file = memfd(16);
@@ -72,6 +73,7 @@ fn pages_per_call_stop_at_what_a_run_records() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "Miri: 64 GiB")]
 fn map_is_lazy_whatever_the_size() {
     let huge = memfd(64 << 18); // 64 GiB, sparse
     let space = DmaSpace::default();
@@ -162,6 +164,7 @@ fn unmap_notifies_and_waits_for_pins_to_drop() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "Miri: mlock")]
 fn an_unmap_waiting_for_pins_returns_when_they_drop_not_at_its_timeout_in_both_modes() {
     for mode in [PinMode::Track, PinMode::Lock] {
         let space = DmaSpace::new(DmaSpaceConfig {
@@ -213,6 +216,7 @@ fn unmap_fails_busy_and_keeps_the_mapping_when_pins_stay() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "Miri: reads the file back")]
 fn a_guard_keeps_memory_mapped_after_abandon() {
     let space = DmaSpace::default();
     let file = memfd(2);
