@@ -55,6 +55,14 @@ impl<'a> MappingGuards<'a> {
 
 /// Removes one pin per page of `runs`, then munlocks and refunds. Returns the pins removed.
 pub(crate) fn unpin_runs(mappings: &[Arc<Mapping>], held: &mut MappingGuards<'_>, runs: &[PinnedRun]) -> u64 {
+    if let [mapping] = mappings {
+        // The usual plan: one mapping, one list of sub-runs to munlock.
+        let pins = held.get(0);
+        let mut released = Released::new();
+        let removed = runs.iter().rev().map(|run| unpin_run_of(mapping, pins, run, &mut released)).sum();
+        mapping.release(pins, &released);
+        return removed;
+    }
     let mut released: SmallVec<[Released; 2]> = mappings.iter().map(|_| Released::new()).collect();
     let mut removed = 0u64;
     for run in runs.iter().rev() {
