@@ -14,7 +14,10 @@ pub(crate) fn run_length(pfns: &[u64], limit: u64) -> u64 {
     }
 }
 
-/// [`run_length`] of a run known to go on past its first entry.
+/// [`run_length`] of a run known to go on past its first entry, compiled for the widest
+/// vectors the CPU has. What that buys: a 512-entry run is scanned about twice as fast as by
+/// the plain loop (a 512-page contiguous pin 58 against 125 ns; 64 pages 34 against 40 ns;
+/// docs/benchmarks.md).
 #[inline(never)]
 fn continued_run_length(pfns: &[u64], limit: u64) -> u64 {
     let max = usize::try_from(limit).unwrap_or(usize::MAX).min(pfns.len());

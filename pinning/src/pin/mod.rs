@@ -19,6 +19,8 @@ mod lock_mode;
 mod plan;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_lock_mode;
 mod track;
 mod unpin;
 
