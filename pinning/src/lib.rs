@@ -17,6 +17,29 @@
 //! DMA_MAP/DMA_UNMAP and devices call it. It does not program an IOMMU: "pinning" here means
 //! refcounted translation (and, in lock mode, residency via mlock) in this process.
 //!
+//! Words used with one meaning throughout (the lifetime protocol is in `DESIGN.md`):
+//!
+//! - **space**: a client's IOVA mappings and the pins on them ([`DmaSpace`]); it *closes*
+//!   when its last handle drops, and lives on while guards hold records in it.
+//! - **mapping**: one mapped range: IOVA pages, host memory, state (live, unmapping,
+//!   removed). The **mapping table**: a space's mappings by first page.
+//! - **shard**: one of a space's 16 per-thread slots (each thread has one, round robin): a
+//!   spin lock, the records of calls made from it, a stock of pins, counts, a lookup hint.
+//!   The **shard table**: the mapping table behind the shard locks, and the shards.
+//! - **run** ([`PinnedRun`]): consecutive entries of a call naming consecutive pages of one
+//!   mapping, pinned as one step. Its **mapping index**: which of its call's mappings.
+//! - **record**: a track-mode call as its shard keeps it (runs, mappings); a **small record**
+//!   (at most 8 runs in one mapping) sits in the shard's fixed array, a **boxed record** in a
+//!   reused box. A **plan**: a call cut into runs holding its mappings (lock mode, unpins).
+//! - **guard** ([`PinnedPages`]): pins held until it drops; its **hold** is one word.
+//! - **page counts**: per-page pin counts of a mapping (lock mode, and pins kept with
+//!   [`PinnedPages::forget`]).
+//! - **stock**: pins a shard or a mapping reserved from the space's `max_pins`.
+//! - **lock account** ([`LockAccount`]): the budget of bytes lock mode mlocks; **spin lock**:
+//!   the lock of a shard or of a mapping's pin state; **lock mode** ([`PinMode::Lock`]).
+//! - **counts**: calls, runs, pages and syscalls, summed into [`DmaStats`].
+//! - **orphan**: a mapping `abandon_all` took while records still name it.
+//!
 //! ```
 //! use std::os::fd::AsFd;
 //! use umdev_pinning::{DmaSpace, Prot, PAGE_SIZE};
@@ -39,30 +62,37 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![deny(missing_docs)]
 
+mod account;
+mod budget;
+mod counters;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
-mod lock;
 mod mapping;
 mod mmap;
 pub mod page;
+mod page_counts;
 mod pin;
 mod reaper;
+mod record;
+mod run;
+mod run_scan;
+mod shard;
+mod shard_table;
 mod sigbus;
-mod slot_lock;
-mod slots;
 mod space;
+mod spin;
 pub mod sync;
-mod table;
 
-pub use lock::{has_cap_ipc_lock, process_lock_limit, LockAccount, OverLimit, PinMode};
+pub use account::{has_cap_ipc_lock, process_lock_limit, LockAccount, OverLimit, PinMode};
 pub use mmap::{process_mapping_limit, process_mappings, set_process_mapping_limit, Backing, MmapError};
 pub use page::{Prot, PAGE_SHIFT, PAGE_SIZE};
-pub use pin::{AccessError, PinError, PinnedPages, PinnedRun, Segment, UnpinError};
+pub use page_counts::{CHUNK_BYTES, CHUNK_PAGES, MAX_PIN_COUNT};
+pub use pin::{AccessError, PinError, PinnedPages, UnpinError};
+pub use run::{PinnedRun, Segment};
 pub use sigbus::recovered_faults;
 pub use space::{
     DmaSpace, DmaSpaceConfig, DmaStats, MapError, MappingInfo, UnmapError, UnmapNotifier, Unmapped,
 };
-pub use table::{CHUNK_BYTES, CHUNK_PAGES, MAX_PIN_COUNT};
 
 #[cfg(test)]
 pub(crate) mod testutil {
@@ -70,13 +100,28 @@ pub(crate) mod testutil {
 
     use crate::PAGE_SIZE;
 
-    /// A memfd of `pages` pages, sparse.
+    /// A memfd of `pages` pages, sparse (under Miri, which maps no file, a temporary file
+    /// that only sizes the mapping: see `HostMemory::map`).
     pub(crate) fn memfd(pages: u64) -> File {
+        if cfg!(miri) {
+            let file = tempfile_for_miri();
+            file.set_len(pages * PAGE_SIZE).expect("ftruncate");
+            return file;
+        }
         let fd = nix::sys::memfd::memfd_create(c"umdev-test", nix::sys::memfd::MFdFlags::empty())
             .expect("memfd_create");
         let file = File::from(fd);
         file.set_len(pages * PAGE_SIZE).expect("ftruncate");
         file
+    }
+
+    fn tempfile_for_miri() -> File {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let path = std::env::temp_dir().join(format!("umdev-miri-{}", NEXT.fetch_add(1, Ordering::Relaxed)));
+        let file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path);
+        let _ = std::fs::remove_file(&path);
+        file.expect("a temporary file (Miri needs -Zmiri-disable-isolation)")
     }
 
     /// Bytes the kernel reports locked in VMAs inside `[start, start + len)`.

@@ -7,17 +7,19 @@
 use std::io;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
 use std::time::Instant;
 
 use smallvec::SmallVec;
 
-use crate::lock::{LockAccount, OverLimit, PinMode};
+use crate::account::{OverLimit, PinMode};
+use crate::budget::PinPolicy;
+use crate::budget::PIN_STOCK;
+use crate::counters::Counts;
 use crate::mmap::HostMemory;
 use crate::page::{iova_of, Prot, PAGE_SIZE};
-use crate::slot_lock::{SlotGuard, SlotLock};
-use crate::slots::PerSlot;
-use crate::table::PinTable;
+use crate::page_counts::PageCounts;
+use crate::run::PinnedRun;
+use crate::spin::{SpinGuard, SpinLock};
 
 /// Where a mapping is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,158 +47,93 @@ impl MappingState {
 /// because they hold this lock anyway.
 #[derive(Debug, Default)]
 pub(crate) struct MappingPins {
-    pub(crate) table: PinTable,
+    pub(crate) page_counts: PageCounts,
     /// Pins reserved from the space's limit and not used yet, for lock-mode calls whose first
     /// run lies here: such a call takes its pins from here and gives them back here, touching
     /// the space's shared count once per [`PIN_STOCK`] pins.
     pub(crate) stock: u64,
-    /// Lock-mode calls' counters, plain under the lock (a shared atomic costs as much as a
+    /// Lock-mode calls' counts, plain under the lock (a shared atomic costs as much as a
     /// lock); summed by `stats`, moved to the space's when the mapping leaves the table.
-    pub(crate) counts: LockCounts,
+    pub(crate) counts: Counts,
     /// Set as the mapping leaves the table: from then on pins given back go straight to the
     /// space's count (a guard may keep a removed mapping alive for long).
     pub(crate) left: bool,
 }
 
-/// Counters of lock-mode calls whose first run lies in one mapping, and of its syscalls.
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct LockCounts {
-    pub(crate) pin_calls: u64,
-    pub(crate) unpin_calls: u64,
-    pub(crate) runs: u64,
-    pub(crate) pages: u64,
-    pub(crate) mlock_calls: u64,
-    pub(crate) munlock_calls: u64,
-    pub(crate) munlock_failures: u64,
-}
-
-/// Counters of one space, bumped once per call or syscall, never per page.
-#[derive(Debug, Default)]
-pub(crate) struct Counters {
-    pub(crate) pin_calls: AtomicU64,
-    pub(crate) pin_failures: AtomicU64,
-    pub(crate) unpin_calls: AtomicU64,
-    pub(crate) unpin_failures: AtomicU64,
-    pub(crate) runs: AtomicU64,
-    pub(crate) pages: AtomicU64,
-    pub(crate) mlock_calls: AtomicU64,
-    pub(crate) munlock_calls: AtomicU64,
-    pub(crate) munlock_failures: AtomicU64,
-    pub(crate) unmap_waits: AtomicU64,
-    pub(crate) unmap_busy: AtomicU64,
-    pub(crate) notifier_calls: AtomicU64,
-}
-
-/// How the mappings of one space pin, and what they count: shared by all of them.
-#[derive(Debug)]
-pub(crate) struct PinPolicy {
-    pub(crate) mode: PinMode,
-    pub(crate) account: Arc<LockAccount>,
-    /// Counters, one set per thread slot, summed when read.
-    pub(crate) counters: PerSlot<Counters>,
-    /// Pins held across the space plus the unused stock of its track-mode slots and of its
-    /// mappings (lock mode), against `max_pins`.
-    pub(crate) held: crossbeam::utils::CachePadded<AtomicU64>,
-    pub(crate) max_pins: u64,
-    /// Mappings that have left the table (moving their lock-mode counts here). `stats` sums
-    /// the space's counters and its mappings' without holding the table, and sums again if
-    /// this changed meanwhile.
-    pub(crate) departures: AtomicU64,
-}
-
-/// Pins a slot (track mode) or a mapping (lock mode) reserves from the space's count at a time.
-pub(crate) const PIN_STOCK: u64 = 4096;
-
-impl PinPolicy {
-    pub(crate) fn new(mode: PinMode, account: Arc<LockAccount>, max_pins: u64) -> Self {
-        PinPolicy {
-            mode,
-            account,
-            counters: PerSlot::default(),
-            held: Default::default(),
-            max_pins,
-            departures: AtomicU64::new(0),
-        }
-    }
-
-    /// This thread's counters.
-    #[inline]
-    pub(crate) fn counters(&self) -> &Counters {
-        self.counters.here()
-    }
-
-    /// Takes `pins` from the space's count; `Err(held)` if they do not fit.
-    pub(crate) fn take(&self, pins: u64) -> Result<(), u64> {
-        self.held
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
-                held.checked_add(pins).filter(|&total| total <= self.max_pins)
-            })
-            .map(drop)
-    }
-
-    /// Adds a mapping's lock-mode counters to this thread's (rarely: as it leaves the table).
-    pub(crate) fn add_counts(&self, counts: &LockCounts) {
-        let c = self.counters();
-        for (counter, n) in [
-            (&c.pin_calls, counts.pin_calls),
-            (&c.unpin_calls, counts.unpin_calls),
-            (&c.runs, counts.runs),
-            (&c.pages, counts.pages),
-            (&c.mlock_calls, counts.mlock_calls),
-            (&c.munlock_calls, counts.munlock_calls),
-            (&c.munlock_failures, counts.munlock_failures),
-        ] {
-            if n != 0 {
-                counter.fetch_add(n, Ordering::Relaxed);
-            }
-        }
-    }
-
-    /// Gives `pins` back to the space's count.
-    pub(crate) fn give(&self, pins: u64) {
-        if pins != 0 {
-            self.held.fetch_sub(pins, Ordering::AcqRel);
-        }
-    }
-
-    /// Reserves `pins` for a lock-mode call from the stock of its first mapping (`mapping`,
-    /// locked by the caller), refilling the stock from the space's count when short;
-    /// `Err(held)` if the space's count cannot give them. A mapping that has left the table
-    /// keeps no stock: its calls take exactly their pins.
+impl MappingPins {
+    /// Reserves `pins` for a lock-mode call whose first run lies in this mapping (locked by
+    /// the caller): from the stock, refilled from the space's count when short; `Err(held)`
+    /// if the space's count cannot give them. A mapping that has left the table keeps no
+    /// stock: its calls take exactly their pins.
     ///
     /// The caller, refused, takes back every mapping's unused stock and tries once more, so
     /// a call fails only if the pins held, plus stock taken by other calls meanwhile, leave
     /// no room.
-    pub(crate) fn reserve_in(&self, mapping: &mut MappingPins, pins: u64) -> Result<(), u64> {
-        if let Some(left) = mapping.stock.checked_sub(pins) {
-            mapping.stock = left;
+    pub(crate) fn reserve(&mut self, policy: &PinPolicy, pins: u64) -> Result<(), u64> {
+        if let Some(left) = self.stock.checked_sub(pins) {
+            self.stock = left;
             return Ok(());
         }
         // The stock goes into the call; the count gives the rest, and a new stock if it can.
-        let short = pins - mapping.stock;
-        let refill = if mapping.left { None } else { short.checked_add(PIN_STOCK) };
-        if refill.is_some_and(|more| self.take(more).is_ok()) {
-            mapping.stock = PIN_STOCK;
+        let short = pins - self.stock;
+        let refill = if self.left { None } else { short.checked_add(PIN_STOCK) };
+        if refill.is_some_and(|more| policy.take(more).is_ok()) {
+            self.stock = PIN_STOCK;
             return Ok(());
         }
-        self.take(short)?;
-        mapping.stock = 0;
+        policy.take(short)?;
+        self.stock = 0;
         Ok(())
     }
 
-    /// Returns pins a lock-mode call reserved with [`PinPolicy::reserve_in`] to the same
-    /// mapping's stock (the surplus beyond two stocks' worth, or all of it once the mapping
-    /// has left the table, back to the space).
-    pub(crate) fn restock(&self, mapping: &mut MappingPins, pins: u64) {
-        if mapping.left {
-            self.give(pins);
+    /// Returns pins reserved with [`MappingPins::reserve`] to the stock (the surplus beyond
+    /// two stocks' worth, or all of it once the mapping has left the table, to the space).
+    pub(crate) fn restock(&mut self, policy: &PinPolicy, pins: u64) {
+        if self.left {
+            policy.give(pins);
             return;
         }
-        mapping.stock += pins;
-        if mapping.stock > 2 * PIN_STOCK {
-            self.give(mapping.stock - PIN_STOCK);
-            mapping.stock = PIN_STOCK;
+        self.stock += pins;
+        if self.stock > 2 * PIN_STOCK {
+            policy.give(self.stock - PIN_STOCK);
+            self.stock = PIN_STOCK;
         }
+    }
+}
+
+/// Wakes an unmap waiting for a mapping's pins to drop (DESIGN.md I7). An event count: the
+/// waiter reads the epoch before it looks at the pins and sleeps only if no signal came
+/// since, so a signal between its look and its sleep is never lost. The mutex is a leaf
+/// lock (held for nothing but the check and the notify), so a signal may be sent under
+/// any other lock.
+#[derive(Debug, Default)]
+pub(crate) struct Drained {
+    epoch: AtomicU64,
+    lock: Mutex<()>,
+    cv: Condvar,
+}
+
+impl Drained {
+    /// The epoch to pass to [`Drained::wait`]; read before looking at the pins.
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::SeqCst)
+    }
+
+    /// Wakes every waiter: pins of the mapping went (the caller changed them first).
+    pub(crate) fn signal(&self) {
+        self.epoch.fetch_add(1, Ordering::SeqCst);
+        let _held = crate::sync::lock(&self.lock);
+        self.cv.notify_all();
+    }
+
+    /// Sleeps until a signal after epoch `seen`, or `until`.
+    pub(crate) fn wait(&self, seen: u64, until: Instant) {
+        let held = crate::sync::lock(&self.lock);
+        let now = Instant::now();
+        if self.epoch.load(Ordering::SeqCst) != seen || now >= until {
+            return;
+        }
+        drop(crate::sync::wait_timeout(&self.cv, held, until - now));
     }
 }
 
@@ -239,17 +176,15 @@ pub(crate) struct Mapping {
     pub(crate) memory: Option<HostMemory>,
     pub(crate) policy: Arc<PinPolicy>,
     /// A swap lock, not a futex mutex: every lock-mode pin and drop takes it, and its release
-    /// is a plain store (see `slot_lock`). Lock-mode holds include mlock and munlock calls
+    /// is a plain store (see `spin`). Lock-mode holds include mlock and munlock calls
     /// (a page's take microseconds, a piece's at most a millisecond or so): waiters spin,
     /// yield, then nap.
-    pins: SlotLock<MappingPins>,
+    pins: SpinLock<MappingPins>,
     /// A [`MappingState`]. Changed under the lock; read without it by track-mode pins, which
-    /// check it under their slot's lock (see `slots`).
+    /// check it under their shard's lock (see `shards`).
     state: AtomicU8,
-    /// Signalled when an unmapping mapping's last pin drops (without its mutex, which guards
-    /// nothing: the waiter looks again every millisecond, so a wake-up that comes between
-    /// its look and its wait costs it at most that).
-    drained: (Mutex<()>, Condvar),
+    /// Signalled when pins of a mapping that is no longer live drop (I7).
+    pub(crate) drained: Drained,
     /// Unmaps waiting to claim the mapping (set before they take its lock): a lock-mode pin
     /// in progress stops at its next piece and fails `Unmapping`.
     claims: AtomicU32,
@@ -272,13 +207,14 @@ impl Mapping {
             prot,
             memory,
             policy,
-            pins: SlotLock::default(),
+            pins: SpinLock::default(),
             state: AtomicU8::new(MappingState::Live as u8),
-            drained: (Mutex::new(()), Condvar::new()),
+            drained: Drained::default(),
             claims: AtomicU32::new(0),
         }
     }
 
+    #[inline]
     pub(crate) fn iova(&self) -> u64 {
         iova_of(self.first_pfn)
     }
@@ -298,21 +234,31 @@ impl Mapping {
         self.npages * PAGE_SIZE
     }
 
+    /// The first page of `run` (which lies in this mapping) as an offset within it.
+    #[inline]
+    pub(crate) fn run_page(&self, run: &PinnedRun) -> u64 {
+        run.page_in(self.first_pfn)
+    }
+
     /// One past the last page number.
+    #[inline]
     pub(crate) fn end_pfn(&self) -> u64 {
         self.first_pfn + self.npages
     }
 
+    #[inline]
     pub(crate) fn contains(&self, pfn: u64) -> bool {
         pfn >= self.first_pfn && pfn < self.end_pfn()
     }
 
     /// Host address of page offset `page`, for fd-backed mappings.
+    #[inline]
     pub(crate) fn host_addr(&self, page: u64) -> Option<usize> {
         self.memory.as_ref().map(|m| m.addr_at(page * PAGE_SIZE))
     }
 
     /// True once the client truncated the file behind the mapping (see `sigbus`).
+    #[inline]
     pub(crate) fn poisoned(&self) -> bool {
         self.memory.as_ref().is_some_and(|m| m.poisoned())
     }
@@ -323,7 +269,7 @@ impl Mapping {
 
     /// Takes the pin state for an unmap: a lock-mode pin call holding it gives way at its
     /// next mlock piece instead of finishing a long run first.
-    pub(crate) fn lock_for_unmap(&self) -> SlotGuard<'_, MappingPins> {
+    pub(crate) fn lock_for_unmap(&self) -> SpinGuard<'_, MappingPins> {
         self.claims.fetch_add(1, Ordering::AcqRel);
         let pins = self.lock();
         self.claims.fetch_sub(1, Ordering::AcqRel);
@@ -333,7 +279,7 @@ impl Mapping {
     /// Locks the pin state. A holder that panicked let go as it unwound; the table is still
     /// the best record of what is pinned, so keep using it.
     #[inline]
-    pub(crate) fn lock(&self) -> SlotGuard<'_, MappingPins> {
+    pub(crate) fn lock(&self) -> SpinGuard<'_, MappingPins> {
         self.pins.lock()
     }
 
@@ -343,35 +289,35 @@ impl Mapping {
         if self.policy.mode == PinMode::Track {
             // The hot path: one pass over the counts.
             return pins
-                .table
+                .page_counts
                 .try_increment(page, npages)
                 .map(drop)
                 .map_err(|page| RunFailure::Overflow { page });
         }
         if npages == 1 {
             // One page, the usual lock-mode call: one look at its count.
-            let count = pins.table.count(page);
-            if count == crate::table::MAX_PIN_COUNT {
+            let count = pins.page_counts.count(page);
+            if count == crate::page_counts::MAX_PIN_COUNT {
                 return Err(RunFailure::Overflow { page });
             }
             if count == 0 {
                 self.lock_fresh(&mut pins.counts, &[(page, 1)])?;
             }
-            pins.table.increment_one(page);
+            pins.page_counts.increment_one(page);
             return Ok(());
         }
-        if let Some(page) = pins.table.find_saturated(page, npages) {
+        if let Some(page) = pins.page_counts.find_saturated(page, npages) {
             return Err(RunFailure::Overflow { page });
         }
         let mut fresh: Released = SmallVec::new();
-        pins.table.for_each_unpinned(page, npages, |s, l| fresh.push((s, l)));
+        pins.page_counts.for_each_unpinned(page, npages, |s, l| fresh.push((s, l)));
         self.lock_fresh(&mut pins.counts, &fresh)?;
-        pins.table.increment(page, npages);
+        pins.page_counts.increment(page, npages);
         Ok(())
     }
 
     /// Charges and mlocks sub-runs that are about to get their first pin.
-    fn lock_fresh(&self, counts: &mut LockCounts, fresh: &[(u64, u64)]) -> Result<(), RunFailure> {
+    fn lock_fresh(&self, counts: &mut Counts, fresh: &[(u64, u64)]) -> Result<(), RunFailure> {
         let Some(&(first, _)) = fresh.first() else {
             return Ok(());
         };
@@ -415,8 +361,9 @@ impl Mapping {
     }
 
     /// Removes a pin from pages `[page, page + npages)` unless one of them is not pinned;
-    /// then returns that page and changes nothing. Sub-runs that reach 0 are appended to
-    /// `released` (lock mode only) for [`Mapping::release`].
+    /// then returns that page and changes nothing. The one check of every unpin (I12).
+    /// Sub-runs that reach 0 are appended to `released` (lock mode only) for
+    /// [`Mapping::release`].
     pub(crate) fn try_unpin_run(
         &self,
         pins: &mut MappingPins,
@@ -424,36 +371,13 @@ impl Mapping {
         npages: u64,
         released: &mut Released,
     ) -> Result<(), u64> {
-        if self.policy.mode == PinMode::Track {
-            // The hot path: one checked pass over the counts.
-            return pins.table.try_decrement(page, npages).map(drop);
-        }
-        if npages == 1 {
-            // One page: one checked pass, and it goes to munlock if that was its last pin.
-            if pins.table.try_decrement_one(page)? {
-                released.push((page, 1));
-            }
-            return Ok(());
-        }
-        if let Some(page) = pins.table.find_unpinned(page, npages) {
-            return Err(page);
-        }
-        pins.table.decrement(page, npages, Some(&mut |s, l| released.push((s, l))));
-        Ok(())
+        let mut munlock = |start, len| released.push((start, len));
+        let report: Option<&mut dyn FnMut(u64, u64)> =
+            if self.policy.mode == PinMode::Lock { Some(&mut munlock) } else { None };
+        pins.page_counts.try_decrement(page, npages, report).map(drop)
     }
 
-    /// Removes a pin from pages `[page, page + npages)`, which the caller has checked are
-    /// all pinned. Sub-runs that reach 0 are appended to `released` (lock mode only) for
-    /// [`Mapping::release`].
-    pub(crate) fn unpin_run(&self, pins: &mut MappingPins, page: u64, npages: u64, released: &mut Released) {
-        if self.policy.mode == PinMode::Lock {
-            pins.table.decrement(page, npages, Some(&mut |s, l| released.push((s, l))));
-        } else {
-            pins.table.decrement(page, npages, None);
-        }
-    }
-
-    /// munlocks and refunds sub-runs collected by [`Mapping::unpin_run`], then wakes an
+    /// munlocks and refunds sub-runs collected by [`Mapping::try_unpin_run`], then wakes an
     /// unmap waiting for this mapping to drain.
     pub(crate) fn release(&self, pins: &mut MappingPins, released: &[(u64, u64)]) {
         if !released.is_empty() {
@@ -465,13 +389,13 @@ impl Mapping {
             }
             self.policy.account.refund(pages * PAGE_SIZE);
         }
-        // Unmapping, or taken by abandon_all while an unmap waited: wake the waiter.
-        if self.state() != MappingState::Live && pins.table.pins() == 0 {
-            self.drained.1.notify_all();
+        // Unmapping, or taken by abandon_all while an unmap waited: wake the waiter (I7).
+        if self.state() != MappingState::Live {
+            self.drained.signal();
         }
     }
 
-    fn munlock(&self, counts: &mut LockCounts, memory: &HostMemory, page: u64, npages: u64) {
+    fn munlock(&self, counts: &mut Counts, memory: &HostMemory, page: u64, npages: u64) {
         counts.munlock_calls += 1;
         if let Err(e) = memory.munlock(page * PAGE_SIZE, npages * PAGE_SIZE) {
             // The pages stay resident until the mapping goes; nothing else is wrong.
@@ -481,40 +405,25 @@ impl Mapping {
     }
 
     /// Called as the mapping leaves the space's table (with the table's write lock held, so
-    /// that `stats` sees its counts either here or in the space's counters): gives its
-    /// lock-mode stock back to the space and moves its counters to the space's.
+    /// that `stats` sees its counts either here or in the space's): gives its lock-mode
+    /// stock back to the space and moves its counts to the space's (I9).
     pub(crate) fn leave_table(&self, pins: &mut MappingPins) {
         pins.left = true;
         self.policy.give(std::mem::take(&mut pins.stock));
-        self.policy.add_counts(&std::mem::take(&mut pins.counts));
+        self.policy.add_departed(&std::mem::take(&mut pins.counts));
         // After the move and under the mapping's lock: see `PinPolicy::departures`.
         self.policy.departures.fetch_add(1, Ordering::Release);
-    }
-
-    /// Waits until no pins are held or `deadline` passes; returns the pins left.
-    pub(crate) fn wait_drained(&self, deadline: Instant) -> u64 {
-        let (lock, cv) = &self.drained;
-        let mut guard = crate::sync::lock(lock);
-        loop {
-            let left = self.lock().table.pins();
-            let now = Instant::now();
-            if left == 0 || now >= deadline {
-                return left;
-            }
-            let wait = (deadline - now).min(Duration::from_millis(1));
-            guard = crate::sync::wait_timeout(cv, guard, wait).0;
-        }
     }
 }
 
 impl Drop for Mapping {
     fn drop(&mut self) {
         let state = self.pins.get_mut();
-        let pins = state.table.pins();
+        let pins = state.page_counts.pins();
         // What guards dropped after the mapping left the table gave back and counted.
         let (stock, counts) = (std::mem::take(&mut state.stock), std::mem::take(&mut state.counts));
         self.policy.give(stock);
-        self.policy.add_counts(&counts);
+        self.policy.add_departed(&counts);
         if pins != 0 {
             if let Some(memory) = self.memory.take() {
                 // Pins taken without a guard were never returned: their holder may still use

@@ -11,7 +11,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use nix::sys::mman::{self, MapFlags};
+#[cfg(not(miri))]
 use nix::sys::stat::{fstat, SFlag};
+#[cfg(not(miri))]
 use nix::sys::statfs::{fstatfs, HUGETLBFS_MAGIC};
 use thiserror::Error;
 
@@ -106,19 +108,19 @@ pub fn process_mappings() -> u64 {
 
 /// A reserved place in the process's mapping budget, returned on drop.
 #[derive(Debug)]
-struct BudgetSlot;
+struct BudgetReservation;
 
-impl BudgetSlot {
-    fn reserve() -> Result<BudgetSlot, MmapError> {
+impl BudgetReservation {
+    fn reserve() -> Result<BudgetReservation, MmapError> {
         let limit = process_mapping_limit();
         LIVE_MAPPINGS
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |live| (live < limit).then_some(live + 1))
-            .map(|_| BudgetSlot)
+            .map(|_| BudgetReservation)
             .map_err(|_| MmapError::ProcessLimit { limit })
     }
 }
 
-impl Drop for BudgetSlot {
+impl Drop for BudgetReservation {
     fn drop(&mut self) {
         LIVE_MAPPINGS.fetch_sub(1, Ordering::AcqRel);
     }
@@ -142,13 +144,13 @@ pub(crate) struct HostMemory {
     /// Set by the SIGBUS handler when the file shrank under the mapping (see `sigbus`).
     poisoned: Arc<AtomicBool>,
     /// Released after the munmap in `drop`.
-    _slot: BudgetSlot,
+    _reservation: BudgetReservation,
 }
 
-// SAFETY: HostMemory is a plain address range in this process's address space; the engine
+// SAFETY: (I13) HostMemory is a plain address range in this process's address space; the engine
 // hands out access to it only through pins, and mlock/munlock/munmap are thread-safe.
 unsafe impl Send for HostMemory {}
-// SAFETY: as above, no interior state is mutated through &HostMemory.
+// SAFETY: (I13) as above, no interior state is mutated through &HostMemory.
 unsafe impl Sync for HostMemory {}
 
 impl HostMemory {
@@ -156,6 +158,18 @@ impl HostMemory {
     ///
     /// Costs O(1) whatever the size: no MAP_POPULATE, nothing touched.
     pub(crate) fn map(fd: BorrowedFd<'_>, offset: u64, size: u64, prot: Prot) -> Result<Self, MmapError> {
+        #[cfg(miri)]
+        {
+            // Miri cannot map a file: the unit tests it runs get private memory of the size.
+            let _ = (fd, offset, prot);
+            return Self::anonymous(size);
+        }
+        #[cfg(not(miri))]
+        Self::map_file(fd, offset, size, prot)
+    }
+
+    #[cfg(not(miri))]
+    fn map_file(fd: BorrowedFd<'_>, offset: u64, size: u64, prot: Prot) -> Result<Self, MmapError> {
         let stat = fstat(fd).map_err(|e| MmapError::Inspect(e.into()))?;
         let kind = SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT;
         if kind != SFlag::S_IFREG {
@@ -173,16 +187,32 @@ impl HostMemory {
         let len = usize::try_from(size).map_err(|_| MmapError::TooLarge(size))?;
         let length = NonZeroUsize::new(len).ok_or(MmapError::TooLarge(size))?;
         let file_offset = libc::off_t::try_from(offset).map_err(|_| MmapError::TooLarge(offset))?;
-        let slot = BudgetSlot::reserve()?;
-        // SAFETY: a fresh mapping chosen by the kernel (no MAP_FIXED), so no existing memory is
+        let reservation = BudgetReservation::reserve()?;
+        // SAFETY: (I13) a fresh mapping chosen by the kernel (no MAP_FIXED), so no existing memory is
         // replaced; the fd is a regular file checked above to cover [offset, offset + size).
         let addr =
             unsafe { mman::mmap(None, length, prot.mmap_flags(), MapFlags::MAP_SHARED, fd, file_offset) }
                 .map_err(|e| MmapError::Mmap(e.into()))?;
         let poisoned = sigbus::register(addr.as_ptr() as usize, len, prot);
-        Ok(HostMemory { addr: addr.cast(), len, backing, poisoned, _slot: slot })
+        Ok(HostMemory { addr: addr.cast(), len, backing, poisoned, _reservation: reservation })
     }
 
+    /// `size` bytes of private anonymous memory, read-write (Miri's stand-in for a file).
+    #[cfg(miri)]
+    fn anonymous(size: u64) -> Result<Self, MmapError> {
+        let len = usize::try_from(size).map_err(|_| MmapError::TooLarge(size))?;
+        let length = NonZeroUsize::new(len).ok_or(MmapError::TooLarge(size))?;
+        let reservation = BudgetReservation::reserve()?;
+        let rw = nix::sys::mman::ProtFlags::PROT_READ | nix::sys::mman::ProtFlags::PROT_WRITE;
+        // SAFETY: (I13) a fresh private mapping chosen by the kernel replaces no memory.
+        let addr = unsafe { mman::mmap_anonymous(None, length, rw, MapFlags::MAP_PRIVATE) }
+            .map_err(|e| MmapError::Mmap(e.into()))?;
+        let poisoned = sigbus::register(addr.as_ptr() as usize, len, Prot::READ_WRITE);
+        let backing = Backing { page_size: PAGE_SIZE, hugetlb: false };
+        Ok(HostMemory { addr: addr.cast(), len, backing, poisoned, _reservation: reservation })
+    }
+
+    #[cfg(not(miri))]
     fn backing_of(fd: BorrowedFd<'_>) -> Result<Backing, MmapError> {
         let fs = fstatfs(fd).map_err(|e| MmapError::Inspect(e.into()))?;
         if fs.filesystem_type() == HUGETLBFS_MAGIC {
@@ -194,12 +224,14 @@ impl HostMemory {
         }
     }
 
+    #[inline]
     pub(crate) fn backing(&self) -> Backing {
         self.backing
     }
 
     /// True once an access faulted past the end of the file: the client shrank it, and the
     /// mapping now holds zero pages.
+    #[inline]
     pub(crate) fn poisoned(&self) -> bool {
         self.poisoned.load(Ordering::Acquire)
     }
@@ -215,7 +247,7 @@ impl HostMemory {
     /// resident until [`HostMemory::munlock`].
     pub(crate) fn mlock(&self, offset: u64, len: u64) -> io::Result<()> {
         let (addr, len) = self.subrange(offset, len);
-        // SAFETY: the range lies inside this live mapping (checked by subrange); mlock only
+        // SAFETY: (I13) the range lies inside this live mapping (checked by subrange); mlock only
         // changes residency, never contents or validity.
         unsafe { mman::mlock(addr, len) }.map_err(io::Error::from)
     }
@@ -223,7 +255,7 @@ impl HostMemory {
     /// Undoes [`HostMemory::mlock`] on `[offset, offset + len)`.
     pub(crate) fn munlock(&self, offset: u64, len: u64) -> io::Result<()> {
         let (addr, len) = self.subrange(offset, len);
-        // SAFETY: as for mlock: the range is inside this live mapping.
+        // SAFETY: (I13) as for mlock: the range is inside this live mapping.
         unsafe { mman::munlock(addr, len) }.map_err(io::Error::from)
     }
 
@@ -233,7 +265,7 @@ impl HostMemory {
             "lock range {offset:#x}+{len:#x} outside a mapping of {:#x} bytes",
             self.len
         );
-        // SAFETY: offset < len of a mapping that starts at a non-null address, so the sum is
+        // SAFETY: (I13) offset < len of a mapping that starts at a non-null address, so the sum is
         // non-null and inside the mapping.
         let addr = unsafe { NonNull::new_unchecked(self.addr.as_ptr().add(offset as usize)) };
         (addr.cast(), len as usize)
@@ -243,7 +275,7 @@ impl HostMemory {
 impl Drop for HostMemory {
     fn drop(&mut self) {
         sigbus::unregister(self.addr.as_ptr() as usize);
-        // SAFETY: we own this mapping; the engine drops HostMemory only when no pin can reach
+        // SAFETY: (I13) we own this mapping; the engine drops HostMemory only when no pin can reach
         // it (guards hold the mapping alive; leaked pins keep it alive forever).
         if let Err(e) = unsafe { mman::munmap(self.addr.cast(), self.len) } {
             log::error!("munmap of {:#x} bytes at {:p} failed: {e}", self.len, self.addr);
@@ -258,11 +290,12 @@ mod tests {
     use std::os::fd::AsFd;
 
     #[test]
+    #[cfg_attr(miri, ignore = "Miri: maps no file")]
     fn maps_and_shares_memory() {
         let file = memfd(2);
         let mem = HostMemory::map(file.as_fd(), PAGE_SIZE, PAGE_SIZE, Prot::READ_WRITE).unwrap();
         assert!(!mem.backing().hugetlb);
-        // SAFETY: the address is inside the live, writable mapping.
+        // SAFETY: (I13) the address is inside the live, writable mapping.
         unsafe { *(mem.addr_at(8) as *mut u8) = 0xab };
         let mut buf = [0u8; 1];
         std::os::unix::fs::FileExt::read_exact_at(&file, &mut buf, PAGE_SIZE + 8).unwrap();
@@ -272,6 +305,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "Miri: maps no file")]
     fn rejects_past_eof_and_non_files() {
         let file = memfd(1);
         let err = HostMemory::map(file.as_fd(), PAGE_SIZE, PAGE_SIZE, Prot::READ).unwrap_err();
@@ -284,6 +318,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "Miri: maps no file")]
     fn write_only_fd_cannot_be_mapped_shared_writable() {
         let path = std::env::temp_dir().join(format!("umdev-mmap-wo-{}", std::process::id()));
         std::fs::write(&path, vec![0u8; PAGE_SIZE as usize]).unwrap();

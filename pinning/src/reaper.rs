@@ -2,20 +2,26 @@
 //! track-mode records when their last handle went, and mappings `abandon_all` took while
 //! records still named them.
 //!
-//! A guard of a small record lets go of it without its slot's lock when the space is not
-//! closing (see `slots::SmallRecord`); a guard that sees the space closed retires its record
+//! A guard of a small record lets go of it without its shard's lock when the space is not
+//! closing (see `shards::SmallRecord`); a guard that sees the space closed retires its record
 //! under the lock and lets go of the space if it was the last. One that looked just before
-//! the space closed and let go just after leaves its slot holding the space with nothing
+//! the space closed and let go just after leaves its shard holding the space with nothing
 //! left to retire it; and one that let go just as `abandon_all` looked leaves its mapping
-//! (guest memory) mapped. The reaper catches both: such a space is looked at every
-//! [`REAP_EVERY`] (`SpaceInner::reap`) until nothing is left to wait for.
+//! (guest memory) mapped. Such a guard can tell nobody: after its release it may touch
+//! nothing (DESIGN.md I5). So the reaper looks at such a space every [`REAP_EVERY`]
+//! ([`Reap::reap`]) until nothing is left to wait for: that is the bound on how long it
+//! outlives its last record (I8).
 //!
 //! One thread for the process, started with the first such space and ended with the last.
 
 use std::sync::{Mutex, Weak};
 use std::time::Duration;
 
-use crate::space::SpaceInner;
+/// What the reaper watches: a space with records nobody is left to retire.
+pub(crate) trait Reap: Send + Sync {
+    /// Lets go of what no record holds any more; true if there is more to wait for.
+    fn reap(&self) -> bool;
+}
 
 /// How often the reaper looks at the spaces it watches.
 pub(crate) const REAP_EVERY: Duration = Duration::from_millis(50);
@@ -24,12 +30,12 @@ pub(crate) const REAP_EVERY: Duration = Duration::from_millis(50);
 static WATCHED: Mutex<Watched> = Mutex::new(Watched { spaces: Vec::new(), running: false });
 
 struct Watched {
-    spaces: Vec<Weak<SpaceInner>>,
+    spaces: Vec<Weak<dyn Reap>>,
     running: bool,
 }
 
-/// Watches a closed space whose slots still hold it.
-pub(crate) fn watch(space: Weak<SpaceInner>) {
+/// Watches a space whose shards still hold it closed, or whose orphans records still name.
+pub(crate) fn watch(space: Weak<dyn Reap>) {
     let mut watched = crate::sync::lock(&WATCHED);
     if !watched.spaces.iter().any(|w| w.ptr_eq(&space)) {
         watched.spaces.push(space);
@@ -55,7 +61,7 @@ fn run() {
             // A panic while letting go of a space (its notifier's drop, say) must not stop
             // the reaper for every other space: it is logged and the space watched again.
             let reaped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                // Gone already: its last record retired under its slot's lock.
+                // Gone already: its last record retired under its shard's lock.
                 let Some(space) = weak.upgrade() else { return false };
                 let more = space.reap();
                 // May be the last reference: the space goes here.

@@ -1,5 +1,5 @@
 //! Poison-tolerant locking, the one way umdev takes a std lock (the engine's hot locks are
-//! `slot_lock`'s, which have no poisoning).
+//! `spin`'s, which have no poisoning).
 //!
 //! Every lock in umdev guards state that stays consistent across a panic of a holder (plain
 //! stores, counters, queues: no multi-step invariant is left half done), so a poisoned lock

@@ -30,12 +30,12 @@ impl Chunk {
 }
 
 /// Bytes of heap one allocated chunk costs (its box; the hash table's slot is counted by
-/// `PinTable::bookkeeping_bytes`).
+/// `PageCounts::bookkeeping_bytes`).
 pub const CHUNK_BYTES: usize = std::mem::size_of::<Chunk>();
 
 /// The pin counts of one mapping, indexed by page offset within the mapping.
 #[derive(Debug, Default)]
-pub(crate) struct PinTable {
+pub(crate) struct PageCounts {
     chunks: FxHashMap<u64, Box<Chunk>>,
     /// One emptied chunk kept for reuse, so a pin/unpin loop on one chunk does not
     /// allocate and free every time.
@@ -72,7 +72,7 @@ fn segments(first: u64, npages: u64) -> impl Iterator<Item = Segment> {
     })
 }
 
-impl PinTable {
+impl PageCounts {
     /// Distinct pages with a non-zero count.
     pub(crate) fn pinned_pages(&self) -> u64 {
         self.pinned_pages
@@ -204,9 +204,32 @@ impl PinTable {
         fresh
     }
 
-    /// Removes one pin from page `page` unless it is not pinned (then `Err(page)`, nothing
-    /// changed). True if it went to 0. One chunk lookup.
-    pub(crate) fn try_decrement_one(&mut self, page: u64) -> Result<bool, u64> {
+    /// Removes one pin from every page of the range unless one of them is not pinned; then
+    /// returns that page and changes nothing. Calls `released(start, len)` for each maximal
+    /// sub-run of pages that went from 1 to 0, if given. Returns how many pages went to 0.
+    /// The one checked unpin (a look, then the pass).
+    pub(crate) fn try_decrement(
+        &mut self,
+        first: u64,
+        npages: u64,
+        released: Option<&mut dyn FnMut(u64, u64)>,
+    ) -> Result<u64, u64> {
+        if npages == 1 {
+            // One page, most of lock mode's unpins: one chunk lookup.
+            let freed = self.try_decrement_one(first)?;
+            if let (true, Some(released)) = (freed, released) {
+                released(first, 1);
+            }
+            return Ok(u64::from(freed));
+        }
+        if let Some(page) = self.find_unpinned(first, npages) {
+            return Err(page);
+        }
+        Ok(self.decrement(first, npages, released))
+    }
+
+    /// [`PageCounts::try_decrement`] of one page: true if it went to 0.
+    fn try_decrement_one(&mut self, page: u64) -> Result<bool, u64> {
         let idx = page / CHUNK_PAGES;
         let Some(chunk) = self.chunks.get_mut(&idx) else {
             return Err(page);
@@ -227,49 +250,8 @@ impl PinTable {
         Ok(freed)
     }
 
-    /// Removes one pin from every page of the range unless one of them is not pinned; then
-    /// returns that page and changes nothing. One pass (one chunk lookup per segment).
-    pub(crate) fn try_decrement(&mut self, first: u64, npages: u64) -> Result<u64, u64> {
-        let mut freed_pages = 0u64;
-        for seg in segments(first, npages) {
-            let unpinned = match self.chunks.get_mut(&seg.chunk) {
-                None => Some(seg.page),
-                Some(chunk) => {
-                    let counts = &mut chunk.counts[seg.start..seg.start + seg.len];
-                    if counts.iter().fold(0, |acc, &c| acc | Count::from(c == 0)) != 0 {
-                        counts.iter().position(|&c| c == 0).map(|i| seg.page + i as u64)
-                    } else {
-                        let mut freed = 0u32;
-                        for c in counts.iter_mut() {
-                            *c -= 1;
-                            freed += u32::from(*c == 0);
-                        }
-                        chunk.live -= freed;
-                        freed_pages += u64::from(freed);
-                        if chunk.live == 0 {
-                            self.retire(seg.chunk);
-                        }
-                        None
-                    }
-                }
-            };
-            if let Some(page) = unpinned {
-                // Put back the segments of this run already taken.
-                if seg.page > first {
-                    self.pinned_pages -= freed_pages;
-                    self.pins -= seg.page - first;
-                    self.increment(first, seg.page - first);
-                }
-                return Err(page);
-            }
-        }
-        self.pinned_pages -= freed_pages;
-        self.pins -= npages;
-        Ok(freed_pages)
-    }
-
     /// Adds one pin to every page of the range. The caller has checked
-    /// [`PinTable::find_saturated`]. Returns how many pages went from 0 to 1.
+    /// [`PageCounts::find_saturated`]. Returns how many pages went from 0 to 1.
     pub(crate) fn increment(&mut self, first: u64, npages: u64) -> u64 {
         let mut new_pages = 0u64;
         for seg in segments(first, npages) {
@@ -288,7 +270,7 @@ impl PinTable {
     }
 
     /// Removes one pin from every page of the range. The caller has checked
-    /// [`PinTable::find_unpinned`]. Calls `released(start, len)` for each maximal sub-run of
+    /// [`PageCounts::find_unpinned`]. Calls `released(start, len)` for each maximal sub-run of
     /// pages that went from 1 to 0, if given. Returns how many pages went to 0.
     pub(crate) fn decrement(
         &mut self,
@@ -371,7 +353,7 @@ impl<F: FnMut(u64, u64)> Drop for RunBuilder<F> {
 mod tests {
     use super::*;
 
-    fn collect_unpinned(t: &PinTable, first: u64, n: u64) -> Vec<(u64, u64)> {
+    fn collect_unpinned(t: &PageCounts, first: u64, n: u64) -> Vec<(u64, u64)> {
         let mut v = Vec::new();
         t.for_each_unpinned(first, n, |s, l| v.push((s, l)));
         v
@@ -379,7 +361,7 @@ mod tests {
 
     #[test]
     fn empty_table_allocates_nothing() {
-        let t = PinTable::default();
+        let t = PageCounts::default();
         assert_eq!(t.bookkeeping_bytes(), 0);
         assert_eq!(t.count(12345), 0);
         assert_eq!(t.find_unpinned(0, 10), Some(0));
@@ -388,7 +370,7 @@ mod tests {
 
     #[test]
     fn counts_across_chunk_boundaries() {
-        let mut t = PinTable::default();
+        let mut t = PageCounts::default();
         assert_eq!(t.increment(500, 30), 30);
         assert_eq!(t.increment(510, 4), 0);
         assert_eq!(t.count(499), 0);
@@ -410,8 +392,9 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "Miri: 65535 increments, no unsafe code")]
     fn checked_passes_change_nothing_on_failure() {
-        let mut t = PinTable::default();
+        let mut t = PageCounts::default();
         t.increment(1000, 30);
         for _ in 1..MAX_PIN_COUNT {
             t.increment(1020, 1);
@@ -423,22 +406,25 @@ mod tests {
         assert_eq!(t.try_increment(1000, 10), Ok(0));
         assert_eq!(t.count(1005), 2);
         // try_decrement: page 999 is not pinned.
-        assert_eq!(t.try_decrement(999, 5), Err(999));
-        assert_eq!(t.try_decrement(1000, 40), Err(1030));
+        assert_eq!(t.try_decrement(999, 5, None), Err(999));
+        assert_eq!(t.try_decrement(1000, 40, None), Err(1030));
         assert_eq!(t.count(1000), 2);
-        assert_eq!(t.try_decrement(1000, 10), Ok(0));
-        assert_eq!(t.try_decrement(1000, 30), Ok(29));
+        assert_eq!(t.try_decrement(1000, 10, None), Ok(0));
+        assert_eq!(t.try_decrement(1000, 30, None), Ok(29));
         assert_eq!(t.pinned_pages(), 1);
     }
 
     #[test]
     fn one_page_ops_agree_with_the_range_ops() {
-        let (mut one, mut range) = (PinTable::default(), PinTable::default());
+        let (mut one, mut range) = (PageCounts::default(), PageCounts::default());
         for page in [0u64, 511, 512, 4000, 511, 511, 0] {
             assert_eq!(one.increment_one(page), range.increment(page, 1) == 1);
         }
         for page in [511u64, 0, 7, 511, 4000, 0, 512, 511, 4000] {
-            assert_eq!(one.try_decrement_one(page), range.try_decrement(page, 1).map(|freed| freed == 1));
+            let mut freed = Vec::new();
+            let checked = one.try_decrement(page, 1, Some(&mut |s, l| freed.push((s, l))));
+            assert_eq!(checked.map(|n| n == 1), range.try_decrement(page, 1, None).map(|n| n == 1));
+            assert_eq!(freed.len() as u64, checked.unwrap_or(0));
             assert_eq!((one.pins(), one.pinned_pages()), (range.pins(), range.pinned_pages()));
             assert_eq!(one.bookkeeping_bytes(), range.bookkeeping_bytes());
         }
@@ -446,8 +432,9 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "Miri: 65535 increments, no unsafe code")]
     fn saturation_is_detected() {
-        let mut t = PinTable::default();
+        let mut t = PageCounts::default();
         for _ in 0..MAX_PIN_COUNT {
             t.increment(7, 1);
         }
@@ -457,7 +444,7 @@ mod tests {
 
     #[test]
     fn unpinned_runs_merge_over_absent_chunks() {
-        let mut t = PinTable::default();
+        let mut t = PageCounts::default();
         t.increment(0, 1);
         t.increment(2000, 1);
         assert_eq!(collect_unpinned(&t, 0, 2001), vec![(1, 1999)]);

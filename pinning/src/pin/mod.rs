@@ -1,0 +1,101 @@
+//! Pinning: an arbitrary array of IOVA page numbers, pinned one call per contiguous run.
+//!
+//! Every call is cut into maximal runs of consecutive entries with consecutive page numbers
+//! inside one mapping (`[1,5,6,7,9]` gives `[1] [5,6,7] [9]`) by one loop (`plan`), under
+//! the mapping table's read (the thread's shard lock), and is all-or-nothing.
+//!
+//! - Track mode (the default, `track`): the runs go into a record of the thread's shard,
+//!   which the guard points at; no per-page work.
+//! - Lock mode (`lock_mode`): the runs go into a plan that holds its mappings; then the
+//!   mappings' locks are taken in id order, each run is counted per page and its newly
+//!   pinned pages mlocked, and on any failure the runs already pinned are unwound.
+//!
+//! The guard (`guard`) lets go of the pins as it drops; `unpin` takes back pins kept with
+//! `forget`; `error` says why a call failed.
+
+mod error;
+mod guard;
+mod lock_mode;
+mod plan;
+#[cfg(test)]
+mod tests;
+#[cfg(test)]
+mod tests_lock_mode;
+mod track;
+mod unpin;
+
+pub use error::{AccessError, PinError, UnpinError};
+pub use guard::PinnedPages;
+
+use crate::account::PinMode;
+use crate::page::{Prot, PAGE_SHIFT};
+use crate::space::DmaSpace;
+use plan::{cut, Entries, Plan, PlanSink, TranslateSink};
+
+impl DmaSpace {
+    /// Pins the pages named by `pfns` (IOVA page numbers, any order, repeats pinned again)
+    /// for `prot` access. Consecutive entries with consecutive page numbers in one mapping
+    /// are pinned as one run with one step.
+    ///
+    /// The pins are held until the returned guard drops (or [`PinnedPages::forget`] hands
+    /// them to [`DmaSpace::unpin_pages`]). On error nothing stays pinned.
+    pub fn pin_pages(&self, pfns: &[u64], prot: Prot) -> Result<PinnedPages, PinError> {
+        self.pin(prot, Entries::Array(pfns))
+    }
+
+    /// Pins the `npages` pages from `iova` (page aligned; rounded down otherwise). The range
+    /// may span adjacent mappings; it is pinned one run per mapping.
+    pub fn pin_range(&self, iova: u64, npages: u64, prot: Prot) -> Result<PinnedPages, PinError> {
+        self.pin(prot, Entries::Range { pfn: iova >> PAGE_SHIFT, npages })
+    }
+
+    #[inline(always)]
+    fn pin(&self, prot: Prot, entries: Entries<'_>) -> Result<PinnedPages, PinError> {
+        if self.mode() == PinMode::Track {
+            // The small-record fast path, else the general one, under one take of this
+            // thread's shard lock.
+            let mut read = self.read_table();
+            if let Some(record) = track::pin_fast(self, &mut read, prot, entries) {
+                return Ok(PinnedPages::recorded(record));
+            }
+            return track::pin_recorded(self, read, prot, entries).map(PinnedPages::recorded);
+        }
+        let planned = entries.check(self.config().max_pages_per_call).and_then(|()| {
+            let mut plan = Plan::boxed(prot);
+            plan.reserve_for(entries);
+            let mut read = self.read_table();
+            let (table, shard) = read.parts();
+            match cut(table, &mut shard.hint, entries, &mut PlanSink::<PinError>::new(&mut plan)) {
+                Ok(()) => Ok(plan),
+                Err(e) => {
+                    drop(read);
+                    Plan::recycle(plan);
+                    Err(e)
+                }
+            }
+        });
+        lock_mode::apply(self, planned).map(PinnedPages::counted)
+    }
+
+    /// Translates `pfns` the way [`DmaSpace::pin_pages`] does (the same table, run splitting
+    /// and access checks, but for poisoning, which only a pin refuses) but takes no pins and
+    /// allocates nothing: `f(index, host_addr, npages)` gets each run in order. Nothing keeps
+    /// the memory mapped afterwards, so the addresses are only as good as the caller's own
+    /// knowledge that no unmap happens: this is plain translation as an unsafe translator
+    /// (libvfio-user's `vfu_addr_to_sgl`) does it, the floor pinbench measures pins against.
+    ///
+    /// `f` runs under the table's read lock (this thread's shard): it must not call into this
+    /// space (pin, unpin, drop a guard of it, map, look up); it should only record the runs.
+    pub fn translate_pages(
+        &self,
+        pfns: &[u64],
+        prot: Prot,
+        f: impl FnMut(usize, usize, u64),
+    ) -> Result<(), PinError> {
+        let entries = Entries::Array(pfns);
+        entries.check(self.config().max_pages_per_call)?;
+        let mut read = self.read_table();
+        let (table, shard) = read.parts();
+        cut(table, &mut shard.hint, entries, &mut TranslateSink { prot, report: f })
+    }
+}

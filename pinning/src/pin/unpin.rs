@@ -1,0 +1,79 @@
+//! Unpinning pins kept with `PinnedPages::forget` (the `vfio_unpin_pages` model).
+
+use smallvec::SmallVec;
+
+use super::error::UnpinError;
+use super::lock_mode::MappingGuards;
+use super::plan::{cut, Entries, Plan, PlanSink};
+use crate::account::PinMode;
+use crate::mapping::Released;
+use crate::page::PAGE_SHIFT;
+use crate::space::DmaSpace;
+
+impl DmaSpace {
+    /// Drops one pin from each page named by `pfns`, as taken by [`DmaSpace::pin_pages`] and
+    /// kept with [`crate::PinnedPages::forget`]. If any page is not pinned (counting repeats
+    /// in `pfns`), nothing changes. In track mode only kept pins are found: the pins of a
+    /// live guard are its own, released when it drops.
+    pub fn unpin_pages(&self, pfns: &[u64]) -> Result<(), UnpinError> {
+        self.unpin(Entries::Array(pfns))
+    }
+
+    /// Drops one pin from each of the `npages` pages from `iova`.
+    pub fn unpin_range(&self, iova: u64, npages: u64) -> Result<(), UnpinError> {
+        self.unpin(Entries::Range { pfn: iova >> PAGE_SHIFT, npages })
+    }
+
+    fn unpin(&self, entries: Entries<'_>) -> Result<(), UnpinError> {
+        let result = entries.check_unpin(self.config().max_pages_per_call).and_then(|()| {
+            let mut plan = Plan::default();
+            plan.reserve_for(entries);
+            let mut read = self.read_table();
+            let (table, shard) = read.parts();
+            cut(table, &mut shard.hint, entries, &mut PlanSink::<UnpinError>::new(&mut plan))?;
+            drop(read);
+            Self::unpin_plan(&plan)
+        });
+        self.inner.count(|c| match result {
+            Ok(()) => c.unpin_calls += 1,
+            Err(_) => c.unpin_failures += 1,
+        });
+        result
+    }
+
+    /// Takes one pin per page of the plan's runs, all or nothing: each run is checked as it
+    /// is taken (I12), and a run that fails puts back what the call took.
+    fn unpin_plan(plan: &Plan) -> Result<(), UnpinError> {
+        let mut held = MappingGuards::take(&plan.mappings);
+        let mut released: SmallVec<[Released; 2]> = plan.mappings.iter().map(|_| Released::new()).collect();
+        for (done, run) in plan.runs.iter().enumerate() {
+            let mi = run.mapping_index();
+            let mapping = &plan.mappings[mi];
+            let first = mapping.run_page(run);
+            if let Err(page) = mapping.try_unpin_run(held.get(mi), first, run.npages(), &mut released[mi]) {
+                // Put back what this call took; nothing was munlocked yet.
+                for undo in plan.runs[..done].iter().rev() {
+                    let m = &plan.mappings[undo.mapping_index()];
+                    held.get(undo.mapping_index()).page_counts.increment(m.run_page(undo), undo.npages());
+                }
+                let index = run.index() + (page - first) as usize;
+                return Err(UnpinError::NotPinned {
+                    index,
+                    pfn: (run.iova() >> PAGE_SHIFT) + (page - first),
+                });
+            }
+        }
+        for (mi, m) in plan.mappings.iter().enumerate() {
+            m.release(held.get(mi), &released[mi]);
+        }
+        if let Some(m) = plan.mappings.first() {
+            // Lock mode reserves from its first mapping's stock; track mode from its shard's,
+            // which this call does not hold: straight back to the space then.
+            match m.policy.mode {
+                PinMode::Lock => held.get(0).restock(&m.policy, plan.pages),
+                PinMode::Track => m.policy.give(plan.pages),
+            }
+        }
+        Ok(())
+    }
+}
