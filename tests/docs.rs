@@ -31,6 +31,12 @@ const NOT_RUN: &[(&str, &str)] = &[
     ("man", "reads a page from the pipe before it"),
     ("screen", "an interactive terminal"),
     ("minicom", "an interactive terminal"),
+    ("git", "checks out an older commit to benchmark against"),
+    ("(cd", "builds that older commit"),
+    ("for", "a loop of benchmark runs (each `umdev` benchmark is checked by parsing below)"),
+    ("done", "ends that loop"),
+    ("../base/target/release/umdev", "the older build of an A/B"),
+    ("target/release/umdev", "the build of an A/B, run in a loop (the same commands are parsed as `umdev` where shown alone)"),
 ];
 
 /// `umdev` commands that are checked by parsing only.
