@@ -57,7 +57,7 @@ impl Rig {
         let command = u64::from(COMMAND_MEMORY | COMMAND_MASTER);
         dev.region_write(CONFIG, COMMAND as u64, &command.to_le_bytes()[..2]).unwrap();
         let mut rig = Rig { dev, ram, dma, irqs: Vec::new(), msix };
-        let vectors = if msix { u32::from(rig.dev.function().controller().config.io_queues) + 1 } else { 1 };
+        let vectors = if msix { u32::from(rig.dev.function().controller().io_queues()) + 1 } else { 1 };
         if msix {
             let cap = rig.cap(CAP_ID_MSIX);
             rig.dev.region_write(CONFIG, cap + 2, &MSIX_CTRL_ENABLE.to_le_bytes()).unwrap();
@@ -536,7 +536,13 @@ fn an_abort_finds_a_queued_command_and_sq_deletion_aborts_the_rest() {
     }
     // The driver's CQ view has 8 entries but the device's has 2: read by hand.
     d.ring(1).unwrap();
-    std::thread::sleep(Duration::from_millis(50));
+    // Two commands completed (0x10 posted, 0x11 waiting for room): the worker fetches
+    // nothing more until the host makes room, so 0x12 and 0x13 stay in the SQ.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while d.t.dev.function().totals().commands < 2 {
+        assert!(std::time::Instant::now() < deadline, "the worker never ran two commands");
+        std::thread::yield_now();
+    }
     let mut abort = Sqe::new(admin_op::ABORT, 0);
     abort.set_dw(10, 1 | 0x13 << 16);
     assert_eq!(d.admin_ok(abort).unwrap() & 1, 0, "0x13 waits in the SQ: aborted");
@@ -548,10 +554,17 @@ fn an_abort_finds_a_queued_command_and_sq_deletion_aborts_the_rest() {
     let cid = d.cid();
     del.cdw0 = (u32::from(admin_op::DELETE_SQ) | u32::from(cid) << 16).into();
     d.submit(0, &del).unwrap();
+    // The queue leaves the controller's table once its worker was told to stop: from then on
+    // it fetches nothing, and making room posts 0x11 and the aborts.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while d.t.ctrl().live_queues() > 1 {
+        assert!(std::time::Instant::now() < deadline, "the deletion never started");
+        std::thread::yield_now();
+    }
     let mut seen = Vec::new();
     let mut head = 0u32;
     let mut phase = true;
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while seen.len() < 4 && std::time::Instant::now() < deadline {
         let mut cqe = Cqe::default();
         d.t.get(DATA + u64::from(head) * 16, vm_memory::ByteValued::as_mut_slice(&mut cqe)).unwrap();
