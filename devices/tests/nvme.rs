@@ -171,7 +171,8 @@ fn identify_describes_the_controller_and_namespace() {
     let id = d.identify_controller().unwrap();
     assert_eq!((u16::from(id.vid), id.mdts, id.sqes, id.cqes, id.vwc), (VENDOR_ID, 8, 0x66, 0x44, 1));
     assert_eq!(u32::from(id.ver), reg::VERSION_1_3);
-    assert_eq!((u32::from(id.nn), u16::from(id.oncs), u32::from(id.sgls)), (1, 0x0c, 0));
+    assert_eq!((u32::from(id.nn), u16::from(id.oncs), u32::from(id.sgls)), (1, 0x0d, 0));
+    assert_eq!(id.lpa, 0x06, "the effects log, extended Get Log Page data");
     assert!(id.sn.starts_with(b"UMDEV"));
     assert!(id.subnqn.starts_with(b"nqn.2026-12.dev.umdev:nvme:UMDEV"));
     let ns = d.identify_namespace(1).unwrap();
@@ -685,4 +686,185 @@ fn with_bus_mastering_off_commands_wait_and_go_on_when_it_is_back() {
     let mut back = [0u8; 4096];
     d.t.get(DATA + 0x1000, &mut back).unwrap();
     assert_eq!(back, [0x5a; 4096]);
+}
+
+#[test]
+fn compare_matches_the_blocks_and_the_effects_log_is_served() {
+    let mut d = up(Rig::new(), 1);
+    let data = pattern(8192, 11);
+    d.t.put(DATA, &data).unwrap();
+    assert_eq!(d.rw(1, false, 1, 40, 16, 512, &[DATA, DATA + 0x1000], 0).unwrap(), Status::SUCCESS);
+    let compare = |d: &mut Driver<Rig>, prp1: u64, prp2: u64| {
+        let mut sqe = Driver::<Rig>::rw_command(true, 1, 40, 16, prp1, prp2);
+        sqe.cdw0 = u32::from(nvm_op::COMPARE).into();
+        d.io_command(1, sqe).unwrap().status()
+    };
+    assert_eq!(compare(&mut d, DATA, DATA + 0x1000), Status::SUCCESS);
+    // One byte differs in the second page.
+    d.t.put(DATA + 0x1000 + 77, &[data[0x1000 + 77] ^ 1]).unwrap();
+    assert_eq!(compare(&mut d, DATA, DATA + 0x1000), Status::COMPARE_FAILURE);
+    assert_eq!(compare(&mut d, 1 << 40, 0), Status::DATA_TRANSFER_ERROR);
+    // Get Log Page 05h: Read is supported, Write changes logical block content.
+    let mut log = Sqe::new(admin_op::GET_LOG_PAGE, 0);
+    log.set_dw(10, u32::from(log_page::COMMAND_EFFECTS) | (4096 / 4 - 1) << 16);
+    log.prp1 = (DATA + 0x9000).into();
+    d.admin_ok(log).unwrap();
+    let mut page = vec![0u8; 4096];
+    d.t.get(DATA + 0x9000, &mut page).unwrap();
+    let dword = |at: usize| u32::from_le_bytes(page[at * 4..at * 4 + 4].try_into().unwrap());
+    assert_eq!(dword(usize::from(admin_op::IDENTIFY)), effects::CSUPP);
+    assert_eq!(dword(256 + usize::from(nvm_op::READ)), effects::CSUPP);
+    assert_eq!(dword(256 + usize::from(nvm_op::WRITE)), effects::CSUPP | effects::LBCC);
+    assert_eq!(dword(256 + 0x7f), 0);
+}
+
+#[test]
+fn a_queue_deleted_with_its_cq_full_and_never_reaped_still_stops_its_worker() {
+    let mut d = up(Rig::new(), 0);
+    // A CQ of 2 entries the host never releases: one completion fits, the next waits.
+    let mut cq = Sqe::new(admin_op::CREATE_CQ, 0);
+    cq.prp1 = DATA.into();
+    cq.set_dw(10, 1 | 1 << 16);
+    cq.set_dw(11, 3 | 1 << 16);
+    d.admin_ok(cq).unwrap();
+    let mut sq = Sqe::new(admin_op::CREATE_SQ, 0);
+    sq.prp1 = (DATA + 0x1000).into();
+    sq.set_dw(10, 1 | 7 << 16);
+    sq.set_dw(11, 1 | 1 << 16);
+    d.admin_ok(sq).unwrap();
+    for slot in 0..4u64 {
+        let sqe = Driver::<Rig>::rw_command(true, 1, 0, 1, DATA + 0x8000, 0);
+        d.t.put(DATA + 0x1000 + slot * 64, vm_memory::ByteValued::as_slice(&sqe)).unwrap();
+    }
+    d.t.write32(reg::DOORBELLS + 8, 4).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while d.t.dev.function().totals().commands < 2 {
+        assert!(std::time::Instant::now() < deadline, "the worker never ran two commands");
+        std::thread::yield_now();
+    }
+    assert_eq!(d.t.ctrl().workers(), 2);
+    // The deletion completes, and when it has, the queue's worker is gone: it gave up on the
+    // completions the host would not make room for rather than outlive the deletion.
+    let mut del = Sqe::new(admin_op::DELETE_SQ, 0);
+    del.set_dw(10, 1);
+    assert_eq!(d.admin_command(del).unwrap().status(), Status::SUCCESS);
+    assert_eq!(d.t.ctrl().workers(), 1, "only the admin worker is left");
+    d.identify_controller().unwrap();
+}
+
+/// Shadow doorbells as Linux's driver uses them (drivers/nvme/host/pci.c): the value goes to
+/// the shadow page, and the register is written only when the event index lies in
+/// [old, new).
+struct Shadowed {
+    shadow: u64,
+    eventidx: u64,
+    rings: u32,
+}
+
+impl Shadowed {
+    fn need_event(ei: u32, new: u32, old: u32) -> bool {
+        (new.wrapping_sub(ei).wrapping_sub(1) as u16) < (new.wrapping_sub(old) as u16)
+    }
+
+    fn write(&mut self, d: &mut Driver<Rig>, index: u64, new: u32) {
+        let mut old = [0u8; 4];
+        d.t.get(self.shadow + index * 4, &mut old).unwrap();
+        d.t.put(self.shadow + index * 4, &new.to_le_bytes()).unwrap();
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        let mut ei = [0u8; 4];
+        d.t.get(self.eventidx + index * 4, &mut ei).unwrap();
+        if Self::need_event(u32::from_le_bytes(ei), new, u32::from_le_bytes(old)) {
+            // SQ tail registers (even doorbells) only: a CQ head's "never" still rings at a
+            // wrap of the u16 arithmetic, as on real hardware.
+            self.rings += u32::from(index.is_multiple_of(2));
+            d.t.write32(reg::DOORBELLS + index * 4, new).unwrap();
+        }
+    }
+
+    /// Waits for the next completion of `qid` (polling) and releases it through the shadow.
+    fn reap(&mut self, d: &mut Driver<Rig>, qid: u16) -> Cqe {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(cqe) = d.poll_one(qid).unwrap() {
+                let head = d.io[usize::from(qid) - 1].cq_head;
+                self.write(d, u64::from(qid) * 2 + 1, head);
+                return cqe;
+            }
+            assert!(std::time::Instant::now() < deadline, "no completion on queue {qid}");
+            std::thread::yield_now();
+        }
+    }
+}
+
+#[test]
+fn shadow_doorbells_carry_the_queues_and_the_registers_ring_only_when_asked() {
+    let mut d = up(Rig::new(), 2);
+    assert_eq!(
+        u16::from(d.identify_controller().unwrap().oacs) & 1 << 8,
+        1 << 8,
+        "OACS: Doorbell Buffer Config"
+    );
+    // One command on queue 1 through the registers first: its tail is 1.
+    assert_eq!(d.rw(1, true, 1, 0, 8, 512, &[DATA], 0).unwrap(), Status::SUCCESS);
+    let (shadow, eventidx) = (DATA + 0x20_0000, DATA + 0x20_1000);
+    // Stale values, as a driver reusing its buffers after a reset leaves them.
+    d.t.put(shadow, &[0x77; 4096]).unwrap();
+    let config = |prp1: u64, prp2: u64| {
+        let mut sqe = Sqe::new(admin_op::DOORBELL_BUFFER_CONFIG, 0);
+        sqe.prp1 = prp1.into();
+        sqe.prp2 = prp2.into();
+        sqe
+    };
+    for (a, b) in [(shadow + 8, eventidx), (shadow, shadow), (shadow, eventidx + 0x800)] {
+        assert_eq!(d.admin_command(config(a, b)).unwrap().status(), Status::INVALID_FIELD.dnr());
+    }
+    assert_eq!(d.admin_command(config(1 << 40, eventidx)).unwrap().status(), Status::DATA_TRANSFER_ERROR);
+    assert_eq!(d.admin_command(config(shadow, eventidx)).unwrap().status(), Status::SUCCESS);
+    let dword = |d: &mut Driver<Rig>, at: u64| {
+        let mut b = [0u8; 4];
+        d.t.get(at, &mut b).unwrap();
+        u32::from_le_bytes(b)
+    };
+    assert_eq!((dword(&mut d, shadow + 8), dword(&mut d, shadow + 12)), (1, 1), "SQ 1 tail, CQ 1 head");
+    assert_eq!((dword(&mut d, shadow + 16), dword(&mut d, shadow + 20)), (0, 0), "queue 2");
+    assert_eq!(dword(&mut d, eventidx + 12), u32::MAX, "no CQ head register writes wanted");
+    assert!(d.t.dev.describe()["shadow_doorbells"].as_bool().unwrap());
+    let mut sh = Shadowed { shadow, eventidx, rings: 0 };
+    let data = pattern(4096, 3);
+    d.t.put(DATA, &data).unwrap();
+    // Queue depth 1: each command may need a register write (the worker sleeps between),
+    // never more than one, and none is lost.
+    let mut sent = 0;
+    for i in 0..200u64 {
+        let cid = d.cid();
+        let mut sqe = Driver::<Rig>::rw_command(false, 1, i * 8, 8, DATA, 0);
+        sqe.cdw0 = ((u32::from(sqe.cdw0) & 0xffff) | u32::from(cid) << 16).into();
+        d.push(1, &sqe).unwrap();
+        let tail = d.io[0].sq_tail;
+        sh.write(&mut d, 2, tail);
+        sent += 1;
+        let cqe = sh.reap(&mut d, 1);
+        assert_eq!((u16::from(cqe.cid), cqe.status()), (cid, Status::SUCCESS));
+    }
+    assert!(sh.rings <= sent, "{} SQ register writes for {sent} commands", sh.rings);
+    // A batch of 32 on queue 2: one tail update; the worker, awake, takes them all.
+    let rings_before = sh.rings;
+    for i in 0..32u64 {
+        d.push(2, &Driver::<Rig>::rw_command(false, 1, 4096 + i * 8, 8, DATA, 0)).unwrap();
+    }
+    let tail = d.io[1].sq_tail;
+    sh.write(&mut d, 4, tail);
+    for _ in 0..32 {
+        assert_eq!(sh.reap(&mut d, 2).status(), Status::SUCCESS);
+    }
+    assert!(sh.rings - rings_before <= 33, "a register write per batch and per reaped entry at most");
+    let mut back = vec![0u8; 4096];
+    // A disable turns it off; after it, registers alone work again.
+    d.t.write32(reg::CC, 0).unwrap();
+    assert!(!d.t.dev.describe()["shadow_doorbells"].as_bool().unwrap());
+    d.enable().unwrap();
+    d.create_io_queues(1, 64, false).unwrap();
+    assert_eq!(d.rw(1, true, 1, 4096 + 31 * 8, 8, 512, &[DATA + 0x3000], 0).unwrap(), Status::SUCCESS);
+    d.t.get(DATA + 0x3000, &mut back).unwrap();
+    assert!(back == data, "the batch's data read back differs");
 }

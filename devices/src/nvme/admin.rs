@@ -29,6 +29,7 @@ pub fn execute(cx: &CommandCx, cmd: AdminCmd) -> Outcome {
         AdminCmd::GetLogPage(c) => get_log_page(cx, c),
         AdminCmd::AsyncEventRequest => async_event(cx),
         AdminCmd::Abort(c) => abort(cx, c),
+        AdminCmd::DoorbellBufferConfig(c) => doorbell_buffer_config(cx, c),
     }
 }
 
@@ -85,10 +86,12 @@ pub fn identify_controller(ctrl: &Ctrl) -> IdentifyController {
     id.mdts = 8; // 2^8 pages: 1 MiB
     id.cntlid = 1.into();
     id.ver = reg::VERSION_1_3.into();
+    id.oacs = (1 << 8).into(); // Doorbell Buffer Config
     id.acl = 3;
     id.aerl = (MAX_AERS - 1) as u8;
     id.frmw = 0x03; // one slot, read-only
-    id.lpa = 0x04; // extended data (NUMDU, offsets) for Get Log Page
+                    // Commands Supported and Effects log; extended data (NUMDU, offsets) for Get Log Page.
+    id.lpa = 0x02 | 0x04;
     id.elpe = (ERROR_LOG_ENTRIES - 1) as u8;
     id.npss = 0;
     id.avscc = 1;
@@ -97,7 +100,7 @@ pub fn identify_controller(ctrl: &Ctrl) -> IdentifyController {
     id.sqes = 0x66;
     id.cqes = 0x44;
     id.nn = (config.namespaces.len() as u32).into();
-    id.oncs = (1 << 2 | 1 << 3).into(); // Dataset Management, Write Zeroes
+    id.oncs = (1 << 0 | 1 << 2 | 1 << 3).into(); // Compare, Dataset Management, Write Zeroes
     id.vwc = 1;
     id.nvscc = 1;
     let nqn = format!("nqn.2026-12.dev.umdev:nvme:{}", config.serial);
@@ -413,6 +416,7 @@ fn get_log_page(cx: &CommandCx, c: cmds::GetLogPage) -> Outcome {
             log.frs[0] = ascii(env!("CARGO_PKG_VERSION"));
             log.as_slice().to_vec()
         }
+        log_page::COMMAND_EFFECTS => command_effects().to_vec(),
         _ => return Status::INVALID_LOG_PAGE.dnr().into(),
     };
     if c.offset >= page.len() as u64 {
@@ -438,6 +442,39 @@ fn get_log_page(cx: &CommandCx, c: cmds::GetLogPage) -> Outcome {
         }
     }
     status.into()
+}
+
+/// The Commands Supported and Effects log page (§5.14.1.5): a dword per admin opcode (bytes
+/// 0-1023), then per I/O opcode (1024-2047), for the commands the controller runs.
+pub fn command_effects() -> [u8; 4096] {
+    use effects::{CSUPP, LBCC};
+    let mut page = [0u8; 4096];
+    let admin = [
+        admin_op::DELETE_SQ,
+        admin_op::CREATE_SQ,
+        admin_op::GET_LOG_PAGE,
+        admin_op::DELETE_CQ,
+        admin_op::CREATE_CQ,
+        admin_op::IDENTIFY,
+        admin_op::ABORT,
+        admin_op::SET_FEATURES,
+        admin_op::GET_FEATURES,
+        admin_op::ASYNC_EVENT,
+        admin_op::DOORBELL_BUFFER_CONFIG,
+    ];
+    let io = [
+        (nvm_op::FLUSH, CSUPP | LBCC),
+        (nvm_op::WRITE, CSUPP | LBCC),
+        (nvm_op::READ, CSUPP),
+        (nvm_op::COMPARE, CSUPP),
+        (nvm_op::WRITE_ZEROES, CSUPP | LBCC),
+        (nvm_op::DSM, CSUPP | LBCC),
+    ];
+    let entries = admin.iter().map(|&op| (usize::from(op), CSUPP));
+    for (at, bits) in entries.chain(io.iter().map(|&(op, bits)| (256 + usize::from(op), bits))) {
+        page[at * 4..at * 4 + 4].copy_from_slice(&bits.to_le_bytes());
+    }
+    page
 }
 
 /// The SMART / Health Information log page as of now (§5.14.1.2).
@@ -473,6 +510,15 @@ fn async_event(cx: &CommandCx) -> Outcome {
     Outcome::Held
 }
 
+/// Doorbell Buffer Config (§5.10): I/O queues' doorbells are read from the shadow page from
+/// now on, and the host writes a doorbell register only when an event index asks for it.
+fn doorbell_buffer_config(cx: &CommandCx, c: cmds::DoorbellBufferConfig) -> Outcome {
+    match cx.ctrl().set_shadow_doorbells(&cx.ctx(), c.shadow, c.eventidx) {
+        Ok(()) => Outcome::ok(0),
+        Err(status) => status.into(),
+    }
+}
+
 /// Abort (§5.1): a command still waiting in its SQ completes with Command Abort Requested
 /// when fetched (DW0 bit 0 = 0); anything else is not aborted (bit 0 = 1).
 fn abort(cx: &CommandCx, c: cmds::Abort) -> Outcome {
@@ -486,5 +532,25 @@ fn abort(cx: &CommandCx, c: cmds::Abort) -> Outcome {
         Ok(true) => Outcome::ok(0),
         Ok(false) => Outcome::ok(1),
         Err(s) => s.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_effects_log_names_exactly_the_opcodes_that_parse() {
+        let page = command_effects();
+        let dword = |at: usize| u32::from_le_bytes(page[at * 4..at * 4 + 4].try_into().unwrap());
+        for op in 0..=255u8 {
+            let sqe = Sqe::new(op, 0);
+            let admin_runs = cmds::AdminCmd::parse(&sqe).is_ok();
+            let io_runs = cmds::NvmCmd::parse(&sqe).is_ok();
+            assert_eq!(dword(usize::from(op)) & effects::CSUPP != 0, admin_runs, "admin opcode {op:#x}");
+            assert_eq!(dword(256 + usize::from(op)) & effects::CSUPP != 0, io_runs, "I/O opcode {op:#x}");
+        }
+        assert_eq!(dword(256 + usize::from(nvm_op::WRITE)), effects::CSUPP | effects::LBCC);
+        assert_eq!(dword(256 + usize::from(nvm_op::READ)), effects::CSUPP);
     }
 }

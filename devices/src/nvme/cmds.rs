@@ -274,6 +274,17 @@ pub enum AdminCmd {
     GetFeatures(GetFeatures),
     /// 0Ch Asynchronous Event Request (§5.2).
     AsyncEventRequest,
+    /// 7Ch Doorbell Buffer Config (§5.10).
+    DoorbellBufferConfig(DoorbellBufferConfig),
+}
+
+/// Doorbell Buffer Config (NVMe 1.3 §5.10).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DoorbellBufferConfig {
+    /// PRP1: the shadow doorbell buffer (a page).
+    pub shadow: u64,
+    /// PRP2: the event index buffer (a page).
+    pub eventidx: u64,
 }
 
 impl AdminCmd {
@@ -326,12 +337,16 @@ impl AdminCmd {
                 AdminCmd::GetFeatures(GetFeatures { fid: dw10 as u8, select: ((dw10 >> 8) & 7) as u8, dw11 })
             }
             admin_op::ASYNC_EVENT => AdminCmd::AsyncEventRequest,
+            admin_op::DOORBELL_BUFFER_CONFIG => AdminCmd::DoorbellBufferConfig(DoorbellBufferConfig {
+                shadow: sqe.prp1.into(),
+                eventidx: sqe.prp2.into(),
+            }),
             other => return Err(ParseError::InvalidOpcode(other)),
         })
     }
 }
 
-/// A Read or Write (NVMe 1.3 §6.4, §6.9).
+/// A Read, Write or Compare (NVMe 1.3 §6.4, §6.9, §6.1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ReadWrite {
     /// NSID.
@@ -379,6 +394,8 @@ pub enum NvmCmd {
     Write(ReadWrite),
     /// 02h Read (§6.4).
     Read(ReadWrite),
+    /// 05h Compare (§6.1): the data pointer's bytes against the blocks (FUA is ignored).
+    Compare(ReadWrite),
     /// 08h Write Zeroes (§6.11).
     WriteZeroes(WriteZeroes),
     /// 09h Dataset Management (§6.2).
@@ -397,6 +414,7 @@ impl NvmCmd {
             nvm_op::FLUSH => NvmCmd::Flush(nsid),
             nvm_op::WRITE => NvmCmd::Write(rw()),
             nvm_op::READ => NvmCmd::Read(rw()),
+            nvm_op::COMPARE => NvmCmd::Compare(rw()),
             nvm_op::WRITE_ZEROES => NvmCmd::WriteZeroes(WriteZeroes { nsid, slba, blocks }),
             nvm_op::DSM => NvmCmd::DatasetManagement(DatasetManagement {
                 nsid,
@@ -412,7 +430,7 @@ impl NvmCmd {
     pub fn nsid(&self) -> u32 {
         match self {
             NvmCmd::Flush(nsid) => *nsid,
-            NvmCmd::Write(rw) | NvmCmd::Read(rw) => rw.nsid,
+            NvmCmd::Write(rw) | NvmCmd::Read(rw) | NvmCmd::Compare(rw) => rw.nsid,
             NvmCmd::WriteZeroes(wz) => wz.nsid,
             NvmCmd::DatasetManagement(dsm) => dsm.nsid,
         }

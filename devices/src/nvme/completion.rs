@@ -73,6 +73,13 @@ impl Completer {
     pub fn finish(&self, ctx: &DeviceContext, sqe: &Sqe, status: Status, dw0: u32) {
         self.ctrl.stats(self.sq.id).command(!status.ok());
         if !status.ok() {
+            log::debug!(
+                "nvme: queue {} opcode {:#04x} cid {} nsid {} failed: {status}",
+                self.sq.id,
+                sqe.opcode(),
+                sqe.cid(),
+                u32::from(sqe.nsid)
+            );
             self.ctrl.log_error(self.sq.id, sqe, status);
         }
         self.post(ctx, completion(&self.sq, sqe.cid(), status, dw0));

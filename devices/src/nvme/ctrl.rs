@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use thiserror::Error;
 
 use super::namespace::Namespace;
-use super::queue::{Cq, Doorbell, DoorbellPage, PostError, Sq};
+use super::queue::{Cq, Doorbell, DoorbellPage, PostError, ShadowDoorbells, Sq, EVENT_NEVER};
 use super::spec::{event, log_page, reg, Cqe, Status};
 use super::state::AdminState;
 use super::stats::QueueStats;
@@ -29,13 +29,37 @@ use umdev_mdev::DeviceContext;
 /// How long a disable waits for workers to finish the command they are on.
 const STOP_WAIT: Duration = Duration::from_secs(5);
 
-/// How the guest's doorbell writes reach the workers.
+/// How the guest's doorbell writes reach the workers, for the connected client.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DoorbellMode {
     /// As REGION_WRITE messages (posted by QEMU): a write wakes the worker.
     Message,
-    /// Through a page the client maps into the guest: workers poll it.
+    /// Through a page the client maps (into a guest, or its own process): workers poll it.
     Mapped,
+}
+
+/// The `doorbells` option: a [`DoorbellMode`] for every client, or one chosen per client.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Doorbells {
+    /// Per connection, from the client's VERSION: a client that announces capabilities (a
+    /// VMM: QEMU, rust-vmm's client) gets messages; one that announces none (a user-space
+    /// driver that polls, such as SPDK's initiator) gets the mapped page.
+    Auto,
+    /// Messages for every client.
+    Message,
+    /// The mapped page for every client.
+    Mapped,
+}
+
+impl Doorbells {
+    /// The option's spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Doorbells::Auto => "auto",
+            Doorbells::Message => "message",
+            Doorbells::Mapped => "mmap",
+        }
+    }
 }
 
 /// What a controller is built with.
@@ -48,7 +72,7 @@ pub struct ControllerConfig {
     /// Entries per queue at most (CAP.MQES + 1).
     pub max_entries: u32,
     /// How doorbells arrive.
-    pub doorbells: DoorbellMode,
+    pub doorbells: Doorbells,
     /// The serial number (Identify SN).
     pub serial: String,
     /// How long a worker watches its message doorbell after a lone command before it
@@ -142,8 +166,16 @@ pub struct Ctrl {
     sq_doorbells: Box<[Doorbell]>,
     /// CQ head doorbells, by queue identifier.
     cq_doorbells: Box<[Doorbell]>,
-    /// The mappable doorbell page (`doorbells=mmap`).
+    /// The mappable doorbell page (`doorbells=mmap` and `auto`).
     page: Option<DoorbellPage>,
+    /// The connected client maps the page ([`DoorbellMode::Mapped`]); chosen at its VERSION,
+    /// while the controller is disabled.
+    mapped: AtomicBool,
+    /// Doorbell Buffer Config's pages while it is on (I/O queues only: the admin queue always
+    /// uses its registers).
+    shadow: arc_swap::ArcSwapOption<ShadowDoorbells>,
+    /// Doorbell Buffer Config commands that succeeded.
+    shadow_configs: AtomicU64,
     queues: Mutex<Queues>,
     /// Features, asynchronous events, the error log. Lock order: before `queues`.
     admin: Mutex<AdminState>,
@@ -180,6 +212,9 @@ impl Ctrl {
             intms: AtomicU32::new(0),
             sq_doorbells: (0..slots).map(|_| Doorbell::default()).collect(),
             cq_doorbells: (0..slots).map(|_| Doorbell::default()).collect(),
+            mapped: AtomicBool::new(config.doorbells == Doorbells::Mapped),
+            shadow: arc_swap::ArcSwapOption::empty(),
+            shadow_configs: AtomicU64::new(0),
             page,
             queues: Mutex::new(Queues {
                 sqs: (0..slots).map(|_| None).collect(),
@@ -272,6 +307,49 @@ impl Ctrl {
     /// Doorbell writes that arrived as messages.
     pub fn doorbell_messages(&self) -> u64 {
         self.doorbell_messages.load(Ordering::Relaxed)
+    }
+
+    /// How doorbells reach the workers for the connected client.
+    pub fn doorbell_mode(&self) -> DoorbellMode {
+        if self.mapped.load(Ordering::Acquire) {
+            DoorbellMode::Mapped
+        } else {
+            DoorbellMode::Message
+        }
+    }
+
+    /// A client connected and said `hello`: with `doorbells=auto`, its doorbell mode is
+    /// chosen (and logged); with `doorbells=message`, a client that looks like a polling
+    /// driver is told, in the log, why it will find no doorbell page.
+    pub fn client_version(&self, hello: &umdev_mdev::ClientHello) {
+        let mode = match (self.config.doorbells, hello.capabilities) {
+            (Doorbells::Auto, true) => {
+                log::info!(
+                    "nvme: doorbells=auto: the client announced VERSION capabilities (a VMM): doorbells as \
+                     messages (--opt doorbells=mmap maps the doorbell page for every client)"
+                );
+                DoorbellMode::Message
+            }
+            (Doorbells::Auto, false) => {
+                log::info!(
+                    "nvme: doorbells=auto: the client announced no VERSION capabilities (a polling driver such \
+                     as SPDK's nvme_vfio_user): the doorbell page at BAR0 0x1000 is mappable \
+                     (--opt doorbells=message refuses it to every client)"
+                );
+                DoorbellMode::Mapped
+            }
+            (Doorbells::Message, false) => {
+                log::warn!(
+                    "nvme: the client announced no VERSION capabilities, as SPDK's nvme_vfio_user does: such a \
+                     driver needs a mappable doorbell page, which doorbells=message does not offer; use --opt \
+                     doorbells=auto (the default) or doorbells=mmap"
+                );
+                DoorbellMode::Message
+            }
+            (Doorbells::Message, true) => DoorbellMode::Message,
+            (Doorbells::Mapped, _) => DoorbellMode::Mapped,
+        };
+        self.mapped.store(mode == DoorbellMode::Mapped, Ordering::Release);
     }
 
     /// CAP (§3.1.1).
@@ -435,6 +513,7 @@ impl Ctrl {
                 log::warn!("nvme: {e} after a disable");
             }
         }
+        self.shadow.store(None);
         for db in self.sq_doorbells.iter().chain(self.cq_doorbells.iter()) {
             db.open(0);
         }
@@ -551,7 +630,84 @@ impl Ctrl {
             super::queue::Signal::Now => self.interrupt(cq),
             super::queue::Signal::Held | super::queue::Signal::None => {}
         }
+        // A level-triggered line (INTx) drops when the host consumed every entry: with shadow
+        // doorbells it must write the CQ head register when it passes the last one posted.
+        if cq.id != 0 && cq.interrupts && self.irq.mode() == IrqMode::Intx {
+            if let Some(shadow) = &*self.shadow.load() {
+                let last = (cq.tail_seen.load(Ordering::Acquire) + cq.entries - 1) % cq.entries;
+                shadow.arm(usize::from(cq.id) * 2 + 1, last);
+            }
+        }
         Ok(())
+    }
+
+    /// Doorbell Buffer Config (§5.10): the shadow doorbells at `shadow` and the event indexes
+    /// at `eventidx` (page aligned, different) replace the I/O queues' doorbell registers as
+    /// where their values are read. Each live queue's shadow entries are set to the values the
+    /// controller holds (a host may hand over buffers of before a reset, uncleared); SQ event
+    /// indexes ask to hear of the next submission, CQ ones of nothing.
+    pub(crate) fn set_shadow_doorbells(
+        &self,
+        ctx: &DeviceContext,
+        shadow: u64,
+        eventidx: u64,
+    ) -> Result<(), Status> {
+        if shadow & (super::spec::PAGE - 1) != 0
+            || eventidx & (super::spec::PAGE - 1) != 0
+            || shadow == eventidx
+        {
+            return Err(Status::INVALID_FIELD.dnr());
+        }
+        let pages = ShadowDoorbells::new(ctx, shadow, eventidx).map_err(|e| {
+            log::debug!("nvme: doorbell buffers at {shadow:#x} and {eventidx:#x}: {e}");
+            Status::DATA_TRANSFER_ERROR
+        })?;
+        let queues = self.queues();
+        for qid in 1..self.sq_doorbells.len() {
+            let (tail, head) = (self.sq_doorbells[qid].value(), self.cq_doorbells[qid].value());
+            pages.store(qid * 2, tail);
+            pages.arm(qid * 2, tail);
+            pages.store(qid * 2 + 1, head);
+            pages.arm(qid * 2 + 1, EVENT_NEVER);
+        }
+        self.shadow.store(Some(Arc::new(pages)));
+        self.shadow_configs.fetch_add(1, Ordering::Relaxed);
+        drop(queues);
+        // Workers asleep on the old registers look again.
+        self.wake_all();
+        Ok(())
+    }
+
+    /// Whether Doorbell Buffer Config is on.
+    pub fn shadowed(&self) -> bool {
+        self.shadow.load().is_some()
+    }
+
+    /// Doorbell Buffer Config commands that succeeded, ever.
+    pub fn shadow_configs(&self) -> u64 {
+        self.shadow_configs.load(Ordering::Relaxed)
+    }
+
+    /// Before queue `qid`'s worker sleeps with its SQ empty at `head`: with shadow doorbells,
+    /// the host is asked to write the doorbell register at its next submission (the worker
+    /// looks at the shadow once more after this, so one made meanwhile is not missed).
+    pub(crate) fn arm_sq(&self, qid: u16, head: u32) {
+        if qid != 0 {
+            if let Some(shadow) = &*self.shadow.load() {
+                shadow.arm(usize::from(qid) * 2, head);
+            }
+        }
+    }
+
+    /// A worker waits for room in CQ `qid`: with shadow doorbells, the host is asked to write
+    /// the CQ head register at its next update.
+    pub(crate) fn arm_cq(&self, qid: u16) {
+        if qid != 0 {
+            if let Some(shadow) = &*self.shadow.load() {
+                let index = usize::from(qid) * 2 + 1;
+                shadow.arm(index, shadow.load(index));
+            }
+        }
     }
 
     /// Records a failed command in the error log.
@@ -569,15 +725,30 @@ impl Ctrl {
 
     /// The SQ tail the worker of `qid` should see.
     pub(crate) fn sq_tail(&self, qid: u16) -> u32 {
-        match &self.page {
+        if qid != 0 {
+            if let Some(shadow) = &*self.shadow.load() {
+                return shadow.load(usize::from(qid) * 2);
+            }
+        }
+        match self.mapped_page() {
             Some(page) => page.load(usize::from(qid) * 2),
             None => self.sq_doorbells[usize::from(qid)].value(),
         }
     }
 
+    /// The doorbell page, if the connected client maps it.
+    fn mapped_page(&self) -> Option<&DoorbellPage> {
+        self.page.as_ref().filter(|_| self.mapped.load(Ordering::Relaxed))
+    }
+
     /// The CQ head the host last wrote for `qid`.
     pub(crate) fn cq_head(&self, qid: u16) -> u32 {
-        match &self.page {
+        if qid != 0 {
+            if let Some(shadow) = &*self.shadow.load() {
+                return shadow.load(usize::from(qid) * 2 + 1);
+            }
+        }
+        match self.mapped_page() {
             Some(page) => page.load(usize::from(qid) * 2 + 1),
             None => self.cq_doorbells[usize::from(qid)].value(),
         }
@@ -603,6 +774,12 @@ impl Ctrl {
         let dbs = if cq { &self.cq_doorbells } else { &self.sq_doorbells };
         if let Some(db) = dbs.get(usize::from(qid)) {
             db.open(entries);
+        }
+        if let Some(shadow) = (qid != 0).then(|| self.shadow.load_full()).flatten() {
+            // A new queue starts at 0; its SQ asks to hear of the first submission.
+            let index = usize::from(qid) * 2 + usize::from(cq);
+            shadow.store(index, 0);
+            shadow.arm(index, if cq { EVENT_NEVER } else { 0 });
         }
         if let Some(page) = &self.page {
             page.store(usize::from(qid) * 2 + usize::from(cq), 0);
@@ -688,6 +865,19 @@ impl Ctrl {
         }
         for cq in queues.cqs.iter().flatten() {
             cq.unmapping(iova, len);
+        }
+        // The shadow doorbell pages going away turn Doorbell Buffer Config off: their last
+        // values become the registers' (as SPDK's target does).
+        let shadow = self.shadow.load_full();
+        if let Some(shadow) = shadow.filter(|s| s.overlaps(iova, len)) {
+            for qid in 1..self.sq_doorbells.len() {
+                self.sq_doorbells[qid].set(shadow.load(qid * 2));
+                self.cq_doorbells[qid].set(shadow.load(qid * 2 + 1));
+            }
+            self.shadow.store(None);
+            drop(queues);
+            log::debug!("nvme: the shadow doorbell pages were unmapped: Doorbell Buffer Config is off");
+            self.wake_all();
         }
     }
 

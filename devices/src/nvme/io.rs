@@ -1,4 +1,5 @@
-//! The NVM command set (NVMe 1.3 §6): Read, Write, Flush, Write Zeroes, Dataset Management.
+//! The NVM command set (NVMe 1.3 §6): Read, Write, Compare, Flush, Write Zeroes, Dataset
+//! Management.
 //!
 //! A Read or Write turns its PRPs into one page array ([`prp::resolve`]), pins it with ONE
 //! call, and moves the data between the namespace's store and the pinned runs with one
@@ -30,6 +31,7 @@ pub fn execute(cx: &CommandCx, cmd: NvmCmd) -> Outcome {
     match cmd {
         NvmCmd::Read(c) => read_write(cx, ns, c, true),
         NvmCmd::Write(c) => read_write(cx, ns, c, false),
+        NvmCmd::Compare(c) => compare(cx, ns, c),
         NvmCmd::Flush(_) => flush(std::iter::once(ns)),
         NvmCmd::WriteZeroes(c) => write_zeroes(ns, c),
         NvmCmd::DatasetManagement(c) => dataset_management(cx, ns, c),
@@ -94,6 +96,33 @@ fn read_write(cx: &CommandCx, ns: &Namespace, c: ReadWrite, read: bool) -> Outco
         bytes: len as u64,
         read,
     });
+    Outcome::ok(0)
+}
+
+/// Compare (§6.1): the blocks read from the store into a buffer of the controller's and
+/// compared with the guest's data; Compare Failure if they differ.
+fn compare(cx: &CommandCx, ns: &Namespace, c: ReadWrite) -> Outcome {
+    let nlb = u64::from(c.blocks);
+    if !ns.in_range(c.slba, nlb) {
+        return Status::LBA_OUT_OF_RANGE.dnr().into();
+    }
+    let len = (nlb << ns.lba_shift()) as usize;
+    if len > prp::MAX_TRANSFER {
+        return Status::INVALID_FIELD.dnr().into(); // over MDTS
+    }
+    let mut stored = vec![0u8; len];
+    if let Err(e) = ns.store().read(c.slba << ns.lba_shift(), &mut stored) {
+        log::warn!("nvme: ns{}: read of {len} bytes for a compare: {e}", ns.id());
+        return Status::UNRECOVERED_READ_ERROR.into();
+    }
+    let mut given = vec![0u8; len];
+    let status = cx.read_host(c.data, &mut given);
+    if !status.ok() {
+        return status.into();
+    }
+    if stored != given {
+        return Status::COMPARE_FAILURE.into();
+    }
     Outcome::ok(0)
 }
 

@@ -10,7 +10,7 @@
 //! guest's real I/O (pages, runs and pin calls per command).
 //!
 //! Every submission queue, the admin queue's included, has a worker thread ([`worker`]);
-//! doorbells arrive as posted REGION_WRITEs (or, with `doorbells=mmap`, through a page the
+//! doorbells arrive as posted REGION_WRITEs (or, for a client that maps it, through a page the
 //! guest writes directly and the workers poll). The ABI, the options and what is not
 //! implemented are in docs/nvme.md.
 //!
@@ -55,7 +55,7 @@ use std::sync::Arc;
 use serde_json::json;
 use thiserror::Error;
 
-use self::ctrl::{ControllerConfig, Ctrl, DoorbellMode};
+use self::ctrl::{ControllerConfig, Ctrl, DoorbellMode, Doorbells};
 use self::namespace::{Backing, Namespace, MAX_NAMESPACES};
 use self::queue::DoorbellPage;
 use self::spec::reg;
@@ -137,7 +137,7 @@ pub struct NvmeConfig {
     /// Entries per queue at most.
     pub max_entries: u32,
     /// How doorbells arrive.
-    pub doorbells: DoorbellMode,
+    pub doorbells: Doorbells,
     /// Serial number; `None`: derived from the file namespaces' paths, or random.
     pub serial: Option<String>,
     /// How long a queue's worker watches its doorbell after a lone command before sleeping.
@@ -151,7 +151,7 @@ impl Default for NvmeConfig {
             lba_shift: 9,
             io_queues: DEFAULT_IO_QUEUES,
             max_entries: DEFAULT_ENTRIES,
-            doorbells: DoorbellMode::Message,
+            doorbells: Doorbells::Auto,
             serial: None,
             poll: DEFAULT_POLL,
         }
@@ -190,9 +190,11 @@ impl NvmeConfig {
             ),
             OptionSpec::new(
                 "doorbells",
-                ValueSyntax::Choice(&["message", "mmap"]),
-                Some("message"),
-                "doorbells as posted REGION_WRITEs, or on a page the guest writes directly",
+                ValueSyntax::Choice(&["auto", "message", "mmap"]),
+                Some("auto"),
+                "message: doorbells as posted REGION_WRITEs; mmap: on a page the client maps; auto: per client, \
+                 messages for one that announces VERSION capabilities (a VMM), the page for one that announces \
+                 none (a polling driver such as SPDK's)",
             ),
             OptionSpec::new(
                 "serial",
@@ -247,7 +249,11 @@ impl NvmeConfig {
             config.max_entries = n as u32;
         }
         if let Some(v) = p.word("doorbells") {
-            config.doorbells = if v == "mmap" { DoorbellMode::Mapped } else { DoorbellMode::Message };
+            config.doorbells = match v {
+                "mmap" => Doorbells::Mapped,
+                "message" => Doorbells::Message,
+                _ => Doorbells::Auto,
+            };
         }
         if let Some(us) = p.number("poll_us") {
             config.poll = std::time::Duration::from_micros(us);
@@ -361,8 +367,8 @@ pub fn create(config: NvmeConfig) -> Result<PciDevice<Nvme>, NvmeError> {
         })
         .collect::<Result<Vec<_>, _>>()?;
     let (mmap, page) = match config.doorbells {
-        DoorbellMode::Message => (None, None),
-        DoorbellMode::Mapped => {
+        Doorbells::Message => (None, None),
+        Doorbells::Mapped | Doorbells::Auto => {
             let fd =
                 nix::sys::memfd::memfd_create(c"umdev-nvme-bar0", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
                     .map_err(|e| NvmeError::DoorbellPage(e.into()))?;
@@ -417,7 +423,7 @@ pub fn create(config: NvmeConfig) -> Result<PciDevice<Nvme>, NvmeError> {
 pub struct Nvme {
     ctrl: Arc<Ctrl>,
     map: RegMap<u64>,
-    /// BAR0's backing for `doorbells=mmap` (the doorbell page at 0x1000).
+    /// BAR0's backing for `doorbells=mmap` and `auto` (the doorbell page at 0x1000).
     mmap: Option<Arc<OwnedFd>>,
 }
 
@@ -474,6 +480,14 @@ impl PciFunction for Nvme {
         })
     }
 
+    fn client_version(&self, hello: &umdev_mdev::ClientHello) {
+        self.ctrl.client_version(hello);
+    }
+
+    fn offer_mmap(&self, bar: u8, _hello: &umdev_mdev::ClientHello) -> bool {
+        bar == 0 && self.ctrl.doorbell_mode() == DoorbellMode::Mapped
+    }
+
     fn reset(&self) {
         self.ctrl.reset();
     }
@@ -519,9 +533,12 @@ impl PciFunction for Nvme {
             "namespaces": namespaces,
             "io_queues": c.io_queues(),
             "queues_live": c.live_queues(),
-            "doorbells": match c.config().doorbells { DoorbellMode::Message => "message", DoorbellMode::Mapped => "mmap" },
+            "doorbells": c.config().doorbells.name(),
+            "doorbells_now": match c.doorbell_mode() { DoorbellMode::Message => "message", DoorbellMode::Mapped => "mmap" },
             "admin_commands": Totals::of(c.all_stats().iter().take(1)).commands,
             "doorbell_messages": c.doorbell_messages(),
+            "shadow_doorbells": c.shadowed(),
+            "shadow_doorbell_configs": c.shadow_configs(),
             "io": self.totals().to_json(),
         })
     }

@@ -79,6 +79,12 @@ impl Doorbell {
         self.room_wanted.store(true, Ordering::SeqCst);
     }
 
+    /// Sets the value without waking anyone (shadow doorbells turned off: the last shadow
+    /// value becomes the register's).
+    pub fn set(&self, value: u32) {
+        self.value.store(value, Ordering::SeqCst);
+    }
+
     /// Wakes the worker (bus mastering back on).
     pub fn wake(&self) {
         self.bell.ring();
@@ -476,5 +482,82 @@ pub fn completion(sq: &Sq, cid: u16, status: Status, dw0: u32) -> Cqe {
         sqid: sq.id.into(),
         cid: cid.into(),
         status: (status.0 << 1).into(),
+    }
+}
+
+/// The shadow doorbell and event index buffers of Doorbell Buffer Config (§5.10, §7.13):
+/// two guest pages the controller keeps pinned. The host writes each I/O queue's SQ tail and
+/// CQ head into the shadow page, and writes the doorbell register too only when the value
+/// passes the queue's event index, which the controller sets; entries are laid out as the
+/// doorbell registers (CAP.DSTRD 0): queue y's SQ at dword 2y, its CQ at 2y + 1.
+#[derive(Debug)]
+pub struct ShadowDoorbells {
+    /// Keep the pages pinned (and mapped) while the pointers below are used.
+    _pins: [PinnedPages; 2],
+    shadow: *const AtomicU32,
+    eventidx: *const AtomicU32,
+    /// The guest addresses of the pages.
+    iova: [u64; 2],
+}
+
+// SAFETY: the pointers address pinned guest pages that stay mapped while `_pins` lives, and
+// are only used as atomics (the guest writes them concurrently, as a device's DMA would).
+unsafe impl Send for ShadowDoorbells {}
+// SAFETY: as for Send: shared access is through atomics only.
+unsafe impl Sync for ShadowDoorbells {}
+
+/// An event index no doorbell value reaches (queues have fewer than 65536 entries): the
+/// host never writes the doorbell register for it.
+pub const EVENT_NEVER: u32 = u32::MAX;
+
+impl ShadowDoorbells {
+    /// Pins the shadow page at `shadow` and the event index page at `eventidx` (both page
+    /// aligned) for reading and writing.
+    pub fn new(ctx: &DeviceContext, shadow: u64, eventidx: u64) -> Result<ShadowDoorbells, GuestError> {
+        let pin = |iova| ctx.pin_range(iova, 1, Prot::READ_WRITE);
+        let pins = [pin(shadow)?, pin(eventidx)?];
+        let addr = |p: &PinnedPages| p.host_addr(0).ok_or(GuestError::NotMapped { iova: 0, len: PAGE });
+        let (s, e) = (addr(&pins[0])?, addr(&pins[1])?);
+        Ok(ShadowDoorbells {
+            _pins: pins,
+            shadow: s as *const AtomicU32,
+            eventidx: e as *const AtomicU32,
+            iova: [shadow, eventidx],
+        })
+    }
+
+    /// Dword `index` of the page at `base` (one of `self`'s).
+    fn slot(&self, base: *const AtomicU32, index: usize) -> &AtomicU32 {
+        assert!(index < (PAGE / 4) as usize, "doorbell index {index} outside the page");
+        // SAFETY: `base` is one of this struct's page pointers and `index` is inside the page
+        // (checked above); the page is pinned and mapped while `self` lives, which the
+        // returned borrow cannot outlive; 4-byte aligned since the page is.
+        unsafe { &*base.add(index) }
+    }
+
+    /// The value the host last wrote for doorbell `index` (Acquire: its queue entries are
+    /// visible).
+    pub fn load(&self, index: usize) -> u32 {
+        u32::from_le(self.slot(self.shadow, index).load(Ordering::Acquire))
+    }
+
+    /// Sets doorbell `index`'s shadow value (at Doorbell Buffer Config, or a queue's
+    /// creation).
+    pub fn store(&self, index: usize, value: u32) {
+        self.slot(self.shadow, index).store(value.to_le(), Ordering::Release);
+    }
+
+    /// Sets doorbell `index`'s event index, then a full fence: a value the host writes after
+    /// this is either seen by the caller's next [`ShadowDoorbells::load`] or rings the
+    /// doorbell register (the host writes the shadow, fences, then reads the event index).
+    pub fn arm(&self, index: usize, value: u32) {
+        self.slot(self.eventidx, index).store(value.to_le(), Ordering::Release);
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+
+    /// Whether `[iova, iova + len)` covers either page.
+    pub fn overlaps(&self, iova: u64, len: u64) -> bool {
+        let end = iova.saturating_add(len);
+        self.iova.iter().any(|&p| p < end && iova < p + PAGE)
     }
 }

@@ -99,6 +99,8 @@ pub mod admin_op {
     pub const GET_FEATURES: u8 = 0x0a;
     /// Asynchronous Event Request.
     pub const ASYNC_EVENT: u8 = 0x0c;
+    /// Doorbell Buffer Config.
+    pub const DOORBELL_BUFFER_CONFIG: u8 = 0x7c;
 }
 
 /// NVM command set opcodes (§6).
@@ -109,6 +111,8 @@ pub mod nvm_op {
     pub const WRITE: u8 = 0x01;
     /// Read.
     pub const READ: u8 = 0x02;
+    /// Compare.
+    pub const COMPARE: u8 = 0x05;
     /// Write Zeroes.
     pub const WRITE_ZEROES: u8 = 0x08;
     /// Dataset Management.
@@ -159,6 +163,16 @@ pub mod log_page {
     pub const SMART: u8 = 0x02;
     /// Firmware Slot Information.
     pub const FIRMWARE_SLOT: u8 = 0x03;
+    /// Commands Supported and Effects.
+    pub const COMMAND_EFFECTS: u8 = 0x05;
+}
+
+/// Commands Supported and Effects data structure bits (§5.14.1.5): one dword per opcode.
+pub mod effects {
+    /// CSUPP: the command is supported.
+    pub const CSUPP: u32 = 1 << 0;
+    /// LBCC: the command may change logical block content.
+    pub const LBCC: u32 = 1 << 1;
 }
 
 /// Asynchronous event types and information (§5.2.1: completion dword 0 of an Asynchronous
@@ -232,6 +246,8 @@ impl Status {
     pub const UNRECOVERED_READ_ERROR: Status = Status(2 << 8 | 0x81);
     /// Write Fault (a media error: the backing store failed).
     pub const WRITE_FAULT: Status = Status(2 << 8 | 0x80);
+    /// Compare Failure (the data differ, §6.1).
+    pub const COMPARE_FAILURE: Status = Status(2 << 8 | 0x85);
 
     /// The status with Do Not Retry set (the command would fail again).
     pub const fn dnr(self) -> Status {
@@ -251,6 +267,17 @@ impl Status {
     /// Status code.
     pub fn sc(self) -> u8 {
         self.0 as u8
+    }
+}
+
+impl std::fmt::Display for Status {
+    /// `status SCT/SC` in hex, and `DNR` when set: `status 0/02h DNR`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "status {}/{:02x}h", self.sct(), self.sc())?;
+        if self.0 & 1 << 14 != 0 {
+            f.write_str(" DNR")?;
+        }
+        Ok(())
     }
 }
 

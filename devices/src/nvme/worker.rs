@@ -188,9 +188,10 @@ impl QueueWorker {
                 let cq = self.sq().cq.clone();
                 let ctrl = self.ctrl();
                 ctrl.cq_doorbell(cq.id).want_room(&waiter.bell());
+                ctrl.arm_cq(cq.id);
                 let room = || cq.has_room(ctrl.cq_head(cq.id));
                 // A mapped CQ head doorbell rings nothing: look at the page from time to time.
-                let look = match ctrl.config().doorbells {
+                let look = match ctrl.doorbell_mode() {
                     DoorbellMode::Message => None,
                     DoorbellMode::Mapped => Some(POLL_INTERVAL),
                 };
@@ -208,7 +209,9 @@ impl QueueWorker {
         let deadline = self.sq().cq.deadline().map(|d| d.saturating_duration_since(Instant::now()));
         let (ctrl, id) = (self.ctrl(), self.sq().id);
         let rung = || ctrl.sq_tail(id) != head;
-        match ctrl.config().doorbells {
+        // With shadow doorbells the host writes the register (which rings) only if asked.
+        ctrl.arm_sq(id, head);
+        match ctrl.doorbell_mode() {
             // Right after a lone command (queue depth 1: the wake-up is the whole latency)
             // the next doorbell is likely close: the worker polls for it (its `poll_us`) if a
             // CPU is free. After a batch the wake-up is shared by the batch's commands and
@@ -259,7 +262,8 @@ impl QueueWorker {
                 break;
             }
             ctrl.cq_doorbell(cq.id).want_room(&waiter.bell());
-            let look = match ctrl.config().doorbells {
+            ctrl.arm_cq(cq.id);
+            let look = match ctrl.doorbell_mode() {
                 DoorbellMode::Message => left,
                 DoorbellMode::Mapped => left.min(POLL_INTERVAL),
             };
