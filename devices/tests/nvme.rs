@@ -868,3 +868,37 @@ fn shadow_doorbells_carry_the_queues_and_the_registers_ring_only_when_asked() {
     d.t.get(DATA + 0x3000, &mut back).unwrap();
     assert!(back == data, "the batch's data read back differs");
 }
+
+#[test]
+fn a_backing_file_truncated_under_the_guest_fails_the_reads_past_its_end_and_nothing_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("disk.img");
+    File::create(&path).unwrap().set_len(8 << 20).unwrap();
+    let config = NvmeConfig { namespaces: vec![Some(Backing::File(path.clone()))], ..NvmeConfig::default() };
+    let mut d = up(Rig::with(config, true), 1);
+    d.t.put(DATA, &pattern(4096, 1)).unwrap();
+    assert_eq!(d.rw(1, false, 1, 0, 8, 512, &[DATA], 0).unwrap(), Status::SUCCESS);
+    // The host's administrator (or a bug) cuts the file to 4 MiB while the guest uses it.
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(4 << 20).unwrap();
+    let past = (6u64 << 20) / 512;
+    let before = d.t.dev.function().totals().commands;
+    assert_eq!(d.rw(1, true, 1, past, 8, 512, &[DATA + 0x1000], 0).unwrap(), Status::UNRECOVERED_READ_ERROR);
+    // The failure is in the error log with its LBA; the blocks before the cut still read,
+    // and every command got exactly one completion.
+    let mut log = Sqe::new(admin_op::GET_LOG_PAGE, 0);
+    log.set_dw(10, u32::from(log_page::ERROR) | (64 / 4 - 1) << 16);
+    log.prp1 = (DATA + 0x9000).into();
+    d.admin_ok(log).unwrap();
+    let mut entry = ErrorLogEntry::default();
+    d.t.get(DATA + 0x9000, vm_memory::ByteValued::as_mut_slice(&mut entry)).unwrap();
+    assert_eq!(
+        (u16::from(entry.status) >> 1, u64::from(entry.lba)),
+        (Status::UNRECOVERED_READ_ERROR.0, past)
+    );
+    assert_eq!(d.rw(1, true, 1, 0, 8, 512, &[DATA + 0x2000], 0).unwrap(), Status::SUCCESS);
+    let mut back = vec![0u8; 4096];
+    d.t.get(DATA + 0x2000, &mut back).unwrap();
+    assert!(back == pattern(4096, 1));
+    assert_eq!(d.t.dev.function().totals().commands, before + 2);
+    assert!(d.poll_one(1).unwrap().is_none(), "no completion posted twice");
+}

@@ -101,6 +101,14 @@ pub enum NvmeError {
         /// Bytes per block.
         block: u32,
     },
+    /// A RAM namespace on huge pages that is not whole huge pages.
+    #[error("{key}=ram:{size}: not a whole number of 2 MiB pages (ram_pages=2m)")]
+    RamNotWholeHugePages {
+        /// The option's key (`ns1`).
+        key: String,
+        /// The size as given.
+        size: String,
+    },
     /// A config made without options is out of range.
     #[error("{what} {value}: {range}")]
     OutOfRange {
@@ -197,6 +205,13 @@ impl NvmeConfig {
                  none (a polling driver such as SPDK's)",
             ),
             OptionSpec::new(
+                "ram_pages",
+                ValueSyntax::Choice(&["4k", "2m"]),
+                Some("4k"),
+                "pages of the RAM namespaces: 4k (a sparse memfd, any host) or 2m (the host's hugetlb pool, which \
+                 must hold them: sizes in whole 2 MiB, first writes and the TLB cheaper)",
+            ),
+            OptionSpec::new(
                 "serial",
                 ValueSyntax::Text { max_len: 20 },
                 None,
@@ -219,6 +234,7 @@ impl NvmeConfig {
         if let Some(v) = p.word("lba") {
             config.lba_shift = if v == "4096" { 12 } else { 9 };
         }
+        let huge = p.word("ram_pages") == Some("2m");
         for (key, value) in p.iter() {
             let (Some(n), OptionValue::Store(store)) = (key.strip_prefix("ns"), value) else { continue };
             // The schema let only ns1..ns16 through.
@@ -231,6 +247,13 @@ impl NvmeConfig {
                         block: 1u32 << config.lba_shift,
                     })
                 }
+                StoreSpec::Ram(bytes) if huge && !bytes.is_multiple_of(crate::store::HUGE_PAGE) => {
+                    return Err(NvmeError::RamNotWholeHugePages {
+                        key: key.to_string(),
+                        size: umdev_mdev::types::format_size(*bytes),
+                    })
+                }
+                StoreSpec::Ram(bytes) if huge => Backing::HugeRam(*bytes),
                 StoreSpec::Ram(bytes) => Backing::Ram(*bytes),
                 StoreSpec::File(path) => Backing::File(path.clone()),
             };
@@ -293,7 +316,7 @@ fn default_serial(config: &NvmeConfig) -> String {
         .flatten()
         .filter_map(|b| match b {
             Backing::File(p) => Some(std::fs::canonicalize(p).unwrap_or_else(|_| p.clone())),
-            Backing::Ram(_) => None,
+            Backing::Ram(_) | Backing::HugeRam(_) => None,
         })
         .collect();
     let value = if files.is_empty() {

@@ -14,6 +14,8 @@ pub const MAX_NAMESPACES: u32 = 16;
 pub enum Backing {
     /// A RAM disk (a sparse memfd) of this many bytes.
     Ram(u64),
+    /// A RAM disk on 2 MiB huge pages (a hugetlb memfd) of this many bytes.
+    HugeRam(u64),
     /// A host file or block device, read and written in place.
     File(PathBuf),
 }
@@ -73,6 +75,9 @@ impl Namespace {
         let (store, path) = match backing {
             Backing::Ram(size) => {
                 (Store::ram(*size).map_err(|source| NamespaceError::Ram { id, source })?, None)
+            }
+            Backing::HugeRam(size) => {
+                (Store::ram_huge(*size).map_err(|source| NamespaceError::Ram { id, source })?, None)
             }
             Backing::File(path) => (
                 Store::open(path).map_err(|source| NamespaceError::File {

@@ -23,9 +23,16 @@ use umdev_mdev::request::{self, Lane, Permit};
 use umdev_mdev::worker::{Bell, Poll, Waiter, Worker};
 
 /// With mapped doorbells: how long a worker spins after its last command, then how often
-/// it looks at the page (nothing rings it: the guest writes the page directly).
-const POLL_SPIN: Duration = Duration::from_micros(50);
+/// it looks at the page (nothing rings it: the client writes the page directly). A polling
+/// client submits again within microseconds; a spin shorter than a scheduler time slice would
+/// put a worker that was preempted (a shared CPU) to sleep for a whole look.
+const POLL_SPIN: Duration = Duration::from_millis(1);
+/// Looks at the page per clock reading while spinning.
+const SPIN_LOOKS: u32 = 256;
 const POLL_INTERVAL: Duration = Duration::from_micros(200);
+/// ...and how often the admin queue's worker looks: admin commands are rare once a driver is
+/// up, and each look of a worker takes the CPU from a busy I/O queue's worker for a while.
+const ADMIN_POLL_INTERVAL: Duration = Duration::from_millis(1);
 /// How long a deleted queue's worker waits for CQ room to post what it owes (less than the
 /// controller's bound on joining it, so the deletion never outlives the join).
 const DELETE_DRAIN: Duration = Duration::from_secs(2);
@@ -222,9 +229,17 @@ impl QueueWorker {
             DoorbellMode::Message => {
                 waiter.sleep(rung, deadline);
             }
-            DoorbellMode::Mapped if last_work.elapsed() < POLL_SPIN => std::hint::spin_loop(),
+            DoorbellMode::Mapped if last_work.elapsed() < POLL_SPIN => {
+                for _ in 0..SPIN_LOOKS {
+                    if rung() {
+                        return;
+                    }
+                    std::hint::spin_loop();
+                }
+            }
             DoorbellMode::Mapped => {
-                let look = deadline.map_or(POLL_INTERVAL, |d| d.min(POLL_INTERVAL));
+                let interval = if id == 0 { ADMIN_POLL_INTERVAL } else { POLL_INTERVAL };
+                let look = deadline.map_or(interval, |d| d.min(interval));
                 waiter.sleep(rung, Some(look));
             }
         }
