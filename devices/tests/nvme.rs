@@ -902,3 +902,58 @@ fn a_backing_file_truncated_under_the_guest_fails_the_reads_past_its_end_and_not
     assert_eq!(d.t.dev.function().totals().commands, before + 2);
     assert!(d.poll_one(1).unwrap().is_none(), "no completion posted twice");
 }
+
+/// A small tmpfs mounted for a test (root only), unmounted on drop.
+struct SmallFs(tempfile::TempDir);
+
+impl SmallFs {
+    fn mount(bytes: u64) -> Option<SmallFs> {
+        let dir = tempfile::tempdir().ok()?;
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={bytes}"), "umdev-test"])
+            .arg(dir.path())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then_some(SmallFs(dir))
+    }
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(self.0.path()).status();
+    }
+}
+
+#[test]
+fn a_sparse_file_on_a_full_filesystem_fails_writes_with_capacity_exceeded_and_nothing_else() {
+    let Some(fs) = SmallFs::mount(1 << 20) else {
+        eprintln!("skipped: mounting a 1 MiB tmpfs needs root");
+        return;
+    };
+    let path = fs.0.path().join("disk.img");
+    File::create(&path).unwrap().set_len(8 << 20).unwrap(); // sparse: 8 MiB on 1 MiB of room
+    let config = NvmeConfig { namespaces: vec![Some(Backing::File(path))], ..NvmeConfig::default() };
+    let mut d = up(Rig::with(config, true), 1);
+    d.t.put(DATA, &pattern(64 << 10, 4)).unwrap();
+    let pages: Vec<u64> = (0..16).map(|i| DATA + i * 0x1000).collect();
+    let mut statuses = Vec::new();
+    for i in 0..32u64 {
+        statuses.push(d.rw(1, false, 1, i * 128, 128, 512, &pages, 0).unwrap());
+    }
+    let ok = statuses.iter().filter(|s| **s == Status::SUCCESS).count();
+    let full = statuses.iter().filter(|s| **s == Status::CAPACITY_EXCEEDED).count();
+    assert!(ok >= 1 && full >= 1 && ok + full == 32, "{statuses:?}");
+    // What was written reads back; the queue goes on; the error log has the failures.
+    assert_eq!(d.rw(1, true, 1, 0, 8, 512, &[DATA + 0x40_0000], 0).unwrap(), Status::SUCCESS);
+    let mut back = vec![0u8; 4096];
+    d.t.get(DATA + 0x40_0000, &mut back).unwrap();
+    assert!(back == pattern(64 << 10, 4)[..4096]);
+    let mut log = Sqe::new(admin_op::GET_LOG_PAGE, 0);
+    log.set_dw(10, u32::from(log_page::ERROR) | (64 / 4 - 1) << 16);
+    log.prp1 = (DATA + 0x9000).into();
+    d.admin_ok(log).unwrap();
+    let mut entry = ErrorLogEntry::default();
+    d.t.get(DATA + 0x9000, vm_memory::ByteValued::as_mut_slice(&mut entry)).unwrap();
+    assert_eq!(u16::from(entry.status) >> 1, Status::CAPACITY_EXCEEDED.0);
+}

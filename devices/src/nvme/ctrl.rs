@@ -626,17 +626,21 @@ impl Ctrl {
     /// Posts `cqe` on `cq` for a worker whose SQ has `queued` more commands waiting, raising
     /// the interrupt it calls for.
     pub(crate) fn post(&self, ctx: &DeviceContext, cq: &Cq, cqe: Cqe, queued: u32) -> Result<(), PostError> {
-        match cq.post(ctx, cqe, self.cq_head(cq.id), queued)? {
-            super::queue::Signal::Now => self.interrupt(cq),
-            super::queue::Signal::Held | super::queue::Signal::None => {}
-        }
+        let signal = cq.post(ctx, cqe, self.cq_head(cq.id), queued)?;
         // A level-triggered line (INTx) drops when the host consumed every entry: with shadow
         // doorbells it must write the CQ head register when it passes the last one posted.
+        // Armed before the line is raised (whose handler consumes the entries), and the
+        // level then computed from the shadow head read after it: a head the host wrote
+        // before seeing this event index is seen there.
         if cq.id != 0 && cq.interrupts && self.irq.mode() == IrqMode::Intx {
             if let Some(shadow) = &*self.shadow.load() {
                 let last = (cq.tail_seen.load(Ordering::Acquire) + cq.entries - 1) % cq.entries;
                 shadow.arm(usize::from(cq.id) * 2 + 1, last);
             }
+        }
+        match signal {
+            super::queue::Signal::Now => self.interrupt(cq),
+            super::queue::Signal::Held | super::queue::Signal::None => {}
         }
         Ok(())
     }

@@ -66,7 +66,7 @@ fn read_write(cx: &CommandCx, ns: &Namespace, c: ReadWrite, read: bool) -> Outco
             }),
             Ok(slices) => ns.store().write_vectored(pos, &slices, durability).map_err(|e| {
                 log::warn!("nvme: ns{}: write of {len} bytes at {pos}: {e}", ns.id());
-                Status::WRITE_FAULT
+                write_status(&e)
             }),
         };
         (moved, runs, pins.poisoned())
@@ -126,6 +126,15 @@ fn compare(cx: &CommandCx, ns: &Namespace, c: ReadWrite) -> Outcome {
     Outcome::ok(0)
 }
 
+/// The status of a write the store failed (§4.6.1.2): Capacity Exceeded when the host is out
+/// of space for it, Write Fault otherwise.
+fn write_status(e: &std::io::Error) -> Status {
+    match e.raw_os_error() {
+        Some(libc::ENOSPC) | Some(libc::EDQUOT) => Status::CAPACITY_EXCEEDED,
+        _ => Status::WRITE_FAULT,
+    }
+}
+
 /// Flush (§6.3): the namespaces' stores made durable.
 fn flush<'a>(namespaces: impl Iterator<Item = &'a Namespace>) -> Outcome {
     for ns in namespaces {
@@ -147,7 +156,7 @@ fn write_zeroes(ns: &Namespace, c: WriteZeroes) -> Outcome {
         Ok(()) => Outcome::ok(0),
         Err(e) => {
             log::warn!("nvme: ns{}: write zeroes: {e}", ns.id());
-            Status::WRITE_FAULT.into()
+            write_status(&e).into()
         }
     }
 }

@@ -224,6 +224,9 @@ impl Status {
     pub const PRP_OFFSET_INVALID: Status = Status::generic(0x13);
     /// LBA Out of Range.
     pub const LBA_OUT_OF_RANGE: Status = Status::generic(0x80);
+    /// Capacity Exceeded (the backing store is out of space: a sparse file on a full
+    /// filesystem).
+    pub const CAPACITY_EXCEEDED: Status = Status::generic(0x81);
     /// Completion Queue Invalid.
     pub const CQ_INVALID: Status = Status::specific(0x00);
     /// Invalid Queue Identifier.

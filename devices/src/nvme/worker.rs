@@ -27,6 +27,10 @@ use umdev_mdev::worker::{Bell, Poll, Waiter, Worker};
 /// client submits again within microseconds; a spin shorter than a scheduler time slice would
 /// put a worker that was preempted (a shared CPU) to sleep for a whole look.
 const POLL_SPIN: Duration = Duration::from_millis(1);
+/// After the spin, a look comes after this fraction of the time the queue has been idle...
+const LOOK_BACKOFF: u32 = 64;
+/// ...and no sooner than this.
+const MIN_LOOK: Duration = Duration::from_micros(10);
 /// Looks at the page per clock reading while spinning.
 const SPIN_LOOKS: u32 = 256;
 const POLL_INTERVAL: Duration = Duration::from_micros(200);
@@ -238,7 +242,11 @@ impl QueueWorker {
                 }
             }
             DoorbellMode::Mapped => {
+                // The longer the queue has been idle, the longer the look: a client that paused
+                // (preempted, say) and comes back finds the worker looking every few
+                // microseconds at first, then less often, up to the interval.
                 let interval = if id == 0 { ADMIN_POLL_INTERVAL } else { POLL_INTERVAL };
+                let interval = (last_work.elapsed() / LOOK_BACKOFF).clamp(MIN_LOOK, interval);
                 let look = deadline.map_or(interval, |d| d.min(interval));
                 waiter.sleep(rung, Some(look));
             }
