@@ -138,6 +138,9 @@ umount /mnt/d
     assert!(runs < pages && runs >= pins, "runs between commands and pages: {io}");
     assert!(io["pages_per_command"].as_object().unwrap().len() > 2, "a histogram: {io}");
     assert_eq!(io["errors"], 0, "{io}");
+    // Linux's driver took Doorbell Buffer Config (OACS bit 8): its I/O queues rang through
+    // the shadow page.
+    assert!(stats["shadow_doorbell_configs"].as_u64().unwrap() >= 1, "{stats}");
 
     // Second boot, a new daemon on the same file: the filesystem and its files are there.
     let daemon = serve(&socket, &[&ns, "queues=2"]);

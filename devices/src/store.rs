@@ -20,6 +20,9 @@ use std::path::Path;
 use vm_memory::mmap::MmapRegion;
 use vm_memory::{FileOffset, VolatileMemory, VolatileSlice};
 
+/// Bytes of a huge page ([`Store::ram_huge`]).
+pub const HUGE_PAGE: u64 = 2 << 20;
+
 /// Slices per `preadv2`/`pwritev2` (the kernel's `UIO_MAXIOV`).
 const MAX_IOV: usize = 1024;
 
@@ -51,12 +54,38 @@ pub struct Store {
     size: u64,
     /// The RAM disk's mapping.
     ram: Option<MmapRegion>,
+    /// A RAM disk on huge pages: its pages were reserved from the pool when it was mapped and
+    /// are never given back while it lives (a hole punched in it would give them back, and a
+    /// write there could then find the pool empty: a SIGBUS, not an error).
+    huge: bool,
 }
 
 impl Store {
     /// A zero-filled RAM disk of `size` bytes (sparse: memory is used as it is written).
     pub fn ram(size: u64) -> io::Result<Store> {
-        let fd = nix::sys::memfd::memfd_create(c"umdev-store", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)?;
+        Self::ram_in(size, false)
+    }
+
+    /// As [`Store::ram`], on 2 MiB huge pages from the host's hugetlb pool (`size` a multiple
+    /// of 2 MiB): a first write costs one page fault per 2 MiB instead of one per 4 KiB, and
+    /// the TLB holds the disk in 512 times fewer entries. The pages are reserved from the pool
+    /// when the disk is mapped (a shared hugetlb mapping reserves them), so this fails with
+    /// ENOMEM when the pool is too small rather than a write faulting later.
+    pub fn ram_huge(size: u64) -> io::Result<Store> {
+        if !size.is_multiple_of(HUGE_PAGE) {
+            return Err(invalid("a huge-page RAM disk must be a multiple of 2 MiB"));
+        }
+        Self::ram_in(size, true)
+    }
+
+    fn ram_in(size: u64, huge: bool) -> io::Result<Store> {
+        use nix::sys::memfd::MFdFlags;
+        let flags = if huge {
+            MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_HUGETLB | MFdFlags::MFD_HUGE_2MB
+        } else {
+            MFdFlags::MFD_CLOEXEC
+        };
+        let fd = nix::sys::memfd::memfd_create(c"umdev-store", flags)?;
         let file = File::from(fd);
         file.set_len(size)?;
         let len = usize::try_from(size).map_err(|_| invalid("store too large"))?;
@@ -65,7 +94,7 @@ impl Store {
         }
         let region =
             MmapRegion::from_file(FileOffset::new(file.try_clone()?, 0), len).map_err(io::Error::other)?;
-        Ok(Store { file, kind: StoreKind::Ram, size, ram: Some(region) })
+        Ok(Store { file, kind: StoreKind::Ram, size, ram: Some(region), huge })
     }
 
     /// The regular file or block device at `path`, read and written in place; its size is
@@ -85,7 +114,7 @@ impl Store {
         if size == 0 {
             return Err(invalid("the backing file is empty"));
         }
-        Ok(Store { file, kind, size, ram: None })
+        Ok(Store { file, kind, size, ram: None, huge: false })
     }
 
     /// Bytes in the store.
@@ -188,6 +217,9 @@ impl Store {
         self.check(pos, len)?;
         if len == 0 {
             return Ok(());
+        }
+        if self.huge {
+            return self.write_zeros_slowly(pos, len);
         }
         let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
         // SAFETY: fallocate on an fd this store owns, with an in-range offset and length;
@@ -447,6 +479,17 @@ mod tests {
         assert_eq!(bytes[3000], 0);
         assert_eq!(bytes[3001], 7);
         assert_eq!(bytes.len(), 1 << 20);
+    }
+
+    #[test]
+    fn a_huge_page_ram_store_moves_vectors_or_is_refused_whole() {
+        assert!(Store::ram_huge(HUGE_PAGE + 4096).is_err(), "not whole huge pages");
+        // The pool may be empty on this host: then creation fails (the pages are reserved
+        // when mapped), it never faults later.
+        match Store::ram_huge(HUGE_PAGE) {
+            Ok(store) => roundtrip(&store),
+            Err(e) => eprintln!("no 2 MiB page in the pool here ({e}): creation refused, as it should be"),
+        }
     }
 
     #[test]

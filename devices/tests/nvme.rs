@@ -57,7 +57,7 @@ impl Rig {
         let command = u64::from(COMMAND_MEMORY | COMMAND_MASTER);
         dev.region_write(CONFIG, COMMAND as u64, &command.to_le_bytes()[..2]).unwrap();
         let mut rig = Rig { dev, ram, dma, irqs: Vec::new(), msix };
-        let vectors = if msix { u32::from(rig.dev.function().controller().config.io_queues) + 1 } else { 1 };
+        let vectors = if msix { u32::from(rig.dev.function().controller().io_queues()) + 1 } else { 1 };
         if msix {
             let cap = rig.cap(CAP_ID_MSIX);
             rig.dev.region_write(CONFIG, cap + 2, &MSIX_CTRL_ENABLE.to_le_bytes()).unwrap();
@@ -171,7 +171,8 @@ fn identify_describes_the_controller_and_namespace() {
     let id = d.identify_controller().unwrap();
     assert_eq!((u16::from(id.vid), id.mdts, id.sqes, id.cqes, id.vwc), (VENDOR_ID, 8, 0x66, 0x44, 1));
     assert_eq!(u32::from(id.ver), reg::VERSION_1_3);
-    assert_eq!((u32::from(id.nn), u16::from(id.oncs), u32::from(id.sgls)), (1, 0x0c, 0));
+    assert_eq!((u32::from(id.nn), u16::from(id.oncs), u32::from(id.sgls)), (1, 0x0d, 0));
+    assert_eq!(id.lpa, 0x06, "the effects log, extended Get Log Page data");
     assert!(id.sn.starts_with(b"UMDEV"));
     assert!(id.subnqn.starts_with(b"nqn.2026-12.dev.umdev:nvme:UMDEV"));
     let ns = d.identify_namespace(1).unwrap();
@@ -536,7 +537,13 @@ fn an_abort_finds_a_queued_command_and_sq_deletion_aborts_the_rest() {
     }
     // The driver's CQ view has 8 entries but the device's has 2: read by hand.
     d.ring(1).unwrap();
-    std::thread::sleep(Duration::from_millis(50));
+    // Two commands completed (0x10 posted, 0x11 waiting for room): the worker fetches
+    // nothing more until the host makes room, so 0x12 and 0x13 stay in the SQ.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while d.t.dev.function().totals().commands < 2 {
+        assert!(std::time::Instant::now() < deadline, "the worker never ran two commands");
+        std::thread::yield_now();
+    }
     let mut abort = Sqe::new(admin_op::ABORT, 0);
     abort.set_dw(10, 1 | 0x13 << 16);
     assert_eq!(d.admin_ok(abort).unwrap() & 1, 0, "0x13 waits in the SQ: aborted");
@@ -548,10 +555,17 @@ fn an_abort_finds_a_queued_command_and_sq_deletion_aborts_the_rest() {
     let cid = d.cid();
     del.cdw0 = (u32::from(admin_op::DELETE_SQ) | u32::from(cid) << 16).into();
     d.submit(0, &del).unwrap();
+    // The queue leaves the controller's table once its worker was told to stop: from then on
+    // it fetches nothing, and making room posts 0x11 and the aborts.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while d.t.ctrl().live_queues() > 1 {
+        assert!(std::time::Instant::now() < deadline, "the deletion never started");
+        std::thread::yield_now();
+    }
     let mut seen = Vec::new();
     let mut head = 0u32;
     let mut phase = true;
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while seen.len() < 4 && std::time::Instant::now() < deadline {
         let mut cqe = Cqe::default();
         d.t.get(DATA + u64::from(head) * 16, vm_memory::ByteValued::as_mut_slice(&mut cqe)).unwrap();
@@ -672,4 +686,274 @@ fn with_bus_mastering_off_commands_wait_and_go_on_when_it_is_back() {
     let mut back = [0u8; 4096];
     d.t.get(DATA + 0x1000, &mut back).unwrap();
     assert_eq!(back, [0x5a; 4096]);
+}
+
+#[test]
+fn compare_matches_the_blocks_and_the_effects_log_is_served() {
+    let mut d = up(Rig::new(), 1);
+    let data = pattern(8192, 11);
+    d.t.put(DATA, &data).unwrap();
+    assert_eq!(d.rw(1, false, 1, 40, 16, 512, &[DATA, DATA + 0x1000], 0).unwrap(), Status::SUCCESS);
+    let compare = |d: &mut Driver<Rig>, prp1: u64, prp2: u64| {
+        let mut sqe = Driver::<Rig>::rw_command(true, 1, 40, 16, prp1, prp2);
+        sqe.cdw0 = u32::from(nvm_op::COMPARE).into();
+        d.io_command(1, sqe).unwrap().status()
+    };
+    assert_eq!(compare(&mut d, DATA, DATA + 0x1000), Status::SUCCESS);
+    // One byte differs in the second page.
+    d.t.put(DATA + 0x1000 + 77, &[data[0x1000 + 77] ^ 1]).unwrap();
+    assert_eq!(compare(&mut d, DATA, DATA + 0x1000), Status::COMPARE_FAILURE);
+    assert_eq!(compare(&mut d, 1 << 40, 0), Status::DATA_TRANSFER_ERROR);
+    // Get Log Page 05h: Read is supported, Write changes logical block content.
+    let mut log = Sqe::new(admin_op::GET_LOG_PAGE, 0);
+    log.set_dw(10, u32::from(log_page::COMMAND_EFFECTS) | (4096 / 4 - 1) << 16);
+    log.prp1 = (DATA + 0x9000).into();
+    d.admin_ok(log).unwrap();
+    let mut page = vec![0u8; 4096];
+    d.t.get(DATA + 0x9000, &mut page).unwrap();
+    let dword = |at: usize| u32::from_le_bytes(page[at * 4..at * 4 + 4].try_into().unwrap());
+    assert_eq!(dword(usize::from(admin_op::IDENTIFY)), effects::CSUPP);
+    assert_eq!(dword(256 + usize::from(nvm_op::READ)), effects::CSUPP);
+    assert_eq!(dword(256 + usize::from(nvm_op::WRITE)), effects::CSUPP | effects::LBCC);
+    assert_eq!(dword(256 + 0x7f), 0);
+}
+
+#[test]
+fn a_queue_deleted_with_its_cq_full_and_never_reaped_still_stops_its_worker() {
+    let mut d = up(Rig::new(), 0);
+    // A CQ of 2 entries the host never releases: one completion fits, the next waits.
+    let mut cq = Sqe::new(admin_op::CREATE_CQ, 0);
+    cq.prp1 = DATA.into();
+    cq.set_dw(10, 1 | 1 << 16);
+    cq.set_dw(11, 3 | 1 << 16);
+    d.admin_ok(cq).unwrap();
+    let mut sq = Sqe::new(admin_op::CREATE_SQ, 0);
+    sq.prp1 = (DATA + 0x1000).into();
+    sq.set_dw(10, 1 | 7 << 16);
+    sq.set_dw(11, 1 | 1 << 16);
+    d.admin_ok(sq).unwrap();
+    for slot in 0..4u64 {
+        let sqe = Driver::<Rig>::rw_command(true, 1, 0, 1, DATA + 0x8000, 0);
+        d.t.put(DATA + 0x1000 + slot * 64, vm_memory::ByteValued::as_slice(&sqe)).unwrap();
+    }
+    d.t.write32(reg::DOORBELLS + 8, 4).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while d.t.dev.function().totals().commands < 2 {
+        assert!(std::time::Instant::now() < deadline, "the worker never ran two commands");
+        std::thread::yield_now();
+    }
+    assert_eq!(d.t.ctrl().workers(), 2);
+    // The deletion completes, and when it has, the queue's worker is gone: it gave up on the
+    // completions the host would not make room for rather than outlive the deletion.
+    let mut del = Sqe::new(admin_op::DELETE_SQ, 0);
+    del.set_dw(10, 1);
+    assert_eq!(d.admin_command(del).unwrap().status(), Status::SUCCESS);
+    assert_eq!(d.t.ctrl().workers(), 1, "only the admin worker is left");
+    d.identify_controller().unwrap();
+}
+
+/// Shadow doorbells as Linux's driver uses them (drivers/nvme/host/pci.c): the value goes to
+/// the shadow page, and the register is written only when the event index lies in
+/// [old, new).
+struct Shadowed {
+    shadow: u64,
+    eventidx: u64,
+    rings: u32,
+}
+
+impl Shadowed {
+    fn need_event(ei: u32, new: u32, old: u32) -> bool {
+        (new.wrapping_sub(ei).wrapping_sub(1) as u16) < (new.wrapping_sub(old) as u16)
+    }
+
+    fn write(&mut self, d: &mut Driver<Rig>, index: u64, new: u32) {
+        let mut old = [0u8; 4];
+        d.t.get(self.shadow + index * 4, &mut old).unwrap();
+        d.t.put(self.shadow + index * 4, &new.to_le_bytes()).unwrap();
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        let mut ei = [0u8; 4];
+        d.t.get(self.eventidx + index * 4, &mut ei).unwrap();
+        if Self::need_event(u32::from_le_bytes(ei), new, u32::from_le_bytes(old)) {
+            // SQ tail registers (even doorbells) only: a CQ head's "never" still rings at a
+            // wrap of the u16 arithmetic, as on real hardware.
+            self.rings += u32::from(index.is_multiple_of(2));
+            d.t.write32(reg::DOORBELLS + index * 4, new).unwrap();
+        }
+    }
+
+    /// Waits for the next completion of `qid` (polling) and releases it through the shadow.
+    fn reap(&mut self, d: &mut Driver<Rig>, qid: u16) -> Cqe {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(cqe) = d.poll_one(qid).unwrap() {
+                let head = d.io[usize::from(qid) - 1].cq_head;
+                self.write(d, u64::from(qid) * 2 + 1, head);
+                return cqe;
+            }
+            assert!(std::time::Instant::now() < deadline, "no completion on queue {qid}");
+            std::thread::yield_now();
+        }
+    }
+}
+
+#[test]
+fn shadow_doorbells_carry_the_queues_and_the_registers_ring_only_when_asked() {
+    let mut d = up(Rig::new(), 2);
+    assert_eq!(
+        u16::from(d.identify_controller().unwrap().oacs) & 1 << 8,
+        1 << 8,
+        "OACS: Doorbell Buffer Config"
+    );
+    // One command on queue 1 through the registers first: its tail is 1.
+    assert_eq!(d.rw(1, true, 1, 0, 8, 512, &[DATA], 0).unwrap(), Status::SUCCESS);
+    let (shadow, eventidx) = (DATA + 0x20_0000, DATA + 0x20_1000);
+    // Stale values, as a driver reusing its buffers after a reset leaves them.
+    d.t.put(shadow, &[0x77; 4096]).unwrap();
+    let config = |prp1: u64, prp2: u64| {
+        let mut sqe = Sqe::new(admin_op::DOORBELL_BUFFER_CONFIG, 0);
+        sqe.prp1 = prp1.into();
+        sqe.prp2 = prp2.into();
+        sqe
+    };
+    for (a, b) in [(shadow + 8, eventidx), (shadow, shadow), (shadow, eventidx + 0x800)] {
+        assert_eq!(d.admin_command(config(a, b)).unwrap().status(), Status::INVALID_FIELD.dnr());
+    }
+    assert_eq!(d.admin_command(config(1 << 40, eventidx)).unwrap().status(), Status::DATA_TRANSFER_ERROR);
+    assert_eq!(d.admin_command(config(shadow, eventidx)).unwrap().status(), Status::SUCCESS);
+    let dword = |d: &mut Driver<Rig>, at: u64| {
+        let mut b = [0u8; 4];
+        d.t.get(at, &mut b).unwrap();
+        u32::from_le_bytes(b)
+    };
+    assert_eq!((dword(&mut d, shadow + 8), dword(&mut d, shadow + 12)), (1, 1), "SQ 1 tail, CQ 1 head");
+    assert_eq!((dword(&mut d, shadow + 16), dword(&mut d, shadow + 20)), (0, 0), "queue 2");
+    assert_eq!(dword(&mut d, eventidx + 12), u32::MAX, "no CQ head register writes wanted");
+    assert!(d.t.dev.describe()["shadow_doorbells"].as_bool().unwrap());
+    let mut sh = Shadowed { shadow, eventidx, rings: 0 };
+    let data = pattern(4096, 3);
+    d.t.put(DATA, &data).unwrap();
+    // Queue depth 1: each command may need a register write (the worker sleeps between),
+    // never more than one, and none is lost.
+    let mut sent = 0;
+    for i in 0..200u64 {
+        let cid = d.cid();
+        let mut sqe = Driver::<Rig>::rw_command(false, 1, i * 8, 8, DATA, 0);
+        sqe.cdw0 = ((u32::from(sqe.cdw0) & 0xffff) | u32::from(cid) << 16).into();
+        d.push(1, &sqe).unwrap();
+        let tail = d.io[0].sq_tail;
+        sh.write(&mut d, 2, tail);
+        sent += 1;
+        let cqe = sh.reap(&mut d, 1);
+        assert_eq!((u16::from(cqe.cid), cqe.status()), (cid, Status::SUCCESS));
+    }
+    assert!(sh.rings <= sent, "{} SQ register writes for {sent} commands", sh.rings);
+    // A batch of 32 on queue 2: one tail update; the worker, awake, takes them all.
+    let rings_before = sh.rings;
+    for i in 0..32u64 {
+        d.push(2, &Driver::<Rig>::rw_command(false, 1, 4096 + i * 8, 8, DATA, 0)).unwrap();
+    }
+    let tail = d.io[1].sq_tail;
+    sh.write(&mut d, 4, tail);
+    for _ in 0..32 {
+        assert_eq!(sh.reap(&mut d, 2).status(), Status::SUCCESS);
+    }
+    assert!(sh.rings - rings_before <= 33, "a register write per batch and per reaped entry at most");
+    let mut back = vec![0u8; 4096];
+    // A disable turns it off; after it, registers alone work again.
+    d.t.write32(reg::CC, 0).unwrap();
+    assert!(!d.t.dev.describe()["shadow_doorbells"].as_bool().unwrap());
+    d.enable().unwrap();
+    d.create_io_queues(1, 64, false).unwrap();
+    assert_eq!(d.rw(1, true, 1, 4096 + 31 * 8, 8, 512, &[DATA + 0x3000], 0).unwrap(), Status::SUCCESS);
+    d.t.get(DATA + 0x3000, &mut back).unwrap();
+    assert!(back == data, "the batch's data read back differs");
+}
+
+#[test]
+fn a_backing_file_truncated_under_the_guest_fails_the_reads_past_its_end_and_nothing_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("disk.img");
+    File::create(&path).unwrap().set_len(8 << 20).unwrap();
+    let config = NvmeConfig { namespaces: vec![Some(Backing::File(path.clone()))], ..NvmeConfig::default() };
+    let mut d = up(Rig::with(config, true), 1);
+    d.t.put(DATA, &pattern(4096, 1)).unwrap();
+    assert_eq!(d.rw(1, false, 1, 0, 8, 512, &[DATA], 0).unwrap(), Status::SUCCESS);
+    // The host's administrator (or a bug) cuts the file to 4 MiB while the guest uses it.
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(4 << 20).unwrap();
+    let past = (6u64 << 20) / 512;
+    let before = d.t.dev.function().totals().commands;
+    assert_eq!(d.rw(1, true, 1, past, 8, 512, &[DATA + 0x1000], 0).unwrap(), Status::UNRECOVERED_READ_ERROR);
+    // The failure is in the error log with its LBA; the blocks before the cut still read,
+    // and every command got exactly one completion.
+    let mut log = Sqe::new(admin_op::GET_LOG_PAGE, 0);
+    log.set_dw(10, u32::from(log_page::ERROR) | (64 / 4 - 1) << 16);
+    log.prp1 = (DATA + 0x9000).into();
+    d.admin_ok(log).unwrap();
+    let mut entry = ErrorLogEntry::default();
+    d.t.get(DATA + 0x9000, vm_memory::ByteValued::as_mut_slice(&mut entry)).unwrap();
+    assert_eq!(
+        (u16::from(entry.status) >> 1, u64::from(entry.lba)),
+        (Status::UNRECOVERED_READ_ERROR.0, past)
+    );
+    assert_eq!(d.rw(1, true, 1, 0, 8, 512, &[DATA + 0x2000], 0).unwrap(), Status::SUCCESS);
+    let mut back = vec![0u8; 4096];
+    d.t.get(DATA + 0x2000, &mut back).unwrap();
+    assert!(back == pattern(4096, 1));
+    assert_eq!(d.t.dev.function().totals().commands, before + 2);
+    assert!(d.poll_one(1).unwrap().is_none(), "no completion posted twice");
+}
+
+/// A small tmpfs mounted for a test (root only), unmounted on drop.
+struct SmallFs(tempfile::TempDir);
+
+impl SmallFs {
+    fn mount(bytes: u64) -> Option<SmallFs> {
+        let dir = tempfile::tempdir().ok()?;
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={bytes}"), "umdev-test"])
+            .arg(dir.path())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then_some(SmallFs(dir))
+    }
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(self.0.path()).status();
+    }
+}
+
+#[test]
+fn a_sparse_file_on_a_full_filesystem_fails_writes_with_capacity_exceeded_and_nothing_else() {
+    let Some(fs) = SmallFs::mount(1 << 20) else {
+        eprintln!("skipped: mounting a 1 MiB tmpfs needs root");
+        return;
+    };
+    let path = fs.0.path().join("disk.img");
+    File::create(&path).unwrap().set_len(8 << 20).unwrap(); // sparse: 8 MiB on 1 MiB of room
+    let config = NvmeConfig { namespaces: vec![Some(Backing::File(path))], ..NvmeConfig::default() };
+    let mut d = up(Rig::with(config, true), 1);
+    d.t.put(DATA, &pattern(64 << 10, 4)).unwrap();
+    let pages: Vec<u64> = (0..16).map(|i| DATA + i * 0x1000).collect();
+    let mut statuses = Vec::new();
+    for i in 0..32u64 {
+        statuses.push(d.rw(1, false, 1, i * 128, 128, 512, &pages, 0).unwrap());
+    }
+    let ok = statuses.iter().filter(|s| **s == Status::SUCCESS).count();
+    let full = statuses.iter().filter(|s| **s == Status::CAPACITY_EXCEEDED).count();
+    assert!(ok >= 1 && full >= 1 && ok + full == 32, "{statuses:?}");
+    // What was written reads back; the queue goes on; the error log has the failures.
+    assert_eq!(d.rw(1, true, 1, 0, 8, 512, &[DATA + 0x40_0000], 0).unwrap(), Status::SUCCESS);
+    let mut back = vec![0u8; 4096];
+    d.t.get(DATA + 0x40_0000, &mut back).unwrap();
+    assert!(back == pattern(64 << 10, 4)[..4096]);
+    let mut log = Sqe::new(admin_op::GET_LOG_PAGE, 0);
+    log.set_dw(10, u32::from(log_page::ERROR) | (64 / 4 - 1) << 16);
+    log.prp1 = (DATA + 0x9000).into();
+    d.admin_ok(log).unwrap();
+    let mut entry = ErrorLogEntry::default();
+    d.t.get(DATA + 0x9000, vm_memory::ByteValued::as_mut_slice(&mut entry)).unwrap();
+    assert_eq!(u16::from(entry.status) >> 1, Status::CAPACITY_EXCEEDED.0);
 }

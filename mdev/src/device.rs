@@ -243,6 +243,17 @@ pub trait ClientDma: Send + Sync {
     fn write(&self, iova: u64, data: &[u8]) -> Result<(), ClientDmaError>;
 }
 
+/// What a client said of itself in its VERSION request, for a device that serves different
+/// clients differently ([`VfioDevice::client_version`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ClientHello {
+    /// The client's minor protocol version.
+    pub minor: u16,
+    /// The client sent a `capabilities` object. QEMU and rust-vmm's client do; SPDK's
+    /// `nvme_vfio_user` initiator, a user-space driver that polls, sends none.
+    pub capabilities: bool,
+}
+
 /// A device as the vfio-user server sees it.
 pub trait VfioDevice: Send + Sync {
     /// DEVICE_GET_INFO.
@@ -261,6 +272,12 @@ pub trait VfioDevice: Send + Sync {
     fn reset(&self) -> Result<(), DeviceError>;
     /// A client connected: its DMA space and DMA channel.
     fn attach(&self, context: DeviceContext);
+    /// The connected client's VERSION, before it may ask for any region info: a device may
+    /// shape its regions for this client (which BAR areas are mappable, say). Region info
+    /// must not change for the rest of the connection. The default does nothing.
+    fn client_version(&self, hello: &ClientHello) {
+        let _ = hello;
+    }
     /// The client is gone: reset, stop all work, drop every pin and every eventfd. The
     /// server unmaps the DMA space right after.
     fn detach(&self);

@@ -26,8 +26,8 @@ pub mod unix_socket;
 pub mod worker;
 
 pub use device::{
-    ClientDma, ClientDmaError, DeviceError, DeviceFlags, DeviceInfo, IrqAction, IrqData, IrqFlags, IrqInfo,
-    RegionFlags, RegionInfo, RegionMmap, SetIrqs, SparseArea, VfioDevice,
+    ClientDma, ClientDmaError, ClientHello, DeviceError, DeviceFlags, DeviceInfo, IrqAction, IrqData,
+    IrqFlags, IrqInfo, RegionFlags, RegionInfo, RegionMmap, SetIrqs, SparseArea, VfioDevice,
 };
 pub use device::{
     VFIO_PCI_BAR0_REGION_INDEX, VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_ERR_IRQ_INDEX,

@@ -88,6 +88,11 @@ impl Bell {
         Bell::default()
     }
 
+    /// Whether `other` is this bell (a clone of it), not just one like it.
+    pub fn same(&self, other: &Bell) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
     /// Wakes the worker: its next (or current) [`Waiter::wait`] returns [`Wake::Work`]. Costs
     /// no syscall while the worker is awake or polling.
     pub fn ring(&self) {
@@ -132,6 +137,8 @@ pub struct Waiter<S> {
     poll: Poll,
     /// The bell's rings as this waiter last returned.
     seen: u32,
+    /// In [`Waiter::linger`]: a stop does not end the wait.
+    lingering: bool,
 }
 
 impl<S: Copy> Waiter<S> {
@@ -157,6 +164,17 @@ impl<S: Copy> Waiter<S> {
     /// As [`Waiter::wait`], without polling first (the work just done says none is near).
     pub fn sleep(&mut self, ready: impl FnMut() -> bool, timeout: Option<Duration>) -> Wake<S> {
         self.wait_with(ready, timeout, Poll::NONE)
+    }
+
+    /// As [`Waiter::sleep`], but a stop does not end the wait: for a body that was told to
+    /// stop and still owes something it must finish, boundedly (a device completing what was
+    /// queued before a deletion, say), while waiting for a ring. Returns [`Wake::Work`] or
+    /// [`Wake::Timeout`], never [`Wake::Stop`].
+    pub fn linger(&mut self, ready: impl FnMut() -> bool, timeout: Duration) -> Wake<S> {
+        self.lingering = true;
+        let wake = self.wait_with(ready, Some(timeout), Poll::NONE);
+        self.lingering = false;
+        wake
     }
 
     fn wait_with(
@@ -204,7 +222,7 @@ impl<S: Copy> Waiter<S> {
 
     /// A stop, a ring since the last return, or `ready`.
     fn look(&mut self, ready: &mut impl FnMut() -> bool) -> Option<Wake<S>> {
-        if let Some(s) = self.control.stop_reason() {
+        if let Some(s) = self.control.stop_reason().filter(|_| !self.lingering) {
             return Some(Wake::Stop(s));
         }
         let rings = self.bell.0.rings.load(Ordering::SeqCst);
@@ -256,7 +274,7 @@ impl<S: Copy + Send + 'static> Worker<S> {
             ended: Condvar::new(),
         });
         let seen = bell.0.rings.load(Ordering::SeqCst);
-        let waiter = Waiter { bell: bell.clone(), control: control.clone(), poll, seen };
+        let waiter = Waiter { bell: bell.clone(), control: control.clone(), poll, seen, lingering: false };
         let thread = std::thread::Builder::new().name(name.clone()).spawn(move || {
             let _ended = Ended(waiter.control.clone());
             body(waiter);
@@ -417,6 +435,30 @@ mod tests {
         let worker =
             Worker::spawn("umdev-test-panic", Poll::NONE, |_w: Waiter<Why>| panic!("on purpose")).unwrap();
         worker.join(Duration::from_secs(60)).unwrap();
+    }
+
+    #[test]
+    fn a_stopped_worker_lingers_until_rung_or_its_bound() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let worker = Worker::spawn("umdev-test-linger", Poll::NONE, move |mut w: Waiter<Why>| {
+            assert!(matches!(w.wait(|| false, None), Wake::Stop(Why::Delete)));
+            tx.send(()).unwrap();
+            // Still stopped: a ring ends the linger, then the bound does.
+            assert_eq!(w.linger(|| false, Duration::from_secs(60)), Wake::Work);
+            assert_eq!(w.linger(|| false, Duration::from_millis(1)), Wake::Timeout);
+            assert_eq!(w.stopped(), Some(Why::Delete));
+        })
+        .unwrap();
+        worker.stop(Why::Delete);
+        rx.recv().unwrap();
+        worker.wake();
+        worker.join(Duration::from_secs(60)).unwrap();
+    }
+
+    #[test]
+    fn a_bell_is_the_same_as_its_clones_only() {
+        let (a, b) = (Bell::new(), Bell::new());
+        assert!(a.same(&a.clone()) && !a.same(&b));
     }
 
     #[test]

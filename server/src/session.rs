@@ -156,6 +156,10 @@ impl Session {
                 log::warn!("VERSION sent twice");
                 return Err(libc::EINVAL);
             }
+            self.device.client_version(&umdev_mdev::ClientHello {
+                minor: client.minor,
+                capabilities: client.capabilities,
+            });
             let negotiated = negotiate(client, &self.limits);
             self.link.set_client_max_xfer(negotiated.client.max_data_xfer_size);
             let payload = negotiated.reply.clone();

@@ -1,37 +1,65 @@
-//! The controller: registers, enable and disable, doorbells, interrupts, the queue table,
-//! and what a DMA unmap does to queues and commands.
+//! The controller (NVMe 1.3 §3.1, §7.6): registers, enable and disable, doorbells,
+//! interrupts, the queue table, asynchronous event delivery, and what a DMA unmap does to
+//! the rings.
 //!
 //! Threads: the connection thread writes registers and doorbells; one worker per
 //! submission queue (the admin queue's included) fetches, executes and completes its
 //! commands. Enable starts the admin worker; Create I/O SQ starts the others; Delete, a
-//! disable (CC.EN 1 -> 0), a reset and a detach stop and join them.
+//! disable (CC.EN 1 -> 0), a reset and a detach stop and join them. The controller does not
+//! know what a worker runs: it starts them through the [`Spawn`] function it was made with
+//! (the module graph in [`super`] says why).
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::admin::AdminState;
+use thiserror::Error;
+
 use super::namespace::Namespace;
-use super::queue::{Cq, Doorbell, DoorbellPage, Sq};
-use super::spec::{event, reg};
+use super::queue::{Cq, Doorbell, DoorbellPage, PostError, ShadowDoorbells, Sq, EVENT_NEVER};
+use super::spec::{event, log_page, reg, Cqe, Status};
+use super::state::AdminState;
 use super::stats::QueueStats;
-use super::worker::QueueWorker;
 use umdev_mdev::irq::{IrqHandle, IrqMode};
 use umdev_mdev::pci::Host;
-use umdev_mdev::request::Requests;
-use umdev_mdev::worker::{Poll, Worker};
+use umdev_mdev::request::{Lane, Requests};
+use umdev_mdev::worker::{Bell, Worker};
 use umdev_mdev::DeviceContext;
 
 /// How long a disable waits for workers to finish the command they are on.
 const STOP_WAIT: Duration = Duration::from_secs(5);
 
-/// How the guest's doorbell writes reach the workers.
+/// How the guest's doorbell writes reach the workers, for the connected client.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DoorbellMode {
     /// As REGION_WRITE messages (posted by QEMU): a write wakes the worker.
     Message,
-    /// Through a page the client maps into the guest: workers poll it.
+    /// Through a page the client maps (into a guest, or its own process): workers poll it.
     Mapped,
+}
+
+/// The `doorbells` option: a [`DoorbellMode`] for every client, or one chosen per client.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Doorbells {
+    /// Per connection, from the client's VERSION: a client that announces capabilities (a
+    /// VMM: QEMU, rust-vmm's client) gets messages; one that announces none (a user-space
+    /// driver that polls, such as SPDK's initiator) gets the mapped page.
+    Auto,
+    /// Messages for every client.
+    Message,
+    /// The mapped page for every client.
+    Mapped,
+}
+
+impl Doorbells {
+    /// The option's spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Doorbells::Auto => "auto",
+            Doorbells::Message => "message",
+            Doorbells::Mapped => "mmap",
+        }
+    }
 }
 
 /// What a controller is built with.
@@ -44,13 +72,55 @@ pub struct ControllerConfig {
     /// Entries per queue at most (CAP.MQES + 1).
     pub max_entries: u32,
     /// How doorbells arrive.
-    pub doorbells: DoorbellMode,
+    pub doorbells: Doorbells,
     /// The serial number (Identify SN).
     pub serial: String,
     /// How long a worker watches its message doorbell after a lone command before it
     /// sleeps (0: it sleeps at once).
     pub poll: Duration,
 }
+
+/// Why a queue's worker stops: the one reason, given to its [`Worker`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stop {
+    /// Delete I/O SQ (§5.6): commands left in the queue complete as aborted.
+    Delete,
+    /// A disable, a reset or a detach: nothing more is posted.
+    Reset,
+}
+
+/// Why CC.EN 0 -> 1 was refused (the controller then reports CSTS.CFS).
+#[derive(Debug, Error)]
+pub enum EnableError {
+    /// CC names a command set, page size or arbitration the controller does not have.
+    #[error("CC.CSS {css}, MPS {mps}, AMS {ams}: only NVM, 4 KiB pages, round robin")]
+    Config {
+        /// CC.CSS.
+        css: u32,
+        /// CC.MPS.
+        mps: u32,
+        /// CC.AMS.
+        ams: u32,
+    },
+    /// AQA sizes an admin queue outside 2 to MQES + 1 entries.
+    #[error("AQA {aqa:#x}: admin queues of 2 to {max} entries")]
+    AdminQueues {
+        /// AQA as written.
+        aqa: u32,
+        /// Entries at most.
+        max: u32,
+    },
+    /// No client is attached: there is no guest memory to serve.
+    #[error("no client attached")]
+    NoClient,
+    /// The admin queue's worker could not start.
+    #[error("starting a queue worker: {0}")]
+    Spawn(#[from] std::io::Error),
+}
+
+/// Starts a queue's worker: `(controller, queue, its lane, its bell, the running count
+/// guard, the generation)`. The controller is made with one ([`Ctrl::new`]).
+pub type Spawn = fn(&Arc<Ctrl>, Arc<Sq>, Lane, &Bell, Running, u64) -> std::io::Result<Worker<Stop>>;
 
 /// The controller registers the guest writes.
 #[derive(Debug, Default)]
@@ -63,99 +133,100 @@ struct Registers {
 
 /// A live submission queue and its worker.
 #[derive(Debug)]
-pub struct SqEntry {
-    /// The queue.
-    pub sq: Arc<Sq>,
+pub(crate) struct SqEntry {
+    pub(crate) sq: Arc<Sq>,
     worker: Worker<Stop>,
 }
 
-/// The live queues, by identifier.
-#[derive(Debug, Default)]
-pub struct Queues {
-    /// Submission queues.
-    pub sqs: Vec<Option<SqEntry>>,
-    /// Completion queues.
-    pub cqs: Vec<Option<Arc<Cq>>>,
+impl SqEntry {
+    /// Tells the queue's worker to stop for `why` (the first reason given stays).
+    pub(crate) fn stop(&self, why: Stop) {
+        self.worker.stop(why);
+    }
 }
 
-/// Why a queue's worker stops.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Stop {
-    /// Delete I/O SQ: commands left in the queue complete as aborted.
-    Delete = 1,
-    /// A disable or reset: nothing more is posted.
-    Reset = 2,
+/// The live queues, by identifier.
+#[derive(Debug)]
+pub(crate) struct Queues {
+    pub(crate) sqs: Vec<Option<SqEntry>>,
+    pub(crate) cqs: Vec<Option<Arc<Cq>>>,
 }
 
 /// The controller.
 #[derive(Debug)]
 pub struct Ctrl {
-    /// Interrupts.
-    pub irq: IrqHandle,
-    /// How it was built.
-    pub config: ControllerConfig,
+    irq: IrqHandle,
+    config: ControllerConfig,
     regs: Mutex<Registers>,
     /// CC as last written (read back exactly).
-    pub cc: AtomicU32,
+    cc: AtomicU32,
     /// INTMS (interrupt vectors masked, INTx and MSI only).
     intms: AtomicU32,
-    /// The client's context while one is attached.
-    ctx: Mutex<Option<DeviceContext>>,
     /// Doorbells, by queue identifier.
-    pub sq_doorbells: Box<[Doorbell]>,
+    sq_doorbells: Box<[Doorbell]>,
     /// CQ head doorbells, by queue identifier.
-    pub cq_doorbells: Box<[Doorbell]>,
-    /// The mappable doorbell page (`doorbells=mmap`).
-    pub page: Option<DoorbellPage>,
-    /// The live queues.
-    pub queues: Mutex<Queues>,
-    /// Features, asynchronous events, the error log.
-    pub admin: Mutex<AdminState>,
+    cq_doorbells: Box<[Doorbell]>,
+    /// The mappable doorbell page (`doorbells=mmap` and `auto`).
+    page: Option<DoorbellPage>,
+    /// The connected client maps the page ([`DoorbellMode::Mapped`]); chosen at its VERSION,
+    /// while the controller is disabled.
+    mapped: AtomicBool,
+    /// Doorbell Buffer Config's pages while it is on (I/O queues only: the admin queue always
+    /// uses its registers).
+    shadow: arc_swap::ArcSwapOption<ShadowDoorbells>,
+    /// Doorbell Buffer Config commands that succeeded.
+    shadow_configs: AtomicU64,
+    queues: Mutex<Queues>,
+    /// Features, asynchronous events, the error log. Lock order: before `queues`.
+    admin: Mutex<AdminState>,
     /// Per-queue statistics, by queue identifier (kept across resets).
-    pub stats: Box<[QueueStats]>,
+    stats: Box<[QueueStats]>,
     /// Bumped by every disable: work of an older generation posts nothing.
-    pub generation: AtomicU64,
+    generation: AtomicU64,
     /// CSTS.CFS: the controller stopped processing until a reset.
     fatal: AtomicBool,
     /// Volatile write cache enabled (Set Features 06h), read on every write.
-    pub write_cache: AtomicBool,
-    /// The framework's tracker of the commands (and the client's context).
+    write_cache: AtomicBool,
+    /// The framework's tracker of the commands, which holds the client's context.
     requests: Requests,
-    /// Queue workers alive (including any left to finish on their own).
+    spawn: Spawn,
+    /// Queue workers alive.
     running: Arc<AtomicUsize>,
     /// When the controller was made (SMART power-on hours).
-    pub born: Instant,
-    /// Shutdown notifications seen, and resets without one (SMART).
-    pub unsafe_shutdowns: AtomicU64,
+    born: Instant,
+    /// Resets without a shutdown notification (SMART).
+    unsafe_shutdowns: AtomicU64,
     /// Doorbell writes that arrived as REGION_WRITE messages (with the doorbell page mapped
     /// into the guest, there should be none).
-    pub doorbell_messages: AtomicU64,
+    doorbell_messages: AtomicU64,
 }
 
 impl Ctrl {
-    /// A disabled controller.
-    pub fn new(host: Host, config: ControllerConfig, page: Option<DoorbellPage>) -> Ctrl {
+    /// A disabled controller whose queue workers `spawn` starts.
+    pub fn new(host: Host, config: ControllerConfig, page: Option<DoorbellPage>, spawn: Spawn) -> Ctrl {
         let slots = usize::from(config.io_queues) + 1;
-        let admin = AdminState::new(&config);
         Ctrl {
             irq: host.irq,
             regs: Mutex::new(Registers::default()),
             cc: AtomicU32::new(0),
             intms: AtomicU32::new(0),
-            ctx: Mutex::new(None),
             sq_doorbells: (0..slots).map(|_| Doorbell::default()).collect(),
             cq_doorbells: (0..slots).map(|_| Doorbell::default()).collect(),
+            mapped: AtomicBool::new(config.doorbells == Doorbells::Mapped),
+            shadow: arc_swap::ArcSwapOption::empty(),
+            shadow_configs: AtomicU64::new(0),
             page,
             queues: Mutex::new(Queues {
                 sqs: (0..slots).map(|_| None).collect(),
                 cqs: (0..slots).map(|_| None).collect(),
             }),
-            admin: Mutex::new(admin),
+            admin: Mutex::new(AdminState::new(config.io_queues)),
             stats: (0..slots).map(|_| QueueStats::default()).collect(),
             generation: AtomicU64::new(0),
             fatal: AtomicBool::new(false),
             write_cache: AtomicBool::new(true),
             requests: host.requests,
+            spawn,
             running: Arc::new(AtomicUsize::new(0)),
             born: Instant::now(),
             unsafe_shutdowns: AtomicU64::new(0),
@@ -169,16 +240,119 @@ impl Ctrl {
     }
 
     /// The live queues.
-    pub fn queues(&self) -> MutexGuard<'_, Queues> {
+    pub(crate) fn queues(&self) -> MutexGuard<'_, Queues> {
         umdev_mdev::sync::lock(&self.queues)
     }
 
-    /// Features and events.
-    pub fn admin(&self) -> MutexGuard<'_, AdminState> {
+    /// Features and events (lock order: before [`Ctrl::queues`]).
+    pub(crate) fn admin(&self) -> MutexGuard<'_, AdminState> {
         umdev_mdev::sync::lock(&self.admin)
     }
 
-    /// CAP.
+    /// How the controller was built.
+    pub fn config(&self) -> &ControllerConfig {
+        &self.config
+    }
+
+    /// I/O queue pairs offered.
+    pub fn io_queues(&self) -> u16 {
+        self.config.io_queues
+    }
+
+    /// Interrupts.
+    pub(crate) fn irq(&self) -> &IrqHandle {
+        &self.irq
+    }
+
+    /// Queue `qid`'s statistics (the admin queue is 0).
+    pub(crate) fn stats(&self, qid: u16) -> &QueueStats {
+        &self.stats[usize::from(qid)]
+    }
+
+    /// Every queue's statistics, by queue identifier.
+    pub(crate) fn all_stats(&self) -> &[QueueStats] {
+        &self.stats
+    }
+
+    /// CC as last written.
+    pub(crate) fn cc(&self) -> u32 {
+        self.cc.load(Ordering::Acquire)
+    }
+
+    /// The current generation (bumped by every disable).
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// Whether the volatile write cache is enabled.
+    pub(crate) fn write_cache(&self) -> bool {
+        self.write_cache.load(Ordering::Acquire)
+    }
+
+    /// Sets the volatile write cache (Set Features 06h).
+    pub(crate) fn set_write_cache(&self, on: bool) {
+        self.write_cache.store(on, Ordering::Release);
+    }
+
+    /// When the controller was made.
+    pub(crate) fn born(&self) -> Instant {
+        self.born
+    }
+
+    /// Resets without a shutdown notification.
+    pub(crate) fn unsafe_shutdowns(&self) -> u64 {
+        self.unsafe_shutdowns.load(Ordering::Relaxed)
+    }
+
+    /// Doorbell writes that arrived as messages.
+    pub fn doorbell_messages(&self) -> u64 {
+        self.doorbell_messages.load(Ordering::Relaxed)
+    }
+
+    /// How doorbells reach the workers for the connected client.
+    pub fn doorbell_mode(&self) -> DoorbellMode {
+        if self.mapped.load(Ordering::Acquire) {
+            DoorbellMode::Mapped
+        } else {
+            DoorbellMode::Message
+        }
+    }
+
+    /// A client connected and said `hello`: with `doorbells=auto`, its doorbell mode is
+    /// chosen (and logged); with `doorbells=message`, a client that looks like a polling
+    /// driver is told, in the log, why it will find no doorbell page.
+    pub fn client_version(&self, hello: &umdev_mdev::ClientHello) {
+        let mode = match (self.config.doorbells, hello.capabilities) {
+            (Doorbells::Auto, true) => {
+                log::info!(
+                    "nvme: doorbells=auto: the client announced VERSION capabilities (a VMM): doorbells as \
+                     messages (--opt doorbells=mmap maps the doorbell page for every client)"
+                );
+                DoorbellMode::Message
+            }
+            (Doorbells::Auto, false) => {
+                log::info!(
+                    "nvme: doorbells=auto: the client announced no VERSION capabilities (a polling driver such \
+                     as SPDK's nvme_vfio_user): the doorbell page at BAR0 0x1000 is mappable \
+                     (--opt doorbells=message refuses it to every client)"
+                );
+                DoorbellMode::Mapped
+            }
+            (Doorbells::Message, false) => {
+                log::warn!(
+                    "nvme: the client announced no VERSION capabilities, as SPDK's nvme_vfio_user does: such a \
+                     driver needs a mappable doorbell page, which doorbells=message does not offer; use --opt \
+                     doorbells=auto (the default) or doorbells=mmap"
+                );
+                DoorbellMode::Message
+            }
+            (Doorbells::Message, true) => DoorbellMode::Message,
+            (Doorbells::Mapped, _) => DoorbellMode::Mapped,
+        };
+        self.mapped.store(mode == DoorbellMode::Mapped, Ordering::Release);
+    }
+
+    /// CAP (§3.1.1).
     pub fn cap(&self) -> u64 {
         let mqes = u64::from(self.config.max_entries - 1);
         let cqr = 1 << 16;
@@ -187,7 +361,7 @@ impl Ctrl {
         mqes | cqr | to | css_nvm
     }
 
-    /// A register read (the 32-bit register at `offset`; 64-bit ones as two halves).
+    /// A register read (the 32-bit register at `offset`; 64-bit ones as two halves; §3.1).
     pub fn read_register(&self, offset: u64) -> u32 {
         let regs = self.regs();
         match offset {
@@ -206,7 +380,7 @@ impl Ctrl {
         }
     }
 
-    /// A register write.
+    /// A register write (§3.1).
     pub fn write_register(self: &Arc<Self>, offset: u64, value: u32) {
         match offset {
             reg::INTMS => self.mask_vectors(value, true),
@@ -221,6 +395,7 @@ impl Ctrl {
         }
     }
 
+    /// CC (§3.1.5): EN edges enable or disable (§7.6.1), SHN notifies a shutdown (§7.6.2).
     fn write_cc(self: &Arc<Self>, value: u32) {
         let old = self.cc.swap(value, Ordering::AcqRel);
         let (was, is) = (old & reg::CC_EN != 0, value & reg::CC_EN != 0);
@@ -243,22 +418,20 @@ impl Ctrl {
     /// CC.SHN: the host is about to go away; make every write durable.
     fn shutdown(&self) {
         for ns in self.config.namespaces.iter().flatten() {
-            if let Err(e) = ns.store.flush() {
-                log::warn!("nvme: ns{}: flush at shutdown: {e}", ns.id);
+            if let Err(e) = ns.store().flush() {
+                log::warn!("nvme: ns{}: flush at shutdown: {e}", ns.id());
             }
         }
         self.admin().shutdown_seen = true;
         self.regs().csts |= reg::CSTS_SHST_COMPLETE;
     }
 
-    /// CC.EN 0 -> 1: the admin queue from AQA/ASQ/ACQ, its worker, CSTS.RDY.
-    fn enable(self: &Arc<Self>) -> Result<(), String> {
+    /// CC.EN 0 -> 1 (§7.6.1): the admin queue from AQA/ASQ/ACQ, its worker, CSTS.RDY.
+    fn enable(self: &Arc<Self>) -> Result<(), EnableError> {
         let cc = self.cc.load(Ordering::Acquire);
-        let css = (cc >> 4) & 7;
-        let mps = (cc >> 7) & 0xf;
-        let ams = (cc >> 11) & 7;
+        let (css, mps, ams) = ((cc >> 4) & 7, (cc >> 7) & 0xf, (cc >> 11) & 7);
         if css != 0 || mps != 0 || ams != 0 {
-            return Err(format!("CC.CSS {css}, MPS {mps}, AMS {ams}: only NVM, 4 KiB pages, round robin"));
+            return Err(EnableError::Config { css, mps, ams });
         }
         let (aqa, asq, acq) = {
             let r = self.regs();
@@ -267,94 +440,80 @@ impl Ctrl {
         let (sq_entries, cq_entries) = ((aqa & 0xfff) + 1, ((aqa >> 16) & 0xfff) + 1);
         let max = self.config.max_entries;
         if sq_entries < 2 || cq_entries < 2 || sq_entries > max || cq_entries > max {
-            return Err(format!("AQA {aqa:#x}: admin queues of 2 to {max} entries"));
+            return Err(EnableError::AdminQueues { aqa, max });
         }
-        let ctx = umdev_mdev::sync::lock(&self.ctx).clone().ok_or("no client attached")?;
-        let generation = self.generation.load(Ordering::Acquire);
+        if self.requests.context().is_none() {
+            return Err(EnableError::NoClient);
+        }
+        let generation = self.generation();
         let cq = Arc::new(Cq::new(0, acq, cq_entries, 0, true));
         let sq = Arc::new(Sq::new(0, asq, sq_entries, cq.clone()));
         self.open_cq_doorbell(0, cq_entries);
         self.open_sq_doorbell(0, sq_entries);
         let mut queues = self.queues();
         queues.cqs[0] = Some(cq);
-        if let Err(e) = self.start_queue(&mut queues, sq, ctx, generation) {
+        if let Err(e) = self.start_queue(&mut queues, sq, generation) {
             // Doorbells are open exactly while their queue serves (the doorbell path relies on
             // it instead of asking CSTS.RDY).
             self.open_cq_doorbell(0, 0);
             self.open_sq_doorbell(0, 0);
-            return Err(e);
+            return Err(e.into());
         }
         drop(queues);
-        let mut regs = self.regs();
-        regs.csts = reg::CSTS_RDY;
+        self.regs().csts = reg::CSTS_RDY;
         Ok(())
     }
 
-    /// The controller's DMA context, if a client is attached.
-    pub fn ctx(&self) -> Option<DeviceContext> {
-        umdev_mdev::sync::lock(&self.ctx).clone()
-    }
-
     /// Starts `sq`'s worker and enters it in the table.
-    pub fn start_queue(
+    pub(crate) fn start_queue(
         self: &Arc<Self>,
         queues: &mut Queues,
         sq: Arc<Sq>,
-        ctx: DeviceContext,
         generation: u64,
-    ) -> Result<(), String> {
+    ) -> std::io::Result<()> {
         let id = usize::from(sq.id);
         let bell = self.sq_doorbells[id].bell().clone();
         let lane = {
             let bell = bell.clone();
             self.requests.lane(move || bell.ring())
         };
-        let w = QueueWorker::new(self.clone(), sq.clone(), ctx, generation, lane);
-        let name = if id == 0 { "umdev-nvme-admin".to_string() } else { format!("umdev-nvme-q{id}") };
-        let running = self.running.clone();
-        running.fetch_add(1, Ordering::AcqRel);
-        let alive = Running(running.clone());
-        let worker = Worker::spawn_on(&bell, name, Poll(self.config.poll), move |waiter| {
-            let _alive = alive;
-            w.run(waiter);
-        })
-        .map_err(|e| {
-            running.fetch_sub(1, Ordering::AcqRel);
-            format!("starting a queue worker: {e}")
-        })?;
+        self.running.fetch_add(1, Ordering::AcqRel);
+        let alive = Running(self.running.clone());
+        let worker = (self.spawn)(self, sq.clone(), lane, &bell, alive, generation)?;
         queues.sqs[id] = Some(SqEntry { sq, worker });
         Ok(())
     }
 
-    /// Stops one queue's worker and waits for it, boundedly.
-    pub fn stop_queue(&self, entry: SqEntry, why: Stop) {
-        entry.sq.stop(why);
+    /// Stops one queue's worker for `why` and waits for it, boundedly.
+    pub(crate) fn stop_queue(&self, entry: SqEntry, why: Stop) {
         entry.worker.stop(why);
         if let Err(e) = entry.worker.join(STOP_WAIT) {
             log::warn!("nvme: {e}");
         }
     }
 
-    /// CC.EN 1 -> 0 (and reset, detach): stops every worker, drops the queues and their
-    /// pins, clears CSTS.RDY (and CFS, SHST), resets features.
+    /// CC.EN 1 -> 0 (and reset, detach; §7.6.1): stops every worker, drops the queues and
+    /// their pins, clears CSTS.RDY (and CFS, SHST), resets features.
     pub fn disable(&self) {
         let entries: Vec<SqEntry> = {
             let mut queues = self.queues();
             self.generation.fetch_add(1, Ordering::AcqRel);
             let entries: Vec<SqEntry> = queues.sqs.iter_mut().filter_map(Option::take).collect();
             for e in &entries {
-                e.sq.stop(Stop::Reset);
                 e.worker.stop(Stop::Reset);
             }
             queues.cqs.iter_mut().for_each(|c| *c = None);
             entries
         };
+        // Commands in flight stop at their next block.
+        self.requests.cancel_all();
         let deadline = Instant::now() + STOP_WAIT;
         for e in entries {
             if let Err(e) = e.worker.join(deadline.saturating_duration_since(Instant::now())) {
                 log::warn!("nvme: {e} after a disable");
             }
         }
+        self.shadow.store(None);
         for db in self.sq_doorbells.iter().chain(self.cq_doorbells.iter()) {
             db.open(0);
         }
@@ -364,7 +523,7 @@ impl Ctrl {
         let shutdown_seen = {
             let mut admin = self.admin();
             let seen = std::mem::take(&mut admin.shutdown_seen);
-            admin.reset(&self.config);
+            admin.reset(self.config.io_queues);
             seen
         };
         if !shutdown_seen && self.regs().csts & reg::CSTS_RDY != 0 {
@@ -384,19 +543,8 @@ impl Ctrl {
         *self.regs() = Registers::default();
     }
 
-    /// A client connected.
-    pub fn attach(&self, ctx: &DeviceContext) {
-        *umdev_mdev::sync::lock(&self.ctx) = Some(ctx.clone());
-    }
-
-    /// The client left.
-    pub fn detach(&self) {
-        self.reset();
-        umdev_mdev::sync::lock(&self.ctx).take();
-    }
-
     /// Something the controller cannot go on from (a ring it cannot reach): CSTS.CFS.
-    pub fn fail(&self, why: &str) {
+    pub(crate) fn fail(&self, why: &str) {
         if !self.fatal.swap(true, Ordering::AcqRel) {
             log::warn!("nvme: controller fatal status: {why}");
         }
@@ -412,7 +560,7 @@ impl Ctrl {
         self.regs().csts & reg::CSTS_RDY != 0
     }
 
-    /// A doorbell write: `index` counts 4-byte doorbells from 0x1000.
+    /// A doorbell write (§3.1, SQyTDBL/CQyHDBL): `index` counts 4-byte doorbells from 0x1000.
     pub fn doorbell(&self, index: u64, value: u32) {
         // One writer (the connection thread): a plain increment.
         let n = &self.doorbell_messages;
@@ -444,23 +592,135 @@ impl Ctrl {
     fn bad_doorbell(&self, info: u32, index: u64, value: u32) {
         log::debug!("nvme: doorbell {index} written with {value}: invalid (event info {info})");
         if self.ready() {
-            self.event(event::TYPE_ERROR, info, super::spec::log_page::ERROR);
+            self.event(event::TYPE_ERROR, info, log_page::ERROR);
         }
     }
 
-    /// Reports an asynchronous event (queued until an Asynchronous Event Request takes it).
-    pub fn event(&self, kind: u32, info: u32, log: u8) {
-        let ctx = self.ctx();
-        let admin_sq = self.queues().sqs[0].as_ref().map(|e| e.sq.clone());
+    /// Reports an asynchronous event (§5.2; queued until an Asynchronous Event Request takes
+    /// it).
+    pub(crate) fn event(&self, kind: u32, info: u32, log: u8) {
         let mut admin = self.admin();
         admin.add_event(kind, info, log);
-        if let (Some(ctx), Some(sq)) = (ctx, admin_sq) {
-            admin.deliver_events(self, &ctx, &sq);
+        if let Some(ctx) = self.requests.context() {
+            self.deliver_events(&mut admin, &ctx);
         }
     }
 
-    /// The host consumed completions (a CQ head doorbell): the INTx level may drop. Posters
-    /// poll a full queue; nothing else waits on the head.
+    /// Completes outstanding Asynchronous Event Requests with waiting events whose type is
+    /// not masked. Never waits for room in the admin CQ: a full queue leaves the event
+    /// waiting for the next request, event or log read.
+    pub(crate) fn deliver_events(&self, admin: &mut AdminState, ctx: &DeviceContext) {
+        let Some(sq) = self.queues().sqs[0].as_ref().map(|e| e.sq.clone()) else { return };
+        while let Some((cid, dw0)) = admin.next_delivery() {
+            let cqe = super::queue::completion(&sq, cid, Status::SUCCESS, dw0);
+            match sq.cq.post(ctx, cqe, self.cq_head(0), 0) {
+                Ok(_) => {
+                    self.interrupt(&sq.cq);
+                    admin.delivered(cid, dw0);
+                }
+                Err(_) => return, // the admin CQ is full: the event waits
+            }
+        }
+    }
+
+    /// Posts `cqe` on `cq` for a worker whose SQ has `queued` more commands waiting, raising
+    /// the interrupt it calls for.
+    pub(crate) fn post(&self, ctx: &DeviceContext, cq: &Cq, cqe: Cqe, queued: u32) -> Result<(), PostError> {
+        let signal = cq.post(ctx, cqe, self.cq_head(cq.id), queued)?;
+        // A level-triggered line (INTx) drops when the host consumed every entry: with shadow
+        // doorbells it must write the CQ head register when it passes the last one posted.
+        // Armed before the line is raised (whose handler consumes the entries), and the
+        // level then computed from the shadow head read after it: a head the host wrote
+        // before seeing this event index is seen there.
+        if cq.id != 0 && cq.interrupts && self.irq.mode() == IrqMode::Intx {
+            if let Some(shadow) = &*self.shadow.load() {
+                let last = (cq.tail_seen.load(Ordering::Acquire) + cq.entries - 1) % cq.entries;
+                shadow.arm(usize::from(cq.id) * 2 + 1, last);
+            }
+        }
+        match signal {
+            super::queue::Signal::Now => self.interrupt(cq),
+            super::queue::Signal::Held | super::queue::Signal::None => {}
+        }
+        Ok(())
+    }
+
+    /// Doorbell Buffer Config (§5.10): the shadow doorbells at `shadow` and the event indexes
+    /// at `eventidx` (page aligned, different) replace the I/O queues' doorbell registers as
+    /// where their values are read. Each live queue's shadow entries are set to the values the
+    /// controller holds (a host may hand over buffers of before a reset, uncleared); SQ event
+    /// indexes ask to hear of the next submission, CQ ones of nothing.
+    pub(crate) fn set_shadow_doorbells(
+        &self,
+        ctx: &DeviceContext,
+        shadow: u64,
+        eventidx: u64,
+    ) -> Result<(), Status> {
+        if shadow & (super::spec::PAGE - 1) != 0
+            || eventidx & (super::spec::PAGE - 1) != 0
+            || shadow == eventidx
+        {
+            return Err(Status::INVALID_FIELD.dnr());
+        }
+        let pages = ShadowDoorbells::new(ctx, shadow, eventidx).map_err(|e| {
+            log::debug!("nvme: doorbell buffers at {shadow:#x} and {eventidx:#x}: {e}");
+            Status::DATA_TRANSFER_ERROR
+        })?;
+        let queues = self.queues();
+        for qid in 1..self.sq_doorbells.len() {
+            let (tail, head) = (self.sq_doorbells[qid].value(), self.cq_doorbells[qid].value());
+            pages.store(qid * 2, tail);
+            pages.arm(qid * 2, tail);
+            pages.store(qid * 2 + 1, head);
+            pages.arm(qid * 2 + 1, EVENT_NEVER);
+        }
+        self.shadow.store(Some(Arc::new(pages)));
+        self.shadow_configs.fetch_add(1, Ordering::Relaxed);
+        drop(queues);
+        // Workers asleep on the old registers look again.
+        self.wake_all();
+        Ok(())
+    }
+
+    /// Whether Doorbell Buffer Config is on.
+    pub fn shadowed(&self) -> bool {
+        self.shadow.load().is_some()
+    }
+
+    /// Doorbell Buffer Config commands that succeeded, ever.
+    pub fn shadow_configs(&self) -> u64 {
+        self.shadow_configs.load(Ordering::Relaxed)
+    }
+
+    /// Before queue `qid`'s worker sleeps with its SQ empty at `head`: with shadow doorbells,
+    /// the host is asked to write the doorbell register at its next submission (the worker
+    /// looks at the shadow once more after this, so one made meanwhile is not missed).
+    pub(crate) fn arm_sq(&self, qid: u16, head: u32) {
+        if qid != 0 {
+            if let Some(shadow) = &*self.shadow.load() {
+                shadow.arm(usize::from(qid) * 2, head);
+            }
+        }
+    }
+
+    /// A worker waits for room in CQ `qid`: with shadow doorbells, the host is asked to write
+    /// the CQ head register at its next update.
+    pub(crate) fn arm_cq(&self, qid: u16) {
+        if qid != 0 {
+            if let Some(shadow) = &*self.shadow.load() {
+                let index = usize::from(qid) * 2 + 1;
+                shadow.arm(index, shadow.load(index));
+            }
+        }
+    }
+
+    /// Records a failed command in the error log.
+    pub(crate) fn log_error(&self, sqid: u16, sqe: &super::spec::Sqe, status: Status) {
+        self.admin().log_error(sqid, sqe, status);
+    }
+
+    /// The host consumed completions (a CQ head doorbell): the INTx level may drop. Workers
+    /// waiting for room were rung by the doorbell itself.
     fn cq_head_moved(&self) {
         if self.irq.mode() == IrqMode::Intx {
             self.update_intx();
@@ -468,21 +728,49 @@ impl Ctrl {
     }
 
     /// The SQ tail the worker of `qid` should see.
-    pub fn sq_tail(&self, qid: u16) -> u32 {
-        match &self.page {
+    pub(crate) fn sq_tail(&self, qid: u16) -> u32 {
+        if qid != 0 {
+            if let Some(shadow) = &*self.shadow.load() {
+                return shadow.load(usize::from(qid) * 2);
+            }
+        }
+        match self.mapped_page() {
             Some(page) => page.load(usize::from(qid) * 2),
             None => self.sq_doorbells[usize::from(qid)].value(),
         }
     }
 
+    /// The doorbell page, if the connected client maps it.
+    fn mapped_page(&self) -> Option<&DoorbellPage> {
+        self.page.as_ref().filter(|_| self.mapped.load(Ordering::Relaxed))
+    }
+
+    /// The CQ head the host last wrote for `qid`.
+    pub(crate) fn cq_head(&self, qid: u16) -> u32 {
+        if qid != 0 {
+            if let Some(shadow) = &*self.shadow.load() {
+                return shadow.load(usize::from(qid) * 2 + 1);
+            }
+        }
+        match self.mapped_page() {
+            Some(page) => page.load(usize::from(qid) * 2 + 1),
+            None => self.cq_doorbells[usize::from(qid)].value(),
+        }
+    }
+
+    /// Queue `qid`'s CQ head doorbell (a worker waits there for room).
+    pub(crate) fn cq_doorbell(&self, qid: u16) -> &Doorbell {
+        &self.cq_doorbells[usize::from(qid)]
+    }
+
     /// Queue `qid`'s SQ tail doorbell now belongs to a queue of `entries` (0: none), its value
     /// back to 0 in the message and the mapped page alike.
-    pub fn open_sq_doorbell(&self, qid: u16, entries: u32) {
+    pub(crate) fn open_sq_doorbell(&self, qid: u16, entries: u32) {
         self.open_doorbell(qid, false, entries);
     }
 
     /// As [`Ctrl::open_sq_doorbell`], for the CQ head doorbell.
-    pub fn open_cq_doorbell(&self, qid: u16, entries: u32) {
+    pub(crate) fn open_cq_doorbell(&self, qid: u16, entries: u32) {
         self.open_doorbell(qid, true, entries);
     }
 
@@ -490,6 +778,12 @@ impl Ctrl {
         let dbs = if cq { &self.cq_doorbells } else { &self.sq_doorbells };
         if let Some(db) = dbs.get(usize::from(qid)) {
             db.open(entries);
+        }
+        if let Some(shadow) = (qid != 0).then(|| self.shadow.load_full()).flatten() {
+            // A new queue starts at 0; its SQ asks to hear of the first submission.
+            let index = usize::from(qid) * 2 + usize::from(cq);
+            shadow.store(index, 0);
+            shadow.arm(index, if cq { EVENT_NEVER } else { 0 });
         }
         if let Some(page) = &self.page {
             page.store(usize::from(qid) * 2 + usize::from(cq), 0);
@@ -501,21 +795,13 @@ impl Ctrl {
         self.config.namespaces.get(usize::try_from(nsid).ok()?.checked_sub(1)?)?.as_ref()
     }
 
-    /// Whether `cq` is still the controller's CQ of its id (not deleted, not replaced).
-    pub fn cq_live(&self, cq: &Arc<Cq>) -> bool {
-        self.queues().cqs.get(usize::from(cq.id)).and_then(Option::as_ref).is_some_and(|c| Arc::ptr_eq(c, cq))
+    /// The active namespaces.
+    pub fn namespaces(&self) -> impl Iterator<Item = &Namespace> {
+        self.config.namespaces.iter().flatten()
     }
 
-    /// The CQ head the host last wrote for `qid`.
-    pub fn cq_head(&self, qid: u16) -> u32 {
-        match &self.page {
-            Some(page) => page.load(usize::from(qid) * 2 + 1),
-            None => self.cq_doorbells[usize::from(qid)].value(),
-        }
-    }
-
-    /// Raises `cq`'s interrupt on whatever the guest enabled.
-    pub fn interrupt(&self, cq: &Cq) {
+    /// Raises `cq`'s interrupt on whatever the guest enabled (§7.5).
+    pub(crate) fn interrupt(&self, cq: &Cq) {
         match self.irq.mode() {
             IrqMode::Msix => {
                 self.irq.raise(cq.vector);
@@ -547,6 +833,7 @@ impl Ctrl {
         }
     }
 
+    /// INTMS/INTMC (§3.1.3-4).
     fn mask_vectors(&self, bits: u32, set: bool) {
         if self.irq.mode() == IrqMode::Msix {
             return; // INTMS and INTMC are for INTx and MSI only
@@ -583,6 +870,19 @@ impl Ctrl {
         for cq in queues.cqs.iter().flatten() {
             cq.unmapping(iova, len);
         }
+        // The shadow doorbell pages going away turn Doorbell Buffer Config off: their last
+        // values become the registers' (as SPDK's target does).
+        let shadow = self.shadow.load_full();
+        if let Some(shadow) = shadow.filter(|s| s.overlaps(iova, len)) {
+            for qid in 1..self.sq_doorbells.len() {
+                self.sq_doorbells[qid].set(shadow.load(qid * 2));
+                self.cq_doorbells[qid].set(shadow.load(qid * 2 + 1));
+            }
+            self.shadow.store(None);
+            drop(queues);
+            log::debug!("nvme: the shadow doorbell pages were unmapped: Doorbell Buffer Config is off");
+            self.wake_all();
+        }
     }
 
     /// Bus mastering came back: workers waiting for it go on.
@@ -611,8 +911,9 @@ fn set_high(r: &mut u64, v: u32) {
     *r = (*r & 0xffff_ffff) | u64::from(v) << 32;
 }
 
-/// Counts a queue worker down as it ends.
-struct Running(Arc<AtomicUsize>);
+/// Counts a queue worker down as it ends: the worker's body holds it.
+#[derive(Debug)]
+pub struct Running(Arc<AtomicUsize>);
 
 impl Drop for Running {
     fn drop(&mut self) {

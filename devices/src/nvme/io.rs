@@ -1,79 +1,78 @@
-//! The NVM command set: Read, Write, Flush, Write Zeroes, Dataset Management.
+//! The NVM command set (NVMe 1.3 §6): Read, Write, Compare, Flush, Write Zeroes, Dataset
+//! Management.
 //!
 //! A Read or Write turns its PRPs into one page array ([`prp::resolve`]), pins it with ONE
 //! call, and moves the data between the namespace's store and the pinned runs with one
 //! vectored call (`preadv2`/`pwritev2` for a file, a copy per run for RAM). An unmap of the
 //! pinned memory meanwhile ends the command with a data transfer error.
 
-use std::sync::atomic::Ordering;
-
 use umdev_pinning::Prot;
 use vm_memory::ByteValued;
 
+use super::cmds::{DatasetManagement, NvmCmd, ReadWrite, WriteZeroes};
+use super::completion::Outcome;
+use super::cx::CommandCx;
 use super::namespace::Namespace;
 use super::prp;
-use super::spec::{nvm_op, DsmRange, DsmRanges, Sqe, Status};
+use super::spec::{DsmRange, DsmRanges, Status};
 use super::stats::Transfer;
-use super::worker::{Command, Outcome, QueueWorker};
 use crate::store::Durability;
-use umdev_mdev::request::Permit;
 
-/// Executes an I/O command, taking its pins through its `permit`.
-pub fn execute(w: &QueueWorker, permit: &mut Permit<Command>, sqe: &Sqe) -> Outcome {
-    if sqe.fuse() != 0 || sqe.psdt() != 0 {
-        return Status::INVALID_FIELD.dnr().into(); // no fused commands, no SGLs
+/// Runs an NVM command: its namespace is looked up first (§6: Invalid Namespace or Format
+/// for one that is not active).
+pub fn execute(cx: &CommandCx, cmd: NvmCmd) -> Outcome {
+    let ctrl = cx.ctrl();
+    if let NvmCmd::Flush(0xffff_ffff) = cmd {
+        return flush(ctrl.namespaces());
     }
-    let nsid = u32::from(sqe.nsid);
-    let ctrl = &w.ctrl;
-    if sqe.opcode() == nvm_op::FLUSH && nsid == 0xffff_ffff {
-        return flush(ctrl.config.namespaces.iter().flatten());
-    }
-    let Some(ns) = ctrl.namespace(nsid) else {
-        return match sqe.opcode() {
-            nvm_op::FLUSH | nvm_op::WRITE | nvm_op::READ | nvm_op::WRITE_ZEROES | nvm_op::DSM => {
-                Status::INVALID_NAMESPACE.dnr().into()
-            }
-            _ => Status::INVALID_OPCODE.dnr().into(),
-        };
+    let Some(ns) = ctrl.namespace(cmd.nsid()) else {
+        return Status::INVALID_NAMESPACE.dnr().into();
     };
-    match sqe.opcode() {
-        nvm_op::READ => read_write(w, permit, ns, sqe, true),
-        nvm_op::WRITE => read_write(w, permit, ns, sqe, false),
-        nvm_op::FLUSH => flush(std::iter::once(ns)),
-        nvm_op::WRITE_ZEROES => write_zeroes(ns, sqe),
-        nvm_op::DSM => dataset_management(w, ns, sqe),
-        _ => Status::INVALID_OPCODE.dnr().into(),
+    match cmd {
+        NvmCmd::Read(c) => read_write(cx, ns, c, true),
+        NvmCmd::Write(c) => read_write(cx, ns, c, false),
+        NvmCmd::Compare(c) => compare(cx, ns, c),
+        NvmCmd::Flush(_) => flush(std::iter::once(ns)),
+        NvmCmd::WriteZeroes(c) => write_zeroes(ns, c),
+        NvmCmd::DatasetManagement(c) => dataset_management(cx, ns, c),
     }
 }
 
-/// Starting LBA (dwords 10-11) and block count (dword 12, 0's based) of a command.
-fn lba_range(sqe: &Sqe) -> (u64, u64) {
-    (u64::from(sqe.dw(10)) | u64::from(sqe.dw(11)) << 32, u64::from(sqe.dw(12) & 0xffff) + 1)
-}
-
-fn read_write(
-    w: &QueueWorker,
-    permit: &mut Permit<Command>,
-    ns: &Namespace,
-    sqe: &Sqe,
-    read: bool,
-) -> Outcome {
-    let (slba, nlb) = lba_range(sqe);
-    if !ns.in_range(slba, nlb) {
+/// Read (§6.4) and Write (§6.9): one pin call, one vectored transfer.
+fn read_write(cx: &CommandCx, ns: &Namespace, c: ReadWrite, read: bool) -> Outcome {
+    let nlb = u64::from(c.blocks);
+    if !ns.in_range(c.slba, nlb) {
         return Status::LBA_OUT_OF_RANGE.dnr().into();
     }
-    let len = (nlb << ns.lba_shift) as usize;
+    let len = (nlb << ns.lba_shift()) as usize;
     if len > prp::MAX_TRANSFER {
         return Status::INVALID_FIELD.dnr().into(); // over MDTS
     }
-    let pages = match prp::resolve(&w.ctx, sqe.prp1.into(), sqe.prp2.into(), len) {
+    let pages = match prp::resolve(&cx.ctx(), c.data.prp1(), c.data.prp2(), len) {
         Ok(p) => p,
         Err(s) => return s.into(),
     };
     // A read writes guest memory.
     let prot = if read { Prot::WRITE } else { Prot::READ };
-    let pins = match permit.pin_pages(&pages.pfns, prot) {
-        Ok(pins) => pins,
+    let pos = c.slba << ns.lba_shift();
+    let durability = if c.fua || !cx.ctrl().write_cache() { Durability::Sync } else { Durability::Cached };
+    let moved = cx.with_pins(&pages.pfns, prot, |pins| {
+        let runs = pins.runs().len() as u64;
+        let moved = match pins.io_slices(pages.offset as u64, len, prot) {
+            Err(_) => Err(Status::DATA_TRANSFER_ERROR),
+            Ok(slices) if read => ns.store().read_vectored(pos, &slices).map_err(|e| {
+                log::warn!("nvme: ns{}: read of {len} bytes at {pos}: {e}", ns.id());
+                Status::UNRECOVERED_READ_ERROR
+            }),
+            Ok(slices) => ns.store().write_vectored(pos, &slices, durability).map_err(|e| {
+                log::warn!("nvme: ns{}: write of {len} bytes at {pos}: {e}", ns.id());
+                write_status(&e)
+            }),
+        };
+        (moved, runs, pins.poisoned())
+    });
+    let ((moved, runs, poisoned), unmapped) = match moved {
+        Ok(r) => r,
         Err(e) => {
             log::debug!(
                 "nvme: pinning {} pages for {}: {e}",
@@ -83,29 +82,6 @@ fn read_write(
             return Status::DATA_TRANSFER_ERROR.into();
         }
     };
-    let runs = pins.runs().len() as u64;
-    let pos = slba << ns.lba_shift;
-    let moved = match pins.io_slices(pages.offset as u64, len, prot) {
-        Err(_) => Err(Status::DATA_TRANSFER_ERROR),
-        Ok(slices) if read => ns.store.read_vectored(pos, &slices).map_err(|e| {
-            log::warn!("nvme: ns{}: read of {len} bytes at {pos}: {e}", ns.id);
-            Status::UNRECOVERED_READ_ERROR
-        }),
-        Ok(slices) => {
-            let fua = sqe.dw(12) & 1 << 30 != 0;
-            let durability = if fua || !w.ctrl.write_cache.load(Ordering::Relaxed) {
-                Durability::Sync
-            } else {
-                Durability::Cached
-            };
-            ns.store.write_vectored(pos, &slices, durability).map_err(|e| {
-                log::warn!("nvme: ns{}: write of {len} bytes at {pos}: {e}", ns.id);
-                Status::WRITE_FAULT
-            })
-        }
-    };
-    let poisoned = pins.poisoned();
-    let unmapped = permit.release_pins();
     if let Err(status) = moved {
         return status.into();
     }
@@ -113,7 +89,7 @@ fn read_write(
     if poisoned || unmapped {
         return Status::DATA_TRANSFER_ERROR.into();
     }
-    w.stats().transfer(Transfer {
+    cx.ctrl().stats(cx.sq().id).transfer(Transfer {
         pages: pages.pfns.len() as u64,
         runs,
         list_pages: u64::from(pages.list_pages),
@@ -123,44 +99,80 @@ fn read_write(
     Outcome::ok(0)
 }
 
+/// Compare (§6.1): the blocks read from the store into a buffer of the controller's and
+/// compared with the guest's data; Compare Failure if they differ.
+fn compare(cx: &CommandCx, ns: &Namespace, c: ReadWrite) -> Outcome {
+    let nlb = u64::from(c.blocks);
+    if !ns.in_range(c.slba, nlb) {
+        return Status::LBA_OUT_OF_RANGE.dnr().into();
+    }
+    let len = (nlb << ns.lba_shift()) as usize;
+    if len > prp::MAX_TRANSFER {
+        return Status::INVALID_FIELD.dnr().into(); // over MDTS
+    }
+    let mut stored = vec![0u8; len];
+    if let Err(e) = ns.store().read(c.slba << ns.lba_shift(), &mut stored) {
+        log::warn!("nvme: ns{}: read of {len} bytes for a compare: {e}", ns.id());
+        return Status::UNRECOVERED_READ_ERROR.into();
+    }
+    let mut given = vec![0u8; len];
+    let status = cx.read_host(c.data, &mut given);
+    if !status.ok() {
+        return status.into();
+    }
+    if stored != given {
+        return Status::COMPARE_FAILURE.into();
+    }
+    Outcome::ok(0)
+}
+
+/// The status of a write the store failed (§4.6.1.2): Capacity Exceeded when the host is out
+/// of space for it, Write Fault otherwise.
+fn write_status(e: &std::io::Error) -> Status {
+    match e.raw_os_error() {
+        Some(libc::ENOSPC) | Some(libc::EDQUOT) => Status::CAPACITY_EXCEEDED,
+        _ => Status::WRITE_FAULT,
+    }
+}
+
+/// Flush (§6.3): the namespaces' stores made durable.
 fn flush<'a>(namespaces: impl Iterator<Item = &'a Namespace>) -> Outcome {
     for ns in namespaces {
-        if let Err(e) = ns.store.flush() {
-            log::warn!("nvme: ns{}: flush: {e}", ns.id);
+        if let Err(e) = ns.store().flush() {
+            log::warn!("nvme: ns{}: flush: {e}", ns.id());
             return Status::WRITE_FAULT.into();
         }
     }
     Outcome::ok(0)
 }
 
-fn write_zeroes(ns: &Namespace, sqe: &Sqe) -> Outcome {
-    let (slba, nlb) = lba_range(sqe);
-    if !ns.in_range(slba, nlb) {
+/// Write Zeroes (§6.11): the range deallocated, reading as zeroes.
+fn write_zeroes(ns: &Namespace, c: WriteZeroes) -> Outcome {
+    let nlb = u64::from(c.blocks);
+    if !ns.in_range(c.slba, nlb) {
         return Status::LBA_OUT_OF_RANGE.dnr().into();
     }
-    match ns.store.write_zeroes(slba << ns.lba_shift, nlb << ns.lba_shift) {
+    match ns.store().write_zeroes(c.slba << ns.lba_shift(), nlb << ns.lba_shift()) {
         Ok(()) => Outcome::ok(0),
         Err(e) => {
-            log::warn!("nvme: ns{}: write zeroes: {e}", ns.id);
-            Status::WRITE_FAULT.into()
+            log::warn!("nvme: ns{}: write zeroes: {e}", ns.id());
+            write_status(&e).into()
         }
     }
 }
 
-fn dataset_management(w: &QueueWorker, ns: &Namespace, sqe: &Sqe) -> Outcome {
-    let count = (sqe.dw(10) & 0xff) as usize + 1;
-    let deallocate = sqe.dw(11) & 1 << 2 != 0;
+/// Dataset Management (§6.2): with AD, every range checked, then deallocated.
+fn dataset_management(cx: &CommandCx, ns: &Namespace, c: DatasetManagement) -> Outcome {
     let mut list = DsmRanges::zeroed();
-    let bytes = &mut list.as_mut_slice()[..count * std::mem::size_of::<DsmRange>()];
-    let status = super::admin::from_host(w, sqe, bytes);
+    let bytes = &mut list.as_mut_slice()[..c.ranges * std::mem::size_of::<DsmRange>()];
+    let status = cx.read_host(c.data, bytes);
     if !status.ok() {
         return status.into();
     }
-    let ranges = &list.ranges[..count];
-    if !deallocate {
+    let ranges = &list.ranges[..c.ranges];
+    if !c.deallocate {
         return Outcome::ok(0); // only hints (IDR, IDW): nothing to do
     }
-    // Every range is checked before any is deallocated.
     let blocks = |r: &DsmRange| (u64::from(r.slba), u64::from(u32::from(r.nlb)));
     if ranges.iter().any(|r| !ns.in_range(blocks(r).0, blocks(r).1)) {
         return Status::LBA_OUT_OF_RANGE.dnr().into();
@@ -168,12 +180,12 @@ fn dataset_management(w: &QueueWorker, ns: &Namespace, sqe: &Sqe) -> Outcome {
     for r in ranges {
         // A store that cannot punch holes writes the zeros: up to 256 whole-namespace ranges.
         // A reset does not wait for them.
-        if w.cancelled() {
+        if cx.cancelled() {
             return Status::ABORT_REQUESTED.into();
         }
         let (slba, nlb) = blocks(r);
-        if let Err(e) = ns.store.write_zeroes(slba << ns.lba_shift, nlb << ns.lba_shift) {
-            log::warn!("nvme: ns{}: deallocate: {e}", ns.id);
+        if let Err(e) = ns.store().write_zeroes(slba << ns.lba_shift(), nlb << ns.lba_shift()) {
+            log::warn!("nvme: ns{}: deallocate: {e}", ns.id());
             return Status::WRITE_FAULT.into();
         }
     }

@@ -10,19 +10,42 @@
 //! guest's real I/O (pages, runs and pin calls per command).
 //!
 //! Every submission queue, the admin queue's included, has a worker thread ([`worker`]);
-//! doorbells arrive as posted REGION_WRITEs (or, with `doorbells=mmap`, through a page the
+//! doorbells arrive as posted REGION_WRITEs (or, for a client that maps it, through a page the
 //! guest writes directly and the workers poll). The ABI, the options and what is not
 //! implemented are in docs/nvme.md.
+//!
+//! # Modules, and what each imports
+//!
+//! Each module imports only those below it; `tests::no_import_circle` reads the sources and
+//! fails if an import is missing from this list or the list has a circle. The controller
+//! starts queue workers through a function it is given ([`ctrl::Spawn`]), not by importing
+//! the worker.
+//!
+//! - `worker` (a queue's fetch loop) → completion, cx, admin, io, cmds, ctrl, queue, spec
+//! - `admin` (admin command handlers) → cx, completion, cmds, ctrl, state, namespace, prp, queue, stats, spec
+//! - `io` (NVM command handlers) → cx, completion, cmds, namespace, prp, stats, spec
+//! - `cx` (what a handler sees) → cmds, completion, ctrl, prp, queue, spec
+//! - `completion` (posting completions) → ctrl, queue, spec
+//! - `ctrl` (registers, queue table, events) → namespace, queue, state, stats, spec
+//! - `state` (features, events, error log) → queue, spec
+//! - `cmds` (typed commands) → spec
+//! - `prp` (data pointers) → spec
+//! - `queue` (doorbells, rings, SQ, CQ) → spec
+//! - `namespace`, `stats`, `spec` → nothing of nvme
 
-pub mod admin;
+mod admin;
+pub mod cmds;
+mod completion;
 pub mod ctrl;
-pub mod io;
+mod cx;
+mod io;
 pub mod namespace;
 pub mod prp;
 pub mod queue;
 pub mod spec;
+mod state;
 pub mod stats;
-pub mod worker;
+mod worker;
 
 use std::fs::File;
 use std::hash::{Hash, Hasher};
@@ -32,21 +55,19 @@ use std::sync::Arc;
 use serde_json::json;
 use thiserror::Error;
 
-use self::ctrl::{ControllerConfig, Ctrl, DoorbellMode};
+use self::ctrl::{ControllerConfig, Ctrl, DoorbellMode, Doorbells};
 use self::namespace::{Backing, Namespace, MAX_NAMESPACES};
 use self::queue::DoorbellPage;
 use self::spec::reg;
 use self::stats::Totals;
 use umdev_mdev::pci::{Bar, ClassCode, ConfigSpaceBuilder, PciDevice, PciFunction, PciIds, Reg, RegMap};
 use umdev_mdev::types::{parse_options, OptionSpec, OptionValue, StoreSpec, ValueSyntax};
-use umdev_mdev::{DeviceContext, DeviceError, RegionMmap, SparseArea};
+use umdev_mdev::{DeviceError, RegionMmap, SparseArea};
+
+pub use self::spec::{DEVICE_ID, VENDOR_ID};
 
 /// The type's name.
 pub const TYPE_NAME: &str = "nvme";
-/// PCI vendor ID (QEMU's test range: not one the Linux driver keeps quirks for).
-pub const VENDOR_ID: u16 = 0x1234;
-/// PCI device ID.
-pub const DEVICE_ID: u16 = 0x75e0;
 /// BAR0: registers, doorbells, the MSI-X table and PBA.
 pub const BAR0_SIZE: u64 = 0x4000;
 /// The MSI-X table's offset in BAR0.
@@ -64,15 +85,49 @@ pub const MAX_ENTRIES: u32 = 4096;
 /// How long a worker watches its doorbell after a lone command, by default (`poll_us`).
 pub const DEFAULT_POLL: std::time::Duration = std::time::Duration::from_micros(50);
 
-/// Why an nvme device could not be made.
+/// Why an nvme device could not be made, or its options are refused.
 #[derive(Debug, Error)]
 pub enum NvmeError {
-    /// An option is out of range or malformed.
+    /// The options break the type's schema (`umdev types nvme`).
     #[error("{0}")]
-    Option(String),
+    Options(String),
+    /// A RAM namespace that is not whole blocks.
+    #[error("{key}=ram:{size}: not a whole number of {block}-byte blocks (lba={block})")]
+    RamNotWholeBlocks {
+        /// The option's key (`ns1`).
+        key: String,
+        /// The size as given.
+        size: String,
+        /// Bytes per block.
+        block: u32,
+    },
+    /// A RAM namespace on huge pages that is not whole huge pages.
+    #[error("{key}=ram:{size}: not a whole number of 2 MiB pages (ram_pages=2m)")]
+    RamNotWholeHugePages {
+        /// The option's key (`ns1`).
+        key: String,
+        /// The size as given.
+        size: String,
+    },
+    /// A config made without options is out of range.
+    #[error("{what} {value}: {range}")]
+    OutOfRange {
+        /// The field.
+        what: &'static str,
+        /// Its value.
+        value: u64,
+        /// What it may be.
+        range: String,
+    },
+    /// A namespace could not be made.
+    #[error(transparent)]
+    Namespace(#[from] namespace::NamespaceError),
     /// The doorbell page could not be made.
     #[error("doorbell page: {0}")]
     DoorbellPage(std::io::Error),
+    /// The BAR0 register map could not be built.
+    #[error("register map: {0}")]
+    RegisterMap(String),
     /// The PCI function could not be built.
     #[error(transparent)]
     Pci(#[from] umdev_mdev::pci::device::PciDeviceError),
@@ -90,7 +145,7 @@ pub struct NvmeConfig {
     /// Entries per queue at most.
     pub max_entries: u32,
     /// How doorbells arrive.
-    pub doorbells: DoorbellMode,
+    pub doorbells: Doorbells,
     /// Serial number; `None`: derived from the file namespaces' paths, or random.
     pub serial: Option<String>,
     /// How long a queue's worker watches its doorbell after a lone command before sleeping.
@@ -104,7 +159,7 @@ impl Default for NvmeConfig {
             lba_shift: 9,
             io_queues: DEFAULT_IO_QUEUES,
             max_entries: DEFAULT_ENTRIES,
-            doorbells: DoorbellMode::Message,
+            doorbells: Doorbells::Auto,
             serial: None,
             poll: DEFAULT_POLL,
         }
@@ -143,9 +198,18 @@ impl NvmeConfig {
             ),
             OptionSpec::new(
                 "doorbells",
-                ValueSyntax::Choice(&["message", "mmap"]),
-                Some("message"),
-                "doorbells as posted REGION_WRITEs, or on a page the guest writes directly",
+                ValueSyntax::Choice(&["auto", "message", "mmap"]),
+                Some("auto"),
+                "message: doorbells as posted REGION_WRITEs; mmap: on a page the client maps; auto: per client, \
+                 messages for one that announces VERSION capabilities (a VMM), the page for one that announces \
+                 none (a polling driver such as SPDK's)",
+            ),
+            OptionSpec::new(
+                "ram_pages",
+                ValueSyntax::Choice(&["4k", "2m"]),
+                Some("4k"),
+                "pages of the RAM namespaces: 4k (a sparse memfd, any host) or 2m (the host's hugetlb pool, which \
+                 must hold them: sizes in whole 2 MiB, first writes and the TLB cheaper)",
             ),
             OptionSpec::new(
                 "serial",
@@ -164,25 +228,32 @@ impl NvmeConfig {
 
     /// Parses the type's options (docs/nvme.md): the schema of [`NvmeConfig::option_specs`],
     /// then what spans keys (a RAM namespace is whole blocks of `lba`).
-    pub fn from_options(options: &umdev_mdev::types::InstanceOptions) -> Result<NvmeConfig, String> {
-        let p = parse_options(&Self::option_specs(), &options.params)?;
+    pub fn from_options(options: &umdev_mdev::types::InstanceOptions) -> Result<NvmeConfig, NvmeError> {
+        let p = parse_options(&Self::option_specs(), &options.params).map_err(NvmeError::Options)?;
         let mut config = NvmeConfig { namespaces: Vec::new(), ..NvmeConfig::default() };
         if let Some(v) = p.word("lba") {
             config.lba_shift = if v == "4096" { 12 } else { 9 };
         }
+        let huge = p.word("ram_pages") == Some("2m");
         for (key, value) in p.iter() {
             let (Some(n), OptionValue::Store(store)) = (key.strip_prefix("ns"), value) else { continue };
             // The schema let only ns1..ns16 through.
-            let index = n.parse::<usize>().map_err(|e| format!("{key}: {e}"))? - 1;
+            let index = n.parse::<usize>().map_err(|e| NvmeError::Options(format!("{key}: {e}")))? - 1;
             let backing = match store {
                 StoreSpec::Ram(bytes) if !bytes.is_multiple_of(1 << config.lba_shift) => {
-                    return Err(format!(
-                        "{key}=ram:{}: not a whole number of {}-byte blocks (lba={})",
-                        umdev_mdev::types::format_size(*bytes),
-                        1u32 << config.lba_shift,
-                        1u32 << config.lba_shift
-                    ))
+                    return Err(NvmeError::RamNotWholeBlocks {
+                        key: key.to_string(),
+                        size: umdev_mdev::types::format_size(*bytes),
+                        block: 1u32 << config.lba_shift,
+                    })
                 }
+                StoreSpec::Ram(bytes) if huge && !bytes.is_multiple_of(crate::store::HUGE_PAGE) => {
+                    return Err(NvmeError::RamNotWholeHugePages {
+                        key: key.to_string(),
+                        size: umdev_mdev::types::format_size(*bytes),
+                    })
+                }
+                StoreSpec::Ram(bytes) if huge => Backing::HugeRam(*bytes),
                 StoreSpec::Ram(bytes) => Backing::Ram(*bytes),
                 StoreSpec::File(path) => Backing::File(path.clone()),
             };
@@ -201,7 +272,11 @@ impl NvmeConfig {
             config.max_entries = n as u32;
         }
         if let Some(v) = p.word("doorbells") {
-            config.doorbells = if v == "mmap" { DoorbellMode::Mapped } else { DoorbellMode::Message };
+            config.doorbells = match v {
+                "mmap" => Doorbells::Mapped,
+                "message" => Doorbells::Message,
+                _ => Doorbells::Auto,
+            };
         }
         if let Some(us) = p.number("poll_us") {
             config.poll = std::time::Duration::from_micros(us);
@@ -214,18 +289,19 @@ impl NvmeConfig {
 
     /// Checks what [`create`] relies on, for configs not made by [`NvmeConfig::from_options`]
     /// (which refuses the same with option-specific messages).
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), NvmeError> {
+        let out = |what, value: u64, range: String| Err(NvmeError::OutOfRange { what, value, range });
         if ![9, 12].contains(&self.lba_shift) {
-            return Err(format!("lba_shift {}: 9 or 12", self.lba_shift));
+            return out("lba_shift", self.lba_shift.into(), "9 or 12".into());
         }
         if !(1..=MAX_IO_QUEUES).contains(&self.io_queues) {
-            return Err(format!("io_queues {}: 1 to {MAX_IO_QUEUES}", self.io_queues));
+            return out("io_queues", self.io_queues.into(), format!("1 to {MAX_IO_QUEUES}"));
         }
         if !(2..=MAX_ENTRIES).contains(&self.max_entries) {
-            return Err(format!("max_entries {}: 2 to {MAX_ENTRIES}", self.max_entries));
+            return out("max_entries", self.max_entries.into(), format!("2 to {MAX_ENTRIES}"));
         }
         if self.namespaces.len() > MAX_NAMESPACES as usize {
-            return Err(format!("{} namespaces: at most {MAX_NAMESPACES}", self.namespaces.len()));
+            return out("namespaces", self.namespaces.len() as u64, format!("at most {MAX_NAMESPACES}"));
         }
         Ok(())
     }
@@ -240,7 +316,7 @@ fn default_serial(config: &NvmeConfig) -> String {
         .flatten()
         .filter_map(|b| match b {
             Backing::File(p) => Some(std::fs::canonicalize(p).unwrap_or_else(|_| p.clone())),
-            Backing::Ram(_) => None,
+            Backing::Ram(_) | Backing::HugeRam(_) => None,
         })
         .collect();
     let value = if files.is_empty() {
@@ -301,7 +377,7 @@ pub fn config(io_queues: u16) -> ConfigSpaceBuilder {
 
 /// Creates an nvme device.
 pub fn create(config: NvmeConfig) -> Result<PciDevice<Nvme>, NvmeError> {
-    config.validate().map_err(NvmeError::Option)?;
+    config.validate()?;
     let serial = config.serial.clone().unwrap_or_else(|| default_serial(&config));
     let namespaces = config
         .namespaces
@@ -312,11 +388,10 @@ pub fn create(config: NvmeConfig) -> Result<PciDevice<Nvme>, NvmeError> {
                 .map(|b| Namespace::new(i as u32 + 1, b, config.lba_shift, nguid(&serial, i as u32 + 1)))
                 .transpose()
         })
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(NvmeError::Option)?;
+        .collect::<Result<Vec<_>, _>>()?;
     let (mmap, page) = match config.doorbells {
-        DoorbellMode::Message => (None, None),
-        DoorbellMode::Mapped => {
+        Doorbells::Message => (None, None),
+        Doorbells::Mapped | Doorbells::Auto => {
             let fd =
                 nix::sys::memfd::memfd_create(c"umdev-nvme-bar0", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
                     .map_err(|e| NvmeError::DoorbellPage(e.into()))?;
@@ -358,9 +433,9 @@ pub fn create(config: NvmeConfig) -> Result<PciDevice<Nvme>, NvmeError> {
     let map = RegMap::builder(0, reg::DOORBELLS)
         .widths(&[4, 8])
         .build(&regs)
-        .map_err(|e| NvmeError::Option(format!("register map: {e}")))?;
+        .map_err(|e| NvmeError::RegisterMap(e.to_string()))?;
     Ok(PciDevice::new(self::config(config.io_queues), |host| Nvme {
-        ctrl: Arc::new(Ctrl::new(host, controller, page)),
+        ctrl: Arc::new(Ctrl::new(host, controller, page, worker::spawn)),
         map,
         mmap,
     })?)
@@ -371,7 +446,7 @@ pub fn create(config: NvmeConfig) -> Result<PciDevice<Nvme>, NvmeError> {
 pub struct Nvme {
     ctrl: Arc<Ctrl>,
     map: RegMap<u64>,
-    /// BAR0's backing for `doorbells=mmap` (the doorbell page at 0x1000).
+    /// BAR0's backing for `doorbells=mmap` and `auto` (the doorbell page at 0x1000).
     mmap: Option<Arc<OwnedFd>>,
 }
 
@@ -383,7 +458,7 @@ impl Nvme {
 
     /// What the controller did so far.
     pub fn totals(&self) -> Totals {
-        Totals::of(self.ctrl.stats.iter().skip(1))
+        Totals::of(self.ctrl.all_stats().iter().skip(1))
     }
 }
 
@@ -428,16 +503,20 @@ impl PciFunction for Nvme {
         })
     }
 
+    fn client_version(&self, hello: &umdev_mdev::ClientHello) {
+        self.ctrl.client_version(hello);
+    }
+
+    fn offer_mmap(&self, bar: u8, _hello: &umdev_mdev::ClientHello) -> bool {
+        bar == 0 && self.ctrl.doorbell_mode() == DoorbellMode::Mapped
+    }
+
     fn reset(&self) {
         self.ctrl.reset();
     }
 
-    fn attach(&self, ctx: &DeviceContext) {
-        self.ctrl.attach(ctx);
-    }
-
     fn detach(&self) {
-        self.ctrl.detach();
+        self.ctrl.reset();
     }
 
     fn dma_unmap(&self, iova: u64, len: u64) {
@@ -453,15 +532,12 @@ impl PciFunction for Nvme {
     fn describe(&self) -> serde_json::Value {
         let c = &self.ctrl;
         let namespaces: Vec<_> = c
-            .config
-            .namespaces
-            .iter()
-            .flatten()
+            .namespaces()
             .map(|ns| {
                 json!({
-                    "nsid": ns.id,
+                    "nsid": ns.id(),
                     "backing": ns.backing_name(),
-                    "path": ns.path.as_ref().map(|p| p.display().to_string()),
+                    "path": ns.path().map(|p| p.display().to_string()),
                     "bytes": ns.size(),
                     "lba_size": ns.lba_size(),
                 })
@@ -475,14 +551,17 @@ impl PciFunction for Nvme {
             "disabled"
         };
         json!({
-            "serial": c.config.serial,
+            "serial": c.config().serial,
             "state": state,
             "namespaces": namespaces,
-            "io_queues": c.config.io_queues,
+            "io_queues": c.io_queues(),
             "queues_live": c.live_queues(),
-            "doorbells": match c.config.doorbells { DoorbellMode::Message => "message", DoorbellMode::Mapped => "mmap" },
-            "admin_commands": Totals::of(c.stats.iter().take(1)).commands,
-            "doorbell_messages": c.doorbell_messages.load(std::sync::atomic::Ordering::Relaxed),
+            "doorbells": c.config().doorbells.name(),
+            "doorbells_now": match c.doorbell_mode() { DoorbellMode::Message => "message", DoorbellMode::Mapped => "mmap" },
+            "admin_commands": Totals::of(c.all_stats().iter().take(1)).commands,
+            "doorbell_messages": c.doorbell_messages(),
+            "shadow_doorbells": c.shadowed(),
+            "shadow_doorbell_configs": c.shadow_configs(),
             "io": self.totals().to_json(),
         })
     }
@@ -547,6 +626,104 @@ impl umdev_mdev::types::DeviceType for NvmeType {
     }
 }
 
-fn bad_option(why: String) -> umdev_mdev::types::TypeError {
-    umdev_mdev::types::TypeError::BadOption { ty: TYPE_NAME.into(), why }
+fn bad_option(why: NvmeError) -> umdev_mdev::types::TypeError {
+    umdev_mdev::types::TypeError::BadOption { ty: TYPE_NAME.into(), why: why.to_string() }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{BTreeMap, BTreeSet};
+
+    /// The sources of the nvme modules, without their test modules.
+    fn sources() -> BTreeMap<&'static str, &'static str> {
+        let all = [
+            ("mod", include_str!("mod.rs")),
+            ("admin", include_str!("admin.rs")),
+            ("cmds", include_str!("cmds.rs")),
+            ("completion", include_str!("completion.rs")),
+            ("ctrl", include_str!("ctrl.rs")),
+            ("cx", include_str!("cx.rs")),
+            ("io", include_str!("io.rs")),
+            ("namespace", include_str!("namespace.rs")),
+            ("prp", include_str!("prp.rs")),
+            ("queue", include_str!("queue.rs")),
+            ("spec", include_str!("spec.rs")),
+            ("state", include_str!("state.rs")),
+            ("stats", include_str!("stats.rs")),
+            ("worker", include_str!("worker.rs")),
+        ];
+        all.into_iter().map(|(name, src)| (name, src.split("#[cfg(test)]").next().unwrap_or(src))).collect()
+    }
+
+    /// What each module's code (not its comments) names through `super::`: other modules, or
+    /// `mod` for an item of the parent.
+    fn imports(modules: &BTreeSet<&str>, src: &str) -> BTreeSet<String> {
+        let mut out = BTreeSet::new();
+        for line in src.lines().map(str::trim_start).filter(|l| !l.starts_with("//")) {
+            for (at, _) in line.match_indices("super::") {
+                let rest = &line[at + "super::".len()..];
+                // `super::{a, b::C}` names several.
+                let names: Vec<&str> = match rest.strip_prefix('{') {
+                    Some(list) => list.split('}').next().unwrap_or("").split(',').collect(),
+                    None => vec![rest],
+                };
+                for name in names {
+                    let name: String =
+                        name.trim().chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+                    if name.is_empty() {
+                        continue;
+                    }
+                    out.insert(if modules.contains(name.as_str()) { name } else { "mod".into() });
+                }
+            }
+        }
+        out
+    }
+
+    /// The graph the module docs of mod.rs write down.
+    fn documented() -> BTreeMap<String, BTreeSet<String>> {
+        let mut graph = BTreeMap::new();
+        for line in include_str!("mod.rs").lines().filter_map(|l| l.strip_prefix("//! - ")) {
+            let Some((from, to)) = line.split_once(" → ") else { continue };
+            let targets: BTreeSet<String> = if to.starts_with("nothing") {
+                BTreeSet::new()
+            } else {
+                to.split(", ").map(|t| t.trim().to_string()).collect()
+            };
+            // `name` (what it is), or `a`, `b`: the names are the backquoted words.
+            let from = from.split(" (").next().unwrap_or(from);
+            for from in from.split(", ") {
+                let name = from.split('`').nth(1).unwrap_or(from).to_string();
+                graph.insert(name, targets.clone());
+            }
+        }
+        graph
+    }
+
+    #[test]
+    fn no_import_circle() {
+        let sources = sources();
+        let modules: BTreeSet<&str> = sources.keys().copied().filter(|m| *m != "mod").collect();
+        let graph: BTreeMap<String, BTreeSet<String>> = sources
+            .iter()
+            .filter(|(m, _)| **m != "mod")
+            .map(|(m, src)| (m.to_string(), imports(&modules, src)))
+            .collect();
+        assert_eq!(graph, documented(), "the module graph in mod.rs's docs is not what the code imports");
+        // No module imports the parent (which imports them all), and the rest is acyclic:
+        // repeatedly remove modules that import nothing left.
+        let mut left = graph.clone();
+        while !left.is_empty() {
+            let free: Vec<String> = left
+                .iter()
+                .filter(|(_, to)| to.iter().all(|t| !left.contains_key(t)))
+                .map(|(m, _)| m.clone())
+                .collect();
+            assert!(!free.is_empty(), "an import circle among {:?}", left.keys().collect::<Vec<_>>());
+            for m in free {
+                left.remove(&m);
+            }
+        }
+        assert!(graph.values().all(|to| !to.contains("mod")), "a module imports from mod.rs: {graph:?}");
+    }
 }

@@ -1,6 +1,8 @@
-//! Namespaces: a backing store cut into logical blocks.
+//! Namespaces (NVMe 1.3 §1.6.20): a backing store cut into logical blocks.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+use thiserror::Error;
 
 use crate::store::{Store, StoreKind};
 
@@ -12,42 +14,115 @@ pub const MAX_NAMESPACES: u32 = 16;
 pub enum Backing {
     /// A RAM disk (a sparse memfd) of this many bytes.
     Ram(u64),
+    /// A RAM disk on 2 MiB huge pages (a hugetlb memfd) of this many bytes.
+    HugeRam(u64),
     /// A host file or block device, read and written in place.
     File(PathBuf),
+}
+
+/// Why a namespace could not be made.
+#[derive(Debug, Error)]
+pub enum NamespaceError {
+    /// The RAM disk could not be made.
+    #[error("ns{id}: RAM disk: {source}")]
+    Ram {
+        /// The NSID.
+        id: u32,
+        /// What failed.
+        source: std::io::Error,
+    },
+    /// The file or block device could not be opened.
+    #[error("ns{id}: {}: {source}", path.display())]
+    File {
+        /// The NSID.
+        id: u32,
+        /// The path.
+        path: PathBuf,
+        /// What failed.
+        source: std::io::Error,
+    },
+    /// The store holds no whole block.
+    #[error("ns{id}: smaller than one {block}-byte block")]
+    TooSmall {
+        /// The NSID.
+        id: u32,
+        /// Bytes per block.
+        block: u64,
+    },
 }
 
 /// One active namespace.
 #[derive(Debug)]
 pub struct Namespace {
-    /// Its NSID.
-    pub id: u32,
-    /// The bytes.
-    pub store: Store,
-    /// log2 of the LBA size (9 or 12).
-    pub lba_shift: u32,
-    /// Logical blocks (NSZE).
-    pub blocks: u64,
+    id: u32,
+    store: Store,
+    lba_shift: u32,
+    blocks: u64,
     /// Where the store is, for `describe` (`None` for RAM).
-    pub path: Option<PathBuf>,
+    path: Option<PathBuf>,
     /// A stable unique identifier (NGUID and UUID descriptors).
-    pub nguid: [u8; 16],
+    nguid: [u8; 16],
 }
 
 impl Namespace {
     /// Opens or creates the namespace's store.
-    pub fn new(id: u32, backing: &Backing, lba_shift: u32, nguid: [u8; 16]) -> Result<Namespace, String> {
+    pub fn new(
+        id: u32,
+        backing: &Backing,
+        lba_shift: u32,
+        nguid: [u8; 16],
+    ) -> Result<Namespace, NamespaceError> {
         let (store, path) = match backing {
-            Backing::Ram(size) => (Store::ram(*size).map_err(|e| format!("ns{id}: RAM disk: {e}"))?, None),
+            Backing::Ram(size) => {
+                (Store::ram(*size).map_err(|source| NamespaceError::Ram { id, source })?, None)
+            }
+            Backing::HugeRam(size) => {
+                (Store::ram_huge(*size).map_err(|source| NamespaceError::Ram { id, source })?, None)
+            }
             Backing::File(path) => (
-                Store::open(path).map_err(|e| format!("ns{id}: {}: {e}", path.display()))?,
+                Store::open(path).map_err(|source| NamespaceError::File {
+                    id,
+                    path: path.clone(),
+                    source,
+                })?,
                 Some(path.clone()),
             ),
         };
         let blocks = store.size() >> lba_shift;
         if blocks == 0 {
-            return Err(format!("ns{id}: smaller than one {}-byte block", 1u64 << lba_shift));
+            return Err(NamespaceError::TooSmall { id, block: 1u64 << lba_shift });
         }
         Ok(Namespace { id, store, lba_shift, blocks, path, nguid })
+    }
+
+    /// Its NSID.
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// The bytes.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// log2 of the LBA size (9 or 12).
+    pub fn lba_shift(&self) -> u32 {
+        self.lba_shift
+    }
+
+    /// Logical blocks (NSZE).
+    pub fn blocks(&self) -> u64 {
+        self.blocks
+    }
+
+    /// The backing file or device, if not RAM.
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    /// The NGUID.
+    pub fn nguid(&self) -> [u8; 16] {
+        self.nguid
     }
 
     /// Bytes per logical block.
@@ -82,7 +157,7 @@ mod tests {
     #[test]
     fn a_namespace_is_whole_blocks() {
         let ns = Namespace::new(1, &Backing::Ram(10_000), 12, [0; 16]).unwrap();
-        assert_eq!((ns.blocks, ns.size(), ns.lba_size()), (2, 8192, 4096));
+        assert_eq!((ns.blocks(), ns.size(), ns.lba_size()), (2, 8192, 4096));
         assert!(ns.in_range(1, 1) && !ns.in_range(1, 2) && !ns.in_range(u64::MAX, 2));
         assert!(Namespace::new(1, &Backing::Ram(100), 9, [0; 16]).is_err());
     }

@@ -1,11 +1,11 @@
-//! Queues: doorbells, rings in guest memory, and the completion side.
+//! Queues (NVMe 1.3 §4.1): doorbells, rings in guest memory, and the completion side.
 //!
 //! A doorbell is written by the connection thread (a posted REGION_WRITE) or, with the
 //! doorbell page mapped, by the guest itself; the queue's worker watches it. Rings are
 //! reached through the pinning engine: pinned on first use and kept pinned (one pin per
 //! ring, not per entry), released when the client unmaps them and pinned again on next use.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -14,15 +14,14 @@ use umdev_pinning::{PinnedPages, Prot};
 use vm_memory::mmap::MmapRegion;
 use vm_memory::{FileOffset, VolatileMemory};
 
-use super::ctrl::Stop;
 use super::spec::{Cqe, Sqe, Status, CQE_SIZE, PAGE, SQE_SIZE};
 use umdev_mdev::guest::GuestError;
 use umdev_mdev::worker::Bell;
 use umdev_mdev::DeviceContext;
 
-/// A doorbell register's value, written by the connection thread and watched by a worker,
-/// and the bell that wakes that worker. Each has a cache line of its own: the doorbells of
-/// different queues are watched by different threads.
+/// A doorbell register's value (NVMe 1.3 §3.1: SQyTDBL, CQyHDBL), written by the connection
+/// thread and watched by a worker, and the bell that wakes that worker. Each has a cache line
+/// of its own: the doorbells of different queues are watched by different threads.
 #[repr(align(64))]
 #[derive(Debug, Default)]
 pub struct Doorbell {
@@ -31,6 +30,10 @@ pub struct Doorbell {
     value: AtomicU32,
     /// Wakes the queue's worker; successive workers of the queue ID take it over.
     bell: Bell,
+    /// A CQ head doorbell: set by a worker that found the CQ full, taken by the next write.
+    room_wanted: AtomicBool,
+    /// ...and the bells of the workers waiting for that room.
+    room: Mutex<SmallVec<[Bell; 2]>>,
 }
 
 impl Doorbell {
@@ -43,6 +46,9 @@ impl Doorbell {
     pub fn open(&self, size: u32) {
         self.value.store(0, Ordering::Release);
         self.size.store(size, Ordering::Release);
+        if size == 0 {
+            umdev_mdev::sync::lock(&self.room).clear();
+        }
     }
 
     /// The last value written.
@@ -50,10 +56,33 @@ impl Doorbell {
         self.value.load(Ordering::Acquire)
     }
 
-    /// The doorbell was written: store and wake the worker.
+    /// The doorbell was written: store and wake the worker (and, for a CQ head doorbell, the
+    /// workers waiting for room).
     pub fn ring(&self, value: u32) {
         self.value.store(value, Ordering::SeqCst);
         self.bell.ring();
+        if self.room_wanted.load(Ordering::SeqCst) && self.room_wanted.swap(false, Ordering::SeqCst) {
+            for bell in umdev_mdev::sync::lock(&self.room).drain(..) {
+                bell.ring();
+            }
+        }
+    }
+
+    /// (A CQ head doorbell.) The worker of `bell` found the queue full: the next write of
+    /// this doorbell rings it. The caller looks at the head again after this, so a write
+    /// that came meanwhile is not missed.
+    pub fn want_room(&self, bell: &Bell) {
+        let mut room = umdev_mdev::sync::lock(&self.room);
+        if !room.iter().any(|b| b.same(bell)) {
+            room.push(bell.clone());
+        }
+        self.room_wanted.store(true, Ordering::SeqCst);
+    }
+
+    /// Sets the value without waking anyone (shadow doorbells turned off: the last shadow
+    /// value becomes the register's).
+    pub fn set(&self, value: u32) {
+        self.value.store(value, Ordering::SeqCst);
     }
 
     /// Wakes the worker (bus mastering back on).
@@ -108,9 +137,10 @@ impl DoorbellPage {
 }
 
 /// Why a ring could not be reached.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum RingError {
     /// Pinning or copying failed (the memory is gone, or bus mastering is off).
+    #[error(transparent)]
     Guest(GuestError),
 }
 
@@ -184,7 +214,7 @@ fn truncated(iova: u64) -> GuestError {
     GuestError::Truncated { iova }
 }
 
-/// A submission queue.
+/// A submission queue (§4.1.1).
 #[derive(Debug)]
 pub struct Sq {
     /// Queue identifier.
@@ -196,8 +226,6 @@ pub struct Sq {
     pub cq: Arc<Cq>,
     /// Head as the worker last published it (the next entry it fetches).
     pub head: AtomicU32,
-    /// Why the worker must stop, or running (0).
-    stop: AtomicU8,
     /// Command identifiers an Abort named while they waited in the queue.
     aborts: Mutex<SmallVec<[u16; 4]>>,
     has_aborts: AtomicBool,
@@ -212,23 +240,8 @@ impl Sq {
             ring: Ring::new(base, entries, SQE_SIZE, Prot::READ),
             cq,
             head: AtomicU32::new(0),
-            stop: AtomicU8::new(0),
             aborts: Mutex::new(SmallVec::new()),
             has_aborts: AtomicBool::new(false),
-        }
-    }
-
-    /// Tells the queue's worker to stop for `why` (the first reason stays).
-    pub fn stop(&self, why: Stop) {
-        let _ = self.stop.compare_exchange(0, why as u8, Ordering::AcqRel, Ordering::Acquire);
-    }
-
-    /// Why the queue's worker must stop, if it must.
-    pub fn stopping(&self) -> Option<Stop> {
-        match self.stop.load(Ordering::Acquire) {
-            0 => None,
-            x if x == Stop::Delete as u8 => Some(Stop::Delete),
-            _ => Some(Stop::Reset),
         }
     }
 
@@ -281,7 +294,7 @@ impl Sq {
     }
 }
 
-/// Interrupt coalescing of an I/O completion queue (Set Features 08h and 09h).
+/// Interrupt coalescing of an I/O completion queue (Set Features 08h and 09h, §5.21.1.8-9).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Coalescing {
     /// Aggregation threshold: interrupt after this many + 1 entries.
@@ -317,7 +330,7 @@ struct CqState {
     deadline: Option<Instant>,
 }
 
-/// A completion queue.
+/// A completion queue (§4.1.2).
 #[derive(Debug)]
 pub struct Cq {
     /// Queue identifier.
@@ -339,7 +352,7 @@ pub struct Cq {
 /// Why a completion could not be posted.
 #[derive(Debug)]
 pub enum PostError {
-    /// The queue is full and the caller would not wait (or was told to stop meanwhile).
+    /// The queue is full: the host has not consumed the entries before.
     Full,
     /// The ring cannot be reached.
     Ring(RingError),
@@ -372,42 +385,39 @@ impl Cq {
         *umdev_mdev::sync::lock(&self.coalescing) = c;
     }
 
-    /// Posts `cqe` (its phase tag set here) if the queue has room given the host's `head`.
-    /// With `wait`, a full queue is retried every millisecond until `stop` says otherwise.
-    /// `queued` is how many more commands the poster has waiting in its SQ. Without
-    /// coalescing configured, the interrupt of a burst may wait while more commands wait
-    /// than completions are held (so the host always has completions to reap before the
-    /// queue runs dry), for at most [`BATCH`] entries and [`BATCH_TIME`], or until the
-    /// poster runs out of work ([`Cq::due`]): a burst costs one interrupt, not one per entry.
+    /// Posts `cqe` (its phase tag set here) if the queue has room given the host's `head`
+    /// (NVMe 1.3 §4.6: a queue is full when the tail is one below the head), else
+    /// [`PostError::Full`]. `queued` is how many more commands the poster has waiting in its
+    /// SQ. Without coalescing configured, the interrupt of a burst may wait while more
+    /// commands wait than completions are held (so the host always has completions to reap
+    /// before the queue runs dry), for at most [`BATCH`] entries and [`BATCH_TIME`], or until
+    /// the poster runs out of work ([`Cq::due`]): a burst costs one interrupt, not one per
+    /// entry.
     pub fn post(
         &self,
         ctx: &DeviceContext,
         mut cqe: Cqe,
-        head: &dyn Fn() -> u32,
-        stop: &dyn Fn() -> bool,
-        wait: bool,
+        head: u32,
         queued: u32,
     ) -> Result<Signal, PostError> {
-        loop {
-            let mut st = umdev_mdev::sync::lock(&self.state);
-            let next = (st.tail + 1) % self.entries;
-            if next == head() {
-                drop(st);
-                if !wait || stop() {
-                    return Err(PostError::Full);
-                }
-                std::thread::park_timeout(Duration::from_millis(1));
-                continue;
-            }
-            cqe.status = (u16::from(cqe.status) & !1 | u16::from(st.phase)).into();
-            self.ring.write_cqe(ctx, st.tail, &cqe).map_err(PostError::Ring)?;
-            st.tail = next;
-            if next == 0 {
-                st.phase = !st.phase;
-            }
-            self.tail_seen.store(next, Ordering::Release);
-            return Ok(self.signal(&mut st, queued));
+        let mut st = umdev_mdev::sync::lock(&self.state);
+        let next = (st.tail + 1) % self.entries;
+        if next == head {
+            return Err(PostError::Full);
         }
+        cqe.status = (u16::from(cqe.status) & !1 | u16::from(st.phase)).into();
+        self.ring.write_cqe(ctx, st.tail, &cqe).map_err(PostError::Ring)?;
+        st.tail = next;
+        if next == 0 {
+            st.phase = !st.phase;
+        }
+        self.tail_seen.store(next, Ordering::Release);
+        Ok(self.signal(&mut st, queued))
+    }
+
+    /// Whether an entry fits given the host's `head`.
+    pub fn has_room(&self, head: u32) -> bool {
+        (umdev_mdev::sync::lock(&self.state).tail + 1) % self.entries != head
     }
 
     fn signal(&self, st: &mut CqState, queued: u32) -> Signal {
@@ -463,7 +473,7 @@ impl Cq {
     }
 }
 
-/// A completion to post: the command's result.
+/// A completion entry to post (§4.6): the command's result.
 pub fn completion(sq: &Sq, cid: u16, status: Status, dw0: u32) -> Cqe {
     Cqe {
         dw0: dw0.into(),
@@ -472,5 +482,82 @@ pub fn completion(sq: &Sq, cid: u16, status: Status, dw0: u32) -> Cqe {
         sqid: sq.id.into(),
         cid: cid.into(),
         status: (status.0 << 1).into(),
+    }
+}
+
+/// The shadow doorbell and event index buffers of Doorbell Buffer Config (§5.10, §7.13):
+/// two guest pages the controller keeps pinned. The host writes each I/O queue's SQ tail and
+/// CQ head into the shadow page, and writes the doorbell register too only when the value
+/// passes the queue's event index, which the controller sets; entries are laid out as the
+/// doorbell registers (CAP.DSTRD 0): queue y's SQ at dword 2y, its CQ at 2y + 1.
+#[derive(Debug)]
+pub struct ShadowDoorbells {
+    /// Keep the pages pinned (and mapped) while the pointers below are used.
+    _pins: [PinnedPages; 2],
+    shadow: *const AtomicU32,
+    eventidx: *const AtomicU32,
+    /// The guest addresses of the pages.
+    iova: [u64; 2],
+}
+
+// SAFETY: the pointers address pinned guest pages that stay mapped while `_pins` lives, and
+// are only used as atomics (the guest writes them concurrently, as a device's DMA would).
+unsafe impl Send for ShadowDoorbells {}
+// SAFETY: as for Send: shared access is through atomics only.
+unsafe impl Sync for ShadowDoorbells {}
+
+/// An event index no doorbell value reaches (queues have fewer than 65536 entries): the
+/// host never writes the doorbell register for it.
+pub const EVENT_NEVER: u32 = u32::MAX;
+
+impl ShadowDoorbells {
+    /// Pins the shadow page at `shadow` and the event index page at `eventidx` (both page
+    /// aligned) for reading and writing.
+    pub fn new(ctx: &DeviceContext, shadow: u64, eventidx: u64) -> Result<ShadowDoorbells, GuestError> {
+        let pin = |iova| ctx.pin_range(iova, 1, Prot::READ_WRITE);
+        let pins = [pin(shadow)?, pin(eventidx)?];
+        let addr = |p: &PinnedPages| p.host_addr(0).ok_or(GuestError::NotMapped { iova: 0, len: PAGE });
+        let (s, e) = (addr(&pins[0])?, addr(&pins[1])?);
+        Ok(ShadowDoorbells {
+            _pins: pins,
+            shadow: s as *const AtomicU32,
+            eventidx: e as *const AtomicU32,
+            iova: [shadow, eventidx],
+        })
+    }
+
+    /// Dword `index` of the page at `base` (one of `self`'s).
+    fn slot(&self, base: *const AtomicU32, index: usize) -> &AtomicU32 {
+        assert!(index < (PAGE / 4) as usize, "doorbell index {index} outside the page");
+        // SAFETY: `base` is one of this struct's page pointers and `index` is inside the page
+        // (checked above); the page is pinned and mapped while `self` lives, which the
+        // returned borrow cannot outlive; 4-byte aligned since the page is.
+        unsafe { &*base.add(index) }
+    }
+
+    /// The value the host last wrote for doorbell `index` (Acquire: its queue entries are
+    /// visible).
+    pub fn load(&self, index: usize) -> u32 {
+        u32::from_le(self.slot(self.shadow, index).load(Ordering::Acquire))
+    }
+
+    /// Sets doorbell `index`'s shadow value (at Doorbell Buffer Config, or a queue's
+    /// creation).
+    pub fn store(&self, index: usize, value: u32) {
+        self.slot(self.shadow, index).store(value.to_le(), Ordering::Release);
+    }
+
+    /// Sets doorbell `index`'s event index, then a full fence: a value the host writes after
+    /// this is either seen by the caller's next [`ShadowDoorbells::load`] or rings the
+    /// doorbell register (the host writes the shadow, fences, then reads the event index).
+    pub fn arm(&self, index: usize, value: u32) {
+        self.slot(self.eventidx, index).store(value.to_le(), Ordering::Release);
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+
+    /// Whether `[iova, iova + len)` covers either page.
+    pub fn overlaps(&self, iova: u64, len: u64) -> bool {
+        let end = iova.saturating_add(len);
+        self.iova.iter().any(|&p| p < end && iova < p + PAGE)
     }
 }

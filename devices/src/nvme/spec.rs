@@ -1,11 +1,17 @@
 //! The NVMe structures and numbers the controller implements (NVM Express Base
-//! Specification 1.3), as `#[repr(C)]` types laid out exactly as in guest memory.
+//! Specification 1.3, "§" below), as `#[repr(C)]` types laid out exactly as in guest memory.
 //!
 //! Every structure is plain little-endian data with its size asserted (and, for the big
 //! ones, the offsets a driver relies on): read and written whole with `read_obj`/`write_obj`,
 //! never by offset arithmetic in the device.
 
 use vm_memory::{ByteValued, Le16, Le32, Le64};
+
+/// PCI vendor ID (QEMU's test range: not one the Linux driver keeps quirks for), also
+/// Identify's VID and SSVID.
+pub const VENDOR_ID: u16 = 0x1234;
+/// PCI device ID.
+pub const DEVICE_ID: u16 = 0x75e0;
 
 /// Bytes of a memory page (CC.MPS = 0: the only page size the controller supports).
 pub const PAGE: u64 = 4096;
@@ -24,7 +30,7 @@ macro_rules! plain_data {
     )*};
 }
 
-/// Controller registers (BAR0 offsets).
+/// Controller registers (BAR0 offsets, §3.1).
 pub mod reg {
     /// Controller Capabilities (64-bit, RO).
     pub const CAP: u64 = 0x00;
@@ -71,7 +77,7 @@ pub mod reg {
     pub const CSTS_SHST_COMPLETE: u32 = 2 << CSTS_SHST_SHIFT;
 }
 
-/// Admin command opcodes.
+/// Admin command opcodes (§5).
 pub mod admin_op {
     /// Delete I/O Submission Queue.
     pub const DELETE_SQ: u8 = 0x00;
@@ -93,9 +99,11 @@ pub mod admin_op {
     pub const GET_FEATURES: u8 = 0x0a;
     /// Asynchronous Event Request.
     pub const ASYNC_EVENT: u8 = 0x0c;
+    /// Doorbell Buffer Config.
+    pub const DOORBELL_BUFFER_CONFIG: u8 = 0x7c;
 }
 
-/// NVM command set opcodes.
+/// NVM command set opcodes (§6).
 pub mod nvm_op {
     /// Flush.
     pub const FLUSH: u8 = 0x00;
@@ -103,13 +111,15 @@ pub mod nvm_op {
     pub const WRITE: u8 = 0x01;
     /// Read.
     pub const READ: u8 = 0x02;
+    /// Compare.
+    pub const COMPARE: u8 = 0x05;
     /// Write Zeroes.
     pub const WRITE_ZEROES: u8 = 0x08;
     /// Dataset Management.
     pub const DSM: u8 = 0x09;
 }
 
-/// Identify CNS values.
+/// Identify CNS values (§5.15).
 pub mod cns {
     /// The namespace data structure of NSID.
     pub const NAMESPACE: u8 = 0x00;
@@ -121,7 +131,7 @@ pub mod cns {
     pub const NS_DESCRIPTORS: u8 = 0x03;
 }
 
-/// Feature identifiers.
+/// Feature identifiers (§5.21.1).
 pub mod feature {
     /// Arbitration.
     pub const ARBITRATION: u8 = 0x01;
@@ -145,7 +155,7 @@ pub mod feature {
     pub const ASYNC_EVENT_CONFIG: u8 = 0x0b;
 }
 
-/// Log page identifiers.
+/// Log page identifiers (§5.14.1).
 pub mod log_page {
     /// Error Information.
     pub const ERROR: u8 = 0x01;
@@ -153,10 +163,20 @@ pub mod log_page {
     pub const SMART: u8 = 0x02;
     /// Firmware Slot Information.
     pub const FIRMWARE_SLOT: u8 = 0x03;
+    /// Commands Supported and Effects.
+    pub const COMMAND_EFFECTS: u8 = 0x05;
 }
 
-/// Asynchronous event types and information (completion dword 0 of an Asynchronous Event
-/// Request: type in bits 2:0, information in 15:8, the log page to read in 23:16).
+/// Commands Supported and Effects data structure bits (§5.14.1.5): one dword per opcode.
+pub mod effects {
+    /// CSUPP: the command is supported.
+    pub const CSUPP: u32 = 1 << 0;
+    /// LBCC: the command may change logical block content.
+    pub const LBCC: u32 = 1 << 1;
+}
+
+/// Asynchronous event types and information (§5.2.1: completion dword 0 of an Asynchronous
+/// Event Request: type in bits 2:0, information in 15:8, the log page to read in 23:16).
 pub mod event {
     /// Error status.
     pub const TYPE_ERROR: u32 = 0;
@@ -170,8 +190,8 @@ pub mod event {
     pub const TEMPERATURE_THRESHOLD: u32 = 0x01;
 }
 
-/// A completion status: status code type and status code (the 15-bit status field of a
-/// completion entry, without the phase tag, DNR included).
+/// A completion status: status code type and status code (§4.6.1, the 15-bit status field
+/// of a completion entry, without the phase tag, DNR included).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Status(pub u16);
 
@@ -204,6 +224,9 @@ impl Status {
     pub const PRP_OFFSET_INVALID: Status = Status::generic(0x13);
     /// LBA Out of Range.
     pub const LBA_OUT_OF_RANGE: Status = Status::generic(0x80);
+    /// Capacity Exceeded (the backing store is out of space: a sparse file on a full
+    /// filesystem).
+    pub const CAPACITY_EXCEEDED: Status = Status::generic(0x81);
     /// Completion Queue Invalid.
     pub const CQ_INVALID: Status = Status::specific(0x00);
     /// Invalid Queue Identifier.
@@ -226,6 +249,8 @@ impl Status {
     pub const UNRECOVERED_READ_ERROR: Status = Status(2 << 8 | 0x81);
     /// Write Fault (a media error: the backing store failed).
     pub const WRITE_FAULT: Status = Status(2 << 8 | 0x80);
+    /// Compare Failure (the data differ, §6.1).
+    pub const COMPARE_FAILURE: Status = Status(2 << 8 | 0x85);
 
     /// The status with Do Not Retry set (the command would fail again).
     pub const fn dnr(self) -> Status {
@@ -248,7 +273,18 @@ impl Status {
     }
 }
 
-/// A submission queue entry.
+impl std::fmt::Display for Status {
+    /// `status SCT/SC` in hex, and `DNR` when set: `status 0/02h DNR`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "status {}/{:02x}h", self.sct(), self.sc())?;
+        if self.0 & 1 << 14 != 0 {
+            f.write_str(" DNR")?;
+        }
+        Ok(())
+    }
+}
+
+/// A submission queue entry (§4.2).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Sqe {
@@ -301,7 +337,7 @@ impl Sqe {
     }
 }
 
-/// A completion queue entry.
+/// A completion queue entry (§4.6).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Cqe {
@@ -330,7 +366,7 @@ impl Cqe {
     }
 }
 
-/// A power state descriptor.
+/// A power state descriptor (§5.15).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[allow(missing_docs)] // fields named as in the specification
@@ -367,7 +403,7 @@ pub struct PowerState {
     pub rsvd23: [u8; 9],
 }
 
-/// The Identify Controller data structure (CNS 01h).
+/// The Identify Controller data structure (CNS 01h; §5.15).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 #[allow(missing_docs)] // fields named as in the specification
@@ -440,7 +476,7 @@ pub struct IdentifyController {
 /// performance (25:24).
 pub type LbaFormat = Le32;
 
-/// The Identify Namespace data structure (CNS 00h).
+/// The Identify Namespace data structure (CNS 00h; §5.15).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 #[allow(missing_docs)] // fields named as in the specification
@@ -473,7 +509,7 @@ pub struct IdentifyNamespace {
     pub rsvd192: [u8; 3904],
 }
 
-/// The SMART / Health Information log page.
+/// The SMART / Health Information log page (§5.14.1.2).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 #[allow(missing_docs)] // fields named as in the specification
@@ -502,7 +538,7 @@ pub struct SmartLog {
     pub rsvd216: [u8; 296],
 }
 
-/// An entry of the Error Information log page.
+/// An entry of the Error Information log page (§5.14.1.1).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[allow(missing_docs)] // fields named as in the specification
@@ -521,7 +557,7 @@ pub struct ErrorLogEntry {
     pub rsvd40: [u8; 24],
 }
 
-/// The Firmware Slot Information log page.
+/// The Firmware Slot Information log page (§5.14.1.3).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 #[allow(missing_docs)] // fields named as in the specification
@@ -534,7 +570,8 @@ pub struct FirmwareSlotLog {
     pub rsvd64: [u8; 448],
 }
 
-/// A namespace identification descriptor's header; the identifier follows.
+/// A namespace identification descriptor's header (§5.15); the identifier
+/// follows.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[allow(missing_docs)] // fields named as in the specification
@@ -546,7 +583,7 @@ pub struct NsDescriptorHeader {
     pub rsvd: Le16,
 }
 
-/// A Dataset Management range.
+/// A Dataset Management range (§6.2).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[allow(missing_docs)] // fields named as in the specification
@@ -557,7 +594,7 @@ pub struct DsmRange {
     pub slba: Le64,
 }
 
-/// The range list of a Dataset Management command (up to 256 ranges).
+/// The range list of a Dataset Management command (up to 256 ranges, §6.2).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct DsmRanges {

@@ -1,121 +1,85 @@
-//! A submission queue's worker: fetch, execute, complete, in queue order.
+//! A submission queue's worker: fetch, parse, run, complete, in queue order (NVMe 1.3
+//! §4.1, §7.2.x processing model: a command is fetched once the host moved the tail past
+//! it).
 //!
-//! Each command runs on a [`Permit`]: completing it posts the command's completion entry;
-//! dropping it unfinished (a panic in the command's handling, caught by
-//! [`request::serve`]) posts Internal Error instead, so the host always gets an answer.
+//! The worker runs on the framework's [`Worker`] (one thread per SQ, woken by the queue's
+//! doorbell [`Bell`], stopped with a typed [`Stop`]) and takes one framework permit per
+//! command from its [`Lane`]: the command's pins are the permit's, so a DMA_UNMAP of them
+//! cancels it. Each entry is parsed ([`super::cmds`]) and handed to its handler with a
+//! [`CommandCx`]; the worker itself is never seen by a handler.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::ctrl::{Ctrl, DoorbellMode, Stop};
-use super::queue::{completion, PostError, RingError, Signal, Sq};
-use super::spec::{Cqe, Sqe, Status};
+use super::cmds::{AdminCmd, NvmCmd};
+use super::completion::{Command, Completer, Drained};
+use super::ctrl::{Ctrl, DoorbellMode, Running, Stop};
+use super::cx::CommandCx;
+use super::queue::{RingError, Sq};
+use super::spec::{event, log_page, Sqe, Status};
 use super::{admin, io};
 use umdev_mdev::guest::GuestError;
-use umdev_mdev::request::{self, Completion, Lane, Permit};
-use umdev_mdev::worker::{Waiter, Wake};
-use umdev_mdev::DeviceContext;
+use umdev_mdev::request::{self, Lane, Permit};
+use umdev_mdev::worker::{Bell, Poll, Waiter, Worker};
 
-/// How long an idle worker sleeps between looks (it is woken by doorbells anyway).
-const IDLE: Duration = Duration::from_millis(500);
 /// With mapped doorbells: how long a worker spins after its last command, then how often
-/// it looks at the page.
-const POLL_SPIN: Duration = Duration::from_micros(50);
+/// it looks at the page (nothing rings it: the client writes the page directly). A polling
+/// client submits again within microseconds; a spin shorter than a scheduler time slice would
+/// put a worker that was preempted (a shared CPU) to sleep for a whole look.
+const POLL_SPIN: Duration = Duration::from_millis(1);
+/// After the spin, a look comes after this fraction of the time the queue has been idle...
+const LOOK_BACKOFF: u32 = 64;
+/// ...and no sooner than this.
+const MIN_LOOK: Duration = Duration::from_micros(10);
+/// Looks at the page per clock reading while spinning.
+const SPIN_LOOKS: u32 = 256;
 const POLL_INTERVAL: Duration = Duration::from_micros(200);
+/// ...and how often the admin queue's worker looks: admin commands are rare once a driver is
+/// up, and each look of a worker takes the CPU from a busy I/O queue's worker for a while.
+const ADMIN_POLL_INTERVAL: Duration = Duration::from_millis(1);
+/// How long a deleted queue's worker waits for CQ room to post what it owes (less than the
+/// controller's bound on joining it, so the deletion never outlives the join).
+const DELETE_DRAIN: Duration = Duration::from_secs(2);
 
-/// What executing a command produced.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Outcome {
-    /// Complete with this status and dword 0.
-    Done(Status, u32),
-    /// Held by the controller, completed later (an Asynchronous Event Request).
-    Held,
+/// Starts the worker of `sq` (the controller's [`super::ctrl::Spawn`]).
+pub fn spawn(
+    ctrl: &Arc<Ctrl>,
+    sq: Arc<Sq>,
+    lane: Lane,
+    bell: &Bell,
+    alive: Running,
+    generation: u64,
+) -> std::io::Result<Worker<Stop>> {
+    let id = sq.id;
+    let name = if id == 0 { "umdev-nvme-admin".to_string() } else { format!("umdev-nvme-q{id}") };
+    let completer = Completer::new(ctrl.clone(), sq, generation);
+    let poll = Poll(ctrl.config().poll);
+    Worker::spawn_on(bell, name, poll, move |waiter| {
+        let _alive = alive;
+        QueueWorker { completer, lane }.run(waiter);
+    })
 }
 
-impl Outcome {
-    /// Success with dword 0 `dw0`.
-    pub fn ok(dw0: u32) -> Outcome {
-        Outcome::Done(Status::SUCCESS, dw0)
-    }
-}
-
-impl From<Status> for Outcome {
-    fn from(s: Status) -> Outcome {
-        Outcome::Done(s, 0)
-    }
-}
-
-/// One queue's worker.
-pub struct QueueWorker {
-    /// The controller.
-    pub ctrl: Arc<Ctrl>,
-    /// The queue.
-    pub sq: Arc<Sq>,
-    /// The client's DMA context.
-    pub ctx: DeviceContext,
-    /// The controller generation the queue belongs to.
-    pub generation: u64,
+/// One queue's worker state.
+struct QueueWorker {
+    completer: Arc<Completer>,
     /// The queue's commands, tracked by the framework.
     lane: Lane,
 }
 
-/// A command in flight: how it completes.
-pub struct Command {
-    worker: Arc<QueueWorker>,
-    sqe: Sqe,
-}
-
-impl Completion for Command {
-    type Outcome = Outcome;
-
-    fn complete(self, outcome: Outcome, _ctx: &DeviceContext) {
-        if let Outcome::Done(status, dw0) = outcome {
-            self.worker.finish(&self.sqe, status, dw0);
-        }
-    }
-
-    /// The handling of the command failed inside the controller: Internal Error.
-    fn fail(self, _ctx: &DeviceContext) {
-        self.worker.finish(&self.sqe, Status::INTERNAL_ERROR, 0);
-    }
-}
-
 impl QueueWorker {
-    /// A worker for `sq`.
-    pub fn new(
-        ctrl: Arc<Ctrl>,
-        sq: Arc<Sq>,
-        ctx: DeviceContext,
-        generation: u64,
-        lane: Lane,
-    ) -> Arc<QueueWorker> {
-        Arc::new(QueueWorker { ctrl, sq, ctx, generation, lane })
+    fn ctrl(&self) -> &Arc<Ctrl> {
+        self.completer.ctrl()
     }
 
-    /// The queue's statistics.
-    pub fn stats(&self) -> &super::stats::QueueStats {
-        &self.ctrl.stats[usize::from(self.sq.id)]
-    }
-
-    fn stopping(&self) -> bool {
-        self.sq.stopping().is_some()
-    }
-
-    /// The controller is being reset or disabled (or already was since this worker began):
-    /// long work stops, waits end.
-    pub(super) fn cancelled(&self) -> bool {
-        self.sq.stopping() == Some(Stop::Reset) || !self.current()
-    }
-
-    /// Whether this queue's work still counts (no disable since it started).
-    pub fn current(&self) -> bool {
-        self.ctrl.generation.load(Ordering::Acquire) == self.generation
+    fn sq(&self) -> &Arc<Sq> {
+        self.completer.sq()
     }
 
     /// Serves the queue until told to stop.
-    pub fn run(self: Arc<Self>, mut waiter: Waiter<Stop>) {
-        let id = self.sq.id;
+    fn run(self, mut waiter: Waiter<Stop>) {
+        let id = self.sq().id;
+        let entries = self.sq().entries;
         let mut head = 0u32;
         let mut last_work = Instant::now();
         // Commands fetched since the worker last found its queue empty, and whether that
@@ -123,23 +87,24 @@ impl QueueWorker {
         let mut fetched = 0u32;
         let mut lone = false;
         let mut bad_tail = None;
-        while !self.stopping() {
-            if self.ctrl.fatal() || !self.ctx.bus_master() {
-                // Until the next doorbell or a wake-up (a reset, bus mastering back on), not
-                // until one differing from `head`: queued commands must not keep it awake.
-                waiter.sleep(|| false, Some(Duration::from_millis(10)));
+        let stop = loop {
+            if let Some(stop) = waiter.stopped() {
+                break stop;
+            }
+            if self.ctrl().fatal() {
+                // Until a disable stops the worker (or a ring: look again).
+                waiter.sleep(|| false, None);
                 continue;
             }
-            let tail = self.ctrl.sq_tail(id);
-            if tail >= self.sq.entries {
+            if self.completer.waiting() > 0 && !self.drain(&mut waiter) {
+                continue;
+            }
+            let tail = self.ctrl().sq_tail(id);
+            if tail >= entries {
                 // Only a mapped doorbell can hold this (a written one is checked).
                 if bad_tail != Some(tail) {
                     bad_tail = Some(tail);
-                    self.ctrl.event(
-                        super::spec::event::TYPE_ERROR,
-                        super::spec::event::INVALID_DOORBELL_VALUE,
-                        1,
-                    );
+                    self.ctrl().event(event::TYPE_ERROR, event::INVALID_DOORBELL_VALUE, log_page::ERROR);
                 }
                 self.idle(&mut waiter, head, last_work, false);
                 continue;
@@ -152,50 +117,98 @@ impl QueueWorker {
                 self.idle(&mut waiter, head, last_work, lone);
                 continue;
             }
-            let sqe = match self.sq.fetch(&self.ctx, head) {
-                Ok(sqe) => sqe,
-                Err(RingError::Guest(GuestError::BusMasterOff)) => continue,
-                Err(RingError::Guest(e)) => {
-                    self.ctrl.fail(&format!("SQ {id} entry {head} cannot be read: {e}"));
+            let mut permit = match self.lane.begin(Command::new(self.completer.clone())) {
+                Ok(permit) => permit,
+                // The client left: the controller is reset next, which stops this worker.
+                Err(_) => {
+                    waiter.sleep(|| false, None);
                     continue;
                 }
             };
-            head = (head + 1) % self.sq.entries;
+            let sqe = match self.sq().fetch(permit.ctx(), head) {
+                Ok(sqe) => sqe,
+                Err(RingError::Guest(GuestError::BusMasterOff)) => {
+                    permit.into_inner();
+                    // Until bus mastering comes back (which rings every queue) or a doorbell.
+                    waiter.sleep(|| false, None);
+                    continue;
+                }
+                Err(RingError::Guest(e)) => {
+                    permit.into_inner();
+                    self.ctrl().fail(&format!("SQ {id} entry {head} cannot be read: {e}"));
+                    continue;
+                }
+            };
+            head = (head + 1) % entries;
             last_work = Instant::now();
             fetched = fetched.saturating_add(1);
-            let aborted = self.sq.advance(head, sqe.cid());
-            let permit = match self.lane.begin(Command { worker: self.clone(), sqe }) {
-                Ok(permit) => permit,
-                // The client left: the framework stops the queue next.
-                Err(_) => continue,
-            };
-            if aborted {
+            permit.get_mut().set_sqe(sqe);
+            if self.sq().advance(head, sqe.cid()) {
                 permit.complete(Status::ABORT_REQUESTED.into());
                 continue;
             }
-            self.execute(permit);
+            self.execute(permit, sqe);
             self.raise_due(false);
-        }
-        if self.sq.stopping() == Some(Stop::Delete) {
-            self.abort_remaining(head);
+        };
+        if stop == Stop::Delete {
+            self.abort_remaining(&mut waiter, head);
         }
     }
 
-    fn execute(self: &Arc<Self>, mut permit: Permit<Command>) {
-        let sqe = permit.get().sqe;
-        let outcome = request::serve(
-            format_args!("nvme command {:#04x} on queue {}", sqe.opcode(), self.sq.id),
-            || {
-                if self.sq.id == 0 {
-                    admin::execute(self, &sqe)
+    /// Parses the command and runs its handler; a panic in it fails the command (Internal
+    /// Error) and the queue goes on.
+    fn execute(&self, permit: Permit<Command>, sqe: Sqe) {
+        let id = self.sq().id;
+        let cx = CommandCx::new(self.ctrl(), self.sq(), self.completer.generation(), permit);
+        let outcome =
+            request::serve(format_args!("nvme command {:#04x} on queue {id}", sqe.opcode()), || {
+                if id == 0 {
+                    match AdminCmd::parse(&sqe) {
+                        Ok(cmd) => admin::execute(&cx, cmd),
+                        Err(e) => Status::from(e).into(),
+                    }
                 } else {
-                    io::execute(self, &mut permit, &sqe)
+                    match NvmCmd::parse(&sqe) {
+                        Ok(cmd) => io::execute(&cx, cmd),
+                        Err(e) => Status::from(e).into(),
+                    }
                 }
-            },
-        );
+            });
+        let permit = cx.into_permit();
         match outcome {
             Some(outcome) => permit.complete(outcome),
             None => drop(permit), // Internal Error
+        }
+    }
+
+    /// Posts the backlog; true if it is empty now. Otherwise waits for what it waits for (CQ
+    /// room: the CQ head doorbell rings; bus mastering: turning it on rings) and returns false.
+    fn drain(&self, waiter: &mut Waiter<Stop>) -> bool {
+        let Some(ctx) = self.lane.context() else {
+            // The client left: nothing can be posted; the reset that follows stops us.
+            waiter.sleep(|| false, None);
+            return false;
+        };
+        match self.completer.drain(&ctx) {
+            Drained::Empty => true,
+            Drained::BusMasterOff => {
+                waiter.sleep(|| false, None);
+                false
+            }
+            Drained::Full => {
+                let cq = self.sq().cq.clone();
+                let ctrl = self.ctrl();
+                ctrl.cq_doorbell(cq.id).want_room(&waiter.bell());
+                ctrl.arm_cq(cq.id);
+                let room = || cq.has_room(ctrl.cq_head(cq.id));
+                // A mapped CQ head doorbell rings nothing: look at the page from time to time.
+                let look = match ctrl.doorbell_mode() {
+                    DoorbellMode::Message => None,
+                    DoorbellMode::Mapped => Some(POLL_INTERVAL),
+                };
+                waiter.sleep(room, look);
+                false
+            }
         }
     }
 
@@ -204,94 +217,84 @@ impl QueueWorker {
     /// command, the only case where a message doorbell is watched for before sleeping.
     fn idle(&self, waiter: &mut Waiter<Stop>, head: u32, last_work: Instant, lone: bool) {
         self.raise_due(true);
-        let wait = match self.sq.cq.deadline() {
-            Some(deadline) => deadline.saturating_duration_since(Instant::now()).min(IDLE),
-            None => IDLE,
-        };
-        let id = self.sq.id;
-        let rung = || self.ctrl.sq_tail(id) != head;
-        let woke = match self.ctrl.config.doorbells {
+        let deadline = self.sq().cq.deadline().map(|d| d.saturating_duration_since(Instant::now()));
+        let (ctrl, id) = (self.ctrl(), self.sq().id);
+        let rung = || ctrl.sq_tail(id) != head;
+        // With shadow doorbells the host writes the register (which rings) only if asked.
+        ctrl.arm_sq(id, head);
+        match ctrl.doorbell_mode() {
             // Right after a lone command (queue depth 1: the wake-up is the whole latency)
             // the next doorbell is likely close: the worker polls for it (its `poll_us`) if a
             // CPU is free. After a batch the wake-up is shared by the batch's commands and
             // polling would only burn the CPU the client needs to send the next one.
-            DoorbellMode::Message if lone && last_work.elapsed() < self.ctrl.config.poll => {
-                waiter.wait(rung, Some(wait))
+            DoorbellMode::Message if lone && last_work.elapsed() < ctrl.config().poll => {
+                waiter.wait(rung, deadline);
             }
-            DoorbellMode::Message => waiter.sleep(rung, Some(wait)),
+            DoorbellMode::Message => {
+                waiter.sleep(rung, deadline);
+            }
             DoorbellMode::Mapped if last_work.elapsed() < POLL_SPIN => {
-                std::hint::spin_loop();
-                Wake::Work
+                for _ in 0..SPIN_LOOKS {
+                    if rung() {
+                        return;
+                    }
+                    std::hint::spin_loop();
+                }
             }
-            DoorbellMode::Mapped => waiter.sleep(rung, Some(wait.min(POLL_INTERVAL))),
-        };
-        // A stop is seen by the run loop's own look.
-        let _ = woke;
+            DoorbellMode::Mapped => {
+                // The longer the queue has been idle, the longer the look: a client that paused
+                // (preempted, say) and comes back finds the worker looking every few
+                // microseconds at first, then less often, up to the interval.
+                let interval = if id == 0 { ADMIN_POLL_INTERVAL } else { POLL_INTERVAL };
+                let interval = (last_work.elapsed() / LOOK_BACKOFF).clamp(MIN_LOOK, interval);
+                let look = deadline.map_or(interval, |d| d.min(interval));
+                waiter.sleep(rung, Some(look));
+            }
+        }
     }
 
     /// Raises the CQ's vector if held completions are due (see [`super::queue::Cq::due`]).
     fn raise_due(&self, idle: bool) {
-        if self.sq.cq.due(idle) {
-            self.ctrl.interrupt(&self.sq.cq);
+        if self.sq().cq.due(idle) {
+            self.ctrl().interrupt(&self.sq().cq);
         }
     }
 
-    /// Posts the completion of `sqe`, raising the interrupt it calls for.
-    pub fn finish(&self, sqe: &Sqe, status: Status, dw0: u32) {
-        self.stats().command(!status.ok());
-        if !status.ok() {
-            self.ctrl.admin().log_error(self.sq.id, sqe, status);
-        }
-        let cqe = completion(&self.sq, sqe.cid(), status, dw0);
-        self.post(cqe, true);
-    }
-
-    /// Posts `cqe` on the queue's CQ; with `wait`, a full CQ is waited for until a stop.
-    pub fn post(&self, cqe: Cqe, wait: bool) {
-        // Commands still waiting: their completions may share this one's interrupt.
-        let (tail, head) = (self.ctrl.sq_tail(self.sq.id), self.sq.head.load(Ordering::Acquire));
-        let queued =
-            if tail < self.sq.entries { (tail + self.sq.entries - head) % self.sq.entries } else { 0 };
-        let cq = &self.sq.cq;
-        let head = || self.ctrl.cq_head(cq.id);
-        // Waiting for room ends with a reset, a newer generation, or the CQ's deletion (a
-        // worker outlived by a Delete SQ must not write into a CQ the guest has freed).
-        let stop = || self.cancelled() || !self.ctrl.cq_live(cq);
-        if !self.current() {
-            return;
-        }
-        loop {
-            match cq.post(&self.ctx, cqe, &head, &stop, wait, queued) {
-                Ok(Signal::Now) => self.ctrl.interrupt(cq),
-                Ok(Signal::Held) | Ok(Signal::None) => {}
-                Err(PostError::Full) => {
-                    log::debug!("nvme: CQ {} full: completion of cid {} dropped", cq.id, u16::from(cqe.cid))
-                }
-                // Bus mastering is off: the completion waits for it (or for a stop).
-                Err(PostError::Ring(RingError::Guest(GuestError::BusMasterOff))) if wait && !stop() => {
-                    // Woken by bus_master_changed (the worker's doorbell wakes this thread).
-                    std::thread::park_timeout(Duration::from_millis(10));
-                    continue;
-                }
-                Err(PostError::Ring(RingError::Guest(GuestError::BusMasterOff))) => {}
-                Err(PostError::Ring(RingError::Guest(e))) => {
-                    self.ctrl.fail(&format!("CQ {} cannot be written: {e}", cq.id));
-                }
-            }
-            return;
-        }
-    }
-
-    /// Delete I/O SQ with commands still queued: each completes as aborted.
-    fn abort_remaining(self: &Arc<Self>, mut head: u32) {
-        let tail = self.ctrl.sq_tail(self.sq.id);
-        let mut left = self.sq.entries;
-        while head != tail && tail < self.sq.entries && left > 0 {
-            let Ok(sqe) = self.sq.fetch(&self.ctx, head) else { break };
-            head = (head + 1) % self.sq.entries;
-            self.sq.advance(head, sqe.cid());
-            self.finish(&sqe, Status::ABORTED_SQ_DELETION, 0);
+    /// Delete I/O SQ (§5.6) with commands still queued: each completes as aborted, after what
+    /// waits in the backlog, before the deletion completes. The host makes room as it reaps
+    /// them; if it does not within [`DELETE_DRAIN`] (a host deleting a queue whose
+    /// completions it does not consume), or the controller is disabled meanwhile, what
+    /// cannot be posted is dropped: the worker always ends.
+    fn abort_remaining(&self, waiter: &mut Waiter<Stop>, mut head: u32) {
+        let Some(ctx) = self.lane.context() else { return };
+        let (ctrl, sq) = (self.ctrl(), self.sq());
+        let tail = ctrl.sq_tail(sq.id);
+        let mut left = sq.entries;
+        while head != tail && tail < sq.entries && left > 0 {
+            let Ok(sqe) = sq.fetch(&ctx, head) else { break };
+            head = (head + 1) % sq.entries;
+            sq.advance(head, sqe.cid());
+            self.completer.finish(&ctx, &sqe, Status::ABORTED_SQ_DELETION, 0);
             left -= 1;
+        }
+        let deadline = Instant::now() + DELETE_DRAIN;
+        let cq = sq.cq.clone();
+        while self.completer.drain(&ctx) == Drained::Full && self.completer.current() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            ctrl.cq_doorbell(cq.id).want_room(&waiter.bell());
+            ctrl.arm_cq(cq.id);
+            let look = match ctrl.doorbell_mode() {
+                DoorbellMode::Message => left,
+                DoorbellMode::Mapped => left.min(POLL_INTERVAL),
+            };
+            waiter.linger(|| cq.has_room(ctrl.cq_head(cq.id)), look);
+        }
+        let dropped = self.completer.abandon();
+        if dropped > 0 {
+            log::debug!("nvme: SQ {} deleted with its CQ full: {dropped} completion(s) dropped", sq.id);
         }
     }
 }

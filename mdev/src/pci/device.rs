@@ -16,8 +16,8 @@ use super::caps::MsixCap;
 use super::config::{ConfigChanges, ConfigError, ConfigSpace, ConfigSpaceBuilder};
 use super::regs::{NUM_BARS, STATUS, STATUS_INTERRUPT};
 use crate::device::{
-    DeviceError, DeviceFlags, DeviceInfo, IrqInfo, RegionFlags, RegionInfo, RegionMmap, SetIrqs, VfioDevice,
-    VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_NUM_IRQS, VFIO_PCI_NUM_REGIONS,
+    ClientHello, DeviceError, DeviceFlags, DeviceInfo, IrqInfo, RegionFlags, RegionInfo, RegionMmap, SetIrqs,
+    VfioDevice, VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_NUM_IRQS, VFIO_PCI_NUM_REGIONS,
 };
 use crate::guest::{BusMaster, DeviceContext};
 use crate::irq::{Interrupts, IrqHandle, IrqLayout, MsiLayout};
@@ -53,6 +53,21 @@ pub trait PciFunction: Send + Sync + 'static {
     fn bar_mmap(&self, bar: u8) -> Option<RegionMmap> {
         let _ = bar;
         None
+    }
+
+    /// A client connected and sent its VERSION (`hello`), before it may ask for any region
+    /// info; [`PciFunction::offer_mmap`] is asked right after. The default does nothing.
+    fn client_version(&self, hello: &ClientHello) {
+        let _ = hello;
+    }
+
+    /// Whether the client that just sent `hello` is offered BAR `bar`'s mmap (one
+    /// [`PciFunction::bar_mmap`] described). Asked at each client's VERSION, for each BAR with
+    /// an mmap; the answer holds for the whole connection. Without a VERSION (a device driven
+    /// in process) every mmap is offered. The default offers it to every client.
+    fn offer_mmap(&self, bar: u8, hello: &ClientHello) -> bool {
+        let _ = (bar, hello);
+        true
     }
 
     /// DEVICE_RESET (also run on detach): stop work, back to the power-on state. Every
@@ -116,6 +131,8 @@ pub struct PciDevice<F> {
     requests: Requests,
     function: F,
     regions: Vec<RegionInfo>,
+    /// BARs whose mmap the current client is not offered (bit per BAR).
+    mmap_withheld: std::sync::atomic::AtomicU8,
     msix: Option<MsixCap>,
     /// Held for the device's life and dropped with it: the capacity an instance takes from
     /// its type's pool ([`crate::types::Reservation`]), say.
@@ -164,6 +181,7 @@ impl<F: PciFunction> PciDevice<F> {
             requests,
             function,
             regions,
+            mmap_withheld: std::sync::atomic::AtomicU8::new(0),
             msix,
             held: None,
         })
@@ -399,7 +417,24 @@ impl<F: PciFunction> VfioDevice for PciDevice<F> {
     }
 
     fn region_info(&self, index: u32) -> Option<RegionInfo> {
-        self.regions.get(index as usize).cloned()
+        let mut info = self.regions.get(index as usize).cloned()?;
+        let withheld = self.mmap_withheld.load(std::sync::atomic::Ordering::Acquire);
+        if (index as usize) < NUM_BARS && withheld & 1 << index != 0 {
+            info.flags.remove(RegionFlags::MMAP);
+            info.mmap = None;
+        }
+        Some(info)
+    }
+
+    fn client_version(&self, hello: &ClientHello) {
+        self.function.client_version(hello);
+        let mut withheld = 0u8;
+        for (bar, region) in self.regions.iter().enumerate().take(NUM_BARS) {
+            if region.mmap.is_some() && !self.function.offer_mmap(bar as u8, hello) {
+                withheld |= 1 << bar;
+            }
+        }
+        self.mmap_withheld.store(withheld, std::sync::atomic::Ordering::Release);
     }
 
     fn region_read(&self, index: u32, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {

@@ -214,7 +214,9 @@ pub fn parse<'a>(
     let Some(command) = Command::from_u16(header.command) else {
         return Err(fail(libc::ENOSYS, "unknown command".into()));
     };
-    let takes_fds = matches!(command, Command::DmaMap | Command::DeviceSetIrqs);
+    // DMA_UNMAP may come with the fd of the mapping it removes (SPDK's client attaches it);
+    // like libvfio-user, the server does not use it and closes it.
+    let takes_fds = matches!(command, Command::DmaMap | Command::DmaUnmap | Command::DeviceSetIrqs);
     if !takes_fds && !fds.is_empty() {
         return Err(einval(&format!("{} unexpected fds", fds.len())));
     }
@@ -263,6 +265,10 @@ pub fn parse<'a>(
             if flags & UNMAP_FLAG_ALL != 0 && (iova != 0 || size != 0) {
                 return Err(einval("UNMAP_ALL with an address or size"));
             }
+            if !fds.is_empty() {
+                log::debug!("dma_unmap: closing {} fd(s) that came with it", fds.len());
+            }
+            drop(fds);
             Ok(Request::DmaUnmap { argsz, flags, iova, size })
         }
         Command::DeviceGetInfo => {
@@ -429,6 +435,29 @@ mod tests {
             data,
         ]
         .concat()
+    }
+
+    #[test]
+    fn a_dma_unmap_with_the_mappings_fd_is_served_and_the_fd_closed() {
+        let mut unmap = [0u8; 24];
+        unmap[0..4].copy_from_slice(&24u32.to_le_bytes());
+        unmap[8..16].copy_from_slice(&0x1000u64.to_le_bytes());
+        unmap[16..24].copy_from_slice(&0x1000u64.to_le_bytes());
+        let (r, w) = nix::unistd::pipe().unwrap();
+        let h = header(Command::DmaUnmap as u16, &unmap);
+        let parsed = parse(&h, &unmap, vec![w], &Limits::default()).unwrap();
+        assert!(matches!(parsed, Request::DmaUnmap { iova: 0x1000, size: 0x1000, .. }));
+        // The write end is closed: the read end sees end of file.
+        let mut buf = [0u8; 1];
+        assert_eq!(nix::unistd::read(&r, &mut buf).unwrap(), 0);
+        // Other commands without fds in their ABI still refuse them.
+        let (_r, w) = nix::unistd::pipe().unwrap();
+        let info = [16u8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        let h = header(Command::DeviceGetInfo as u16, &info);
+        assert_eq!(
+            parse(&h, &info, vec![w], &Limits::default()).map(|_| 0).unwrap_or_else(|e| e.errno),
+            libc::EINVAL
+        );
     }
 
     #[test]

@@ -66,6 +66,8 @@ pub struct ClientCaps {
     pub write_multiple: bool,
     /// Bytes of the client's request: the reply must not be longer.
     pub request_size: usize,
+    /// The request held a `capabilities` object.
+    pub capabilities: bool,
 }
 
 fn uint(caps: &Map<String, Value>, key: &'static str, max: u64) -> Result<Option<u64>, VersionError> {
@@ -95,6 +97,7 @@ pub fn parse_client(payload: &[u8], request_size: usize) -> Result<ClientCaps, V
         max_data_xfer_size: 1 << 20,
         write_multiple: false,
         request_size,
+        capabilities: false,
     };
     let json = &payload[size_of::<Version>()..];
     if json.is_empty() {
@@ -112,6 +115,7 @@ pub fn parse_client(payload: &[u8], request_size: usize) -> Result<ClientCaps, V
         Some(Value::Object(caps)) => caps,
         Some(_) => return Err(VersionError::Json("capabilities is not an object".into())),
     };
+    client.capabilities = true;
     if let Some(n) = uint(caps, "max_msg_fds", 1024)? {
         client.max_msg_fds = n as u32;
     }

@@ -43,6 +43,11 @@ impl PciFunction for Memory {
         }
     }
 
+    fn offer_mmap(&self, bar: u8, hello: &ClientHello) -> bool {
+        // BAR2's mapping only for clients that announce capabilities.
+        bar != 2 || hello.capabilities
+    }
+
     fn reset(&self) {
         self.log.lock().unwrap().push("reset".into());
     }
@@ -113,6 +118,14 @@ fn mmap_descriptions_are_checked() {
     // BAR2 got the same description and holds no MSI-X structure.
     assert!(dev.region_info(2).unwrap().flags.contains(RegionFlags::MMAP));
     assert!(!dev.region_info(1).unwrap().flags.contains(RegionFlags::MMAP));
+    // A client chosen per connection: BAR2's mmap is withheld from one without capabilities
+    // and offered again to the next that has them; BAR0's is offered to both.
+    dev.client_version(&ClientHello { minor: 1, capabilities: false });
+    let bar2 = dev.region_info(2).unwrap();
+    assert!(!bar2.flags.contains(RegionFlags::MMAP) && bar2.mmap.is_none());
+    assert!(dev.region_info(0).unwrap().flags.contains(RegionFlags::MMAP));
+    dev.client_version(&ClientHello { minor: 0, capabilities: true });
+    assert!(dev.region_info(2).unwrap().flags.contains(RegionFlags::MMAP));
     // Config errors come through.
     let err = PciDevice::new(builder().bar(5, Bar::mem64(16)), |_| Memory::default()).unwrap_err();
     assert!(matches!(err, PciDeviceError::Config(ConfigError::Mem64NoUpperSlot { index: 5 })));

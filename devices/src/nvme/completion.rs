@@ -1,0 +1,218 @@
+//! How a command ends: its completion entry posted on its queue's CQ (NVMe 1.3 §4.6), in
+//! the order the commands finish, never twice.
+//!
+//! Each command runs on a framework [`Permit`](umdev_mdev::request::Permit) whose
+//! [`Completion`] is a [`Command`]: completing the permit posts the command's entry; dropping
+//! it unfinished (a panic in the command's handling, caught by the worker) posts Internal
+//! Error instead, so the host always gets an answer. A completion that cannot be posted now
+//! (the CQ is full, bus mastering is off) waits in its queue's [`Completer`] backlog, in
+//! order; the queue's worker posts it when the host makes room or turns bus mastering back
+//! on, and fetches nothing new meanwhile (a full CQ holds its SQ, §4.1).
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+use super::ctrl::Ctrl;
+use super::queue::{completion, PostError, RingError, Sq};
+use super::spec::{Cqe, Sqe, Status};
+use umdev_mdev::guest::GuestError;
+use umdev_mdev::request::Completion;
+use umdev_mdev::DeviceContext;
+
+/// One queue's completion side: what its commands' [`Command`]s post through.
+#[derive(Debug)]
+pub struct Completer {
+    ctrl: Arc<Ctrl>,
+    sq: Arc<Sq>,
+    /// The controller generation the queue belongs to: a queue of an older one posts nothing.
+    generation: u64,
+    /// Completions waiting for room or bus mastering, oldest first. Only the queue's worker
+    /// thread touches it: the lock is never contended.
+    backlog: Mutex<VecDeque<Cqe>>,
+}
+
+/// What happened to the backlog when the worker tried to post it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Drained {
+    /// Nothing waits.
+    Empty,
+    /// The CQ is full: wait for the host's CQ head doorbell.
+    Full,
+    /// Bus mastering is off: wait for it to come back.
+    BusMasterOff,
+}
+
+impl Completer {
+    /// The completion side of `sq`, for work of `generation`.
+    pub fn new(ctrl: Arc<Ctrl>, sq: Arc<Sq>, generation: u64) -> Arc<Completer> {
+        Arc::new(Completer { ctrl, sq, generation, backlog: Mutex::new(VecDeque::new()) })
+    }
+
+    /// The controller.
+    pub fn ctrl(&self) -> &Arc<Ctrl> {
+        &self.ctrl
+    }
+
+    /// The queue.
+    pub fn sq(&self) -> &Arc<Sq> {
+        &self.sq
+    }
+
+    /// The generation of the queue's work.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Whether the queue's work still counts (no disable since it started).
+    pub fn current(&self) -> bool {
+        self.ctrl.generation() == self.generation
+    }
+
+    /// Posts the completion of `sqe` with `status` and `dw0`: counted, logged in the error
+    /// log if it failed, then posted or put in the backlog.
+    pub fn finish(&self, ctx: &DeviceContext, sqe: &Sqe, status: Status, dw0: u32) {
+        self.ctrl.stats(self.sq.id).command(!status.ok());
+        if !status.ok() {
+            log::debug!(
+                "nvme: queue {} opcode {:#04x} cid {} nsid {} failed: {status}",
+                self.sq.id,
+                sqe.opcode(),
+                sqe.cid(),
+                u32::from(sqe.nsid)
+            );
+            self.ctrl.log_error(self.sq.id, sqe, status);
+        }
+        self.post(ctx, completion(&self.sq, sqe.cid(), status, dw0));
+    }
+
+    /// Posts `cqe`, after what waits in the backlog.
+    pub fn post(&self, ctx: &DeviceContext, cqe: Cqe) {
+        if !self.current() {
+            return;
+        }
+        let mut backlog = umdev_mdev::sync::lock(&self.backlog);
+        if backlog.is_empty() {
+            match self.try_post(ctx, cqe) {
+                Ok(()) => return,
+                Err(Some(_)) => {}
+                Err(None) => return,
+            }
+        }
+        backlog.push_back(cqe);
+    }
+
+    /// Posts what waits, in order, as far as it can.
+    pub fn drain(&self, ctx: &DeviceContext) -> Drained {
+        let mut backlog = umdev_mdev::sync::lock(&self.backlog);
+        if !self.current() {
+            backlog.clear();
+        }
+        while let Some(&cqe) = backlog.front() {
+            match self.try_post(ctx, cqe) {
+                Ok(()) | Err(None) => {
+                    backlog.pop_front();
+                }
+                Err(Some(why)) => return why,
+            }
+        }
+        Drained::Empty
+    }
+
+    /// Whether completions wait.
+    pub fn waiting(&self) -> usize {
+        umdev_mdev::sync::lock(&self.backlog).len()
+    }
+
+    /// Drops what waits (the queue is being deleted with its CQ full): the host deleted the
+    /// queue without consuming its completions, so none of them can reach it.
+    pub fn abandon(&self) -> usize {
+        let mut backlog = umdev_mdev::sync::lock(&self.backlog);
+        let n = backlog.len();
+        backlog.clear();
+        n
+    }
+
+    /// Posts one entry: `Err(Some(why))` if it must wait, `Err(None)` if it is gone for good
+    /// (the ring cannot be reached: the controller went fatal).
+    fn try_post(&self, ctx: &DeviceContext, cqe: Cqe) -> Result<(), Option<Drained>> {
+        // Commands still waiting: their completions may share this one's interrupt.
+        let (tail, head) =
+            (self.ctrl.sq_tail(self.sq.id), self.sq.head.load(std::sync::atomic::Ordering::Acquire));
+        let entries = self.sq.entries;
+        let queued = if tail < entries { (tail + entries - head) % entries } else { 0 };
+        match self.ctrl.post(ctx, &self.sq.cq, cqe, queued) {
+            Ok(()) => Ok(()),
+            Err(PostError::Full) => Err(Some(Drained::Full)),
+            Err(PostError::Ring(RingError::Guest(GuestError::BusMasterOff))) => {
+                Err(Some(Drained::BusMasterOff))
+            }
+            Err(PostError::Ring(RingError::Guest(e))) => {
+                self.ctrl.fail(&format!("CQ {} cannot be written: {e}", self.sq.cq.id));
+                Err(None)
+            }
+        }
+    }
+}
+
+/// A command in flight: its entry (for the error log and the completion) and its queue's
+/// completion side.
+#[derive(Debug)]
+pub struct Command {
+    completer: Arc<Completer>,
+    sqe: Sqe,
+}
+
+/// What running a command produced (what a handler returns).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Complete with this status and dword 0.
+    Done(Status, u32),
+    /// Held by the controller and completed later by other means (an Asynchronous Event
+    /// Request, §5.2): the request ends without a completion entry now.
+    Held,
+}
+
+impl Outcome {
+    /// Success with dword 0 `dw0`.
+    pub fn ok(dw0: u32) -> Outcome {
+        Outcome::Done(Status::SUCCESS, dw0)
+    }
+}
+
+impl From<Status> for Outcome {
+    fn from(s: Status) -> Outcome {
+        Outcome::Done(s, 0)
+    }
+}
+
+impl Command {
+    /// A command of `completer`'s queue; its entry is set once fetched ([`Command::set_sqe`]).
+    pub fn new(completer: Arc<Completer>) -> Command {
+        Command { completer, sqe: Sqe::default() }
+    }
+
+    /// The entry as fetched.
+    pub fn set_sqe(&mut self, sqe: Sqe) {
+        self.sqe = sqe;
+    }
+
+    /// The entry.
+    pub fn sqe(&self) -> &Sqe {
+        &self.sqe
+    }
+}
+
+impl Completion for Command {
+    type Outcome = Outcome;
+
+    fn complete(self, outcome: Outcome, ctx: &DeviceContext) {
+        if let Outcome::Done(status, dw0) = outcome {
+            self.completer.finish(ctx, &self.sqe, status, dw0);
+        }
+    }
+
+    /// The handling of the command failed inside the controller: Internal Error.
+    fn fail(self, ctx: &DeviceContext) {
+        self.completer.finish(ctx, &self.sqe, Status::INTERNAL_ERROR, 0);
+    }
+}

@@ -1,0 +1,128 @@
+//! What a command handler sees: [`CommandCx`], the controller, the queue it came from and the
+//! guest memory its request may reach. Never the worker running it.
+//!
+//! Handlers are `fn(&CommandCx, command) -> Outcome` ([`super::admin`], [`super::io`]).
+//! Guest memory is reached through the command's framework permit: pins taken with
+//! [`CommandCx::with_pins`] are the request's, so a DMA_UNMAP of them cancels the command.
+
+use std::cell::{Ref, RefCell};
+use std::sync::Arc;
+
+use umdev_pinning::{PinnedPages, Prot};
+
+use super::cmds::DataPtr;
+use super::completion::Command;
+use super::ctrl::Ctrl;
+use super::prp;
+use super::queue::Sq;
+use super::spec::Status;
+use umdev_mdev::guest::GuestError;
+use umdev_mdev::request::Permit;
+use umdev_mdev::DeviceContext;
+
+/// A command's context: its controller, queue, and request.
+pub struct CommandCx<'a> {
+    ctrl: &'a Arc<Ctrl>,
+    sq: &'a Arc<Sq>,
+    generation: u64,
+    permit: RefCell<Permit<Command>>,
+}
+
+impl<'a> CommandCx<'a> {
+    /// The context of the command `permit` holds, fetched from `sq`.
+    pub fn new(ctrl: &'a Arc<Ctrl>, sq: &'a Arc<Sq>, generation: u64, permit: Permit<Command>) -> Self {
+        CommandCx { ctrl, sq, generation, permit: RefCell::new(permit) }
+    }
+
+    /// The request back, to complete it.
+    pub fn into_permit(self) -> Permit<Command> {
+        self.permit.into_inner()
+    }
+
+    /// The controller.
+    pub fn ctrl(&self) -> &'a Arc<Ctrl> {
+        self.ctrl
+    }
+
+    /// The submission queue the command came from.
+    pub fn sq(&self) -> &'a Arc<Sq> {
+        self.sq
+    }
+
+    /// The controller generation the queue belongs to.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// The command's identifier.
+    pub fn cid(&self) -> u16 {
+        self.permit.borrow().get().sqe().cid()
+    }
+
+    /// Whether the queue's work still counts (no disable since it started).
+    pub fn current(&self) -> bool {
+        self.ctrl.generation() == self.generation
+    }
+
+    /// The client's context (guest memory). Borrowed from the request: do not hold it
+    /// across [`CommandCx::with_pins`].
+    pub fn ctx(&self) -> Ref<'_, DeviceContext> {
+        Ref::map(self.permit.borrow(), |p| p.ctx())
+    }
+
+    /// Whether the command should stop at its next block: the framework cancelled it (an
+    /// unmap, a reset) or the controller was disabled since it started.
+    pub fn cancelled(&self) -> bool {
+        self.permit.borrow().cancelled().is_some() || !self.current()
+    }
+
+    /// Pins `pfns` for `prot` as the request's (one call to the engine), runs `f` on the pins,
+    /// then lets go of them. `Ok((r, unmapped))`: `unmapped` if a DMA_UNMAP hit the pins
+    /// meanwhile (what `f` moved must not count).
+    pub fn with_pins<R>(
+        &self,
+        pfns: &[u64],
+        prot: Prot,
+        f: impl FnOnce(&PinnedPages) -> R,
+    ) -> Result<(R, bool), GuestError> {
+        let mut permit = self.permit.borrow_mut();
+        let r = f(permit.pin_pages(pfns, prot)?);
+        let unmapped = permit.release_pins();
+        Ok((r, unmapped))
+    }
+
+    /// Copies `data` to the command's data buffer (its PRPs, §4.3), `data.len()` bytes.
+    pub fn write_host(&self, ptr: DataPtr, data: &[u8]) -> Status {
+        let pages = match prp::resolve(&self.ctx(), ptr.prp1(), ptr.prp2(), data.len()) {
+            Ok(p) => p,
+            Err(s) => return s,
+        };
+        self.write_pages(&pages.pfns, pages.offset as u64, data)
+    }
+
+    /// Copies the command's data buffer into `data`.
+    pub fn read_host(&self, ptr: DataPtr, data: &mut [u8]) -> Status {
+        let pages = match prp::resolve(&self.ctx(), ptr.prp1(), ptr.prp2(), data.len()) {
+            Ok(p) => p,
+            Err(s) => return s,
+        };
+        self.read_pages(&pages.pfns, pages.offset as u64, data)
+    }
+
+    /// Copies `data` to guest memory through the pages `pfns` (the first `offset` bytes in),
+    /// pinned as the request's.
+    pub fn write_pages(&self, pfns: &[u64], offset: u64, data: &[u8]) -> Status {
+        match self.with_pins(pfns, Prot::WRITE, |pins| pins.write(offset, data)) {
+            Ok((Ok(()), false)) => Status::SUCCESS,
+            _ => Status::DATA_TRANSFER_ERROR,
+        }
+    }
+
+    /// Copies guest memory through the pages `pfns` (the first `offset` bytes in) into `data`.
+    pub fn read_pages(&self, pfns: &[u64], offset: u64, data: &mut [u8]) -> Status {
+        match self.with_pins(pfns, Prot::READ, |pins| pins.read(offset, data)) {
+            Ok((Ok(()), false)) => Status::SUCCESS,
+            _ => Status::DATA_TRANSFER_ERROR,
+        }
+    }
+}
