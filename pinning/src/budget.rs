@@ -8,7 +8,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crossbeam::utils::CachePadded;
+use crossbeam_utils::CachePadded;
 
 use crate::account::{LockAccount, PinMode};
 use crate::counters::Counts;

@@ -17,7 +17,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use crossbeam::utils::CachePadded;
+use crossbeam_utils::CachePadded;
 use smallvec::SmallVec;
 
 use crate::counters::Counts;

@@ -30,7 +30,7 @@ pub use guard::PinnedPages;
 use crate::account::PinMode;
 use crate::page::{Prot, PAGE_SHIFT};
 use crate::space::DmaSpace;
-use plan::{cut, Entries, Plan, PlanSink, TranslateSink};
+use plan::{cut, Entries, PageArray, PageRange, Plan, PlanSink, TranslateSink};
 
 impl DmaSpace {
     /// Pins the pages named by `pfns` (IOVA page numbers, any order, repeats pinned again)
@@ -40,17 +40,17 @@ impl DmaSpace {
     /// The pins are held until the returned guard drops (or [`PinnedPages::forget`] hands
     /// them to [`DmaSpace::unpin_pages`]). On error nothing stays pinned.
     pub fn pin_pages(&self, pfns: &[u64], prot: Prot) -> Result<PinnedPages, PinError> {
-        self.pin(prot, Entries::Array(pfns))
+        self.pin(prot, PageArray(pfns))
     }
 
     /// Pins the `npages` pages from `iova` (page aligned; rounded down otherwise). The range
     /// may span adjacent mappings; it is pinned one run per mapping.
     pub fn pin_range(&self, iova: u64, npages: u64, prot: Prot) -> Result<PinnedPages, PinError> {
-        self.pin(prot, Entries::Range { pfn: iova >> PAGE_SHIFT, npages })
+        self.pin(prot, PageRange { pfn: iova >> PAGE_SHIFT, npages })
     }
 
     #[inline(always)]
-    fn pin(&self, prot: Prot, entries: Entries<'_>) -> Result<PinnedPages, PinError> {
+    fn pin(&self, prot: Prot, entries: impl Entries) -> Result<PinnedPages, PinError> {
         if self.mode() == PinMode::Track {
             // The small-record fast path, else the general one, under one take of this
             // thread's shard lock.
@@ -92,7 +92,7 @@ impl DmaSpace {
         prot: Prot,
         f: impl FnMut(usize, usize, u64),
     ) -> Result<(), PinError> {
-        let entries = Entries::Array(pfns);
+        let entries = PageArray(pfns);
         entries.check(self.config().max_pages_per_call)?;
         let mut read = self.read_table();
         let (table, shard) = read.parts();

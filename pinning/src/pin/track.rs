@@ -77,27 +77,91 @@ impl RunSink for SmallSink<'_> {
             return Err(());
         }
         self.mapping = Some(NonNull::from(&**mapping));
-        let host_base = memory.addr_at(0);
-        Ok(Window { first_pfn: mapping.first_pfn, end_pfn: mapping.end_pfn(), host_base, mapping_index: 0 })
+        Ok(Window::new(mapping, memory.addr_at(0), 0))
     }
 
     #[inline(always)]
-    fn run(&mut self, window: &Window, pfn: u64, npages: u64, index: usize) -> Result<(), ()> {
+    fn run(&mut self, window: &Window, pfn: u64, page: u64, npages: u64, index: usize) -> Result<(), ()> {
         if self.len == SMALL_RUNS {
             return Err(());
         }
-        self.entry.set_run(self.len, PinnedRun::new(pfn, npages, index, window.host_of(pfn), 0));
+        self.entry.set_run(self.len, PinnedRun::new(pfn, npages, index, window.host_at(page), 0));
         self.len += 1;
         Ok(())
     }
 }
 
 /// Cuts a call into a boxed record: every error reported, any number of runs and mappings.
+/// Its runs are written through a pointer to the next free place and the end of the room:
+/// the loop's state, kept in registers, and the list's length set once, after the cut (what
+/// that saves against a push, which reads and writes the list's length and room in memory
+/// for every run: about 3 instructions per run of a scattered list).
 struct RecordSink<'r> {
-    record: &'r mut Record,
+    runs: &'r mut Vec<PinnedRun>,
+    mappings: &'r mut Vec<NonNull<Mapping>>,
+    /// Where the next run goes, and the end of the room for runs (`runs`' buffer).
+    next: *mut PinnedRun,
+    room_end: *mut PinnedRun,
     prot: Prot,
     /// Entries in the call (room for the runs is reserved from it).
     entries: usize,
+}
+
+impl<'r> RecordSink<'r> {
+    fn new(record: &'r mut Record, prot: Prot, entries: usize) -> Self {
+        let Record { runs, mappings, .. } = record;
+        let (next, room_end) = Self::room(runs);
+        RecordSink { runs, mappings, next, room_end, prot, entries }
+    }
+
+    /// The end of `runs` and of its room.
+    fn room(runs: &mut Vec<PinnedRun>) -> (*mut PinnedRun, *mut PinnedRun) {
+        let (len, capacity) = (runs.len(), runs.capacity());
+        let base = runs.as_mut_ptr();
+        // SAFETY: (local) both lie within (or one past) the list's buffer.
+        unsafe { (base.add(len), base.add(capacity)) }
+    }
+
+    /// Sets the list's length to the runs written.
+    fn finish(&mut self) {
+        // SAFETY: (local) `next` lies in the list's buffer, at or after its start, and every run
+        // before it was written (a run needs no drop).
+        unsafe {
+            let written = self.next.offset_from(self.runs.as_ptr()) as usize;
+            self.runs.set_len(written);
+        }
+    }
+
+    /// More room, from entry `index` on: at most one run per entry left, more than 4096 at
+    /// a time only as needed.
+    #[cold]
+    #[inline(never)]
+    fn grow(&mut self, index: usize) {
+        self.finish();
+        self.runs.reserve((self.entries - index).min(4096));
+        (self.next, self.room_end) = Self::room(self.runs);
+    }
+}
+
+/// Enters `mapping` into a record's mappings (checked for a pin of `prot`): its window.
+#[inline(never)]
+fn enter_record(
+    mappings: &mut Vec<NonNull<Mapping>>,
+    prot: Prot,
+    mapping: &Arc<Mapping>,
+    pfn: u64,
+    index: usize,
+) -> Result<Window, PinError> {
+    let host_base = check_pin(mapping, prot, pfn, index)?;
+    let ptr = NonNull::from(&**mapping);
+    let mapping_index = match mappings.iter().position(|&m| m == ptr) {
+        Some(mi) => mi,
+        None => {
+            mappings.push(ptr);
+            mappings.len() - 1
+        }
+    };
+    Ok(Window::new(mapping, host_base, mapping_index))
 }
 
 impl RunSink for RecordSink<'_> {
@@ -107,36 +171,23 @@ impl RunSink for RecordSink<'_> {
         PinError::NotMapped { index, pfn }
     }
 
-    #[inline]
+    /// Out of line (see `enter_record`), so that the loop's state stays in registers.
+    #[inline(always)]
     fn enter(&mut self, mapping: &Arc<Mapping>, pfn: u64, index: usize) -> Result<Window, PinError> {
-        let host_base = check_pin(mapping, self.prot, pfn, index)?;
-        let ptr = NonNull::from(&**mapping);
-        let mappings = &mut self.record.mappings;
-        let mapping_index = match mappings.iter().position(|&m| m == ptr) {
-            Some(mi) => mi,
-            None => {
-                mappings.push(ptr);
-                mappings.len() - 1
-            }
-        };
-        Ok(Window { first_pfn: mapping.first_pfn, end_pfn: mapping.end_pfn(), host_base, mapping_index })
+        enter_record(self.mappings, self.prot, mapping, pfn, index)
     }
 
     #[inline(always)]
-    fn run(&mut self, window: &Window, pfn: u64, npages: u64, index: usize) -> Result<(), PinError> {
-        let runs = &mut self.record.runs;
-        if runs.len() == runs.capacity() {
-            // At most one run per entry left; more than 4096 at a time only as needed.
-            runs.reserve((self.entries - index).min(4096));
+    fn run(&mut self, window: &Window, pfn: u64, page: u64, npages: u64, index: usize) -> Result<(), PinError> {
+        if self.next == self.room_end {
+            self.grow(index);
         }
-        let run = PinnedRun::new(pfn, npages, index, window.host_of(pfn), window.mapping_index);
-        let len = runs.len();
-        // SAFETY: (local) there is room for one more (ensured just now), and a run needs no
-        // drop. A plain push would check the room again: what this saves is about a sixth
-        // of a long scattered call's cost per run.
+        let run = PinnedRun::new(pfn, npages, index, window.host_at(page), window.mapping_index);
+        // SAFETY: (local) `next` is in the list's room (grown just now if it was full); the
+        // length is set after the cut (`finish`).
         unsafe {
-            runs.as_mut_ptr().add(len).write(run);
-            runs.set_len(len + 1);
+            self.next.write(run);
+            self.next = self.next.add(1);
         }
         Ok(())
     }
@@ -148,11 +199,13 @@ fn cut_into_record(
     table: &MappingTable,
     hint: &mut Option<ShardHint>,
     prot: Prot,
-    entries: Entries<'_>,
+    entries: impl Entries,
     record: &mut Record,
 ) -> Result<(), PinError> {
-    let mut sink = RecordSink { record, prot, entries: entries.len() as usize };
-    cut(table, hint, entries, &mut sink)?;
+    let mut sink = RecordSink::new(record, prot, entries.len() as usize);
+    let cut = cut(table, hint, entries, &mut sink);
+    sink.finish();
+    cut?;
     // The runs cover every entry once.
     record.pages += entries.len();
     Ok(())
@@ -173,7 +226,7 @@ fn pin_small(
     shard: &mut Shard,
     shard_index: usize,
     prot: Prot,
-    entries: Entries<'_>,
+    entries: impl Entries,
     max_pages: u64,
 ) -> Option<RecordPtr> {
     let npages = entries.len();
@@ -278,7 +331,7 @@ pub(super) fn pin_fast(
     space: &DmaSpace,
     read: &mut TableRead<'_>,
     prot: Prot,
-    entries: Entries<'_>,
+    entries: impl Entries,
 ) -> Option<RecordPtr> {
     let shard_index = read.index();
     let (table, shard) = read.parts();
@@ -295,7 +348,7 @@ pub(super) fn pin_recorded(
     dma: &DmaSpace,
     mut read: TableRead<'_>,
     prot: Prot,
-    entries: Entries<'_>,
+    entries: impl Entries,
 ) -> Result<RecordPtr, PinError> {
     let space = &dma.inner.space;
     let shard_index = read.index();

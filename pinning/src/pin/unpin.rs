@@ -4,7 +4,7 @@ use smallvec::SmallVec;
 
 use super::error::UnpinError;
 use super::lock_mode::MappingGuards;
-use super::plan::{cut, Entries, Plan, PlanSink};
+use super::plan::{cut, Entries, PageArray, PageRange, Plan, PlanSink};
 use crate::account::PinMode;
 use crate::mapping::Released;
 use crate::page::PAGE_SHIFT;
@@ -16,15 +16,15 @@ impl DmaSpace {
     /// in `pfns`), nothing changes. In track mode only kept pins are found: the pins of a
     /// live guard are its own, released when it drops.
     pub fn unpin_pages(&self, pfns: &[u64]) -> Result<(), UnpinError> {
-        self.unpin(Entries::Array(pfns))
+        self.unpin(PageArray(pfns))
     }
 
     /// Drops one pin from each of the `npages` pages from `iova`.
     pub fn unpin_range(&self, iova: u64, npages: u64) -> Result<(), UnpinError> {
-        self.unpin(Entries::Range { pfn: iova >> PAGE_SHIFT, npages })
+        self.unpin(PageRange { pfn: iova >> PAGE_SHIFT, npages })
     }
 
-    fn unpin(&self, entries: Entries<'_>) -> Result<(), UnpinError> {
+    fn unpin(&self, entries: impl Entries) -> Result<(), UnpinError> {
         let result = entries.check_unpin(self.config().max_pages_per_call).and_then(|()| {
             let mut plan = Plan::default();
             plan.reserve_for(entries);
