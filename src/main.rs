@@ -101,7 +101,8 @@ impl LimitArgs {
 /// Options of every instance-creating command.
 #[derive(clap::Args)]
 struct CreateArgs {
-    /// How the instance pins guest pages: track or lock.
+    /// How the instance pins guest pages: track, lock or kernel (the kernel's own long-term
+    /// pins, through io_uring buffer registration).
     #[arg(long)]
     pin_mode: Option<String>,
     /// A type's option, KEY=VALUE (repeatable, each key once; `umdev types -v` lists them).
@@ -128,7 +129,8 @@ fn parse_pin_mode(mode: Option<&str>) -> Result<Option<umdev_mdev::types::PinMod
         None => Ok(None),
         Some("track") => Ok(Some(PinModeName::Track)),
         Some("lock") => Ok(Some(PinModeName::Lock)),
-        Some(other) => Err(format!("unknown pin mode {other:?} (track or lock)")),
+        Some("kernel") => Ok(Some(PinModeName::Kernel)),
+        Some(other) => Err(format!("unknown pin mode {other:?} (track, lock or kernel)")),
     }
 }
 
@@ -579,6 +581,9 @@ fn dispatch(command: Command, dirs: &manage::Dirs) -> output::Out {
         Command::Stats { uuid } => manage::stats(dirs, &uuid),
         Command::Run { type_name, socket, create, busy_poll_us, limits } => {
             let options = create.options()?;
+            if options.pin_mode() == umdev_pinning::PinMode::Kernel {
+                umdev_pinning::kernel_pins_available().map_err(|e| format!("--pin-mode kernel: {e}"))?;
+            }
             let mut config = umdev_server::InstanceConfig::new(type_name.clone(), &socket);
             config.busy_poll = std::time::Duration::from_micros(busy_poll_us);
             config.dma.mode = options.pin_mode();

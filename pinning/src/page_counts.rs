@@ -29,7 +29,7 @@ impl Chunk {
     }
 }
 
-/// Bytes of heap one allocated chunk costs (its box; the hash table's slot is counted by
+/// Bytes of heap one allocated chunk costs (its box; the hash table's entry is counted by
 /// `PageCounts::bookkeeping_bytes`).
 pub const CHUNK_BYTES: usize = std::mem::size_of::<Chunk>();
 
@@ -85,8 +85,8 @@ impl PageCounts {
 
     /// Heap bytes this table uses for counts.
     pub(crate) fn bookkeeping_bytes(&self) -> usize {
-        let slot = std::mem::size_of::<(u64, Box<Chunk>)>() + 1;
-        (self.chunks.len() + usize::from(self.spare.is_some())) * CHUNK_BYTES + self.chunks.capacity() * slot
+        let entry = std::mem::size_of::<(u64, Box<Chunk>)>() + 1;
+        (self.chunks.len() + usize::from(self.spare.is_some())) * CHUNK_BYTES + self.chunks.capacity() * entry
     }
 
     /// Chunk `idx`, allocated (or the spare reused) if absent: one hash lookup on a hit.

@@ -141,6 +141,7 @@ impl Shard {
         record.runs.clear();
         record.mappings.clear();
         record.pages = 0;
+        record.kernel = None;
         // A record grown by a huge scattered call is not worth keeping.
         if self.free.len() < FREE_RECORDS && record.runs.capacity() <= KEEP_RUNS {
             self.free.push(record);

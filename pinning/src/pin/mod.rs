@@ -9,23 +9,28 @@
 //! - Lock mode (`lock_mode`): the runs go into a plan that holds its mappings; then the
 //!   mappings' locks are taken in id order, each run is counted per page and its newly
 //!   pinned pages mlocked, and on any failure the runs already pinned are unwound.
+//! - Kernel mode (`kernel_mode`): track mode's record, and the kernel's own long-term pin
+//!   of each run (a registered io_uring buffer), one kernel call per pin call.
 //!
 //! The guard (`guard`) lets go of the pins as it drops; `unpin` takes back pins kept with
 //! `forget`; `error` says why a call failed.
 
 mod error;
 mod guard;
+mod kernel_mode;
 mod lock_mode;
 mod plan;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_kernel_mode;
 #[cfg(test)]
 mod tests_lock_mode;
 mod track;
 mod unpin;
 
 pub use error::{AccessError, PinError, UnpinError};
-pub use guard::PinnedPages;
+pub use guard::{PinnedPages, RegisteredBuffer};
 
 use crate::account::PinMode;
 use crate::page::{Prot, PAGE_SHIFT};
@@ -58,7 +63,10 @@ impl DmaSpace {
             if let Some(record) = track::pin_fast(self, &mut read, prot, entries) {
                 return Ok(PinnedPages::recorded(record));
             }
-            return track::pin_recorded(self, read, prot, entries).map(PinnedPages::recorded);
+            return track::pin_recorded(self, read, prot, entries, None).map(PinnedPages::recorded);
+        }
+        if self.mode() == PinMode::Kernel {
+            return kernel_mode::pin(self, prot, entries).map(PinnedPages::recorded);
         }
         let planned = entries.check(self.config().max_pages_per_call).and_then(|()| {
             let mut plan = Plan::boxed(prot);

@@ -226,7 +226,14 @@ pub(crate) trait RunSink {
     fn enter(&mut self, mapping: &Arc<Mapping>, pfn: u64, index: usize) -> Result<Window, Self::Stop>;
     /// A run of `npages` pages from `pfn` (page offset `page` of the window's mapping),
     /// starting at entry `index`.
-    fn run(&mut self, window: &Window, pfn: u64, page: u64, npages: u64, index: usize) -> Result<(), Self::Stop>;
+    fn run(
+        &mut self,
+        window: &Window,
+        pfn: u64,
+        page: u64,
+        npages: u64,
+        index: usize,
+    ) -> Result<(), Self::Stop>;
 }
 
 /// The mapping holding `pfn`: the shard's hint, else the table (which then becomes the hint).
@@ -393,7 +400,14 @@ impl RunSink for PlanSink<'_, PinError> {
     }
 
     #[inline(always)]
-    fn run(&mut self, window: &Window, pfn: u64, page: u64, npages: u64, index: usize) -> Result<(), PinError> {
+    fn run(
+        &mut self,
+        window: &Window,
+        pfn: u64,
+        page: u64,
+        npages: u64,
+        index: usize,
+    ) -> Result<(), PinError> {
         self.push(window, pfn, page, npages, index);
         Ok(())
     }
@@ -411,7 +425,14 @@ impl RunSink for PlanSink<'_, UnpinError> {
     }
 
     #[inline(always)]
-    fn run(&mut self, window: &Window, pfn: u64, page: u64, npages: u64, index: usize) -> Result<(), UnpinError> {
+    fn run(
+        &mut self,
+        window: &Window,
+        pfn: u64,
+        page: u64,
+        npages: u64,
+        index: usize,
+    ) -> Result<(), UnpinError> {
         self.push(window, pfn, page, npages, index);
         Ok(())
     }

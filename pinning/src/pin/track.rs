@@ -17,9 +17,10 @@ use smallvec::SmallVec;
 use super::error::PinError;
 use super::plan::{check_pin, cut, Entries, RunSink, Window};
 use crate::budget::{PinPolicy, PIN_STOCK};
+use crate::kernel::{buffers_of, KernelTable};
 use crate::mapping::{Mapping, MappingState};
 use crate::page::{Prot, PAGE_SHIFT, PAGE_SIZE};
-use crate::record::{Owner, Record, RecordPtr, SmallRecord, SMALL_PINS, SMALL_RUNS};
+use crate::record::{KernelSlots, Owner, Record, RecordPtr, SmallRecord, SMALL_PINS, SMALL_RUNS};
 use crate::run::PinnedRun;
 use crate::shard_table::{MappingTable, Shard, ShardHint, TableRead};
 use crate::space::{keepalive, DmaSpace, SpaceInner};
@@ -178,7 +179,14 @@ impl RunSink for RecordSink<'_> {
     }
 
     #[inline(always)]
-    fn run(&mut self, window: &Window, pfn: u64, page: u64, npages: u64, index: usize) -> Result<(), PinError> {
+    fn run(
+        &mut self,
+        window: &Window,
+        pfn: u64,
+        page: u64,
+        npages: u64,
+        index: usize,
+    ) -> Result<(), PinError> {
         if self.next == self.room_end {
             self.grow(index);
         }
@@ -344,11 +352,16 @@ pub(super) fn pin_fast(
 /// published; the guard points at it. No per-page work, no lock or line shared with other
 /// threads (but the shard's, when more threads than shards pin at once).
 #[inline(never)]
+///
+/// In kernel mode (`kernel` given) the mappings must grant write access too (the kernel pins
+/// for writing), and the record gets consecutive slots of the kernel table for its runs'
+/// buffers before it is published; the caller then registers them.
 pub(super) fn pin_recorded(
     dma: &DmaSpace,
     mut read: TableRead<'_>,
     prot: Prot,
     entries: impl Entries,
+    kernel: Option<&KernelTable>,
 ) -> Result<RecordPtr, PinError> {
     let space = &dma.inner.space;
     let shard_index = read.index();
@@ -358,8 +371,13 @@ pub(super) fn pin_recorded(
         return Err(e);
     }
     let mut record = shard.fresh();
-    let recorded = cut_into_record(table, &mut shard.hint, prot, entries, &mut record)
-        .and_then(|()| reserve_and_check_live(space, shard, shard_index, &record));
+    let needs = if kernel.is_some() { prot | Prot::WRITE } else { prot };
+    let recorded = cut_into_record(table, &mut shard.hint, needs, entries, &mut record)
+        .and_then(|()| reserve_and_check_live(space, shard, shard_index, &record))
+        .and_then(|()| match kernel {
+            None => Ok(()),
+            Some(kernel) => reserve_slots(kernel, &mut record).inspect_err(|_| shard.stock += record.pages),
+        });
     if let Err(e) = recorded {
         shard.discard(record);
         shard.counts.pin_failures += 1;
@@ -373,6 +391,20 @@ pub(super) fn pin_recorded(
     let record = RecordPtr::Boxed(shard.publish(record, owner(space, shard_index, prot)));
     drop(read);
     Ok(record)
+}
+
+/// Kernel mode: reserves consecutive slots of the kernel table for a cut record's buffers.
+#[cold]
+fn reserve_slots(kernel: &KernelTable, record: &mut Record) -> Result<(), PinError> {
+    let requested: u64 = record.runs.iter().map(|r| buffers_of(r.npages())).sum();
+    let reserved = kernel.reserve(u32::try_from(requested).unwrap_or(u32::MAX));
+    match reserved {
+        Ok(first) => {
+            record.kernel = Some(KernelSlots { first, count: requested as u32 });
+            Ok(())
+        }
+        Err(free) => Err(PinError::KernelBuffers { requested, free, size: kernel.size() }),
+    }
 }
 
 /// Reserves a cut record's pins, then checks its mappings are live (the order lock mode
@@ -416,9 +448,26 @@ fn reserve_and_check_live(
 pub(crate) unsafe fn retire(owner: Owner, record: RecordPtr) {
     // SAFETY: (I4) the record is live, so its shard keeps the space.
     let space = unsafe { space_of(&owner) };
-    let mut shard = space.shards.lock_shard(owner.shard);
     // SAFETY: (I3) the record is live until retired below, after the view's last use.
     let view = unsafe { record.view() };
+    if let Some(slots) = view.kernel {
+        // The kernel's pins go first, with no engine lock held (I17): an unmap that sees
+        // the record gone sees them gone.
+        space.policy.kernel_table().release(slots.first, slots.count, view.pages);
+    }
+    // SAFETY: (I3) per the contract.
+    unsafe { retire_record(space, owner, record, false) };
+}
+
+/// [`retire`] but for the kernel's pins: the record leaves its shard, counted as an unpin,
+/// or (`failed`) as a pin call that failed after all.
+///
+/// # Safety
+/// As for [`retire`]; `space` is the record's (`space_of(&owner)`).
+unsafe fn retire_record(space: &SpaceInner, owner: Owner, record: RecordPtr, failed: bool) {
+    // SAFETY: (I3) the record is live until retired below, after the view's last use.
+    let view = unsafe { record.view() };
+    let mut shard = space.shards.lock_shard(owner.shard);
     let pages = view.pages;
     // One look at the mappings' states: an unmap waiting for these pins is woken once they
     // are gone (under this lock, while the mappings are still allocated: I1); an abandoned
@@ -444,7 +493,14 @@ pub(crate) unsafe fn retire(owner: Owner, record: RecordPtr) {
         // this shard first, and the record named it until just now.
         unsafe { m.as_ref() }.drained.signal();
     }
-    shard.counts.unpin_calls += 1;
+    if failed {
+        shard.counts.pin_calls -= 1;
+        shard.counts.runs -= view.runs.len() as u64;
+        shard.counts.pages -= pages;
+        shard.counts.pin_failures += 1;
+    } else {
+        shard.counts.unpin_calls += 1;
+    }
     shard.stock += pages;
     trim_stock(&space.policy, &mut shard);
     let last =
@@ -457,24 +513,52 @@ pub(crate) unsafe fn retire(owner: Owner, record: RecordPtr) {
     }
 }
 
+/// Takes back a published kernel-mode record whose buffers the kernel refused (their
+/// slots given back already): retired as if its guard had dropped, and its call counted as
+/// failed instead of pinned.
+///
+/// # Safety
+/// As for [`retire`]; the record was returned by [`pin_recorded`] and no guard holds it.
+pub(super) unsafe fn unpublish(owner: Owner, record: RecordPtr) {
+    // SAFETY: (I4) the record is live, so its shard keeps the space.
+    let space = unsafe { space_of(&owner) };
+    // SAFETY: (I3) per the contract; the record's kernel slots are not released again.
+    unsafe { retire_record(space, owner, record, true) };
+}
+
 /// Moves a guard's pins from its record to the per-page counts (`PinnedPages::forget`),
 /// then retires the record. A page that cannot count more keeps the guard's pins held for
-/// good (logged).
+/// good (logged). A kernel-mode record's buffers stay registered, each kept by its mapping
+/// until `unpin_pages` has taken back each of its pages (`KeptBuffer`).
 ///
 /// # Safety
 /// As for [`retire`].
 pub(crate) unsafe fn forget(owner: Owner, record: RecordPtr) {
     // SAFETY: (I3) the record is live until retired below, after the view's last use.
     let view = unsafe { record.view() };
+    // The slot of each run's first buffer (kernel mode).
+    let mut slot = view.kernel.map(|k| k.first);
     // Counted first, then retired: an unmap sees the pins throughout.
     for (done, run) in view.runs.iter().enumerate() {
         let mapping = view.mapping(run.mapping_index());
+        let page = mapping.run_page(run);
         // Bound first: the undo below locks mappings again.
-        let counted = mapping.lock().page_counts.try_increment(mapping.run_page(run), run.npages()).map(drop);
+        let counted = {
+            let mut pins = mapping.lock();
+            let counted = pins.page_counts.try_increment(page, run.npages()).map(drop);
+            if let (Ok(()), Some(first)) = (counted, slot.as_mut()) {
+                *first += pins.keep_buffers(*first, page, run.npages());
+            }
+            counted
+        };
         if let Err(page) = counted {
             for undo in view.runs[..done].iter().rev() {
                 let m = view.mapping(undo.mapping_index());
-                m.lock().page_counts.decrement(m.run_page(undo), undo.npages(), None);
+                let mut pins = m.lock();
+                pins.page_counts.decrement(m.run_page(undo), undo.npages(), None);
+                if let Some(k) = view.kernel {
+                    pins.unkeep_slots(k.first..k.first + k.count);
+                }
             }
             // Only after 65535 kept pins of one page: these stay held for good.
             log::error!(
