@@ -406,10 +406,13 @@ enum Command {
         /// mapping and on one mapping each, for each T of this list (e.g. `1,2,4,16`).
         #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..=1024))]
         threads: Option<Vec<u64>>,
-        /// Also draw ns per call against pages (runs, per-page, translate; log-log) into this
-        /// SVG file.
+        /// Also draw ns per call against pages (kernel, lock and track modes, per run and per
+        /// page, the kernel's floor and the seeds' figures; log-log) into this SVG file.
         #[arg(long)]
         svg: Option<std::path::PathBuf>,
+        /// Only this pin mode's rows (track, lock or kernel); all three by default.
+        #[arg(long)]
+        mode: Option<String>,
     },
     /// `demo` and the benchmarks in a build without them: says how to get them.
     #[cfg(not(feature = "bench"))]
@@ -591,9 +594,17 @@ fn dispatch(command: Command, dirs: &manage::Dirs) -> output::Out {
             run::run(&umdev::builtin_registry(), &type_name, &options, config)
         }
         #[cfg(feature = "bench")]
-        Command::Pinbench { json, rounds, batch_us, threads, svg } => {
+        Command::Pinbench { json, rounds, batch_us, threads, svg, mode } => {
             let threads = threads.map(|t| t.into_iter().map(|n| n as usize).collect());
-            pinbench::command(&pinbench::Options { json, rounds: rounds as usize, batch_us, threads, svg })
+            let only = mode.as_deref().map(str::parse::<umdev_pinning::PinMode>).transpose()?;
+            pinbench::command(&pinbench::Options {
+                json,
+                rounds: rounds as usize,
+                batch_us,
+                threads,
+                svg,
+                only,
+            })
         }
         Command::Completions { shell } => completions(shell),
         Command::Man { dir } => man(dir.as_deref()),

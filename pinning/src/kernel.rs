@@ -117,8 +117,6 @@ impl std::fmt::Debug for KernelTable {
 struct TableState {
     /// Bit `i`: slot `i` is reserved (registered, or about to be).
     used: Vec<u64>,
-    /// Where the next search for free slots starts.
-    cursor: u32,
     free: u32,
     /// Kernel pin and unpin calls, buffers, pages and cut runs so far.
     counts: Counts,
@@ -167,35 +165,37 @@ impl TableState {
         }
     }
 
-    /// The first of `n` consecutive free slots, searched from the cursor on (wrapping once),
-    /// and reserved; `None` if there are none.
+    /// The first of the lowest `n` consecutive free slots, reserved; `None` if there are
+    /// none. The lowest: the kernel registering a buffer of huge pages looks through the
+    /// table's slots from the first for one holding the same huge page (io_uring's
+    /// `headpage_already_acct`), so buffers kept low are found soonest.
     fn reserve(&mut self, n: u32, size: u32) -> Option<u32> {
         if n == 0 || n > self.free {
             return None;
         }
-        let mut at = if self.cursor + n <= size { self.cursor } else { 0 };
-        let mut wrapped = at == 0;
-        loop {
-            // Skip whole words in use.
-            if at % 64 == 0 && self.used.get(at as usize / 64) == Some(&!0) {
+        if n == 1 {
+            // The usual call: one run, the lowest free slot.
+            let (word, bits) = self.used.iter().enumerate().find(|(_, &w)| w != !0)?;
+            let at = word as u32 * 64 + bits.trailing_ones();
+            self.mark(at, 1, true);
+            return Some(at);
+        }
+        let mut at = 0;
+        while at + n <= size {
+            if at % 64 == 0 && self.used[at as usize / 64] == !0 {
+                // A whole word in use.
                 at += 64;
-            } else {
-                match (at..at + n).find(|&s| self.is_used(s)) {
-                    None => {
-                        self.mark(at, n, true);
-                        self.cursor = at + n;
-                        return Some(at);
-                    }
-                    Some(taken) => at = taken + 1,
-                }
+                continue;
             }
-            if at + n > size {
-                if wrapped {
-                    return None;
+            match (at..at + n).find(|&s| self.is_used(s)) {
+                None => {
+                    self.mark(at, n, true);
+                    return Some(at);
                 }
-                (at, wrapped) = (0, true);
+                Some(taken) => at = taken + 1,
             }
         }
+        None
     }
 }
 
@@ -223,6 +223,15 @@ pub(crate) fn push_buffers(out: &mut Buffers, host: usize, npages: u64) -> bool 
     }
     npages > KERNEL_BUFFER_PAGES
 }
+
+/// Null buffers: an update with them clears slots.
+static NULLS: Nulls = Nulls([libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 64]);
+
+/// Null `iovec`s, which may sit in a static: they point nowhere.
+struct Nulls([libc::iovec; 64]);
+
+// SAFETY: (local) null pointers and zero lengths: nothing is reached through them.
+unsafe impl Sync for Nulls {}
 
 /// A kernel registration that failed: which buffer (of the call's), and why.
 #[derive(Debug)]
@@ -348,11 +357,10 @@ impl KernelTable {
     /// Clears `n` slots from `first`: the kernel lets go of their pins (at once, unless an
     /// I/O still uses a buffer, which keeps its pages until it completes).
     fn clear(&self, first: u32, n: usize) -> io::Result<()> {
-        let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
-        let bufs: SmallVec<[libc::iovec; 8]> = SmallVec::from_elem(empty, n);
         let mut done = 0;
         while done < n {
-            match self.update(first + done as u32, &bufs[done..]) {
+            let k = (n - done).min(NULLS.0.len());
+            match self.update(first + done as u32, &NULLS.0[..k]) {
                 Ok(0) => return Err(io::Error::other("the kernel cleared no slot")),
                 Ok(k) => done += k,
                 Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
@@ -403,8 +411,8 @@ mod tests {
         assert_eq!(state.free, 0);
         state.mark(10, 5, false);
         state.mark(70, 3, false);
-        assert_eq!(state.reserve(4, 100), Some(10), "wraps to the first range that fits");
-        assert_eq!(state.reserve(3, 100), Some(70));
+        assert_eq!(state.reserve(4, 100), Some(10), "the lowest range that fits");
+        assert_eq!(state.reserve(3, 100), Some(70), "the next one that fits");
         assert_eq!(state.reserve(1, 100), Some(14));
         assert_eq!(state.reserve(1, 100), None);
         assert_eq!(state.free, 0);
@@ -417,9 +425,9 @@ mod tests {
         assert_eq!(state.reserve(3, 130), None);
         assert_eq!(state.reserve(2, 130), Some(128));
         state.mark(0, 128, false);
-        state.cursor = 129;
         assert_eq!(state.reserve(64, 130), Some(0));
         assert_eq!(state.reserve(64, 130), Some(64));
+        assert_eq!(state.reserve(1, 130), None);
     }
 
     #[test]

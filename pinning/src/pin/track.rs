@@ -104,15 +104,16 @@ struct RecordSink<'r> {
     next: *mut PinnedRun,
     room_end: *mut PinnedRun,
     prot: Prot,
-    /// Entries in the call (room for the runs is reserved from it).
-    entries: usize,
+    /// Most runs the call can have (an array's entries; `None` for a range, whose runs are
+    /// one per mapping it spans): room for the runs is reserved from it.
+    runs_at_most: Option<usize>,
 }
 
 impl<'r> RecordSink<'r> {
-    fn new(record: &'r mut Record, prot: Prot, entries: usize) -> Self {
+    fn new(record: &'r mut Record, prot: Prot, runs_at_most: Option<usize>) -> Self {
         let Record { runs, mappings, .. } = record;
         let (next, room_end) = Self::room(runs);
-        RecordSink { runs, mappings, next, room_end, prot, entries }
+        RecordSink { runs, mappings, next, room_end, prot, runs_at_most }
     }
 
     /// The end of `runs` and of its room.
@@ -133,13 +134,17 @@ impl<'r> RecordSink<'r> {
         }
     }
 
-    /// More room, from entry `index` on: at most one run per entry left, more than 4096 at
-    /// a time only as needed.
+    /// More room, from entry `index` on: at most one run per array entry left, more than
+    /// 4096 at a time only as needed; a range's runs as they come.
     #[cold]
     #[inline(never)]
     fn grow(&mut self, index: usize) {
         self.finish();
-        self.runs.reserve((self.entries - index).min(4096));
+        let more = match self.runs_at_most {
+            Some(entries) => (entries - index).min(4096),
+            None => self.runs.capacity().max(2),
+        };
+        self.runs.reserve(more);
         (self.next, self.room_end) = Self::room(self.runs);
     }
 }
@@ -210,7 +215,7 @@ fn cut_into_record(
     entries: impl Entries,
     record: &mut Record,
 ) -> Result<(), PinError> {
-    let mut sink = RecordSink::new(record, prot, entries.len() as usize);
+    let mut sink = RecordSink::new(record, prot, entries.runs_at_most());
     let cut = cut(table, hint, entries, &mut sink);
     sink.finish();
     cut?;

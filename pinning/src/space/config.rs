@@ -40,9 +40,11 @@ pub struct DmaSpaceConfig {
     /// pinned once). Bounds what a device driven by a client can hold.
     pub max_pins: u64,
     /// Kernel mode: slots in the space's table of registered buffers, the most buffers its
-    /// pins hold at once (a buffer per run, per GiB of a longer run; default and most
-    /// [`crate::MAX_KERNEL_BUFFERS`], the kernel's limit). A call whose runs find no room
-    /// fails with [`crate::PinError::KernelBuffers`].
+    /// pins hold at once (a buffer per run, per GiB of a longer run). Default 4096, at most
+    /// [`crate::MAX_KERNEL_BUFFERS`] (the kernel's limit). A call whose runs find no room
+    /// fails with [`crate::PinError::KernelBuffers`]. A bigger table costs on huge pages:
+    /// registering a buffer of them, the kernel looks at every slot (about 0.6 ns each here:
+    /// a 1-page register and clear takes 3.3 us with 4096 slots, 9.9 us with 16384).
     pub kernel_buffers: u32,
 }
 
@@ -55,7 +57,7 @@ impl Default for DmaSpaceConfig {
             unmap_timeout: Duration::from_secs(2),
             max_pages_per_call: 1 << 18,
             max_pins: 1 << 24,
-            kernel_buffers: crate::kernel::MAX_KERNEL_BUFFERS,
+            kernel_buffers: 4096,
         }
     }
 }
