@@ -1,12 +1,12 @@
-//! What a space counts: calls, runs, pages and syscalls (mlock's, and kernel mode's
-//! registrations), never per page.
+//! What a space counts: calls, runs, pages and syscalls, never per page.
 //!
 //! One [`Counts`] lives wherever a lock is held anyway when the event happens, and `stats`
 //! sums them: each shard's (track-mode calls and the space's other events, under the shard's
 //! lock), each mapping's (lock-mode calls and their syscalls, under the mapping's lock), and
-//! the space's for mappings that left its table (see `PinPolicy::departed`), and the kernel
-//! table's (kernel-mode registrations, under its slot lock). No counter is an atomic shared
-//! between threads.
+//! the space's for mappings that left its table (see `PinPolicy::departed`). Kernel mode's
+//! kernel calls are counted by its table, under the table's lock (`kernel::KernelCounts`:
+//! other events, and kept apart so that a shard's counts stay within its two cache lines).
+//! No counter is an atomic shared between threads.
 
 use std::ops::AddAssign;
 
@@ -25,13 +25,6 @@ pub(crate) struct Counts {
     pub(crate) unmap_waits: u64,
     pub(crate) unmap_busy: u64,
     pub(crate) notifier_calls: u64,
-    /// Kernel mode: registrations (one per pin call), clears (one per guard), buffers and
-    /// pages registered, and runs cut into more than one buffer (longer than 1 GiB).
-    pub(crate) kernel_pin_calls: u64,
-    pub(crate) kernel_unpin_calls: u64,
-    pub(crate) kernel_buffers: u64,
-    pub(crate) kernel_pages: u64,
-    pub(crate) kernel_cut_runs: u64,
 }
 
 impl AddAssign<&Counts> for Counts {
@@ -48,11 +41,6 @@ impl AddAssign<&Counts> for Counts {
         self.unmap_waits += other.unmap_waits;
         self.unmap_busy += other.unmap_busy;
         self.notifier_calls += other.notifier_calls;
-        self.kernel_pin_calls += other.kernel_pin_calls;
-        self.kernel_unpin_calls += other.kernel_unpin_calls;
-        self.kernel_buffers += other.kernel_buffers;
-        self.kernel_pages += other.kernel_pages;
-        self.kernel_cut_runs += other.kernel_cut_runs;
     }
 }
 
@@ -85,15 +73,10 @@ mod tests {
             unmap_waits: 10,
             unmap_busy: 11,
             notifier_calls: 12,
-            kernel_pin_calls: 13,
-            kernel_unpin_calls: 14,
-            kernel_buffers: 15,
-            kernel_pages: 16,
-            kernel_cut_runs: 17,
         };
         let mut sum = one;
         sum += &one;
-        assert_eq!(sum.pin_calls + sum.notifier_calls + sum.kernel_cut_runs, 60);
+        assert_eq!(sum.pin_calls + sum.notifier_calls, 26);
         assert_eq!(sum, Counts { runs: 10, ..sum });
         let mut total = Counts::default();
         total.pinned(3, 7);

@@ -25,7 +25,6 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 use smallvec::SmallVec;
 use thiserror::Error;
 
-use crate::counters::Counts;
 use crate::page::PAGE_SIZE;
 use crate::spin::SpinLock;
 
@@ -118,17 +117,21 @@ struct TableState {
     /// Bit `i`: slot `i` is reserved (registered, or about to be).
     used: Vec<u64>,
     free: u32,
-    /// Kernel pin and unpin calls, buffers, pages and cut runs so far.
-    counts: Counts,
-    /// Buffers and pages registered now.
-    held_buffers: u64,
-    held_pages: u64,
+    counts: KernelCounts,
 }
 
-/// A kernel table's counts and what it holds now (for `DmaSpace::stats`).
+/// What a kernel table counted (kernel calls, buffers, pages, cut runs) and holds now, for
+/// `DmaSpace::stats`.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct KernelCounts {
-    pub(crate) counts: Counts,
+    /// Registrations (one per pin call) and clears (one per guard or kept buffer).
+    pub(crate) pin_calls: u64,
+    pub(crate) unpin_calls: u64,
+    /// Buffers and pages registered, and runs cut into more than one buffer.
+    pub(crate) buffers: u64,
+    pub(crate) pages: u64,
+    pub(crate) cut_runs: u64,
+    /// Buffers and pages registered now.
     pub(crate) held_buffers: u64,
     pub(crate) held_pages: u64,
 }
@@ -331,13 +334,13 @@ impl KernelTable {
                 Err(error) => return Err(self.undo(first, bufs.len(), done, error)),
             }
         }
-        let mut state = self.state.lock();
-        state.counts.kernel_pin_calls += 1;
-        state.counts.kernel_buffers += bufs.len() as u64;
-        state.counts.kernel_pages += pages;
-        state.counts.kernel_cut_runs += cut;
-        state.held_buffers += bufs.len() as u64;
-        state.held_pages += pages;
+        let counts = &mut self.state.lock().counts;
+        counts.pin_calls += 1;
+        counts.buffers += bufs.len() as u64;
+        counts.pages += pages;
+        counts.cut_runs += cut;
+        counts.held_buffers += bufs.len() as u64;
+        counts.held_pages += pages;
         Ok(())
     }
 
@@ -377,9 +380,9 @@ impl KernelTable {
     pub(crate) fn release(&self, first: u32, n: u32, pages: u64) {
         let cleared = self.clear(first, n as usize);
         let mut state = self.state.lock();
-        state.counts.kernel_unpin_calls += 1;
-        state.held_buffers -= u64::from(n);
-        state.held_pages -= pages;
+        state.counts.unpin_calls += 1;
+        state.counts.held_buffers -= u64::from(n);
+        state.counts.held_pages -= pages;
         match cleared {
             Ok(()) => state.mark(first, n, false),
             Err(e) => {
@@ -393,8 +396,7 @@ impl KernelTable {
 
     /// What the table counted, and holds now.
     pub(crate) fn counts(&self) -> KernelCounts {
-        let state = self.state.lock();
-        KernelCounts { counts: state.counts, held_buffers: state.held_buffers, held_pages: state.held_pages }
+        self.state.lock().counts
     }
 }
 

@@ -389,6 +389,10 @@ impl Drop for Shard {
     }
 }
 
+// A shard and its lock in two cache lines (of the 128-byte pairs `CachePadded` aligns to):
+// a pin touches them and nothing else of the table.
+const _: () = assert!(std::mem::size_of::<CachePadded<SpinLock<Shard>>>() <= 256);
+
 /// The mapping table and the shards, as described in the module documentation.
 #[derive(Default)]
 pub(crate) struct ShardTable {

@@ -65,6 +65,13 @@ impl DmaSpace {
             }
             return track::pin_recorded(self, read, prot, entries, None).map(PinnedPages::recorded);
         }
+        self.pin_counted_or_kernel(prot, entries)
+    }
+
+    /// Lock and kernel mode's pins: out of line, so that track mode's path makes one test of
+    /// the mode (the three-way test cost a one-page pin 3 instructions more).
+    #[inline(never)]
+    fn pin_counted_or_kernel(&self, prot: Prot, entries: impl Entries) -> Result<PinnedPages, PinError> {
         if self.mode() == PinMode::Kernel {
             return kernel_mode::pin(self, prot, entries).map(PinnedPages::recorded);
         }

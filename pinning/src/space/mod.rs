@@ -601,11 +601,11 @@ impl DmaSpace {
         };
         if let Some(Ok(table)) = self.inner.policy.kernel() {
             let kernel = table.counts();
-            stats.kernel_pin_calls = kernel.counts.kernel_pin_calls;
-            stats.kernel_unpin_calls = kernel.counts.kernel_unpin_calls;
-            stats.kernel_buffers = kernel.counts.kernel_buffers;
-            stats.kernel_pages = kernel.counts.kernel_pages;
-            stats.kernel_cut_runs = kernel.counts.kernel_cut_runs;
+            stats.kernel_pin_calls = kernel.pin_calls;
+            stats.kernel_unpin_calls = kernel.unpin_calls;
+            stats.kernel_buffers = kernel.buffers;
+            stats.kernel_pages = kernel.pages;
+            stats.kernel_cut_runs = kernel.cut_runs;
             stats.kernel_buffers_held = kernel.held_buffers;
             stats.kernel_pages_held = kernel.held_pages;
         }
