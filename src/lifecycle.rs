@@ -720,6 +720,10 @@ impl Manager {
             return Err(LifecycleError::TooManyInstances(self.max_instances));
         }
         let ty = self.registry.find(mdev_type).map_err(LifecycleError::from_type)?;
+        if options.pin_mode() == umdev_pinning::PinMode::Kernel {
+            umdev_pinning::kernel_pins_available()
+                .map_err(|e| LifecycleError::Failed(format!("pin mode kernel: {e}")))?;
+        }
         let device = ty.create(&options).map_err(LifecycleError::from_type)?;
         let socket = self.run_dir.join(format!("{uuid}.sock"));
         let mut config = self.template.clone();

@@ -101,7 +101,8 @@ impl LimitArgs {
 /// Options of every instance-creating command.
 #[derive(clap::Args)]
 struct CreateArgs {
-    /// How the instance pins guest pages: track or lock.
+    /// How the instance pins guest pages: track, lock or kernel (the kernel's own long-term
+    /// pins, through io_uring buffer registration).
     #[arg(long)]
     pin_mode: Option<String>,
     /// A type's option, KEY=VALUE (repeatable, each key once; `umdev types -v` lists them).
@@ -128,7 +129,8 @@ fn parse_pin_mode(mode: Option<&str>) -> Result<Option<umdev_mdev::types::PinMod
         None => Ok(None),
         Some("track") => Ok(Some(PinModeName::Track)),
         Some("lock") => Ok(Some(PinModeName::Lock)),
-        Some(other) => Err(format!("unknown pin mode {other:?} (track or lock)")),
+        Some("kernel") => Ok(Some(PinModeName::Kernel)),
+        Some(other) => Err(format!("unknown pin mode {other:?} (track, lock or kernel)")),
     }
 }
 
@@ -404,10 +406,13 @@ enum Command {
         /// mapping and on one mapping each, for each T of this list (e.g. `1,2,4,16`).
         #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..=1024))]
         threads: Option<Vec<u64>>,
-        /// Also draw ns per call against pages (runs, per-page, translate; log-log) into this
-        /// SVG file.
+        /// Also draw ns per call against pages (kernel, lock and track modes, per run and per
+        /// page, the kernel's floor and the seeds' figures; log-log) into this SVG file.
         #[arg(long)]
         svg: Option<std::path::PathBuf>,
+        /// Only this pin mode's rows (track, lock or kernel); all three by default.
+        #[arg(long)]
+        mode: Option<String>,
     },
     /// `demo` and the benchmarks in a build without them: says how to get them.
     #[cfg(not(feature = "bench"))]
@@ -579,6 +584,9 @@ fn dispatch(command: Command, dirs: &manage::Dirs) -> output::Out {
         Command::Stats { uuid } => manage::stats(dirs, &uuid),
         Command::Run { type_name, socket, create, busy_poll_us, limits } => {
             let options = create.options()?;
+            if options.pin_mode() == umdev_pinning::PinMode::Kernel {
+                umdev_pinning::kernel_pins_available().map_err(|e| format!("--pin-mode kernel: {e}"))?;
+            }
             let mut config = umdev_server::InstanceConfig::new(type_name.clone(), &socket);
             config.busy_poll = std::time::Duration::from_micros(busy_poll_us);
             config.dma.mode = options.pin_mode();
@@ -586,9 +594,17 @@ fn dispatch(command: Command, dirs: &manage::Dirs) -> output::Out {
             run::run(&umdev::builtin_registry(), &type_name, &options, config)
         }
         #[cfg(feature = "bench")]
-        Command::Pinbench { json, rounds, batch_us, threads, svg } => {
+        Command::Pinbench { json, rounds, batch_us, threads, svg, mode } => {
             let threads = threads.map(|t| t.into_iter().map(|n| n as usize).collect());
-            pinbench::command(&pinbench::Options { json, rounds: rounds as usize, batch_us, threads, svg })
+            let only = mode.as_deref().map(str::parse::<umdev_pinning::PinMode>).transpose()?;
+            pinbench::command(&pinbench::Options {
+                json,
+                rounds: rounds as usize,
+                batch_us,
+                threads,
+                svg,
+                only,
+            })
         }
         Command::Completions { shell } => completions(shell),
         Command::Man { dir } => man(dir.as_deref()),

@@ -445,7 +445,7 @@ pub fn types(dirs: &Dirs, view: &TypesView) -> Out {
 /// A type's options as help and man pages show them.
 pub fn option_lines(t: &TypeSummary) -> Vec<String> {
     let mut lines =
-        vec!["  Options (--opt KEY=VALUE, each key once; and --pin-mode track|lock):".to_string()];
+        vec!["  Options (--opt KEY=VALUE, each key once; and --pin-mode track|lock|kernel):".to_string()];
     if t.options.is_empty() {
         lines.push("    none".into());
     }
@@ -523,6 +523,7 @@ fn pin_mode_name(m: PinModeName) -> &'static str {
     match m {
         PinModeName::Track => "track",
         PinModeName::Lock => "lock",
+        PinModeName::Kernel => "kernel",
     }
 }
 

@@ -2,7 +2,11 @@
 //! API called once per page ("per-page", what Linux type1 does for external pins), for
 //! each backing, pattern, size and mode, alternating in one process. Lock-mode rows are
 //! followed by the kernel's floor, timed in the same alternating rounds: bare
-//! mlock+munlock of the same runs, and page by page.
+//! mlock+munlock of the same runs, and page by page. Kernel-mode rows likewise by bare
+//! io_uring buffer registration: register and clear the same runs in one call each (as the
+//! engine does, on a ring of the benchmark's own), and a page per call. Kernel mode also
+//! runs on a memfd of transparent huge pages (folios of 2 MiB), where the kernel pins a
+//! run of one folio as one piece.
 
 use crate::output::out;
 use std::fs::File;
@@ -102,6 +106,8 @@ impl Rng {
 enum BackingKind {
     Small,
     Huge,
+    /// A memfd whose pages are 2 MiB folios (transparent huge pages of shmem).
+    Thp,
 }
 
 impl BackingKind {
@@ -109,16 +115,29 @@ impl BackingKind {
         match self {
             BackingKind::Small => "4k-memfd",
             BackingKind::Huge => "2m-hugetlb",
+            BackingKind::Thp => "2m-thp-memfd",
+        }
+    }
+
+    /// The modes measured on this backing: kernel mode only on THP (what folio batching
+    /// changes), all three elsewhere.
+    fn modes(self) -> &'static [PinMode] {
+        match self {
+            BackingKind::Thp => &[PinMode::Kernel],
+            _ => &[PinMode::Track, PinMode::Lock, PinMode::Kernel],
         }
     }
 
     fn memfd(self) -> std::io::Result<File> {
         let flags = match self {
-            BackingKind::Small => MFdFlags::empty(),
+            BackingKind::Small | BackingKind::Thp => MFdFlags::empty(),
             BackingKind::Huge => MFdFlags::MFD_HUGETLB | MFdFlags::MFD_HUGE_2MB,
         };
         let file = File::from(memfd_create(c"umdev-pinbench", flags)?);
         file.set_len(MAPPING_PAGES * PAGE_SIZE)?;
+        if self == BackingKind::Thp {
+            thp::fill_with_huge_folios(&file, MAPPING_PAGES * PAGE_SIZE)?;
+        }
         Ok(file)
     }
 }
@@ -140,6 +159,12 @@ pub struct Row {
     /// what any translator or pinner spends at least to learn what the call names. What a
     /// call costs beyond it is its per-run work.
     pub read_ns: f64,
+    /// Lock and kernel rows: `runs_ns` over the bare kernel floor's (the next row), and the
+    /// same per page. The targets: lock mode at most 1.5x, kernel mode at most 1.2x.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vs_floor: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub per_page_vs_floor: Option<f64>,
     /// Runs in the array (not in the JSON line contract, but useful in the table).
     #[serde(skip)]
     pub runs: usize,
@@ -247,18 +272,48 @@ pub fn hugetlb_unavailable() -> Option<String> {
     }
 }
 
+/// Why the THP backing is unavailable, if it is.
+pub fn thp_unavailable() -> Option<String> {
+    match BackingKind::Thp.memfd() {
+        Ok(_) => None,
+        Err(e) => Some(format!("2 MiB THP memfd backing skipped: {e}")),
+    }
+}
+
 /// Runs the whole grid, calling `emit` for each row as it completes.
-pub fn run(effort: Effort, mut emit: impl FnMut(&Row) -> Result<(), String>) -> Result<Vec<Row>, String> {
+pub fn run(
+    effort: Effort,
+    only: Option<PinMode>,
+    mut emit: impl FnMut(&Row) -> Result<(), String>,
+) -> Result<Vec<Row>, String> {
     let mut rows = Vec::new();
     let mut kinds = vec![BackingKind::Small];
     match hugetlb_unavailable() {
         None => kinds.push(BackingKind::Huge),
         Some(why) => eprintln!("pinbench: {why}"),
     }
-    let mut progress =
-        crate::progress::Progress::new("pinbench", kinds.len() * 2 * PATTERNS.len() * SIZES.len());
-    for kind in kinds {
-        for mode in [PinMode::Track, PinMode::Lock] {
+    let wanted = |mode: PinMode| only.is_none_or(|o| o == mode);
+    let kernel = wanted(PinMode::Kernel)
+        && match umdev_pinning::kernel_pins_available() {
+            Ok(()) => true,
+            Err(why) => {
+                eprintln!("pinbench: kernel-mode rows skipped: {why}");
+                false
+            }
+        };
+    if kernel {
+        match thp_unavailable() {
+            None => kinds.push(BackingKind::Thp),
+            Some(why) => eprintln!("pinbench: {why}"),
+        }
+    }
+    let modes = move |kind: BackingKind| {
+        kind.modes().iter().copied().filter(move |&m| wanted(m) && (kernel || m != PinMode::Kernel))
+    };
+    let steps = kinds.iter().map(|&k| modes(k).count()).sum::<usize>() * PATTERNS.len() * SIZES.len();
+    let mut progress = crate::progress::Progress::new("pinbench", steps);
+    for &kind in &kinds {
+        for mode in modes(kind) {
             let bench = Bench::new(kind, mode).map_err(|e| format!("{}: {e}", kind.name()))?;
             for pattern in PATTERNS {
                 for n in SIZES {
@@ -335,8 +390,51 @@ fn measure(
         ratio: per_page_ns / runs_ns,
         translate_ns,
         read_ns,
+        vs_floor: None,
+        per_page_vs_floor: None,
         runs: runs.len(),
     };
+    // Beside its floor: the ratios of the mode's row to the floor's.
+    let against = |mut row: Row, floor: &Row| {
+        row.vs_floor = Some(row.runs_ns / floor.runs_ns);
+        row.per_page_vs_floor = Some(row.per_page_ns / floor.per_page_ns);
+        vec![row, floor.clone()]
+    };
+    if mode == PinMode::Kernel {
+        // Kernel mode against bare io_uring registration of the same memory, all six
+        // alternating in the same rounds: the runs in one call and cleared in one (what the
+        // engine does for a call and its guard), and a page per call each way.
+        let floor = UringFloor::new().map_err(|e| format!("io_uring floor: {e}"))?;
+        let run_bufs: Vec<libc::iovec> = runs.iter().map(|&(addr, len)| iovec(addr, len)).collect();
+        let page_bufs: Vec<libc::iovec> = pages.iter().map(|&addr| iovec(addr, PAGE_SIZE as usize)).collect();
+        let mut register_runs = || {
+            floor.update(0, &run_bufs);
+            floor.clear(0, run_bufs.len());
+        };
+        let mut register_pages = || {
+            for (slot, buf) in page_bufs.iter().enumerate() {
+                floor.update(slot as u32, std::slice::from_ref(buf));
+            }
+            for slot in 0..page_bufs.len() {
+                floor.clear(slot as u32, 1);
+            }
+        };
+        let [runs_ns, per_page_ns, translate_ns, read_ns, floor_runs, floor_pages] = alternate(
+            effort,
+            [
+                &mut pin_whole,
+                &mut pin_each,
+                &mut translate,
+                &mut read,
+                &mut register_runs,
+                &mut register_pages,
+            ],
+        );
+        return Ok(against(
+            row(mode.to_string(), runs_ns, per_page_ns, translate_ns, read_ns),
+            &row("uring-floor".into(), floor_runs, floor_pages, translate_ns, read_ns),
+        ));
+    }
     if mode == PinMode::Track {
         let [runs_ns, per_page_ns, translate_ns, read_ns] =
             alternate(effort, [&mut pin_whole, &mut pin_each, &mut translate, &mut read]);
@@ -364,11 +462,96 @@ fn measure(
         effort,
         [&mut pin_whole, &mut pin_each, &mut translate, &mut read, &mut lock_runs, &mut lock_pages],
     );
-    let rows = vec![
+    Ok(against(
         row(mode.to_string(), runs_ns, per_page_ns, translate_ns, read_ns),
-        row("mlock-floor".into(), floor_runs, floor_pages, translate_ns, read_ns),
-    ];
-    Ok(rows)
+        &row("mlock-floor".into(), floor_runs, floor_pages, translate_ns, read_ns),
+    ))
+}
+
+fn iovec(addr: usize, len: usize) -> libc::iovec {
+    libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len }
+}
+
+/// Bare io_uring buffer registration, the kernel-mode rows' floor: a ring of its own with a
+/// sparse table as large as a space's (its size matters on huge pages: the kernel looks at
+/// every slot), updated with the `io-uring` crate, from slot 0 as the engine's lowest-first
+/// slots are.
+struct UringFloor {
+    ring: io_uring::IoUring,
+    nulls: Vec<libc::iovec>,
+}
+
+impl UringFloor {
+    fn new() -> std::io::Result<Self> {
+        let ring = io_uring::IoUring::new(1)?;
+        ring.submitter().register_buffers_sparse(DmaSpaceConfig::default().kernel_buffers)?;
+        Ok(UringFloor { ring, nulls: vec![iovec(0, 0); MAPPING_PAGES as usize] })
+    }
+
+    /// Registers `bufs` into slots from `slot`: the kernel pins their pages.
+    fn update(&self, slot: u32, bufs: &[libc::iovec]) {
+        // SAFETY: the buffers lie in memory the benchmark's space keeps mapped (the engine's
+        // own mapping, taken from a probe pin) until after the floor clears them.
+        unsafe { self.ring.submitter().register_buffers_update(slot, bufs, None) }.expect("io_uring floor");
+    }
+
+    /// Clears `n` slots from `slot`: the kernel lets go of their pages.
+    fn clear(&self, slot: u32, n: usize) {
+        // SAFETY: null buffers clear slots; nothing is pinned.
+        unsafe { self.ring.submitter().register_buffers_update(slot, &self.nulls[..n], None) }
+            .expect("io_uring floor clear");
+    }
+}
+
+mod thp {
+    //! The THP backing: a memfd whose page cache holds 2 MiB folios.
+
+    use std::fs::File;
+    use std::num::NonZeroUsize;
+    use std::os::fd::AsFd;
+
+    use nix::sys::mman::{mmap, mmap_anonymous, munmap, MapFlags, ProtFlags};
+
+    const HUGE: usize = 2 << 20;
+    /// `MADV_COLLAPSE` (Linux 6.1; neither libc nor nix names it yet).
+    const MADV_COLLAPSE: libc::c_int = 25;
+
+    /// Faults `len` bytes of `file` in and collapses them into 2 MiB folios (`MADV_COLLAPSE`,
+    /// which needs a mapping aligned to 2 MiB and works whatever shmem's THP setting), through a
+    /// view of the benchmark's own that goes again; the folios stay in the file.
+    pub(super) fn fill_with_huge_folios(file: &File, len: u64) -> std::io::Result<()> {
+        let len = usize::try_from(len).map_err(std::io::Error::other)?;
+        let size = NonZeroUsize::new(len + HUGE).ok_or_else(|| std::io::Error::other("empty"))?;
+        // SAFETY: a fresh reservation of address space, nothing else uses it.
+        let reserved = unsafe { mmap_anonymous(None, size, ProtFlags::PROT_NONE, MapFlags::MAP_PRIVATE) }?;
+        let aligned = (reserved.as_ptr() as usize).next_multiple_of(HUGE);
+        let result = (|| {
+            let at = NonZeroUsize::new(aligned).expect("a mapped address");
+            let length = NonZeroUsize::new(len).expect("a benchmark mapping has pages");
+            // SAFETY: MAP_FIXED over the reservation made just above, which we own.
+            let view = unsafe {
+                mmap(
+                    Some(at),
+                    length,
+                    ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                    MapFlags::MAP_SHARED | MapFlags::MAP_FIXED,
+                    file.as_fd(),
+                    0,
+                )
+            }?;
+            // SAFETY: the view is ours, `len` bytes of a memfd that long.
+            unsafe { std::ptr::write_bytes(view.as_ptr().cast::<u8>(), 1, len) };
+            // SAFETY: advice on our own view.
+            if unsafe { libc::madvise(view.as_ptr(), len, MADV_COLLAPSE) } != 0 {
+                let e = std::io::Error::last_os_error();
+                return Err(std::io::Error::other(format!("MADV_COLLAPSE into 2 MiB folios: {e}")));
+            }
+            Ok(())
+        })();
+        // SAFETY: the reservation (and the view inside it) is ours and used no more.
+        unsafe { munmap(reserved, size.get()) }?;
+        result
+    }
 }
 
 /// Reads every entry (their XOR) with the widest vectors the CPU has, as the engine's run
@@ -423,7 +606,7 @@ fn mlock(addr: usize, len: usize, lock: bool) {
 /// Prints the human table.
 pub fn print_table(rows: &[Row]) -> crate::output::Out {
     out!(
-        "{:<11} {:<11} {:>6} {:<12} {:>5} {:>12} {:>10} {:>14} {:>7} {:>13} {:>9} {:>8}",
+        "{:<12} {:<11} {:>6} {:<12} {:>5} {:>12} {:>10} {:>14} {:>7} {:>13} {:>9} {:>8} {:>8}",
         "backing",
         "pattern",
         "pages",
@@ -435,11 +618,13 @@ pub fn print_table(rows: &[Row]) -> crate::output::Out {
         "ratio",
         "translate ns",
         "runs/tr",
-        "read ns"
+        "read ns",
+        "vs floor"
     )?;
     for r in rows {
+        let floor = r.vs_floor.map_or(String::new(), |f| format!("{f:.2}"));
         out!(
-            "{:<11} {:<11} {:>6} {:<12} {:>5} {:>12.0} {:>10.1} {:>14.0} {:>7.2} {:>13.0} {:>9.2} {:>8.0}",
+            "{:<12} {:<11} {:>6} {:<12} {:>5} {:>12.0} {:>10.1} {:>14.0} {:>7.2} {:>13.0} {:>9.2} {:>8.0} {:>8}",
             r.backing,
             r.pattern,
             r.npages,
@@ -451,8 +636,44 @@ pub fn print_table(rows: &[Row]) -> crate::output::Out {
             r.ratio,
             r.translate_ns,
             r.runs_ns / r.translate_ns,
-            r.read_ns
+            r.read_ns,
+            floor
         )?;
+    }
+    // Kernel mode: what a call per run gains over a call per page, per backing (512
+    // contiguous pages), against what bare registration gains; and the worst row against
+    // its floor.
+    let kernel: Vec<&Row> = rows.iter().filter(|r| r.mode == "kernel").collect();
+    if !kernel.is_empty() {
+        out!("")?;
+        out!("kernel mode, 512 contiguous pages, a call per run against a call per page:")?;
+        for backing in ["4k-memfd", "2m-hugetlb", "2m-thp-memfd"] {
+            let find = |mode: &str| {
+                rows.iter().find(|r| {
+                    r.backing == backing && r.mode == mode && r.pattern == "contiguous" && r.npages == 512
+                })
+            };
+            if let (Some(k), Some(f)) = (find("kernel"), find("uring-floor")) {
+                out!(
+                    "  {backing:<13} {:>10.0} ns against {:>10.0} ns: {:>6.1}x (bare io_uring: {:.1}x)",
+                    k.runs_ns,
+                    k.per_page_ns,
+                    k.ratio,
+                    f.ratio
+                )?;
+            }
+        }
+        if let Some(worst) =
+            kernel.iter().max_by(|a, b| a.vs_floor.unwrap_or(0.0).total_cmp(&b.vs_floor.unwrap_or(0.0)))
+        {
+            out!(
+                "  worst row against bare io_uring: {} {} {} pages, {:.2}x",
+                worst.backing,
+                worst.pattern,
+                worst.npages,
+                worst.vs_floor.unwrap_or(0.0)
+            )?;
+        }
     }
     Ok(())
 }
@@ -684,6 +905,40 @@ pub fn print_threads(rows: &[ThreadRow]) -> crate::output::Out {
     Ok(())
 }
 
+/// The picture's caption: this machine (host, kernel, CPU, cores), today's date, the rounds.
+fn caption(rounds: usize) -> plot::Caption {
+    let read = |path: &str| std::fs::read_to_string(path).unwrap_or_default().trim().to_string();
+    let cpu = read("/proc/cpuinfo")
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("model name").and_then(|v| v.split_once(':')).map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let host = format!(
+        "{}: Linux {}, {cpu}, {cores} cores",
+        read("/proc/sys/kernel/hostname"),
+        read("/proc/sys/kernel/osrelease")
+    );
+    plot::Caption { host, date: today(), rounds }
+}
+
+/// Today's date (UTC), as YYYY-MM-DD.
+fn today() -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    // Days since 1970-01-01 to a civil date (the proleptic Gregorian calendar).
+    let z = (secs / 86_400) as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}")
+}
+
 /// What `umdev pinbench` was asked for.
 #[derive(Clone, Debug, Default)]
 pub struct Options {
@@ -695,8 +950,10 @@ pub struct Options {
     pub batch_us: u64,
     /// Run the many-threads mode with these thread counts instead of the grid.
     pub threads: Option<Vec<usize>>,
-    /// Also draw the grid's track-mode figures into this SVG file.
+    /// Also draw the grid's figures into this SVG file.
     pub svg: Option<std::path::PathBuf>,
+    /// Only this mode's rows.
+    pub only: Option<PinMode>,
 }
 
 /// `umdev pinbench`.
@@ -713,14 +970,14 @@ pub fn command(o: &Options) -> Result<(), String> {
         return Ok(());
     }
     let effort = Effort { rounds: o.rounds, batch: Duration::from_micros(o.batch_us) };
-    let rows = run(effort, |row| {
+    let rows = run(effort, o.only, |row| {
         if o.json {
             out!("{}", serde_json::to_string(row).expect("rows serialize"))?;
         }
         Ok(())
     })?;
     if let Some(path) = &o.svg {
-        plot::draw(&rows, path)?;
+        plot::draw(&rows, &caption(o.rounds), path)?;
         // Drawn through the process's umask (077); a picture is for everyone to read.
         std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o644))
             .map_err(|e| format!("chmod {}: {e}", path.display()))?;

@@ -83,6 +83,8 @@ pub enum PinModeName {
     Track,
     /// [`PinMode::Lock`].
     Lock,
+    /// [`PinMode::Kernel`].
+    Kernel,
 }
 
 impl From<PinModeName> for PinMode {
@@ -90,6 +92,7 @@ impl From<PinModeName> for PinMode {
         match m {
             PinModeName::Track => PinMode::Track,
             PinModeName::Lock => PinMode::Lock,
+            PinModeName::Kernel => PinMode::Kernel,
         }
     }
 }

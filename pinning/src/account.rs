@@ -1,4 +1,4 @@
-//! MappingGuards-memory accounting: the budget lock-mode pins draw on.
+//! Locked-memory accounting: the budget lock-mode pins draw on; and the pin modes.
 //!
 //! Like the kernel's `vfio_lock_acct`, a page is charged once when its pin count goes from
 //! 0 to 1 and refunded at 1 to 0, and a run is checked against the limit before it is
@@ -19,6 +19,10 @@ pub enum PinMode {
     /// Pinned pages are made resident and mlock'ed (hugetlb pages are accounted but need no
     /// syscall), and charged to a [`LockAccount`].
     Lock,
+    /// Each run of a call gets the kernel's own long-term pin (`FOLL_LONGTERM`, what
+    /// `vfio_pin_pages` takes), one kernel call per pin call through io_uring buffer
+    /// registration, charged by the kernel to `RLIMIT_MEMLOCK` (see `kernel_pins_available`).
+    Kernel,
 }
 
 impl std::str::FromStr for PinMode {
@@ -27,7 +31,8 @@ impl std::str::FromStr for PinMode {
         match s {
             "track" => Ok(PinMode::Track),
             "lock" => Ok(PinMode::Lock),
-            other => Err(format!("unknown pin mode {other:?} (expected track or lock)")),
+            "kernel" => Ok(PinMode::Kernel),
+            other => Err(format!("unknown pin mode {other:?} (expected track, lock or kernel)")),
         }
     }
 }
@@ -37,6 +42,7 @@ impl std::fmt::Display for PinMode {
         f.write_str(match self {
             PinMode::Track => "track",
             PinMode::Lock => "lock",
+            PinMode::Kernel => "kernel",
         })
     }
 }
@@ -163,5 +169,6 @@ mod tests {
         assert_eq!("lock".parse::<PinMode>().unwrap(), PinMode::Lock);
         assert!("mlock".parse::<PinMode>().is_err());
         assert_eq!(PinMode::Track.to_string(), "track");
+        assert_eq!("kernel".parse::<PinMode>().unwrap().to_string(), "kernel");
     }
 }

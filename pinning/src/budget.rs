@@ -8,10 +8,11 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crossbeam::utils::CachePadded;
+use crossbeam_utils::CachePadded;
 
 use crate::account::{LockAccount, PinMode};
 use crate::counters::Counts;
+use crate::kernel::{KernelPinsUnavailable, KernelTable};
 use crate::spin::SpinLock;
 
 /// How the mappings of one space pin, and what they may hold: shared by all of them.
@@ -31,13 +32,20 @@ pub(crate) struct PinPolicy {
     /// afterwards (added as the mapping is dropped). A leaf lock: nothing else is taken
     /// while it is held.
     pub(crate) departed: SpinLock<Counts>,
+    /// Kernel mode: the space's ring and table of registered buffers, or why there is none
+    /// (then every pin fails with that). Kept here, with the mappings' shared state, so that
+    /// a guard or a mapping that outlives the space's handles still reaches it.
+    kernel: Option<Result<KernelTable, KernelPinsUnavailable>>,
 }
 
 /// Pins a shard (track mode) or a mapping (lock mode) reserves from the space's count at a time.
 pub(crate) const PIN_STOCK: u64 = 4096;
 
 impl PinPolicy {
-    pub(crate) fn new(mode: PinMode, account: Arc<LockAccount>, max_pins: u64) -> Self {
+    /// The policy of a space in `mode`; in kernel mode with a table of `kernel_buffers`
+    /// slots, or the reason io_uring could not give one.
+    pub(crate) fn new(mode: PinMode, account: Arc<LockAccount>, max_pins: u64, kernel_buffers: u32) -> Self {
+        let kernel = (mode == PinMode::Kernel).then(|| KernelTable::new(kernel_buffers));
         PinPolicy {
             mode,
             account,
@@ -45,6 +53,23 @@ impl PinPolicy {
             max_pins,
             departures: AtomicU64::new(0),
             departed: SpinLock::default(),
+            kernel,
+        }
+    }
+
+    /// The kernel table (kernel mode), or why there is none. `None` in the other modes.
+    #[inline]
+    pub(crate) fn kernel(&self) -> Option<Result<&KernelTable, &KernelPinsUnavailable>> {
+        self.kernel.as_ref().map(Result::as_ref)
+    }
+
+    /// The kernel table of a space whose pins hold kernel buffers (there is one: they were
+    /// registered in it).
+    #[inline]
+    pub(crate) fn kernel_table(&self) -> &KernelTable {
+        match self.kernel() {
+            Some(Ok(table)) => table,
+            _ => unreachable!("kernel buffers are only registered in a kernel-mode space's table"),
         }
     }
 
@@ -79,7 +104,7 @@ mod tests {
 
     #[test]
     fn the_count_never_passes_the_limit() {
-        let policy = PinPolicy::new(PinMode::Track, Arc::new(LockAccount::unlimited()), 10);
+        let policy = PinPolicy::new(PinMode::Track, Arc::new(LockAccount::unlimited()), 10, 0);
         policy.take(6).unwrap();
         assert_eq!(policy.take(5), Err(6));
         policy.take(4).unwrap();

@@ -3,8 +3,10 @@
 //! One [`Counts`] lives wherever a lock is held anyway when the event happens, and `stats`
 //! sums them: each shard's (track-mode calls and the space's other events, under the shard's
 //! lock), each mapping's (lock-mode calls and their syscalls, under the mapping's lock), and
-//! the space's for mappings that left its table (see `PinPolicy::departed`). No counter is
-//! an atomic shared between threads.
+//! the space's for mappings that left its table (see `PinPolicy::departed`). Kernel mode's
+//! kernel calls are counted by its table, under the table's lock (`kernel::KernelCounts`:
+//! other events, and kept apart so that a shard's counts stay within its two cache lines).
+//! No counter is an atomic shared between threads.
 
 use std::ops::AddAssign;
 

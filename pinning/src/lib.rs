@@ -15,7 +15,8 @@
 //!
 //! What it is not: it knows nothing of vfio-user or of devices; the server crate feeds it
 //! DMA_MAP/DMA_UNMAP and devices call it. It does not program an IOMMU: "pinning" here means
-//! refcounted translation (and, in lock mode, residency via mlock) in this process.
+//! refcounted translation, and in lock mode residency via mlock, in kernel mode the kernel's
+//! own long-term pin of each run (`FOLL_LONGTERM`, through io_uring buffer registration).
 //!
 //! Words used with one meaning throughout (the lifetime protocol is in `DESIGN.md`):
 //!
@@ -23,7 +24,7 @@
 //!   when its last handle drops, and lives on while guards hold records in it.
 //! - **mapping**: one mapped range: IOVA pages, host memory, state (live, unmapping,
 //!   removed). The **mapping table**: a space's mappings by first page.
-//! - **shard**: one of a space's 16 per-thread slots (each thread has one, round robin): a
+//! - **shard**: one of a space's 16 per-thread parts (each thread has one, round robin): a
 //!   spin lock, the records of calls made from it, a stock of pins, counts, a lookup hint.
 //!   The **shard table**: the mapping table behind the shard locks, and the shards.
 //! - **run** ([`PinnedRun`]): consecutive entries of a call naming consecutive pages of one
@@ -39,6 +40,10 @@
 //!   the lock of a shard or of a mapping's pin state; **lock mode** ([`PinMode::Lock`]).
 //! - **counts**: calls, runs, pages and syscalls, summed into [`DmaStats`].
 //! - **orphan**: a mapping `abandon_all` took while records still name it.
+//! - **kernel mode** ([`PinMode::Kernel`]): track mode's records, and the kernel's long-term
+//!   pin of each run. The **kernel table**: a space's io_uring and its sparse table of
+//!   registered **buffers** (a run, or a GiB of a longer one); a **slot**: one entry of that
+//!   table. A **kept buffer**: a forgotten guard's buffer, cleared with its last unpinned page.
 //!
 //! ```
 //! use std::os::fd::AsFd;
@@ -67,6 +72,7 @@ mod budget;
 mod counters;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
+mod kernel;
 mod mapping;
 mod mmap;
 pub mod page;
@@ -84,10 +90,11 @@ mod spin;
 pub mod sync;
 
 pub use account::{has_cap_ipc_lock, process_lock_limit, LockAccount, OverLimit, PinMode};
+pub use kernel::{kernel_pins_available, KernelPinsUnavailable, KERNEL_BUFFER_BYTES, MAX_KERNEL_BUFFERS};
 pub use mmap::{process_mapping_limit, process_mappings, set_process_mapping_limit, Backing, MmapError};
 pub use page::{Prot, PAGE_SHIFT, PAGE_SIZE};
 pub use page_counts::{CHUNK_BYTES, CHUNK_PAGES, MAX_PIN_COUNT};
-pub use pin::{AccessError, PinError, PinnedPages, UnpinError};
+pub use pin::{AccessError, PinError, PinnedPages, RegisteredBuffer, UnpinError};
 pub use run::{PinnedRun, Segment};
 pub use sigbus::recovered_faults;
 pub use space::{

@@ -58,9 +58,88 @@ pub(crate) struct MappingPins {
     /// Set as the mapping leaves the table: from then on pins given back go straight to the
     /// space's count (a guard may keep a removed mapping alive for long).
     pub(crate) left: bool,
+    /// Kernel mode: registered buffers of forgotten guards whose runs lie here. Their pins
+    /// are counted in `page_counts`, one per page per buffer, and nothing else is (kernel
+    /// mode counts no other pin per page): a page's count is the number of kept buffers
+    /// holding it.
+    pub(crate) kept: Vec<KeptBuffer>,
+}
+
+/// Kernel mode: a registered buffer whose guard was forgotten (`PinnedPages::forget`). It is
+/// let go once `unpin_pages` has taken back the pin of each of its pages; until then the
+/// kernel keeps all of them pinned.
+#[derive(Debug)]
+pub(crate) struct KeptBuffer {
+    /// Its slot in the space's kernel table.
+    pub(crate) slot: u32,
+    /// Its first page (offset within the mapping) and pages.
+    first: u64,
+    npages: u64,
+    /// Bit `k`: the pin of page `first + k` is still held by this buffer.
+    held: Vec<u64>,
+    /// Pages still held.
+    left: u64,
+}
+
+impl KeptBuffer {
+    fn new(slot: u32, first: u64, npages: u64) -> Self {
+        let mut held = vec![!0u64; npages.div_ceil(64) as usize];
+        if !npages.is_multiple_of(64) {
+            *held.last_mut().expect("a buffer holds a page") = (1 << (npages % 64)) - 1;
+        }
+        KeptBuffer { slot, first, npages, held, left: npages }
+    }
+
+    /// Takes back the pin of `page` if this buffer still holds it.
+    fn take(&mut self, page: u64) -> bool {
+        let Some(k) = page.checked_sub(self.first).filter(|&k| k < self.npages) else {
+            return false;
+        };
+        let (word, bit) = ((k / 64) as usize, k % 64);
+        if self.held[word] & (1 << bit) == 0 {
+            return false;
+        }
+        self.held[word] &= !(1 << bit);
+        self.left -= 1;
+        true
+    }
 }
 
 impl MappingPins {
+    /// Kernel mode: keeps the buffers of a forgotten guard's run of `npages` pages from
+    /// `page`, registered in slots from `slot`; the slots it took (a buffer per GiB).
+    pub(crate) fn keep_buffers(&mut self, slot: u32, page: u64, npages: u64) -> u32 {
+        let mut taken = 0;
+        let mut done = 0;
+        while done < npages {
+            let n = (npages - done).min(crate::kernel::KERNEL_BUFFER_PAGES);
+            self.kept.push(KeptBuffer::new(slot + taken, page + done, n));
+            taken += 1;
+            done += n;
+        }
+        taken
+    }
+
+    /// Forgets the kept buffers in slots `slots` again (a forget that failed part-way).
+    pub(crate) fn unkeep_slots(&mut self, slots: std::ops::Range<u32>) {
+        self.kept.retain(|k| !slots.contains(&k.slot));
+    }
+
+    /// Kernel mode: takes back one kept pin of each page of `[page, page + npages)` (whose
+    /// counts the caller has just taken one from), from the first kept buffer holding it;
+    /// buffers left holding nothing are removed and their `(slot, pages)` appended to
+    /// `done`, for the caller to let go of.
+    pub(crate) fn take_kept(&mut self, page: u64, npages: u64, done: &mut Vec<(u32, u64)>) {
+        for p in page..page + npages {
+            let at = self.kept.iter_mut().position(|k| k.take(p));
+            debug_assert!(at.is_some(), "kernel mode: a counted page {p} has a kept buffer");
+            if let Some(at) = at.filter(|&at| self.kept[at].left == 0) {
+                let gone = self.kept.swap_remove(at);
+                done.push((gone.slot, gone.npages));
+            }
+        }
+    }
+
     /// Reserves `pins` for a lock-mode call whose first run lies in this mapping (locked by
     /// the caller): from the stock, refilled from the space's count when short; `Err(held)`
     /// if the space's count cannot give them. A mapping that has left the table keeps no
@@ -286,7 +365,7 @@ impl Mapping {
     /// Adds a pin to pages `[page, page + npages)`; in lock mode, locks and charges the
     /// pages going from 0 to 1 first. On failure nothing has changed.
     pub(crate) fn pin_run(&self, pins: &mut MappingPins, page: u64, npages: u64) -> Result<(), RunFailure> {
-        if self.policy.mode == PinMode::Track {
+        if self.policy.mode != PinMode::Lock {
             // The hot path: one pass over the counts.
             return pins
                 .page_counts

@@ -29,7 +29,7 @@ impl Chunk {
     }
 }
 
-/// Bytes of heap one allocated chunk costs (its box; the hash table's slot is counted by
+/// Bytes of heap one allocated chunk costs (its box; the hash table's entry is counted by
 /// `PageCounts::bookkeeping_bytes`).
 pub const CHUNK_BYTES: usize = std::mem::size_of::<Chunk>();
 
@@ -85,8 +85,8 @@ impl PageCounts {
 
     /// Heap bytes this table uses for counts.
     pub(crate) fn bookkeeping_bytes(&self) -> usize {
-        let slot = std::mem::size_of::<(u64, Box<Chunk>)>() + 1;
-        (self.chunks.len() + usize::from(self.spare.is_some())) * CHUNK_BYTES + self.chunks.capacity() * slot
+        let entry = std::mem::size_of::<(u64, Box<Chunk>)>() + 1;
+        (self.chunks.len() + usize::from(self.spare.is_some())) * CHUNK_BYTES + self.chunks.capacity() * entry
     }
 
     /// Chunk `idx`, allocated (or the spare reused) if absent: one hash lookup on a hit.
@@ -149,9 +149,18 @@ impl PageCounts {
                 // A whole absent chunk segment is unpinned.
                 None => runs.add(seg.page, seg.len as u64),
                 Some(chunk) => {
-                    for (i, &c) in chunk.counts[seg.start..seg.start + seg.len].iter().enumerate() {
-                        if c == 0 {
-                            runs.add(seg.page + i as u64, 1);
+                    let counts = &chunk.counts[seg.start..seg.start + seg.len];
+                    // Counted first (a vector pass): the usual segment is all pinned or
+                    // all not, and needs no look at each page.
+                    match counts.iter().map(|&c| usize::from(c == 0)).sum::<usize>() {
+                        0 => {}
+                        n if n == seg.len => runs.add(seg.page, seg.len as u64),
+                        _ => {
+                            for (i, &c) in counts.iter().enumerate() {
+                                if c == 0 {
+                                    runs.add(seg.page + i as u64, 1);
+                                }
+                            }
                         }
                     }
                 }
@@ -286,19 +295,19 @@ impl PageCounts {
                 continue;
             };
             let counts = &mut chunk.counts[seg.start..seg.start + seg.len];
+            // One vector pass; the pages that went to 0 are looked for page by page only
+            // when some but not all of the segment's did.
             let mut freed = 0u32;
-            match runs.as_mut() {
-                None => {
-                    for c in counts.iter_mut() {
-                        *c -= 1;
-                        freed += u32::from(*c == 0);
-                    }
-                }
-                Some(runs) => {
-                    for (i, c) in counts.iter_mut().enumerate() {
-                        *c -= 1;
-                        if *c == 0 {
-                            freed += 1;
+            for c in counts.iter_mut() {
+                *c -= 1;
+                freed += u32::from(*c == 0);
+            }
+            if let Some(runs) = runs.as_mut().filter(|_| freed != 0) {
+                if freed as usize == seg.len {
+                    runs.add(seg.page, seg.len as u64);
+                } else {
+                    for (i, &c) in counts.iter().enumerate() {
+                        if c == 0 {
                             runs.add(seg.page + i as u64, 1);
                         }
                     }

@@ -21,6 +21,9 @@ pub(crate) struct Record {
     pub(crate) mappings: Vec<NonNull<Mapping>>,
     /// Pages pinned (entries of the call).
     pub(crate) pages: u64,
+    /// Kernel mode: the slots of the space's kernel table holding the runs' buffers (set
+    /// before publication; registered with the kernel just after it).
+    pub(crate) kernel: Option<KernelSlots>,
     /// The guard's space, shard and access (set at publication).
     pub(crate) owner: Owner,
     /// Position in the shard's `live` list. Changed (under the shard's lock) when another
@@ -33,8 +36,16 @@ impl Record {
     /// The record as its guard and the shard's readers see it.
     #[inline]
     pub(crate) fn view(&self) -> RecordRef<'_> {
-        RecordRef { runs: &self.runs, mappings: &self.mappings, pages: self.pages }
+        RecordRef { runs: &self.runs, mappings: &self.mappings, pages: self.pages, kernel: self.kernel }
     }
+}
+
+/// A kernel-mode record's consecutive slots in its space's kernel table: one buffer per run
+/// in call order, a run longer than a buffer may be (1 GiB) taking one per GiB.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct KernelSlots {
+    pub(crate) first: u32,
+    pub(crate) count: u32,
 }
 
 /// What a guard keeps in its record rather than in itself, so that the guard is one word:
@@ -123,6 +134,7 @@ impl SmallRecord {
             runs: &self.runs[..usize::from(self.len)],
             mappings: std::slice::from_ref(&self.mapping),
             pages: self.pages,
+            kernel: None,
         }
     }
 
@@ -188,6 +200,8 @@ pub(crate) struct RecordRef<'a> {
     mappings: &'a [NonNull<Mapping>],
     /// Pages pinned (entries of the call).
     pub(crate) pages: u64,
+    /// Kernel mode: the slots of the runs' buffers (boxed records only).
+    pub(crate) kernel: Option<KernelSlots>,
 }
 
 impl<'a> RecordRef<'a> {

@@ -50,35 +50,72 @@ pub(crate) unsafe fn run_length_avx2(pfns: &[u64]) -> u64 {
     long_run_length(pfns)
 }
 
-/// The run length of the whole of `pfns` (at least its first two entries continue): entry
-/// by entry up to a cache-line boundary (loads that split lines cost twice), then 32
-/// entries at a time. Entry `k` of a run is `start + k`, so `p - k` is the same for all.
+/// The run length of the whole of `pfns` (entry 0 starts it), in blocks whose entries are
+/// compared all at once: 8 at a time over the first 32 entries (the runs of IDAW and PRP
+/// lists end there), then 32 at a time from a cache-line boundary (loads that split lines
+/// cost twice), then 8 at a time, the last block overlapping the one before. Only in the
+/// 8-entry block where the run ends, or in an array shorter than 8, are entries compared one
+/// at a time (at most 7). Entry `k` of a run is `start + k`, so `p - k` is the same for all.
+///
+/// The steps taken depend on the run's length, hardly on where the allocator put the array
+/// (one block more or less). A loop that went entry by entry to the line boundary and after
+/// the last 32-entry block took up to 38 more steps on some alignments, which moved
+/// pinbench's contiguous rows by up to 40% between builds (docs/benchmarks.md).
 #[inline(always)]
 pub(crate) fn long_run_length(pfns: &[u64]) -> u64 {
     const LINE_ENTRIES: usize = 64 / std::mem::size_of::<u64>();
+    let len = pfns.len();
     let start = pfns[0];
-    let continues = |n: usize| pfns[n] == start.wrapping_add(n as u64);
-    let misaligned = (pfns.as_ptr() as usize / std::mem::size_of::<u64>()) % LINE_ENTRIES;
-    let head = ((LINE_ENTRIES - misaligned) % LINE_ENTRIES).min(pfns.len());
+    // The run's end at or after entry `at`, entry by entry.
+    let one_by_one = |mut at: usize| -> u64 {
+        while at < len && pfns[at] == start.wrapping_add(at as u64) {
+            at += 1;
+        }
+        at as u64
+    };
+    if len < 8 {
+        return one_by_one(1);
+    }
     let mut n = 0;
-    while n < head {
-        if !continues(n) {
-            return n as u64;
+    while n + 8 <= len.min(32) {
+        if !continues::<8>(pfns, n, start) {
+            return one_by_one(n);
         }
-        n += 1;
+        n += 8;
     }
-    for chunk in pfns[head..].chunks_exact(32).filter_map(|c| <&[u64; 32]>::try_from(c).ok()) {
-        let want = start.wrapping_add(n as u64);
-        let diff = chunk.iter().enumerate().fold(0, |acc, (k, &p)| acc | (p.wrapping_sub(k as u64) ^ want));
-        if diff != 0 {
-            break;
+    if len > 32 {
+        // Entries [0, 32) continue: go on from the last cache-line boundary before entry 32.
+        let misaligned = (pfns.as_ptr() as usize / std::mem::size_of::<u64>()) % LINE_ENTRIES;
+        n = 32 - misaligned;
+        while n + 32 <= len {
+            if !continues::<32>(pfns, n, start) {
+                while n + 8 <= len && continues::<8>(pfns, n, start) {
+                    n += 8;
+                }
+                return one_by_one(n);
+            }
+            n += 32;
         }
-        n += 32;
+        while n + 8 <= len {
+            if !continues::<8>(pfns, n, start) {
+                return one_by_one(n);
+            }
+            n += 8;
+        }
     }
-    while n < pfns.len() && continues(n) {
-        n += 1;
+    if n < len && !continues::<8>(pfns, len - 8, start) {
+        return one_by_one(n);
     }
-    n as u64
+    len as u64
+}
+
+/// True if entries `[at, at + W)` of `pfns` (all there) continue the run from `start`: a
+/// vector compare of each `p - k` against it.
+#[inline(always)]
+fn continues<const W: usize>(pfns: &[u64], at: usize, start: u64) -> bool {
+    let block: &[u64; W] = pfns[at..at + W].try_into().expect("W entries");
+    let want = start.wrapping_add(at as u64);
+    block.iter().enumerate().fold(0, |acc, (k, &p)| acc | (p.wrapping_sub(k as u64) ^ want)) == 0
 }
 
 #[cfg(test)]

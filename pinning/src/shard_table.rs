@@ -17,7 +17,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use crossbeam::utils::CachePadded;
+use crossbeam_utils::CachePadded;
 use smallvec::SmallVec;
 
 use crate::counters::Counts;
@@ -141,6 +141,7 @@ impl Shard {
         record.runs.clear();
         record.mappings.clear();
         record.pages = 0;
+        record.kernel = None;
         // A record grown by a huge scattered call is not worth keeping.
         if self.free.len() < FREE_RECORDS && record.runs.capacity() <= KEEP_RUNS {
             self.free.push(record);
@@ -387,6 +388,10 @@ impl Drop for Shard {
         }
     }
 }
+
+// A shard and its lock in two cache lines (of the 128-byte pairs `CachePadded` aligns to):
+// a pin touches them and nothing else of the table.
+const _: () = assert!(std::mem::size_of::<CachePadded<SpinLock<Shard>>>() <= 256);
 
 /// The mapping table and the shards, as described in the module documentation.
 #[derive(Default)]

@@ -127,7 +127,7 @@ mod tests {
     use crate::{AccessError, DmaSpace, DmaSpaceConfig, PinError, PinMode, Prot, PAGE_SIZE};
 
     fn truncated_under_pins(mode: PinMode) {
-        let space = DmaSpace::new(DmaSpaceConfig { mode, ..Default::default() });
+        let space = DmaSpace::try_new(DmaSpaceConfig { mode, ..Default::default() }).unwrap();
         let file = memfd(4);
         space.map(0, 4 * PAGE_SIZE, file.as_fd(), 0, Prot::READ_WRITE).unwrap();
         let pins = space.pin_range(0, 4, Prot::READ_WRITE).unwrap();
@@ -146,6 +146,7 @@ mod tests {
         // No new pins; the old ones still unpin, and the mapping unmaps.
         assert!(matches!(space.pin_range(0, 1, Prot::READ), Err(PinError::Poisoned { index: 0, pfn: 0 })));
         drop(pins);
+        assert_eq!(space.stats().kernel_pages_held, 0);
         space.unmap(0, 4 * PAGE_SIZE).unwrap();
 
         // A new mapping of the same fd works as usual.
@@ -167,5 +168,13 @@ mod tests {
     #[cfg_attr(miri, ignore = "Miri: no SIGBUS")]
     fn locked_pages_truncated_under_pins_poison_too() {
         truncated_under_pins(PinMode::Lock);
+    }
+
+    /// The kernel keeps its pins of the truncated pages (it holds them, the file no longer
+    /// does) until the guard drops; the mapping poisons as in the other modes.
+    #[test]
+    #[cfg_attr(miri, ignore = "Miri: no SIGBUS, no io_uring")]
+    fn kernel_pinned_pages_truncated_under_pins_poison_too() {
+        truncated_under_pins(PinMode::Kernel);
     }
 }

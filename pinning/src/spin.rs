@@ -47,6 +47,11 @@ const YIELDS: u32 = 64;
 const NAP: Duration = Duration::from_micros(20);
 
 impl<T> SpinLock<T> {
+    /// An unlocked lock around `value`.
+    pub(crate) fn new(value: T) -> Self {
+        SpinLock { locked: AtomicBool::new(false), value: UnsafeCell::new(value) }
+    }
+
     /// Takes the lock, waiting for its holder if it has one.
     #[inline]
     pub(crate) fn lock(&self) -> SpinGuard<'_, T> {

@@ -9,8 +9,6 @@
 use std::sync::{Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard, WaitTimeoutResult};
 use std::time::Duration;
 
-use crossbeam::sync::{ShardedLock, ShardedLockReadGuard, ShardedLockWriteGuard};
-
 /// Locks `m`, poisoned or not.
 pub fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -23,16 +21,6 @@ pub fn read<T: ?Sized>(l: &RwLock<T>) -> RwLockReadGuard<'_, T> {
 
 /// Write-locks `l`, poisoned or not.
 pub fn write<T: ?Sized>(l: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
-    l.write().unwrap_or_else(|p| p.into_inner())
-}
-
-/// Read-locks the sharded lock `l` (this thread's shard only), poisoned or not.
-pub fn read_sharded<T: ?Sized>(l: &ShardedLock<T>) -> ShardedLockReadGuard<'_, T> {
-    l.read().unwrap_or_else(|p| p.into_inner())
-}
-
-/// Write-locks the sharded lock `l` (every shard), poisoned or not.
-pub fn write_sharded<T: ?Sized>(l: &ShardedLock<T>) -> ShardedLockWriteGuard<'_, T> {
     l.write().unwrap_or_else(|p| p.into_inner())
 }
 

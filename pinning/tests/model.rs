@@ -7,7 +7,7 @@
 //! for it.
 
 use proptest::prelude::*;
-use umdev_pinning::fuzzing::{page_of, run, Op};
+use umdev_pinning::fuzzing::{page_of, run, run_alone, Op};
 use umdev_pinning::PinMode;
 
 /// A page in the model's windows (mostly the first 24 pages, so that arrays often hit
@@ -85,5 +85,13 @@ proptest! {
     #[test]
     fn lock_mode_matches_the_model(ops in ops()) {
         run(&ops, PinMode::Lock);
+    }
+
+    /// Kernel mode, with the process's VmPin checked against the engine's kernel pins after
+    /// every step and back to its start after every sequence (unpins, unmaps, and the
+    /// disconnect at the end): nothing else in this test binary takes kernel pins.
+    #[test]
+    fn kernel_mode_matches_the_model(ops in ops()) {
+        run_alone(&ops, PinMode::Kernel);
     }
 }

@@ -52,13 +52,14 @@ type KeptPin = (DmaSpace, Vec<u64>);
 
 fn stress(mode: PinMode) {
     let account = Arc::new(LockAccount::unlimited());
-    let space = DmaSpace::new(DmaSpaceConfig {
+    let space = DmaSpace::try_new(DmaSpaceConfig {
         mode,
         account: account.clone(),
         // Long enough that only a pinner that never lets go could fail an unmap.
         unmap_timeout: Duration::from_secs(120),
         ..Default::default()
-    });
+    })
+    .unwrap();
     let total_pages = MAPPINGS * PAGES_PER_MAPPING;
     let files: Vec<Mutex<File>> = (0..MAPPINGS).map(|_| Mutex::new(memfd(PAGES_PER_MAPPING))).collect();
     for (i, f) in files.iter().enumerate() {
@@ -186,6 +187,11 @@ fn stress(mode: PinMode) {
     assert_eq!(account.locked(), 0);
     assert!(pins_taken.load(Ordering::Relaxed) >= CYCLES * PINS_PER_CYCLE);
     assert!(stats.unmap_waits > 0, "no unmap ever met a pin: the test proves nothing");
+    // Kernel mode: a registration per call, and none left.
+    if mode == PinMode::Kernel {
+        assert_eq!(stats.kernel_pin_calls, stats.pin_calls);
+        assert_eq!((stats.kernel_buffers_held, stats.kernel_pages_held), (0, 0));
+    }
     space.set_unmap_notifier(None);
     space.unmap_all().unwrap();
 }
@@ -198,4 +204,9 @@ fn concurrent_pins_and_unmaps_track_mode() {
 #[test]
 fn concurrent_pins_and_unmaps_lock_mode() {
     stress(PinMode::Lock);
+}
+
+#[test]
+fn concurrent_pins_and_unmaps_kernel_mode() {
+    stress(PinMode::Kernel);
 }

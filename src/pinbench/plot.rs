@@ -1,100 +1,241 @@
-//! `umdev pinbench --svg`: ns per call against pages, log-log, for the track-mode rows of the
-//! 4 KiB backing (runs, per-page, translate per pattern), with the kernel's figures as
-//! reference points.
+//! `umdev pinbench --svg`: ns per pin+unpin call against pages, log-log, for a contiguous
+//! array on the 4 KiB memfd: kernel, lock and track modes, each one call per run (solid)
+//! and one call per page (dashed); this machine's kernel floor (bare io_uring registration,
+//! per run and per page) as thin black lines; kernel mode on THP; and the seeds' figures
+//! (Xu's 2020 `vfio_pin_pages` measurements) as points. The legend sits beside the data, each
+//! line's sample drawn with the line's own dashes; the caption names the host, the date and
+//! the rounds.
 
 use std::path::Path;
 
+use plotters::element::DashedPathElement;
 use plotters::prelude::*;
 
 use super::Row;
 
-/// The kernel's figures from the seeds (../shared/BACKGROUND.md, 4 KiB backing, ns per
-/// `vfio_pin_pages` call): type1 as merged, and with the run-splitting patch that was dropped.
-const KERNEL_TYPE1: [(f64, f64); 2] = [(1.0, 1638.0), (512.0, 223_651.0)];
-const KERNEL_RUN_SPLIT: [(f64, f64); 2] = [(1.0, 1735.0), (512.0, 167_286.0)];
+/// The seeds' kernel figures (ns per `vfio_pin_pages` call; /work/shared/BACKGROUND.md
+/// section 1): type1 as merged (a page at a time), and with the run-splitting patch that
+/// was dropped (a call per run); 4 KiB and THP backings.
+/// x is log2 of the pages (0: 1 page, 9: 512).
+const SEED_TYPE1_4K: [(f64, f64); 2] = [(0.0, 1638.0), (9.0, 223_651.0)];
+const SEED_SPLIT_4K: [(f64, f64); 2] = [(0.0, 1735.0), (9.0, 167_286.0)];
+const SEED_TYPE1_THP: [(f64, f64); 2] = [(0.0, 1668.0), (9.0, 222_330.0)];
+const SEED_SPLIT_THP: [(f64, f64); 2] = [(0.0, 1934.0), (9.0, 126_900.0)];
+
+/// Dashes of the per-page lines, in pixels: the same in the plot and in the legend.
+const DASH: u32 = 10;
+const GAP: u32 = 6;
+
+/// How a series is drawn, for the plot and its legend sample.
+#[derive(Clone, Copy)]
+enum Stroke {
+    Solid(u32),
+    Dashed(u32),
+}
+
+struct Series {
+    label: String,
+    points: Vec<(f64, f64)>,
+    color: RGBColor,
+    stroke: Stroke,
+}
+
+/// What the caption says about the run: the host, the date, the rounds.
+pub struct Caption {
+    pub host: String,
+    pub date: String,
+    pub rounds: usize,
+}
 
 /// Draws `rows` into `path`.
-pub fn draw(rows: &[Row], path: &Path) -> Result<(), String> {
-    let track: Vec<&Row> = rows.iter().filter(|r| r.backing == "4k-memfd" && r.mode == "track").collect();
-    if track.is_empty() {
-        return Err("no track-mode rows to draw".into());
+pub fn draw(rows: &[Row], caption: &Caption, path: &Path) -> Result<(), String> {
+    let of = |backing: &str, mode: &str, per_page: bool| -> Vec<(f64, f64)> {
+        let mut points: Vec<(f64, f64)> = rows
+            .iter()
+            .filter(|r| r.backing == backing && r.mode == mode && r.pattern == "contiguous")
+            .map(|r| ((r.npages as f64).log2(), if per_page { r.per_page_ns } else { r.runs_ns }))
+            .collect();
+        points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        points
+    };
+    let blue = RGBColor(31, 90, 200);
+    let red = RGBColor(200, 40, 40);
+    let green = RGBColor(20, 140, 60);
+    let purple = RGBColor(140, 60, 170);
+    let mut series = Vec::new();
+    let mut add = |label: &str, points: Vec<(f64, f64)>, color, stroke| {
+        if !points.is_empty() {
+            series.push(Series { label: label.into(), points, color, stroke });
+        }
+    };
+    add("kernel mode, a call per run", of("4k-memfd", "kernel", false), blue, Stroke::Solid(3));
+    add("kernel mode, a call per page", of("4k-memfd", "kernel", true), blue, Stroke::Dashed(2));
+    add("lock mode (mlock), a call per run", of("4k-memfd", "lock", false), red, Stroke::Solid(3));
+    add("lock mode (mlock), a call per page", of("4k-memfd", "lock", true), red, Stroke::Dashed(2));
+    add("track mode, a call per run", of("4k-memfd", "track", false), green, Stroke::Solid(3));
+    add("track mode, a call per page", of("4k-memfd", "track", true), green, Stroke::Dashed(2));
+    add(
+        "kernel floor: bare io_uring, a call per run",
+        of("4k-memfd", "uring-floor", false),
+        BLACK,
+        Stroke::Solid(1),
+    );
+    add(
+        "kernel floor: bare io_uring, a call per page",
+        of("4k-memfd", "uring-floor", true),
+        BLACK,
+        Stroke::Dashed(1),
+    );
+    add("kernel mode on THP, a call per run", of("2m-thp-memfd", "kernel", false), purple, Stroke::Solid(2));
+    if series.is_empty() {
+        return Err("no rows of the 4 KiB memfd's contiguous pattern to draw".into());
     }
+
     let err = |e: &dyn std::fmt::Display| format!("drawing {}: {e}", path.display());
-    let root = SVGBackend::new(path, (960, 640)).into_drawing_area();
+    let root = SVGBackend::new(path, (1280, 760)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
-    let max_ns = track
-        .iter()
-        .flat_map(|r| [r.runs_ns, r.per_page_ns, r.translate_ns])
-        .chain(KERNEL_TYPE1.iter().chain(&KERNEL_RUN_SPLIT).map(|p| p.1))
-        .fold(1.0f64, f64::max);
-    let mut chart = ChartBuilder::on(&root)
-        .caption(
-            "umdev pinbench: pin+unpin of an array in one call (track mode, 4 KiB memfd)",
-            ("sans-serif", 20),
-        )
+    let (top, bottom) = root.split_vertically(56);
+    top.draw_text(
+        "umdev pinbench: pin+unpin of a contiguous array, 4 KiB memfd (medians)",
+        &("sans-serif", 22).into_font().color(&BLACK),
+        (24, 8),
+    )
+    .map_err(|e| err(&e))?;
+    top.draw_text(
+        &format!("{}, {}, {} rounds per row", caption.host, caption.date, caption.rounds),
+        &("sans-serif", 15).into_font().color(&RGBColor(70, 70, 70)),
+        (24, 34),
+    )
+    .map_err(|e| err(&e))?;
+    let (plot, legend) = bottom.split_horizontally(860);
+
+    let seeds = [SEED_TYPE1_4K, SEED_SPLIT_4K, SEED_TYPE1_THP, SEED_SPLIT_THP];
+    let all =
+        series.iter().flat_map(|s| s.points.iter().map(|p| p.1)).chain(seeds.iter().flatten().map(|p| p.1));
+    let (lo, hi) = all.fold((f64::MAX, 1.0f64), |(lo, hi), y| (lo.min(y), hi.max(y)));
+    let mut chart = ChartBuilder::on(&plot)
         .margin(16)
-        .x_label_area_size(48)
-        .y_label_area_size(72)
-        .build_cartesian_2d((0.8f64..700.0f64).log_scale(), (1.0f64..max_ns * 2.0).log_scale())
+        .x_label_area_size(56)
+        .y_label_area_size(88)
+        // x is log2(pages), so that the ticks fall on the sizes measured.
+        .build_cartesian_2d(-0.3f64..9.4f64, (lo / 2.0..hi * 2.0).log_scale())
         .map_err(|e| err(&e))?;
-    chart.configure_mesh().x_desc("pages in the array").y_desc("ns per call").draw().map_err(|e| err(&e))?;
-    let patterns = ["contiguous", "scattered", "idaw-mixed", "single"];
-    let colors = [BLUE, RED, GREEN, MAGENTA];
-    for (pattern, color) in patterns.iter().zip(colors) {
-        let of: Vec<&&Row> = track.iter().filter(|r| r.pattern == *pattern).collect();
-        let series =
-            |f: fn(&Row) -> f64| -> Vec<(f64, f64)> { of.iter().map(|r| (r.npages as f64, f(r))).collect() };
-        let runs = series(|r| r.runs_ns);
-        let per_page = series(|r| r.per_page_ns);
-        let translate = series(|r| r.translate_ns);
-        chart
-            .draw_series(LineSeries::new(runs.clone(), color.stroke_width(3)))
-            .map_err(|e| err(&e))?
-            .label(format!("{pattern}: runs (one call)"))
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3)));
-        chart.draw_series(runs.iter().map(|&p| Circle::new(p, 4, color.filled()))).map_err(|e| err(&e))?;
-        chart
-            .draw_series(LineSeries::new(per_page, color.mix(0.5).stroke_width(1)))
-            .map_err(|e| err(&e))?
-            .label(format!("{pattern}: per-page calls"))
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 20, y)], color.mix(0.5).stroke_width(1))
-            });
-        chart
-            .draw_series(DashedLineSeries::new(translate, 6, 4, color.stroke_width(2)))
-            .map_err(|e| err(&e))?
-            .label(format!("{pattern}: translate (no pins)"))
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 6, y), (x + 10, y), (x + 20, y)], color.stroke_width(2))
-            });
-    }
-    // One range of the same pages: no array to read, so flat (its floor is contiguous's).
-    let range: Vec<(f64, f64)> =
-        track.iter().filter(|r| r.pattern == "range").map(|r| (r.npages as f64, r.runs_ns)).collect();
     chart
-        .draw_series(LineSeries::new(range.clone(), CYAN.stroke_width(3)))
-        .map_err(|e| err(&e))?
-        .label("range (pin_range, one call)")
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], CYAN.stroke_width(3)));
-    chart.draw_series(range.iter().map(|&p| Circle::new(p, 4, CYAN.filled()))).map_err(|e| err(&e))?;
-    chart
-        .draw_series(KERNEL_TYPE1.iter().map(|&p| TriangleMarker::new(p, 8, BLACK.filled())))
-        .map_err(|e| err(&e))?
-        .label("Linux type1 vfio_pin_pages (seed figures)")
-        .legend(|(x, y)| TriangleMarker::new((x + 10, y), 6, BLACK.filled()));
-    chart
-        .draw_series(KERNEL_RUN_SPLIT.iter().map(|&p| Cross::new(p, 6, BLACK.stroke_width(2))))
-        .map_err(|e| err(&e))?
-        .label("Linux with the dropped run-split patch")
-        .legend(|(x, y)| Cross::new((x + 10, y), 5, BLACK.stroke_width(2)));
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 11))
+        .configure_mesh()
+        .x_desc("pages in the array")
+        .y_desc("time per call")
+        .label_style(("sans-serif", 16))
+        .axis_desc_style(("sans-serif", 17))
+        .x_labels(10)
+        .x_label_formatter(&|x| match x.round() as i32 {
+            k if (x - x.round()).abs() < 1e-6 && k % 3 == 0 => format!("{}", 1u32 << k),
+            _ => String::new(),
+        })
+        .y_label_formatter(&|y| human_ns(*y))
+        .light_line_style(RGBColor(235, 235, 235))
         .draw()
         .map_err(|e| err(&e))?;
+    for s in &series {
+        match s.stroke {
+            Stroke::Solid(w) => {
+                chart
+                    .draw_series(LineSeries::new(s.points.clone(), s.color.stroke_width(w)))
+                    .map_err(|e| err(&e))?;
+            }
+            Stroke::Dashed(w) => {
+                chart
+                    .draw_series(DashedLineSeries::new(s.points.clone(), DASH, GAP, s.color.stroke_width(w)))
+                    .map_err(|e| err(&e))?;
+            }
+        }
+        let mark = if matches!(s.stroke, Stroke::Solid(1) | Stroke::Dashed(1)) { 2 } else { 4 };
+        chart
+            .draw_series(s.points.iter().map(|&p| Circle::new(p, mark, s.color.filled())))
+            .map_err(|e| err(&e))?;
+    }
+    let marker =
+        |p: (f64, f64), triangle: bool, color: RGBColor, filled: bool| -> DynElement<'static, _, _> {
+            let style = if filled { color.filled() } else { color.stroke_width(2) };
+            if triangle {
+                TriangleMarker::new(p, 9, style).into_dyn()
+            } else {
+                Cross::new(p, 7, color.stroke_width(3)).into_dyn()
+            }
+        };
+    for (points, triangle, color, filled) in [
+        (SEED_TYPE1_4K, true, BLACK, true),
+        (SEED_SPLIT_4K, false, BLACK, true),
+        (SEED_TYPE1_THP, true, purple, false),
+        (SEED_SPLIT_THP, false, purple, false),
+    ] {
+        chart.draw_series(points.iter().map(|&p| marker(p, triangle, color, filled))).map_err(|e| err(&e))?;
+    }
+
+    // The legend, beside the data: each entry's sample drawn as its line is.
+    let font = ("sans-serif", 15).into_font().color(&BLACK);
+    let mut y = 30;
+    legend
+        .draw_text("Lines (this machine):", &("sans-serif", 16).into_font().color(&BLACK), (8, 6))
+        .map_err(|e| err(&e))?;
+    for s in &series {
+        let (x0, x1) = (10, 62);
+        match s.stroke {
+            Stroke::Solid(w) => legend
+                .draw(&PathElement::new(vec![(x0, y + 8), (x1, y + 8)], s.color.stroke_width(w)))
+                .map_err(|e| err(&e))?,
+            Stroke::Dashed(w) => legend
+                .draw(&DashedPathElement::new(
+                    vec![(x0, y + 8), (x1, y + 8)],
+                    DASH,
+                    GAP,
+                    s.color.stroke_width(w),
+                ))
+                .map_err(|e| err(&e))?,
+        }
+        legend.draw_text(&s.label, &font, (72, y)).map_err(|e| err(&e))?;
+        y += 26;
+    }
+    y += 16;
+    legend
+        .draw_text(
+            "Points: the seeds' kernel (2020, vfio_pin_pages):",
+            &("sans-serif", 16).into_font().color(&BLACK),
+            (8, y),
+        )
+        .map_err(|e| err(&e))?;
+    y += 26;
+    for (text, triangle, color, filled) in [
+        ("type1 as merged, a call per page, 4 KiB", true, BLACK, true),
+        ("with the run-split patch, per run, 4 KiB", false, BLACK, true),
+        ("type1 as merged, a call per page, THP", true, purple, false),
+        ("with the run-split patch, per run, THP", false, purple, false),
+    ] {
+        let style = if filled { color.filled() } else { color.stroke_width(2) };
+        if triangle {
+            legend.draw(&TriangleMarker::new((36, y + 8), 9, style)).map_err(|e| err(&e))?;
+        } else {
+            legend.draw(&Cross::new((36, y + 8), 7, color.stroke_width(3))).map_err(|e| err(&e))?;
+        }
+        legend.draw_text(text, &font, (72, y)).map_err(|e| err(&e))?;
+        y += 26;
+    }
     root.present().map_err(|e| err(&e))?;
     Ok(())
+}
+
+/// `ns` as a tick label: 300 ns, 3 us, 30 us, 3 ms.
+fn human_ns(ns: f64) -> String {
+    match ns {
+        n if n >= 1e6 => format!("{} ms", trim(n / 1e6)),
+        n if n >= 1e3 => format!("{} us", trim(n / 1e3)),
+        n => format!("{} ns", trim(n)),
+    }
+}
+
+fn trim(v: f64) -> String {
+    if v >= 10.0 || (v - v.round()).abs() < 1e-9 {
+        format!("{v:.0}")
+    } else {
+        format!("{v:.1}")
+    }
 }

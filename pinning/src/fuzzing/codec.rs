@@ -57,7 +57,7 @@ impl Bytes<'_> {
 /// Decodes bytes into a pin mode and ops; every byte string decodes (a truncated op is
 /// dropped).
 ///
-/// Byte 0: bit 0 selects [`PinMode::Lock`]. Then ops, each an opcode byte (modulo 12) and
+/// Byte 0: bit 1 selects [`PinMode::Kernel`], else bit 0 [`PinMode::Lock`]. Then ops, each an opcode byte (modulo 12) and
 /// its arguments: pages are one byte each ([`page_of`]), arrays a length byte (low 6 bits,
 /// so up to 63 entries, bit 7 = write for pins) then the pages.
 ///
@@ -76,6 +76,7 @@ impl Bytes<'_> {
 pub fn decode(data: &[u8]) -> (PinMode, Vec<Op>) {
     let mut b = Bytes { data };
     let mode = match b.byte() {
+        Some(m) if m & 2 != 0 => PinMode::Kernel,
         Some(m) if m & 1 != 0 => PinMode::Lock,
         _ => PinMode::Track,
     };
@@ -137,7 +138,11 @@ fn decode_op(b: &mut Bytes<'_>) -> Option<Op> {
 /// format can say are clamped: pages outside the windows become page 0, arrays are cut to
 /// 63 entries, counts are taken modulo the format's range, `which` modulo 256.
 pub fn encode(mode: PinMode, ops: &[Op]) -> Vec<u8> {
-    let mut out = vec![u8::from(mode == PinMode::Lock)];
+    let mut out = vec![match mode {
+        PinMode::Track => 0,
+        PinMode::Lock => 1,
+        PinMode::Kernel => 2,
+    }];
     let array = |out: &mut Vec<u8>, pfns: &[u64], write: bool| {
         let n = pfns.len().min(63);
         out.push(n as u8 | if write { 0x80 } else { 0 });

@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use crate::{
     AccessError, DmaSpace, DmaSpaceConfig, LockAccount, MapError, PinMode, PinnedPages, Prot, UnmapError,
-    UnpinError,
+    UnpinError, MAX_KERNEL_BUFFERS,
 };
 
 mod codec;
@@ -50,6 +50,31 @@ pub fn ops(data: &[u8]) {
     run(&ops, mode);
 }
 
+/// [`ops`], and in kernel mode also the process's `VmPin` (the kernel's own count of the
+/// pages it holds pinned for the process) checked against the engine's kernel pins after
+/// every step, and back to where it started at the end: only for a process in which
+/// nothing else pins meanwhile (the fuzzer, a test binary of its own).
+pub fn ops_alone(data: &[u8]) {
+    let (mode, ops) = decode(data);
+    run_alone(&ops, mode);
+}
+
+/// [`run`] with the `VmPin` checks of [`ops_alone`].
+pub fn run_alone(ops: &[Op], mode: PinMode) {
+    check(ops, mode, true);
+}
+
+/// Pages the kernel holds pinned for this process (`VmPin` of `/proc/self/status`).
+pub fn vm_pin_pages() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kb = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmPin:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    kb * 1024 / P
+}
+
 /// A kept guard: its array and the model's view of each entry's page.
 struct Guard {
     pfns: Vec<u64>,
@@ -66,16 +91,23 @@ fn tracked_pages() -> impl Iterator<Item = u64> {
 /// Runs `ops` against a fresh [`DmaSpace`] in `mode` and the model. Panics on any
 /// disagreement.
 pub fn run(ops: &[Op], mode: PinMode) {
+    check(ops, mode, false);
+}
+
+fn check(ops: &[Op], mode: PinMode, alone: bool) {
     let lock = mode == PinMode::Lock;
+    let vm_pin_before = vm_pin_pages();
     let account = Arc::new(LockAccount::with_limit(LOCK_LIMIT_PAGES * P));
-    let space = DmaSpace::new(DmaSpaceConfig {
+    let space = DmaSpace::try_new(DmaSpaceConfig {
         max_mappings: MAX_MAPPINGS,
         mode,
         account: account.clone(),
         unmap_timeout: Duration::ZERO,
         max_pages_per_call: MAX_PAGES_PER_CALL,
         max_pins: MAX_PINS,
-    });
+        kernel_buffers: MAX_KERNEL_BUFFERS,
+    })
+    .unwrap_or_else(|e| panic!("the model checks {mode} mode, which cannot start here: {e}"));
     let mut model = Model::default();
     let mut guards: Vec<Guard> = Vec::new();
     let mut kept: Vec<Vec<u64>> = Vec::new();
@@ -213,7 +245,7 @@ pub fn run(ops: &[Op], mode: PinMode) {
                     {
                         Err(Expect::NotMapped(0, page))
                     }
-                    _ => model.pin(&pfns, wanted, lock),
+                    _ => model.pin(&pfns, wanted, mode),
                 };
                 match (result, expected) {
                     (Ok(pins), Ok(runs)) => {
@@ -303,11 +335,39 @@ pub fn run(ops: &[Op], mode: PinMode) {
             }
         }
         check_totals(&space, &model, &account, lock, &ctx("after the step"));
+        if mode == PinMode::Kernel {
+            check_kernel_pins(&space, &model, &guards, &ctx("after the step"));
+            if alone {
+                let pinned = vm_pin_pages().saturating_sub(vm_pin_before);
+                assert_eq!(pinned, space.stats().kernel_pages_held, "{}", ctx("VmPin"));
+            }
+        }
     }
     drop(guards);
     for pfns in kept {
         let _ = space.unpin_pages(&pfns);
     }
+    let stats = space.stats();
+    assert_eq!((stats.kernel_buffers_held, stats.kernel_pages_held), (0, 0), "kernel pins left at the end");
+    // Disconnect: whatever the client left mapped goes at once.
+    space.abandon_all();
+    drop(space);
+    if alone {
+        assert_eq!(vm_pin_pages(), vm_pin_before, "VmPin at the end");
+    }
+}
+
+/// Kernel mode: the kernel holds each live guard's pages (a buffer per run), and each kept
+/// buffer whole until its last page is unpinned: so at least the kept pins, and none once
+/// none is kept.
+fn check_kernel_pins(space: &DmaSpace, model: &Model, guards: &[Guard], ctx: &str) {
+    let stats = space.stats();
+    let live: u64 = guards.iter().map(|g| g.pfns.len() as u64).sum();
+    let kept: u64 = model.kept.values().map(|&c| u64::from(c)).sum();
+    let in_kept =
+        stats.kernel_pages_held.checked_sub(live).unwrap_or_else(|| panic!("{ctx}: guards' kernel pins"));
+    assert!(in_kept >= kept, "{ctx}: kept pins {kept}, kernel pins of kept buffers {in_kept}");
+    assert_eq!(in_kept == 0, kept == 0, "{ctx}: kept buffers let go with their last pin");
 }
 
 /// Writes (optionally) then reads `[offset, offset + len)` of a guard's buffer and checks
@@ -385,8 +445,10 @@ mod tests {
             Op::UnmapAll,
         ];
         assert_eq!(decode(&encode(PinMode::Lock, &ops)), (PinMode::Lock, ops.clone()));
+        assert_eq!(decode(&encode(PinMode::Kernel, &ops)), (PinMode::Kernel, ops.clone()));
         run(&ops, PinMode::Track);
         run(&ops, PinMode::Lock);
+        run(&ops, PinMode::Kernel);
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::os::unix::fs::FileExt;
 use std::rc::Rc;
 
 use super::op::*;
-use crate::{PinError, Prot, UnpinError};
+use crate::{PinError, PinMode, Prot, UnpinError};
 
 /// A mapping in the model: its pages and, for fd-backed ones, what they hold.
 pub(super) struct ModelMapping {
@@ -22,8 +22,8 @@ pub(super) struct ModelMapping {
 pub(super) struct Model {
     pub(super) mappings: BTreeMap<u64, ModelMapping>,
     counts: HashMap<u64, u32>,
-    /// The part of `counts` kept with `forget`: all that track mode's unpin_pages sees (a
-    /// live guard's pins are its own there).
+    /// The part of `counts` kept with `forget`: all that track and kernel mode's
+    /// unpin_pages sees (a live guard's pins are its own there).
     pub(super) kept: HashMap<u64, u32>,
 }
 
@@ -76,12 +76,17 @@ impl Model {
 
     /// What pinning `pfns` should do; on success the model is updated and the runs
     /// returned.
+    ///
+    /// `mode`: lock mode charges the lock limit; kernel mode needs write access to the
+    /// mapping whatever the pin asks for (the kernel pins for writing).
     pub(super) fn pin(
         &mut self,
         pfns: &[u64],
         wanted: Prot,
-        lock: bool,
+        mode: PinMode,
     ) -> Result<Vec<(usize, usize)>, Expect> {
+        let lock = mode == PinMode::Lock;
+        let wanted = if mode == PinMode::Kernel { wanted | Prot::WRITE } else { wanted };
         if pfns.is_empty() {
             return Err(Expect::Empty);
         }
@@ -138,8 +143,8 @@ impl Model {
         Ok(())
     }
 
-    /// What unpin_pages of `pfns` should refuse, without changing the model: in track mode
-    /// only kept pins count, in lock mode every pin.
+    /// What unpin_pages of `pfns` should refuse, without changing the model: in track and
+    /// kernel mode only kept pins count, in lock mode every pin.
     pub(super) fn unpin_error(&self, pfns: &[u64], lock: bool) -> Option<UnpinError> {
         if pfns.is_empty() || pfns.len() as u64 > MAX_PAGES_PER_CALL {
             return Some(UnpinError::InvalidCount(pfns.len() as u64));

@@ -5,7 +5,8 @@ use super::op::*;
 use crate::PinMode;
 
 /// Hand-made seeds, as `(name, input)`: the README's IDAW example, guards and forgotten pins,
-/// each limit, busy and splitting unmaps, the top of the IOVA space. The corpus replay runs
+/// each limit, busy and splitting unmaps, kernel pins (a read-only mapping refused, a kept
+/// buffer let go in parts), the top of the IOVA space. The corpus replay runs
 /// them besides the corpus files; `tests/fuzz_corpus.rs` can write them into
 /// `fuzz/corpus/pinning/`.
 pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
@@ -89,6 +90,24 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
                 map(40, 1, 3),
                 map(50, 1, 3),
                 map(60, 1, 3),
+            ],
+        ),
+        (
+            "kernel-pins",
+            PinMode::Kernel,
+            vec![
+                map(0, 16, 3),
+                Op::Map { page: 16, pages: 4, prot: 1, message_only: false, offset_pages: 0 },
+                idaw.clone(),
+                Op::Pin { pfns: vec![15, 16], write: false },
+                Op::PinRange { page: 2, pages: 12, write: false },
+                Op::Access { which: 1, offset: 100, len: 9000, write: false },
+                Op::Forget { which: 1 },
+                Op::UnpinKept { which: 0, part: 5 },
+                Op::Unmap { page: 0, pages: 16 },
+                Op::Drop { which: 0 },
+                Op::UnpinKept { which: 0, part: 0 },
+                Op::Unmap { page: 0, pages: 16 },
             ],
         ),
         (

@@ -3,6 +3,7 @@
 use thiserror::Error;
 
 use crate::account::OverLimit;
+use crate::kernel::KernelPinsUnavailable;
 use crate::page::Prot;
 
 /// Why a pin call failed. Nothing stays pinned by a failed call.
@@ -105,6 +106,33 @@ pub enum PinError {
         /// The syscall's error.
         source: std::io::Error,
     },
+    /// Kernel mode: the kernel refused to pin the run (or 1 GiB piece of it) starting at
+    /// this page: `ENOMEM` over `RLIMIT_MEMLOCK` as the kernel accounts it (without
+    /// `CAP_IPC_LOCK`), `EFAULT` where the memory cannot be pinned (past the end of a file
+    /// the client truncated, say).
+    #[error("page {index} (pfn {pfn:#x}): the kernel refused to pin it: {source}")]
+    Kernel {
+        /// Position in the call.
+        index: usize,
+        /// IOVA page number.
+        pfn: u64,
+        /// The kernel's error.
+        source: std::io::Error,
+    },
+    /// Kernel mode: the space's table of registered buffers has no `requested` consecutive
+    /// free slots (`DmaSpaceConfig::kernel_buffers`).
+    #[error("{requested} kernel buffers wanted, the space's table of {size} has {free} free")]
+    KernelBuffers {
+        /// Buffers the call needs (one per run, per GiB of a longer run).
+        requested: u64,
+        /// Slots free (not necessarily consecutive).
+        free: u32,
+        /// Slots in the table.
+        size: u32,
+    },
+    /// Kernel mode could not start in this process (no io_uring buffer registration).
+    #[error(transparent)]
+    KernelUnavailable(#[from] KernelPinsUnavailable),
 }
 
 impl PinError {
@@ -118,7 +146,11 @@ impl PinError {
             PinError::Unmapping { .. } => libc::EBUSY,
             PinError::CountOverflow { .. } | PinError::PinLimit { .. } => libc::ENOSPC,
             PinError::LockLimit { .. } => libc::ENOMEM,
-            PinError::Lock { source, .. } => source.raw_os_error().unwrap_or(libc::ENOMEM),
+            PinError::Lock { source, .. } | PinError::Kernel { source, .. } => {
+                source.raw_os_error().unwrap_or(libc::ENOMEM)
+            }
+            PinError::KernelBuffers { .. } => libc::ENOSPC,
+            PinError::KernelUnavailable(why) => why.errno,
         }
     }
 }

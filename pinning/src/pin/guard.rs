@@ -8,10 +8,25 @@ use vm_memory::VolatileSlice;
 use super::error::AccessError;
 use super::plan::Plan;
 use super::{lock_mode, track};
+use crate::kernel::{buffers_of, KERNEL_BUFFER_BYTES};
 use crate::mapping::{Mapping, MappingState};
 use crate::page::{Prot, PAGE_SIZE};
 use crate::record::{Owner, Record, RecordPtr, RecordRef, SmallRecord};
 use crate::run::{PinnedRun, Segment};
+
+/// Where a byte of a kernel-mode guard's pages lies among its space's registered io_uring
+/// buffers ([`PinnedPages::registered_buffer`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RegisteredBuffer {
+    /// The buffer's index in the space's table: `buf_index` of `READ_FIXED`/`WRITE_FIXED`.
+    pub index: u32,
+    /// Host address of the byte: the I/O's `addr`.
+    pub addr: usize,
+    /// The byte's offset within the buffer.
+    pub offset: u64,
+    /// Bytes from the byte to the buffer's end.
+    pub len: u64,
+}
 
 /// Pins held on behalf of a device: the host address of every page and the runs they were
 /// pinned in. Dropping the guard unpins them.
@@ -404,6 +419,37 @@ impl PinnedPages {
             next_host = host + n;
         });
         Ok(out)
+    }
+
+    /// Kernel mode: where byte `offset` of the pinned buffer (entry 0's page first) lies
+    /// among the space's registered io_uring buffers, for `READ_FIXED` and `WRITE_FIXED`:
+    /// the buffer's index in the space's table (`buf_index`), the byte's host address (the
+    /// I/O's `addr`: the kernel finds the byte's place in the buffer from it) and its offset
+    /// in the buffer, and the bytes from it to the buffer's end (an I/O at `addr` may be at
+    /// most that long). Each run is one buffer, or one per GiB of a longer run. The table is
+    /// the ring of [`crate::DmaSpace::kernel_ring_fd`]: an I/O on another ring uses a clone
+    /// of the slot. Valid while the guard lives (its drop clears the slots). `None` outside
+    /// the buffer, and in the other modes.
+    pub fn registered_buffer(&self, offset: u64) -> Option<RegisteredBuffer> {
+        let record = self.record()?;
+        let slots = record.kernel?;
+        let entry = usize::try_from(offset / PAGE_SIZE).ok()?;
+        let at = record.runs.partition_point(|r| r.index() <= entry).checked_sub(1)?;
+        let run = &record.runs[at];
+        let within = offset - run.index() as u64 * PAGE_SIZE;
+        if within >= run.len() {
+            return None;
+        }
+        let before: u64 = record.runs[..at].iter().map(|r| buffers_of(r.npages())).sum();
+        let piece = within / KERNEL_BUFFER_BYTES;
+        let offset_in_buffer = within % KERNEL_BUFFER_BYTES;
+        let buffer_len = (run.len() - piece * KERNEL_BUFFER_BYTES).min(KERNEL_BUFFER_BYTES);
+        Some(RegisteredBuffer {
+            index: slots.first + (before + piece) as u32,
+            addr: run.host + within as usize,
+            offset: offset_in_buffer,
+            len: buffer_len - offset_in_buffer,
+        })
     }
 
     /// Unpins now (the same as dropping the guard).

@@ -9,28 +9,33 @@
 //! - Lock mode (`lock_mode`): the runs go into a plan that holds its mappings; then the
 //!   mappings' locks are taken in id order, each run is counted per page and its newly
 //!   pinned pages mlocked, and on any failure the runs already pinned are unwound.
+//! - Kernel mode (`kernel_mode`): track mode's record, and the kernel's own long-term pin
+//!   of each run (a registered io_uring buffer), one kernel call per pin call.
 //!
 //! The guard (`guard`) lets go of the pins as it drops; `unpin` takes back pins kept with
 //! `forget`; `error` says why a call failed.
 
 mod error;
 mod guard;
+mod kernel_mode;
 mod lock_mode;
 mod plan;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_kernel_mode;
 #[cfg(test)]
 mod tests_lock_mode;
 mod track;
 mod unpin;
 
 pub use error::{AccessError, PinError, UnpinError};
-pub use guard::PinnedPages;
+pub use guard::{PinnedPages, RegisteredBuffer};
 
 use crate::account::PinMode;
 use crate::page::{Prot, PAGE_SHIFT};
 use crate::space::DmaSpace;
-use plan::{cut, Entries, Plan, PlanSink, TranslateSink};
+use plan::{cut, Entries, PageArray, PageRange, Plan, PlanSink, TranslateSink};
 
 impl DmaSpace {
     /// Pins the pages named by `pfns` (IOVA page numbers, any order, repeats pinned again)
@@ -40,17 +45,17 @@ impl DmaSpace {
     /// The pins are held until the returned guard drops (or [`PinnedPages::forget`] hands
     /// them to [`DmaSpace::unpin_pages`]). On error nothing stays pinned.
     pub fn pin_pages(&self, pfns: &[u64], prot: Prot) -> Result<PinnedPages, PinError> {
-        self.pin(prot, Entries::Array(pfns))
+        self.pin(prot, PageArray(pfns))
     }
 
     /// Pins the `npages` pages from `iova` (page aligned; rounded down otherwise). The range
     /// may span adjacent mappings; it is pinned one run per mapping.
     pub fn pin_range(&self, iova: u64, npages: u64, prot: Prot) -> Result<PinnedPages, PinError> {
-        self.pin(prot, Entries::Range { pfn: iova >> PAGE_SHIFT, npages })
+        self.pin(prot, PageRange { pfn: iova >> PAGE_SHIFT, npages })
     }
 
     #[inline(always)]
-    fn pin(&self, prot: Prot, entries: Entries<'_>) -> Result<PinnedPages, PinError> {
+    fn pin(&self, prot: Prot, entries: impl Entries) -> Result<PinnedPages, PinError> {
         if self.mode() == PinMode::Track {
             // The small-record fast path, else the general one, under one take of this
             // thread's shard lock.
@@ -58,7 +63,17 @@ impl DmaSpace {
             if let Some(record) = track::pin_fast(self, &mut read, prot, entries) {
                 return Ok(PinnedPages::recorded(record));
             }
-            return track::pin_recorded(self, read, prot, entries).map(PinnedPages::recorded);
+            return track::pin_recorded(self, read, prot, entries, None).map(PinnedPages::recorded);
+        }
+        self.pin_counted_or_kernel(prot, entries)
+    }
+
+    /// Lock and kernel mode's pins: out of line, so that track mode's path makes one test of
+    /// the mode (the three-way test cost a one-page pin 3 instructions more).
+    #[inline(never)]
+    fn pin_counted_or_kernel(&self, prot: Prot, entries: impl Entries) -> Result<PinnedPages, PinError> {
+        if self.mode() == PinMode::Kernel {
+            return kernel_mode::pin(self, prot, entries).map(PinnedPages::recorded);
         }
         let planned = entries.check(self.config().max_pages_per_call).and_then(|()| {
             let mut plan = Plan::boxed(prot);
@@ -92,7 +107,7 @@ impl DmaSpace {
         prot: Prot,
         f: impl FnMut(usize, usize, u64),
     ) -> Result<(), PinError> {
-        let entries = Entries::Array(pfns);
+        let entries = PageArray(pfns);
         entries.check(self.config().max_pages_per_call)?;
         let mut read = self.read_table();
         let (table, shard) = read.parts();

@@ -1,15 +1,21 @@
 //! The planner: the one loop that cuts a call into runs.
 //!
-//! A call names an array of page numbers or a range. [`cut`] walks it once, under the
-//! mapping table's read (the calling thread's shard lock): it finds each entry's mapping
-//! (the shard's hint, else the table), extends a run while the next entry is the next page
-//! of the same mapping ([`run_length`]), and hands every mapping it enters and every run it
-//! cuts to a [`RunSink`]. The sinks decide what is checked and where the runs go:
+//! A call names an array of page numbers ([`PageArray`]) or a range ([`PageRange`]). [`cut`]
+//! walks it once, under the mapping table's read (the calling thread's shard lock): it finds
+//! each entry's mapping (the shard's hint, else the table), extends a run while the next
+//! entry is the next page of the same mapping ([`run_length`]), and hands every mapping it
+//! enters and every run it cuts to a [`RunSink`]. The sinks decide what is checked and where
+//! the runs go:
 //!
 //! - [`PlanSink`]: a lock-mode pin (access checked) or an unpin (nothing checked) into a
 //!   [`Plan`] that holds its mappings;
 //! - track mode's record and small-record sinks (`track`);
 //! - translation's sink (`DmaSpace::translate_pages`), which only reports the runs.
+//!
+//! The loop is generic over the entries' kind and the sink, and inlined into each caller:
+//! each (kind, sink) pair gets its own loop with the sink's work in it and the loop's state
+//! in registers. What that buys over one loop taking an enum and calling its sink: about 28
+//! instructions of a multi-entry track-mode call and 2 per run (docs/benchmarks.md).
 
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -23,33 +29,34 @@ use crate::run::{PinnedRun, Runs};
 use crate::run_scan::run_length;
 use crate::shard_table::{MappingTable, ShardHint};
 
-/// What a pin or unpin call names.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum Entries<'p> {
-    /// An array of page numbers.
-    Array(&'p [u64]),
-    /// `npages` pages from page `pfn`.
-    Range { pfn: u64, npages: u64 },
-}
-
-impl Entries<'_> {
+/// What a pin or unpin call names: an array of page numbers or a range.
+pub(crate) trait Entries: Copy {
     /// Pages named.
-    #[inline(always)]
-    pub(crate) fn len(&self) -> u64 {
-        match *self {
-            Entries::Array(pfns) => pfns.len() as u64,
-            Entries::Range { npages, .. } => npages,
-        }
-    }
+    fn len(&self) -> u64;
+
+    /// The range's first page and pages; `None` for an array.
+    fn range(&self) -> Option<(u64, u64)>;
+
+    /// Most runs the call can be cut into, if that is known before the cut: an array's
+    /// length (a range's runs are one per mapping it spans).
+    fn runs_at_most(&self) -> Option<usize>;
+
+    /// The run-cutting loop for this kind of entries (see [`cut`]).
+    fn cut<S: RunSink>(
+        self,
+        table: &MappingTable,
+        hint: &mut Option<ShardHint>,
+        sink: &mut S,
+    ) -> Result<(), S::Stop>;
 
     /// Checks the call's size against `max` pages, and that a range's pages have IOVAs.
-    pub(crate) fn check(&self, max: u64) -> Result<(), PinError> {
+    fn check(&self, max: u64) -> Result<(), PinError> {
         match self.len() {
             0 => return Err(PinError::Empty),
             n if n > max => return Err(PinError::TooManyPages { requested: n, max }),
             _ => {}
         }
-        if let Entries::Range { pfn, npages } = *self {
+        if let Some((pfn, npages)) = self.range() {
             if pfn.checked_add(npages - 1).and_then(iova_of_checked).is_none() {
                 return Err(PinError::NotMapped { index: 0, pfn });
             }
@@ -58,13 +65,13 @@ impl Entries<'_> {
     }
 
     /// Checks an unpin call's size against `max` pages, and that a range's pages have IOVAs.
-    pub(crate) fn check_unpin(&self, max: u64) -> Result<(), UnpinError> {
+    fn check_unpin(&self, max: u64) -> Result<(), UnpinError> {
         let n = self.len();
-        let valid_range = match *self {
-            Entries::Range { pfn, npages } => {
+        let valid_range = match self.range() {
+            Some((pfn, npages)) => {
                 npages != 0 && pfn.checked_add(npages - 1).and_then(iova_of_checked).is_some()
             }
-            Entries::Array(_) => true,
+            None => true,
         };
         if n == 0 || n > max || !valid_range {
             return Err(UnpinError::InvalidCount(n));
@@ -73,31 +80,138 @@ impl Entries<'_> {
     }
 }
 
+/// An array of page numbers, in call order (repeats allowed).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PageArray<'p>(pub(crate) &'p [u64]);
+
+/// `npages` pages from page `pfn`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PageRange {
+    pub(crate) pfn: u64,
+    pub(crate) npages: u64,
+}
+
+impl Entries for PageArray<'_> {
+    #[inline(always)]
+    fn len(&self) -> u64 {
+        self.0.len() as u64
+    }
+
+    #[inline(always)]
+    fn range(&self) -> Option<(u64, u64)> {
+        None
+    }
+
+    #[inline(always)]
+    fn runs_at_most(&self) -> Option<usize> {
+        Some(self.0.len())
+    }
+
+    /// A run goes on while each entry is the page after the last, in the same mapping.
+    #[inline(always)]
+    fn cut<S: RunSink>(
+        self,
+        table: &MappingTable,
+        hint: &mut Option<ShardHint>,
+        sink: &mut S,
+    ) -> Result<(), S::Stop> {
+        let pfns = self.0;
+        let Some(&first) = pfns.first() else {
+            return Ok(());
+        };
+        // The first entry's mapping is entered unconditionally; later ones only when an
+        // entry leaves the mapping of the run before it.
+        let mut window = enter(table, hint, sink, first, 0)?;
+        let (mut i, mut pfn) = (0, first);
+        let mut page = pfn - window.first_pfn;
+        loop {
+            let n = run_length(&pfns[i..], window.npages - page);
+            sink.run(&window, pfn, page, n, i)?;
+            i += n as usize;
+            let Some(&next) = pfns.get(i) else {
+                return Ok(());
+            };
+            pfn = next;
+            page = match window.page_of(next) {
+                Some(page) => page,
+                None => {
+                    window = enter(table, hint, sink, next, i)?;
+                    next - window.first_pfn
+                }
+            };
+        }
+    }
+}
+
+impl Entries for PageRange {
+    #[inline(always)]
+    fn len(&self) -> u64 {
+        self.npages
+    }
+
+    #[inline(always)]
+    fn range(&self) -> Option<(u64, u64)> {
+        Some((self.pfn, self.npages))
+    }
+
+    #[inline(always)]
+    fn runs_at_most(&self) -> Option<usize> {
+        None
+    }
+
+    /// One run per mapping the range spans: every run but the first starts where the last
+    /// mapping ended.
+    #[inline(always)]
+    fn cut<S: RunSink>(
+        self,
+        table: &MappingTable,
+        hint: &mut Option<ShardHint>,
+        sink: &mut S,
+    ) -> Result<(), S::Stop> {
+        let mut done = 0u64;
+        while done < self.npages {
+            let here = self.pfn + done;
+            let window = enter(table, hint, sink, here, done as usize)?;
+            let page = here - window.first_pfn;
+            let n = (window.npages - page).min(self.npages - done);
+            sink.run(&window, here, page, n, done as usize)?;
+            done += n;
+        }
+        Ok(())
+    }
+}
+
 /// The mapping a call's runs are being cut in.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Window {
-    /// Its first page number, and one past its last.
-    pub(crate) first_pfn: u64,
-    pub(crate) end_pfn: u64,
+    /// Its first page number, and its pages.
+    first_pfn: u64,
+    npages: u64,
     /// Host address of its first page (0 where the sink has none: an unpin's plan).
-    pub(crate) host_base: usize,
+    host_base: usize,
     /// Its index among the call's mappings (`PinnedRun::mapping_index`).
     pub(crate) mapping_index: usize,
 }
 
 impl Window {
-    /// No mapping yet: holds no page.
-    const NONE: Window = Window { first_pfn: 1, end_pfn: 0, host_base: 0, mapping_index: 0 };
-
+    /// The window of `mapping`, whose first page is at `host_base`, as the call's mapping
+    /// `mapping_index`.
     #[inline(always)]
-    fn holds(&self, pfn: u64) -> bool {
-        pfn >= self.first_pfn && pfn < self.end_pfn
+    pub(crate) fn new(mapping: &Mapping, host_base: usize, mapping_index: usize) -> Self {
+        Window { first_pfn: mapping.first_pfn, npages: mapping.npages, host_base, mapping_index }
     }
 
-    /// Host address of page `pfn` of the window's mapping.
+    /// Page `pfn` as an offset within the window's mapping, if the mapping holds it.
     #[inline(always)]
-    pub(crate) fn host_of(&self, pfn: u64) -> usize {
-        self.host_base + ((pfn - self.first_pfn) * PAGE_SIZE) as usize
+    fn page_of(&self, pfn: u64) -> Option<u64> {
+        let page = pfn.wrapping_sub(self.first_pfn);
+        (page < self.npages).then_some(page)
+    }
+
+    /// Host address of page offset `page` of the window's mapping.
+    #[inline(always)]
+    pub(crate) fn host_at(&self, page: u64) -> usize {
+        self.host_base + (page * PAGE_SIZE) as usize
     }
 }
 
@@ -110,8 +224,16 @@ pub(crate) trait RunSink {
     /// Entry `index` names `pfn` in `mapping`, which the cut has just entered: check what
     /// the sink needs and give the window its runs are cut in.
     fn enter(&mut self, mapping: &Arc<Mapping>, pfn: u64, index: usize) -> Result<Window, Self::Stop>;
-    /// A run of `npages` pages from `pfn`, starting at entry `index`, in `window`.
-    fn run(&mut self, window: &Window, pfn: u64, npages: u64, index: usize) -> Result<(), Self::Stop>;
+    /// A run of `npages` pages from `pfn` (page offset `page` of the window's mapping),
+    /// starting at entry `index`.
+    fn run(
+        &mut self,
+        window: &Window,
+        pfn: u64,
+        page: u64,
+        npages: u64,
+        index: usize,
+    ) -> Result<(), Self::Stop>;
 }
 
 /// The mapping holding `pfn`: the shard's hint, else the table (which then becomes the hint).
@@ -136,53 +258,31 @@ pub(crate) fn lookup<'t>(
     }
 }
 
-/// Cuts `entries` into maximal runs, in order, into `sink`: the one run-cutting loop. A run
-/// never crosses a mapping boundary; an array's run goes on while each entry is the page
-/// after the last.
+/// Enters the mapping of `pfn` (entry `index`) into `sink`.
 #[inline(always)]
-pub(crate) fn cut<S: RunSink>(
+fn enter<S: RunSink>(
     table: &MappingTable,
     hint: &mut Option<ShardHint>,
-    entries: Entries<'_>,
     sink: &mut S,
-) -> Result<(), S::Stop> {
-    let mut window = Window::NONE;
-    let mut enter = |sink: &mut S, pfn: u64, index: usize| match lookup(table, hint, pfn) {
+    pfn: u64,
+    index: usize,
+) -> Result<Window, S::Stop> {
+    match lookup(table, hint, pfn) {
         Some(mapping) => sink.enter(mapping, pfn, index),
         None => Err(sink.unmapped(pfn, index)),
-    };
-    match entries {
-        // One entry, most calls of a channel program: one run, no scan (what this saves is
-        // about a sixth of a one-page pin's instructions).
-        Entries::Array(&[pfn]) => {
-            let window = enter(sink, pfn, 0)?;
-            sink.run(&window, pfn, 1, 0)?;
-        }
-        Entries::Array(pfns) => {
-            let mut i = 0;
-            while i < pfns.len() {
-                let start = pfns[i];
-                if !window.holds(start) {
-                    window = enter(sink, start, i)?;
-                }
-                let n = run_length(&pfns[i..], window.end_pfn - start);
-                sink.run(&window, start, n, i)?;
-                i += n as usize;
-            }
-        }
-        Entries::Range { pfn, npages } => {
-            let mut done = 0u64;
-            while done < npages {
-                let here = pfn + done;
-                // Every run but the first starts where the last mapping ended.
-                window = enter(sink, here, done as usize)?;
-                let n = (window.end_pfn - here).min(npages - done);
-                sink.run(&window, here, n, done as usize)?;
-                done += n;
-            }
-        }
     }
-    Ok(())
+}
+
+/// Cuts `entries` into maximal runs, in order, into `sink`: the one run-cutting loop (one
+/// per kind of entries). A run never crosses a mapping boundary.
+#[inline(always)]
+pub(crate) fn cut<E: Entries, S: RunSink>(
+    table: &MappingTable,
+    hint: &mut Option<ShardHint>,
+    entries: E,
+    sink: &mut S,
+) -> Result<(), S::Stop> {
+    entries.cut(table, hint, sink)
 }
 
 /// Checks that `mapping` grants a pin for `wanted` at `pfn` (entry `index`): its access,
@@ -244,11 +344,9 @@ impl Plan {
 
     /// Room for the runs of `entries` (one allocation for a long scattered array, not
     /// repeated doubling).
-    pub(crate) fn reserve_for(&mut self, entries: Entries<'_>) {
-        if let Entries::Array(pfns) = entries {
-            if pfns.len() > self.runs.inline_size() {
-                self.runs.reserve(pfns.len().min(4096));
-            }
+    pub(crate) fn reserve_for(&mut self, entries: impl Entries) {
+        if let Some(runs) = entries.runs_at_most().filter(|&n| n > self.runs.inline_size()) {
+            self.runs.reserve(runs.min(4096));
         }
     }
 
@@ -278,11 +376,12 @@ impl<'p, E> PlanSink<'p, E> {
 
     fn window(&mut self, mapping: &Arc<Mapping>, host_base: usize) -> Window {
         let mapping_index = self.plan.mapping_index(mapping);
-        Window { first_pfn: mapping.first_pfn, end_pfn: mapping.end_pfn(), host_base, mapping_index }
+        Window::new(mapping, host_base, mapping_index)
     }
 
-    fn push(&mut self, window: &Window, pfn: u64, npages: u64, index: usize) {
-        let host = if window.host_base == 0 { 0 } else { window.host_of(pfn) };
+    #[inline(always)]
+    fn push(&mut self, window: &Window, pfn: u64, page: u64, npages: u64, index: usize) {
+        let host = if window.host_base == 0 { 0 } else { window.host_at(page) };
         self.plan.runs.push(PinnedRun::new(pfn, npages, index, host, window.mapping_index));
         self.plan.pages += npages;
     }
@@ -300,8 +399,16 @@ impl RunSink for PlanSink<'_, PinError> {
         Ok(self.window(mapping, base))
     }
 
-    fn run(&mut self, window: &Window, pfn: u64, npages: u64, index: usize) -> Result<(), PinError> {
-        self.push(window, pfn, npages, index);
+    #[inline(always)]
+    fn run(
+        &mut self,
+        window: &Window,
+        pfn: u64,
+        page: u64,
+        npages: u64,
+        index: usize,
+    ) -> Result<(), PinError> {
+        self.push(window, pfn, page, npages, index);
         Ok(())
     }
 }
@@ -317,8 +424,16 @@ impl RunSink for PlanSink<'_, UnpinError> {
         Ok(self.window(mapping, 0))
     }
 
-    fn run(&mut self, window: &Window, pfn: u64, npages: u64, index: usize) -> Result<(), UnpinError> {
-        self.push(window, pfn, npages, index);
+    #[inline(always)]
+    fn run(
+        &mut self,
+        window: &Window,
+        pfn: u64,
+        page: u64,
+        npages: u64,
+        index: usize,
+    ) -> Result<(), UnpinError> {
+        self.push(window, pfn, page, npages, index);
         Ok(())
     }
 }
@@ -345,12 +460,12 @@ impl<F: FnMut(usize, usize, u64)> RunSink for TranslateSink<F> {
         let Some(host_base) = mapping.host_addr(0) else {
             return Err(PinError::NoHostMemory { index, pfn });
         };
-        Ok(Window { first_pfn: mapping.first_pfn, end_pfn: mapping.end_pfn(), host_base, mapping_index: 0 })
+        Ok(Window::new(mapping, host_base, 0))
     }
 
     #[inline(always)]
-    fn run(&mut self, window: &Window, pfn: u64, npages: u64, index: usize) -> Result<(), PinError> {
-        (self.report)(index, window.host_of(pfn), npages);
+    fn run(&mut self, window: &Window, _: u64, page: u64, npages: u64, index: usize) -> Result<(), PinError> {
+        (self.report)(index, window.host_at(page), npages);
         Ok(())
     }
 }

@@ -17,9 +17,10 @@ use smallvec::SmallVec;
 use super::error::PinError;
 use super::plan::{check_pin, cut, Entries, RunSink, Window};
 use crate::budget::{PinPolicy, PIN_STOCK};
+use crate::kernel::{buffers_of, KernelTable};
 use crate::mapping::{Mapping, MappingState};
 use crate::page::{Prot, PAGE_SHIFT, PAGE_SIZE};
-use crate::record::{Owner, Record, RecordPtr, SmallRecord, SMALL_PINS, SMALL_RUNS};
+use crate::record::{KernelSlots, Owner, Record, RecordPtr, SmallRecord, SMALL_PINS, SMALL_RUNS};
 use crate::run::PinnedRun;
 use crate::shard_table::{MappingTable, Shard, ShardHint, TableRead};
 use crate::space::{keepalive, DmaSpace, SpaceInner};
@@ -77,27 +78,96 @@ impl RunSink for SmallSink<'_> {
             return Err(());
         }
         self.mapping = Some(NonNull::from(&**mapping));
-        let host_base = memory.addr_at(0);
-        Ok(Window { first_pfn: mapping.first_pfn, end_pfn: mapping.end_pfn(), host_base, mapping_index: 0 })
+        Ok(Window::new(mapping, memory.addr_at(0), 0))
     }
 
     #[inline(always)]
-    fn run(&mut self, window: &Window, pfn: u64, npages: u64, index: usize) -> Result<(), ()> {
+    fn run(&mut self, window: &Window, pfn: u64, page: u64, npages: u64, index: usize) -> Result<(), ()> {
         if self.len == SMALL_RUNS {
             return Err(());
         }
-        self.entry.set_run(self.len, PinnedRun::new(pfn, npages, index, window.host_of(pfn), 0));
+        self.entry.set_run(self.len, PinnedRun::new(pfn, npages, index, window.host_at(page), 0));
         self.len += 1;
         Ok(())
     }
 }
 
 /// Cuts a call into a boxed record: every error reported, any number of runs and mappings.
+/// Its runs are written through a pointer to the next free place and the end of the room:
+/// the loop's state, kept in registers, and the list's length set once, after the cut (what
+/// that saves against a push, which reads and writes the list's length and room in memory
+/// for every run: about 3 instructions per run of a scattered list).
 struct RecordSink<'r> {
-    record: &'r mut Record,
+    runs: &'r mut Vec<PinnedRun>,
+    mappings: &'r mut Vec<NonNull<Mapping>>,
+    /// Where the next run goes, and the end of the room for runs (`runs`' buffer).
+    next: *mut PinnedRun,
+    room_end: *mut PinnedRun,
     prot: Prot,
-    /// Entries in the call (room for the runs is reserved from it).
-    entries: usize,
+    /// Most runs the call can have (an array's entries; `None` for a range, whose runs are
+    /// one per mapping it spans): room for the runs is reserved from it.
+    runs_at_most: Option<usize>,
+}
+
+impl<'r> RecordSink<'r> {
+    fn new(record: &'r mut Record, prot: Prot, runs_at_most: Option<usize>) -> Self {
+        let Record { runs, mappings, .. } = record;
+        let (next, room_end) = Self::room(runs);
+        RecordSink { runs, mappings, next, room_end, prot, runs_at_most }
+    }
+
+    /// The end of `runs` and of its room.
+    fn room(runs: &mut Vec<PinnedRun>) -> (*mut PinnedRun, *mut PinnedRun) {
+        let (len, capacity) = (runs.len(), runs.capacity());
+        let base = runs.as_mut_ptr();
+        // SAFETY: (local) both lie within (or one past) the list's buffer.
+        unsafe { (base.add(len), base.add(capacity)) }
+    }
+
+    /// Sets the list's length to the runs written.
+    fn finish(&mut self) {
+        // SAFETY: (local) `next` lies in the list's buffer, at or after its start, and every run
+        // before it was written (a run needs no drop).
+        unsafe {
+            let written = self.next.offset_from(self.runs.as_ptr()) as usize;
+            self.runs.set_len(written);
+        }
+    }
+
+    /// More room, from entry `index` on: at most one run per array entry left, more than
+    /// 4096 at a time only as needed; a range's runs as they come.
+    #[cold]
+    #[inline(never)]
+    fn grow(&mut self, index: usize) {
+        self.finish();
+        let more = match self.runs_at_most {
+            Some(entries) => (entries - index).min(4096),
+            None => self.runs.capacity().max(2),
+        };
+        self.runs.reserve(more);
+        (self.next, self.room_end) = Self::room(self.runs);
+    }
+}
+
+/// Enters `mapping` into a record's mappings (checked for a pin of `prot`): its window.
+#[inline(never)]
+fn enter_record(
+    mappings: &mut Vec<NonNull<Mapping>>,
+    prot: Prot,
+    mapping: &Arc<Mapping>,
+    pfn: u64,
+    index: usize,
+) -> Result<Window, PinError> {
+    let host_base = check_pin(mapping, prot, pfn, index)?;
+    let ptr = NonNull::from(&**mapping);
+    let mapping_index = match mappings.iter().position(|&m| m == ptr) {
+        Some(mi) => mi,
+        None => {
+            mappings.push(ptr);
+            mappings.len() - 1
+        }
+    };
+    Ok(Window::new(mapping, host_base, mapping_index))
 }
 
 impl RunSink for RecordSink<'_> {
@@ -107,36 +177,30 @@ impl RunSink for RecordSink<'_> {
         PinError::NotMapped { index, pfn }
     }
 
-    #[inline]
+    /// Out of line (see `enter_record`), so that the loop's state stays in registers.
+    #[inline(always)]
     fn enter(&mut self, mapping: &Arc<Mapping>, pfn: u64, index: usize) -> Result<Window, PinError> {
-        let host_base = check_pin(mapping, self.prot, pfn, index)?;
-        let ptr = NonNull::from(&**mapping);
-        let mappings = &mut self.record.mappings;
-        let mapping_index = match mappings.iter().position(|&m| m == ptr) {
-            Some(mi) => mi,
-            None => {
-                mappings.push(ptr);
-                mappings.len() - 1
-            }
-        };
-        Ok(Window { first_pfn: mapping.first_pfn, end_pfn: mapping.end_pfn(), host_base, mapping_index })
+        enter_record(self.mappings, self.prot, mapping, pfn, index)
     }
 
     #[inline(always)]
-    fn run(&mut self, window: &Window, pfn: u64, npages: u64, index: usize) -> Result<(), PinError> {
-        let runs = &mut self.record.runs;
-        if runs.len() == runs.capacity() {
-            // At most one run per entry left; more than 4096 at a time only as needed.
-            runs.reserve((self.entries - index).min(4096));
+    fn run(
+        &mut self,
+        window: &Window,
+        pfn: u64,
+        page: u64,
+        npages: u64,
+        index: usize,
+    ) -> Result<(), PinError> {
+        if self.next == self.room_end {
+            self.grow(index);
         }
-        let run = PinnedRun::new(pfn, npages, index, window.host_of(pfn), window.mapping_index);
-        let len = runs.len();
-        // SAFETY: (local) there is room for one more (ensured just now), and a run needs no
-        // drop. A plain push would check the room again: what this saves is about a sixth
-        // of a long scattered call's cost per run.
+        let run = PinnedRun::new(pfn, npages, index, window.host_at(page), window.mapping_index);
+        // SAFETY: (local) `next` is in the list's room (grown just now if it was full); the
+        // length is set after the cut (`finish`).
         unsafe {
-            runs.as_mut_ptr().add(len).write(run);
-            runs.set_len(len + 1);
+            self.next.write(run);
+            self.next = self.next.add(1);
         }
         Ok(())
     }
@@ -148,11 +212,13 @@ fn cut_into_record(
     table: &MappingTable,
     hint: &mut Option<ShardHint>,
     prot: Prot,
-    entries: Entries<'_>,
+    entries: impl Entries,
     record: &mut Record,
 ) -> Result<(), PinError> {
-    let mut sink = RecordSink { record, prot, entries: entries.len() as usize };
-    cut(table, hint, entries, &mut sink)?;
+    let mut sink = RecordSink::new(record, prot, entries.runs_at_most());
+    let cut = cut(table, hint, entries, &mut sink);
+    sink.finish();
+    cut?;
     // The runs cover every entry once.
     record.pages += entries.len();
     Ok(())
@@ -173,7 +239,7 @@ fn pin_small(
     shard: &mut Shard,
     shard_index: usize,
     prot: Prot,
-    entries: Entries<'_>,
+    entries: impl Entries,
     max_pages: u64,
 ) -> Option<RecordPtr> {
     let npages = entries.len();
@@ -278,7 +344,7 @@ pub(super) fn pin_fast(
     space: &DmaSpace,
     read: &mut TableRead<'_>,
     prot: Prot,
-    entries: Entries<'_>,
+    entries: impl Entries,
 ) -> Option<RecordPtr> {
     let shard_index = read.index();
     let (table, shard) = read.parts();
@@ -291,11 +357,16 @@ pub(super) fn pin_fast(
 /// published; the guard points at it. No per-page work, no lock or line shared with other
 /// threads (but the shard's, when more threads than shards pin at once).
 #[inline(never)]
+///
+/// In kernel mode (`kernel` given) the mappings must grant write access too (the kernel pins
+/// for writing), and the record gets consecutive slots of the kernel table for its runs'
+/// buffers before it is published; the caller then registers them.
 pub(super) fn pin_recorded(
     dma: &DmaSpace,
     mut read: TableRead<'_>,
     prot: Prot,
-    entries: Entries<'_>,
+    entries: impl Entries,
+    kernel: Option<&KernelTable>,
 ) -> Result<RecordPtr, PinError> {
     let space = &dma.inner.space;
     let shard_index = read.index();
@@ -305,8 +376,13 @@ pub(super) fn pin_recorded(
         return Err(e);
     }
     let mut record = shard.fresh();
-    let recorded = cut_into_record(table, &mut shard.hint, prot, entries, &mut record)
-        .and_then(|()| reserve_and_check_live(space, shard, shard_index, &record));
+    let needs = if kernel.is_some() { prot | Prot::WRITE } else { prot };
+    let recorded = cut_into_record(table, &mut shard.hint, needs, entries, &mut record)
+        .and_then(|()| reserve_and_check_live(space, shard, shard_index, &record))
+        .and_then(|()| match kernel {
+            None => Ok(()),
+            Some(kernel) => reserve_slots(kernel, &mut record).inspect_err(|_| shard.stock += record.pages),
+        });
     if let Err(e) = recorded {
         shard.discard(record);
         shard.counts.pin_failures += 1;
@@ -320,6 +396,20 @@ pub(super) fn pin_recorded(
     let record = RecordPtr::Boxed(shard.publish(record, owner(space, shard_index, prot)));
     drop(read);
     Ok(record)
+}
+
+/// Kernel mode: reserves consecutive slots of the kernel table for a cut record's buffers.
+#[cold]
+fn reserve_slots(kernel: &KernelTable, record: &mut Record) -> Result<(), PinError> {
+    let requested: u64 = record.runs.iter().map(|r| buffers_of(r.npages())).sum();
+    let reserved = kernel.reserve(u32::try_from(requested).unwrap_or(u32::MAX));
+    match reserved {
+        Ok(first) => {
+            record.kernel = Some(KernelSlots { first, count: requested as u32 });
+            Ok(())
+        }
+        Err(free) => Err(PinError::KernelBuffers { requested, free, size: kernel.size() }),
+    }
 }
 
 /// Reserves a cut record's pins, then checks its mappings are live (the order lock mode
@@ -363,9 +453,26 @@ fn reserve_and_check_live(
 pub(crate) unsafe fn retire(owner: Owner, record: RecordPtr) {
     // SAFETY: (I4) the record is live, so its shard keeps the space.
     let space = unsafe { space_of(&owner) };
-    let mut shard = space.shards.lock_shard(owner.shard);
     // SAFETY: (I3) the record is live until retired below, after the view's last use.
     let view = unsafe { record.view() };
+    if let Some(slots) = view.kernel {
+        // The kernel's pins go first, with no engine lock held (I17): an unmap that sees
+        // the record gone sees them gone.
+        space.policy.kernel_table().release(slots.first, slots.count, view.pages);
+    }
+    // SAFETY: (I3) per the contract.
+    unsafe { retire_record(space, owner, record, false) };
+}
+
+/// [`retire`] but for the kernel's pins: the record leaves its shard, counted as an unpin,
+/// or (`failed`) as a pin call that failed after all.
+///
+/// # Safety
+/// As for [`retire`]; `space` is the record's (`space_of(&owner)`).
+unsafe fn retire_record(space: &SpaceInner, owner: Owner, record: RecordPtr, failed: bool) {
+    // SAFETY: (I3) the record is live until retired below, after the view's last use.
+    let view = unsafe { record.view() };
+    let mut shard = space.shards.lock_shard(owner.shard);
     let pages = view.pages;
     // One look at the mappings' states: an unmap waiting for these pins is woken once they
     // are gone (under this lock, while the mappings are still allocated: I1); an abandoned
@@ -391,7 +498,14 @@ pub(crate) unsafe fn retire(owner: Owner, record: RecordPtr) {
         // this shard first, and the record named it until just now.
         unsafe { m.as_ref() }.drained.signal();
     }
-    shard.counts.unpin_calls += 1;
+    if failed {
+        shard.counts.pin_calls -= 1;
+        shard.counts.runs -= view.runs.len() as u64;
+        shard.counts.pages -= pages;
+        shard.counts.pin_failures += 1;
+    } else {
+        shard.counts.unpin_calls += 1;
+    }
     shard.stock += pages;
     trim_stock(&space.policy, &mut shard);
     let last =
@@ -404,24 +518,52 @@ pub(crate) unsafe fn retire(owner: Owner, record: RecordPtr) {
     }
 }
 
+/// Takes back a published kernel-mode record whose buffers the kernel refused (their
+/// slots given back already): retired as if its guard had dropped, and its call counted as
+/// failed instead of pinned.
+///
+/// # Safety
+/// As for [`retire`]; the record was returned by [`pin_recorded`] and no guard holds it.
+pub(super) unsafe fn unpublish(owner: Owner, record: RecordPtr) {
+    // SAFETY: (I4) the record is live, so its shard keeps the space.
+    let space = unsafe { space_of(&owner) };
+    // SAFETY: (I3) per the contract; the record's kernel slots are not released again.
+    unsafe { retire_record(space, owner, record, true) };
+}
+
 /// Moves a guard's pins from its record to the per-page counts (`PinnedPages::forget`),
 /// then retires the record. A page that cannot count more keeps the guard's pins held for
-/// good (logged).
+/// good (logged). A kernel-mode record's buffers stay registered, each kept by its mapping
+/// until `unpin_pages` has taken back each of its pages (`KeptBuffer`).
 ///
 /// # Safety
 /// As for [`retire`].
 pub(crate) unsafe fn forget(owner: Owner, record: RecordPtr) {
     // SAFETY: (I3) the record is live until retired below, after the view's last use.
     let view = unsafe { record.view() };
+    // The slot of each run's first buffer (kernel mode).
+    let mut slot = view.kernel.map(|k| k.first);
     // Counted first, then retired: an unmap sees the pins throughout.
     for (done, run) in view.runs.iter().enumerate() {
         let mapping = view.mapping(run.mapping_index());
+        let page = mapping.run_page(run);
         // Bound first: the undo below locks mappings again.
-        let counted = mapping.lock().page_counts.try_increment(mapping.run_page(run), run.npages()).map(drop);
+        let counted = {
+            let mut pins = mapping.lock();
+            let counted = pins.page_counts.try_increment(page, run.npages()).map(drop);
+            if let (Ok(()), Some(first)) = (counted, slot.as_mut()) {
+                *first += pins.keep_buffers(*first, page, run.npages());
+            }
+            counted
+        };
         if let Err(page) = counted {
             for undo in view.runs[..done].iter().rev() {
                 let m = view.mapping(undo.mapping_index());
-                m.lock().page_counts.decrement(m.run_page(undo), undo.npages(), None);
+                let mut pins = m.lock();
+                pins.page_counts.decrement(m.run_page(undo), undo.npages(), None);
+                if let Some(k) = view.kernel {
+                    pins.unkeep_slots(k.first..k.first + k.count);
+                }
             }
             // Only after 65535 kept pins of one page: these stay held for good.
             log::error!(

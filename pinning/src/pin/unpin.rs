@@ -4,7 +4,7 @@ use smallvec::SmallVec;
 
 use super::error::UnpinError;
 use super::lock_mode::MappingGuards;
-use super::plan::{cut, Entries, Plan, PlanSink};
+use super::plan::{cut, Entries, PageArray, PageRange, Plan, PlanSink};
 use crate::account::PinMode;
 use crate::mapping::Released;
 use crate::page::PAGE_SHIFT;
@@ -16,15 +16,15 @@ impl DmaSpace {
     /// in `pfns`), nothing changes. In track mode only kept pins are found: the pins of a
     /// live guard are its own, released when it drops.
     pub fn unpin_pages(&self, pfns: &[u64]) -> Result<(), UnpinError> {
-        self.unpin(Entries::Array(pfns))
+        self.unpin(PageArray(pfns))
     }
 
     /// Drops one pin from each of the `npages` pages from `iova`.
     pub fn unpin_range(&self, iova: u64, npages: u64) -> Result<(), UnpinError> {
-        self.unpin(Entries::Range { pfn: iova >> PAGE_SHIFT, npages })
+        self.unpin(PageRange { pfn: iova >> PAGE_SHIFT, npages })
     }
 
-    fn unpin(&self, entries: Entries<'_>) -> Result<(), UnpinError> {
+    fn unpin(&self, entries: impl Entries) -> Result<(), UnpinError> {
         let result = entries.check_unpin(self.config().max_pages_per_call).and_then(|()| {
             let mut plan = Plan::default();
             plan.reserve_for(entries);
@@ -63,15 +63,32 @@ impl DmaSpace {
                 });
             }
         }
+        // Kernel mode: each page's pin is taken back from a kept buffer holding it; buffers
+        // left holding none are let go below, with no engine lock held (I17).
+        let mut emptied: Vec<(u32, u64)> = Vec::new();
+        let kernel = plan.mappings.first().is_some_and(|m| m.policy.mode == PinMode::Kernel);
+        if kernel {
+            for run in &plan.runs {
+                let mi = run.mapping_index();
+                held.get(mi).take_kept(plan.mappings[mi].run_page(run), run.npages(), &mut emptied);
+            }
+        }
         for (mi, m) in plan.mappings.iter().enumerate() {
             m.release(held.get(mi), &released[mi]);
         }
         if let Some(m) = plan.mappings.first() {
-            // Lock mode reserves from its first mapping's stock; track mode from its shard's,
-            // which this call does not hold: straight back to the space then.
+            // Lock mode reserves from its first mapping's stock; the other modes from their
+            // shard's, which this call does not hold: straight back to the space then.
             match m.policy.mode {
                 PinMode::Lock => held.get(0).restock(&m.policy, plan.pages),
-                PinMode::Track => m.policy.give(plan.pages),
+                PinMode::Track | PinMode::Kernel => m.policy.give(plan.pages),
+            }
+        }
+        drop(held);
+        if let Some(m) = plan.mappings.first().filter(|_| !emptied.is_empty()) {
+            let table = m.policy.kernel_table();
+            for (slot, pages) in emptied {
+                table.release(slot, 1, pages);
             }
         }
         Ok(())

@@ -27,6 +27,7 @@ pub use config::{DmaSpaceConfig, DmaStats, MapError, MappingInfo, UnmapError, Un
 use crate::account::{LockAccount, PinMode};
 use crate::budget::PinPolicy;
 use crate::counters::Counts;
+use crate::kernel::KernelPinsUnavailable;
 use crate::mapping::{Mapping, MappingState};
 use crate::mmap::HostMemory;
 use crate::page::{is_page_aligned, pfn_of, Prot, PAGE_SIZE};
@@ -157,9 +158,37 @@ impl Default for DmaSpace {
 
 impl DmaSpace {
     /// An empty space.
-    pub fn new(mut config: DmaSpaceConfig) -> Self {
+    ///
+    /// In [`PinMode::Kernel`] the space sets up its io_uring; where that fails (see
+    /// [`crate::kernel_pins_available`]) the space is made all the same, logs why, and each of
+    /// its pins fails with [`crate::PinError::KernelUnavailable`]. [`DmaSpace::try_new`]
+    /// fails instead.
+    pub fn new(config: DmaSpaceConfig) -> Self {
+        let space = Self::build(config);
+        if let Some(Err(why)) = space.inner.policy.kernel() {
+            log::error!("a kernel-mode DMA space cannot pin: {why}");
+        }
+        space
+    }
+
+    /// An empty space, or why its pin mode cannot work here: kernel mode without io_uring
+    /// buffer registration. The other modes always succeed.
+    pub fn try_new(config: DmaSpaceConfig) -> Result<Self, KernelPinsUnavailable> {
+        let space = Self::build(config);
+        if let Some(Err(why)) = space.inner.policy.kernel() {
+            return Err(why.clone());
+        }
+        Ok(space)
+    }
+
+    fn build(mut config: DmaSpaceConfig) -> Self {
         config.max_pages_per_call = config.max_pages_per_call.min(u64::from(u32::MAX));
-        let policy = Arc::new(PinPolicy::new(config.mode, config.account.clone(), config.max_pins));
+        let policy = Arc::new(PinPolicy::new(
+            config.mode,
+            config.account.clone(),
+            config.max_pins,
+            config.kernel_buffers,
+        ));
         let inner = SpaceInner {
             config,
             policy,
@@ -186,6 +215,18 @@ impl DmaSpace {
     /// The lock account lock-mode pins are charged to.
     pub fn account(&self) -> &Arc<LockAccount> {
         &self.inner.policy.account
+    }
+
+    /// Kernel mode: the io_uring whose table of registered buffers holds this space's
+    /// kernel pins (see [`crate::PinnedPages::registered_buffer`]). A caller that wants the
+    /// pinned pages as fixed buffers of its own ring (`READ_FIXED`, `WRITE_FIXED`) clones
+    /// their slots from it (`IORING_REGISTER_CLONE_BUFFERS`, Linux 6.12 or later). `None` in
+    /// the other modes, or where kernel mode could not start.
+    pub fn kernel_ring_fd(&self) -> Option<BorrowedFd<'_>> {
+        match self.inner.policy.kernel() {
+            Some(Ok(table)) => Some(table.ring_fd()),
+            _ => None,
+        }
     }
 
     /// The table, read under this thread's shard lock.
@@ -558,6 +599,16 @@ impl DmaSpace {
             notifier_calls: counts.notifier_calls,
             ..DmaStats::default()
         };
+        if let Some(Ok(table)) = self.inner.policy.kernel() {
+            let kernel = table.counts();
+            stats.kernel_pin_calls = kernel.pin_calls;
+            stats.kernel_unpin_calls = kernel.unpin_calls;
+            stats.kernel_buffers = kernel.buffers;
+            stats.kernel_pages = kernel.pages;
+            stats.kernel_cut_runs = kernel.cut_runs;
+            stats.kernel_buffers_held = kernel.held_buffers;
+            stats.kernel_pages_held = kernel.held_pages;
+        }
         // Abandoned mappings still named by records: their pages are pinned, they are not mapped.
         let orphans: Vec<Arc<Mapping>> = crate::sync::lock(&self.inner.orphans).clone();
         // Track-mode records, as (mapping, first page, pages), for the totals.
