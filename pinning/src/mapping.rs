@@ -62,6 +62,7 @@ pub(crate) struct MappingPins {
     /// are counted in `page_counts`, one per page per buffer, and nothing else is (kernel
     /// mode counts no other pin per page): a page's count is the number of kept buffers
     /// holding it. Boxed: one word in every mapping, which most never use.
+    #[expect(clippy::box_collection, reason = "one word here instead of a Vec's three")]
     pub(crate) kept: Option<Box<Vec<KeptBuffer>>>,
 }
 
