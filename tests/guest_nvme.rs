@@ -3,7 +3,8 @@
 //! with O_DIRECT and through the page cache, read back after dropping caches; mke2fs, an
 //! ext4 mount, files of odd sizes, a remount with the same hashes; a file-backed namespace
 //! that keeps its data into a second boot with a new daemon; INTx instead of MSI-X with
-//! 4 KiB blocks. The daemon's statistics show what run splitting made of the guest's I/O.
+//! 4 KiB blocks; 32 concurrent O_DIRECT writers and readers on both I/O queues, verified. The
+//! daemon's statistics show what run splitting made of the guest's I/O.
 //! Skips only when the guest kernel, busybox or QEMU cannot be fetched, and says so.
 
 mod common;
@@ -234,4 +235,88 @@ fn with_the_doorbell_page_mapped_the_guest_rings_without_messages() {
     // handful during bring-up, before the mapping is in place, do and still work).
     let messages = stats["doorbell_messages"].as_u64().unwrap();
     assert!(messages * 10 < commands, "{messages} doorbell messages for {commands} commands: {stats}");
+}
+
+/// 32 `dd` processes with O_DIRECT, 16 pinned to each of the guest's two CPUs (so to both of
+/// the driver's I/O queues, one per CPU), each on its own MiB of the disk with its own block
+/// size (4, 16, 64 or 128 KiB): up to 32 commands in flight on two queues at once. They
+/// write, then read back and compare; then half of them write new data while the other half
+/// read and compare, and the new data is read back. Per I/O queue, the interrupts the run
+/// took.
+const CONCURRENT_VERIFY: &str = r#"
+head -c 33554432 /dev/urandom > /tmp/pat
+head -c 16777216 /dev/urandom > /tmp/pat2
+queue_irqs() {
+  awk '/nvme0q[1-9]/ { s = 0; for (i = 2; i <= NF; i++) { if ($i !~ /^[0-9]+$/) break; s += $i } print $NF, s }' /proc/interrupts
+}
+queue_irqs > /tmp/irq0
+# job J: its MiB at J, its CPU and block size.
+job() { j=$1; cpu=$((j % 2)); bs=$((4096 << (2 * ((j / 2) % 4)))); n=$((1048576 / bs)); }
+put() {
+  job $1
+  taskset -c $cpu dd if=$2 of=/dev/nvme0n1 bs=$bs skip=$((($1 - $3) * n)) seek=$(($1 * n)) count=$n \
+    oflag=direct conv=notrunc 2>/tmp/err.$1 || echo "DD-FAIL write $1: $(cat /tmp/err.$1)"
+}
+check() {
+  job $1
+  taskset -c $cpu dd if=/dev/nvme0n1 of=/tmp/got.$1 bs=$bs skip=$(($1 * n)) count=$n iflag=direct \
+    2>/tmp/err.$1 || echo "DD-FAIL read $1: $(cat /tmp/err.$1)"
+  if dd if=$2 bs=$bs skip=$((($1 - $3) * n)) count=$n 2>/dev/null | cmp -s - /tmp/got.$1; then
+    echo "VERIFY-OK $4 $1"
+  else
+    echo "VERIFY-BAD $4 $1"
+  fi
+  rm -f /tmp/got.$1
+}
+for j in $(seq 0 31); do put $j /tmp/pat 0 & done; wait
+for j in $(seq 0 31); do check $j /tmp/pat 0 first & done; wait
+for j in $(seq 0 15); do put $j /tmp/pat2 0 & done
+for j in $(seq 16 31); do check $j /tmp/pat 0 during & done; wait
+for j in $(seq 0 15); do check $j /tmp/pat2 0 second & done; wait
+queue_irqs > /tmp/irq1
+paste /tmp/irq0 /tmp/irq1 | awk '{ print "QUEUE-IRQS", $1, $4 - $2 }'
+"#;
+
+#[test]
+fn thirty_two_direct_writers_and_readers_on_two_queues_read_back_what_they_wrote() {
+    if !guest::available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("nvme.sock");
+    let disk = dir.path().join("disk.img");
+    std::fs::File::create(&disk).unwrap().set_len(64 << 20).unwrap();
+    let ns = format!("ns1=file:{}", disk.display());
+    let daemon = serve(&socket, &[&ns, "queues=2"]);
+    let script = format!("set -e\n{IDENTIFY}\n{CONCURRENT_VERIFY}");
+    let console = guest::run_ok(&GuestSpec {
+        sockets: vec![&socket],
+        modules: vec!["nvme"],
+        script: &script,
+        qemu_args: vec!["-smp", "2"],
+        mem_mib: 512,
+        timeout: Duration::from_secs(240),
+        ..Default::default()
+    });
+    let stats = stop(daemon);
+    assert_eq!(line(&console, "QUEUES"), "QUEUES 2", "one I/O queue per guest CPU: {console:?}");
+    assert!(!console.iter().any(|l| l.starts_with("DD-FAIL") || l.starts_with("VERIFY-BAD")), "{console:?}");
+    for (phase, jobs) in [("first", 0..32), ("during", 16..32), ("second", 0..16)] {
+        for j in jobs {
+            assert!(console.contains(&format!("VERIFY-OK {phase} {j}")), "{phase} {j}: {console:?}");
+        }
+    }
+    // Both I/O queues carried the run (each has its own vector).
+    let irqs: Vec<(&str, u64)> = console
+        .iter()
+        .filter_map(|l| l.strip_prefix("QUEUE-IRQS "))
+        .filter_map(|l| l.split_once(' ').map(|(q, n)| (q, n.parse().unwrap_or(0))))
+        .collect();
+    assert_eq!(irqs.len(), 2, "two I/O queue vectors: {console:?}");
+    assert!(irqs.iter().all(|&(_, n)| n > 0), "interrupts on both I/O queues: {irqs:?}");
+    let io = &stats["io"];
+    eprintln!("nvme statistics: {io}; interrupts per queue: {irqs:?}");
+    assert_eq!(io["errors"], 0, "{io}");
+    assert!(io["bytes_written"].as_u64().unwrap() >= 48 << 20, "{io}");
+    assert!(io["bytes_read"].as_u64().unwrap() >= 64 << 20, "{io}");
 }
