@@ -12,6 +12,7 @@ use common::Harness;
 use umdev_devices::ccw::program::{cmd, cstat, dstat, flags, Ccw, Reason, Status, MAX_CCWS, MAX_CCW_COUNT};
 use umdev_devices::ccw::regs;
 use umdev_mdev::types::InstanceOptions;
+use umdev_pinning::PinMode;
 use umdev_testkit::ccw_driver::{idaws, layout, Data, Op};
 
 fn harness(extra: &[(&str, &str)]) -> Harness {
@@ -388,7 +389,19 @@ fn unmaps_racing_running_programs_complete_promptly() {
 
 #[test]
 fn a_client_truncating_its_memory_under_the_device_cannot_crash_the_server() {
-    let h = harness(&[]);
+    truncating_under_the_device(PinMode::Track);
+}
+
+/// As above, with the device's pins the kernel's own (io_uring buffer registrations): the
+/// truncated pages stay pinned by the kernel until the engine lets go, but the device reaches
+/// memory through the client's mapping, which faults past the file's new end just the same.
+#[test]
+fn a_client_truncating_its_memory_under_kernel_pins_cannot_crash_the_server() {
+    truncating_under_the_device(PinMode::Kernel);
+}
+
+fn truncating_under_the_device(mode: PinMode) {
+    let h = Harness::with("ccw", InstanceOptions::default(), |c| c.dma.mode = mode);
     let mut g = CcwGuest::connect(&h.socket).unwrap();
     let start = |g: &mut CcwGuest| {
         // Registers only: writing the status area through the file would grow it again.
@@ -424,8 +437,14 @@ fn a_client_truncating_its_memory_under_the_device_cannot_crash_the_server() {
     // The CCW fetch itself found the memory gone: the device could not read it.
     assert_eq!(finish(&mut g), Reason::DeviceError as u32);
     let dma = h.info().dma;
-    assert_eq!((dma.poisoned_mappings, dma.pins_held), (1, 0), "{dma:?}");
-    assert!(umdev_pinning::recovered_faults() > 0);
+    if mode == PinMode::Kernel {
+        // The kernel refused to pin pages past the file's end: nothing touched the memory.
+        assert!(dma.pin_failures > 0 && dma.pins_held == 0 && dma.kernel_pages_held == 0, "{dma:?}");
+    } else {
+        // The fetch touched the memory: the fault poisoned the mapping.
+        assert_eq!((dma.poisoned_mappings, dma.pins_held), (1, 0), "{dma:?}");
+        assert!(umdev_pinning::recovered_faults() > 0);
+    }
 
     // Truncated while a long program runs: it completes or stops with a device error.
     remap(&mut g);
@@ -449,4 +468,9 @@ fn a_client_truncating_its_memory_under_the_device_cannot_crash_the_server() {
     h.wait_idle();
     let mut g = CcwGuest::connect(&h.socket).unwrap();
     ok(&g.run(0, &[Op::new(cmd::NOP, 1, Data::Direct(0))]).unwrap());
+    if mode == PinMode::Kernel {
+        let dma = h.info().dma;
+        assert!(dma.kernel_pin_calls > 0, "the kernel pinned the programs' pages: {dma:?}");
+        assert_eq!((dma.kernel_buffers_held, dma.kernel_pages_held), (0, 0), "{dma:?}");
+    }
 }
