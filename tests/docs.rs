@@ -36,7 +36,10 @@ const NOT_RUN: &[(&str, &str)] = &[
     ("for", "a loop of benchmark runs (each `umdev` benchmark is checked by parsing below)"),
     ("done", "ends that loop"),
     ("../base/target/release/umdev", "the older build of an A/B"),
-    ("target/release/umdev", "the build of an A/B, run in a loop (the same commands are parsed as `umdev` where shown alone)"),
+    (
+        "target/release/umdev",
+        "the build of an A/B, run in a loop (the same commands are parsed as `umdev` where shown alone)",
+    ),
 ];
 
 /// `umdev` commands that are checked by parsing only.
