@@ -267,6 +267,11 @@ impl<T: Send + 'static> Ring<T> {
         Err(io::Error::from_raw_os_error(libc::EAGAIN))
     }
 
+    /// Submissions queued and not yet handed to the kernel.
+    pub fn queued(&mut self) -> usize {
+        self.uring().submission().len()
+    }
+
     /// Hands the queued submissions to the kernel.
     pub fn submit(&mut self) -> io::Result<()> {
         let uring = self.uring();
@@ -437,10 +442,23 @@ impl<T: Send + 'static> Drop for Ring<T> {
         if self.quiesce(DROP_WAIT, |_, _| {}) == 0 {
             return;
         }
+        self.drain_in_thread();
+    }
+}
+
+impl<T: Send + 'static> Ring<T> {
+    /// Lets go of the ring at once: what is still in flight is left to a thread that waits
+    /// for the kernel to finish it (once [`Ring::quiesce`] gave up, say).
+    pub fn detach(mut self) {
+        if self.in_flight > 0 {
+            self.drain_in_thread();
+        }
+    }
+
+    /// Moves what is in flight, with the kernel's ring, to a thread that reaps it to the end.
+    fn drain_in_thread(&mut self) {
         let left = self.in_flight;
-        log::warn!(
-            "aio: {left} transfer(s) still in the kernel after {DROP_WAIT:?}; a thread waits for them"
-        );
+        log::warn!("aio: {left} transfer(s) still in the kernel; a thread waits for them");
         // Not dropped if the thread cannot start (the closure is dropped with it): the payloads
         // are then kept for good rather than dropped under the kernel.
         let ring = std::mem::ManuallyDrop::new(Ring {

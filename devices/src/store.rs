@@ -360,9 +360,12 @@ impl Store {
     }
 }
 
+/// A transfer's memory: (host address, bytes) per piece, in order.
+pub type Segments = smallvec::SmallVec<[(usize, usize); 8]>;
+
 /// (host address, bytes) of each slice, in order: a transfer's pieces as [`Store::direct_fits`]
 /// and [`crate::aio::Request`] take them.
-pub fn segments(bufs: &[VolatileSlice<'_>]) -> smallvec::SmallVec<[(usize, usize); 8]> {
+pub fn segments(bufs: &[VolatileSlice<'_>]) -> Segments {
     bufs.iter().filter(|b| !b.is_empty()).map(|b| (b.ptr_guard_mut().as_ptr() as usize, b.len())).collect()
 }
 

@@ -619,7 +619,7 @@ fn a_file_namespace_keeps_its_data_and_flush_reaches_the_file() {
     let path = dir.path().join("disk.img");
     File::create(&path).unwrap().set_len(8 << 20).unwrap();
     let config = NvmeConfig {
-        namespaces: vec![Some(Backing::File(path.clone())), None, Some(Backing::Ram(1 << 20))],
+        namespaces: vec![Some(Backing::File(path.clone(), Default::default())), None, Some(Backing::Ram(1 << 20))],
         lba_shift: 12,
         ..NvmeConfig::default()
     };
@@ -874,7 +874,7 @@ fn a_backing_file_truncated_under_the_guest_fails_the_reads_past_its_end_and_not
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("disk.img");
     File::create(&path).unwrap().set_len(8 << 20).unwrap();
-    let config = NvmeConfig { namespaces: vec![Some(Backing::File(path.clone()))], ..NvmeConfig::default() };
+    let config = NvmeConfig { namespaces: vec![Some(Backing::File(path.clone(), Default::default()))], ..NvmeConfig::default() };
     let mut d = up(Rig::with(config, true), 1);
     d.t.put(DATA, &pattern(4096, 1)).unwrap();
     assert_eq!(d.rw(1, false, 1, 0, 8, 512, &[DATA], 0).unwrap(), Status::SUCCESS);
@@ -933,7 +933,7 @@ fn a_sparse_file_on_a_full_filesystem_fails_writes_with_capacity_exceeded_and_no
     };
     let path = fs.0.path().join("disk.img");
     File::create(&path).unwrap().set_len(8 << 20).unwrap(); // sparse: 8 MiB on 1 MiB of room
-    let config = NvmeConfig { namespaces: vec![Some(Backing::File(path))], ..NvmeConfig::default() };
+    let config = NvmeConfig { namespaces: vec![Some(Backing::File(path, Default::default()))], ..NvmeConfig::default() };
     let mut d = up(Rig::with(config, true), 1);
     d.t.put(DATA, &pattern(64 << 10, 4)).unwrap();
     let pages: Vec<u64> = (0..16).map(|i| DATA + i * 0x1000).collect();

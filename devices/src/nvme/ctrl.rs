@@ -62,6 +62,27 @@ impl Doorbells {
     }
 }
 
+/// How a controller moves file namespaces' data (the `aio` option).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AioMode {
+    /// Through an io_uring per I/O queue: many commands in flight per queue, completed as the
+    /// host finishes them (where io_uring cannot be had, as [`AioMode::Sync`], logged).
+    #[default]
+    IoUring,
+    /// One synchronous `preadv2`/`pwritev2` per command on the queue's worker, in order.
+    Sync,
+}
+
+impl AioMode {
+    /// The option's spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            AioMode::IoUring => "io_uring",
+            AioMode::Sync => "sync",
+        }
+    }
+}
+
 /// What a controller is built with.
 #[derive(Debug)]
 pub struct ControllerConfig {
@@ -78,6 +99,9 @@ pub struct ControllerConfig {
     /// How long a worker watches its message doorbell after a lone command before it
     /// sleeps (0: it sleeps at once).
     pub poll: Duration,
+    /// How file namespaces' data moves ([`AioMode::IoUring`] only if the host has io_uring
+    /// and a namespace is a file).
+    pub aio: AioMode,
 }
 
 /// Why a queue's worker stops: the one reason, given to its [`Worker`].

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use umdev_pinning::{PinnedPages, Prot};
 
 use super::cmds::DataPtr;
-use super::completion::Command;
+use super::completion::{Command, Outcome, Transfer};
 use super::ctrl::Ctrl;
 use super::prp;
 use super::queue::Sq;
@@ -26,12 +26,51 @@ pub struct CommandCx<'a> {
     sq: &'a Arc<Sq>,
     generation: u64,
     permit: RefCell<Permit<Command>>,
+    /// The queue has an io_uring: a file namespace's transfer may be started there.
+    aio: bool,
 }
 
 impl<'a> CommandCx<'a> {
     /// The context of the command `permit` holds, fetched from `sq`.
     pub fn new(ctrl: &'a Arc<Ctrl>, sq: &'a Arc<Sq>, generation: u64, permit: Permit<Command>) -> Self {
-        CommandCx { ctrl, sq, generation, permit: RefCell::new(permit) }
+        CommandCx { ctrl, sq, generation, permit: RefCell::new(permit), aio: false }
+    }
+
+    /// The queue's worker has an io_uring ([`CommandCx::start`] may be used).
+    pub fn with_aio(mut self, aio: bool) -> Self {
+        self.aio = aio;
+        self
+    }
+
+    /// Whether the queue's worker has an io_uring for file transfers.
+    pub fn aio(&self) -> bool {
+        self.aio
+    }
+
+    /// Pins `pfns` for `prot` as the request's, kept until the command completes, and gives
+    /// the host pieces of `len` bytes from `offset` in them ((address, bytes) per contiguous
+    /// run) and the number of runs. The pins keep the pieces valid while the permit lives.
+    pub fn pin_for_transfer(
+        &self,
+        pfns: &[u64],
+        prot: Prot,
+        offset: u64,
+        len: usize,
+    ) -> Result<(crate::store::Segments, u64), Status> {
+        let mut permit = self.permit.borrow_mut();
+        let pins = permit.pin_pages(pfns, prot).map_err(|e| {
+            log::debug!("nvme: pinning {} pages for a transfer: {e}", pfns.len());
+            Status::DATA_TRANSFER_ERROR
+        })?;
+        let runs = pins.runs().len() as u64;
+        let slices = pins.io_slices(offset, len, prot).map_err(|_| Status::DATA_TRANSFER_ERROR)?;
+        Ok((crate::store::segments(&slices), runs))
+    }
+
+    /// Hands `transfer` to the queue's io_uring: the handler returns what this returns.
+    pub fn start(&self, transfer: Transfer) -> Outcome {
+        self.permit.borrow_mut().get_mut().set_transfer(transfer);
+        Outcome::Started
     }
 
     /// The request back, to complete it.
