@@ -400,7 +400,7 @@ impl KernelTable {
     }
 }
 
-#[cfg(all(test, not(miri)))]
+#[cfg(test)]
 mod tests {
     use super::*;
 

@@ -61,8 +61,8 @@ pub(crate) struct MappingPins {
     /// Kernel mode: registered buffers of forgotten guards whose runs lie here. Their pins
     /// are counted in `page_counts`, one per page per buffer, and nothing else is (kernel
     /// mode counts no other pin per page): a page's count is the number of kept buffers
-    /// holding it.
-    pub(crate) kept: Vec<KeptBuffer>,
+    /// holding it. Boxed: one word in every mapping, which most never use.
+    pub(crate) kept: Option<Box<Vec<KeptBuffer>>>,
 }
 
 /// Kernel mode: a registered buffer whose guard was forgotten (`PinnedPages::forget`). It is
@@ -113,7 +113,7 @@ impl MappingPins {
         let mut done = 0;
         while done < npages {
             let n = (npages - done).min(crate::kernel::KERNEL_BUFFER_PAGES);
-            self.kept.push(KeptBuffer::new(slot + taken, page + done, n));
+            self.kept.get_or_insert_default().push(KeptBuffer::new(slot + taken, page + done, n));
             taken += 1;
             done += n;
         }
@@ -122,7 +122,9 @@ impl MappingPins {
 
     /// Forgets the kept buffers in slots `slots` again (a forget that failed part-way).
     pub(crate) fn unkeep_slots(&mut self, slots: std::ops::Range<u32>) {
-        self.kept.retain(|k| !slots.contains(&k.slot));
+        if let Some(kept) = self.kept.as_mut() {
+            kept.retain(|k| !slots.contains(&k.slot));
+        }
     }
 
     /// Kernel mode: takes back one kept pin of each page of `[page, page + npages)` (whose
@@ -130,11 +132,15 @@ impl MappingPins {
     /// buffers left holding nothing are removed and their `(slot, pages)` appended to
     /// `done`, for the caller to let go of.
     pub(crate) fn take_kept(&mut self, page: u64, npages: u64, done: &mut Vec<(u32, u64)>) {
+        let Some(kept) = self.kept.as_mut() else {
+            debug_assert!(false, "kernel mode: counted pages have kept buffers");
+            return;
+        };
         for p in page..page + npages {
-            let at = self.kept.iter_mut().position(|k| k.take(p));
+            let at = kept.iter_mut().position(|k| k.take(p));
             debug_assert!(at.is_some(), "kernel mode: a counted page {p} has a kept buffer");
-            if let Some(at) = at.filter(|&at| self.kept[at].left == 0) {
-                let gone = self.kept.swap_remove(at);
+            if let Some(at) = at.filter(|&at| kept[at].left == 0) {
+                let gone = kept.swap_remove(at);
                 done.push((gone.slot, gone.npages));
             }
         }

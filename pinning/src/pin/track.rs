@@ -461,19 +461,25 @@ pub(crate) unsafe fn retire(owner: Owner, record: RecordPtr) {
         space.policy.kernel_table().release(slots.first, slots.count, view.pages);
     }
     // SAFETY: (I3) per the contract.
-    unsafe { retire_record(space, owner, record, false) };
+    unsafe { retire_record(owner, record, false) };
 }
 
 /// [`retire`] but for the kernel's pins: the record leaves its shard, counted as an unpin,
 /// or (`failed`) as a pin call that failed after all.
 ///
+/// The space is looked up here rather than passed in: the record may be its last, and a
+/// reference argument would have to outlive the call, past the drop that lets the space go.
+///
 /// # Safety
-/// As for [`retire`]; `space` is the record's (`space_of(&owner)`).
-unsafe fn retire_record(space: &SpaceInner, owner: Owner, record: RecordPtr, failed: bool) {
+/// As for [`retire`].
+unsafe fn retire_record(owner: Owner, record: RecordPtr, failed: bool) {
+    // SAFETY: (I4) the record is live, so its shard keeps the space; `space` is not used
+    // after the shard's keepalive is dropped below.
+    let space = unsafe { space_of(&owner) };
     // SAFETY: (I3) the record is live until retired below, after the view's last use.
     let view = unsafe { record.view() };
     let mut shard = space.shards.lock_shard(owner.shard);
-    let pages = view.pages;
+    let (pages, runs) = (view.pages, view.runs.len() as u64);
     // One look at the mappings' states: an unmap waiting for these pins is woken once they
     // are gone (under this lock, while the mappings are still allocated: I1); an abandoned
     // mapping may be free to go.
@@ -500,7 +506,7 @@ unsafe fn retire_record(space: &SpaceInner, owner: Owner, record: RecordPtr, fai
     }
     if failed {
         shard.counts.pin_calls -= 1;
-        shard.counts.runs -= view.runs.len() as u64;
+        shard.counts.runs -= runs;
         shard.counts.pages -= pages;
         shard.counts.pin_failures += 1;
     } else {
@@ -525,10 +531,8 @@ unsafe fn retire_record(space: &SpaceInner, owner: Owner, record: RecordPtr, fai
 /// # Safety
 /// As for [`retire`]; the record was returned by [`pin_recorded`] and no guard holds it.
 pub(super) unsafe fn unpublish(owner: Owner, record: RecordPtr) {
-    // SAFETY: (I4) the record is live, so its shard keeps the space.
-    let space = unsafe { space_of(&owner) };
     // SAFETY: (I3) per the contract; the record's kernel slots are not released again.
-    unsafe { retire_record(space, owner, record, true) };
+    unsafe { retire_record(owner, record, true) };
 }
 
 /// Moves a guard's pins from its record to the per-page counts (`PinnedPages::forget`),
