@@ -61,7 +61,9 @@ pub(crate) struct MappingPins {
     /// Kernel mode: registered buffers of forgotten guards whose runs lie here. Their pins
     /// are counted in `page_counts`, one per page per buffer, and nothing else is (kernel
     /// mode counts no other pin per page): a page's count is the number of kept buffers
-    /// holding it. Boxed: one word in every mapping, which most never use.
+    /// holding it. Boxed: one word in every mapping, which most never use (a bare `Vec` is
+    /// three).
+    #[allow(clippy::box_collection)]
     pub(crate) kept: Option<Box<Vec<KeptBuffer>>>,
 }
 
