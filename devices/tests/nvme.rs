@@ -778,7 +778,8 @@ impl SmallFs {
 
 impl Drop for SmallFs {
     fn drop(&mut self) {
-        let _ = std::process::Command::new("umount").arg(self.0.path()).status();
+        // Lazily: a queue worker of the device may still hold the file open for a moment.
+        let _ = std::process::Command::new("umount").arg("--lazy").arg(self.0.path()).status();
     }
 }
 

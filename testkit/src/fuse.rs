@@ -40,6 +40,7 @@ const INTERRUPT: u32 = 36;
 const BATCH_FORGET: u32 = 42;
 
 const FOPEN_DIRECT_IO: u32 = 1;
+const FUSE_ASYNC_DIO: u32 = 1 << 15;
 const FUSE_MAX_PAGES: u32 = 1 << 22;
 const IN_HEADER: usize = 40;
 
@@ -321,7 +322,10 @@ fn serve(shared: &Shared) {
                 out.extend(7u32.to_le_bytes());
                 out.extend(31u32.to_le_bytes());
                 out.extend((128u32 << 10).to_le_bytes()); // max_readahead
-                out.extend(FUSE_MAX_PAGES.to_le_bytes()); // flags
+                                                          // Asynchronous direct I/O: an io_uring transfer is then in flight while the
+                                                          // test holds it, as on a disk; without it the kernel serves it synchronously
+                                                          // in the thread that submitted it (the device's worker, which then cannot stop).
+                out.extend((FUSE_MAX_PAGES | FUSE_ASYNC_DIO).to_le_bytes()); // flags
                 out.extend(16u16.to_le_bytes()); // max_background
                 out.extend(12u16.to_le_bytes()); // congestion_threshold
                 out.extend((1u32 << 20).to_le_bytes()); // max_write
