@@ -16,6 +16,16 @@
 //! **Sleeping.** The ring is where its worker sleeps ([`KernelSleep`]): a poll of the worker
 //! bell's eventfd stays armed on it, so one wait ends on a doorbell, a stop or a completion.
 //!
+//! **Fixed buffers.** A transfer whose memory is one buffer registered in another ring (the
+//! DMA space's table of kernel pins: `--pin-mode kernel`) moves as `READ_FIXED`/`WRITE_FIXED`
+//! through a clone of that buffer in this ring's own table ([`Request::fixed`]), so the host
+//! takes no page pins of its own per transfer. The clone sits in the slot of the transfer's
+//! index (`IORING_REGISTER_CLONE_BUFFERS` with `DST_REPLACE`, Linux 6.13 or later) and is
+//! cleared before the payload comes back: the kernel's pin then lasts exactly as long as the
+//! payload's own, which the payload's owner releases. Where the kernel cannot clone (older
+//! kernels), the first refusal turns fixed buffers off for the ring, logged, and transfers
+//! move as plain reads and writes.
+//!
 //! What it is not: shared between threads, or a scheduler. It never drops a payload while the
 //! kernel may still use its memory: [`Ring::quiesce`] cancels and waits (boundedly), and a
 //! ring dropped with transfers left hands them to a thread that waits for the kernel.
@@ -67,6 +77,31 @@ pub struct Request<'a> {
     pub segments: &'a [(usize, usize)],
     /// A write is durable before it completes (`RWF_DSYNC`: forced unit access).
     pub dsync: bool,
+    /// The memory is all in this registered buffer of another ring (one segment only): the
+    /// transfer may move through a clone of it ([`Request::fixed`] is a hint: without a
+    /// clone it moves as a plain read or write).
+    pub fixed: Option<FixedBuffer>,
+}
+
+/// A buffer registered in another io_uring's table.
+#[derive(Clone, Copy, Debug)]
+pub struct FixedBuffer {
+    /// The ring whose table holds it: open at least until [`Ring::start`] returns (the
+    /// payload keeps it so, as it keeps the buffer registered).
+    pub ring: RawFd,
+    /// Its index there.
+    pub index: u32,
+}
+
+/// Whether a ring moves transfers through clones of other rings' buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FixedTable {
+    /// Not yet asked to: no table registered.
+    Unregistered,
+    /// A sparse table of one slot per transfer.
+    Ready,
+    /// The kernel refused (no clone, no sparse table): plain transfers only.
+    Unavailable,
 }
 
 /// A transfer in flight, in its slot.
@@ -83,6 +118,8 @@ struct Slot<T> {
     done: u64,
     total: u64,
     retries: u8,
+    /// The memory is a clone, in the ring's table at the slot's index, of a registered buffer.
+    fixed: bool,
 }
 
 impl<T> Slot<T> {
@@ -99,6 +136,7 @@ impl<T> Slot<T> {
             done: 0,
             total: 0,
             retries: 0,
+            fixed: false,
         }
     }
 
@@ -134,6 +172,8 @@ pub struct Ring<T: Send + 'static> {
     cancelling: bool,
     /// [`Ring::quiesce`] cancels first (off only in tests: a held transfer stays held).
     cancel_on_quiesce: bool,
+    /// Clones of other rings' buffers, one slot per transfer.
+    fixed: FixedTable,
 }
 
 // SAFETY: the raw pointers in the slots' iovecs address memory their payloads keep valid
@@ -166,6 +206,7 @@ impl<T: Send + 'static> Ring<T> {
             kick_armed: false,
             cancelling: false,
             cancel_on_quiesce: true,
+            fixed: FixedTable::Unregistered,
         })
     }
 
@@ -221,10 +262,14 @@ impl<T: Send + 'static> Ring<T> {
         slot.done = 0;
         slot.total = request.segments.iter().map(|s| s.1 as u64).sum();
         slot.retries = 0;
+        slot.fixed = false;
         slot.payload = Some(payload);
         self.in_flight += 1;
+        if let (Some(buffer), [_], Op::Read | Op::Write) = (request.fixed, request.segments, request.op) {
+            self.slots[index as usize].fixed = self.clone_buffer(buffer, index);
+        }
         if let Err(e) = self.push_slot(index) {
-            let payload = self.finish(index).expect("just put there");
+            let (payload, _) = self.finish(index).expect("just put there");
             return Err((payload, e));
         }
         Ok(())
@@ -238,6 +283,18 @@ impl<T: Send + 'static> Ring<T> {
         let iov = &s.iov[s.first..];
         let entry = match (s.op, iov) {
             (Op::Sync, _) => opcode::Fsync::new(fd).flags(types::FsyncFlags::DATASYNC).build(),
+            // The slot's clone holds the memory (`start`): index < capacity <= u16::MAX.
+            (Op::Read, [one]) if s.fixed => {
+                opcode::ReadFixed::new(fd, one.iov_base.cast(), one.iov_len as u32, index as u16)
+                    .offset(at)
+                    .build()
+            }
+            (Op::Write, [one]) if s.fixed => {
+                opcode::WriteFixed::new(fd, one.iov_base.cast(), one.iov_len as u32, index as u16)
+                    .offset(at)
+                    .rw_flags(s.flags)
+                    .build()
+            }
             (Op::Read, [one]) => {
                 opcode::Read::new(fd, one.iov_base.cast(), one.iov_len as u32).offset(at).build()
             }
@@ -287,19 +344,78 @@ impl<T: Send + 'static> Ring<T> {
         }
     }
 
-    /// Ends slot `index`: its payload back, the slot free.
-    fn finish(&mut self, index: u32) -> Option<T> {
+    /// Ends slot `index`: its clone of a registered buffer cleared (so the kernel's pin of
+    /// the memory is the payload's alone again), its payload back with whether the transfer
+    /// moved through the clone, the slot free.
+    fn finish(&mut self, index: u32) -> Option<(T, bool)> {
         let payload = self.slots[index as usize].payload.take()?;
+        let fixed = std::mem::take(&mut self.slots[index as usize].fixed);
+        if fixed {
+            self.clear_buffer(index);
+        }
         self.in_flight -= 1;
         self.free.push(index);
-        Some(payload)
+        Some((payload, fixed))
+    }
+
+    /// Clones `buffer` into this ring's table at `index` (the transfer's slot); false if it
+    /// cannot be had (the transfer then moves as a plain read or write).
+    fn clone_buffer(&mut self, buffer: FixedBuffer, index: u32) -> bool {
+        if self.fixed == FixedTable::Unregistered {
+            let slots = self.slots.len() as u32;
+            self.fixed = match self.uring().submitter().register_buffers_sparse(slots) {
+                Ok(()) => FixedTable::Ready,
+                Err(e) => {
+                    log::info!("aio: no table of fixed buffers ({e}): plain transfers");
+                    FixedTable::Unavailable
+                }
+            };
+        }
+        if self.fixed != FixedTable::Ready {
+            return false;
+        }
+        let cloned = self.uring().submitter().register_buffers_clone_offset(
+            buffer.ring,
+            buffer.index,
+            index,
+            1,
+            types::CloneBuffersFlags::DST_REPLACE,
+        );
+        match cloned {
+            Ok(()) => true,
+            // The kernel has no clones into a table that has slots (before 6.13), or none at
+            // all (before 6.12): it never will.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::EOPNOTSUPP | libc::EBUSY)) => {
+                log::info!("aio: registered buffers cannot be cloned here ({e}): plain transfers");
+                self.fixed = FixedTable::Unavailable;
+                false
+            }
+            Err(e) => {
+                log::debug!("aio: cloning registered buffer {}: {e}", buffer.index);
+                false
+            }
+        }
+    }
+
+    /// Clears slot `index`'s clone of a registered buffer.
+    fn clear_buffer(&mut self, index: u32) {
+        let none = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }];
+        // SAFETY: an empty entry registers no memory; it only drops the slot's clone, which
+        // no transfer uses any more (its completion was reaped; a request the kernel still
+        // had would hold its own reference to the buffer).
+        let cleared = unsafe { self.uring().submitter().register_buffers_update(index, &none, None) };
+        if let Err(e) = cleared {
+            // The clone keeps the memory pinned until the ring goes: no more clones.
+            log::warn!("aio: clearing fixed buffer {index}: {e}; plain transfers from now on");
+            self.fixed = FixedTable::Unavailable;
+        }
     }
 
     /// Reports every transfer the kernel has finished since the last call, in the order it
-    /// finished them: `done(payload, Ok(bytes) or the error)`. A part-done transfer is
-    /// continued, a refused O_DIRECT one retried buffered, neither reported yet. Returns how
-    /// many were reported.
-    pub fn reap(&mut self, mut done: impl FnMut(T, io::Result<u64>)) -> usize {
+    /// finished them: `done(payload, Ok(bytes) or the error, whether it moved through a fixed
+    /// buffer)`. A part-done transfer is continued, a refused O_DIRECT one retried buffered,
+    /// neither reported yet. Returns how many were reported.
+    pub fn reap(&mut self, mut done: impl FnMut(T, io::Result<u64>, bool)) -> usize {
         let mut reported = 0;
         loop {
             let Some(cqe) = self.uring().completion().next() else { break };
@@ -308,8 +424,8 @@ impl<T: Send + 'static> Ring<T> {
                 KICK => self.kick_armed = io_uring::cqueue::more(flags),
                 CANCEL => self.cancelling = false,
                 _ => {
-                    if let Some((payload, result)) = self.complete(tag as u32, res) {
-                        done(payload, result);
+                    if let Some((payload, result, fixed)) = self.complete(tag as u32, res) {
+                        done(payload, result, fixed);
                         reported += 1;
                     }
                 }
@@ -320,7 +436,7 @@ impl<T: Send + 'static> Ring<T> {
 
     /// Slot `index`'s submission ended with `res`: the payload and its result if the
     /// transfer is over, `None` if it goes on.
-    fn complete(&mut self, index: u32, res: i32) -> Option<(T, io::Result<u64>)> {
+    fn complete(&mut self, index: u32, res: i32) -> Option<(T, io::Result<u64>, bool)> {
         let s = self.slots.get_mut(index as usize)?;
         s.payload.as_ref()?;
         let outcome = if res < 0 {
@@ -351,11 +467,13 @@ impl<T: Send + 'static> Ring<T> {
             s.advance(res as u64);
             (s.done >= s.total).then_some(Ok(s.done))
         };
+        let end =
+            |ring: &mut Self, result| ring.finish(index).map(|(payload, fixed)| (payload, result, fixed));
         match outcome {
-            Some(result) => Some((self.finish(index)?, result)),
+            Some(result) => end(self, result),
             None => match self.push_slot(index) {
                 Ok(()) => None,
-                Err(e) => Some((self.finish(index)?, Err(e))),
+                Err(e) => end(self, Err(e)),
             },
         }
     }
@@ -395,7 +513,7 @@ impl<T: Send + 'static> Ring<T> {
 
     /// Cancels what is in flight and waits for the kernel to finish it, at most `bound`,
     /// reporting each as [`Ring::reap`] does. Returns how many are still in the kernel.
-    pub fn quiesce(&mut self, bound: Duration, mut done: impl FnMut(T, io::Result<u64>)) -> usize {
+    pub fn quiesce(&mut self, bound: Duration, mut done: impl FnMut(T, io::Result<u64>, bool)) -> usize {
         let deadline = Instant::now() + bound;
         if self.cancel_on_quiesce {
             self.cancel_all();
@@ -439,7 +557,7 @@ impl<T: Send + 'static> Drop for Ring<T> {
         }
         // The kernel may still be using memory the payloads keep valid: they go only after it
         // is done.
-        if self.quiesce(DROP_WAIT, |_, _| {}) == 0 {
+        if self.quiesce(DROP_WAIT, |_, _, _| {}) == 0 {
             return;
         }
         self.drain_in_thread();
@@ -470,12 +588,13 @@ impl<T: Send + 'static> Ring<T> {
             kick_armed: false,
             cancelling: false,
             cancel_on_quiesce: false,
+            fixed: self.fixed,
         });
         self.in_flight = 0;
         let spawned = std::thread::Builder::new().name("umdev-aio-drain".into()).spawn(move || {
             let mut ring = std::mem::ManuallyDrop::into_inner(ring);
             while ring.in_flight > 0 {
-                ring.reap(|_, _| {});
+                ring.reap(|_, _, _| {});
                 if ring.in_flight > 0 {
                     ring.wait(None);
                 }
@@ -518,7 +637,7 @@ mod tests {
     fn reap_all<T: Send + 'static>(ring: &mut Ring<T>, n: usize) -> Vec<(T, io::Result<u64>)> {
         let mut out = Vec::new();
         while out.len() < n {
-            ring.reap(|p, r| out.push((p, r)));
+            ring.reap(|p, r, _| out.push((p, r)));
             if out.len() < n {
                 ring.block(Some(Duration::from_secs(10)));
             }
@@ -532,7 +651,15 @@ mod tests {
         let mut ring: Ring<u32> = Ring::new(8, &[f.as_fd()], None).unwrap();
         let data: Vec<u8> = (0..20_000u32).map(|i| (i * 7 + 3) as u8).collect();
         let segs = [(data.as_ptr() as usize, 100), (data.as_ptr() as usize + 100, 19_900)];
-        let w = Request { op: Op::Write, file: 0, fallback: None, pos: 3000, segments: &segs, dsync: true };
+        let w = Request {
+            op: Op::Write,
+            file: 0,
+            fallback: None,
+            pos: 3000,
+            segments: &segs,
+            dsync: true,
+            fixed: None,
+        };
         // SAFETY: `data` outlives the transfer (reaped below).
         unsafe { ring.start(1, &w) }.unwrap();
         let got = reap_all(&mut ring, 1);
@@ -540,10 +667,26 @@ mod tests {
         let mut back = vec![0u8; 20_000];
         let p = back.as_mut_ptr() as usize;
         let segs = [(p, 7), (p + 7, 4089), (p + 4096, 20_000 - 4096)];
-        let r = Request { op: Op::Read, file: 0, fallback: None, pos: 3000, segments: &segs, dsync: false };
+        let r = Request {
+            op: Op::Read,
+            file: 0,
+            fallback: None,
+            pos: 3000,
+            segments: &segs,
+            dsync: false,
+            fixed: None,
+        };
         // SAFETY: `back` outlives the transfer.
         unsafe { ring.start(2, &r) }.unwrap();
-        let s = Request { op: Op::Sync, file: 0, fallback: None, pos: 0, segments: &[], dsync: false };
+        let s = Request {
+            op: Op::Sync,
+            file: 0,
+            fallback: None,
+            pos: 0,
+            segments: &[],
+            dsync: false,
+            fixed: None,
+        };
         // SAFETY: no memory.
         unsafe { ring.start(3, &s) }.unwrap();
         let mut got = reap_all(&mut ring, 2);
@@ -562,7 +705,15 @@ mod tests {
         let mut ring: Ring<u32> = Ring::new(2, &[f.as_fd()], None).unwrap();
         let mut buf = vec![0u8; 8192];
         let segs = [(buf.as_mut_ptr() as usize, 8192)];
-        let r = Request { op: Op::Read, file: 0, fallback: None, pos: 4096, segments: &segs, dsync: false };
+        let r = Request {
+            op: Op::Read,
+            file: 0,
+            fallback: None,
+            pos: 4096,
+            segments: &segs,
+            dsync: false,
+            fixed: None,
+        };
         // SAFETY: `buf` outlives the transfers.
         unsafe {
             ring.start(1, &r).unwrap();
@@ -591,11 +742,27 @@ mod tests {
         let buf = std::sync::Arc::new(std::sync::Mutex::new(vec![0u8; 5]));
         let segs = [(buf.lock().unwrap().as_mut_ptr() as usize, 5)];
         let held = std::sync::Arc::new(());
-        let r = Request { op: Op::Read, file: 0, fallback: None, pos: 0, segments: &segs, dsync: false };
+        let r = Request {
+            op: Op::Read,
+            file: 0,
+            fallback: None,
+            pos: 0,
+            segments: &segs,
+            dsync: false,
+            fixed: None,
+        };
         // SAFETY: `buf` outlives the transfer: the test waits for the payload's drop before
         // it reads or frees `buf`.
         unsafe { ring.start(held.clone(), &r) }.unwrap();
-        let quick = Request { op: Op::Sync, file: 1, fallback: None, pos: 0, segments: &[], dsync: false };
+        let quick = Request {
+            op: Op::Sync,
+            file: 1,
+            fallback: None,
+            pos: 0,
+            segments: &[],
+            dsync: false,
+            fixed: None,
+        };
         // SAFETY: no memory.
         unsafe { ring.start(std::sync::Arc::new(()), &quick) }.unwrap();
         // The sync, started second, ends first; the read is still in the kernel.
@@ -605,7 +772,7 @@ mod tests {
         bell.write(1).unwrap();
         ring.block(None);
         assert!(ring.pending());
-        assert_eq!(ring.reap(|_, _| panic!("nothing finished")), 0);
+        assert_eq!(ring.reap(|_, _, _| panic!("nothing finished")), 0);
         // Dropped with the read held: the drop waits its bound, then a thread keeps the
         // payload until the kernel is done.
         drop(ring);
@@ -625,11 +792,19 @@ mod tests {
         let mut ring: Ring<u32> = Ring::new(4, &[rx.as_fd()], None).unwrap();
         let mut buf = [0u8; 5];
         let segs = [(buf.as_mut_ptr() as usize, 5)];
-        let r = Request { op: Op::Read, file: 0, fallback: None, pos: 0, segments: &segs, dsync: false };
+        let r = Request {
+            op: Op::Read,
+            file: 0,
+            fallback: None,
+            pos: 0,
+            segments: &segs,
+            dsync: false,
+            fixed: None,
+        };
         // SAFETY: `buf` outlives the transfer (quiesced below).
         unsafe { ring.start(7, &r) }.unwrap();
         let mut got = Vec::new();
-        assert_eq!(ring.quiesce(Duration::from_secs(60), |p, r| got.push((p, r))), 0);
+        assert_eq!(ring.quiesce(Duration::from_secs(60), |p, r, _| got.push((p, r))), 0);
         assert_eq!(got.len(), 1);
         assert_eq!(got[0].0, 7);
         assert_eq!(got[0].1.as_ref().unwrap_err().raw_os_error(), Some(libc::ECANCELED));

@@ -818,3 +818,70 @@ fn a_sparse_file_on_a_full_filesystem_fails_writes_with_capacity_exceeded_and_no
     d.t.get(DATA + 0x9000, vm_memory::ByteValued::as_mut_slice(&mut entry)).unwrap();
     assert_eq!(u16::from(entry.status) >> 1, Status::CAPACITY_EXCEEDED.0);
 }
+
+/// The process's kernel-pinned memory (`VmPin`, where io_uring charges registered buffers),
+/// in pages. Only this test of this binary pins in kernel mode.
+fn vm_pin_pages() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kb = status.lines().find_map(|l| l.strip_prefix("VmPin:")).unwrap();
+    kb.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap() / 4
+}
+
+#[test]
+fn in_kernel_pin_mode_o_direct_transfers_move_through_the_pinned_runs_as_fixed_buffers() {
+    use umdev_pinning::{DmaSpace, DmaSpaceConfig, PinMode};
+    let dma = match DmaSpace::try_new(DmaSpaceConfig { mode: PinMode::Kernel, ..Default::default() }) {
+        Ok(dma) => dma,
+        Err(e) => return eprintln!("SKIPPED: kernel pin mode cannot start here: {e}"),
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("disk.img");
+    File::create(&path).unwrap().set_len(8 << 20).unwrap();
+    let config = NvmeConfig {
+        namespaces: vec![Some(Backing::File(path.clone(), umdev_devices::store::Cache::None))],
+        lba_shift: 12,
+        ..NvmeConfig::default()
+    };
+    let mut d = up(Rig::with_dma(config, true, dma), 1);
+    let before = d.t.dev.function().totals();
+    // One page, four contiguous pages (each one run: one registered buffer), and two pages
+    // apart (two runs: no single buffer holds them, so a plain transfer).
+    let one = pattern(4096, 11);
+    let four = pattern(4 * 4096, 12);
+    let two = pattern(2 * 4096, 13);
+    d.t.put(DATA, &one).unwrap();
+    d.t.put(DATA + 0x10000, &four).unwrap();
+    d.t.put(DATA + 0x20000, &two[..4096]).unwrap();
+    d.t.put(DATA + 0x22000, &two[4096..]).unwrap();
+    let contiguous: Vec<u64> = (0..4).map(|i| DATA + 0x10000 + i * 0x1000).collect();
+    let apart = [DATA + 0x20000, DATA + 0x22000];
+    assert_eq!(d.rw(1, false, 1, 3, 1, 4096, &[DATA], 0).unwrap(), Status::SUCCESS);
+    assert_eq!(d.rw(1, false, 1, 10, 4, 4096, &contiguous, 0).unwrap(), Status::SUCCESS);
+    assert_eq!(d.rw(1, false, 1, 20, 2, 4096, &apart, 0).unwrap(), Status::SUCCESS);
+    let back: Vec<u64> = (0..4).map(|i| DATA + 0x40000 + i * 0x1000).collect();
+    let mut got = vec![0u8; 4 * 4096];
+    assert_eq!(d.rw(1, true, 1, 3, 1, 4096, &back[..1], 0).unwrap(), Status::SUCCESS);
+    d.t.get(DATA + 0x40000, &mut got[..4096]).unwrap();
+    assert!(got[..4096] == one[..], "one page read back");
+    assert_eq!(d.rw(1, true, 1, 10, 4, 4096, &back, 0).unwrap(), Status::SUCCESS);
+    d.t.get(DATA + 0x40000, &mut got).unwrap();
+    assert!(got == four, "four pages read back");
+    assert_eq!(d.rw(1, true, 1, 20, 2, 4096, &[DATA + 0x50000, DATA + 0x52000], 0).unwrap(), Status::SUCCESS);
+    d.t.get(DATA + 0x50000, &mut got[..4096]).unwrap();
+    d.t.get(DATA + 0x52000, &mut got[4096..8192]).unwrap();
+    assert!(got[..8192] == two[..], "two runs read back");
+    let on_disk = std::fs::read(&path).unwrap();
+    assert!(on_disk[3 * 4096..4 * 4096] == one[..] && on_disk[10 * 4096..14 * 4096] == four[..]);
+    assert!(on_disk[20 * 4096..22 * 4096] == two[..]);
+    // The one-run transfers went as fixed buffers, the two-run ones did not.
+    let after = d.t.dev.function().totals();
+    assert_eq!((after.reads - before.reads, after.writes - before.writes), (3, 3));
+    assert_eq!(after.fixed_buffers - before.fixed_buffers, 4);
+    // The worker's clones are gone with the commands: what the kernel holds pinned is what
+    // the engine holds (the queues' rings), no more.
+    let held = d.t.dma.stats().kernel_pages_held;
+    assert!(held > 0, "the rings are pinned");
+    assert_eq!(vm_pin_pages(), held);
+    d.t.write32(reg::CC, 0).unwrap();
+    assert_eq!((d.t.dma.stats().kernel_pages_held, vm_pin_pages()), (0, 0));
+}

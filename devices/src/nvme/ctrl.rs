@@ -102,6 +102,8 @@ pub struct ControllerConfig {
     /// How file namespaces' data moves ([`AioMode::IoUring`] only if the host has io_uring
     /// and a namespace is a file).
     pub aio: AioMode,
+    /// In kernel pin mode, O_DIRECT transfers move through the pinned runs as fixed buffers.
+    pub fixed_buffers: bool,
 }
 
 /// Why a queue's worker stops: the one reason, given to its [`Worker`].

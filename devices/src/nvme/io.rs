@@ -43,6 +43,7 @@ pub fn execute(cx: &CommandCx, cmd: NvmCmd) -> Outcome {
             segments: Default::default(),
             direct: false,
             dsync: false,
+            fixed: None,
             stats: None,
         }),
         NvmCmd::Flush(_) => flush(std::iter::once(ns)),
@@ -70,25 +71,30 @@ fn read_write(cx: &CommandCx, ns: &Namespace, c: ReadWrite, read: bool) -> Outco
     let pos = c.slba << ns.lba_shift();
     let durability = if c.fua || !cx.ctrl().write_cache() { Durability::Sync } else { Durability::Cached };
     if cx.aio() && ns.is_file() {
-        let (segments, runs) = match cx.pin_for_transfer(&pages.pfns, prot, pages.offset as u64, len) {
-            Ok(s) => s,
+        let pinned = match cx.pin_for_transfer(&pages.pfns, prot, pages.offset as u64, len) {
+            Ok(p) => p,
             Err(status) => return status.into(),
         };
-        let direct = ns.store().direct_fits(pos, &segments);
+        let direct = ns.store().direct_fits(pos, &pinned.segments);
         let stats = Transfer {
             pages: pages.pfns.len() as u64,
-            runs,
+            runs: pinned.runs,
             list_pages: u64::from(pages.list_pages),
             bytes: len as u64,
             read,
+            fixed: false,
         };
+        // A fixed buffer spares the host a pin of its own per page; O_DIRECT is what takes
+        // those pins (a buffered transfer only copies), so only there is it worth its setup.
+        let fixed = pinned.fixed.filter(|_| direct && cx.ctrl().config().fixed_buffers);
         return cx.start(Started {
             nsid: ns.id(),
             op: if read { Op::Read } else { Op::Write },
             pos,
-            segments,
+            segments: pinned.segments,
             direct,
             dsync: durability == Durability::Sync,
+            fixed,
             stats: Some(stats),
         });
     }
@@ -131,14 +137,15 @@ fn read_write(cx: &CommandCx, ns: &Namespace, c: ReadWrite, read: bool) -> Outco
         list_pages: u64::from(pages.list_pages),
         bytes: len as u64,
         read,
+        fixed: false,
     });
     Outcome::ok(0)
 }
 
-/// The end of a transfer the queue's io_uring ran for `permit`'s command: its pins let go of
-/// (after the host finished with the memory), counted, and the command completed with the
-/// status `result` calls for.
-pub fn finish(mut permit: Permit<Command>, result: std::io::Result<u64>) {
+/// The end of a transfer the queue's io_uring ran for `permit`'s command (`fixed`: through a
+/// fixed buffer): its pins let go of (after the host finished with the memory), counted, and
+/// the command completed with the status `result` calls for.
+pub fn finish(mut permit: Permit<Command>, result: std::io::Result<u64>, fixed: bool) {
     let Some(t) = permit.get_mut().take_transfer() else {
         return permit.complete(Status::INTERNAL_ERROR.into());
     };
@@ -150,7 +157,7 @@ pub fn finish(mut permit: Permit<Command>, result: std::io::Result<u64>) {
         Ok(_) if poisoned || unmapped => Status::DATA_TRANSFER_ERROR,
         Ok(_) => {
             if let Some(stats) = t.stats {
-                ctrl.stats(qid).transfer(stats);
+                ctrl.stats(qid).transfer(Transfer { fixed, ..stats });
             }
             Status::SUCCESS
         }

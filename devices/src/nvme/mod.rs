@@ -162,6 +162,9 @@ pub struct NvmeConfig {
     pub poll: std::time::Duration,
     /// How file namespaces' data moves.
     pub aio: AioMode,
+    /// In kernel pin mode, O_DIRECT transfers of file namespaces move through the kernel's
+    /// pinned runs as fixed buffers (`READ_FIXED`/`WRITE_FIXED`).
+    pub fixed_buffers: bool,
 }
 
 impl Default for NvmeConfig {
@@ -175,6 +178,7 @@ impl Default for NvmeConfig {
             serial: None,
             poll: DEFAULT_POLL,
             aio: AioMode::default(),
+            fixed_buffers: true,
         }
     }
 }
@@ -207,6 +211,14 @@ impl NvmeConfig {
                 "how file namespaces' data moves: io_uring (an io_uring per I/O queue, up to 256 commands in \
                  flight each, completed as the host finishes them) or sync (one synchronous call per command, \
                  in order)",
+            ),
+            OptionSpec::new(
+                "fixed_buffers",
+                ValueSyntax::Choice(&["on", "off"]),
+                Some("on"),
+                "with --pin-mode kernel and aio=io_uring: an O_DIRECT transfer whose memory is one pinned run \
+                 moves through the kernel's pin of that run as a fixed buffer (READ_FIXED/WRITE_FIXED), so the \
+                 host takes no page pins of its own for it; off: plain reads and writes",
             ),
             OptionSpec::new(
                 "lba",
@@ -306,6 +318,9 @@ impl NvmeConfig {
         }
         if p.word("aio") == Some("sync") {
             config.aio = AioMode::Sync;
+        }
+        if p.word("fixed_buffers") == Some("off") {
+            config.fixed_buffers = false;
         }
         if let Some(n) = p.number("queues") {
             config.io_queues = n as u16;
@@ -465,6 +480,7 @@ pub fn create(config: NvmeConfig) -> Result<PciDevice<Nvme>, NvmeError> {
         serial,
         poll: config.poll,
         aio,
+        fixed_buffers: config.fixed_buffers,
     };
     let regs: Vec<Reg<u64>> = [
         (reg::CAP, false),
@@ -616,6 +632,7 @@ impl PciFunction for Nvme {
             "queues_live": c.live_queues(),
             "doorbells": c.config().doorbells.name(),
             "aio": c.config().aio.name(),
+            "fixed_buffers": c.config().fixed_buffers,
             "doorbells_now": match c.doorbell_mode() { DoorbellMode::Message => "message", DoorbellMode::Mapped => "mmap" },
             "admin_commands": Totals::of(c.all_stats().iter().take(1)).commands,
             "doorbell_messages": c.doorbell_messages(),

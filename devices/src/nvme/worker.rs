@@ -15,6 +15,7 @@
 //! in the ring, where a doorbell, a stop or a completion wakes it. A stopping worker waits
 //! for the host to finish what is in flight (boundedly) before the pins go.
 
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -25,7 +26,7 @@ use super::cx::CommandCx;
 use super::queue::{RingError, Sq};
 use super::spec::{event, log_page, Sqe, Status};
 use super::{admin, io};
-use crate::aio::{Request, Ring};
+use crate::aio::{FixedBuffer, Request, Ring};
 use umdev_mdev::guest::GuestError;
 use umdev_mdev::request::{self, Lane, Permit};
 use umdev_mdev::worker::{Bell, KernelSleep, Poll, Waiter, Worker};
@@ -128,6 +129,9 @@ impl Aio {
         };
         let direct = direct.filter(|_| t.direct);
         let segments = t.segments.clone();
+        // The buffer is in the DMA space's ring, which the permit's context keeps open.
+        let ring = permit.ctx().kernel_ring_fd().map(|fd| fd.as_raw_fd());
+        let fixed = t.fixed.zip(ring).map(|(index, ring)| FixedBuffer { ring, index });
         let request = Request {
             op: t.op,
             file: direct.unwrap_or(buffered),
@@ -135,9 +139,11 @@ impl Aio {
             pos: t.pos,
             segments: &segments,
             dsync: t.dsync,
+            fixed,
         };
-        // SAFETY: the segments are in the permit's pins (CommandCx::pin_for_transfer), which
-        // the permit keeps until the ring gives it back when the host is done.
+        // SAFETY: the segments (and the registered buffer holding them, if fixed) are in the
+        // permit's pins (CommandCx::pin_for_transfer), which the permit keeps until the ring
+        // gives it back when the host is done.
         if let Err((permit, e)) = unsafe { self.ring.start(permit, &request) } {
             log::warn!("nvme: a transfer refused by the io_uring: {e}");
             permit.complete(Status::DATA_TRANSFER_ERROR.into());

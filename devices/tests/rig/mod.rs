@@ -50,9 +50,13 @@ pub fn memfd(name: &std::ffi::CStr, size: u64) -> File {
 
 impl Rig {
     pub fn with(config: NvmeConfig, msix: bool) -> Rig {
+        Rig::with_dma(config, msix, DmaSpace::default())
+    }
+
+    /// The device on `dma` (a space in another pin mode, say).
+    pub fn with_dma(config: NvmeConfig, msix: bool, dma: DmaSpace) -> Rig {
         let dev = Arc::new(create(config).unwrap());
         let ram = memfd(c"nvme-test-ram", RAM_SIZE);
-        let dma = DmaSpace::default();
         dma.map(0, RAM_SIZE, ram.as_fd(), 0, Prot::READ_WRITE).unwrap();
         let ro = memfd(c"nvme-test-ro", 1 << 20);
         dma.map(RO, 1 << 20, ro.as_fd(), 0, Prot::READ).unwrap();
