@@ -377,6 +377,14 @@ enum Command {
         /// `poll_us=0` or `doorbells=mmap`.
         #[arg(long = "opt")]
         opts: Vec<String>,
+        /// Instead: a cache1=none file namespace in kernel pin mode, fixed_buffers=on
+        /// against off, alternating.
+        #[arg(long, conflicts_with_all = ["only", "opts"])]
+        fixed_buffers: bool,
+        /// With --fixed-buffers: where the namespace's file goes (a filesystem that does
+        /// O_DIRECT; default: the temporary directory).
+        #[arg(long, requires = "fixed_buffers")]
+        dir: Option<PathBuf>,
     },
     /// Print a shell completion script (install it where your shell looks, see the README).
     Completions {
@@ -507,7 +515,16 @@ fn dispatch(command: Command, dirs: &manage::Dirs) -> output::Out {
             }
         }
         #[cfg(feature = "bench")]
-        Command::Nvmebench { json, quick, only, opts } => {
+        Command::Nvmebench { json, quick, fixed_buffers: true, dir, .. } => {
+            let r = nvmebench::run_fixed(quick, dir.as_deref())?;
+            if json {
+                out!("{}", serde_json::to_string(&r).map_err(|e| e.to_string())?)
+            } else {
+                nvmebench::print_fixed(&r)
+            }
+        }
+        #[cfg(feature = "bench")]
+        Command::Nvmebench { json, quick, only, opts, .. } => {
             let r = nvmebench::run(quick, only.as_deref(), &opts)?;
             if json {
                 out!("{}", serde_json::to_string(&r).map_err(|e| e.to_string())?)

@@ -118,7 +118,10 @@ struct Slot<T> {
     done: u64,
     total: u64,
     retries: u8,
-    /// The memory is a clone, in the ring's table at the slot's index, of a registered buffer.
+    /// The ring's table holds, at the slot's index, a clone of the registered buffer that
+    /// holds the memory (cleared when the transfer ends)...
+    cloned: bool,
+    /// ...and the transfer moves through it.
     fixed: bool,
 }
 
@@ -136,6 +139,7 @@ impl<T> Slot<T> {
             done: 0,
             total: 0,
             retries: 0,
+            cloned: false,
             fixed: false,
         }
     }
@@ -262,11 +266,14 @@ impl<T: Send + 'static> Ring<T> {
         slot.done = 0;
         slot.total = request.segments.iter().map(|s| s.1 as u64).sum();
         slot.retries = 0;
+        slot.cloned = false;
         slot.fixed = false;
         slot.payload = Some(payload);
         self.in_flight += 1;
         if let (Some(buffer), [_], Op::Read | Op::Write) = (request.fixed, request.segments, request.op) {
-            self.slots[index as usize].fixed = self.clone_buffer(buffer, index);
+            let cloned = self.clone_buffer(buffer, index);
+            let slot = &mut self.slots[index as usize];
+            (slot.cloned, slot.fixed) = (cloned, cloned);
         }
         if let Err(e) = self.push_slot(index) {
             let (payload, _) = self.finish(index).expect("just put there");
@@ -348,9 +355,10 @@ impl<T: Send + 'static> Ring<T> {
     /// the memory is the payload's alone again), its payload back with whether the transfer
     /// moved through the clone, the slot free.
     fn finish(&mut self, index: u32) -> Option<(T, bool)> {
-        let payload = self.slots[index as usize].payload.take()?;
-        let fixed = std::mem::take(&mut self.slots[index as usize].fixed);
-        if fixed {
+        let slot = &mut self.slots[index as usize];
+        let payload = slot.payload.take()?;
+        let fixed = std::mem::take(&mut slot.fixed);
+        if std::mem::take(&mut slot.cloned) {
             self.clear_buffer(index);
         }
         self.in_flight -= 1;
@@ -443,6 +451,14 @@ impl<T: Send + 'static> Ring<T> {
             match -res {
                 libc::EAGAIN | libc::EINTR if s.retries < RETRIES => {
                     s.retries += 1;
+                    None
+                }
+                // The clone was not there when the kernel looked it up (a kernel whose
+                // DST_REPLACE clone into a lower slot dropped the slots above it, before
+                // 6.18's fix): the rest moves plain, the payload still holding the memory.
+                libc::EFAULT if s.fixed => {
+                    log::debug!("aio: fixed buffer {index} not found: a plain transfer instead");
+                    s.fixed = false;
                     None
                 }
                 libc::EINVAL if s.fallback.is_some() && s.op != Op::Sync => {
