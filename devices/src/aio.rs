@@ -19,10 +19,11 @@
 //! **Fixed buffers.** A transfer whose memory is one buffer registered in another ring (the
 //! DMA space's table of kernel pins: `--pin-mode kernel`) moves as `READ_FIXED`/`WRITE_FIXED`
 //! through a clone of that buffer in this ring's own table ([`Request::fixed`]), so the host
-//! takes no page pins of its own per transfer. The clone sits in the slot of the transfer's
-//! index (`IORING_REGISTER_CLONE_BUFFERS` with `DST_REPLACE`, Linux 6.13 or later) and is
-//! cleared before the payload comes back: the kernel's pin then lasts exactly as long as the
-//! payload's own, which the payload's owner releases. Where the kernel cannot clone (older
+//! takes no page pins of its own per transfer. The clone goes in the lowest free entry of the
+//! ring's own table (`IORING_REGISTER_CLONE_BUFFERS`, with `DST_REPLACE` once the table
+//! exists: Linux 6.13 or later; each clone rebuilds the table, which is why it stays as short
+//! as the fixed transfers in flight) and is cleared before the payload comes back: the
+//! kernel's pin then lasts exactly as long as the payload's own, which its owner releases. Where the kernel cannot clone (older
 //! kernels), the first refusal turns fixed buffers off for the ring, logged, and transfers
 //! move as plain reads and writes.
 //!
@@ -93,15 +94,39 @@ pub struct FixedBuffer {
     pub index: u32,
 }
 
-/// Whether a ring moves transfers through clones of other rings' buffers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum FixedTable {
-    /// Not yet asked to: no table registered.
-    Unregistered,
-    /// A sparse table of one slot per transfer.
-    Ready,
-    /// The kernel refused (no clone, no sparse table): plain transfers only.
-    Unavailable,
+/// A ring's table of clones of other rings' buffers. A clone with `DST_REPLACE` rebuilds the
+/// whole table, so it is kept as short as the fixed transfers in flight: each takes the
+/// lowest free entry.
+#[derive(Debug, Default)]
+struct FixedTable {
+    /// The kernel refused a clone: plain transfers only.
+    unavailable: bool,
+    /// Entries of the kernel's table (it grows with the highest entry cloned into; none
+    /// until the first clone, which makes it).
+    len: u32,
+    /// Entries holding a clone, a bit each.
+    used: Vec<u64>,
+}
+
+impl FixedTable {
+    /// The lowest entry holding no clone.
+    fn lowest_free(&self) -> u32 {
+        let word = self.used.iter().position(|w| *w != u64::MAX).unwrap_or(self.used.len());
+        let bit = self.used.get(word).map_or(0, |w| w.trailing_ones());
+        word as u32 * 64 + bit
+    }
+
+    fn mark(&mut self, entry: u32, used: bool) {
+        let (word, bit) = ((entry / 64) as usize, entry % 64);
+        if self.used.len() <= word {
+            self.used.resize(word + 1, 0);
+        }
+        if used {
+            self.used[word] |= 1 << bit;
+        } else {
+            self.used[word] &= !(1 << bit);
+        }
+    }
 }
 
 /// A transfer in flight, in its slot.
@@ -118,9 +143,9 @@ struct Slot<T> {
     done: u64,
     total: u64,
     retries: u8,
-    /// The ring's table holds, at the slot's index, a clone of the registered buffer that
-    /// holds the memory (cleared when the transfer ends)...
-    cloned: bool,
+    /// The entry of the ring's table that holds a clone of the registered buffer holding the
+    /// memory (cleared when the transfer ends)...
+    cloned: Option<u16>,
     /// ...and the transfer moves through it.
     fixed: bool,
 }
@@ -139,7 +164,7 @@ impl<T> Slot<T> {
             done: 0,
             total: 0,
             retries: 0,
-            cloned: false,
+            cloned: None,
             fixed: false,
         }
     }
@@ -210,7 +235,7 @@ impl<T: Send + 'static> Ring<T> {
             kick_armed: false,
             cancelling: false,
             cancel_on_quiesce: true,
-            fixed: FixedTable::Unregistered,
+            fixed: FixedTable::default(),
         })
     }
 
@@ -266,14 +291,14 @@ impl<T: Send + 'static> Ring<T> {
         slot.done = 0;
         slot.total = request.segments.iter().map(|s| s.1 as u64).sum();
         slot.retries = 0;
-        slot.cloned = false;
+        slot.cloned = None;
         slot.fixed = false;
         slot.payload = Some(payload);
         self.in_flight += 1;
         if let (Some(buffer), [_], Op::Read | Op::Write) = (request.fixed, request.segments, request.op) {
-            let cloned = self.clone_buffer(buffer, index);
+            let cloned = self.clone_buffer(buffer);
             let slot = &mut self.slots[index as usize];
-            (slot.cloned, slot.fixed) = (cloned, cloned);
+            (slot.cloned, slot.fixed) = (cloned, cloned.is_some());
         }
         if let Err(e) = self.push_slot(index) {
             let (payload, _) = self.finish(index).expect("just put there");
@@ -290,14 +315,14 @@ impl<T: Send + 'static> Ring<T> {
         let iov = &s.iov[s.first..];
         let entry = match (s.op, iov) {
             (Op::Sync, _) => opcode::Fsync::new(fd).flags(types::FsyncFlags::DATASYNC).build(),
-            // The slot's clone holds the memory (`start`): index < capacity <= u16::MAX.
-            (Op::Read, [one]) if s.fixed => {
-                opcode::ReadFixed::new(fd, one.iov_base.cast(), one.iov_len as u32, index as u16)
-                    .offset(at)
-                    .build()
+            // The slot's clone holds the memory (`start`).
+            (Op::Read, [one]) if s.fixed && s.cloned.is_some() => {
+                let entry = s.cloned.unwrap_or_default();
+                opcode::ReadFixed::new(fd, one.iov_base.cast(), one.iov_len as u32, entry).offset(at).build()
             }
-            (Op::Write, [one]) if s.fixed => {
-                opcode::WriteFixed::new(fd, one.iov_base.cast(), one.iov_len as u32, index as u16)
+            (Op::Write, [one]) if s.fixed && s.cloned.is_some() => {
+                let entry = s.cloned.unwrap_or_default();
+                opcode::WriteFixed::new(fd, one.iov_base.cast(), one.iov_len as u32, entry)
                     .offset(at)
                     .rw_flags(s.flags)
                     .build()
@@ -358,64 +383,70 @@ impl<T: Send + 'static> Ring<T> {
         let slot = &mut self.slots[index as usize];
         let payload = slot.payload.take()?;
         let fixed = std::mem::take(&mut slot.fixed);
-        if std::mem::take(&mut slot.cloned) {
-            self.clear_buffer(index);
+        if let Some(entry) = slot.cloned.take() {
+            self.clear_buffer(entry);
         }
         self.in_flight -= 1;
         self.free.push(index);
         Some((payload, fixed))
     }
 
-    /// Clones `buffer` into this ring's table at `index` (the transfer's slot); false if it
-    /// cannot be had (the transfer then moves as a plain read or write).
-    fn clone_buffer(&mut self, buffer: FixedBuffer, index: u32) -> bool {
-        if self.fixed == FixedTable::Unregistered {
-            let slots = self.slots.len() as u32;
-            self.fixed = match self.uring().submitter().register_buffers_sparse(slots) {
-                Ok(()) => FixedTable::Ready,
-                Err(e) => {
-                    log::info!("aio: no table of fixed buffers ({e}): plain transfers");
-                    FixedTable::Unavailable
-                }
-            };
+    /// Clones `buffer` into the lowest free entry of this ring's table: the entry, or `None`
+    /// if it cannot be had (the transfer then moves as a plain read or write).
+    fn clone_buffer(&mut self, buffer: FixedBuffer) -> Option<u16> {
+        if self.fixed.unavailable {
+            return None;
         }
-        if self.fixed != FixedTable::Ready {
-            return false;
-        }
+        // At most one entry per transfer in flight: the capacity, which fits a u16 (`new`).
+        let entry = self.fixed.lowest_free();
+        let entry16 = u16::try_from(entry).ok()?;
+        // The first clone makes the table; later ones replace an entry in it.
+        let flags = if self.fixed.len == 0 {
+            types::CloneBuffersFlags::empty()
+        } else {
+            types::CloneBuffersFlags::DST_REPLACE
+        };
         let cloned = self.uring().submitter().register_buffers_clone_offset(
             buffer.ring,
             buffer.index,
-            index,
+            entry,
             1,
-            types::CloneBuffersFlags::DST_REPLACE,
+            flags,
         );
         match cloned {
-            Ok(()) => true,
+            Ok(()) => {
+                self.fixed.mark(entry, true);
+                self.fixed.len = self.fixed.len.max(entry + 1);
+                Some(entry16)
+            }
             // The kernel has no clones into a table that has slots (before 6.13), or none at
             // all (before 6.12): it never will.
             Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::EOPNOTSUPP | libc::EBUSY)) => {
                 log::info!("aio: registered buffers cannot be cloned here ({e}): plain transfers");
-                self.fixed = FixedTable::Unavailable;
-                false
+                self.fixed.unavailable = true;
+                None
             }
             Err(e) => {
                 log::debug!("aio: cloning registered buffer {}: {e}", buffer.index);
-                false
+                None
             }
         }
     }
 
-    /// Clears slot `index`'s clone of a registered buffer.
-    fn clear_buffer(&mut self, index: u32) {
+    /// Clears `entry` of the table, a transfer's clone of a registered buffer.
+    fn clear_buffer(&mut self, entry: u16) {
         let none = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }];
-        // SAFETY: an empty entry registers no memory; it only drops the slot's clone, which
-        // no transfer uses any more (its completion was reaped; a request the kernel still
-        // had would hold its own reference to the buffer).
-        let cleared = unsafe { self.uring().submitter().register_buffers_update(index, &none, None) };
-        if let Err(e) = cleared {
-            // The clone keeps the memory pinned until the ring goes: no more clones.
-            log::warn!("aio: clearing fixed buffer {index}: {e}; plain transfers from now on");
-            self.fixed = FixedTable::Unavailable;
+        // SAFETY: an empty entry registers no memory; it only drops the clone, which no
+        // transfer uses any more (its completion was reaped; a request the kernel still had
+        // would hold its own reference to the buffer).
+        let cleared = unsafe { self.uring().submitter().register_buffers_update(entry.into(), &none, None) };
+        match cleared {
+            Ok(()) => self.fixed.mark(entry.into(), false),
+            Err(e) => {
+                // The clone keeps the memory pinned until the ring goes: no more clones.
+                log::warn!("aio: clearing fixed buffer {entry}: {e}; plain transfers from now on");
+                self.fixed.unavailable = true;
+            }
         }
     }
 
@@ -604,7 +635,7 @@ impl<T: Send + 'static> Ring<T> {
             kick_armed: false,
             cancelling: false,
             cancel_on_quiesce: false,
-            fixed: self.fixed,
+            fixed: std::mem::take(&mut self.fixed),
         });
         self.in_flight = 0;
         let spawned = std::thread::Builder::new().name("umdev-aio-drain".into()).spawn(move || {
@@ -800,6 +831,21 @@ mod tests {
             std::thread::yield_now();
         }
         assert_eq!(&*buf.lock().unwrap(), b"hello");
+    }
+
+    #[test]
+    fn the_fixed_table_hands_out_its_lowest_free_entry() {
+        let mut t = FixedTable::default();
+        assert_eq!(t.lowest_free(), 0);
+        for e in 0..70 {
+            t.mark(e, true);
+        }
+        assert_eq!(t.lowest_free(), 70);
+        t.mark(3, false);
+        t.mark(65, false);
+        assert_eq!(t.lowest_free(), 3);
+        t.mark(3, true);
+        assert_eq!(t.lowest_free(), 65);
     }
 
     #[test]
