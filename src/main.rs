@@ -377,7 +377,7 @@ enum Command {
         /// `poll_us=0` or `doorbells=mmap`.
         #[arg(long = "opt")]
         opts: Vec<String>,
-        /// Instead: a cache1=none file namespace in kernel pin mode, fixed_buffers=on
+        /// Instead: a cache1=none file namespace in kernel pin mode, fixed_buffers=always
         /// against off, alternating.
         #[arg(long, conflicts_with_all = ["only", "opts"])]
         fixed_buffers: bool,

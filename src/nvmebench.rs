@@ -10,7 +10,7 @@
 //! per command; what a guest's block layer hands a driver looks like this).
 //!
 //! With `--fixed-buffers`, instead: a file namespace with `cache1=none` (O_DIRECT) in kernel
-//! pin mode, served by two servers on the same file, `fixed_buffers=on` and `off`, driven in
+//! pin mode, served by two servers on the same file, `fixed_buffers=always` and `off`, driven in
 //! alternation (each round runs both, back to back, in alternating order): 4 KiB random
 //! reads at QD1 and QD32, random writes at QD32, 16, 32, 64 and 128 KiB random reads and
 //! 128 KiB random writes at QD8, into contiguous buffers (one run each, which a fixed buffer
@@ -633,7 +633,7 @@ pub struct FixedRow {
     pub workload: String,
     /// Commands in flight (one queue pair).
     pub qd: usize,
-    /// `fixed_buffers=on`.
+    /// `fixed_buffers=always` (every one-run transfer fixed, whatever its size).
     pub on: Row,
     /// `fixed_buffers=off`.
     pub off: Row,
@@ -747,7 +747,7 @@ pub fn run_fixed(quick: bool, backing: Backing) -> Result<FixedReport, String> {
         ];
         Server::start(tmp.path(), &format!("nvme-fixed-{side}"), &args)
     };
-    let servers = [server("on")?, server("off")?];
+    let servers = [server("always")?, server("off")?];
     let mut drivers = Vec::new();
     for s in &servers {
         let mut d = NvmeGuest::connect(&s.socket, RAM, 2)?.driver();
@@ -793,9 +793,11 @@ pub fn run_fixed(quick: bool, backing: Backing) -> Result<FixedReport, String> {
         let _ = std::fs::remove_dir(place);
     }
     if fixed_on == 0 {
-        return Err("fixed_buffers=on moved no transfer through a fixed buffer (the server's log says why: \
+        return Err(
+            "fixed_buffers=always moved no transfer through a fixed buffer (the server's log says why: \
                     a kernel without IORING_REGISTER_CLONE_BUFFERS, say)"
-            .into());
+                .into(),
+        );
     }
     Ok(FixedReport {
         file: file.display().to_string(),
@@ -811,7 +813,7 @@ pub fn run_fixed(quick: bool, backing: Backing) -> Result<FixedReport, String> {
 /// Prints the `--fixed-buffers` report as a table.
 pub fn print_fixed(r: &FixedReport) -> crate::output::Out {
     out!(
-        "nvme file namespace, cache1=none, --pin-mode kernel: fixed_buffers=on against off, one queue pair,"
+        "nvme file namespace, cache1=none, --pin-mode kernel: fixed_buffers=always (on) against off, one queue pair,"
     )?;
     out!(
         "{} MiB file at {}; {} rounds of {:.1} s per side, alternating; medians (ratios: median of each round's).",
@@ -841,7 +843,7 @@ pub fn print_fixed(r: &FixedReport) -> crate::output::Out {
     }
     out!("")?;
     out!(
-        "transfers through fixed buffers: {} with fixed_buffers=on, {} with off",
+        "transfers through fixed buffers: {} with fixed_buffers=always, {} with off",
         r.fixed_transfers_on,
         r.fixed_transfers_off
     )?;

@@ -840,9 +840,11 @@ fn in_kernel_pin_mode_o_direct_transfers_move_through_the_pinned_runs_as_fixed_b
     let config = NvmeConfig {
         namespaces: vec![Some(Backing::File(path.clone(), umdev_devices::store::Cache::None))],
         lba_shift: 12,
+        // Every size: the default leaves transfers under 64 KiB plain (checked at the end).
+        fixed_buffers: FixedBuffers::Always,
         ..NvmeConfig::default()
     };
-    let mut d = up(Rig::with_dma(config, true, dma), 1);
+    let mut d = up(Rig::with_dma(config.clone(), true, dma), 1);
     let before = d.t.dev.function().totals();
     // One page, four contiguous pages (each one run: one registered buffer), and two pages
     // apart (two runs: no single buffer holds them, so a plain transfer).
@@ -884,4 +886,20 @@ fn in_kernel_pin_mode_o_direct_transfers_move_through_the_pinned_runs_as_fixed_b
     assert_eq!(vm_pin_pages(), held);
     d.t.write32(reg::CC, 0).unwrap();
     assert_eq!((d.t.dma.stats().kernel_pages_held, vm_pin_pages()), (0, 0));
+    d.t.dev.detach();
+    drop(d);
+
+    // By default only a transfer of 64 KiB or more goes fixed.
+    let dma = DmaSpace::try_new(DmaSpaceConfig { mode: PinMode::Kernel, ..Default::default() }).unwrap();
+    let config = NvmeConfig { fixed_buffers: FixedBuffers::default(), ..config };
+    let mut d = up(Rig::with_dma(config, true, dma), 1);
+    let sixteen: Vec<u64> = (0..16).map(|i| DATA + 0x100000 + i * 0x1000).collect();
+    d.t.put(DATA + 0x100000, &pattern(64 << 10, 14)).unwrap();
+    assert_eq!(d.rw(1, false, 1, 100, 16, 4096, &sixteen, 0).unwrap(), Status::SUCCESS);
+    assert_eq!(d.rw(1, false, 1, 3, 1, 4096, &[DATA], 0).unwrap(), Status::SUCCESS);
+    assert_eq!(d.rw(1, true, 1, 100, 16, 4096, &sixteen, 0).unwrap(), Status::SUCCESS);
+    let mut got = vec![0u8; 64 << 10];
+    d.t.get(DATA + 0x100000, &mut got).unwrap();
+    assert!(got == pattern(64 << 10, 14));
+    assert_eq!(d.t.dev.function().totals().fixed_buffers, 2, "the two 64 KiB transfers, not the 4 KiB one");
 }

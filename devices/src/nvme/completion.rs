@@ -185,7 +185,7 @@ pub struct Transfer {
     pub direct: bool,
     /// Durable before it completes (FUA, or the volatile write cache off).
     pub dsync: bool,
-    /// Kernel pin mode with `fixed_buffers=on`: the registered buffer (its index in the DMA
+    /// Kernel pin mode, `fixed_buffers` wanting it: the registered buffer (its index in the DMA
     /// space's io_uring) holding all of the memory, moved through as a fixed buffer.
     pub fixed: Option<u32>,
     /// What the statistics count of it once it succeeds (none for a sync).

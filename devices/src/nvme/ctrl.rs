@@ -83,6 +83,45 @@ impl AioMode {
     }
 }
 
+/// Which O_DIRECT transfers move through the kernel's pins as fixed buffers in kernel pin
+/// mode (the `fixed_buffers` option).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FixedBuffers {
+    /// None.
+    Off,
+    /// Those of at least [`FixedBuffers::MIN_BYTES`]: below, the buffer's clone into the
+    /// queue's ring (two `io_uring_register` calls) costs more than the page pins it saves.
+    #[default]
+    On,
+    /// Every one whose memory is one run (for measuring the trade-off).
+    Always,
+}
+
+impl FixedBuffers {
+    /// `on`'s smallest transfer. nvmebench `--fixed-buffers` (docs/benchmarks.md): with
+    /// every transfer fixed, 4 KiB costs the server 1.2-2 us more CPU per I/O, 16-64 KiB is
+    /// even within this machine's noise, 128 KiB reads cost less.
+    pub const MIN_BYTES: usize = 64 << 10;
+
+    /// The option's spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            FixedBuffers::Off => "off",
+            FixedBuffers::On => "on",
+            FixedBuffers::Always => "always",
+        }
+    }
+
+    /// Whether a transfer of `bytes` moves through a fixed buffer (when it can).
+    pub fn wants(self, bytes: usize) -> bool {
+        match self {
+            FixedBuffers::Off => false,
+            FixedBuffers::On => bytes >= Self::MIN_BYTES,
+            FixedBuffers::Always => true,
+        }
+    }
+}
+
 /// What a controller is built with.
 #[derive(Debug)]
 pub struct ControllerConfig {
@@ -102,8 +141,9 @@ pub struct ControllerConfig {
     /// How file namespaces' data moves ([`AioMode::IoUring`] only if the host has io_uring
     /// and a namespace is a file).
     pub aio: AioMode,
-    /// In kernel pin mode, O_DIRECT transfers move through the pinned runs as fixed buffers.
-    pub fixed_buffers: bool,
+    /// In kernel pin mode, which O_DIRECT transfers move through the pinned runs as fixed
+    /// buffers.
+    pub fixed_buffers: FixedBuffers,
 }
 
 /// Why a queue's worker stops: the one reason, given to its [`Worker`].

@@ -86,7 +86,7 @@ fn read_write(cx: &CommandCx, ns: &Namespace, c: ReadWrite, read: bool) -> Outco
         };
         // A fixed buffer spares the host a pin of its own per page; O_DIRECT is what takes
         // those pins (a buffered transfer only copies), so only there is it worth its setup.
-        let fixed = pinned.fixed.filter(|_| direct && cx.ctrl().config().fixed_buffers);
+        let fixed = pinned.fixed.filter(|_| direct && cx.ctrl().config().fixed_buffers.wants(len));
         return cx.start(Started {
             nsid: ns.id(),
             op: if read { Op::Read } else { Op::Write },

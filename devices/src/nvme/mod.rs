@@ -55,7 +55,7 @@ use std::sync::Arc;
 use serde_json::json;
 use thiserror::Error;
 
-pub use self::ctrl::AioMode;
+pub use self::ctrl::{AioMode, FixedBuffers};
 use self::ctrl::{ControllerConfig, Ctrl, DoorbellMode, Doorbells};
 use self::namespace::{Backing, Namespace, MAX_NAMESPACES};
 use self::queue::DoorbellPage;
@@ -162,9 +162,9 @@ pub struct NvmeConfig {
     pub poll: std::time::Duration,
     /// How file namespaces' data moves.
     pub aio: AioMode,
-    /// In kernel pin mode, O_DIRECT transfers of file namespaces move through the kernel's
-    /// pinned runs as fixed buffers (`READ_FIXED`/`WRITE_FIXED`).
-    pub fixed_buffers: bool,
+    /// In kernel pin mode, which O_DIRECT transfers of file namespaces move through the
+    /// kernel's pinned runs as fixed buffers (`READ_FIXED`/`WRITE_FIXED`).
+    pub fixed_buffers: FixedBuffers,
 }
 
 impl Default for NvmeConfig {
@@ -178,7 +178,7 @@ impl Default for NvmeConfig {
             serial: None,
             poll: DEFAULT_POLL,
             aio: AioMode::default(),
-            fixed_buffers: true,
+            fixed_buffers: FixedBuffers::default(),
         }
     }
 }
@@ -214,11 +214,12 @@ impl NvmeConfig {
             ),
             OptionSpec::new(
                 "fixed_buffers",
-                ValueSyntax::Choice(&["on", "off"]),
+                ValueSyntax::Choice(&["on", "off", "always"]),
                 Some("on"),
-                "with --pin-mode kernel and aio=io_uring: an O_DIRECT transfer whose memory is one pinned run \
-                 moves through the kernel's pin of that run as a fixed buffer (READ_FIXED/WRITE_FIXED), so the \
-                 host takes no page pins of its own for it; off: plain reads and writes",
+                "with --pin-mode kernel and aio=io_uring: an O_DIRECT transfer of at least 64 KiB (always: of \
+                 any size) whose memory is one pinned run moves through the kernel's pin of that run as a fixed \
+                 buffer (READ_FIXED/WRITE_FIXED), so the host takes no page pins of its own for it; off: plain \
+                 reads and writes",
             ),
             OptionSpec::new(
                 "lba",
@@ -319,8 +320,10 @@ impl NvmeConfig {
         if p.word("aio") == Some("sync") {
             config.aio = AioMode::Sync;
         }
-        if p.word("fixed_buffers") == Some("off") {
-            config.fixed_buffers = false;
+        match p.word("fixed_buffers") {
+            Some("off") => config.fixed_buffers = FixedBuffers::Off,
+            Some("always") => config.fixed_buffers = FixedBuffers::Always,
+            _ => {}
         }
         if let Some(n) = p.number("queues") {
             config.io_queues = n as u16;
@@ -632,7 +635,7 @@ impl PciFunction for Nvme {
             "queues_live": c.live_queues(),
             "doorbells": c.config().doorbells.name(),
             "aio": c.config().aio.name(),
-            "fixed_buffers": c.config().fixed_buffers,
+            "fixed_buffers": c.config().fixed_buffers.name(),
             "doorbells_now": match c.doorbell_mode() { DoorbellMode::Message => "message", DoorbellMode::Mapped => "mmap" },
             "admin_commands": Totals::of(c.all_stats().iter().take(1)).commands,
             "doorbell_messages": c.doorbell_messages(),
