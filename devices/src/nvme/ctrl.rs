@@ -99,8 +99,9 @@ pub enum FixedBuffers {
 
 impl FixedBuffers {
     /// `on`'s smallest transfer. nvmebench `--fixed-buffers` (docs/benchmarks.md): with
-    /// every transfer fixed, 4 KiB costs the server 1.2-2 us more CPU per I/O, 16-64 KiB is
-    /// even within this machine's noise, 128 KiB reads cost less.
+    /// every transfer fixed, a 4 KiB one costs the server 1.1-2.5 us more CPU per I/O (the
+    /// clone and clear against one page pin); from 64 KiB the two are even within this
+    /// machine's noise.
     pub const MIN_BYTES: usize = 64 << 10;
 
     /// The option's spelling.
