@@ -10,12 +10,11 @@
 //! per command; what a guest's block layer hands a driver looks like this).
 //!
 //! With `--fixed-buffers`, instead: a file namespace with `cache1=none` (O_DIRECT) in kernel
-//! pin mode, served by two servers on the same file, `fixed_buffers=always` and `off`, driven in
-//! alternation (each round runs both, back to back, in alternating order): 4 KiB random
-//! reads at QD1 and QD32, random writes at QD32, 16, 32, 64 and 128 KiB random reads and
-//! 128 KiB random writes at QD8, into contiguous buffers (one run each, which a fixed buffer
-//! can hold). Medians over the
-//! rounds, and the median of each round's on/off ratio.
+//! pin mode, served by two servers on the same file, `fixed_buffers=always` and `off`,
+//! driven in alternation (each round runs both, back to back, in alternating order): 4 KiB
+//! random reads at QD1 and QD32, random writes at QD32, 16, 32, 64 and 128 KiB random reads
+//! and 128 KiB random writes at QD8, into contiguous buffers (one run each, which a fixed
+//! buffer can hold). Medians over the rounds, and the median of each round's on/off ratio.
 
 use crate::output::out;
 use std::os::fd::{AsRawFd, BorrowedFd};
