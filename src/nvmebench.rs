@@ -655,7 +655,7 @@ pub struct FixedReport {
     pub round_seconds: f64,
     /// The workloads.
     pub rows: Vec<FixedRow>,
-    /// Transfers each server moved through fixed buffers (its `io.fixed_buffers`).
+    /// Transfers each server moved through fixed buffers (its `io.fixed_transfers`).
     pub fixed_transfers_on: u64,
     /// See [`FixedReport::fixed_transfers_on`].
     pub fixed_transfers_off: u64,
@@ -783,7 +783,7 @@ pub fn run_fixed(quick: bool, backing: Backing) -> Result<FixedReport, String> {
     }
     drop(drivers);
     let [on, off] = servers;
-    let fixed = |v: serde_json::Value| v["io"]["fixed_buffers"].as_u64().unwrap_or(0);
+    let fixed = |v: serde_json::Value| v["io"]["fixed_transfers"].as_u64().unwrap_or(0);
     let (fixed_on, fixed_off) = (fixed(on.stop()), fixed(off.stop()));
     if !matches!(backing, Backing::Existing(_)) {
         let _ = std::fs::remove_file(&file);

@@ -286,5 +286,5 @@ cmp -s /tmp/r /tmp/big && echo BIG-OK || echo BIG-BAD
     eprintln!("nvme statistics: {io}");
     assert_eq!(stats["fixed_buffers"], "always", "{stats}");
     assert_eq!(io["errors"], 0, "{io}");
-    assert!(io["fixed_buffers"].as_u64().unwrap() > 0, "the guest's one-run transfers went fixed: {io}");
+    assert!(io["fixed_transfers"].as_u64().unwrap() > 0, "the guest's one-run transfers went fixed: {io}");
 }

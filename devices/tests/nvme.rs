@@ -878,7 +878,7 @@ fn in_kernel_pin_mode_o_direct_transfers_move_through_the_pinned_runs_as_fixed_b
     // The one-run transfers went as fixed buffers, the two-run ones did not.
     let after = d.t.dev.function().totals();
     assert_eq!((after.reads - before.reads, after.writes - before.writes), (3, 3));
-    assert_eq!(after.fixed_buffers - before.fixed_buffers, 4);
+    assert_eq!(after.fixed_transfers - before.fixed_transfers, 4);
     // The worker's clones are gone with the commands: what the kernel holds pinned is what
     // the engine holds (the queues' rings), no more.
     let held = d.t.dma.stats().kernel_pages_held;
@@ -901,5 +901,5 @@ fn in_kernel_pin_mode_o_direct_transfers_move_through_the_pinned_runs_as_fixed_b
     let mut got = vec![0u8; 64 << 10];
     d.t.get(DATA + 0x100000, &mut got).unwrap();
     assert!(got == pattern(64 << 10, 14));
-    assert_eq!(d.t.dev.function().totals().fixed_buffers, 2, "the two 64 KiB transfers, not the 4 KiB one");
+    assert_eq!(d.t.dev.function().totals().fixed_transfers, 2, "the two 64 KiB transfers, not the 4 KiB one");
 }

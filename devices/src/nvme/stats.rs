@@ -39,7 +39,7 @@ pub struct QueueStats {
     pages: AtomicU64,
     runs: AtomicU64,
     list_pages: AtomicU64,
-    fixed_buffers: AtomicU64,
+    fixed_transfers: AtomicU64,
     pages_per_command: [AtomicU64; BUCKETS],
     runs_per_command: [AtomicU64; BUCKETS],
 }
@@ -83,7 +83,7 @@ impl QueueStats {
         add(&self.runs, t.runs);
         add(&self.list_pages, t.list_pages);
         if t.fixed {
-            add(&self.fixed_buffers, 1);
+            add(&self.fixed_transfers, 1);
         }
         add(&self.pages_per_command[bucket(t.pages)], 1);
         add(&self.runs_per_command[bucket(t.runs)], 1);
@@ -114,7 +114,7 @@ pub struct Totals {
     /// PRP list pages read.
     pub list_pages: u64,
     /// Reads and writes the host moved through fixed buffers (kernel pin mode).
-    pub fixed_buffers: u64,
+    pub fixed_transfers: u64,
     /// Commands by pages moved.
     pub pages_per_command: [u64; BUCKETS],
     /// Commands by runs pinned.
@@ -136,7 +136,7 @@ impl Totals {
             t.pages += get(&q.pages);
             t.runs += get(&q.runs);
             t.list_pages += get(&q.list_pages);
-            t.fixed_buffers += get(&q.fixed_buffers);
+            t.fixed_transfers += get(&q.fixed_transfers);
             for i in 0..BUCKETS {
                 t.pages_per_command[i] += get(&q.pages_per_command[i]);
                 t.runs_per_command[i] += get(&q.runs_per_command[i]);
@@ -164,7 +164,7 @@ impl Totals {
             "runs": self.runs,
             "pin_calls": self.pin_calls,
             "prp_list_pages": self.list_pages,
-            "fixed_buffers": self.fixed_buffers,
+            "fixed_transfers": self.fixed_transfers,
             "pages_per_command": hist(&self.pages_per_command),
             "runs_per_command": hist(&self.runs_per_command),
             "mean_pages_per_command": per_command(self.pages),
@@ -195,7 +195,7 @@ mod tests {
         b.command(true);
         let t = Totals::of([&a, &b]);
         assert_eq!((t.commands, t.errors, t.reads, t.writes, t.pages, t.runs), (3, 1, 1, 1, 6, 4));
-        assert_eq!(t.fixed_buffers, 1);
+        assert_eq!(t.fixed_transfers, 1);
         assert_eq!((t.pages_per_command[3], t.runs_per_command[2], t.pages_per_command[0]), (1, 1, 1));
         let j = t.to_json();
         assert_eq!(j["pages_per_command"]["5-8"], 1);
