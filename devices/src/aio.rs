@@ -20,12 +20,14 @@
 //! DMA space's table of kernel pins: `--pin-mode kernel`) moves as `READ_FIXED`/`WRITE_FIXED`
 //! through a clone of that buffer in this ring's own table ([`Request::fixed`]), so the host
 //! takes no page pins of its own per transfer. The clone goes in the lowest free entry of the
-//! ring's own table (`IORING_REGISTER_CLONE_BUFFERS`, with `DST_REPLACE` once the table
-//! exists: Linux 6.13 or later; each clone rebuilds the table, which is why it stays as short
-//! as the fixed transfers in flight) and is cleared before the payload comes back: the
-//! kernel's pin then lasts exactly as long as the payload's own, which its owner releases. Where the kernel cannot clone (older
-//! kernels), the first refusal turns fixed buffers off for the ring, logged, and transfers
-//! move as plain reads and writes.
+//! table (`IORING_REGISTER_CLONE_BUFFERS`, with `DST_REPLACE` once the table exists: Linux
+//! 6.13 or later; each clone rebuilds the table, which is why it stays as short as the fixed
+//! transfers in flight) and is cleared before the payload comes back: the kernel's pin then
+//! lasts exactly as long as the payload's own, which its owner releases. Where the kernel
+//! cannot clone (older kernels), the first refusal turns fixed buffers off for the ring,
+//! logged, and transfers move as plain reads and writes. The clone and the clear are two
+//! `io_uring_register` calls per transfer: worth it only where they cost less than the page
+//! pins they spare (the caller decides).
 //!
 //! What it is not: shared between threads, or a scheduler. It never drops a payload while the
 //! kernel may still use its memory: [`Ring::quiesce`] cancels and waits (boundedly), and a
@@ -201,7 +203,7 @@ pub struct Ring<T: Send + 'static> {
     cancelling: bool,
     /// [`Ring::quiesce`] cancels first (off only in tests: a held transfer stays held).
     cancel_on_quiesce: bool,
-    /// Clones of other rings' buffers, one slot per transfer.
+    /// Clones of other rings' buffers, an entry per fixed transfer in flight.
     fixed: FixedTable,
 }
 
@@ -313,29 +315,28 @@ impl<T: Send + 'static> Ring<T> {
         let fd = types::Fixed(s.file);
         let at = s.pos + s.done;
         let iov = &s.iov[s.first..];
-        let entry = match (s.op, iov) {
-            (Op::Sync, _) => opcode::Fsync::new(fd).flags(types::FsyncFlags::DATASYNC).build(),
-            // The slot's clone holds the memory (`start`).
-            (Op::Read, [one]) if s.fixed && s.cloned.is_some() => {
-                let entry = s.cloned.unwrap_or_default();
-                opcode::ReadFixed::new(fd, one.iov_base.cast(), one.iov_len as u32, entry).offset(at).build()
+        // The table entry whose clone holds the memory (`start`), if the transfer uses it.
+        let fixed = s.cloned.filter(|_| s.fixed);
+        let entry = match (s.op, iov, fixed) {
+            (Op::Sync, _, _) => opcode::Fsync::new(fd).flags(types::FsyncFlags::DATASYNC).build(),
+            (Op::Read, [one], Some(buf)) => {
+                opcode::ReadFixed::new(fd, one.iov_base.cast(), one.iov_len as u32, buf).offset(at).build()
             }
-            (Op::Write, [one]) if s.fixed && s.cloned.is_some() => {
-                let entry = s.cloned.unwrap_or_default();
-                opcode::WriteFixed::new(fd, one.iov_base.cast(), one.iov_len as u32, entry)
+            (Op::Write, [one], Some(buf)) => {
+                opcode::WriteFixed::new(fd, one.iov_base.cast(), one.iov_len as u32, buf)
                     .offset(at)
                     .rw_flags(s.flags)
                     .build()
             }
-            (Op::Read, [one]) => {
+            (Op::Read, [one], _) => {
                 opcode::Read::new(fd, one.iov_base.cast(), one.iov_len as u32).offset(at).build()
             }
-            (Op::Write, [one]) => opcode::Write::new(fd, one.iov_base.cast(), one.iov_len as u32)
+            (Op::Write, [one], _) => opcode::Write::new(fd, one.iov_base.cast(), one.iov_len as u32)
                 .offset(at)
                 .rw_flags(s.flags)
                 .build(),
-            (Op::Read, _) => opcode::Readv::new(fd, iov.as_ptr(), iov.len() as u32).offset(at).build(),
-            (Op::Write, _) => {
+            (Op::Read, _, _) => opcode::Readv::new(fd, iov.as_ptr(), iov.len() as u32).offset(at).build(),
+            (Op::Write, _, _) => {
                 opcode::Writev::new(fd, iov.as_ptr(), iov.len() as u32).offset(at).rw_flags(s.flags).build()
             }
         };
@@ -485,8 +486,9 @@ impl<T: Send + 'static> Ring<T> {
                     None
                 }
                 // The clone was not there when the kernel looked it up (a kernel whose
-                // DST_REPLACE clone into a lower slot dropped the slots above it, before
-                // 6.18's fix): the rest moves plain, the payload still holding the memory.
+                // DST_REPLACE clone drops the entries above the one it replaces: 6.13 to
+                // 6.18 before their stable fix): the rest moves plain, the payload still
+                // holding the memory.
                 libc::EFAULT if s.fixed => {
                     log::debug!("aio: fixed buffer {index} not found: a plain transfer instead");
                     s.fixed = false;
