@@ -377,6 +377,18 @@ enum Command {
         /// `poll_us=0` or `doorbells=mmap`.
         #[arg(long = "opt")]
         opts: Vec<String>,
+        /// Instead: a cache1=none file namespace in kernel pin mode, fixed_buffers=always
+        /// against off, alternating.
+        #[arg(long, conflicts_with_all = ["only", "opts"])]
+        fixed_buffers: bool,
+        /// With --fixed-buffers: where the namespace's file goes (a filesystem that does
+        /// O_DIRECT; default: the temporary directory).
+        #[arg(long, requires = "fixed_buffers", conflicts_with = "file")]
+        dir: Option<PathBuf>,
+        /// With --fixed-buffers: an existing file or block device of at least 256 MiB as
+        /// the namespace instead (its first 256 MiB are OVERWRITTEN).
+        #[arg(long, requires = "fixed_buffers")]
+        file: Option<PathBuf>,
     },
     /// Print a shell completion script (install it where your shell looks, see the README).
     Completions {
@@ -507,7 +519,21 @@ fn dispatch(command: Command, dirs: &manage::Dirs) -> output::Out {
             }
         }
         #[cfg(feature = "bench")]
-        Command::Nvmebench { json, quick, only, opts } => {
+        Command::Nvmebench { json, quick, fixed_buffers: true, dir, file, .. } => {
+            let place = match (dir, file) {
+                (_, Some(file)) => nvmebench::Backing::Existing(file),
+                (Some(dir), None) => nvmebench::Backing::In(dir),
+                (None, None) => nvmebench::Backing::Temporary,
+            };
+            let r = nvmebench::run_fixed(quick, place)?;
+            if json {
+                out!("{}", serde_json::to_string(&r).map_err(|e| e.to_string())?)
+            } else {
+                nvmebench::print_fixed(&r)
+            }
+        }
+        #[cfg(feature = "bench")]
+        Command::Nvmebench { json, quick, only, opts, .. } => {
             let r = nvmebench::run(quick, only.as_deref(), &opts)?;
             if json {
                 out!("{}", serde_json::to_string(&r).map_err(|e| e.to_string())?)

@@ -8,6 +8,13 @@
 //! 1 and 32 on 1 and 2 queue pairs; 128 KiB sequential reads and writes at queue depth 8.
 //! Each 128 KiB buffer is 32 guest pages in 8 runs of 4 at scattered addresses (a PRP list
 //! per command; what a guest's block layer hands a driver looks like this).
+//!
+//! With `--fixed-buffers`, instead: a file namespace with `cache1=none` (O_DIRECT) in kernel
+//! pin mode, served by two servers on the same file, `fixed_buffers=always` and `off`,
+//! driven in alternation (each round runs both, back to back, in alternating order): 4 KiB
+//! random reads at QD1 and QD32, random writes at QD32, 16, 32, 64 and 128 KiB random reads
+//! and 128 KiB random writes at QD8, into contiguous buffers (one run each, which a fixed
+//! buffer can hold). Medians over the rounds, and the median of each round's on/off ratio.
 
 use crate::output::out;
 use std::os::fd::{AsRawFd, BorrowedFd};
@@ -171,12 +178,16 @@ impl Drop for Server {
     }
 }
 
-/// Guest pages of slot `slot` of queue `q`: one page for 4 KiB, 32 pages in runs of 4 at
-/// scattered addresses for 128 KiB.
-fn buffer_pages(q: u16, slot: usize, big: bool) -> Vec<u64> {
+/// Guest pages of slot `slot` of queue `q` for `len` bytes (at most 128 KiB): one page for
+/// 4 KiB; one run if `contiguous`; else (128 KiB) 32 pages in runs of 4 at scattered
+/// addresses.
+fn buffer_pages(q: u16, slot: usize, len: usize, contiguous: bool) -> Vec<u64> {
     let base = Driver::<NvmeGuest>::DATA + (u64::from(q) * 64 + slot as u64) * (BIG as u64 * 2);
-    if !big {
+    if len <= 4096 {
         return vec![base];
+    }
+    if contiguous {
+        return (0..len.div_ceil(4096) as u64).map(|p| base + p * 4096).collect();
     }
     // 8 runs of 4 pages, in a scrambled order over a 256 KiB window.
     let order = [5u64, 0, 7, 2, 4, 1, 6, 3];
@@ -192,8 +203,8 @@ enum Kind {
 }
 
 impl Kind {
-    fn name(self, big: bool) -> String {
-        let size = if big { "128k" } else { "4k" };
+    fn name(self, len: usize) -> String {
+        let size = format!("{}k", len >> 10);
         let what = match self {
             Kind::RandRead => "randread",
             Kind::RandWrite => "randwrite",
@@ -207,17 +218,28 @@ impl Kind {
     }
 }
 
-/// Keeps `qd` commands in flight on each of `queues` queue pairs for `duration`.
+/// The transfer size of a workload: 128 KiB if `big`, else 4 KiB.
+fn size(big: bool) -> usize {
+    if big {
+        BIG
+    } else {
+        4096
+    }
+}
+
+/// Keeps `qd` commands in flight on each of `queues` queue pairs for `duration`, each moving
+/// `len` bytes (buffers in one run each if `contiguous`).
+#[allow(clippy::too_many_arguments)]
 fn workload(
     d: &mut Driver<NvmeGuest>,
     server: &Server,
     kind: Kind,
-    big: bool,
+    len: usize,
+    contiguous: bool,
     qd: usize,
     queues: u16,
     duration: Duration,
 ) -> Result<Row, String> {
-    let len = if big { BIG } else { 4096 };
     let blocks = (len / 512) as u32;
     let ns_blocks = NS_BYTES / 512;
     let mut rng = Rng::new(0x5eed ^ qd as u64 ^ u64::from(queues) << 8);
@@ -237,7 +259,7 @@ fn workload(
     for q in 1..=queues {
         let mut per_queue = Vec::new();
         for slot in 0..qd {
-            let pages = buffer_pages(q, slot, big);
+            let pages = buffer_pages(q, slot, len, contiguous);
             per_queue.push(d.prps(q, slot as u32, &pages, 0, len)?);
         }
         prps.push(per_queue);
@@ -305,7 +327,7 @@ fn workload(
     lat_sorted.sort_by(|a, b| a.total_cmp(b));
     let pct = |p: f64| lat_sorted.get(((lat_sorted.len() as f64 - 1.0) * p) as usize).copied().unwrap_or(0.0);
     Ok(Row {
-        workload: kind.name(big),
+        workload: kind.name(len),
         qd,
         queues,
         iops: done as f64 / elapsed.as_secs_f64(),
@@ -335,13 +357,13 @@ fn big_workload(
     let mut ratios = Vec::new();
     for _ in 0..rounds.max(1) {
         let floor = memcpy_stream(&src, &mut dst);
-        let row = workload(d, server, kind, true, 8, queues, duration / rounds.max(1) as u32)?;
+        let row = workload(d, server, kind, BIG, false, 8, queues, duration / rounds.max(1) as u32)?;
         ratios.push(row.gb_per_sec / floor);
         rows.push(row);
     }
     let mid = |f: fn(&Row) -> f64| median(&mut rows.iter().map(f).collect::<Vec<_>>());
     Ok(Row {
-        workload: kind.name(true),
+        workload: kind.name(BIG),
         qd: 8,
         queues,
         iops: mid(|r| r.iops),
@@ -369,7 +391,7 @@ fn memcpy_stream(src: &[u8], dst: &mut [u8]) -> f64 {
 fn fill(d: &mut Driver<NvmeGuest>) -> Result<(), String> {
     let blocks = (BIG / 512) as u32;
     let prps: Vec<(u64, u64)> = (0..8)
-        .map(|slot| d.prps(1, slot, &buffer_pages(1, slot as usize, true), 0, BIG))
+        .map(|slot| d.prps(1, slot, &buffer_pages(1, slot as usize, BIG, false), 0, BIG))
         .collect::<Result<_, _>>()?;
     for batch in 0..(NS_BYTES / BIG as u64 / 8) {
         for (slot, &(prp1, prp2)) in prps.iter().enumerate() {
@@ -486,10 +508,10 @@ fn workloads() -> Vec<(Kind, bool, u16, usize)> {
 pub fn run(quick: bool, only: Option<&str>, opts: &[String]) -> Result<Report, String> {
     let chosen: Vec<(Kind, bool, u16, usize)> = workloads()
         .into_iter()
-        .filter(|(kind, big, _, _)| only.is_none_or(|o| kind.name(*big).starts_with(o)))
+        .filter(|(kind, big, _, _)| only.is_none_or(|o| kind.name(size(*big)).starts_with(o)))
         .collect();
     if chosen.is_empty() {
-        let mut names: Vec<String> = workloads().iter().map(|(k, big, _, _)| k.name(*big)).collect();
+        let mut names: Vec<String> = workloads().iter().map(|(k, big, _, _)| k.name(size(*big))).collect();
         names.dedup();
         return Err(format!(
             "--only {:?} selects no workload (they are {})",
@@ -523,11 +545,11 @@ pub fn run(quick: bool, only: Option<&str>, opts: &[String]) -> Result<Report, S
     let (f50, f99) = doorbell_irq_floor(&floor_server.socket, if quick { 2000 } else { 20000 })?;
     let mut rows = Vec::new();
     for (kind, big, queues, qd) in chosen {
-        progress.step(format_args!("{} qd{qd} on {queues} queue(s)", kind.name(big)));
+        progress.step(format_args!("{} qd{qd} on {queues} queue(s)", kind.name(size(big))));
         rows.push(if big {
             big_workload(&mut d, &server, kind, queues, duration, if quick { 3 } else { 7 })?
         } else {
-            workload(&mut d, &server, kind, false, qd, queues, duration)?
+            workload(&mut d, &server, kind, 4096, false, qd, queues, duration)?
         });
     }
     // The floors again, after: the median of both sittings is reported.
@@ -600,5 +622,229 @@ pub fn print(r: &Report) -> crate::output::Out {
             io["mean_runs_per_command"].as_f64().unwrap_or(0.0)
         )?;
     }
+    Ok(())
+}
+
+/// One workload of `--fixed-buffers`: each side's medians over the rounds.
+#[derive(Debug, Serialize)]
+pub struct FixedRow {
+    /// `4k-randread`, `128k-randwrite`, ...
+    pub workload: String,
+    /// Commands in flight (one queue pair).
+    pub qd: usize,
+    /// `fixed_buffers=always` (every one-run transfer fixed, whatever its size).
+    pub on: Row,
+    /// `fixed_buffers=off`.
+    pub off: Row,
+    /// Median over the rounds of the round's IOPS on / off.
+    pub iops_on_vs_off: f64,
+    /// Median over the rounds of the round's server CPU per I/O on / off.
+    pub cpu_on_vs_off: f64,
+}
+
+/// What `--fixed-buffers` measured.
+#[derive(Debug, Serialize)]
+pub struct FixedReport {
+    /// The namespace's file.
+    pub file: String,
+    /// Its size.
+    pub file_bytes: u64,
+    /// Rounds per workload; each runs both servers for `round_seconds`.
+    pub rounds: usize,
+    /// See [`FixedReport::rounds`].
+    pub round_seconds: f64,
+    /// The workloads.
+    pub rows: Vec<FixedRow>,
+    /// Transfers each server moved through fixed buffers (its `io.fixed_transfers`).
+    pub fixed_transfers_on: u64,
+    /// See [`FixedReport::fixed_transfers_on`].
+    pub fixed_transfers_off: u64,
+}
+
+/// The medians of `rows`, one workload's rounds on one side.
+fn medians(rows: &[Row]) -> Row {
+    let mid = |f: fn(&Row) -> f64| median(&mut rows.iter().map(f).collect::<Vec<_>>());
+    Row {
+        workload: rows[0].workload.clone(),
+        qd: rows[0].qd,
+        queues: rows[0].queues,
+        iops: mid(|r| r.iops),
+        gb_per_sec: mid(|r| r.gb_per_sec),
+        latency_p50_us: mid(|r| r.latency_p50_us),
+        latency_p99_us: mid(|r| r.latency_p99_us),
+        server_cpu_us_per_io: mid(|r| r.server_cpu_us_per_io),
+        vs_memcpy: None,
+    }
+}
+
+/// Where `--fixed-buffers` puts its namespace (on a filesystem or device that does O_DIRECT).
+#[derive(Debug)]
+pub enum Backing {
+    /// A new file in the temporary directory.
+    Temporary,
+    /// A new file in this directory.
+    In(PathBuf),
+    /// This file or block device, whose first [`NS_BYTES`] are overwritten.
+    Existing(PathBuf),
+}
+
+/// `--fixed-buffers`: a `cache1=none` file namespace in kernel pin mode, fixed buffers on
+/// against off, alternating.
+pub fn run_fixed(quick: bool, backing: Backing) -> Result<FixedReport, String> {
+    let rounds = if quick { 3 } else { 7 };
+    let round = if quick { Duration::from_millis(300) } else { Duration::from_secs(1) };
+    let chosen = [
+        (Kind::RandRead, 4096, 1usize),
+        (Kind::RandRead, 4096, 32),
+        (Kind::RandWrite, 4096, 32),
+        (Kind::RandRead, 16 << 10, 8),
+        (Kind::RandRead, 32 << 10, 8),
+        (Kind::RandRead, 64 << 10, 8),
+        (Kind::RandRead, BIG, 8),
+        (Kind::RandWrite, BIG, 8),
+    ];
+    let mut progress = crate::progress::Progress::new("nvmebench --fixed-buffers", chosen.len() + 2);
+    let tmp = crate::protobench::tempfile_dir_for("nvmebench-fixed")?;
+    let place = match &backing {
+        Backing::In(dir) => {
+            let place = dir.join(format!("umdev-nvmebench-{}", std::process::id()));
+            crate::cleanup::dir(&place);
+            std::fs::create_dir_all(&place).map_err(|e| format!("creating {}: {e}", place.display()))?;
+            Some(place)
+        }
+        _ => None,
+    };
+    let file = match &backing {
+        Backing::Existing(file) => file.clone(),
+        _ => {
+            let file = place.as_deref().unwrap_or(tmp.path()).join("ns1.img");
+            let made = std::fs::File::create(&file).and_then(|f| f.set_len(NS_BYTES));
+            made.map_err(|e| format!("creating {}: {e}", file.display()))?;
+            file
+        }
+    };
+    progress.step("starting the servers");
+    let ns = format!("ns1=file:{}", file.display());
+    let entries = format!("entries={QUEUE_ENTRIES}");
+    let server = |side: &str| {
+        let fixed = format!("fixed_buffers={side}");
+        let args = [
+            "--type",
+            "nvme",
+            "--pin-mode",
+            "kernel",
+            "--opt",
+            &ns,
+            "--opt",
+            "cache1=none",
+            "--opt",
+            "queues=1",
+            "--opt",
+            &entries,
+            "--opt",
+            &fixed,
+        ];
+        Server::start(tmp.path(), &format!("nvme-fixed-{side}"), &args)
+    };
+    let servers = [server("always")?, server("off")?];
+    let mut drivers = Vec::new();
+    for s in &servers {
+        let mut d = NvmeGuest::connect(&s.socket, RAM, 2)?.driver();
+        d.enable()?;
+        d.create_io_queues(1, QUEUE_ENTRIES, false)?;
+        drivers.push(d);
+    }
+    progress.step("filling the file");
+    fill(&mut drivers[1])?;
+    let mut rows = Vec::new();
+    for (kind, len, qd) in chosen {
+        progress.step(format_args!("{} qd{qd}: on and off, {rounds} rounds", kind.name(len)));
+        let mut sides: [Vec<Row>; 2] = [Vec::new(), Vec::new()];
+        let (mut iops, mut cpu) = (Vec::new(), Vec::new());
+        for r in 0..rounds {
+            // Alternating which side goes first: a neighbour's load then falls on both.
+            let order = if r % 2 == 0 { [0, 1] } else { [1, 0] };
+            for side in order {
+                let row = workload(&mut drivers[side], &servers[side], kind, len, true, qd, 1, round)?;
+                sides[side].push(row);
+            }
+            let (on, off) = (&sides[0][r], &sides[1][r]);
+            iops.push(on.iops / off.iops);
+            cpu.push(on.server_cpu_us_per_io / off.server_cpu_us_per_io);
+        }
+        rows.push(FixedRow {
+            workload: kind.name(len),
+            qd,
+            on: medians(&sides[0]),
+            off: medians(&sides[1]),
+            iops_on_vs_off: median(&mut iops),
+            cpu_on_vs_off: median(&mut cpu),
+        });
+    }
+    drop(drivers);
+    let [on, off] = servers;
+    let fixed = |v: serde_json::Value| v["io"]["fixed_transfers"].as_u64().unwrap_or(0);
+    let (fixed_on, fixed_off) = (fixed(on.stop()), fixed(off.stop()));
+    if !matches!(backing, Backing::Existing(_)) {
+        let _ = std::fs::remove_file(&file);
+    }
+    if let Some(place) = place {
+        let _ = std::fs::remove_dir(place);
+    }
+    if fixed_on == 0 {
+        return Err(
+            "fixed_buffers=always moved no transfer through a fixed buffer (the server's log says why: \
+                    a kernel without IORING_REGISTER_CLONE_BUFFERS, say)"
+                .into(),
+        );
+    }
+    Ok(FixedReport {
+        file: file.display().to_string(),
+        file_bytes: NS_BYTES,
+        rounds,
+        round_seconds: round.as_secs_f64(),
+        rows,
+        fixed_transfers_on: fixed_on,
+        fixed_transfers_off: fixed_off,
+    })
+}
+
+/// Prints the `--fixed-buffers` report as a table.
+pub fn print_fixed(r: &FixedReport) -> crate::output::Out {
+    out!(
+        "nvme file namespace, cache1=none, --pin-mode kernel: fixed_buffers=always (on) against off, one queue pair,"
+    )?;
+    out!(
+        "{} MiB file at {}; {} rounds of {:.1} s per side, alternating; medians (ratios: median of each round's).",
+        r.file_bytes >> 20,
+        r.file,
+        r.rounds,
+        r.round_seconds
+    )?;
+    out!("")?;
+    out!(
+        "workload        qd    IOPS on   IOPS off  on/off   CPU/IO on  CPU/IO off  on/off   p50 on  p50 off"
+    )?;
+    for row in &r.rows {
+        out!(
+            "{:<14} {:>3} {:>10.0} {:>10.0} {:>6.3} {:>9.2}us {:>9.2}us {:>7.3} {:>6.1}us {:>6.1}us",
+            row.workload,
+            row.qd,
+            row.on.iops,
+            row.off.iops,
+            row.iops_on_vs_off,
+            row.on.server_cpu_us_per_io,
+            row.off.server_cpu_us_per_io,
+            row.cpu_on_vs_off,
+            row.on.latency_p50_us,
+            row.off.latency_p50_us
+        )?;
+    }
+    out!("")?;
+    out!(
+        "transfers through fixed buffers: {} with fixed_buffers=always, {} with off",
+        r.fixed_transfers_on,
+        r.fixed_transfers_off
+    )?;
     Ok(())
 }

@@ -320,3 +320,56 @@ fn thirty_two_direct_writers_and_readers_on_two_queues_read_back_what_they_wrote
     assert!(io["bytes_written"].as_u64().unwrap() >= 48 << 20, "{io}");
     assert!(io["bytes_read"].as_u64().unwrap() >= 64 << 20, "{io}");
 }
+
+#[test]
+fn in_kernel_pin_mode_a_cache_none_file_namespace_moves_the_guests_io_through_fixed_buffers() {
+    if !guest::available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("nvme.sock");
+    let disk = dir.path().join("disk.img");
+    std::fs::File::create(&disk).unwrap().set_len(256 << 20).unwrap();
+    let ns = format!("ns1=file:{}", disk.display());
+    let args = [
+        "--type",
+        "nvme",
+        "--pin-mode",
+        "kernel",
+        "--opt",
+        &ns,
+        "--opt",
+        "cache1=none",
+        "--opt",
+        "fixed_buffers=always",
+    ];
+    let daemon = process::run_with_stderr(&socket, &args, Stdio::piped());
+    // Besides the scattered I/O, 1 MiB in 128 KiB O_DIRECT commands, read back.
+    let script = format!(
+        r#"set -e
+{IDENTIFY}
+{SCATTERED_IO}
+dd if=/tmp/r of=/dev/nvme0n1 bs=131072 count=8 seek=400 oflag=direct 2>/dev/null
+dd if=/dev/nvme0n1 of=/tmp/big bs=131072 count=8 skip=400 iflag=direct 2>/dev/null
+cmp -s /tmp/r /tmp/big && echo BIG-OK || echo BIG-BAD
+"#
+    );
+    let console = guest::run_ok(&GuestSpec {
+        sockets: vec![&socket],
+        modules: vec!["nvme"],
+        script: &script,
+        timeout: Duration::from_secs(120),
+        ..Default::default()
+    });
+    let stats = stop(daemon);
+    assert_eq!(line(&console, "DRIVER"), "DRIVER nvme");
+    for off in [3, 1000, 77, 4099, 20000, 513] {
+        assert!(console.contains(&format!("IO-OK {off}")), "data at block {off} read back: {console:?}");
+    }
+    assert!(console.iter().any(|l| l == "BIG-OK"), "128 KiB O_DIRECT data read back: {console:?}");
+    let io = &stats["io"];
+    eprintln!("nvme statistics: {io}");
+    assert_eq!(stats["fixed_buffers"], "always", "{stats}");
+    assert_eq!(io["errors"], 0, "{io}");
+    assert!(io["fixed_transfers"].as_u64().unwrap() > 0, "the guest's one-run transfers went fixed: {io}");
+}

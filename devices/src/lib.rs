@@ -9,7 +9,8 @@
 //! - [`nvme`] (type `"nvme"`): an NVMe 1.3 controller; the ABI is in `docs/nvme.md`.
 //! - [`testdev`] (type `"testdev"`): registers, DMA, INTx/MSI/MSI-X, a sparse-mmap BAR and
 //!   an I/O BAR; the ABI is in `docs/testdev.md`.
-//! - [`store`]: the RAM or file block store behind ccw and nvme.
+//! - [`store`]: the RAM or file block store behind ccw and nvme, and [`aio`], asynchronous
+//!   transfers to its files through io_uring.
 //!
 //! What it is not: it speaks no protocol and holds no plumbing of its own; the framework owns
 //! threads, request tracking and guest access, and a binary chooses which types to serve.
@@ -17,6 +18,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![deny(missing_docs)]
 
+pub mod aio;
 pub mod ccw;
 pub mod mtty;
 pub mod nvme;

@@ -8,13 +8,18 @@
 //! stores that bypass the cache: written blocks are rarely read back soon). The ccw and nvme
 //! devices use it.
 //!
+//! A file store has a cache mode ([`Cache`]): through the host's page cache, or O_DIRECT
+//! (straight between the device and guest memory), where a transfer not aligned as the host
+//! needs goes through the page cache instead ([`Store::direct_fits`]).
+//!
 //! What it is not: a cache or an I/O scheduler. Calls are synchronous on the caller's
-//! thread; durability is the host's (`flush` is `fdatasync`).
+//! thread ([`crate::aio`] moves a file store's data asynchronously); durability is the host's
+//! (`flush` is `fdatasync`).
 
 use std::fs::File;
 use std::io;
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileExt, FileTypeExt};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 
 use vm_memory::mmap::MmapRegion;
@@ -46,10 +51,49 @@ pub enum Durability {
     Sync,
 }
 
+/// How a file store uses the host's page cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Cache {
+    /// Through the page cache: reads may hit it, writes land in it and are durable after a
+    /// flush (or at once when asked: [`Durability::Sync`]).
+    #[default]
+    Writeback,
+    /// O_DIRECT: straight between the device and the memory, bypassing the page cache (a
+    /// write is still in the device's own volatile cache until a flush). A transfer whose
+    /// position, lengths or memory are not aligned as the host needs
+    /// ([`Store::direct_fits`]) goes through the page cache instead.
+    None,
+}
+
+impl Cache {
+    /// The option's spelling (`writeback`, `none`), as QEMU's `cache=` spells the same modes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Cache::Writeback => "writeback",
+            Cache::None => "none",
+        }
+    }
+}
+
+/// A file store's O_DIRECT side: its own descriptor of the file, and what the host needs of
+/// a transfer on it.
+#[derive(Debug)]
+struct Direct {
+    file: File,
+    /// Memory addresses are multiples of this.
+    mem_align: u64,
+    /// Positions and lengths (of the whole and of each piece) are multiples of this.
+    offset_align: u64,
+}
+
 /// Bytes of a store, addressed by position.
 #[derive(Debug)]
 pub struct Store {
+    /// Through the page cache (every file store has it: a transfer O_DIRECT cannot take
+    /// goes here, and `flush` syncs the file through it).
     file: File,
+    /// `cache=none`: O_DIRECT.
+    direct: Option<Direct>,
     kind: StoreKind,
     size: u64,
     /// The RAM disk's mapping.
@@ -94,12 +138,18 @@ impl Store {
         }
         let region =
             MmapRegion::from_file(FileOffset::new(file.try_clone()?, 0), len).map_err(io::Error::other)?;
-        Ok(Store { file, kind: StoreKind::Ram, size, ram: Some(region), huge })
+        Ok(Store { file, direct: None, kind: StoreKind::Ram, size, ram: Some(region), huge })
     }
 
-    /// The regular file or block device at `path`, read and written in place; its size is
-    /// the store's.
+    /// The regular file or block device at `path`, read and written in place through the
+    /// page cache; its size is the store's.
     pub fn open(path: &Path) -> io::Result<Store> {
+        Self::open_with(path, Cache::Writeback)
+    }
+
+    /// As [`Store::open`], in cache mode `cache`. With [`Cache::None`] the file is also
+    /// opened O_DIRECT, which fails if the host's filesystem cannot do it.
+    pub fn open_with(path: &Path, cache: Cache) -> io::Result<Store> {
         let file = std::fs::OpenOptions::new().read(true).write(true).open(path)?;
         let meta = file.metadata()?;
         let (kind, size) = if meta.file_type().is_block_device() {
@@ -114,7 +164,47 @@ impl Store {
         if size == 0 {
             return Err(invalid("the backing file is empty"));
         }
-        Ok(Store { file, kind, size, ram: None, huge: false })
+        let direct = match cache {
+            Cache::Writeback => None,
+            Cache::None => Some(Direct::open(path, kind)?),
+        };
+        Ok(Store { file, direct, kind, size, ram: None, huge: false })
+    }
+
+    /// The cache mode (RAM stores: [`Cache::Writeback`], which they behave like).
+    pub fn cache(&self) -> Cache {
+        if self.direct.is_some() {
+            Cache::None
+        } else {
+            Cache::Writeback
+        }
+    }
+
+    /// With [`Cache::None`]: the alignment O_DIRECT needs of memory addresses and of positions
+    /// and lengths, in bytes.
+    pub fn direct_alignment(&self) -> Option<(u64, u64)> {
+        self.direct.as_ref().map(|d| (d.mem_align, d.offset_align))
+    }
+
+    /// Whether a transfer at `pos` of `segments` ((host address, bytes) each) can go O_DIRECT:
+    /// the store has it, and the position, every piece's address and length are aligned as
+    /// the host needs. Otherwise it goes through the page cache.
+    pub fn direct_fits(&self, pos: u64, segments: &[(usize, usize)]) -> bool {
+        let Some(d) = &self.direct else { return false };
+        pos.is_multiple_of(d.offset_align)
+            && segments.iter().all(|&(addr, len)| {
+                (addr as u64).is_multiple_of(d.mem_align) && (len as u64).is_multiple_of(d.offset_align)
+            })
+    }
+
+    /// A file store's descriptor through the page cache (`None` for RAM).
+    pub fn buffered_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.ram.is_none().then(|| self.file.as_fd())
+    }
+
+    /// A file store's O_DIRECT descriptor, with [`Cache::None`].
+    pub fn direct_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.direct.as_ref().map(|d| d.file.as_fd())
     }
 
     /// Bytes in the store.
@@ -151,7 +241,7 @@ impl Store {
             }
             return Ok(());
         }
-        self.vectored(pos, bufs, Direction::Read, 0)
+        self.file_vectored(pos, bufs, Direction::Read, 0)
     }
 
     /// Writes `bufs`, in order, to the store from `pos`, whole.
@@ -175,7 +265,28 @@ impl Store {
             Durability::Cached => 0,
             Durability::Sync => libc::RWF_DSYNC,
         };
-        self.vectored(pos, bufs, Direction::Write, flags)
+        self.file_vectored(pos, bufs, Direction::Write, flags)
+    }
+
+    /// A file's transfer: O_DIRECT if it fits ([`Store::direct_fits`]) and the kernel takes
+    /// it, else through the page cache.
+    fn file_vectored(
+        &self,
+        pos: u64,
+        bufs: &[VolatileSlice<'_>],
+        dir: Direction,
+        flags: libc::c_int,
+    ) -> io::Result<()> {
+        if let Some(direct) = &self.direct {
+            if self.direct_fits(pos, &segments(bufs)) {
+                match vectored(&direct.file, pos, bufs, dir, flags) {
+                    // Refused as misaligned after all (the host's alignment was guessed).
+                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+                    done => return done,
+                }
+            }
+        }
+        vectored(&self.file, pos, bufs, dir, flags)
     }
 
     /// Reads `buf.len()` bytes at `pos` into a private buffer.
@@ -247,73 +358,138 @@ impl Store {
         }
         Ok(())
     }
+}
 
-    fn vectored(
-        &self,
-        pos: u64,
-        bufs: &[VolatileSlice<'_>],
-        dir: Direction,
-        flags: libc::c_int,
-    ) -> io::Result<()> {
-        let mut iov: smallvec::SmallVec<[libc::iovec; 16]> = bufs
-            .iter()
-            .filter(|b| !b.is_empty())
-            .map(|b| libc::iovec { iov_base: b.ptr_guard_mut().as_ptr().cast(), iov_len: b.len() })
-            .collect();
-        let mut first = 0usize;
-        let mut at = pos;
-        while first < iov.len() {
-            let batch = &iov[first..iov.len().min(first + MAX_IOV)];
-            // SAFETY: every iovec describes a VolatileSlice the caller lends us for the call:
-            // memory that stays mapped while the slices live (pinned guest pages, say), and
-            // that the kernel reads (write) or writes (read) like DMA would. No Rust
-            // reference to it exists.
-            let n = unsafe {
-                match dir {
-                    Direction::Read => libc::preadv2(
-                        self.file.as_raw_fd(),
-                        batch.as_ptr(),
-                        batch.len() as libc::c_int,
-                        at as libc::off_t,
-                        flags,
-                    ),
-                    Direction::Write => libc::pwritev2(
-                        self.file.as_raw_fd(),
-                        batch.as_ptr(),
-                        batch.len() as libc::c_int,
-                        at as libc::off_t,
-                        flags,
-                    ),
-                }
-            };
-            if n < 0 {
-                let err = io::Error::last_os_error();
-                if err.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(err);
+/// A transfer's memory: (host address, bytes) per piece, in order.
+pub type Segments = smallvec::SmallVec<[(usize, usize); 8]>;
+
+/// (host address, bytes) of each slice, in order: a transfer's pieces as [`Store::direct_fits`]
+/// and [`crate::aio::Request`] take them.
+pub fn segments(bufs: &[VolatileSlice<'_>]) -> Segments {
+    bufs.iter().filter(|b| !b.is_empty()).map(|b| (b.ptr_guard_mut().as_ptr() as usize, b.len())).collect()
+}
+
+impl Direct {
+    /// `path` opened O_DIRECT, and what the host needs of a transfer on it: `statx`'s direct
+    /// I/O alignment where the kernel reports it; otherwise the block device's logical block
+    /// for both, or 4 KiB for both for a file (enough on every filesystem Linux has).
+    fn open(path: &Path, kind: StoreKind) -> io::Result<Direct> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+            .map_err(|e| io::Error::new(e.kind(), format!("cache=none needs O_DIRECT, which failed: {e}")))?;
+        let (mem_align, offset_align) = match dio_alignment(&file)? {
+            Some((0, _)) | Some((_, 0)) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    "cache=none: the host's filesystem does no direct I/O on this file (statx reports no alignment)",
+                ))
             }
-            if n == 0 {
-                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the backing file ended early"));
-            }
-            // Step over what moved: whole iovecs, then into a partly done one.
-            let mut n = n as usize;
-            at += n as u64;
-            while n > 0 {
-                let v = &mut iov[first];
-                if n >= v.iov_len {
-                    n -= v.iov_len;
-                    first += 1;
+            Some(a) => a,
+            None if kind == StoreKind::BlockDevice => {
+                let mut lbs: libc::c_int = 0;
+                // SAFETY: BLKSSZGET writes one int through the pointer, which is valid.
+                if unsafe { libc::ioctl(file.as_raw_fd(), libc::BLKSSZGET, &mut lbs) } != 0 || lbs <= 0 {
+                    (4096, 4096)
                 } else {
-                    // SAFETY: stays inside the iovec's buffer (n < iov_len).
-                    v.iov_base = unsafe { v.iov_base.cast::<u8>().add(n) }.cast();
-                    v.iov_len -= n;
-                    n = 0;
+                    (lbs as u64, lbs as u64)
                 }
+            }
+            None => (4096, 4096),
+        };
+        Ok(Direct { file, mem_align, offset_align })
+    }
+}
+
+/// `statx`'s direct I/O alignment of `file` (memory, offset), if the kernel reports it.
+fn dio_alignment(file: &File) -> io::Result<Option<(u64, u64)>> {
+    // SAFETY: an all-zero statx is a valid value of the plain C struct.
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: statx of the fd itself (AT_EMPTY_PATH with an empty C string) writes only the
+    // struct it is given.
+    let rc = unsafe {
+        libc::statx(file.as_raw_fd(), c"".as_ptr(), libc::AT_EMPTY_PATH, libc::STATX_DIOALIGN, &mut stx)
+    };
+    if rc != 0 {
+        let e = io::Error::last_os_error();
+        // No statx (an old kernel or a seccomp filter): fall back on the guesses.
+        return if e.raw_os_error() == Some(libc::ENOSYS) { Ok(None) } else { Err(e) };
+    }
+    if stx.stx_mask & libc::STATX_DIOALIGN == 0 {
+        return Ok(None);
+    }
+    Ok(Some((u64::from(stx.stx_dio_mem_align), u64::from(stx.stx_dio_offset_align))))
+}
+
+/// One vectored transfer between `file` at `pos` and `bufs`, whole (continued after short
+/// calls).
+fn vectored(
+    file: &File,
+    pos: u64,
+    bufs: &[VolatileSlice<'_>],
+    dir: Direction,
+    flags: libc::c_int,
+) -> io::Result<()> {
+    let mut iov: smallvec::SmallVec<[libc::iovec; 16]> = bufs
+        .iter()
+        .filter(|b| !b.is_empty())
+        .map(|b| libc::iovec { iov_base: b.ptr_guard_mut().as_ptr().cast(), iov_len: b.len() })
+        .collect();
+    let mut first = 0usize;
+    let mut at = pos;
+    while first < iov.len() {
+        let batch = &iov[first..iov.len().min(first + MAX_IOV)];
+        // SAFETY: every iovec describes a VolatileSlice the caller lends us for the call:
+        // memory that stays mapped while the slices live (pinned guest pages, say), and
+        // that the kernel reads (write) or writes (read) like DMA would. No Rust
+        // reference to it exists.
+        let n = unsafe {
+            match dir {
+                Direction::Read => libc::preadv2(
+                    file.as_raw_fd(),
+                    batch.as_ptr(),
+                    batch.len() as libc::c_int,
+                    at as libc::off_t,
+                    flags,
+                ),
+                Direction::Write => libc::pwritev2(
+                    file.as_raw_fd(),
+                    batch.as_ptr(),
+                    batch.len() as libc::c_int,
+                    at as libc::off_t,
+                    flags,
+                ),
+            }
+        };
+        if n < 0 {
+            let err = io::Error::last_os_error();
+            if err.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(err);
+        }
+        if n == 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the backing file ended early"));
+        }
+        // Step over what moved: whole iovecs, then into a partly done one.
+        let mut n = n as usize;
+        at += n as u64;
+        while n > 0 {
+            let v = &mut iov[first];
+            if n >= v.iov_len {
+                n -= v.iov_len;
+                first += 1;
+            } else {
+                // SAFETY: stays inside the iovec's buffer (n < iov_len).
+                v.iov_base = unsafe { v.iov_base.cast::<u8>().add(n) }.cast();
+                v.iov_len -= n;
+                n = 0;
             }
         }
-        Ok(())
     }
+    Ok(())
 }
 
 #[derive(Clone, Copy)]
@@ -479,6 +655,63 @@ mod tests {
         assert_eq!(bytes[3000], 0);
         assert_eq!(bytes[3001], 7);
         assert_eq!(bytes.len(), 1 << 20);
+    }
+
+    /// `len` bytes at a 4 KiB-aligned address (O_DIRECT's memory alignment here).
+    struct Aligned(*mut u8, usize);
+
+    impl Aligned {
+        fn new(len: usize) -> Aligned {
+            let layout = std::alloc::Layout::from_size_align(len, 4096).unwrap();
+            // SAFETY: a non-zero size.
+            Aligned(unsafe { std::alloc::alloc_zeroed(layout) }, len)
+        }
+        fn bytes(&mut self) -> &mut [u8] {
+            // SAFETY: the allocation is `len` bytes and lives as long as `self`.
+            unsafe { std::slice::from_raw_parts_mut(self.0, self.1) }
+        }
+    }
+
+    impl Drop for Aligned {
+        fn drop(&mut self) {
+            // SAFETY: allocated in `new` with this layout.
+            unsafe { std::alloc::dealloc(self.0, std::alloc::Layout::from_size_align(self.1, 4096).unwrap()) }
+        }
+    }
+
+    #[test]
+    fn a_direct_store_moves_aligned_transfers_straight_and_the_rest_through_the_page_cache() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disk.img");
+        File::create(&path).unwrap().set_len(1 << 20).unwrap();
+        let store = match Store::open_with(&path, Cache::None) {
+            Ok(s) => s,
+            Err(e) => return eprintln!("SKIPPED: no O_DIRECT on {}: {e}", dir.path().display()),
+        };
+        assert_eq!(store.cache(), Cache::None);
+        let (mem, offset) = store.direct_alignment().unwrap();
+        assert!(mem.is_power_of_two() && offset.is_power_of_two() && offset <= 4096 && mem <= 4096);
+        let mut buf = Aligned::new(3 * 4096);
+        for (i, b) in buf.bytes().iter_mut().enumerate() {
+            *b = (i * 31 + 7) as u8;
+        }
+        let data = buf.bytes().to_vec();
+        // Aligned: straight; the odd slices: through the page cache. Both land.
+        let whole = slices(buf.bytes(), &[8192, 4096]);
+        assert!(store.direct_fits(8192, &segments(&whole)));
+        store.write_vectored(8192, &whole, Durability::Sync).unwrap();
+        let odd = slices(&mut buf.bytes()[1..], &[100]);
+        assert!(!store.direct_fits(8192, &segments(&odd)));
+        assert!(!store.direct_fits(8193, &segments(&whole[..1])));
+        store.write_vectored(40_000, &odd, Durability::Cached).unwrap();
+        let mut back = Aligned::new(3 * 4096);
+        store.read_vectored(8192, &slices(back.bytes(), &[3 * 4096])).unwrap();
+        assert_eq!(back.bytes(), &data[..]);
+        let mut small = [0u8; 100];
+        store.read(40_000, &mut small).unwrap();
+        assert_eq!(small[..], data[1..101]);
+        store.flush().unwrap();
+        assert_eq!(std::fs::read(&path).unwrap()[8192..8192 + 3 * 4096], data[..]);
     }
 
     #[test]

@@ -1,169 +1,19 @@
 //! The controller driven through [`VfioDevice`] by the testkit's NVMe `Driver`, against a real
 //! [`DmaSpace`] over a memfd, with eventfds for interrupts.
 
+mod rig;
+
 use std::fs::File;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
-use std::os::unix::fs::FileExt;
 use std::time::Duration;
 
-use umdev_pinning::{DmaSpace, Prot};
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
-
-use std::sync::Arc;
-
-use umdev_devices::nvme::ctrl::Ctrl;
+use rig::*;
 use umdev_devices::nvme::namespace::Backing;
 use umdev_devices::nvme::spec::*;
 use umdev_devices::nvme::*;
-use umdev_mdev::pci::regs::{
-    CAPABILITY_LIST, CAP_ID_MSIX, COMMAND, COMMAND_MASTER, COMMAND_MEMORY, MSIX_CTRL_ENABLE,
-};
-use umdev_mdev::pci::PciDevice;
-use umdev_mdev::{DeviceContext, IrqAction, IrqData, SetIrqs, VfioDevice};
-use umdev_mdev::{VFIO_PCI_CONFIG_REGION_INDEX as CONFIG, VFIO_PCI_INTX_IRQ_INDEX, VFIO_PCI_MSIX_IRQ_INDEX};
+use umdev_mdev::pci::regs::{COMMAND, COMMAND_MASTER, COMMAND_MEMORY};
+use umdev_mdev::VfioDevice;
+use umdev_mdev::VFIO_PCI_CONFIG_REGION_INDEX as CONFIG;
 use umdev_testkit::nvme_driver::{self as driver, Driver, Transport};
-use umdev_testkit::NoClient;
-
-/// Guest RAM: 128 MiB at IOVA 0.
-const RAM_SIZE: u64 = 128 << 20;
-/// Read-only guest memory, mapped after RAM.
-const RO: u64 = RAM_SIZE;
-const DATA: u64 = Driver::<Rig>::DATA;
-
-/// The device, its guest RAM and DMA space, and one eventfd per MSI-X vector (or INTx).
-struct Rig {
-    dev: Arc<PciDevice<Nvme>>,
-    ram: File,
-    dma: DmaSpace,
-    irqs: Vec<EventFd>,
-    msix: bool,
-}
-
-fn memfd(name: &std::ffi::CStr, size: u64) -> File {
-    let file =
-        File::from(nix::sys::memfd::memfd_create(name, nix::sys::memfd::MFdFlags::MFD_CLOEXEC).unwrap());
-    file.set_len(size).unwrap();
-    file
-}
-
-impl Rig {
-    fn with(config: NvmeConfig, msix: bool) -> Rig {
-        let dev = Arc::new(create(config).unwrap());
-        let ram = memfd(c"nvme-test-ram", RAM_SIZE);
-        let dma = DmaSpace::default();
-        dma.map(0, RAM_SIZE, ram.as_fd(), 0, Prot::READ_WRITE).unwrap();
-        let ro = memfd(c"nvme-test-ro", 1 << 20);
-        dma.map(RO, 1 << 20, ro.as_fd(), 0, Prot::READ).unwrap();
-        let command = u64::from(COMMAND_MEMORY | COMMAND_MASTER);
-        dev.region_write(CONFIG, COMMAND as u64, &command.to_le_bytes()[..2]).unwrap();
-        let mut rig = Rig { dev, ram, dma, irqs: Vec::new(), msix };
-        let vectors = if msix { u32::from(rig.dev.function().controller().io_queues()) + 1 } else { 1 };
-        if msix {
-            let cap = rig.cap(CAP_ID_MSIX);
-            rig.dev.region_write(CONFIG, cap + 2, &MSIX_CTRL_ENABLE.to_le_bytes()).unwrap();
-        }
-        rig.irqs = (0..vectors).map(|_| EventFd::new(EFD_NONBLOCK).unwrap()).collect();
-        let data = IrqData::Eventfds(rig.irqs.iter().map(|e| e.try_clone().unwrap()).collect());
-        let index = if msix { VFIO_PCI_MSIX_IRQ_INDEX } else { VFIO_PCI_INTX_IRQ_INDEX };
-        rig.dev
-            .set_irqs(SetIrqs { index, start: 0, count: vectors, action: IrqAction::Trigger, data })
-            .unwrap();
-        rig.dev.attach(DeviceContext::new(rig.dma.clone(), Arc::new(NoClient)));
-        // As the server does: an unmap of memory the device holds pins in tells the device.
-        let weak = Arc::downgrade(&rig.dev);
-        rig.dma.set_unmap_notifier(Some(Arc::new(move |iova, len| {
-            if let Some(dev) = weak.upgrade() {
-                dev.dma_unmap(iova, len);
-            }
-        })));
-        rig
-    }
-
-    fn new() -> Rig {
-        let config = NvmeConfig { namespaces: vec![Some(Backing::Ram(64 << 20))], ..NvmeConfig::default() };
-        Rig::with(config, true)
-    }
-
-    fn cap(&self, id: u8) -> u64 {
-        let read = |at: u64| {
-            let mut b = [0u8; 1];
-            self.dev.region_read(CONFIG, at, &mut b).unwrap();
-            u64::from(b[0])
-        };
-        let mut at = read(CAPABILITY_LIST as u64);
-        while at != 0 {
-            if read(at) == u64::from(id) {
-                return at;
-            }
-            at = read(at + 1);
-        }
-        panic!("no capability {id:#x}");
-    }
-
-    /// Forgets interrupts so far and unmasks INTx, as the guest's handler does.
-    fn eoi(&mut self) {
-        for e in &self.irqs {
-            let _ = e.read();
-        }
-        if !self.msix {
-            let unmask = SetIrqs {
-                index: VFIO_PCI_INTX_IRQ_INDEX,
-                start: 0,
-                count: 1,
-                action: IrqAction::Unmask,
-                data: IrqData::None,
-            };
-            self.dev.set_irqs(unmask).unwrap();
-        }
-    }
-
-    fn ctrl(&self) -> &Ctrl {
-        self.dev.function().controller()
-    }
-}
-
-impl Transport for Rig {
-    fn read32(&mut self, offset: u64) -> Result<u32, String> {
-        let mut b = [0u8; 4];
-        self.dev.region_read(0, offset, &mut b).map_err(|e| e.to_string())?;
-        Ok(u32::from_le_bytes(b))
-    }
-    fn write32(&mut self, offset: u64, value: u32) -> Result<(), String> {
-        self.dev.region_write(0, offset, &value.to_le_bytes()).map_err(|e| e.to_string())
-    }
-    fn put(&mut self, addr: u64, bytes: &[u8]) -> Result<(), String> {
-        self.ram.write_all_at(bytes, addr).map_err(|e| e.to_string())
-    }
-    fn get(&mut self, addr: u64, buf: &mut [u8]) -> Result<(), String> {
-        self.ram.read_exact_at(buf, addr).map_err(|e| e.to_string())
-    }
-    fn wait_interrupt(&mut self, vector: u16, timeout: Duration) -> Option<bool> {
-        let efd = self.irqs.get(usize::from(vector)).or(self.irqs.first())?;
-        // SAFETY: the eventfd outlives the borrow.
-        let fd = unsafe { BorrowedFd::borrow_raw(efd.as_raw_fd()) };
-        let mut fds = [nix::poll::PollFd::new(fd, nix::poll::PollFlags::POLLIN)];
-        let ms = nix::poll::PollTimeout::try_from(timeout).unwrap_or(nix::poll::PollTimeout::MAX);
-        let ready = nix::poll::poll(&mut fds, ms).unwrap_or(0) == 1;
-        if ready {
-            // INTx is masked when it fires (VFIO's automask): the guest's EOI unmasks.
-            self.eoi();
-        }
-        Some(ready)
-    }
-}
-
-fn up(rig: Rig, queues: u16) -> Driver<Rig> {
-    let mut d = Driver::new(rig);
-    d.enable().unwrap();
-    if queues > 0 {
-        d.create_io_queues(queues, 64, false).unwrap();
-    }
-    d
-}
-
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 9) as u8).collect()
-}
 
 #[test]
 fn identify_describes_the_controller_and_namespace() {
@@ -619,7 +469,11 @@ fn a_file_namespace_keeps_its_data_and_flush_reaches_the_file() {
     let path = dir.path().join("disk.img");
     File::create(&path).unwrap().set_len(8 << 20).unwrap();
     let config = NvmeConfig {
-        namespaces: vec![Some(Backing::File(path.clone())), None, Some(Backing::Ram(1 << 20))],
+        namespaces: vec![
+            Some(Backing::File(path.clone(), Default::default())),
+            None,
+            Some(Backing::Ram(1 << 20)),
+        ],
         lba_shift: 12,
         ..NvmeConfig::default()
     };
@@ -874,7 +728,10 @@ fn a_backing_file_truncated_under_the_guest_fails_the_reads_past_its_end_and_not
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("disk.img");
     File::create(&path).unwrap().set_len(8 << 20).unwrap();
-    let config = NvmeConfig { namespaces: vec![Some(Backing::File(path.clone()))], ..NvmeConfig::default() };
+    let config = NvmeConfig {
+        namespaces: vec![Some(Backing::File(path.clone(), Default::default()))],
+        ..NvmeConfig::default()
+    };
     let mut d = up(Rig::with(config, true), 1);
     d.t.put(DATA, &pattern(4096, 1)).unwrap();
     assert_eq!(d.rw(1, false, 1, 0, 8, 512, &[DATA], 0).unwrap(), Status::SUCCESS);
@@ -921,7 +778,8 @@ impl SmallFs {
 
 impl Drop for SmallFs {
     fn drop(&mut self) {
-        let _ = std::process::Command::new("umount").arg(self.0.path()).status();
+        // Lazily: a queue worker of the device may still hold the file open for a moment.
+        let _ = std::process::Command::new("umount").arg("--lazy").arg(self.0.path()).status();
     }
 }
 
@@ -933,7 +791,10 @@ fn a_sparse_file_on_a_full_filesystem_fails_writes_with_capacity_exceeded_and_no
     };
     let path = fs.0.path().join("disk.img");
     File::create(&path).unwrap().set_len(8 << 20).unwrap(); // sparse: 8 MiB on 1 MiB of room
-    let config = NvmeConfig { namespaces: vec![Some(Backing::File(path))], ..NvmeConfig::default() };
+    let config = NvmeConfig {
+        namespaces: vec![Some(Backing::File(path, Default::default()))],
+        ..NvmeConfig::default()
+    };
     let mut d = up(Rig::with(config, true), 1);
     d.t.put(DATA, &pattern(64 << 10, 4)).unwrap();
     let pages: Vec<u64> = (0..16).map(|i| DATA + i * 0x1000).collect();
@@ -956,4 +817,89 @@ fn a_sparse_file_on_a_full_filesystem_fails_writes_with_capacity_exceeded_and_no
     let mut entry = ErrorLogEntry::default();
     d.t.get(DATA + 0x9000, vm_memory::ByteValued::as_mut_slice(&mut entry)).unwrap();
     assert_eq!(u16::from(entry.status) >> 1, Status::CAPACITY_EXCEEDED.0);
+}
+
+/// The process's kernel-pinned memory (`VmPin`, where io_uring charges registered buffers),
+/// in pages. Only this test of this binary pins in kernel mode.
+fn vm_pin_pages() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kb = status.lines().find_map(|l| l.strip_prefix("VmPin:")).unwrap();
+    kb.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap() / 4
+}
+
+#[test]
+fn in_kernel_pin_mode_o_direct_transfers_move_through_the_pinned_runs_as_fixed_buffers() {
+    use umdev_pinning::{DmaSpace, DmaSpaceConfig, PinMode};
+    let dma = match DmaSpace::try_new(DmaSpaceConfig { mode: PinMode::Kernel, ..Default::default() }) {
+        Ok(dma) => dma,
+        Err(e) => return eprintln!("SKIPPED: kernel pin mode cannot start here: {e}"),
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("disk.img");
+    File::create(&path).unwrap().set_len(8 << 20).unwrap();
+    let config = NvmeConfig {
+        namespaces: vec![Some(Backing::File(path.clone(), umdev_devices::store::Cache::None))],
+        lba_shift: 12,
+        // Every size: the default leaves transfers under 64 KiB plain (checked at the end).
+        fixed_buffers: FixedBuffers::Always,
+        ..NvmeConfig::default()
+    };
+    let mut d = up(Rig::with_dma(config.clone(), true, dma), 1);
+    let before = d.t.dev.function().totals();
+    // One page, four contiguous pages (each one run: one registered buffer), and two pages
+    // apart (two runs: no single buffer holds them, so a plain transfer).
+    let one = pattern(4096, 11);
+    let four = pattern(4 * 4096, 12);
+    let two = pattern(2 * 4096, 13);
+    d.t.put(DATA, &one).unwrap();
+    d.t.put(DATA + 0x10000, &four).unwrap();
+    d.t.put(DATA + 0x20000, &two[..4096]).unwrap();
+    d.t.put(DATA + 0x22000, &two[4096..]).unwrap();
+    let contiguous: Vec<u64> = (0..4).map(|i| DATA + 0x10000 + i * 0x1000).collect();
+    let apart = [DATA + 0x20000, DATA + 0x22000];
+    assert_eq!(d.rw(1, false, 1, 3, 1, 4096, &[DATA], 0).unwrap(), Status::SUCCESS);
+    assert_eq!(d.rw(1, false, 1, 10, 4, 4096, &contiguous, 0).unwrap(), Status::SUCCESS);
+    assert_eq!(d.rw(1, false, 1, 20, 2, 4096, &apart, 0).unwrap(), Status::SUCCESS);
+    let back: Vec<u64> = (0..4).map(|i| DATA + 0x40000 + i * 0x1000).collect();
+    let mut got = vec![0u8; 4 * 4096];
+    assert_eq!(d.rw(1, true, 1, 3, 1, 4096, &back[..1], 0).unwrap(), Status::SUCCESS);
+    d.t.get(DATA + 0x40000, &mut got[..4096]).unwrap();
+    assert!(got[..4096] == one[..], "one page read back");
+    assert_eq!(d.rw(1, true, 1, 10, 4, 4096, &back, 0).unwrap(), Status::SUCCESS);
+    d.t.get(DATA + 0x40000, &mut got).unwrap();
+    assert!(got == four, "four pages read back");
+    assert_eq!(d.rw(1, true, 1, 20, 2, 4096, &[DATA + 0x50000, DATA + 0x52000], 0).unwrap(), Status::SUCCESS);
+    d.t.get(DATA + 0x50000, &mut got[..4096]).unwrap();
+    d.t.get(DATA + 0x52000, &mut got[4096..8192]).unwrap();
+    assert!(got[..8192] == two[..], "two runs read back");
+    let on_disk = std::fs::read(&path).unwrap();
+    assert!(on_disk[3 * 4096..4 * 4096] == one[..] && on_disk[10 * 4096..14 * 4096] == four[..]);
+    assert!(on_disk[20 * 4096..22 * 4096] == two[..]);
+    // The one-run transfers went as fixed buffers, the two-run ones did not.
+    let after = d.t.dev.function().totals();
+    assert_eq!((after.reads - before.reads, after.writes - before.writes), (3, 3));
+    assert_eq!(after.fixed_transfers - before.fixed_transfers, 4);
+    // The worker's clones are gone with the commands: what the kernel holds pinned is what
+    // the engine holds (the queues' rings), no more.
+    let held = d.t.dma.stats().kernel_pages_held;
+    assert!(held > 0, "the rings are pinned");
+    assert_eq!(vm_pin_pages(), held);
+    d.t.write32(reg::CC, 0).unwrap();
+    assert_eq!((d.t.dma.stats().kernel_pages_held, vm_pin_pages()), (0, 0));
+    d.t.dev.detach();
+    drop(d);
+
+    // By default only a transfer of 64 KiB or more goes fixed.
+    let dma = DmaSpace::try_new(DmaSpaceConfig { mode: PinMode::Kernel, ..Default::default() }).unwrap();
+    let config = NvmeConfig { fixed_buffers: FixedBuffers::default(), ..config };
+    let mut d = up(Rig::with_dma(config, true, dma), 1);
+    let sixteen: Vec<u64> = (0..16).map(|i| DATA + 0x100000 + i * 0x1000).collect();
+    d.t.put(DATA + 0x100000, &pattern(64 << 10, 14)).unwrap();
+    assert_eq!(d.rw(1, false, 1, 100, 16, 4096, &sixteen, 0).unwrap(), Status::SUCCESS);
+    assert_eq!(d.rw(1, false, 1, 3, 1, 4096, &[DATA], 0).unwrap(), Status::SUCCESS);
+    assert_eq!(d.rw(1, true, 1, 100, 16, 4096, &sixteen, 0).unwrap(), Status::SUCCESS);
+    let mut got = vec![0u8; 64 << 10];
+    d.t.get(DATA + 0x100000, &mut got).unwrap();
+    assert!(got == pattern(64 << 10, 14));
+    assert_eq!(d.t.dev.function().totals().fixed_transfers, 2, "the two 64 KiB transfers, not the 4 KiB one");
 }

@@ -130,6 +130,13 @@ impl DeviceContext {
     pub fn pin_mode(&self) -> umdev_pinning::PinMode {
         self.dma.mode()
     }
+
+    /// Kernel pin mode: the io_uring whose registered buffers are the kernel's pins of the
+    /// guest's pages ([`umdev_pinning::DmaSpace::kernel_ring_fd`], with
+    /// [`PinnedPages::registered_buffer`]); `None` in the other modes.
+    pub fn kernel_ring_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.dma.kernel_ring_fd()
+    }
 }
 
 impl std::fmt::Debug for DeviceContext {

@@ -13,13 +13,21 @@
 //! up to that long before it sleeps, if a CPU is free for it: at most one worker per spare CPU
 //! of the process polls at a time (the turns are shared by every device), and a turn is given
 //! back before sleeping. A ring while the worker polls costs the ringer no syscall.
+//!
+//! **Sleeping in the kernel.** A worker that also waits for events the kernel delivers to it
+//! (an io_uring's completions) sleeps where those arrive instead of in the thread's park:
+//! [`Waiter::wait_in`] with a [`KernelSleep`]. A ring then writes the bell's eventfd
+//! ([`Bell::eventfd`]), which the sleeper watches (an io_uring read of it, say), so one
+//! blocking call ends on a ring, a stop or the kernel's event, whichever comes first.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
 use umdev_pinning::sync;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 /// How long a worker watches for work before it sleeps.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -76,8 +84,11 @@ pub struct Bell(Arc<BellInner>);
 struct BellInner {
     /// Bumped by every ring: a waiter that saw the same value has missed nothing.
     rings: AtomicU32,
-    /// The worker is about to sleep or sleeping: a ring must unpark it.
-    sleeping: AtomicBool,
+    /// [`AWAKE`], or how the worker sleeps (or is about to): a ring must wake it there.
+    sleeping: AtomicU8,
+    /// Written by a ring while the worker sleeps in the kernel ([`Waiter::wait_in`]); made by
+    /// the first [`Bell::eventfd`].
+    kick: OnceLock<EventFd>,
     /// The worker ringing wakes (taken only when it sleeps).
     thread: Mutex<Option<Thread>>,
 }
@@ -97,11 +108,29 @@ impl Bell {
     /// no syscall while the worker is awake or polling.
     pub fn ring(&self) {
         self.0.rings.fetch_add(1, Ordering::SeqCst);
-        if self.0.sleeping.load(Ordering::SeqCst) {
-            if let Some(t) = sync::lock(&self.0.thread).as_ref() {
-                t.unpark();
+        match self.0.sleeping.load(Ordering::SeqCst) {
+            PARKED => {
+                if let Some(t) = sync::lock(&self.0.thread).as_ref() {
+                    t.unpark();
+                }
             }
+            IN_KERNEL => self.0.kick(),
+            _ => {}
         }
+    }
+
+    /// The eventfd a ring writes while the worker sleeps in the kernel ([`Waiter::wait_in`]):
+    /// the sleeper watches it. Made on first call; the same for the bell's life.
+    pub fn eventfd(&self) -> std::io::Result<BorrowedFd<'_>> {
+        if self.0.kick.get().is_none() {
+            let efd = EventFd::new(EFD_NONBLOCK)?;
+            // Another thread may have made one meanwhile: then ours is dropped.
+            let _ = self.0.kick.set(efd);
+        }
+        let efd = self.0.kick.get().expect("set above");
+        // SAFETY: the fd is the bell's eventfd, which lives as long as the bell, and the
+        // borrow cannot outlive `self`.
+        Ok(unsafe { BorrowedFd::borrow_raw(efd.as_raw_fd()) })
     }
 }
 
@@ -109,6 +138,32 @@ impl std::fmt::Debug for Bell {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Bell").field("rings", &self.0.rings.load(Ordering::Relaxed)).finish()
     }
+}
+
+/// A bell's worker is awake (a ring only counts)...
+const AWAKE: u8 = 0;
+/// ...parked (a ring unparks it)...
+const PARKED: u8 = 1;
+/// ...or sleeping in the kernel (a ring writes the bell's eventfd).
+const IN_KERNEL: u8 = 2;
+
+impl BellInner {
+    /// Wakes a worker sleeping in the kernel. A full counter (never, in practice) still
+    /// reads as readable: nothing is lost by ignoring the error.
+    fn kick(&self) {
+        if let Some(efd) = self.kick.get() {
+            let _ = efd.write(1);
+        }
+    }
+}
+
+/// Where a worker sleeps when it sleeps in the kernel ([`Waiter::wait_in`]).
+pub trait KernelSleep {
+    /// Whether events of its own have arrived (completions to reap): the wait ends.
+    fn pending(&mut self) -> bool;
+    /// Blocks until one of its own events arrives, the bell's eventfd ([`Bell::eventfd`]) is
+    /// written, or `timeout` passes (`None`: no limit). May return early.
+    fn block(&mut self, timeout: Option<Duration>);
 }
 
 /// What a worker and its device share besides the bell.
@@ -166,6 +221,23 @@ impl<S: Copy> Waiter<S> {
         self.wait_with(ready, timeout, Poll::NONE)
     }
 
+    /// As [`Waiter::wait`] (`poll`: with the waiter's polling budget first), but sleeping in
+    /// `kernel` instead of the thread's park, and ending too when `kernel` has events of its
+    /// own ([`KernelSleep::pending`]). A ring or a stop meanwhile writes the bell's eventfd,
+    /// which `kernel` must watch.
+    pub fn wait_in(
+        &mut self,
+        mut ready: impl FnMut() -> bool,
+        timeout: Option<Duration>,
+        poll: bool,
+        kernel: &mut impl KernelSleep,
+    ) -> Wake<S> {
+        let budget = if poll { self.poll } else { Poll::NONE };
+        let kernel = std::cell::RefCell::new(kernel);
+        let mut look = || ready() || kernel.borrow_mut().pending();
+        self.wait_on(&mut look, timeout, budget, &mut |left| kernel.borrow_mut().block(left), IN_KERNEL)
+    }
+
     /// As [`Waiter::sleep`], but a stop does not end the wait: for a body that was told to
     /// stop and still owes something it must finish, boundedly (a device completing what was
     /// queued before a deletion, say), while waiting for a ring. Returns [`Wake::Work`] or
@@ -183,8 +255,25 @@ impl<S: Copy> Waiter<S> {
         timeout: Option<Duration>,
         poll: Poll,
     ) -> Wake<S> {
+        let mut park = |left: Option<Duration>| match left {
+            Some(left) => std::thread::park_timeout(left),
+            None => std::thread::park(),
+        };
+        self.wait_on(&mut ready, timeout, poll, &mut park, PARKED)
+    }
+
+    /// Looks, polls for up to `poll`'s budget (with a turn free), then announces itself
+    /// sleeping as `how` and sleeps in `sleep` (after one more look).
+    fn wait_on(
+        &mut self,
+        ready: &mut dyn FnMut() -> bool,
+        timeout: Option<Duration>,
+        poll: Poll,
+        sleep: &mut dyn FnMut(Option<Duration>),
+        how: u8,
+    ) -> Wake<S> {
         let start = Instant::now();
-        if let Some(wake) = self.look(&mut ready) {
+        if let Some(wake) = self.look(ready) {
             return wake;
         }
         let budget = match timeout {
@@ -195,7 +284,7 @@ impl<S: Copy> Waiter<S> {
             if let Some(_turn) = PollTurn::take() {
                 while start.elapsed() < budget {
                     std::hint::spin_loop();
-                    if let Some(wake) = self.look(&mut ready) {
+                    if let Some(wake) = self.look(ready) {
                         return wake;
                     }
                 }
@@ -206,22 +295,19 @@ impl<S: Copy> Waiter<S> {
             return Wake::Timeout;
         }
         let bell = &self.bell.0;
-        bell.sleeping.store(true, Ordering::SeqCst);
-        // Looked at again after `sleeping` is visible: a ring from here on unparks us, and
+        bell.sleeping.store(how, Ordering::SeqCst);
+        // Looked at again after `sleeping` is visible: a ring from here on wakes us, and
         // one before it is seen now.
-        let wake = self.look(&mut ready);
+        let wake = self.look(ready);
         if wake.is_none() {
-            match left {
-                Some(left) => std::thread::park_timeout(left),
-                None => std::thread::park(),
-            }
+            sleep(left);
         }
-        self.bell.0.sleeping.store(false, Ordering::SeqCst);
-        wake.or_else(|| self.look(&mut ready)).unwrap_or(Wake::Timeout)
+        self.bell.0.sleeping.store(AWAKE, Ordering::SeqCst);
+        wake.or_else(|| self.look(ready)).unwrap_or(Wake::Timeout)
     }
 
     /// A stop, a ring since the last return, or `ready`.
-    fn look(&mut self, ready: &mut impl FnMut() -> bool) -> Option<Wake<S>> {
+    fn look(&mut self, ready: &mut dyn FnMut() -> bool) -> Option<Wake<S>> {
         if let Some(s) = self.control.stop_reason().filter(|_| !self.lingering) {
             return Some(Wake::Stop(s));
         }
@@ -304,10 +390,13 @@ impl<S: Copy + Send + 'static> Worker<S> {
             }
         }
         self.control.stopping.store(true, Ordering::Release);
-        // This thread itself, not the bell's: a successor may hold the bell already.
+        // This thread itself, not the bell's: a successor may hold the bell already. One
+        // sleeping in the kernel is woken through the bell's eventfd (a successor woken too
+        // looks, finds nothing, and sleeps again).
         if let Some(t) = &self.thread {
             t.thread().unpark();
         }
+        self.bell.0.kick();
     }
 
     /// Waits for the thread to end, at most `bound`; a thread still running then is left to
@@ -452,6 +541,70 @@ mod tests {
         worker.stop(Why::Delete);
         rx.recv().unwrap();
         worker.wake();
+        worker.join(Duration::from_secs(60)).unwrap();
+    }
+
+    /// Sleeps in poll(2) on the bell's eventfd and an eventfd of its own (as an io_uring
+    /// would on its completions).
+    struct PollSleep {
+        bell: Bell,
+        own: Arc<EventFd>,
+        blocks: Arc<AtomicUsize>,
+    }
+
+    impl KernelSleep for PollSleep {
+        fn pending(&mut self) -> bool {
+            // A readable own eventfd: consumed here, as a reaped completion would be.
+            self.own.read().is_ok()
+        }
+        fn block(&mut self, timeout: Option<Duration>) {
+            use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+            self.blocks.fetch_add(1, Ordering::SeqCst);
+            let kick = self.bell.eventfd().unwrap();
+            // SAFETY: the eventfd outlives the borrow.
+            let own = unsafe { BorrowedFd::borrow_raw(self.own.as_raw_fd()) };
+            let mut fds = [PollFd::new(kick, PollFlags::POLLIN), PollFd::new(own, PollFlags::POLLIN)];
+            let t =
+                timeout.map_or(PollTimeout::NONE, |t| PollTimeout::try_from(t).unwrap_or(PollTimeout::MAX));
+            let _ = poll(&mut fds, t);
+            // Drain the kick: the next sleep blocks again.
+            let mut b = [0u8; 8];
+            let _ = nix::unistd::read(kick, &mut b);
+        }
+    }
+
+    #[test]
+    fn a_worker_sleeping_in_the_kernel_wakes_on_a_ring_its_own_event_and_a_stop() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let own = Arc::new(EventFd::new(EFD_NONBLOCK).unwrap());
+        let blocks = Arc::new(AtomicUsize::new(0));
+        let bell = Bell::new();
+        let mut sleeper = PollSleep { bell: bell.clone(), own: own.clone(), blocks: blocks.clone() };
+        let worker =
+            Worker::spawn_on(&bell, "umdev-test-kernel", Poll::NONE, move |mut w: Waiter<Why>| loop {
+                let wake = w.wait_in(|| false, None, false, &mut sleeper);
+                let _ = tx.send(wake);
+                if matches!(wake, Wake::Stop(_)) {
+                    return;
+                }
+            })
+            .unwrap();
+        // Each wake is waited for after the worker is known to block (its count moved), so
+        // each one comes through the eventfd, not a look before sleeping.
+        let blocked = |n: usize| {
+            while blocks.load(Ordering::SeqCst) < n {
+                std::thread::yield_now();
+            }
+        };
+        blocked(1);
+        worker.wake();
+        assert_eq!(rx.recv().unwrap(), Wake::Work, "a ring");
+        blocked(2);
+        own.write(1).unwrap();
+        assert_eq!(rx.recv().unwrap(), Wake::Work, "its own event");
+        blocked(3);
+        worker.stop(Why::Reset);
+        assert_eq!(rx.recv().unwrap(), Wake::Stop(Why::Reset), "a stop");
         worker.join(Duration::from_secs(60)).unwrap();
     }
 

@@ -7,6 +7,8 @@
 //!   driving the ccw device through rust-vmm's `vfio_user::Client`;
 //! - [`nvme_driver`] and [`nvme_guest`]: an NVMe host driver over any register transport, and
 //!   a guest driving the nvme device over a raw client;
+//! - [`fuse`]: a one-file FUSE filesystem whose reads and writes the test answers (held,
+//!   failed or served), a backing file for a device under test;
 //! - [`ccw_fuzz`]: the channel-program interpreter's fuzz harness and model;
 //! - [`server_fuzz`]: the vfio-user server's fuzz harnesses (the dispatcher and a real
 //!   connection), their input format and seeds.
@@ -20,6 +22,7 @@ pub mod ccw_driver;
 pub mod ccw_fuzz;
 pub mod ccw_guest;
 pub mod client;
+pub mod fuse;
 pub mod nvme_driver;
 pub mod nvme_guest;
 pub mod server_fuzz;

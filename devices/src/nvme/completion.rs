@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use super::ctrl::Ctrl;
 use super::queue::{completion, PostError, RingError, Sq};
 use super::spec::{Cqe, Sqe, Status};
+use super::stats;
 use umdev_mdev::guest::GuestError;
 use umdev_mdev::request::Completion;
 use umdev_mdev::DeviceContext;
@@ -71,6 +72,11 @@ impl Completer {
     /// Posts the completion of `sqe` with `status` and `dw0`: counted, logged in the error
     /// log if it failed, then posted or put in the backlog.
     pub fn finish(&self, ctx: &DeviceContext, sqe: &Sqe, status: Status, dw0: u32) {
+        // Work of before a disable (ended by it, or finishing after it) neither counts nor
+        // reaches the host.
+        if !self.current() {
+            return;
+        }
         self.ctrl.stats(self.sq.id).command(!status.ok());
         if !status.ok() {
             log::debug!(
@@ -154,12 +160,36 @@ impl Completer {
     }
 }
 
-/// A command in flight: its entry (for the error log and the completion) and its queue's
-/// completion side.
+/// A command in flight: its entry (for the error log and the completion), its queue's
+/// completion side, and, once its handler handed it to the queue's io_uring, its transfer.
 #[derive(Debug)]
 pub struct Command {
     completer: Arc<Completer>,
     sqe: Sqe,
+    transfer: Option<Transfer>,
+}
+
+/// A Read, Write or Flush of a file namespace that its handler handed to the queue's io_uring
+/// ([`Outcome::Started`]): what the worker starts, and what the completion counts.
+#[derive(Debug)]
+pub struct Transfer {
+    /// The namespace.
+    pub nsid: u32,
+    /// Read, write or sync.
+    pub op: crate::aio::Op,
+    /// Byte position in the namespace.
+    pub pos: u64,
+    /// The guest memory: (host address, bytes) per piece, in the command's pins.
+    pub segments: crate::store::Segments,
+    /// O_DIRECT (the namespace has it and the transfer is aligned for it).
+    pub direct: bool,
+    /// Durable before it completes (FUA, or the volatile write cache off).
+    pub dsync: bool,
+    /// Kernel pin mode, `fixed_buffers` wanting it: the registered buffer (its index in the DMA
+    /// space's io_uring) holding all of the memory, moved through as a fixed buffer.
+    pub fixed: Option<u32>,
+    /// What the statistics count of it once it succeeds (none for a sync).
+    pub stats: Option<stats::Transfer>,
 }
 
 /// What running a command produced (what a handler returns).
@@ -170,6 +200,9 @@ pub enum Outcome {
     /// Held by the controller and completed later by other means (an Asynchronous Event
     /// Request, §5.2): the request ends without a completion entry now.
     Held,
+    /// Handed to the queue's io_uring (the command's [`Transfer`]): the worker starts it and
+    /// completes the command when the host has finished it.
+    Started,
 }
 
 impl Outcome {
@@ -188,7 +221,32 @@ impl From<Status> for Outcome {
 impl Command {
     /// A command of `completer`'s queue; its entry is set once fetched ([`Command::set_sqe`]).
     pub fn new(completer: Arc<Completer>) -> Command {
-        Command { completer, sqe: Sqe::default() }
+        Command { completer, sqe: Sqe::default(), transfer: None }
+    }
+
+    /// The controller.
+    pub fn ctrl(&self) -> &Arc<Ctrl> {
+        &self.completer.ctrl
+    }
+
+    /// The queue it came from.
+    pub fn sq(&self) -> &Arc<Sq> {
+        &self.completer.sq
+    }
+
+    /// Hands the command's transfer to the worker ([`Outcome::Started`]).
+    pub fn set_transfer(&mut self, transfer: Transfer) {
+        self.transfer = Some(transfer);
+    }
+
+    /// The transfer, if started.
+    pub fn transfer(&self) -> Option<&Transfer> {
+        self.transfer.as_ref()
+    }
+
+    /// The transfer, taken (its end is being reported).
+    pub fn take_transfer(&mut self) -> Option<Transfer> {
+        self.transfer.take()
     }
 
     /// The entry as fetched.
@@ -206,8 +264,12 @@ impl Completion for Command {
     type Outcome = Outcome;
 
     fn complete(self, outcome: Outcome, ctx: &DeviceContext) {
-        if let Outcome::Done(status, dw0) = outcome {
-            self.completer.finish(ctx, &self.sqe, status, dw0);
+        match outcome {
+            Outcome::Done(status, dw0) => self.completer.finish(ctx, &self.sqe, status, dw0),
+            Outcome::Held => {}
+            // Completing a permit whose transfer was never started: the worker's own mistake,
+            // and the host still gets an answer.
+            Outcome::Started => self.completer.finish(ctx, &self.sqe, Status::INTERNAL_ERROR, 0),
         }
     }
 

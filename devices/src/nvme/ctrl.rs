@@ -62,6 +62,67 @@ impl Doorbells {
     }
 }
 
+/// How a controller moves file namespaces' data (the `aio` option).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AioMode {
+    /// Through an io_uring per I/O queue: many commands in flight per queue, completed as the
+    /// host finishes them (where io_uring cannot be had, as [`AioMode::Sync`], logged).
+    #[default]
+    IoUring,
+    /// One synchronous `preadv2`/`pwritev2` per command on the queue's worker, in order.
+    Sync,
+}
+
+impl AioMode {
+    /// The option's spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            AioMode::IoUring => "io_uring",
+            AioMode::Sync => "sync",
+        }
+    }
+}
+
+/// Which O_DIRECT transfers move through the kernel's pins as fixed buffers in kernel pin
+/// mode (the `fixed_buffers` option).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FixedBuffers {
+    /// None.
+    Off,
+    /// Those of at least [`FixedBuffers::MIN_BYTES`]: below, the buffer's clone into the
+    /// queue's ring (two `io_uring_register` calls) costs more than the page pins it saves.
+    #[default]
+    On,
+    /// Every one whose memory is one run (for measuring the trade-off).
+    Always,
+}
+
+impl FixedBuffers {
+    /// `on`'s smallest transfer. nvmebench `--fixed-buffers` (docs/benchmarks.md): with
+    /// every transfer fixed, a 4 KiB one costs the server 1.1-2.5 us more CPU per I/O (the
+    /// clone and clear against one page pin); from 64 KiB the two are even within this
+    /// machine's noise.
+    pub const MIN_BYTES: usize = 64 << 10;
+
+    /// The option's spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            FixedBuffers::Off => "off",
+            FixedBuffers::On => "on",
+            FixedBuffers::Always => "always",
+        }
+    }
+
+    /// Whether a transfer of `bytes` moves through a fixed buffer (when it can).
+    pub fn wants(self, bytes: usize) -> bool {
+        match self {
+            FixedBuffers::Off => false,
+            FixedBuffers::On => bytes >= Self::MIN_BYTES,
+            FixedBuffers::Always => true,
+        }
+    }
+}
+
 /// What a controller is built with.
 #[derive(Debug)]
 pub struct ControllerConfig {
@@ -78,6 +139,12 @@ pub struct ControllerConfig {
     /// How long a worker watches its message doorbell after a lone command before it
     /// sleeps (0: it sleeps at once).
     pub poll: Duration,
+    /// How file namespaces' data moves ([`AioMode::IoUring`] only if the host has io_uring
+    /// and a namespace is a file).
+    pub aio: AioMode,
+    /// In kernel pin mode, which O_DIRECT transfers move through the pinned runs as fixed
+    /// buffers.
+    pub fixed_buffers: FixedBuffers,
 }
 
 /// Why a queue's worker stops: the one reason, given to its [`Worker`].

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use umdev_pinning::{PinnedPages, Prot};
 
 use super::cmds::DataPtr;
-use super::completion::Command;
+use super::completion::{Command, Outcome, Transfer};
 use super::ctrl::Ctrl;
 use super::prp;
 use super::queue::Sq;
@@ -26,12 +26,73 @@ pub struct CommandCx<'a> {
     sq: &'a Arc<Sq>,
     generation: u64,
     permit: RefCell<Permit<Command>>,
+    /// The queue has an io_uring: a file namespace's transfer may be started there.
+    aio: bool,
+}
+
+/// A transfer's memory as [`CommandCx::pin_for_transfer`] pinned it.
+#[derive(Debug)]
+pub struct PinnedTransfer {
+    /// (host address, bytes) per contiguous piece, in order.
+    pub segments: crate::store::Segments,
+    /// Runs the engine pinned.
+    pub runs: u64,
+    /// Kernel pin mode: the index, in the DMA space's io_uring, of the registered buffer
+    /// holding all of the memory (one piece only).
+    pub fixed: Option<u32>,
 }
 
 impl<'a> CommandCx<'a> {
     /// The context of the command `permit` holds, fetched from `sq`.
     pub fn new(ctrl: &'a Arc<Ctrl>, sq: &'a Arc<Sq>, generation: u64, permit: Permit<Command>) -> Self {
-        CommandCx { ctrl, sq, generation, permit: RefCell::new(permit) }
+        CommandCx { ctrl, sq, generation, permit: RefCell::new(permit), aio: false }
+    }
+
+    /// The queue's worker has an io_uring ([`CommandCx::start`] may be used).
+    pub fn with_aio(mut self, aio: bool) -> Self {
+        self.aio = aio;
+        self
+    }
+
+    /// Whether the queue's worker has an io_uring for file transfers.
+    pub fn aio(&self) -> bool {
+        self.aio
+    }
+
+    /// Pins `pfns` for `prot` as the request's, kept until the command completes, and gives
+    /// the host pieces of `len` bytes from `offset` in them ((address, bytes) per contiguous
+    /// run), the number of runs, and, in kernel pin mode, the registered buffer that holds
+    /// all the bytes if one does (one run). The pins keep the pieces (and the buffer) valid
+    /// while the permit lives.
+    pub fn pin_for_transfer(
+        &self,
+        pfns: &[u64],
+        prot: Prot,
+        offset: u64,
+        len: usize,
+    ) -> Result<PinnedTransfer, Status> {
+        let mut permit = self.permit.borrow_mut();
+        let pins = permit.pin_pages(pfns, prot).map_err(|e| {
+            log::debug!("nvme: pinning {} pages for a transfer: {e}", pfns.len());
+            Status::DATA_TRANSFER_ERROR
+        })?;
+        let runs = pins.runs().len() as u64;
+        let slices = pins.io_slices(offset, len, prot).map_err(|_| Status::DATA_TRANSFER_ERROR)?;
+        let segments = crate::store::segments(&slices);
+        let fixed = match segments.as_slice() {
+            [(addr, bytes)] => pins
+                .registered_buffer(offset)
+                .filter(|b| b.addr == *addr && b.len >= *bytes as u64)
+                .map(|b| b.index),
+            _ => None,
+        };
+        Ok(PinnedTransfer { segments, runs, fixed })
+    }
+
+    /// Hands `transfer` to the queue's io_uring: the handler returns what this returns.
+    pub fn start(&self, transfer: Transfer) -> Outcome {
+        self.permit.borrow_mut().get_mut().set_transfer(transfer);
+        Outcome::Started
     }
 
     /// The request back, to complete it.

@@ -2,21 +2,25 @@
 //! Management.
 //!
 //! A Read or Write turns its PRPs into one page array ([`prp::resolve`]), pins it with ONE
-//! call, and moves the data between the namespace's store and the pinned runs with one
-//! vectored call (`preadv2`/`pwritev2` for a file, a copy per run for RAM). An unmap of the
-//! pinned memory meanwhile ends the command with a data transfer error.
+//! call, and moves the data between the namespace's store and the pinned runs: a copy per run
+//! for RAM; for a file, one transfer handed to the queue's io_uring ([`CommandCx::start`]),
+//! which the worker completes with [`finish`] when the host is done (or, without an io_uring,
+//! one synchronous `preadv2`/`pwritev2`). An unmap of the pinned memory meanwhile ends the
+//! command with a data transfer error.
 
 use umdev_pinning::Prot;
 use vm_memory::ByteValued;
 
 use super::cmds::{DatasetManagement, NvmCmd, ReadWrite, WriteZeroes};
-use super::completion::Outcome;
+use super::completion::{Command, Outcome, Transfer as Started};
 use super::cx::CommandCx;
 use super::namespace::Namespace;
 use super::prp;
 use super::spec::{DsmRange, DsmRanges, Status};
 use super::stats::Transfer;
+use crate::aio::Op;
 use crate::store::Durability;
+use umdev_mdev::request::Permit;
 
 /// Runs an NVM command: its namespace is looked up first (§6: Invalid Namespace or Format
 /// for one that is not active).
@@ -32,6 +36,16 @@ pub fn execute(cx: &CommandCx, cmd: NvmCmd) -> Outcome {
         NvmCmd::Read(c) => read_write(cx, ns, c, true),
         NvmCmd::Write(c) => read_write(cx, ns, c, false),
         NvmCmd::Compare(c) => compare(cx, ns, c),
+        NvmCmd::Flush(_) if cx.aio() && ns.is_file() => cx.start(Started {
+            nsid: ns.id(),
+            op: Op::Sync,
+            pos: 0,
+            segments: Default::default(),
+            direct: false,
+            dsync: false,
+            fixed: None,
+            stats: None,
+        }),
         NvmCmd::Flush(_) => flush(std::iter::once(ns)),
         NvmCmd::WriteZeroes(c) => write_zeroes(ns, c),
         NvmCmd::DatasetManagement(c) => dataset_management(cx, ns, c),
@@ -56,6 +70,34 @@ fn read_write(cx: &CommandCx, ns: &Namespace, c: ReadWrite, read: bool) -> Outco
     let prot = if read { Prot::WRITE } else { Prot::READ };
     let pos = c.slba << ns.lba_shift();
     let durability = if c.fua || !cx.ctrl().write_cache() { Durability::Sync } else { Durability::Cached };
+    if cx.aio() && ns.is_file() {
+        let pinned = match cx.pin_for_transfer(&pages.pfns, prot, pages.offset as u64, len) {
+            Ok(p) => p,
+            Err(status) => return status.into(),
+        };
+        let direct = ns.store().direct_fits(pos, &pinned.segments);
+        let stats = Transfer {
+            pages: pages.pfns.len() as u64,
+            runs: pinned.runs,
+            list_pages: u64::from(pages.list_pages),
+            bytes: len as u64,
+            read,
+            fixed: false,
+        };
+        // A fixed buffer spares the host a pin of its own per page; O_DIRECT is what takes
+        // those pins (a buffered transfer only copies), so only there is it worth its setup.
+        let fixed = pinned.fixed.filter(|_| direct && cx.ctrl().config().fixed_buffers.wants(len));
+        return cx.start(Started {
+            nsid: ns.id(),
+            op: if read { Op::Read } else { Op::Write },
+            pos,
+            segments: pinned.segments,
+            direct,
+            dsync: durability == Durability::Sync,
+            fixed,
+            stats: Some(stats),
+        });
+    }
     let moved = cx.with_pins(&pages.pfns, prot, |pins| {
         let runs = pins.runs().len() as u64;
         let moved = match pins.io_slices(pages.offset as u64, len, prot) {
@@ -95,8 +137,55 @@ fn read_write(cx: &CommandCx, ns: &Namespace, c: ReadWrite, read: bool) -> Outco
         list_pages: u64::from(pages.list_pages),
         bytes: len as u64,
         read,
+        fixed: false,
     });
     Outcome::ok(0)
+}
+
+/// The end of a transfer the queue's io_uring ran for `permit`'s command (`fixed`: through a
+/// fixed buffer): its pins let go of (after the host finished with the memory), counted, and
+/// the command completed with the status `result` calls for.
+pub fn finish(mut permit: Permit<Command>, result: std::io::Result<u64>, fixed: bool) {
+    let Some(t) = permit.get_mut().take_transfer() else {
+        return permit.complete(Status::INTERNAL_ERROR.into());
+    };
+    let poisoned = permit.pins().iter().any(|p| p.poisoned());
+    // The client truncated the memory, or unmapped it while the host was moving it.
+    let unmapped = permit.release_pins();
+    let (ctrl, qid, nsid) = (permit.get().ctrl().clone(), permit.get().sq().id, t.nsid);
+    let status = match result {
+        Ok(_) if poisoned || unmapped => Status::DATA_TRANSFER_ERROR,
+        Ok(_) => {
+            if let Some(stats) = t.stats {
+                ctrl.stats(qid).transfer(Transfer { fixed, ..stats });
+            }
+            Status::SUCCESS
+        }
+        Err(e) => match e.raw_os_error() {
+            // The memory could not be reached (gone under the transfer).
+            Some(libc::EFAULT) => Status::DATA_TRANSFER_ERROR,
+            // Cancelled as its queue stopped (a deletion; after a reset nothing is posted).
+            Some(libc::ECANCELED) => Status::ABORTED_SQ_DELETION,
+            _ => {
+                let len: usize = t.segments.iter().map(|s| s.1).sum();
+                match t.op {
+                    Op::Read => {
+                        log::warn!("nvme: ns{nsid}: read of {len} bytes at {}: {e}", t.pos);
+                        Status::UNRECOVERED_READ_ERROR
+                    }
+                    Op::Write => {
+                        log::warn!("nvme: ns{nsid}: write of {len} bytes at {}: {e}", t.pos);
+                        write_status(&e)
+                    }
+                    Op::Sync => {
+                        log::warn!("nvme: ns{nsid}: flush: {e}");
+                        Status::WRITE_FAULT
+                    }
+                }
+            }
+        },
+    };
+    permit.complete(status.into());
 }
 
 /// Compare (§6.1): the blocks read from the store into a buffer of the controller's and

@@ -25,7 +25,7 @@
 //! - `admin` (admin command handlers) → cx, completion, cmds, ctrl, state, namespace, prp, queue, stats, spec
 //! - `io` (NVM command handlers) → cx, completion, cmds, namespace, prp, stats, spec
 //! - `cx` (what a handler sees) → cmds, completion, ctrl, prp, queue, spec
-//! - `completion` (posting completions) → ctrl, queue, spec
+//! - `completion` (posting completions) → ctrl, queue, spec, stats
 //! - `ctrl` (registers, queue table, events) → namespace, queue, state, stats, spec
 //! - `state` (features, events, error log) → queue, spec
 //! - `cmds` (typed commands) → spec
@@ -55,11 +55,13 @@ use std::sync::Arc;
 use serde_json::json;
 use thiserror::Error;
 
+pub use self::ctrl::{AioMode, FixedBuffers};
 use self::ctrl::{ControllerConfig, Ctrl, DoorbellMode, Doorbells};
 use self::namespace::{Backing, Namespace, MAX_NAMESPACES};
 use self::queue::DoorbellPage;
 use self::spec::reg;
 use self::stats::Totals;
+use crate::store::Cache;
 use umdev_mdev::pci::{Bar, ClassCode, ConfigSpaceBuilder, PciDevice, PciFunction, PciIds, Reg, RegMap};
 use umdev_mdev::types::{parse_options, OptionSpec, OptionValue, StoreSpec, ValueSyntax};
 use umdev_mdev::{DeviceError, RegionMmap, SparseArea};
@@ -109,6 +111,14 @@ pub enum NvmeError {
         /// The size as given.
         size: String,
     },
+    /// A cache mode given for a namespace that is not a file.
+    #[error("{key}: ns{nsid} is not a file namespace (a cache mode is for files and block devices)")]
+    CacheWithoutFile {
+        /// The option's key (`cache1`).
+        key: String,
+        /// The namespace.
+        nsid: usize,
+    },
     /// A config made without options is out of range.
     #[error("{what} {value}: {range}")]
     OutOfRange {
@@ -150,6 +160,11 @@ pub struct NvmeConfig {
     pub serial: Option<String>,
     /// How long a queue's worker watches its doorbell after a lone command before sleeping.
     pub poll: std::time::Duration,
+    /// How file namespaces' data moves.
+    pub aio: AioMode,
+    /// In kernel pin mode, which O_DIRECT transfers of file namespaces move through the
+    /// kernel's pinned runs as fixed buffers (`READ_FIXED`/`WRITE_FIXED`).
+    pub fixed_buffers: FixedBuffers,
 }
 
 impl Default for NvmeConfig {
@@ -162,6 +177,8 @@ impl Default for NvmeConfig {
             doorbells: Doorbells::Auto,
             serial: None,
             poll: DEFAULT_POLL,
+            aio: AioMode::default(),
+            fixed_buffers: FixedBuffers::default(),
         }
     }
 }
@@ -178,6 +195,32 @@ impl NvmeConfig {
                  place (its size rounded down to whole blocks); ns1=ram:1G when no namespace is given",
             )
             .numbered(1, MAX_NAMESPACES),
+            OptionSpec::new(
+                "cache",
+                ValueSyntax::Choice(&["writeback", "none"]),
+                Some("writeback"),
+                "file namespace N's cache mode: writeback (through the host's page cache) or none (O_DIRECT, \
+                 straight between the disk and guest memory; transfers not aligned as the host needs go through \
+                 the page cache). Either way Flush makes writes durable and FUA makes one durable at once",
+            )
+            .numbered(1, MAX_NAMESPACES),
+            OptionSpec::new(
+                "aio",
+                ValueSyntax::Choice(&["io_uring", "sync"]),
+                Some("io_uring"),
+                "how file namespaces' data moves: io_uring (an io_uring per I/O queue, up to 256 commands in \
+                 flight each, completed as the host finishes them) or sync (one synchronous call per command, \
+                 in order)",
+            ),
+            OptionSpec::new(
+                "fixed_buffers",
+                ValueSyntax::Choice(&["on", "off", "always"]),
+                Some("on"),
+                "with --pin-mode kernel and aio=io_uring: an O_DIRECT transfer of at least 64 KiB (always: of \
+                 any size) whose memory is one pinned run moves through the kernel's pin of that run as a fixed \
+                 buffer (READ_FIXED/WRITE_FIXED), so the host takes no page pins of its own for it; off: plain \
+                 reads and writes",
+            ),
             OptionSpec::new(
                 "lba",
                 ValueSyntax::Choice(&["512", "4096"]),
@@ -255,15 +298,32 @@ impl NvmeConfig {
                 }
                 StoreSpec::Ram(bytes) if huge => Backing::HugeRam(*bytes),
                 StoreSpec::Ram(bytes) => Backing::Ram(*bytes),
-                StoreSpec::File(path) => Backing::File(path.clone()),
+                StoreSpec::File(path) => Backing::File(path.clone(), Cache::default()),
             };
             if config.namespaces.len() <= index {
                 config.namespaces.resize(index + 1, None);
             }
             config.namespaces[index] = Some(backing);
         }
+        for (key, value) in p.iter() {
+            let (Some(n), OptionValue::Word(mode)) = (key.strip_prefix("cache"), value) else { continue };
+            let nsid = n.parse::<usize>().map_err(|e| NvmeError::Options(format!("{key}: {e}")))?;
+            let cache = if *mode == "none" { Cache::None } else { Cache::Writeback };
+            match config.namespaces.get_mut(nsid - 1) {
+                Some(Some(Backing::File(_, c))) => *c = cache,
+                _ => return Err(NvmeError::CacheWithoutFile { key: key.to_string(), nsid }),
+            }
+        }
         if config.namespaces.is_empty() {
             config.namespaces = NvmeConfig::default().namespaces;
+        }
+        if p.word("aio") == Some("sync") {
+            config.aio = AioMode::Sync;
+        }
+        match p.word("fixed_buffers") {
+            Some("off") => config.fixed_buffers = FixedBuffers::Off,
+            Some("always") => config.fixed_buffers = FixedBuffers::Always,
+            _ => {}
         }
         if let Some(n) = p.number("queues") {
             config.io_queues = n as u16;
@@ -315,7 +375,7 @@ fn default_serial(config: &NvmeConfig) -> String {
         .iter()
         .flatten()
         .filter_map(|b| match b {
-            Backing::File(p) => Some(std::fs::canonicalize(p).unwrap_or_else(|_| p.clone())),
+            Backing::File(p, _) => Some(std::fs::canonicalize(p).unwrap_or_else(|_| p.clone())),
             Backing::Ram(_) | Backing::HugeRam(_) => None,
         })
         .collect();
@@ -402,6 +462,19 @@ pub fn create(config: NvmeConfig) -> Result<PciDevice<Nvme>, NvmeError> {
             (Some(Arc::new(OwnedFd::from(file))), Some(page))
         }
     };
+    let files = namespaces.iter().flatten().any(|ns| ns.is_file());
+    let aio = match config.aio {
+        AioMode::IoUring if files => match crate::aio::available() {
+            Ok(()) => AioMode::IoUring,
+            Err(e) => {
+                log::warn!(
+                    "nvme: no io_uring here ({e}): file namespaces are served synchronously (aio=sync)"
+                );
+                AioMode::Sync
+            }
+        },
+        _ => AioMode::Sync,
+    };
     let controller = ControllerConfig {
         namespaces,
         io_queues: config.io_queues,
@@ -409,6 +482,8 @@ pub fn create(config: NvmeConfig) -> Result<PciDevice<Nvme>, NvmeError> {
         doorbells: config.doorbells,
         serial,
         poll: config.poll,
+        aio,
+        fixed_buffers: config.fixed_buffers,
     };
     let regs: Vec<Reg<u64>> = [
         (reg::CAP, false),
@@ -538,6 +613,8 @@ impl PciFunction for Nvme {
                     "nsid": ns.id(),
                     "backing": ns.backing_name(),
                     "path": ns.path().map(|p| p.display().to_string()),
+                    "cache": ns.is_file().then(|| ns.cache().name()),
+                    "direct_alignment": ns.store().direct_alignment().map(|(mem, offset)| json!({"memory": mem, "offset": offset})),
                     "bytes": ns.size(),
                     "lba_size": ns.lba_size(),
                 })
@@ -557,6 +634,8 @@ impl PciFunction for Nvme {
             "io_queues": c.io_queues(),
             "queues_live": c.live_queues(),
             "doorbells": c.config().doorbells.name(),
+            "aio": c.config().aio.name(),
+            "fixed_buffers": c.config().fixed_buffers.name(),
             "doorbells_now": match c.doorbell_mode() { DoorbellMode::Message => "message", DoorbellMode::Mapped => "mmap" },
             "admin_commands": Totals::of(c.all_stats().iter().take(1)).commands,
             "doorbell_messages": c.doorbell_messages(),

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use thiserror::Error;
 
-use crate::store::{Store, StoreKind};
+use crate::store::{Cache, Store, StoreKind};
 
 /// The most namespaces a controller has (NSIDs 1 to 16).
 pub const MAX_NAMESPACES: u32 = 16;
@@ -16,8 +16,8 @@ pub enum Backing {
     Ram(u64),
     /// A RAM disk on 2 MiB huge pages (a hugetlb memfd) of this many bytes.
     HugeRam(u64),
-    /// A host file or block device, read and written in place.
-    File(PathBuf),
+    /// A host file or block device, read and written in place, in a cache mode.
+    File(PathBuf, Cache),
 }
 
 /// Why a namespace could not be made.
@@ -79,8 +79,8 @@ impl Namespace {
             Backing::HugeRam(size) => {
                 (Store::ram_huge(*size).map_err(|source| NamespaceError::Ram { id, source })?, None)
             }
-            Backing::File(path) => (
-                Store::open(path).map_err(|source| NamespaceError::File {
+            Backing::File(path, cache) => (
+                Store::open_with(path, *cache).map_err(|source| NamespaceError::File {
                     id,
                     path: path.clone(),
                     source,
@@ -142,6 +142,17 @@ impl Namespace {
             StoreKind::File => "file",
             StoreKind::BlockDevice => "block-device",
         }
+    }
+
+    /// Whether the store is a host file or block device (moved through io_uring when the
+    /// controller has it), not RAM.
+    pub fn is_file(&self) -> bool {
+        self.store.kind() != StoreKind::Ram
+    }
+
+    /// The store's cache mode.
+    pub fn cache(&self) -> Cache {
+        self.store.cache()
     }
 
     /// Whether `[slba, slba + nlb)` lies inside the namespace.

@@ -39,6 +39,7 @@ pub struct QueueStats {
     pages: AtomicU64,
     runs: AtomicU64,
     list_pages: AtomicU64,
+    fixed_transfers: AtomicU64,
     pages_per_command: [AtomicU64; BUCKETS],
     runs_per_command: [AtomicU64; BUCKETS],
 }
@@ -61,6 +62,8 @@ pub struct Transfer {
     pub bytes: u64,
     /// A read (device to guest) or a write.
     pub read: bool,
+    /// The host moved it through a fixed buffer (kernel pin mode: no page pins of its own).
+    pub fixed: bool,
 }
 
 impl QueueStats {
@@ -79,6 +82,9 @@ impl QueueStats {
         add(&self.pages, t.pages);
         add(&self.runs, t.runs);
         add(&self.list_pages, t.list_pages);
+        if t.fixed {
+            add(&self.fixed_transfers, 1);
+        }
         add(&self.pages_per_command[bucket(t.pages)], 1);
         add(&self.runs_per_command[bucket(t.runs)], 1);
     }
@@ -107,6 +113,8 @@ pub struct Totals {
     pub pin_calls: u64,
     /// PRP list pages read.
     pub list_pages: u64,
+    /// Reads and writes the host moved through fixed buffers (kernel pin mode).
+    pub fixed_transfers: u64,
     /// Commands by pages moved.
     pub pages_per_command: [u64; BUCKETS],
     /// Commands by runs pinned.
@@ -128,6 +136,7 @@ impl Totals {
             t.pages += get(&q.pages);
             t.runs += get(&q.runs);
             t.list_pages += get(&q.list_pages);
+            t.fixed_transfers += get(&q.fixed_transfers);
             for i in 0..BUCKETS {
                 t.pages_per_command[i] += get(&q.pages_per_command[i]);
                 t.runs_per_command[i] += get(&q.runs_per_command[i]);
@@ -155,6 +164,7 @@ impl Totals {
             "runs": self.runs,
             "pin_calls": self.pin_calls,
             "prp_list_pages": self.list_pages,
+            "fixed_transfers": self.fixed_transfers,
             "pages_per_command": hist(&self.pages_per_command),
             "runs_per_command": hist(&self.runs_per_command),
             "mean_pages_per_command": per_command(self.pages),
@@ -178,13 +188,14 @@ mod tests {
     #[test]
     fn totals_sum_queues() {
         let (a, b) = (QueueStats::default(), QueueStats::default());
-        a.transfer(Transfer { pages: 5, runs: 3, list_pages: 1, bytes: 20_000, read: true });
+        a.transfer(Transfer { pages: 5, runs: 3, list_pages: 1, bytes: 20_000, read: true, fixed: true });
         a.command(false);
-        b.transfer(Transfer { pages: 1, runs: 1, list_pages: 0, bytes: 512, read: false });
+        b.transfer(Transfer { pages: 1, runs: 1, list_pages: 0, bytes: 512, read: false, fixed: false });
         b.command(false);
         b.command(true);
         let t = Totals::of([&a, &b]);
         assert_eq!((t.commands, t.errors, t.reads, t.writes, t.pages, t.runs), (3, 1, 1, 1, 6, 4));
+        assert_eq!(t.fixed_transfers, 1);
         assert_eq!((t.pages_per_command[3], t.runs_per_command[2], t.pages_per_command[0]), (1, 1, 1));
         let j = t.to_json();
         assert_eq!(j["pages_per_command"]["5-8"], 1);

@@ -7,20 +7,29 @@
 //! command from its [`Lane`]: the command's pins are the permit's, so a DMA_UNMAP of them
 //! cancels it. Each entry is parsed ([`super::cmds`]) and handed to its handler with a
 //! [`CommandCx`]; the worker itself is never seen by a handler.
+//!
+//! An I/O queue of a controller with file namespaces has an io_uring ([`crate::aio`]): a
+//! handler hands a file transfer to it ([`Outcome::Started`]) with the command's permit, and
+//! the worker fetches on while the host moves the data, up to [`MAX_IN_FLIGHT`] commands;
+//! it completes each when the host finishes it ([`io::finish`]), in that order, and sleeps
+//! in the ring, where a doorbell, a stop or a completion wakes it. A stopping worker waits
+//! for the host to finish what is in flight (boundedly) before the pins go.
 
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::cmds::{AdminCmd, NvmCmd};
-use super::completion::{Command, Completer, Drained};
+use super::completion::{Command, Completer, Drained, Outcome};
 use super::ctrl::{Ctrl, DoorbellMode, Running, Stop};
 use super::cx::CommandCx;
 use super::queue::{RingError, Sq};
 use super::spec::{event, log_page, Sqe, Status};
 use super::{admin, io};
+use crate::aio::{FixedBuffer, Request, Ring};
 use umdev_mdev::guest::GuestError;
 use umdev_mdev::request::{self, Lane, Permit};
-use umdev_mdev::worker::{Bell, Poll, Waiter, Worker};
+use umdev_mdev::worker::{Bell, KernelSleep, Poll, Waiter, Worker};
 
 /// With mapped doorbells: how long a worker spins after its last command, then how often
 /// it looks at the page (nothing rings it: the client writes the page directly). A polling
@@ -37,6 +46,15 @@ const POLL_INTERVAL: Duration = Duration::from_micros(200);
 /// ...and how often the admin queue's worker looks: admin commands are rare once a driver is
 /// up, and each look of a worker takes the CPU from a busy I/O queue's worker for a while.
 const ADMIN_POLL_INTERVAL: Duration = Duration::from_millis(1);
+/// Commands an I/O queue keeps in flight in its io_uring at most (fewer if the queue is
+/// smaller): beyond this, fetching waits for a completion.
+pub const MAX_IN_FLIGHT: u32 = 256;
+/// Started transfers are handed to the kernel in batches of this many while commands keep
+/// coming (all of them at once when the queue runs dry).
+const SUBMIT_BATCH: usize = 8;
+/// How long a stopping worker waits for the host to finish the transfers it has in flight
+/// (their pins are held meanwhile); what is left then is waited for by another thread.
+const QUIESCE: Duration = Duration::from_millis(1500);
 /// How long a deleted queue's worker waits for CQ room to post what it owes (less than the
 /// controller's bound on joining it, so the deletion never outlives the join).
 const DELETE_DRAIN: Duration = Duration::from_secs(2);
@@ -56,8 +74,90 @@ pub fn spawn(
     let poll = Poll(ctrl.config().poll);
     Worker::spawn_on(bell, name, poll, move |waiter| {
         let _alive = alive;
-        QueueWorker { completer, lane }.run(waiter);
+        // Made on the worker's own thread: the kernel's workers for its blocking I/O are this
+        // thread's, and capped for it.
+        let aio = Aio::for_queue(completer.ctrl(), completer.sq(), &waiter.bell());
+        QueueWorker { completer, lane, aio }.run(waiter);
     })
+}
+
+/// An I/O queue's io_uring, and where each namespace's files are in it.
+struct Aio {
+    ring: Ring<Permit<Command>>,
+    /// By NSID - 1: the file through the page cache, and the O_DIRECT one.
+    files: Vec<Option<(u32, Option<u32>)>>,
+}
+
+impl Aio {
+    /// The ring of I/O queue `sq`, if the controller moves file data through io_uring (a
+    /// ring that cannot be made is logged: the queue then moves its data synchronously).
+    fn for_queue(ctrl: &Arc<Ctrl>, sq: &Sq, bell: &Bell) -> Option<Aio> {
+        if sq.id == 0 || ctrl.config().aio != super::ctrl::AioMode::IoUring {
+            return None;
+        }
+        let mut fds = Vec::new();
+        let mut files = Vec::new();
+        for ns in &ctrl.config().namespaces {
+            let store = ns.as_ref().map(|ns| ns.store());
+            files.push(store.and_then(|s| s.buffered_fd()).map(|buffered| {
+                fds.push(buffered);
+                let buffered = (fds.len() - 1) as u32;
+                let direct = store.and_then(|s| s.direct_fd()).map(|d| {
+                    fds.push(d);
+                    (fds.len() - 1) as u32
+                });
+                (buffered, direct)
+            }));
+        }
+        let made = bell.eventfd().and_then(|kick| Ring::new(sq.entries.min(MAX_IN_FLIGHT), &fds, Some(kick)));
+        match made {
+            Ok(ring) => Some(Aio { ring, files }),
+            Err(e) => {
+                log::warn!("nvme: queue {}: no io_uring ({e}): its file transfers are synchronous", sq.id);
+                None
+            }
+        }
+    }
+
+    /// Starts the transfer `permit`'s handler put in it; a refusal completes the command.
+    fn start(&mut self, permit: Permit<Command>) {
+        let Some(t) = permit.get().transfer() else {
+            return permit.complete(Status::INTERNAL_ERROR.into());
+        };
+        let Some(&Some((buffered, direct))) = self.files.get(t.nsid as usize - 1) else {
+            return permit.complete(Status::INTERNAL_ERROR.into());
+        };
+        let direct = direct.filter(|_| t.direct);
+        let segments = t.segments.clone();
+        // The buffer is in the DMA space's ring, which the permit's context keeps open.
+        let ring = permit.ctx().kernel_ring_fd().map(|fd| fd.as_raw_fd());
+        let fixed = t.fixed.zip(ring).map(|(index, ring)| FixedBuffer { ring, index });
+        let request = Request {
+            op: t.op,
+            file: direct.unwrap_or(buffered),
+            fallback: direct.map(|_| buffered),
+            pos: t.pos,
+            segments: &segments,
+            dsync: t.dsync,
+            fixed,
+        };
+        // SAFETY: the segments (and the registered buffer holding them, if fixed) are in the
+        // permit's pins (CommandCx::pin_for_transfer), which the permit keeps until the ring
+        // gives it back when the host is done.
+        if let Err((permit, e)) = unsafe { self.ring.start(permit, &request) } {
+            log::warn!("nvme: a transfer refused by the io_uring: {e}");
+            permit.complete(Status::DATA_TRANSFER_ERROR.into());
+            return;
+        }
+        if self.ring.queued() >= SUBMIT_BATCH {
+            let _ = self.ring.submit();
+        }
+    }
+
+    /// Completes what the host finished.
+    fn reap(&mut self) {
+        self.ring.reap(io::finish);
+    }
 }
 
 /// One queue's worker state.
@@ -65,6 +165,8 @@ struct QueueWorker {
     completer: Arc<Completer>,
     /// The queue's commands, tracked by the framework.
     lane: Lane,
+    /// The queue's io_uring, for file transfers.
+    aio: Option<Aio>,
 }
 
 impl QueueWorker {
@@ -77,7 +179,7 @@ impl QueueWorker {
     }
 
     /// Serves the queue until told to stop.
-    fn run(self, mut waiter: Waiter<Stop>) {
+    fn run(mut self, mut waiter: Waiter<Stop>) {
         let id = self.sq().id;
         let entries = self.sq().entries;
         let mut head = 0u32;
@@ -95,6 +197,9 @@ impl QueueWorker {
                 // Until a disable stops the worker (or a ring: look again).
                 waiter.sleep(|| false, None);
                 continue;
+            }
+            if let Some(aio) = &mut self.aio {
+                aio.reap();
             }
             if self.completer.waiting() > 0 && !self.drain(&mut waiter) {
                 continue;
@@ -115,6 +220,11 @@ impl QueueWorker {
                     fetched = 0;
                 }
                 self.idle(&mut waiter, head, last_work, lone);
+                continue;
+            }
+            if let Some(aio) = self.aio.as_mut().filter(|a| !a.ring.has_room()) {
+                // As many in flight as the ring holds: the next command waits for one to end.
+                waiter.wait_in(|| false, None, false, &mut aio.ring);
                 continue;
             }
             let mut permit = match self.lane.begin(Command::new(self.completer.clone())) {
@@ -150,6 +260,18 @@ impl QueueWorker {
             self.execute(permit, sqe);
             self.raise_due(false);
         };
+        if let Some(mut aio) = self.aio.take() {
+            // Pins go only once the host is done with the memory: what it does not finish in
+            // time is waited for by another thread, which keeps the pins until then.
+            let left = aio.ring.quiesce(QUIESCE, io::finish);
+            if left > 0 {
+                log::warn!(
+                    "nvme: queue {}: {left} transfer(s) still in the host after {QUIESCE:?}",
+                    self.sq().id
+                );
+            }
+            aio.ring.detach();
+        }
         if stop == Stop::Delete {
             self.abort_remaining(&mut waiter, head);
         }
@@ -157,9 +279,10 @@ impl QueueWorker {
 
     /// Parses the command and runs its handler; a panic in it fails the command (Internal
     /// Error) and the queue goes on.
-    fn execute(&self, permit: Permit<Command>, sqe: Sqe) {
+    fn execute(&mut self, permit: Permit<Command>, sqe: Sqe) {
         let id = self.sq().id;
-        let cx = CommandCx::new(self.ctrl(), self.sq(), self.completer.generation(), permit);
+        let cx = CommandCx::new(self.ctrl(), self.sq(), self.completer.generation(), permit)
+            .with_aio(self.aio.is_some());
         let outcome =
             request::serve(format_args!("nvme command {:#04x} on queue {id}", sqe.opcode()), || {
                 if id == 0 {
@@ -175,9 +298,10 @@ impl QueueWorker {
                 }
             });
         let permit = cx.into_permit();
-        match outcome {
-            Some(outcome) => permit.complete(outcome),
-            None => drop(permit), // Internal Error
+        match (outcome, &mut self.aio) {
+            (Some(Outcome::Started), Some(aio)) => aio.start(permit),
+            (Some(outcome), _) => permit.complete(outcome),
+            (None, _) => drop(permit), // Internal Error
         }
     }
 
@@ -215,27 +339,39 @@ impl QueueWorker {
     /// Nothing to fetch: held interrupts go out, then sleep until a doorbell (or until
     /// coalescing's aggregation time is up). `lone`: the work just done was a single
     /// command, the only case where a message doorbell is watched for before sleeping.
-    fn idle(&self, waiter: &mut Waiter<Stop>, head: u32, last_work: Instant, lone: bool) {
+    fn idle(&mut self, waiter: &mut Waiter<Stop>, head: u32, last_work: Instant, lone: bool) {
         self.raise_due(true);
-        let deadline = self.sq().cq.deadline().map(|d| d.saturating_duration_since(Instant::now()));
-        let (ctrl, id) = (self.ctrl(), self.sq().id);
+        let QueueWorker { completer, aio, .. } = self;
+        let deadline = completer.sq().cq.deadline().map(|d| d.saturating_duration_since(Instant::now()));
+        let (ctrl, id) = (completer.ctrl(), completer.sq().id);
         let rung = || ctrl.sq_tail(id) != head;
         // With shadow doorbells the host writes the register (which rings) only if asked.
         ctrl.arm_sq(id, head);
+        // With an io_uring the worker sleeps there: a completion ends the wait too.
+        let ring = aio.as_mut().map(|a| &mut a.ring);
         match ctrl.doorbell_mode() {
             // Right after a lone command (queue depth 1: the wake-up is the whole latency)
             // the next doorbell is likely close: the worker polls for it (its `poll_us`) if a
             // CPU is free. After a batch the wake-up is shared by the batch's commands and
             // polling would only burn the CPU the client needs to send the next one.
-            DoorbellMode::Message if lone && last_work.elapsed() < ctrl.config().poll => {
-                waiter.wait(rung, deadline);
-            }
             DoorbellMode::Message => {
-                waiter.sleep(rung, deadline);
+                let poll = lone && last_work.elapsed() < ctrl.config().poll;
+                match (ring, poll) {
+                    (Some(ring), poll) => {
+                        let _ = waiter.wait_in(rung, deadline, poll, ring);
+                    }
+                    (None, true) => {
+                        let _ = waiter.wait(rung, deadline);
+                    }
+                    (None, false) => {
+                        let _ = waiter.sleep(rung, deadline);
+                    }
+                }
             }
             DoorbellMode::Mapped if last_work.elapsed() < POLL_SPIN => {
+                let mut ring = ring;
                 for _ in 0..SPIN_LOOKS {
-                    if rung() {
+                    if rung() || ring.as_mut().is_some_and(|r| r.pending()) {
                         return;
                     }
                     std::hint::spin_loop();
@@ -248,7 +384,14 @@ impl QueueWorker {
                 let interval = if id == 0 { ADMIN_POLL_INTERVAL } else { POLL_INTERVAL };
                 let interval = (last_work.elapsed() / LOOK_BACKOFF).clamp(MIN_LOOK, interval);
                 let look = deadline.map_or(interval, |d| d.min(interval));
-                waiter.sleep(rung, Some(look));
+                match ring {
+                    Some(ring) => {
+                        let _ = waiter.wait_in(rung, Some(look), false, ring);
+                    }
+                    None => {
+                        let _ = waiter.sleep(rung, Some(look));
+                    }
+                }
             }
         }
     }

@@ -1,0 +1,160 @@
+//! A file namespace whose backing fails or holds I/O: the testkit's FUSE file answers each
+//! read and write of the host kernel as the test says. Needs root (mounting FUSE); skipped
+//! with the reason elsewhere.
+
+mod rig;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use rig::*;
+use umdev_devices::nvme::namespace::Backing;
+use umdev_devices::nvme::spec::*;
+use umdev_devices::nvme::*;
+use umdev_devices::store::Cache;
+use umdev_testkit::fuse::{Action, FuseFile, Io};
+use umdev_testkit::nvme_driver::{Driver, Transport};
+
+const BLOCK: u64 = 4096;
+/// A hang guard only: what the test waits for happens as soon as the host gets to it.
+const GUARD: Duration = Duration::from_secs(60);
+
+fn mounted(bytes: u64) -> Option<FuseFile> {
+    match FuseFile::mount(bytes) {
+        Ok(f) => Some(f),
+        Err(why) => {
+            eprintln!("SKIPPED: {why}");
+            None
+        }
+    }
+}
+
+fn on(fuse: &FuseFile) -> Driver<Rig> {
+    let config = NvmeConfig {
+        namespaces: vec![Some(Backing::File(fuse.path().to_path_buf(), Cache::Writeback))],
+        lba_shift: 12,
+        ..NvmeConfig::default()
+    };
+    up(Rig::with(config, true), 1)
+}
+
+/// A Read or Write of one block at `lba` into or from the guest page `page`, with `cid`.
+fn rw(read: bool, lba: u64, page: u64, cid: u16) -> Sqe {
+    let mut sqe = Driver::<Rig>::rw_command(read, 1, lba, 1, page, 0);
+    sqe.cdw0 = ((u32::from(sqe.cdw0) & 0xffff) | u32::from(cid) << 16).into();
+    sqe
+}
+
+#[test]
+fn a_backing_that_fails_completes_its_commands_with_the_spec_status_and_the_rest_go_on() {
+    let Some(fuse) = mounted(1 << 20) else { return };
+    let mut d = on(&fuse);
+    d.t.put(DATA, &pattern(BLOCK as usize, 1)).unwrap();
+    assert_eq!(d.rw(1, false, 1, 0, 1, BLOCK, &[DATA], 0).unwrap(), Status::SUCCESS);
+    // The disk fails a read of block 16 and a write of block 32; everything else is served.
+    fuse.set_policy(|io| match io {
+        Io::Read { offset, .. } if *offset == 16 * BLOCK => Action::Fail(libc::EIO),
+        Io::Write { offset, .. } if *offset == 32 * BLOCK => Action::Fail(libc::EIO),
+        _ => Action::Serve,
+    });
+    d.t.put(DATA + 0x3000, &pattern(BLOCK as usize, 3)).unwrap();
+    d.t.put(DATA + 0x4000, &pattern(BLOCK as usize, 4)).unwrap();
+    let before = d.t.dev.function().totals().commands;
+    // All four in flight together, on one queue.
+    let batch = [
+        (rw(true, 0, DATA + 0x1000, 101), Status::SUCCESS),
+        (rw(true, 16, DATA + 0x2000, 102), Status::UNRECOVERED_READ_ERROR),
+        (rw(false, 32, DATA + 0x3000, 103), Status::WRITE_FAULT),
+        (rw(false, 48, DATA + 0x4000, 104), Status::SUCCESS),
+    ];
+    for (sqe, _) in &batch {
+        d.push(1, sqe).unwrap();
+    }
+    d.ring(1).unwrap();
+    let mut got = HashMap::new();
+    for _ in 0..batch.len() {
+        let cqe = d.wait(1, GUARD).unwrap();
+        assert!(got.insert(u16::from(cqe.cid), cqe.status()).is_none(), "cid {} twice", u16::from(cqe.cid));
+    }
+    for (sqe, status) in &batch {
+        let cid = (u32::from(sqe.cdw0) >> 16) as u16;
+        assert_eq!(got.get(&cid), Some(status), "cid {cid}: {got:?}");
+    }
+    // The successful transfers moved their data.
+    let mut back = vec![0u8; BLOCK as usize];
+    d.t.get(DATA + 0x1000, &mut back).unwrap();
+    assert!(back == pattern(BLOCK as usize, 1), "the good read's data");
+    assert!(fuse.bytes()[48 * BLOCK as usize..49 * BLOCK as usize] == pattern(BLOCK as usize, 4)[..]);
+    // The queue goes on; the next completion is the next command's: nothing was posted twice.
+    let mut flush = Sqe::new(nvm_op::FLUSH, 0);
+    flush.nsid = 1.into();
+    assert_eq!(d.io_command(1, flush).unwrap().status(), Status::SUCCESS);
+    assert!(d.poll_one(1).unwrap().is_none(), "no completion posted twice");
+    assert_eq!(d.t.dev.function().totals().commands, before + 5);
+    // Both failures are in the error log, with their queue, command and LBA.
+    let mut log = Sqe::new(admin_op::GET_LOG_PAGE, 0);
+    log.set_dw(10, u32::from(log_page::ERROR) | (2 * 64 / 4 - 1) << 16);
+    log.prp1 = (DATA + 0x9000).into();
+    d.admin_ok(log).unwrap();
+    let mut logged = Vec::new();
+    for i in 0..2 {
+        let mut entry = ErrorLogEntry::default();
+        d.t.get(DATA + 0x9000 + i * 64, vm_memory::ByteValued::as_mut_slice(&mut entry)).unwrap();
+        logged.push((
+            u16::from(entry.sqid),
+            u16::from(entry.cid),
+            u16::from(entry.status) >> 1,
+            u64::from(entry.lba),
+        ));
+    }
+    logged.sort();
+    assert_eq!(logged, [(1, 102, Status::UNRECOVERED_READ_ERROR.0, 16), (1, 103, Status::WRITE_FAULT.0, 32)]);
+}
+
+#[test]
+fn a_reset_with_a_read_held_by_the_backing_keeps_its_pins_until_the_host_lets_go() {
+    let Some(fuse) = mounted(1 << 20) else { return };
+    let mut d = on(&fuse);
+    let data = pattern(BLOCK as usize, 8);
+    d.t.put(DATA, &data).unwrap();
+    assert_eq!(d.rw(1, false, 1, 8, 1, BLOCK, &[DATA], 0).unwrap(), Status::SUCCESS);
+    fuse.set_policy(|io| match io {
+        Io::Read { offset, .. } if *offset == 8 * BLOCK => Action::Hold,
+        _ => Action::Serve,
+    });
+    let page = DATA + 0x5000;
+    d.submit(1, &rw(true, 8, page, 7)).unwrap();
+    let held = fuse.wait_held(1, GUARD);
+    assert_eq!(d.t.dma.pin_count(page), 1, "the held read's page is pinned");
+
+    // The guest resets the controller while the host still has the read: the reset stops
+    // the queue's worker, which waits for the read (boundedly) and then leaves it, with its
+    // pins, to a thread that waits for the host.
+    let cc = d.t.read32(reg::CC).unwrap();
+    d.t.write32(reg::CC, cc & !1).unwrap();
+    assert_eq!(d.t.ctrl().workers(), 0, "the worker stopped");
+    // Left pinned: the held read's page, and its queue's two ring pages (a command keeps
+    // its queue, whose completion it would have posted).
+    assert_eq!((d.t.dma.pin_count(page), d.t.dma.stats().pins_held), (1, 3));
+
+    // The host finishes the read: the data lands in the still-pinned page, then the pin goes;
+    // nothing is posted for a command of before the reset.
+    fuse.answer(held[0].unique, None);
+    let deadline = Instant::now() + GUARD;
+    while d.t.dma.stats().pins_held > 0 {
+        assert!(Instant::now() < deadline, "the held read's pins were never let go");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let mut back = vec![0u8; BLOCK as usize];
+    d.t.get(page, &mut back).unwrap();
+    assert!(back == data, "the host's read landed in the guest page");
+    assert!(d.poll_one(1).unwrap().is_none(), "no completion after the reset");
+
+    // The controller comes back and reads the block, served at once this time.
+    fuse.set_policy(|_| Action::Serve);
+    d.enable().unwrap();
+    d.create_io_queues(1, 64, false).unwrap();
+    assert_eq!(d.rw(1, true, 1, 8, 1, BLOCK, &[DATA + 0x6000], 0).unwrap(), Status::SUCCESS);
+    d.t.get(DATA + 0x6000, &mut back).unwrap();
+    assert!(back == data);
+}
