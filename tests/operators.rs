@@ -37,7 +37,11 @@ fn a_bad_option_fails_at_define_with_the_message_start_gives() {
     let tiny_nvme = format!("ns1=file:{}", tiny.display());
     let cases: &[(&str, &str, &str)] = &[
         ("nvme", "lba=3", "lba=3: one of 512, 4096"),
-        ("nvme", "foo=bar", "unknown option \"foo\" (it takes ns1..ns16, cache1..cache16, aio"),
+        (
+            "nvme",
+            "foo=bar",
+            "unknown option \"foo\" (it takes ns1..ns16, cache1..cache16, aio, fixed_buffers, lba, queues",
+        ),
         (
             "nvme",
             "ns1=file:/nonexistent/disk.img",
