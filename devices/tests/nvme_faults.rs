@@ -158,3 +158,33 @@ fn a_reset_with_a_read_held_by_the_backing_keeps_its_pins_until_the_host_lets_go
     d.t.get(DATA + 0x6000, &mut back).unwrap();
     assert!(back == data);
 }
+
+#[test]
+fn a_read_held_through_its_queues_deletion_posts_nothing_when_the_host_lets_go() {
+    let Some(fuse) = mounted(1 << 20) else { return };
+    let mut d = on(&fuse);
+    fuse.set_policy(|io| match io {
+        Io::Read { offset, .. } if *offset == 8 * BLOCK => Action::Hold,
+        _ => Action::Serve,
+    });
+    let page = DATA + 0x5000;
+    d.submit(1, &rw(true, 8, page, 7)).unwrap();
+    let held = fuse.wait_held(1, GUARD);
+
+    // The guest deletes the SQ while the host has the read: the deletion completes once the
+    // worker has waited for it (boundedly) and left it, with its pins, to another thread.
+    let mut delete = Sqe::new(admin_op::DELETE_SQ, 0);
+    delete.set_dw(10, 1);
+    assert_eq!(d.admin_command(delete).unwrap().status(), Status::SUCCESS);
+    assert_eq!(d.t.dma.pin_count(page), 1, "the held read keeps its page pinned");
+
+    // The host finishes the read after the deletion: its pins go, and nothing reaches the
+    // CQ, which outlives the SQ and could serve a new one with the same command identifiers.
+    fuse.answer(held[0].unique, None);
+    let deadline = Instant::now() + GUARD;
+    while d.t.dma.pin_count(page) > 0 {
+        assert!(Instant::now() < deadline, "the held read's pins were never let go");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(d.poll_one(1).unwrap().is_none(), "no completion for a command of a deleted SQ");
+}

@@ -140,6 +140,10 @@ impl std::fmt::Debug for Bell {
     }
 }
 
+/// How long a worker sleeping in the kernel without the bell's eventfd (it could not be
+/// made: out of file descriptors) sleeps before it looks again.
+const KICKLESS_LOOK: Duration = Duration::from_millis(1);
+
 /// A bell's worker is awake (a ring only counts)...
 const AWAKE: u8 = 0;
 /// ...parked (a ring unparks it)...
@@ -233,6 +237,13 @@ impl<S: Copy> Waiter<S> {
         kernel: &mut impl KernelSleep,
     ) -> Wake<S> {
         let budget = if poll { self.poll } else { Poll::NONE };
+        // The eventfd exists before the waiter announces itself in the kernel: a ring that
+        // sees it there writes it (a ring before it existed would be lost). If it cannot be
+        // made, the sleep below is bounded by a look instead.
+        let timeout = match self.bell.eventfd() {
+            Ok(_) => timeout,
+            Err(_) => Some(timeout.map_or(KICKLESS_LOOK, |t| t.min(KICKLESS_LOOK))),
+        };
         let kernel = std::cell::RefCell::new(kernel);
         let mut look = || ready() || kernel.borrow_mut().pending();
         self.wait_on(&mut look, timeout, budget, &mut |left| kernel.borrow_mut().block(left), IN_KERNEL)
@@ -399,20 +410,23 @@ impl<S: Copy + Send + 'static> Worker<S> {
         self.bell.0.kick();
     }
 
-    /// Waits for the thread to end, at most `bound`; a thread still running then is left to
-    /// end on its own ([`Stuck`]). A body that panicked counts as ended (the panic was
-    /// reported on its thread).
+    /// Waits for the thread's body to end, at most `bound`; a thread still running then is
+    /// left to end on its own ([`Stuck`]). A body that panicked counts as ended (the panic
+    /// was reported on its thread). The thread itself is not joined: once its body has
+    /// returned, what is left of its exit can wait on the kernel for as long as a transfer
+    /// takes (a thread's io_uring workers end with it, and one may be blocked in a
+    /// filesystem), and a reset or a disconnect must not wait for that.
     pub fn join(mut self, bound: Duration) -> Result<(), Stuck> {
         let done = sync::lock(&self.control.done);
         let (done, _) = sync::wait_timeout_while(&self.control.ended, done, bound, |d| !*d);
         let ended = *done;
         drop(done);
-        match self.thread.take() {
-            Some(t) if ended => {
-                let _ = t.join();
-                Ok(())
-            }
-            _ => Err(Stuck(std::mem::take(&mut self.name))),
+        // Dropping the handle detaches the thread, ended or not.
+        self.thread.take();
+        if ended {
+            Ok(())
+        } else {
+            Err(Stuck(std::mem::take(&mut self.name)))
         }
     }
 

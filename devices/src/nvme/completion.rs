@@ -10,6 +10,7 @@
 //! on, and fetches nothing new meanwhile (a full CQ holds its SQ, §4.1).
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::ctrl::Ctrl;
@@ -30,6 +31,8 @@ pub struct Completer {
     /// Completions waiting for room or bus mastering, oldest first. Only the queue's worker
     /// thread touches it: the lock is never contended.
     backlog: Mutex<VecDeque<Cqe>>,
+    /// Set once the queue is deleted: nothing more is posted (see [`Completer::retire`]).
+    retired: AtomicBool,
 }
 
 /// What happened to the backlog when the worker tried to post it.
@@ -46,7 +49,13 @@ pub enum Drained {
 impl Completer {
     /// The completion side of `sq`, for work of `generation`.
     pub fn new(ctrl: Arc<Ctrl>, sq: Arc<Sq>, generation: u64) -> Arc<Completer> {
-        Arc::new(Completer { ctrl, sq, generation, backlog: Mutex::new(VecDeque::new()) })
+        Arc::new(Completer {
+            ctrl,
+            sq,
+            generation,
+            backlog: Mutex::new(VecDeque::new()),
+            retired: AtomicBool::new(false),
+        })
     }
 
     /// The controller.
@@ -64,9 +73,18 @@ impl Completer {
         self.generation
     }
 
-    /// Whether the queue's work still counts (no disable since it started).
+    /// Whether the queue's work still counts (no disable since it started, the queue not
+    /// deleted).
     pub fn current(&self) -> bool {
-        self.ctrl.generation() == self.generation
+        self.ctrl.generation() == self.generation && !self.retired.load(Ordering::Acquire)
+    }
+
+    /// The queue is deleted: from now on nothing is posted or counted. A transfer the host
+    /// finishes after the deletion (one a stopping worker left to another thread) ends
+    /// silently: its CQ may serve a new SQ by then, with the same command identifiers, and
+    /// the guest may have reused its buffer, so a late entry would be a false completion.
+    pub fn retire(&self) {
+        self.retired.store(true, Ordering::Release);
     }
 
     /// Posts the completion of `sqe` with `status` and `dw0`: counted, logged in the error

@@ -193,13 +193,14 @@ impl QueueWorker {
             if let Some(stop) = waiter.stopped() {
                 break stop;
             }
+            // What the host finished ends first, whatever follows: its pins go with it.
+            if let Some(aio) = &mut self.aio {
+                aio.reap();
+            }
             if self.ctrl().fatal() {
                 // Until a disable stops the worker (or a ring: look again).
                 waiter.sleep(|| false, None);
                 continue;
-            }
-            if let Some(aio) = &mut self.aio {
-                aio.reap();
             }
             if self.completer.waiting() > 0 && !self.drain(&mut waiter) {
                 continue;
@@ -274,6 +275,7 @@ impl QueueWorker {
         }
         if stop == Stop::Delete {
             self.abort_remaining(&mut waiter, head);
+            self.completer.retire();
         }
     }
 
@@ -307,7 +309,11 @@ impl QueueWorker {
 
     /// Posts the backlog; true if it is empty now. Otherwise waits for what it waits for (CQ
     /// room: the CQ head doorbell rings; bus mastering: turning it on rings) and returns false.
-    fn drain(&self, waiter: &mut Waiter<Stop>) -> bool {
+    fn drain(&mut self, waiter: &mut Waiter<Stop>) -> bool {
+        // Transfers started but not yet handed to the host go now, not after the wait.
+        if let Some(aio) = &mut self.aio {
+            let _ = aio.ring.submit();
+        }
         let Some(ctx) = self.lane.context() else {
             // The client left: nothing can be posted; the reset that follows stops us.
             waiter.sleep(|| false, None);
