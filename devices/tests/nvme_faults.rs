@@ -12,6 +12,7 @@ use umdev_devices::nvme::namespace::Backing;
 use umdev_devices::nvme::spec::*;
 use umdev_devices::nvme::*;
 use umdev_devices::store::Cache;
+use umdev_mdev::VfioDevice;
 use umdev_testkit::fuse::{Action, FuseFile, Io};
 use umdev_testkit::nvme_driver::{Driver, Transport};
 
@@ -187,4 +188,39 @@ fn a_read_held_through_its_queues_deletion_posts_nothing_when_the_host_lets_go()
         std::thread::sleep(Duration::from_millis(1));
     }
     assert!(d.poll_one(1).unwrap().is_none(), "no completion for a command of a deleted SQ");
+}
+
+#[test]
+fn a_disconnect_with_a_read_held_by_the_backing_keeps_its_pins_until_the_host_lets_go() {
+    let Some(fuse) = mounted(1 << 20) else { return };
+    let mut d = on(&fuse);
+    let data = pattern(BLOCK as usize, 9);
+    d.t.put(DATA, &data).unwrap();
+    assert_eq!(d.rw(1, false, 1, 8, 1, BLOCK, &[DATA], 0).unwrap(), Status::SUCCESS);
+    fuse.set_policy(|io| match io {
+        Io::Read { offset, .. } if *offset == 8 * BLOCK => Action::Hold,
+        _ => Action::Serve,
+    });
+    let page = DATA + 0x5000;
+    d.submit(1, &rw(true, 8, page, 7)).unwrap();
+    let held = fuse.wait_held(1, GUARD);
+
+    // The client goes away while the host has the read: the detach stops the queue's
+    // worker, which leaves the read, with its pins, to a thread that waits for the host.
+    d.t.dev.detach();
+    assert_eq!(d.t.ctrl().workers(), 0, "the worker stopped");
+    assert_eq!(d.t.dma.pin_count(page), 1, "the held read keeps its page pinned");
+
+    // The host finishes the read: the data lands in the still-pinned page, then every pin
+    // goes; nothing is posted (no client is there to post to).
+    fuse.answer(held[0].unique, None);
+    let deadline = Instant::now() + GUARD;
+    while d.t.dma.stats().pins_held > 0 {
+        assert!(Instant::now() < deadline, "the held read's pins were never let go");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let mut back = vec![0u8; BLOCK as usize];
+    d.t.get(page, &mut back).unwrap();
+    assert!(back == data, "the host's read landed in the guest page");
+    assert!(d.poll_one(1).unwrap().is_none(), "no completion after the disconnect");
 }
