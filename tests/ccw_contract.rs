@@ -20,7 +20,7 @@ use umdev_mdev::types::InstanceOptions;
 use umdev_pinning::PinMode;
 use umdev_testkit::ccw_driver::{Data, Op};
 
-const MODES: [PinMode; 2] = [PinMode::Track, PinMode::Lock];
+const MODES: [PinMode; 3] = [PinMode::Track, PinMode::Lock, PinMode::Kernel];
 const MIB: u64 = 1 << 20;
 const MAX: u32 = 16 << 20;
 
@@ -41,7 +41,14 @@ fn rig(mode: PinMode, store_size: u64) -> Rig {
     options.params.insert("file".into(), path.display().to_string());
     options.params.insert("subchannels".into(), "2".into());
     let h = Harness::with("ccw", options, |c| c.dma.mode = mode);
-    let g = CcwGuest::connect(&h.socket).unwrap();
+    let mut g = CcwGuest::connect(&h.socket).unwrap();
+    // PIN_MODE says the mode, as docs/ccw.md numbers them.
+    let number = match mode {
+        PinMode::Track => 0,
+        PinMode::Lock => 1,
+        PinMode::Kernel => 2,
+    };
+    assert_eq!(g.read(regs::PIN_MODE).unwrap(), number, "{mode:?}");
     Rig { h, g, store, _store_dir: dir }
 }
 

@@ -403,10 +403,11 @@ impl Ccw {
             regs::ID => regs::ID_VALUE,
             regs::VERSION => 1,
             regs::SUBCHANNELS => self.shared.subchannels.len() as u32,
-            regs::PIN_MODE => {
-                let lock = self.shared.requests.context().is_some_and(|c| c.pin_mode() == PinMode::Lock);
-                u32::from(lock)
-            }
+            regs::PIN_MODE => match self.shared.requests.context().map(|c| c.pin_mode()) {
+                None | Some(PinMode::Track) => 0,
+                Some(PinMode::Lock) => 1,
+                Some(PinMode::Kernel) => 2,
+            },
             regs::STORE_SIZE_LO => self.shared.store.size() as u32,
             regs::STORE_SIZE_HI => (self.shared.store.size() >> 32) as u32,
             regs::IRQ_STATUS => self.shared.irq_status(),
