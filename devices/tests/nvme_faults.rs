@@ -46,6 +46,31 @@ fn rw(read: bool, lba: u64, page: u64, cid: u16) -> Sqe {
     sqe
 }
 
+/// The guest page the held read of block 8 lands in.
+const HELD_PAGE: u64 = DATA + 0x5000;
+
+/// Writes `data` to block 8, then submits a read of it (cid 7, into [`HELD_PAGE`]) that the
+/// backing holds; returns what the host holds, once it does.
+fn hold_a_read(fuse: &FuseFile, d: &mut Driver<Rig>, data: &[u8]) -> Vec<umdev_testkit::fuse::Held> {
+    d.t.put(DATA, data).unwrap();
+    assert_eq!(d.rw(1, false, 1, 8, 1, BLOCK, &[DATA], 0).unwrap(), Status::SUCCESS);
+    fuse.set_policy(|io| match io {
+        Io::Read { offset, .. } if *offset == 8 * BLOCK => Action::Hold,
+        _ => Action::Serve,
+    });
+    d.submit(1, &rw(true, 8, HELD_PAGE, 7)).unwrap();
+    fuse.wait_held(1, GUARD)
+}
+
+/// Waits (up to the hang guard) until `pinned` says nothing is pinned any more.
+fn until_let_go(pinned: impl Fn() -> bool) {
+    let deadline = Instant::now() + GUARD;
+    while pinned() {
+        assert!(Instant::now() < deadline, "the held read's pins were never let go");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 #[test]
 fn a_backing_that_fails_completes_its_commands_with_the_spec_status_and_the_rest_go_on() {
     let Some(fuse) = mounted(1 << 20) else { return };
@@ -117,15 +142,8 @@ fn a_reset_with_a_read_held_by_the_backing_keeps_its_pins_until_the_host_lets_go
     let Some(fuse) = mounted(1 << 20) else { return };
     let mut d = on(&fuse);
     let data = pattern(BLOCK as usize, 8);
-    d.t.put(DATA, &data).unwrap();
-    assert_eq!(d.rw(1, false, 1, 8, 1, BLOCK, &[DATA], 0).unwrap(), Status::SUCCESS);
-    fuse.set_policy(|io| match io {
-        Io::Read { offset, .. } if *offset == 8 * BLOCK => Action::Hold,
-        _ => Action::Serve,
-    });
-    let page = DATA + 0x5000;
-    d.submit(1, &rw(true, 8, page, 7)).unwrap();
-    let held = fuse.wait_held(1, GUARD);
+    let held = hold_a_read(&fuse, &mut d, &data);
+    let page = HELD_PAGE;
     assert_eq!(d.t.dma.pin_count(page), 1, "the held read's page is pinned");
 
     // The guest resets the controller while the host still has the read: the reset stops
@@ -141,11 +159,7 @@ fn a_reset_with_a_read_held_by_the_backing_keeps_its_pins_until_the_host_lets_go
     // The host finishes the read: the data lands in the still-pinned page, then the pin goes;
     // nothing is posted for a command of before the reset.
     fuse.answer(held[0].unique, None);
-    let deadline = Instant::now() + GUARD;
-    while d.t.dma.stats().pins_held > 0 {
-        assert!(Instant::now() < deadline, "the held read's pins were never let go");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    until_let_go(|| d.t.dma.stats().pins_held > 0);
     let mut back = vec![0u8; BLOCK as usize];
     d.t.get(page, &mut back).unwrap();
     assert!(back == data, "the host's read landed in the guest page");
@@ -164,13 +178,8 @@ fn a_reset_with_a_read_held_by_the_backing_keeps_its_pins_until_the_host_lets_go
 fn a_read_held_through_its_queues_deletion_posts_nothing_when_the_host_lets_go() {
     let Some(fuse) = mounted(1 << 20) else { return };
     let mut d = on(&fuse);
-    fuse.set_policy(|io| match io {
-        Io::Read { offset, .. } if *offset == 8 * BLOCK => Action::Hold,
-        _ => Action::Serve,
-    });
-    let page = DATA + 0x5000;
-    d.submit(1, &rw(true, 8, page, 7)).unwrap();
-    let held = fuse.wait_held(1, GUARD);
+    let held = hold_a_read(&fuse, &mut d, &pattern(BLOCK as usize, 10));
+    let page = HELD_PAGE;
 
     // The guest deletes the SQ while the host has the read: the deletion completes once the
     // worker has waited for it (boundedly) and left it, with its pins, to another thread.
@@ -182,11 +191,7 @@ fn a_read_held_through_its_queues_deletion_posts_nothing_when_the_host_lets_go()
     // The host finishes the read after the deletion: its pins go, and nothing reaches the
     // CQ, which outlives the SQ and could serve a new one with the same command identifiers.
     fuse.answer(held[0].unique, None);
-    let deadline = Instant::now() + GUARD;
-    while d.t.dma.pin_count(page) > 0 {
-        assert!(Instant::now() < deadline, "the held read's pins were never let go");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    until_let_go(|| d.t.dma.pin_count(page) > 0);
     assert!(d.poll_one(1).unwrap().is_none(), "no completion for a command of a deleted SQ");
 }
 
@@ -195,15 +200,8 @@ fn a_disconnect_with_a_read_held_by_the_backing_keeps_its_pins_until_the_host_le
     let Some(fuse) = mounted(1 << 20) else { return };
     let mut d = on(&fuse);
     let data = pattern(BLOCK as usize, 9);
-    d.t.put(DATA, &data).unwrap();
-    assert_eq!(d.rw(1, false, 1, 8, 1, BLOCK, &[DATA], 0).unwrap(), Status::SUCCESS);
-    fuse.set_policy(|io| match io {
-        Io::Read { offset, .. } if *offset == 8 * BLOCK => Action::Hold,
-        _ => Action::Serve,
-    });
-    let page = DATA + 0x5000;
-    d.submit(1, &rw(true, 8, page, 7)).unwrap();
-    let held = fuse.wait_held(1, GUARD);
+    let held = hold_a_read(&fuse, &mut d, &data);
+    let page = HELD_PAGE;
 
     // The client goes away while the host has the read: the detach stops the queue's
     // worker, which leaves the read, with its pins, to a thread that waits for the host.
@@ -214,11 +212,7 @@ fn a_disconnect_with_a_read_held_by_the_backing_keeps_its_pins_until_the_host_le
     // The host finishes the read: the data lands in the still-pinned page, then every pin
     // goes; nothing is posted (no client is there to post to).
     fuse.answer(held[0].unique, None);
-    let deadline = Instant::now() + GUARD;
-    while d.t.dma.stats().pins_held > 0 {
-        assert!(Instant::now() < deadline, "the held read's pins were never let go");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    until_let_go(|| d.t.dma.stats().pins_held > 0);
     let mut back = vec![0u8; BLOCK as usize];
     d.t.get(page, &mut back).unwrap();
     assert!(back == data, "the host's read landed in the guest page");
