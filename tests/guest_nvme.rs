@@ -39,6 +39,13 @@ fn stop(mut daemon: ChildGuard) -> serde_json::Value {
     serde_json::from_str(&line).unwrap()
 }
 
+/// A file of `bytes` in `dir` as namespace 1: the `--opt` that names it.
+fn file_namespace(dir: &Path, bytes: u64) -> String {
+    let disk = dir.join("disk.img");
+    std::fs::File::create(&disk).unwrap().set_len(bytes).unwrap();
+    format!("ns1=file:{}", disk.display())
+}
+
 fn line<'a>(console: &'a [String], prefix: &str) -> &'a str {
     console.iter().find(|l| l.starts_with(prefix)).map(String::as_str).unwrap_or("")
 }
@@ -82,9 +89,7 @@ fn the_guests_nvme_driver_formats_mounts_and_keeps_a_file_namespace_across_boots
     }
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("nvme.sock");
-    let disk = dir.path().join("disk.img");
-    std::fs::File::create(&disk).unwrap().set_len(256 << 20).unwrap();
-    let ns = format!("ns1=file:{}", disk.display());
+    let ns = file_namespace(dir.path(), 256 << 20);
     let modules = vec!["nvme", "ext4"];
     let qemu_args = vec!["-smp", "2"];
 
@@ -284,9 +289,7 @@ fn thirty_two_direct_writers_and_readers_on_two_queues_read_back_what_they_wrote
     }
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("nvme.sock");
-    let disk = dir.path().join("disk.img");
-    std::fs::File::create(&disk).unwrap().set_len(64 << 20).unwrap();
-    let ns = format!("ns1=file:{}", disk.display());
+    let ns = file_namespace(dir.path(), 64 << 20);
     let daemon = serve(&socket, &[&ns, "queues=2"]);
     let script = format!("set -e\n{IDENTIFY}\n{CONCURRENT_VERIFY}");
     let console = guest::run_ok(&GuestSpec {
@@ -328,9 +331,7 @@ fn in_kernel_pin_mode_a_cache_none_file_namespace_moves_the_guests_io_through_fi
     }
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("nvme.sock");
-    let disk = dir.path().join("disk.img");
-    std::fs::File::create(&disk).unwrap().set_len(256 << 20).unwrap();
-    let ns = format!("ns1=file:{}", disk.display());
+    let ns = file_namespace(dir.path(), 256 << 20);
     let args = [
         "--type",
         "nvme",
