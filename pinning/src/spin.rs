@@ -1,5 +1,6 @@
 //! The lock of a thread shard, and of a mapping's pin state: data that every pin call takes,
-//! almost always uncontended.
+//! almost always uncontended. Exported ([`crate::sync::SpinLock`]) for locks of the same kind
+//! outside the engine: a device worker's per-request bookkeeping (umdev-mdev's request lanes).
 //!
 //! Taking it is one atomic swap; giving it back is a plain release store, where a futex
 //! mutex spends a second atomic read-modify-write to learn whether to wake a waiter. What
@@ -23,7 +24,7 @@ use std::time::Duration;
 
 /// A lock around a `T`, as described in the module documentation.
 #[derive(Default)]
-pub(crate) struct SpinLock<T> {
+pub struct SpinLock<T> {
     locked: AtomicBool,
     value: UnsafeCell<T>,
 }
@@ -35,7 +36,7 @@ unsafe impl<T: Send> Sync for SpinLock<T> {}
 
 /// Exclusive access to a [`SpinLock`]'s value until dropped.
 #[must_use = "the lock is given back when the guard drops"]
-pub(crate) struct SpinGuard<'a, T> {
+pub struct SpinGuard<'a, T> {
     lock: &'a SpinLock<T>,
     /// Held on the thread that took it, like a mutex guard.
     _not_send: PhantomData<*mut ()>,
@@ -48,13 +49,13 @@ const NAP: Duration = Duration::from_micros(20);
 
 impl<T> SpinLock<T> {
     /// An unlocked lock around `value`.
-    pub(crate) fn new(value: T) -> Self {
+    pub fn new(value: T) -> Self {
         SpinLock { locked: AtomicBool::new(false), value: UnsafeCell::new(value) }
     }
 
     /// Takes the lock, waiting for its holder if it has one.
     #[inline]
-    pub(crate) fn lock(&self) -> SpinGuard<'_, T> {
+    pub fn lock(&self) -> SpinGuard<'_, T> {
         if self.locked.swap(true, Ordering::Acquire) {
             self.lock_contended();
         }
@@ -84,12 +85,12 @@ impl<T> SpinLock<T> {
     }
 
     /// The value, through exclusive access to the lock itself.
-    pub(crate) fn get_mut(&mut self) -> &mut T {
+    pub fn get_mut(&mut self) -> &mut T {
         self.value.get_mut()
     }
 
     /// Takes the lock if nobody holds it.
-    pub(crate) fn try_lock(&self) -> Option<SpinGuard<'_, T>> {
+    pub fn try_lock(&self) -> Option<SpinGuard<'_, T>> {
         if self.locked.load(Ordering::Relaxed) || self.locked.swap(true, Ordering::Acquire) {
             return None;
         }

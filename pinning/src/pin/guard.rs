@@ -9,7 +9,7 @@ use super::error::AccessError;
 use super::plan::Plan;
 use super::{lock_mode, track};
 use crate::kernel::{buffers_of, KERNEL_BUFFER_BYTES};
-use crate::mapping::{Mapping, MappingState};
+use crate::mapping::MappingState;
 use crate::page::{Prot, PAGE_SIZE};
 use crate::record::{Owner, Record, RecordPtr, RecordRef, SmallRecord};
 use crate::run::{PinnedRun, Segment};
@@ -198,16 +198,6 @@ impl PinnedPages {
         }
     }
 
-    fn mapping_list(&self) -> impl Iterator<Item = &Mapping> {
-        let record = self.record();
-        let counted = match self.hold.view() {
-            HoldView::Counted(plan) => Some(&plan.mappings),
-            _ => None,
-        };
-        let recorded = record.into_iter().flat_map(|r| r.mappings());
-        recorded.chain(counted.into_iter().flat_map(|m| m.iter().map(|m| &**m)))
-    }
-
     fn pages(&self) -> u64 {
         match self.hold.view() {
             HoldView::Recorded(_) => self.record().map_or(0, |r| r.pages),
@@ -283,7 +273,12 @@ impl PinnedPages {
     /// mapped: accesses to them see zeros and lose writes. Devices that use the host
     /// addresses directly check this after an access, as the copy helpers do.
     pub fn poisoned(&self) -> bool {
-        self.mapping_list().any(|m| m.poisoned())
+        // Two plain loops, not one chained iterator: this runs after every copy.
+        match self.hold.view() {
+            HoldView::Recorded(_) => self.record().is_some_and(|r| r.mappings().any(|m| m.poisoned())),
+            HoldView::Counted(plan) => plan.mappings.iter().any(|m| m.poisoned()),
+            HoldView::Released => false,
+        }
     }
 
     fn check_poisoned(&self) -> Result<(), AccessError> {
