@@ -20,17 +20,20 @@
 //! unmap, which waits for them, returns. A detach also waits, boundedly, for every request
 //! to end, so nothing of the client's connection outlives it.
 //!
-//! Each lane has its own lock: workers of different queues share no lock or counter.
+//! Each lane has its own lock, a spin lock (a worker takes it a few times per request, almost
+//! never contended: only an unmap, a reset or a count looks at a lane from elsewhere), and
+//! workers of different queues share no lock or counter.
 //! [`serve`] runs a request's handling so that a panic fails that request and the worker
 //! goes on.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
-use umdev_pinning::{sync, PinnedPages, Prot, PAGE_SIZE};
+use umdev_pinning::sync::{self, SpinGuard, SpinLock};
+use umdev_pinning::{PinnedPages, Prot, PAGE_SIZE};
 
 use crate::guest::{DeviceContext, GuestError};
 
@@ -55,16 +58,6 @@ pub enum Cancel {
     Unmapped = 1,
     /// The device was reset, or the client left: the request's result no longer matters.
     Reset = 2,
-}
-
-impl Cancel {
-    fn from_u8(v: u8) -> Option<Cancel> {
-        match v {
-            1 => Some(Cancel::Unmapped),
-            2 => Some(Cancel::Reset),
-            _ => None,
-        }
-    }
 }
 
 /// No client is attached: the request could not start. Its completion comes back
@@ -109,8 +102,10 @@ impl Requests {
     pub fn lane(&self, wake: impl Fn() + Send + Sync + 'static) -> Lane {
         let inner = Arc::new(LaneInner {
             tracker: self.inner.clone(),
-            state: Mutex::new(LaneState::default()),
-            idle: Condvar::new(),
+            state: SpinLock::new(LaneState::default()),
+            cancelled: AtomicUsize::new(0),
+            idle: Mutex::new(()),
+            idled: Condvar::new(),
             wake: Box::new(wake),
         });
         let mut lanes = sync::lock(&self.inner.lanes);
@@ -150,7 +145,9 @@ impl Requests {
             let mut st = lane.state();
             let mut any = false;
             for slot in st.slots.iter_mut().filter(|s| s.live) {
-                slot.cancel.fetch_max(Cancel::Reset as u8, Ordering::AcqRel);
+                if slot.cancel.replace(Cancel::Reset).is_none() {
+                    lane.cancelled.fetch_add(1, Ordering::Release);
+                }
                 any = true;
             }
             drop(st);
@@ -169,12 +166,10 @@ impl Requests {
             let mut any = false;
             for slot in st.slots.iter_mut().filter(|s| s.live) {
                 if slot.ranges.iter().any(|&(s, e)| s < end && iova < e) {
-                    let _ = slot.cancel.compare_exchange(
-                        0,
-                        Cancel::Unmapped as u8,
-                        Ordering::AcqRel,
-                        Ordering::Acquire,
-                    );
+                    if slot.cancel.is_none() {
+                        slot.cancel = Some(Cancel::Unmapped);
+                        lane.cancelled.fetch_add(1, Ordering::Release);
+                    }
                     any = true;
                 }
             }
@@ -198,12 +193,19 @@ impl Requests {
         let deadline = Instant::now() + bound;
         let mut idle = true;
         self.each_lane(|lane| {
-            let mut st = lane.state();
-            st.waiters += 1;
-            let left = deadline.saturating_duration_since(Instant::now());
-            let (mut st, _) = sync::wait_timeout_while(&lane.idle, st, left, |s| s.open > 0);
-            st.waiters -= 1;
-            idle &= st.open == 0;
+            // Held from the first look at `open` until the wait: the permit that closes the
+            // last request notifies under it, so the notification cannot fall between the two.
+            let mut waiting = sync::lock(&lane.idle);
+            lane.state().waiters += 1;
+            while lane.state().open > 0 {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    idle = false;
+                    break;
+                }
+                waiting = sync::wait_timeout(&lane.idled, waiting, left).0;
+            }
+            lane.state().waiters -= 1;
         });
         idle
     }
@@ -231,9 +233,14 @@ pub struct Lane {
 
 struct LaneInner {
     tracker: Arc<Tracker>,
-    state: Mutex<LaneState>,
-    /// Notified when `open` drops to 0 with waiters.
-    idle: Condvar,
+    state: SpinLock<LaneState>,
+    /// Requests of the lane whose slot holds a cancellation: until there is one, a permit's
+    /// look ([`Permit::cancelled`]) is this one load.
+    cancelled: AtomicUsize,
+    /// Held by a waiter for the lane to idle while it looks and waits (see `wait_idle`)...
+    idle: Mutex<()>,
+    /// ...and notified when `open` drops to 0 with waiters.
+    idled: Condvar,
     wake: Box<dyn Fn() + Send + Sync>,
 }
 
@@ -253,13 +260,14 @@ struct Slot {
     live: bool,
     /// The IOVA ranges its pins cover (or are about to).
     ranges: SmallVec<[(u64, u64); 4]>,
-    /// 0, or a [`Cancel`]; shared with the permit, which reads it without the lock.
-    cancel: Arc<AtomicU8>,
+    /// Why it was cancelled; counted in the lane's `cancelled` while set.
+    cancel: Option<Cancel>,
 }
 
 impl LaneInner {
-    fn state(&self) -> MutexGuard<'_, LaneState> {
-        sync::lock(&self.state)
+    #[inline]
+    fn state(&self) -> SpinGuard<'_, LaneState> {
+        self.state.lock()
     }
 }
 
@@ -284,27 +292,15 @@ impl Lane {
         let index = match st.free.pop() {
             Some(i) => i,
             None => {
-                st.slots.push(Slot {
-                    live: false,
-                    ranges: SmallVec::new(),
-                    cancel: Arc::new(AtomicU8::new(0)),
-                });
+                st.slots.push(Slot { live: false, ranges: SmallVec::new(), cancel: None });
                 st.slots.len() as u32 - 1
             }
         };
-        let slot = &mut st.slots[index as usize];
-        slot.live = true;
-        slot.cancel.store(0, Ordering::Release);
-        let cancel = slot.cancel.clone();
+        // A slot is freed with no ranges and no cancellation (`Permit::drop`).
+        st.slots[index as usize].live = true;
         st.open += 1;
-        Ok(Permit {
-            completion: Some(completion),
-            lane: lane.clone(),
-            index,
-            cancel,
-            ctx,
-            pins: SmallVec::new(),
-        })
+        drop(st);
+        Ok(Permit { completion: Some(completion), lane: lane.clone(), index, ctx, pins: SmallVec::new() })
     }
 
     /// The client's context, if one is attached.
@@ -329,7 +325,6 @@ pub struct Permit<C: Completion> {
     completion: Option<C>,
     lane: Arc<LaneInner>,
     index: u32,
-    cancel: Arc<AtomicU8>,
     ctx: Arc<DeviceContext>,
     /// The request's pins, released with the permit (or by [`Permit::release_pins`]).
     pins: SmallVec<[PinnedPages; 1]>,
@@ -353,7 +348,12 @@ impl<C: Completion> Permit<C> {
 
     /// Why the request was cancelled, if it was: it should stop at its next block.
     pub fn cancelled(&self) -> Option<Cancel> {
-        Cancel::from_u8(self.cancel.load(Ordering::Acquire))
+        // Acquire: pairs with the canceller's increment, made under the lock after it set the
+        // slot's cancellation, so the lock below finds it.
+        if self.lane.cancelled.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        self.lane.state().slots[self.index as usize].cancel
     }
 
     /// Pins the guest pages `pfns` for `prot` with one call to the engine (see
@@ -408,8 +408,15 @@ impl<C: Completion> Permit<C> {
     /// unmap waits for are gone. A [`Cancel::Reset`] stays.
     pub fn release_pins(&mut self) -> bool {
         self.pins.clear();
-        self.lane.state().slots[self.index as usize].ranges.clear();
-        self.cancel.compare_exchange(Cancel::Unmapped as u8, 0, Ordering::AcqRel, Ordering::Acquire).is_ok()
+        let mut st = self.lane.state();
+        let slot = &mut st.slots[self.index as usize];
+        slot.ranges.clear();
+        if slot.cancel != Some(Cancel::Unmapped) {
+            return false;
+        }
+        slot.cancel = None;
+        self.lane.cancelled.fetch_sub(1, Ordering::Relaxed);
+        true
     }
 
     /// Ends the request with `outcome` (its pins are released after the completion reports).
@@ -436,10 +443,16 @@ impl<C: Completion> Drop for Permit<C> {
         let slot = &mut st.slots[self.index as usize];
         slot.live = false;
         slot.ranges.clear();
+        if slot.cancel.take().is_some() {
+            self.lane.cancelled.fetch_sub(1, Ordering::Relaxed);
+        }
         st.free.push(self.index);
         st.open -= 1;
-        if st.open == 0 && st.waiters > 0 {
-            self.lane.idle.notify_all();
+        let notify = st.open == 0 && st.waiters > 0;
+        drop(st);
+        if notify {
+            let _waiting = sync::lock(&self.lane.idle);
+            self.lane.idled.notify_all();
         }
     }
 }
