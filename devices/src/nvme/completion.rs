@@ -178,17 +178,17 @@ impl Completer {
     }
 }
 
-/// A command in flight: its entry (for the error log and the completion), its queue's
-/// completion side, and, once its handler handed it to the queue's io_uring, its transfer.
+/// A command in flight: its entry (for the error log and the completion) and its queue's
+/// completion side. Small: a permit carrying it moves through the worker by value.
 #[derive(Debug)]
 pub struct Command {
     completer: Arc<Completer>,
     sqe: Sqe,
-    transfer: Option<Transfer>,
 }
 
 /// A Read, Write or Flush of a file namespace that its handler handed to the queue's io_uring
-/// ([`Outcome::Started`]): what the worker starts, and what the completion counts.
+/// ([`Outcome::Started`]): what the worker starts, and what the completion counts. It travels
+/// beside the command's permit, in the ring's payload.
 #[derive(Debug)]
 pub struct Transfer {
     /// The namespace.
@@ -218,8 +218,9 @@ pub enum Outcome {
     /// Held by the controller and completed later by other means (an Asynchronous Event
     /// Request, §5.2): the request ends without a completion entry now.
     Held,
-    /// Handed to the queue's io_uring (the command's [`Transfer`]): the worker starts it and
-    /// completes the command when the host has finished it.
+    /// Handed to the queue's io_uring (the [`Transfer`] given to
+    /// [`CommandCx::start`](super::cx::CommandCx::start)): the worker starts it and completes
+    /// the command when the host has finished it.
     Started,
 }
 
@@ -239,7 +240,7 @@ impl From<Status> for Outcome {
 impl Command {
     /// A command of `completer`'s queue; its entry is set once fetched ([`Command::set_sqe`]).
     pub fn new(completer: Arc<Completer>) -> Command {
-        Command { completer, sqe: Sqe::default(), transfer: None }
+        Command { completer, sqe: Sqe::default() }
     }
 
     /// The controller.
@@ -250,21 +251,6 @@ impl Command {
     /// The queue it came from.
     pub fn sq(&self) -> &Arc<Sq> {
         &self.completer.sq
-    }
-
-    /// Hands the command's transfer to the worker ([`Outcome::Started`]).
-    pub fn set_transfer(&mut self, transfer: Transfer) {
-        self.transfer = Some(transfer);
-    }
-
-    /// The transfer, if started.
-    pub fn transfer(&self) -> Option<&Transfer> {
-        self.transfer.as_ref()
-    }
-
-    /// The transfer, taken (its end is being reported).
-    pub fn take_transfer(&mut self) -> Option<Transfer> {
-        self.transfer.take()
     }
 
     /// The entry as fetched.

@@ -241,6 +241,9 @@ pub struct Ctrl {
     /// Doorbell Buffer Config's pages while it is on (I/O queues only: the admin queue always
     /// uses its registers).
     shadow: arc_swap::ArcSwapOption<ShadowDoorbells>,
+    /// Set while `shadow` holds pages: the doorbell reads of a controller without them (most
+    /// clients) cost one load, not an `ArcSwap` guard each.
+    shadowing: AtomicBool,
     /// Doorbell Buffer Config commands that succeeded.
     shadow_configs: AtomicU64,
     queues: Mutex<Queues>,
@@ -281,6 +284,7 @@ impl Ctrl {
             cq_doorbells: (0..slots).map(|_| Doorbell::default()).collect(),
             mapped: AtomicBool::new(config.doorbells == Doorbells::Mapped),
             shadow: arc_swap::ArcSwapOption::empty(),
+            shadowing: AtomicBool::new(false),
             shadow_configs: AtomicU64::new(0),
             page,
             queues: Mutex::new(Queues {
@@ -580,6 +584,7 @@ impl Ctrl {
                 log::warn!("nvme: {e} after a disable");
             }
         }
+        self.shadowing.store(false, Ordering::Release);
         self.shadow.store(None);
         for db in self.sq_doorbells.iter().chain(self.cq_doorbells.iter()) {
             db.open(0);
@@ -700,10 +705,10 @@ impl Ctrl {
         // level then computed from the shadow head read after it: a head the host wrote
         // before seeing this event index is seen there.
         if cq.id != 0 && cq.interrupts && self.irq.mode() == IrqMode::Intx {
-            if let Some(shadow) = &*self.shadow.load() {
+            self.with_shadow(|shadow| {
                 let last = (cq.tail_seen.load(Ordering::Acquire) + cq.entries - 1) % cq.entries;
                 shadow.arm(usize::from(cq.id) * 2 + 1, last);
-            }
+            });
         }
         match signal {
             super::queue::Signal::Now => self.interrupt(cq),
@@ -742,6 +747,7 @@ impl Ctrl {
             pages.arm(qid * 2 + 1, EVENT_NEVER);
         }
         self.shadow.store(Some(Arc::new(pages)));
+        self.shadowing.store(true, Ordering::Release);
         self.shadow_configs.fetch_add(1, Ordering::Relaxed);
         drop(queues);
         // Workers asleep on the old registers look again.
@@ -751,7 +757,15 @@ impl Ctrl {
 
     /// Whether Doorbell Buffer Config is on.
     pub fn shadowed(&self) -> bool {
-        self.shadow.load().is_some()
+        self.with_shadow(|_| ()).is_some()
+    }
+
+    /// `f` on Doorbell Buffer Config's pages, if it is on.
+    fn with_shadow<R>(&self, f: impl FnOnce(&ShadowDoorbells) -> R) -> Option<R> {
+        if !self.shadowing.load(Ordering::Acquire) {
+            return None;
+        }
+        self.shadow.load().as_deref().map(f)
     }
 
     /// Doorbell Buffer Config commands that succeeded, ever.
@@ -764,9 +778,7 @@ impl Ctrl {
     /// looks at the shadow once more after this, so one made meanwhile is not missed).
     pub(crate) fn arm_sq(&self, qid: u16, head: u32) {
         if qid != 0 {
-            if let Some(shadow) = &*self.shadow.load() {
-                shadow.arm(usize::from(qid) * 2, head);
-            }
+            self.with_shadow(|shadow| shadow.arm(usize::from(qid) * 2, head));
         }
     }
 
@@ -774,10 +786,8 @@ impl Ctrl {
     /// the CQ head register at its next update.
     pub(crate) fn arm_cq(&self, qid: u16) {
         if qid != 0 {
-            if let Some(shadow) = &*self.shadow.load() {
-                let index = usize::from(qid) * 2 + 1;
-                shadow.arm(index, shadow.load(index));
-            }
+            let index = usize::from(qid) * 2 + 1;
+            self.with_shadow(|shadow| shadow.arm(index, shadow.load(index)));
         }
     }
 
@@ -797,8 +807,8 @@ impl Ctrl {
     /// The SQ tail the worker of `qid` should see.
     pub(crate) fn sq_tail(&self, qid: u16) -> u32 {
         if qid != 0 {
-            if let Some(shadow) = &*self.shadow.load() {
-                return shadow.load(usize::from(qid) * 2);
+            if let Some(tail) = self.with_shadow(|shadow| shadow.load(usize::from(qid) * 2)) {
+                return tail;
             }
         }
         match self.mapped_page() {
@@ -815,8 +825,8 @@ impl Ctrl {
     /// The CQ head the host last wrote for `qid`.
     pub(crate) fn cq_head(&self, qid: u16) -> u32 {
         if qid != 0 {
-            if let Some(shadow) = &*self.shadow.load() {
-                return shadow.load(usize::from(qid) * 2 + 1);
+            if let Some(head) = self.with_shadow(|shadow| shadow.load(usize::from(qid) * 2 + 1)) {
+                return head;
             }
         }
         match self.mapped_page() {
@@ -945,6 +955,7 @@ impl Ctrl {
                 self.sq_doorbells[qid].set(shadow.load(qid * 2));
                 self.cq_doorbells[qid].set(shadow.load(qid * 2 + 1));
             }
+            self.shadowing.store(false, Ordering::Release);
             self.shadow.store(None);
             drop(queues);
             log::debug!("nvme: the shadow doorbell pages were unmapped: Doorbell Buffer Config is off");

@@ -13,7 +13,7 @@ use umdev_pinning::{PinnedPages, Prot};
 use super::cmds::DataPtr;
 use super::completion::{Command, Outcome, Transfer};
 use super::ctrl::Ctrl;
-use super::prp;
+use super::prp::DataPages;
 use super::queue::Sq;
 use super::spec::Status;
 use umdev_mdev::guest::GuestError;
@@ -26,6 +26,8 @@ pub struct CommandCx<'a> {
     sq: &'a Arc<Sq>,
     generation: u64,
     permit: RefCell<Permit<Command>>,
+    /// What the handler handed to the queue's io_uring ([`CommandCx::start`]).
+    transfer: RefCell<Option<Transfer>>,
     /// The queue has an io_uring: a file namespace's transfer may be started there.
     aio: bool,
 }
@@ -45,7 +47,14 @@ pub struct PinnedTransfer {
 impl<'a> CommandCx<'a> {
     /// The context of the command `permit` holds, fetched from `sq`.
     pub fn new(ctrl: &'a Arc<Ctrl>, sq: &'a Arc<Sq>, generation: u64, permit: Permit<Command>) -> Self {
-        CommandCx { ctrl, sq, generation, permit: RefCell::new(permit), aio: false }
+        CommandCx {
+            ctrl,
+            sq,
+            generation,
+            permit: RefCell::new(permit),
+            transfer: RefCell::new(None),
+            aio: false,
+        }
     }
 
     /// The queue's worker has an io_uring ([`CommandCx::start`] may be used).
@@ -91,13 +100,13 @@ impl<'a> CommandCx<'a> {
 
     /// Hands `transfer` to the queue's io_uring: the handler returns what this returns.
     pub fn start(&self, transfer: Transfer) -> Outcome {
-        self.permit.borrow_mut().get_mut().set_transfer(transfer);
+        *self.transfer.borrow_mut() = Some(transfer);
         Outcome::Started
     }
 
-    /// The request back, to complete it.
-    pub fn into_permit(self) -> Permit<Command> {
-        self.permit.into_inner()
+    /// The request back, to complete it, with the transfer its handler started, if any.
+    pub fn into_parts(self) -> (Permit<Command>, Option<Transfer>) {
+        (self.permit.into_inner(), self.transfer.into_inner())
     }
 
     /// The controller.
@@ -154,19 +163,19 @@ impl<'a> CommandCx<'a> {
 
     /// Copies `data` to the command's data buffer (its PRPs, §4.3), `data.len()` bytes.
     pub fn write_host(&self, ptr: DataPtr, data: &[u8]) -> Status {
-        let pages = match prp::resolve(&self.ctx(), ptr.prp1(), ptr.prp2(), data.len()) {
-            Ok(p) => p,
-            Err(s) => return s,
-        };
+        let mut pages = DataPages::default();
+        if let Err(s) = pages.resolve(&self.ctx(), ptr.prp1(), ptr.prp2(), data.len()) {
+            return s;
+        }
         self.write_pages(&pages.pfns, pages.offset as u64, data)
     }
 
     /// Copies the command's data buffer into `data`.
     pub fn read_host(&self, ptr: DataPtr, data: &mut [u8]) -> Status {
-        let pages = match prp::resolve(&self.ctx(), ptr.prp1(), ptr.prp2(), data.len()) {
-            Ok(p) => p,
-            Err(s) => return s,
-        };
+        let mut pages = DataPages::default();
+        if let Err(s) = pages.resolve(&self.ctx(), ptr.prp1(), ptr.prp2(), data.len()) {
+            return s;
+        }
         self.read_pages(&pages.pfns, pages.offset as u64, data)
     }
 

@@ -1,7 +1,7 @@
 //! The NVM command set (NVMe 1.3 §6): Read, Write, Compare, Flush, Write Zeroes, Dataset
 //! Management.
 //!
-//! A Read or Write turns its PRPs into one page array ([`prp::resolve`]), pins it with ONE
+//! A Read or Write turns its PRPs into one page array ([`DataPages::resolve`]), pins it with ONE
 //! call, and moves the data between the namespace's store and the pinned runs: a copy per run
 //! for RAM; for a file, one transfer handed to the queue's io_uring ([`CommandCx::start`]),
 //! which the worker completes with [`finish`] when the host is done (or, without an io_uring,
@@ -15,7 +15,7 @@ use super::cmds::{DatasetManagement, NvmCmd, ReadWrite, WriteZeroes};
 use super::completion::{Command, Outcome, Transfer as Started};
 use super::cx::CommandCx;
 use super::namespace::Namespace;
-use super::prp;
+use super::prp::{self, DataPages};
 use super::spec::{DsmRange, DsmRanges, Status};
 use super::stats::Transfer;
 use crate::aio::Op;
@@ -62,10 +62,10 @@ fn read_write(cx: &CommandCx, ns: &Namespace, c: ReadWrite, read: bool) -> Outco
     if len > prp::MAX_TRANSFER {
         return Status::INVALID_FIELD.dnr().into(); // over MDTS
     }
-    let pages = match prp::resolve(&cx.ctx(), c.data.prp1(), c.data.prp2(), len) {
-        Ok(p) => p,
-        Err(s) => return s.into(),
-    };
+    let mut pages = DataPages::default();
+    if let Err(s) = pages.resolve(&cx.ctx(), c.data.prp1(), c.data.prp2(), len) {
+        return s.into();
+    }
     // A read writes guest memory.
     let prot = if read { Prot::WRITE } else { Prot::READ };
     let pos = c.slba << ns.lba_shift();
@@ -142,13 +142,10 @@ fn read_write(cx: &CommandCx, ns: &Namespace, c: ReadWrite, read: bool) -> Outco
     Outcome::ok(0)
 }
 
-/// The end of a transfer the queue's io_uring ran for `permit`'s command (`fixed`: through a
-/// fixed buffer): its pins let go of (after the host finished with the memory), counted, and
-/// the command completed with the status `result` calls for.
-pub fn finish(mut permit: Permit<Command>, result: std::io::Result<u64>, fixed: bool) {
-    let Some(t) = permit.get_mut().take_transfer() else {
-        return permit.complete(Status::INTERNAL_ERROR.into());
-    };
+/// The end of a transfer `t` the queue's io_uring ran for `permit`'s command (`fixed`: through
+/// a fixed buffer): its pins let go of (after the host finished with the memory), counted,
+/// and the command completed with the status `result` calls for.
+pub fn finish((mut permit, t): (Permit<Command>, Started), result: std::io::Result<u64>, fixed: bool) {
     let poisoned = permit.pins().iter().any(|p| p.poisoned());
     // The client truncated the memory, or unmapped it while the host was moving it.
     let unmapped = permit.release_pins();

@@ -33,60 +33,72 @@ fn page_offset(addr: u64) -> u64 {
     addr & (PAGE - 1)
 }
 
-/// Resolves PRP1/PRP2 of a `len`-byte transfer (1 to [`MAX_TRANSFER`] bytes).
-pub fn resolve(ctx: &DeviceContext, prp1: u64, prp2: u64, len: usize) -> Result<DataPages, Status> {
-    debug_assert!(len > 0 && len <= MAX_TRANSFER);
-    if prp1 & 3 != 0 {
-        return Err(Status::PRP_OFFSET_INVALID);
-    }
-    let offset = page_offset(prp1) as usize;
-    let mut pages = DataPages { offset, len, ..DataPages::default() };
-    pages.pfns.push(prp1 / PAGE);
-    let first = PAGE as usize - offset;
-    if len <= first {
-        return Ok(pages);
-    }
-    let mut wanted = (len - first).div_ceil(PAGE as usize);
-    if wanted == 1 {
-        if page_offset(prp2) != 0 {
+/// Most entries read from one list page: a list page holds 512, but one transfer needs at
+/// most `MAX_PAGES - 1` after PRP1, and a page with more than that never chains.
+const MAX_LIST_READ: usize = MAX_PAGES - 1;
+
+impl DataPages {
+    /// Resolves PRP1/PRP2 of a `len`-byte transfer (1 to [`MAX_TRANSFER`] bytes) into `self`
+    /// (filled in place: the page array is 2 KiB, not worth moving).
+    pub fn resolve(&mut self, ctx: &DeviceContext, prp1: u64, prp2: u64, len: usize) -> Result<(), Status> {
+        debug_assert!(len > 0 && len <= MAX_TRANSFER);
+        if prp1 & 3 != 0 {
             return Err(Status::PRP_OFFSET_INVALID);
         }
-        pages.pfns.push(prp2 / PAGE);
-        return Ok(pages);
-    }
-    // PRP2 is a list pointer.
-    let mut list = prp2;
-    let mut buf = [0u8; PAGE as usize];
-    while wanted > 0 {
-        if list & 7 != 0 {
-            return Err(Status::PRP_OFFSET_INVALID);
+        let offset = page_offset(prp1) as usize;
+        self.pfns.clear();
+        self.offset = offset;
+        self.len = len;
+        self.list_pages = 0;
+        self.pfns.push(prp1 / PAGE);
+        let first = PAGE as usize - offset;
+        if len <= first {
+            return Ok(());
         }
-        let room = ((PAGE - page_offset(list)) / 8) as usize;
-        // A list that does not end in this page continues at its last entry.
-        let (data, chained) = if wanted > room { (room - 1, true) } else { (wanted, false) };
-        // A list starting in its page's last entry holds only the pointer to the next one
-        // (legal): such lists could chain forever, so a transfer follows at most MAX_PAGES.
-        if pages.list_pages as usize >= MAX_PAGES {
-            return Err(Status::PRP_OFFSET_INVALID);
-        }
-        let n = if chained { room } else { data };
-        let bytes = &mut buf[..n * 8];
-        ctx.read_pinned(list, bytes).map_err(|_| Status::DATA_TRANSFER_ERROR)?;
-        pages.list_pages += 1;
-        for entry in bytes[..data * 8].chunks_exact(8) {
-            let addr = u64::from_le_bytes(entry.try_into().expect("8-byte chunks"));
-            if page_offset(addr) != 0 {
+        let mut wanted = (len - first).div_ceil(PAGE as usize);
+        if wanted == 1 {
+            if page_offset(prp2) != 0 {
                 return Err(Status::PRP_OFFSET_INVALID);
             }
-            pages.pfns.push(addr / PAGE);
+            self.pfns.push(prp2 / PAGE);
+            return Ok(());
         }
-        wanted -= data;
-        if chained {
-            let next = &bytes[data * 8..];
-            list = u64::from_le_bytes(next.try_into().expect("one entry"));
+        // PRP2 is a list pointer.
+        let mut list = prp2;
+        let mut buf = [0u8; MAX_LIST_READ * 8];
+        while wanted > 0 {
+            if list & 7 != 0 {
+                return Err(Status::PRP_OFFSET_INVALID);
+            }
+            let room = ((PAGE - page_offset(list)) / 8) as usize;
+            // A list that does not end in this page continues at its last entry.
+            let (data, chained) = if wanted > room { (room - 1, true) } else { (wanted, false) };
+            // A list starting in its page's last entry holds only the pointer to the next one
+            // (legal): such lists could chain forever, so a transfer follows at most MAX_PAGES.
+            if self.list_pages as usize >= MAX_PAGES {
+                return Err(Status::PRP_OFFSET_INVALID);
+            }
+            // Chained: room < wanted; else data = wanted; and wanted <= MAX_LIST_READ.
+            let n = if chained { room } else { data };
+            debug_assert!(n <= MAX_LIST_READ);
+            let bytes = &mut buf[..n * 8];
+            ctx.read_pinned(list, bytes).map_err(|_| Status::DATA_TRANSFER_ERROR)?;
+            self.list_pages += 1;
+            for entry in bytes[..data * 8].chunks_exact(8) {
+                let addr = u64::from_le_bytes(entry.try_into().expect("8-byte chunks"));
+                if page_offset(addr) != 0 {
+                    return Err(Status::PRP_OFFSET_INVALID);
+                }
+                self.pfns.push(addr / PAGE);
+            }
+            wanted -= data;
+            if chained {
+                let next = &bytes[data * 8..];
+                list = u64::from_le_bytes(next.try_into().expect("one entry"));
+            }
         }
+        Ok(())
     }
-    Ok(pages)
 }
 
 #[cfg(test)]
@@ -100,6 +112,11 @@ mod tests {
 
     use super::*;
     use crate::testutil::NoClient;
+
+    fn resolve(ctx: &DeviceContext, prp1: u64, prp2: u64, len: usize) -> Result<DataPages, Status> {
+        let mut pages = DataPages::default();
+        pages.resolve(ctx, prp1, prp2, len).map(|()| pages)
+    }
 
     /// 1 MiB of guest RAM at IOVA 0.
     fn guest() -> (DeviceContext, File) {

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::cmds::{AdminCmd, NvmCmd};
-use super::completion::{Command, Completer, Drained, Outcome};
+use super::completion::{Command, Completer, Drained, Outcome, Transfer};
 use super::ctrl::{Ctrl, DoorbellMode, Running, Stop};
 use super::cx::CommandCx;
 use super::queue::{RingError, Sq};
@@ -83,7 +83,8 @@ pub fn spawn(
 
 /// An I/O queue's io_uring, and where each namespace's files are in it.
 struct Aio {
-    ring: Ring<Permit<Command>>,
+    /// Each transfer's payload: the command's permit (holding its pins) and the transfer.
+    ring: Ring<(Permit<Command>, Transfer)>,
     /// By NSID - 1: the file through the page cache, and the O_DIRECT one.
     files: Vec<Option<(u32, Option<u32>)>>,
 }
@@ -119,12 +120,10 @@ impl Aio {
         }
     }
 
-    /// Starts the transfer `permit`'s handler put in it; a refusal completes the command.
-    fn start(&mut self, permit: Permit<Command>) {
-        let Some(t) = permit.get().transfer() else {
-            return permit.complete(Status::INTERNAL_ERROR.into());
-        };
-        let Some(&Some((buffered, direct))) = self.files.get(t.nsid as usize - 1) else {
+    /// Starts the transfer `t` that `permit`'s handler asked for; a refusal completes the
+    /// command.
+    fn start(&mut self, permit: Permit<Command>, t: Transfer) {
+        let Some(&Some((buffered, direct))) = self.files.get((t.nsid as usize).wrapping_sub(1)) else {
             return permit.complete(Status::INTERNAL_ERROR.into());
         };
         let direct = direct.filter(|_| t.direct);
@@ -144,7 +143,7 @@ impl Aio {
         // SAFETY: the segments (and the registered buffer holding them, if fixed) are in the
         // permit's pins (CommandCx::pin_for_transfer), which the permit keeps until the ring
         // gives it back when the host is done.
-        if let Err((permit, e)) = unsafe { self.ring.start(permit, &request) } {
+        if let Err(((permit, _), e)) = unsafe { self.ring.start((permit, t), &request) } {
             log::warn!("nvme: a transfer refused by the io_uring: {e}");
             permit.complete(Status::DATA_TRANSFER_ERROR.into());
             return;
@@ -299,11 +298,11 @@ impl QueueWorker {
                     }
                 }
             });
-        let permit = cx.into_permit();
-        match (outcome, &mut self.aio) {
-            (Some(Outcome::Started), Some(aio)) => aio.start(permit),
-            (Some(outcome), _) => permit.complete(outcome),
-            (None, _) => drop(permit), // Internal Error
+        let (permit, transfer) = cx.into_parts();
+        match (outcome, &mut self.aio, transfer) {
+            (Some(Outcome::Started), Some(aio), Some(t)) => aio.start(permit, t),
+            (Some(outcome), _, _) => permit.complete(outcome),
+            (None, _, _) => drop(permit), // Internal Error
         }
     }
 
