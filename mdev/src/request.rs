@@ -246,7 +246,7 @@ struct LaneInner {
 
 #[derive(Default)]
 struct LaneState {
-    /// The context as of `attachment`.
+    /// The context as of `attachment`: the lane's own copy.
     ctx: Option<Arc<DeviceContext>>,
     attachment: u64,
     slots: Vec<Slot>,
@@ -285,7 +285,9 @@ impl Lane {
         let mut st = lane.state();
         let attachment = lane.tracker.attachment.load(Ordering::Acquire);
         if st.attachment != attachment {
-            st.ctx = sync::lock(&lane.tracker.context).clone();
+            // A copy of the lane's own: each permit clones it, and an `Arc` shared by every
+            // lane would have the workers of different queues bump one reference count.
+            st.ctx = sync::lock(&lane.tracker.context).as_deref().cloned().map(Arc::new);
             st.attachment = attachment;
         }
         let Some(ctx) = st.ctx.clone() else { return Err(Detached(completion)) };
