@@ -704,10 +704,14 @@ impl Ctrl {
         // Armed before the line is raised (whose handler consumes the entries), and the
         // level then computed from the shadow head read after it: a head the host wrote
         // before seeing this event index is seen there.
-        if cq.id != 0 && cq.interrupts && self.irq.mode() == IrqMode::Intx {
+        // The shadow first: the interrupt mode is behind the interrupts' lock, which every
+        // queue's completions would otherwise take.
+        if cq.id != 0 && cq.interrupts {
             self.with_shadow(|shadow| {
-                let last = (cq.tail_seen.load(Ordering::Acquire) + cq.entries - 1) % cq.entries;
-                shadow.arm(usize::from(cq.id) * 2 + 1, last);
+                if self.irq.mode() == IrqMode::Intx {
+                    let last = (cq.tail_seen.load(Ordering::Acquire) + cq.entries - 1) % cq.entries;
+                    shadow.arm(usize::from(cq.id) * 2 + 1, last);
+                }
             });
         }
         match signal {
