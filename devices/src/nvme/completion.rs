@@ -159,9 +159,13 @@ impl Completer {
     /// Posts one entry: `Err(Some(why))` if it must wait, `Err(None)` if it is gone for good
     /// (the ring cannot be reached: the controller went fatal).
     fn try_post(&self, ctx: &DeviceContext, cqe: Cqe) -> Result<(), Option<Drained>> {
-        // Commands still waiting: their completions may share this one's interrupt.
-        let (tail, head) =
-            (self.ctrl.sq_tail(self.sq.id), self.sq.head.load(std::sync::atomic::Ordering::Acquire));
+        // Commands still waiting: their completions may share this one's interrupt. From the
+        // tail the worker last read (at most the doorbell's: at worst the interrupt comes
+        // sooner), not the doorbell itself, which the host keeps writing.
+        let (tail, head) = (
+            self.sq.known_tail.load(std::sync::atomic::Ordering::Relaxed),
+            self.sq.head.load(std::sync::atomic::Ordering::Acquire),
+        );
         let entries = self.sq.entries;
         let queued = if tail < entries { (tail + entries - head) % entries } else { 0 };
         match self.ctrl.post(ctx, &self.sq.cq, cqe, queued) {

@@ -226,6 +226,10 @@ pub struct Sq {
     pub cq: Arc<Cq>,
     /// Head as the worker last published it (the next entry it fetches).
     pub head: AtomicU32,
+    /// The tail doorbell as the worker last read it: entries up to it are fetched before it
+    /// reads the doorbell again (a cache line the host writes), and completions count what
+    /// still waits from it.
+    pub known_tail: AtomicU32,
     /// Command identifiers an Abort named while they waited in the queue.
     aborts: Mutex<SmallVec<[u16; 4]>>,
     has_aborts: AtomicBool,
@@ -240,6 +244,7 @@ impl Sq {
             ring: Ring::new(base, entries, SQE_SIZE, Prot::READ),
             cq,
             head: AtomicU32::new(0),
+            known_tail: AtomicU32::new(0),
             aborts: Mutex::new(SmallVec::new()),
             has_aborts: AtomicBool::new(false),
         }

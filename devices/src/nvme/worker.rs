@@ -182,6 +182,9 @@ impl QueueWorker {
         let id = self.sq().id;
         let entries = self.sq().entries;
         let mut head = 0u32;
+        // The tail as last read: the doorbell is read again only once the entries up to it
+        // are fetched (or it was invalid).
+        let mut tail = 0u32;
         let mut last_work = Instant::now();
         // Commands fetched since the worker last found its queue empty, and whether that
         // run of work was a lone command (see `idle`).
@@ -204,7 +207,10 @@ impl QueueWorker {
             if self.completer.waiting() > 0 && !self.drain(&mut waiter) {
                 continue;
             }
-            let tail = self.ctrl().sq_tail(id);
+            if head == tail || tail >= entries {
+                tail = self.ctrl().sq_tail(id);
+                self.sq().known_tail.store(tail, std::sync::atomic::Ordering::Relaxed);
+            }
             if tail >= entries {
                 // Only a mapped doorbell can hold this (a written one is checked).
                 if bad_tail != Some(tail) {
