@@ -328,6 +328,10 @@ pub enum Signal {
 struct CqState {
     tail: u32,
     phase: bool,
+    /// The host's head as last read: the doorbell (a cache line the host writes) is read
+    /// again only when this one says the queue is full. The head only moves forward, so an
+    /// old value only understates the room.
+    known_head: u32,
     /// Entries posted since the last interrupt (coalescing).
     unsignalled: u32,
     /// When the first of them was posted.
@@ -376,6 +380,7 @@ impl Cq {
             state: Mutex::new(CqState {
                 tail: 0,
                 phase: true,
+                known_head: 0,
                 unsignalled: 0,
                 first_held: None,
                 deadline: None,
@@ -390,8 +395,9 @@ impl Cq {
         *umdev_mdev::sync::lock(&self.coalescing) = c;
     }
 
-    /// Posts `cqe` (its phase tag set here) if the queue has room given the host's `head`
-    /// (NVMe 1.3 §4.6: a queue is full when the tail is one below the head), else
+    /// Posts `cqe` (its phase tag set here) if the queue has room given the host's head, read
+    /// with `head` only when the last one read leaves no room (NVMe 1.3 §4.6: a queue is full
+    /// when the tail is one below the head), else
     /// [`PostError::Full`]. `queued` is how many more commands the poster has waiting in its
     /// SQ. Without coalescing configured, the interrupt of a burst may wait while more
     /// commands wait than completions are held (so the host always has completions to reap
@@ -402,13 +408,16 @@ impl Cq {
         &self,
         ctx: &DeviceContext,
         mut cqe: Cqe,
-        head: u32,
+        head: impl FnOnce() -> u32,
         queued: u32,
     ) -> Result<Signal, PostError> {
         let mut st = umdev_mdev::sync::lock(&self.state);
         let next = (st.tail + 1) % self.entries;
-        if next == head {
-            return Err(PostError::Full);
+        if next == st.known_head {
+            st.known_head = head();
+            if next == st.known_head {
+                return Err(PostError::Full);
+            }
         }
         cqe.status = (u16::from(cqe.status) & !1 | u16::from(st.phase)).into();
         self.ring.write_cqe(ctx, st.tail, &cqe).map_err(PostError::Ring)?;
