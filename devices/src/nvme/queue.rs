@@ -352,8 +352,9 @@ pub struct Cq {
     pub interrupts: bool,
     ring: Ring,
     state: Mutex<CqState>,
-    /// Coalescing as configured when the queue was created, or later.
-    coalescing: Mutex<Coalescing>,
+    /// Coalescing as configured when the queue was created, or later: threshold in the low
+    /// byte, time in the next (read by every post: one load, not a lock).
+    coalescing: AtomicU32,
     /// Posted entries the host has not consumed (tail != head), for the INTx level.
     pub tail_seen: AtomicU32,
 }
@@ -385,14 +386,14 @@ impl Cq {
                 first_held: None,
                 deadline: None,
             }),
-            coalescing: Mutex::new(Coalescing::default()),
+            coalescing: AtomicU32::new(0),
             tail_seen: AtomicU32::new(0),
         }
     }
 
     /// Sets interrupt coalescing.
     pub fn set_coalescing(&self, c: Coalescing) {
-        *umdev_mdev::sync::lock(&self.coalescing) = c;
+        self.coalescing.store(u32::from(c.threshold) | u32::from(c.time) << 8, Ordering::Relaxed);
     }
 
     /// Posts `cqe` (its phase tag set here) if the queue has room given the host's head, read
@@ -438,7 +439,8 @@ impl Cq {
         if !self.interrupts {
             return Signal::None;
         }
-        let c = *umdev_mdev::sync::lock(&self.coalescing);
+        let packed = self.coalescing.load(Ordering::Relaxed);
+        let c = Coalescing { threshold: packed as u8, time: (packed >> 8) as u8 };
         st.unsignalled += 1;
         let now = Instant::now();
         let first = *st.first_held.get_or_insert(now);
