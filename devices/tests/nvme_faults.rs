@@ -62,6 +62,21 @@ fn hold_a_read(fuse: &FuseFile, d: &mut Driver<Rig>, data: &[u8]) -> Vec<umdev_t
     fuse.wait_held(1, GUARD)
 }
 
+/// The host finishes the read [`hold_a_read`] left `held`: every pin goes (up to the hang
+/// guard), and the data, `data`, is in [`HELD_PAGE`].
+fn answer_and_see_it_land(
+    fuse: &FuseFile,
+    d: &mut Driver<Rig>,
+    held: &[umdev_testkit::fuse::Held],
+    data: &[u8],
+) {
+    fuse.answer(held[0].unique, None);
+    until_let_go(|| d.t.dma.stats().pins_held > 0);
+    let mut back = vec![0u8; BLOCK as usize];
+    d.t.get(HELD_PAGE, &mut back).unwrap();
+    assert!(back == data, "the host's read landed in the guest page");
+}
+
 /// Waits (up to the hang guard) until `pinned` says nothing is pinned any more.
 fn until_let_go(pinned: impl Fn() -> bool) {
     let deadline = Instant::now() + GUARD;
@@ -158,11 +173,7 @@ fn a_reset_with_a_read_held_by_the_backing_keeps_its_pins_until_the_host_lets_go
 
     // The host finishes the read: the data lands in the still-pinned page, then the pin goes;
     // nothing is posted for a command of before the reset.
-    fuse.answer(held[0].unique, None);
-    until_let_go(|| d.t.dma.stats().pins_held > 0);
-    let mut back = vec![0u8; BLOCK as usize];
-    d.t.get(page, &mut back).unwrap();
-    assert!(back == data, "the host's read landed in the guest page");
+    answer_and_see_it_land(&fuse, &mut d, &held, &data);
     assert!(d.poll_one(1).unwrap().is_none(), "no completion after the reset");
 
     // The controller comes back and reads the block, served at once this time.
@@ -170,6 +181,7 @@ fn a_reset_with_a_read_held_by_the_backing_keeps_its_pins_until_the_host_lets_go
     d.enable().unwrap();
     d.create_io_queues(1, 64, false).unwrap();
     assert_eq!(d.rw(1, true, 1, 8, 1, BLOCK, &[DATA + 0x6000], 0).unwrap(), Status::SUCCESS);
+    let mut back = vec![0u8; BLOCK as usize];
     d.t.get(DATA + 0x6000, &mut back).unwrap();
     assert!(back == data);
 }
@@ -211,10 +223,6 @@ fn a_disconnect_with_a_read_held_by_the_backing_keeps_its_pins_until_the_host_le
 
     // The host finishes the read: the data lands in the still-pinned page, then every pin
     // goes; nothing is posted (no client is there to post to).
-    fuse.answer(held[0].unique, None);
-    until_let_go(|| d.t.dma.stats().pins_held > 0);
-    let mut back = vec![0u8; BLOCK as usize];
-    d.t.get(page, &mut back).unwrap();
-    assert!(back == data, "the host's read landed in the guest page");
+    answer_and_see_it_land(&fuse, &mut d, &held, &data);
     assert!(d.poll_one(1).unwrap().is_none(), "no completion after the disconnect");
 }
