@@ -55,9 +55,9 @@ pub enum Cancel {
     /// Guest memory the request holds pins in is being unmapped: stop using it. Once the
     /// request lets go of those pins ([`Permit::release_pins`]) the unmap is satisfied and
     /// the cancellation withdrawn.
-    Unmapped = 1,
+    Unmapped,
     /// The device was reset, or the client left: the request's result no longer matters.
-    Reset = 2,
+    Reset,
 }
 
 /// No client is attached: the request could not start. Its completion comes back

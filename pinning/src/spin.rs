@@ -85,12 +85,12 @@ impl<T> SpinLock<T> {
     }
 
     /// The value, through exclusive access to the lock itself.
-    pub fn get_mut(&mut self) -> &mut T {
+    pub(crate) fn get_mut(&mut self) -> &mut T {
         self.value.get_mut()
     }
 
     /// Takes the lock if nobody holds it.
-    pub fn try_lock(&self) -> Option<SpinGuard<'_, T>> {
+    pub(crate) fn try_lock(&self) -> Option<SpinGuard<'_, T>> {
         if self.locked.load(Ordering::Relaxed) || self.locked.swap(true, Ordering::Acquire) {
             return None;
         }
