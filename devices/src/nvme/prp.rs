@@ -38,10 +38,15 @@ fn page_offset(addr: u64) -> u64 {
 const MAX_LIST_READ: usize = MAX_PAGES - 1;
 
 impl DataPages {
-    /// Resolves PRP1/PRP2 of a `len`-byte transfer (1 to [`MAX_TRANSFER`] bytes) into `self`
+    /// Resolves PRP1/PRP2 of a `len`-byte transfer (1 to [`MAX_TRANSFER`] bytes; more is
+    /// Invalid Field) into `self`
     /// (filled in place: the page array is 2 KiB, not worth moving).
     pub fn resolve(&mut self, ctx: &DeviceContext, prp1: u64, prp2: u64, len: usize) -> Result<(), Status> {
-        debug_assert!(len > 0 && len <= MAX_TRANSFER);
+        // Over MDTS: its callers refuse such commands first; checked here too, because the
+        // list buffer below holds one transfer's entries and no more.
+        if len > MAX_TRANSFER {
+            return Err(Status::INVALID_FIELD.dnr());
+        }
         if prp1 & 3 != 0 {
             return Err(Status::PRP_OFFSET_INVALID);
         }
@@ -178,6 +183,17 @@ mod tests {
         assert_eq!(p.pfns.len(), MAX_PAGES);
         assert_eq!((p.pfns[1], p.pfns[254], p.pfns[255], p.pfns[256]), (0x80, 0x80 + 253, 0xb, 0xc));
         assert_eq!(p.list_pages, 2);
+    }
+
+    #[test]
+    fn a_transfer_over_mdts_is_refused_not_read_past_the_list_buffer() {
+        let (ctx, ram) = guest();
+        let list: Vec<u64> = (0..511).map(|i| 0x8_0000 + i * 0x1000).collect();
+        put_list(&ram, 0x3000, &list);
+        assert_eq!(
+            resolve(&ctx, 0x1000, 0x3000, MAX_TRANSFER + 4096).unwrap_err(),
+            Status::INVALID_FIELD.dnr()
+        );
     }
 
     #[test]
