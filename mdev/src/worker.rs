@@ -38,6 +38,14 @@ impl Poll {
     pub const NONE: Poll = Poll(Duration::ZERO);
 }
 
+/// How long a poll spins before each look also offers the CPU to whatever else is runnable
+/// on it. The thread a worker just woke (a VMM's main loop, told of a completion through an
+/// interrupt eventfd) is often placed on the worker's own CPU, and the scheduler does not
+/// preempt a spinning thread for it: without the offer, a QEMU guest's QD1 read waited out
+/// most of the poll budget before its interrupt was delivered (docs/benchmarks.md). A client
+/// that answers within this time finds the worker still spinning, at no syscall's cost.
+const POLL_SPIN_ONLY: Duration = Duration::from_micros(2);
+
 /// Workers polling now, across the process.
 static POLLERS: AtomicUsize = AtomicUsize::new(0);
 
@@ -217,12 +225,26 @@ impl<S: Copy> Waiter<S> {
     /// work that arrives without a ring (a doorbell in shared memory); it is called while
     /// polling and once more before sleeping.
     pub fn wait(&mut self, ready: impl FnMut() -> bool, timeout: Option<Duration>) -> Wake<S> {
-        self.wait_with(ready, timeout, self.poll)
+        self.wait_with(ready, &mut || {}, timeout, self.poll)
+    }
+
+    /// As [`Waiter::wait`], calling `arm` once polling is over and before the last look that
+    /// precedes sleeping: for a device whose host rings only when asked (an NVMe event index).
+    /// While the worker polls, the host is not asked, so it writes its doorbell in shared
+    /// memory only and the worker sees it there, at no message's cost; from `arm` on, a
+    /// write either rings or is seen by the last look.
+    pub fn wait_armed(
+        &mut self,
+        ready: impl FnMut() -> bool,
+        mut arm: impl FnMut(),
+        timeout: Option<Duration>,
+    ) -> Wake<S> {
+        self.wait_with(ready, &mut arm, timeout, self.poll)
     }
 
     /// As [`Waiter::wait`], without polling first (the work just done says none is near).
     pub fn sleep(&mut self, ready: impl FnMut() -> bool, timeout: Option<Duration>) -> Wake<S> {
-        self.wait_with(ready, timeout, Poll::NONE)
+        self.wait_with(ready, &mut || {}, timeout, Poll::NONE)
     }
 
     /// As [`Waiter::wait`] (`poll`: with the waiter's polling budget first), but sleeping in
@@ -231,7 +253,19 @@ impl<S: Copy> Waiter<S> {
     /// which `kernel` must watch.
     pub fn wait_in(
         &mut self,
+        ready: impl FnMut() -> bool,
+        timeout: Option<Duration>,
+        poll: bool,
+        kernel: &mut impl KernelSleep,
+    ) -> Wake<S> {
+        self.wait_in_armed(ready, || {}, timeout, poll, kernel)
+    }
+
+    /// [`Waiter::wait_in`] with [`Waiter::wait_armed`]'s `arm`.
+    pub fn wait_in_armed(
+        &mut self,
         mut ready: impl FnMut() -> bool,
+        mut arm: impl FnMut(),
         timeout: Option<Duration>,
         poll: bool,
         kernel: &mut impl KernelSleep,
@@ -246,7 +280,8 @@ impl<S: Copy> Waiter<S> {
         };
         let kernel = std::cell::RefCell::new(kernel);
         let mut look = || ready() || kernel.borrow_mut().pending();
-        self.wait_on(&mut look, timeout, budget, &mut |left| kernel.borrow_mut().block(left), IN_KERNEL)
+        let mut sleep = |left| kernel.borrow_mut().block(left);
+        self.wait_on(&mut look, &mut arm, timeout, budget, &mut sleep, IN_KERNEL)
     }
 
     /// As [`Waiter::sleep`], but a stop does not end the wait: for a body that was told to
@@ -255,7 +290,7 @@ impl<S: Copy> Waiter<S> {
     /// [`Wake::Timeout`], never [`Wake::Stop`].
     pub fn linger(&mut self, ready: impl FnMut() -> bool, timeout: Duration) -> Wake<S> {
         self.lingering = true;
-        let wake = self.wait_with(ready, Some(timeout), Poll::NONE);
+        let wake = self.wait_with(ready, &mut || {}, Some(timeout), Poll::NONE);
         self.lingering = false;
         wake
     }
@@ -263,6 +298,7 @@ impl<S: Copy> Waiter<S> {
     fn wait_with(
         &mut self,
         mut ready: impl FnMut() -> bool,
+        arm: &mut dyn FnMut(),
         timeout: Option<Duration>,
         poll: Poll,
     ) -> Wake<S> {
@@ -270,14 +306,15 @@ impl<S: Copy> Waiter<S> {
             Some(left) => std::thread::park_timeout(left),
             None => std::thread::park(),
         };
-        self.wait_on(&mut ready, timeout, poll, &mut park, PARKED)
+        self.wait_on(&mut ready, arm, timeout, poll, &mut park, PARKED)
     }
 
-    /// Looks, polls for up to `poll`'s budget (with a turn free), then announces itself
+    /// Looks, polls for up to `poll`'s budget (with a turn free), arms, then announces itself
     /// sleeping as `how` and sleeps in `sleep` (after one more look).
     fn wait_on(
         &mut self,
         ready: &mut dyn FnMut() -> bool,
+        arm: &mut dyn FnMut(),
         timeout: Option<Duration>,
         poll: Poll,
         sleep: &mut dyn FnMut(Option<Duration>),
@@ -293,14 +330,23 @@ impl<S: Copy> Waiter<S> {
         };
         if !budget.is_zero() {
             if let Some(_turn) = PollTurn::take() {
-                while start.elapsed() < budget {
-                    std::hint::spin_loop();
+                loop {
+                    let spun = start.elapsed();
+                    if spun >= budget {
+                        break;
+                    }
+                    if spun < POLL_SPIN_ONLY {
+                        std::hint::spin_loop();
+                    } else {
+                        std::thread::yield_now();
+                    }
                     if let Some(wake) = self.look(ready) {
                         return wake;
                     }
                 }
             }
         }
+        arm();
         let left = timeout.map(|t| t.saturating_sub(start.elapsed()));
         if left == Some(Duration::ZERO) {
             return Wake::Timeout;
@@ -619,6 +665,35 @@ mod tests {
         blocked(3);
         worker.stop(Why::Reset);
         assert_eq!(rx.recv().unwrap(), Wake::Stop(Why::Reset), "a stop");
+        worker.join(Duration::from_secs(60)).unwrap();
+    }
+
+    #[test]
+    fn an_armed_wait_arms_once_before_its_last_look_and_never_while_work_is_seen() {
+        // Work that shows only once armed (a host that writes the shadow doorbell and rings
+        // only when asked): the look after arming finds it, so the wait returns without a
+        // ring, whether or not it polled first.
+        let bell = Bell::new();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let worker =
+            Worker::spawn_on(&bell, "umdev-test-armed", Poll(Duration::from_millis(1)), move |mut w| {
+                let armed = std::cell::Cell::new(0u32);
+                let wake = w.wait_armed(
+                    || armed.get() > 0,
+                    || armed.set(armed.get() + 1),
+                    Some(Duration::from_secs(60)),
+                );
+                let _ = tx.send((wake, armed.get()));
+                // Work already there: found by the first look, nothing armed.
+                let armed = std::cell::Cell::new(0u32);
+                let wake = w.wait_armed(|| true, || armed.set(armed.get() + 1), None);
+                let _ = tx.send((wake, armed.get()));
+                let _ = w.wait(|| false, None);
+            })
+            .unwrap();
+        assert_eq!(rx.recv().unwrap(), (Wake::Work, 1), "armed once, then seen");
+        assert_eq!(rx.recv().unwrap(), (Wake::Work, 0), "seen at once, not armed");
+        worker.stop(Why::Reset);
         worker.join(Duration::from_secs(60)).unwrap();
     }
 

@@ -357,29 +357,33 @@ impl QueueWorker {
         let (ctrl, id) = (completer.ctrl(), completer.sq().id);
         let rung = || ctrl.sq_tail(id) != head;
         // With shadow doorbells the host writes the register (which rings) only if asked.
-        ctrl.arm_sq(id, head);
+        let arm = || ctrl.arm_sq(id, head);
         // With an io_uring the worker sleeps there: a completion ends the wait too.
         let ring = aio.as_mut().map(|a| &mut a.ring);
         match ctrl.doorbell_mode() {
             // Right after a lone command (queue depth 1: the wake-up is the whole latency)
             // the next doorbell is likely close: the worker polls for it (its `poll_us`) if a
             // CPU is free. After a batch the wake-up is shared by the batch's commands and
-            // polling would only burn the CPU the client needs to send the next one.
+            // polling would only burn the CPU the client needs to send the next one. While
+            // it polls, a host with shadow doorbells is not asked to ring: it writes the
+            // shadow only, which the poll sees, and spares itself the message.
             DoorbellMode::Message => {
                 let poll = lone && last_work.elapsed() < ctrl.config().poll;
                 match (ring, poll) {
                     (Some(ring), poll) => {
-                        let _ = waiter.wait_in(rung, deadline, poll, ring);
+                        let _ = waiter.wait_in_armed(rung, arm, deadline, poll, ring);
                     }
                     (None, true) => {
-                        let _ = waiter.wait(rung, deadline);
+                        let _ = waiter.wait_armed(rung, arm, deadline);
                     }
                     (None, false) => {
+                        arm();
                         let _ = waiter.sleep(rung, deadline);
                     }
                 }
             }
             DoorbellMode::Mapped if last_work.elapsed() < POLL_SPIN => {
+                arm();
                 let mut ring = ring;
                 for _ in 0..SPIN_LOOKS {
                     if rung() || ring.as_mut().is_some_and(|r| r.pending()) {
@@ -389,6 +393,7 @@ impl QueueWorker {
                 }
             }
             DoorbellMode::Mapped => {
+                arm();
                 // The longer the queue has been idle, the longer the look: a client that paused
                 // (preempted, say) and comes back finds the worker looking every few
                 // microseconds at first, then less often, up to the interval.
