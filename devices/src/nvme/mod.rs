@@ -85,7 +85,7 @@ pub const DEFAULT_ENTRIES: u32 = 1024;
 /// See [`DEFAULT_ENTRIES`].
 pub const MAX_ENTRIES: u32 = 4096;
 /// How long a worker watches its doorbell after a lone command, by default (`poll_us`).
-pub const DEFAULT_POLL: std::time::Duration = std::time::Duration::from_micros(50);
+pub const DEFAULT_POLL: std::time::Duration = std::time::Duration::from_micros(200);
 
 /// Why an nvme device could not be made, or its options are refused.
 #[derive(Debug, Error)]
@@ -263,7 +263,7 @@ impl NvmeConfig {
             OptionSpec::new(
                 "poll_us",
                 ValueSyntax::Integer { min: 0, max: 10_000 },
-                Some("50"),
+                Some("200"),
                 "microseconds a queue's worker watches its doorbell after a lone command before it sleeps",
             ),
         ]
