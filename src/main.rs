@@ -385,9 +385,10 @@ enum Command {
         /// O_DIRECT; default: the temporary directory).
         #[arg(long, requires = "fixed_buffers", conflicts_with = "file")]
         dir: Option<PathBuf>,
-        /// With --fixed-buffers: an existing file or block device of at least 256 MiB as
-        /// the namespace instead (its first 256 MiB are OVERWRITTEN).
-        #[arg(long, requires = "fixed_buffers")]
+        /// An existing file or block device of at least 256 MiB as the namespace instead of
+        /// RAM, with cache1=none unless an --opt sets cache1 (its first 256 MiB are
+        /// OVERWRITTEN).
+        #[arg(long)]
         file: Option<PathBuf>,
     },
     /// Print a shell completion script (install it where your shell looks, see the README).
@@ -533,8 +534,8 @@ fn dispatch(command: Command, dirs: &manage::Dirs) -> output::Out {
             }
         }
         #[cfg(feature = "bench")]
-        Command::Nvmebench { json, quick, only, opts, .. } => {
-            let r = nvmebench::run(quick, only.as_deref(), &opts)?;
+        Command::Nvmebench { json, quick, only, opts, file, .. } => {
+            let r = nvmebench::run(quick, only.as_deref(), &opts, file.as_deref())?;
             if json {
                 out!("{}", serde_json::to_string(&r).map_err(|e| e.to_string())?)
             } else {

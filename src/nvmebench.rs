@@ -84,6 +84,8 @@ pub struct Floors {
 /// The whole report.
 #[derive(Debug, Serialize)]
 pub struct Report {
+    /// What namespace 1 was (`ram:256M`, or the file's `--opt`s).
+    pub namespace: String,
     /// The floors.
     pub floors: Floors,
     /// The workloads.
@@ -504,8 +506,9 @@ fn workloads() -> Vec<(Kind, bool, u16, usize)> {
     all
 }
 
-/// Runs the benchmark: the workloads whose name starts with `only` (refused if none does).
-pub fn run(quick: bool, only: Option<&str>, opts: &[String]) -> Result<Report, String> {
+/// Runs the benchmark: the workloads whose name starts with `only` (refused if none does), on
+/// a RAM namespace or, with `file`, on that file (`cache1=none` unless `opts` set `cache1`).
+pub fn run(quick: bool, only: Option<&str>, opts: &[String], file: Option<&Path>) -> Result<Report, String> {
     let chosen: Vec<(Kind, bool, u16, usize)> = workloads()
         .into_iter()
         .filter(|(kind, big, _, _)| only.is_none_or(|o| kind.name(size(*big)).starts_with(o)))
@@ -522,10 +525,25 @@ pub fn run(quick: bool, only: Option<&str>, opts: &[String]) -> Result<Report, S
     let mut progress = crate::progress::Progress::new("nvmebench", chosen.len() + 4);
     let dir = crate::protobench::tempfile_dir_for("nvmebench")?;
     let duration = if quick { Duration::from_millis(400) } else { Duration::from_secs(2) };
-    let ns = format!("ns1=ram:{}M", NS_BYTES >> 20);
+    let mut ns = vec![match file {
+        Some(file) => {
+            // The end's offset: a block device's size too, where metadata says 0.
+            let len = std::fs::File::open(file)
+                .and_then(|mut f| std::io::Seek::seek(&mut f, std::io::SeekFrom::End(0)))
+                .map_err(|e| format!("{}: {e}", file.display()))?;
+            if len < NS_BYTES {
+                return Err(format!("{}: {len} bytes; the benchmark needs {NS_BYTES}", file.display()));
+            }
+            format!("ns1=file:{}", file.display())
+        }
+        None => format!("ns1=ram:{}M", NS_BYTES >> 20),
+    }];
+    if file.is_some() && !opts.iter().any(|o| o.starts_with("cache1=")) {
+        ns.push("cache1=none".into());
+    }
     let entries = format!("entries={QUEUE_ENTRIES}");
-    let mut args: Vec<&str> = vec!["--type", "nvme", "--opt", &ns, "--opt", "queues=2", "--opt", &entries];
-    for o in opts {
+    let mut args: Vec<&str> = vec!["--type", "nvme", "--opt", "queues=2", "--opt", &entries];
+    for o in ns.iter().chain(opts) {
         args.extend(["--opt", o.as_str()]);
     }
     progress.step("starting the servers");
@@ -560,6 +578,7 @@ pub fn run(quick: bool, only: Option<&str>, opts: &[String]) -> Result<Report, S
     let stats = server.stop();
     drop(floor_server);
     Ok(Report {
+        namespace: ns.join(" ").replacen("ns1=", "", 1),
         floors: Floors {
             memcpy_2m_gb_per_sec: (m2 + m2b) / 2.0,
             memcpy_128k_stream_gb_per_sec: (m128 + m128b) / 2.0,
@@ -574,7 +593,10 @@ pub fn run(quick: bool, only: Option<&str>, opts: &[String]) -> Result<Report, S
 /// Prints the report as tables.
 pub fn print(r: &Report) -> crate::output::Out {
     let f = &r.floors;
-    out!("nvme over vfio-user: RAM namespace, doorbells as posted REGION_WRITEs, MSI-X per queue.")?;
+    out!(
+        "nvme over vfio-user: namespace {}, doorbells as posted REGION_WRITEs, MSI-X per queue.",
+        r.namespace
+    )?;
     out!("Floors, measured in this run (mean of before and after):")?;
     out!("  memcpy of 2 MiB (warm buffers):                        {:6.2} GB/s", f.memcpy_2m_gb_per_sec)?;
     out!(
