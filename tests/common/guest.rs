@@ -32,6 +32,20 @@ pub fn available() -> bool {
     }
 }
 
+/// The static fio the harness builds for the guest (`umdev-guest fio`); None (with the reason
+/// printed) when it cannot be had, the only case a fio test skips.
+pub fn fio() -> Option<PathBuf> {
+    let out = Command::new(harness()).arg("fio").output().expect("running the guest harness");
+    match out.status.code() {
+        Some(0) => Some(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())),
+        Some(77) => {
+            eprintln!("SKIPPED: no fio for the guest: {}", String::from_utf8_lossy(&out.stderr).trim());
+            None
+        }
+        _ => panic!("umdev-guest fio failed: {}", String::from_utf8_lossy(&out.stderr)),
+    }
+}
+
 /// How to boot one guest.
 pub struct GuestSpec<'a> {
     /// vfio-user sockets, attached at 00:04.0, 00:05.0, ...
@@ -48,6 +62,8 @@ pub struct GuestSpec<'a> {
     pub append: &'a str,
     /// Extra QEMU arguments (`-smp 2`, say), one per element.
     pub qemu_args: Vec<&'a str>,
+    /// Host files copied into the guest's `/bin` (the static fio of [`fio`], say).
+    pub files: Vec<&'a Path>,
 }
 
 impl Default for GuestSpec<'_> {
@@ -60,6 +76,7 @@ impl Default for GuestSpec<'_> {
             timeout: Duration::from_secs(90),
             append: "",
             qemu_args: Vec::new(),
+            files: Vec::new(),
         }
     }
 }
@@ -93,6 +110,9 @@ impl Guest {
         }
         for arg in &spec.qemu_args {
             cmd.arg("--qemu-arg").arg(arg);
+        }
+        for file in &spec.files {
+            cmd.arg("--file").arg(file);
         }
         cmd.arg(&script).stdout(Stdio::piped()).stderr(Stdio::inherit());
         let mut child = ChildGuard(cmd.spawn().expect("starting the guest harness"));
