@@ -36,6 +36,8 @@ const NOT_RUN: &[(&str, &str)] = &[
     ("for", "a loop of benchmark runs (each `umdev` benchmark is checked by parsing below)"),
     ("done", "ends that loop"),
     ("../base/target/release/umdev", "the older build of an A/B"),
+    ("bench/guest-fio-compare", "boots guests for minutes (tests/guest_nvme.rs runs fio in a guest)"),
+    ("fio", "measures the host's disk beside a benchmark"),
     (
         "target/release/umdev",
         "the build of an A/B, run in a loop (the same commands are parsed as `umdev` where shown alone)",
