@@ -298,6 +298,8 @@ fn access_error(e: AccessError, iova: u64) -> GuestError {
         // The pin covers exactly the pages of the piece with the access asked for, so the
         // guard accepts the copy; reaching this means an engine bug, reported rather than
         // panicking.
-        AccessError::OutOfRange { .. } | AccessError::ReadOnly => GuestError::NotMapped { iova: 0, len: 0 },
+        AccessError::OutOfRange { .. } | AccessError::ReadOnly | AccessError::NotContiguous { .. } => {
+            GuestError::NotMapped { iova: 0, len: 0 }
+        }
     }
 }

@@ -391,6 +391,7 @@ fn access(guard: &Guard, offset: u64, len: usize, write: bool, ctx: &str) {
                 assert!(guard.write && !in_range, "{ctx}: refused as out of range")
             }
             Err(AccessError::Poisoned) => panic!("{ctx}: nothing truncates the model's memory"),
+            Err(e @ AccessError::NotContiguous { .. }) => panic!("{ctx}: a copy is not refused as {e}"),
         }
     }
     let mut buf = vec![0u8; len];
@@ -407,6 +408,24 @@ fn access(guard: &Guard, offset: u64, len: usize, write: bool, ctx: &str) {
         Err(AccessError::OutOfRange { .. }) => assert!(!in_range, "{ctx}: refused in range"),
         Err(AccessError::ReadOnly) => panic!("{ctx}: a read refused as read-only"),
         Err(AccessError::Poisoned) => panic!("{ctx}: nothing truncates the model's memory"),
+        Err(e @ AccessError::NotContiguous { .. }) => panic!("{ctx}: a copy is not refused as {e}"),
+    }
+    // The same range as one slice: the same bytes where host memory holds it in one piece.
+    match guard.pins.slice(offset, len, Prot::READ) {
+        Ok(slice) => {
+            assert!(in_range, "{ctx}: a slice out of range");
+            let mut got = vec![0u8; len];
+            slice.copy_to(&mut got[..]);
+            assert_eq!(got, buf, "{ctx}: a slice's bytes");
+        }
+        Err(AccessError::OutOfRange { .. }) => assert!(!in_range, "{ctx}: a slice refused in range"),
+        Err(AccessError::NotContiguous { .. }) => {
+            assert!(
+                in_range && offset / P != (offset + len as u64 - 1) / P,
+                "{ctx}: a slice inside a page refused"
+            )
+        }
+        Err(e) => panic!("{ctx}: a slice for reading refused as {e}"),
     }
 }
 

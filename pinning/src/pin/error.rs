@@ -199,6 +199,15 @@ pub enum AccessError {
         /// Bytes pinned.
         size: u64,
     },
+    /// The byte range crosses from one run to another that is not next to it in host
+    /// memory, so no one slice holds it ([`crate::PinnedPages::slice`]).
+    #[error("bytes [{offset:#x}, +{len:#x}) are not contiguous in host memory")]
+    NotContiguous {
+        /// Requested offset.
+        offset: u64,
+        /// Requested length.
+        len: u64,
+    },
     /// The pages were pinned without write access.
     #[error("the pages were pinned read-only")]
     ReadOnly,

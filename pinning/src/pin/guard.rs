@@ -382,6 +382,52 @@ impl PinnedPages {
         self.check_poisoned()
     }
 
+    /// `[offset, offset + len)` of the pinned buffer as one slice of host memory, for a
+    /// small structure read or written in place (a queue entry, say) without a copy's
+    /// per-call range and piece lookups. The range must lie in one run (or in runs that are
+    /// next to each other in host memory): a structure that does not cross a page boundary
+    /// always does. `prot` is what the caller will do to the memory. The slice borrows the
+    /// guard, so the pages stay pinned while it lives; a caller checks
+    /// [`PinnedPages::poisoned`] after its accesses, as the copy helpers do.
+    pub fn slice(&self, offset: u64, len: usize, prot: Prot) -> Result<VolatileSlice<'_>, AccessError> {
+        if prot.contains(Prot::WRITE) && !self.prot().contains(Prot::WRITE) {
+            return Err(AccessError::ReadOnly);
+        }
+        self.check(offset, len)?;
+        // Most ranges lie in one run: found by one search.
+        let runs = self.runs_slice();
+        let i = runs.partition_point(|r| ((r.index() as u64 + r.npages()) * PAGE_SIZE) <= offset);
+        if let Some(run) = runs.get(i) {
+            let at = offset - run.index() as u64 * PAGE_SIZE;
+            if at + len as u64 <= run.len() {
+                // SAFETY: (I13) [host + at, + len) lies in this run's pinned pages, of a mapping this
+                // guard keeps mapped, writable if WRITE was asked for (checked above), while the
+                // slice, which borrows the guard, lives.
+                return Ok(unsafe { VolatileSlice::new((run.host + at as usize) as *mut u8, len) });
+            }
+        }
+        let mut start = None;
+        let mut contiguous = true;
+        let mut next_host = 0usize;
+        self.for_each_piece(offset, len, |host, _, n| {
+            match start {
+                None => start = Some(host),
+                Some(_) => contiguous &= host == next_host,
+            }
+            next_host = host + n;
+        });
+        match start {
+            // SAFETY: (I13) [start, start + len) lies in pinned pages of mappings this guard keeps
+            // mapped (one piece, or pieces each starting where the last ended), writable if
+            // WRITE was asked for (checked above), while the slice, which borrows the guard,
+            // lives.
+            Some(host) if contiguous => Ok(unsafe { VolatileSlice::new(host as *mut u8, len) }),
+            // An empty range: an empty slice at no particular place.
+            None => Ok(VolatileSlice::from(&mut [][..])),
+            Some(_) => Err(AccessError::NotContiguous { offset, len: len as u64 }),
+        }
+    }
+
     /// `[offset, offset + len)` of the pinned buffer as host memory, one slice per
     /// contiguous piece (a run, host-adjacent runs merged), for I/O straight to or from the
     /// pages (`preadv` into them, say). `prot` is what the caller will do to the memory:

@@ -598,6 +598,34 @@ fn volatile_copies_cross_runs() {
 
 #[test]
 #[cfg_attr(miri, ignore = "Miri: reads the file back")]
+fn a_slice_is_one_host_range_inside_a_run_or_host_adjacent_runs() {
+    use vm_memory::Bytes;
+    let (space, file) = space_with(Default::default());
+    // Pages 3 and 4 are one run; page 8 is another, not next to 4 in host memory.
+    let rw = space.pin_pages(&[3, 4, 8], Prot::READ_WRITE).unwrap();
+    let s = rw.slice(P - 8, 16, Prot::WRITE).unwrap();
+    s.write_slice(b"0123456789abcdef", 0).unwrap();
+    let mut b = [0u8; 16];
+    std::os::unix::fs::FileExt::read_exact_at(&file, &mut b, 4 * P - 8).unwrap();
+    assert_eq!(&b, b"0123456789abcdef", "one slice across a page boundary inside a run");
+    assert_eq!(
+        rw.slice(P - 8, 16, Prot::READ).unwrap().read_obj::<u64>(8).unwrap(),
+        u64::from_le_bytes(*b"89abcdef")
+    );
+    assert_eq!(
+        rw.slice(2 * P - 8, 16, Prot::READ).unwrap_err(),
+        AccessError::NotContiguous { offset: 2 * P - 8, len: 16 },
+        "pages 4 and 8 are apart in host memory"
+    );
+    assert!(matches!(rw.slice(3 * P - 8, 16, Prot::READ), Err(AccessError::OutOfRange { .. })));
+    assert_eq!(rw.slice(5, 0, Prot::READ).unwrap().len(), 0);
+    let ro = space.pin_pages(&[3], Prot::READ).unwrap();
+    assert_eq!(ro.slice(0, 8, Prot::WRITE).unwrap_err(), AccessError::ReadOnly);
+    assert_eq!(ro.slice(0, 8, Prot::READ).unwrap().len(), 8);
+}
+
+#[test]
+#[cfg_attr(miri, ignore = "Miri: reads the file back")]
 fn guards_check_bounds_and_access() {
     let (space, file) = space_with(Default::default());
     let ro = space.pin_pages(&[3], Prot::READ).unwrap();
