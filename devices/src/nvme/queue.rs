@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use smallvec::SmallVec;
 use umdev_pinning::{PinnedPages, Prot};
 use vm_memory::mmap::MmapRegion;
-use vm_memory::{FileOffset, VolatileMemory};
+use vm_memory::{Bytes, FileOffset, VolatileMemory};
 
 use super::spec::{Cqe, Sqe, Status, CQE_SIZE, PAGE, SQE_SIZE};
 use umdev_mdev::guest::GuestError;
@@ -194,10 +194,16 @@ impl Ring {
         let pins = pins.as_ref().expect("pinned above");
         let at = u64::from(index) * self.entry_size;
         let bytes = vm_memory::ByteValued::as_slice(cqe);
-        let fail = |_| RingError::Guest(truncated(self.base));
-        pins.write(at, &bytes[..12]).map_err(fail)?;
+        let fail = || RingError::Guest(truncated(self.base));
+        // An entry never crosses a page: one slice holds it, looked up once for both writes.
+        let entry = pins.slice(at, bytes.len(), Prot::WRITE).map_err(|_| fail())?;
+        entry.write_slice(&bytes[..12], 0).map_err(|_| fail())?;
         std::sync::atomic::fence(Ordering::Release);
-        pins.write(at + 12, &bytes[12..]).map_err(fail)
+        entry.write_slice(&bytes[12..], 12).map_err(|_| fail())?;
+        if pins.poisoned() {
+            return Err(fail());
+        }
+        Ok(())
     }
 
     /// Lets go of the ring's pins if they overlap `[iova, iova + len)`; the next access
