@@ -448,12 +448,14 @@ impl Cq {
         let packed = self.coalescing.load(Ordering::Relaxed);
         let c = Coalescing { threshold: packed as u8, time: (packed >> 8) as u8 };
         st.unsignalled += 1;
-        let now = Instant::now();
-        let first = *st.first_held.get_or_insert(now);
         let hold = match (c.threshold, c.time) {
-            // No coalescing: a burst of cheap commands shares an interrupt, briefly.
+            // No coalescing: a burst of cheap commands shares an interrupt, briefly. The clock
+            // is read only when a burst is there to hold (never at queue depth 1).
             (0, 0) => {
-                queued > st.unsignalled && st.unsignalled < BATCH && now.duration_since(first) < BATCH_TIME
+                queued > st.unsignalled && st.unsignalled < BATCH && {
+                    let now = Instant::now();
+                    now.duration_since(*st.first_held.get_or_insert(now)) < BATCH_TIME
+                }
             }
             (t, _) => st.unsignalled <= u32::from(t),
         };
@@ -464,7 +466,7 @@ impl Cq {
             return Signal::Now;
         }
         if c.time > 0 && st.deadline.is_none() {
-            st.deadline = Some(now + Duration::from_micros(100 * u64::from(c.time)));
+            st.deadline = Some(Instant::now() + Duration::from_micros(100 * u64::from(c.time)));
         }
         Signal::Held
     }
