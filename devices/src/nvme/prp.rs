@@ -89,12 +89,15 @@ impl DataPages {
             let bytes = &mut buf[..n * 8];
             ctx.read_pinned(list, bytes).map_err(|_| Status::DATA_TRANSFER_ERROR)?;
             self.list_pages += 1;
-            for entry in bytes[..data * 8].chunks_exact(8) {
+            // One reservation and one offset check for the page's entries, not per entry.
+            let mut offsets = 0;
+            self.pfns.extend(bytes[..data * 8].chunks_exact(8).map(|entry| {
                 let addr = u64::from_le_bytes(entry.try_into().expect("8-byte chunks"));
-                if page_offset(addr) != 0 {
-                    return Err(Status::PRP_OFFSET_INVALID);
-                }
-                self.pfns.push(addr / PAGE);
+                offsets |= page_offset(addr);
+                addr / PAGE
+            }));
+            if offsets != 0 {
+                return Err(Status::PRP_OFFSET_INVALID);
             }
             wanted -= data;
             if chained {
