@@ -41,9 +41,9 @@ impl Poll {
 /// How long a poll spins before each look also offers the CPU to whatever else is runnable
 /// on it. The thread a worker just woke (a VMM's main loop, told of a completion through an
 /// interrupt eventfd) is often placed on the worker's own CPU, and the scheduler does not
-/// preempt a spinning thread for it: without the offer, a QEMU guest's QD1 read waited out
-/// most of the poll budget before its interrupt was delivered (docs/benchmarks.md). A client
-/// that answers within this time finds the worker still spinning, at no syscall's cost.
+/// preempt a spinning thread for it: without the offer it would wait out the poll budget,
+/// and the interrupt with it. A client that answers within this time finds the worker still
+/// spinning, at no syscall's cost.
 const POLL_SPIN_ONLY: Duration = Duration::from_micros(2);
 
 /// Workers polling now, across the process.
