@@ -242,6 +242,28 @@ fn with_the_doorbell_page_mapped_the_guest_rings_without_messages() {
     assert!(messages * 10 < commands, "{messages} doorbell messages for {commands} commands: {stats}");
 }
 
+/// `queue_irqs`: each I/O queue's vector and its interrupts so far, a line each. A script
+/// that prints `QUEUE-IRQS <vector> <count>` lines per queue for a run is read back by
+/// [`interrupts_per_queue`].
+const QUEUE_IRQS: &str = r#"
+queue_irqs() {
+  awk '/nvme0q[1-9]/ { s = 0; for (i = 2; i <= NF; i++) { if ($i !~ /^[0-9]+$/) break; s += $i } print $NF, s }' /proc/interrupts
+}
+"#;
+
+/// The `QUEUE-IRQS` lines of a run on two I/O queues: both vectors took interrupts (each
+/// I/O queue has its own).
+fn interrupts_per_queue(console: &[String]) -> Vec<(&str, u64)> {
+    let irqs: Vec<(&str, u64)> = console
+        .iter()
+        .filter_map(|l| l.strip_prefix("QUEUE-IRQS "))
+        .filter_map(|l| l.split_once(' ').map(|(q, n)| (q, n.parse().unwrap_or(0))))
+        .collect();
+    assert_eq!(irqs.len(), 2, "two I/O queue vectors: {console:?}");
+    assert!(irqs.iter().all(|&(_, n)| n > 0), "interrupts on both I/O queues: {irqs:?}");
+    irqs
+}
+
 /// 32 `dd` processes with O_DIRECT, 16 pinned to each of the guest's two CPUs (so to both of
 /// the driver's I/O queues, one per CPU), each on its own MiB of the disk with its own block
 /// size (4, 16, 64 or 128 KiB): up to 32 commands in flight on two queues at once. They
@@ -251,9 +273,6 @@ fn with_the_doorbell_page_mapped_the_guest_rings_without_messages() {
 const CONCURRENT_VERIFY: &str = r#"
 head -c 33554432 /dev/urandom > /tmp/pat
 head -c 16777216 /dev/urandom > /tmp/pat2
-queue_irqs() {
-  awk '/nvme0q[1-9]/ { s = 0; for (i = 2; i <= NF; i++) { if ($i !~ /^[0-9]+$/) break; s += $i } print $NF, s }' /proc/interrupts
-}
 queue_irqs > /tmp/irq0
 # job J: its MiB at J, its CPU and block size.
 job() { j=$1; cpu=$((j % 2)); bs=$((4096 << (2 * ((j / 2) % 4)))); n=$((1048576 / bs)); }
@@ -291,7 +310,7 @@ fn thirty_two_direct_writers_and_readers_on_two_queues_read_back_what_they_wrote
     let socket = dir.path().join("nvme.sock");
     let ns = file_namespace(dir.path(), 64 << 20);
     let daemon = serve(&socket, &[&ns, "queues=2"]);
-    let script = format!("set -e\n{IDENTIFY}\n{CONCURRENT_VERIFY}");
+    let script = format!("set -e\n{IDENTIFY}\n{QUEUE_IRQS}\n{CONCURRENT_VERIFY}");
     let console = guest::run_ok(&GuestSpec {
         sockets: vec![&socket],
         modules: vec!["nvme"],
@@ -309,14 +328,8 @@ fn thirty_two_direct_writers_and_readers_on_two_queues_read_back_what_they_wrote
             assert!(console.contains(&format!("VERIFY-OK {phase} {j}")), "{phase} {j}: {console:?}");
         }
     }
-    // Both I/O queues carried the run (each has its own vector).
-    let irqs: Vec<(&str, u64)> = console
-        .iter()
-        .filter_map(|l| l.strip_prefix("QUEUE-IRQS "))
-        .filter_map(|l| l.split_once(' ').map(|(q, n)| (q, n.parse().unwrap_or(0))))
-        .collect();
-    assert_eq!(irqs.len(), 2, "two I/O queue vectors: {console:?}");
-    assert!(irqs.iter().all(|&(_, n)| n > 0), "interrupts on both I/O queues: {irqs:?}");
+    // Both I/O queues carried the run.
+    let irqs = interrupts_per_queue(&console);
     let io = &stats["io"];
     eprintln!("nvme statistics: {io}; interrupts per queue: {irqs:?}");
     assert_eq!(io["errors"], 0, "{io}");
@@ -328,9 +341,6 @@ fn thirty_two_direct_writers_and_readers_on_two_queues_read_back_what_they_wrote
 /// writes of 4-128 KiB through io_uring with O_DIRECT, each block's CRC32C checked when read
 /// back, the jobs on separate ranges.
 const FIO_VERIFY: &str = r#"
-queue_irqs() {
-  awk '/nvme0q[1-9]/ { s = 0; for (i = 2; i <= NF; i++) { if ($i !~ /^[0-9]+$/) break; s += $i } print $NF, s }' /proc/interrupts
-}
 queue_irqs > /tmp/irq0
 cat > /tmp/verify.fio <<'EOF'
 [global]
@@ -368,10 +378,11 @@ fn fio_verify_at_queue_depth_32_on_both_queues_reads_back_what_it_wrote() {
     let socket = dir.path().join("nvme.sock");
     let ns = file_namespace(dir.path(), 64 << 20);
     let daemon = serve(&socket, &[&ns, "queues=2", "cache1=none"]);
+    let script = format!("{QUEUE_IRQS}\n{FIO_VERIFY}");
     let console = guest::run_ok(&GuestSpec {
         sockets: vec![&socket],
         modules: vec!["nvme"],
-        script: FIO_VERIFY,
+        script: &script,
         qemu_args: vec!["-smp", "2"],
         files: vec![&fio],
         mem_mib: 512,
@@ -383,13 +394,7 @@ fn fio_verify_at_queue_depth_32_on_both_queues_reads_back_what_it_wrote() {
     let jobs: Vec<&String> = console.iter().filter(|l| l.starts_with("FIO-JOB-")).collect();
     assert_eq!(jobs.len(), 2, "two fio jobs: {console:?}");
     assert!(jobs.iter().all(|l| l.as_str() == r#"FIO-JOB-"error":0"#), "{jobs:?}");
-    let irqs: Vec<(&str, u64)> = console
-        .iter()
-        .filter_map(|l| l.strip_prefix("QUEUE-IRQS "))
-        .filter_map(|l| l.split_once(' ').map(|(q, n)| (q, n.parse().unwrap_or(0))))
-        .collect();
-    assert_eq!(irqs.len(), 2, "two I/O queue vectors: {console:?}");
-    assert!(irqs.iter().all(|&(_, n)| n > 0), "interrupts on both I/O queues: {irqs:?}");
+    let irqs = interrupts_per_queue(&console);
     let io = &stats["io"];
     eprintln!("nvme statistics: {io}; interrupts per queue: {irqs:?}");
     assert_eq!(io["errors"], 0, "{io}");
