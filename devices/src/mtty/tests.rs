@@ -358,29 +358,50 @@ fn a_host_line_carries_bytes_both_ways_at_the_guests_pace() {
     assert_eq!(rig.stats(1).dropped, 0);
 }
 
+/// What a host peer's `send` does to a port's UART, at the instant `now`.
+fn host_send(uart: &mut Uart, bytes: &[u8], now: Instant) {
+    let Line::Host(host) = &mut uart.line else { panic!("not a host line") };
+    host.to_guest.extend(bytes);
+    uart.feed_rx(now);
+}
+
 #[test]
 fn an_ignored_receiver_overruns_like_a_real_line() {
-    let rig = rig_with(&[Backend::Queue]);
-    let host = rig.host(0);
+    // The UART on its own, at instants the test chooses: the rule is about time.
+    let reset = Instant::now();
+    let at = |us: u64| reset + Duration::from_micros(us);
+    let mut uart = Uart::new(Line::Host(HostLine::new(None)), reset);
     // Untouched since reset (a guest still booting): host bytes wait, however long.
-    assert_eq!(host.send(&[9u8; 20]), 20);
-    std::thread::sleep(IGNORED_AFTER + Duration::from_millis(50));
-    host.send(&[]);
-    assert_eq!(rig.stats(0).dropped, 0, "nothing is lost before the guest has seen the port");
-    // 115200 baud 8N1: a character every 87 µs. Receive interrupts stay off.
-    rig.outb(0, LCR, LCR_DLAB | LCR_8N1);
-    rig.outb(0, DLL, 1);
-    rig.outb(0, LCR, LCR_8N1);
-    rig.outb(0, FCR, FCR_ENABLE | FCR_CLEAR_RX);
-    assert_eq!(host.send(&[1u8; 40]), 40);
-    assert_eq!(rig.inb(0, LSR) & LSR_OE, 0, "held while the guest may still read");
-    std::thread::sleep(IGNORED_AFTER + Duration::from_millis(50));
-    // The next feed (any host activity) finds the receiver ignored: the rest overruns.
-    host.send(&[2]);
-    assert_eq!(rig.inb(0, LSR) & (LSR_OE | LSR_DR), LSR_OE | LSR_DR, "OE once");
-    assert_eq!(rig.inb(0, LSR) & LSR_OE, 0, "cleared by reading LSR");
-    let s = rig.stats(0);
+    host_send(&mut uart, &[9u8; 20], reset);
+    host_send(&mut uart, &[], at(10_000_000));
+    assert_eq!(uart.stats.dropped, 0, "nothing is lost before the guest has seen the port");
+    // The guest finds the port 10 s after the reset: 115200 baud 8N1, a character every
+    // 86.8 µs, receive interrupts off.
+    let found = 10_000_000;
+    uart.write(LCR, LCR_DLAB | LCR_8N1, at(found));
+    uart.write(DLL, 1, at(found));
+    uart.write(LCR, LCR_8N1, at(found));
+    uart.write(FCR, FCR_ENABLE | FCR_CLEAR_RX, at(found));
+    let grace = IGNORED_AFTER.as_micros() as u64;
+    host_send(&mut uart, &[1u8; 40], at(found + grace - 1));
+    assert_eq!(uart.read(LSR, at(found + grace - 1)) & LSR_OE, 0, "held while the guest may still read");
+    // Later, the next feed (any host activity) finds the receiver ignored: the bytes the line
+    // could have carried since then (all that waited) overrun.
+    let late = found + grace + 50_000;
+    host_send(&mut uart, &[2], at(late));
+    assert_eq!(uart.read(LSR, at(late)) & (LSR_OE | LSR_DR), LSR_OE | LSR_DR, "OE once");
+    assert_eq!(uart.read(LSR, at(late)) & LSR_OE, 0, "cleared by reading LSR");
+    let s = uart.stats;
+    // One byte entered the 1-byte receiver before the FIFO was enabled and cleared, 16 after.
     assert_eq!((s.rx, s.dropped, s.overruns), (1 + 16, 3 + 40 + 1, 1), "{s:?}");
+    // From then on the line carries one character per character time, and no more is lost.
+    host_send(&mut uart, &[3u8; 10], at(late + 3 * 87));
+    assert_eq!((uart.stats.dropped, uart.stats.overruns), (44 + 3, 2), "three character times");
+    // A read ends the neglect: the receiver takes a byte again and the rest waits.
+    assert_eq!(uart.read(RBR, at(late + 300)), 9, "the oldest byte the FIFO kept");
+    assert_eq!(uart.stats.rx, 1 + 16 + 1);
+    host_send(&mut uart, &[], at(late + 300 + grace - 1));
+    assert_eq!(uart.stats.dropped, 47, "{:?}", uart.stats);
 }
 
 #[test]

@@ -100,8 +100,9 @@ pub(super) struct Uart {
     /// The character timeout: its deadline while armed, and whether it expired.
     pub(super) rx_deadline: Option<Instant>,
     rx_timeout: bool,
-    /// When the guest last read RBR (or the port was reset): a receiver nobody reads, with
-    /// receive interrupts off, is ignored and overruns like a real line.
+    /// When the guest last read RBR, or first accessed the port since the last reset: a
+    /// receiver nobody reads, with receive interrupts off, is ignored from [`IGNORED_AFTER`]
+    /// later and overruns like a real line.
     last_read: Instant,
     /// The guest has accessed the port since the last reset: before that (a guest still
     /// booting, no client at all) host bytes wait rather than overrun.
@@ -269,9 +270,18 @@ impl Uart {
         lsr
     }
 
+    /// A guest access. The first since the reset starts the receiver's grace: a driver that
+    /// has just found the port (probing it with interrupts off) may still read.
+    fn touch(&mut self, now: Instant) {
+        if !self.touched {
+            self.touched = true;
+            self.last_read = now;
+        }
+    }
+
     /// Reads register `reg` (0-7) with its side effects.
     pub(super) fn read(&mut self, reg: u64, now: Instant) -> u8 {
-        self.touched = true;
+        self.touch(now);
         match reg {
             RBR if self.dlab() => self.divisor as u8,
             RBR => {
@@ -310,7 +320,7 @@ impl Uart {
 
     /// Writes register `reg` (0-7).
     pub(super) fn write(&mut self, reg: u64, value: u8, now: Instant) {
-        self.touched = true;
+        self.touch(now);
         match reg {
             THR if self.dlab() => self.divisor = (self.divisor & 0xff00) | u16::from(value),
             THR => self.transmit(value, now),
@@ -457,8 +467,8 @@ impl Uart {
     /// Moves bytes the host sent into the receiver while it has room. The host is paced by
     /// the guest (nothing lost) unless the guest ignores the port: it has accessed the port
     /// since the last reset, has receive interrupts off and has read no byte for
-    /// [`IGNORED_AFTER`]. Then bytes keep arriving at the programmed line rate, as on a real
-    /// line, and overrun.
+    /// [`IGNORED_AFTER`] since that first access or its last read. Then bytes keep arriving
+    /// at the programmed line rate, as on a real line, and overrun.
     pub(super) fn feed_rx(&mut self, now: Instant) {
         if self.loopback() {
             return; // the line input is disconnected in loopback
