@@ -10,7 +10,7 @@
 //! on, and fetches nothing new meanwhile (a full CQ holds its SQ, §4.1).
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::ctrl::Ctrl;
@@ -31,6 +31,9 @@ pub struct Completer {
     /// Completions waiting for room or bus mastering, oldest first. Only the queue's worker
     /// thread touches it: the lock is never contended.
     backlog: Mutex<VecDeque<Cqe>>,
+    /// How many entries `backlog` holds, stored under its lock: with none waiting (nearly
+    /// always) a completion is posted without taking it.
+    backlogged: AtomicUsize,
     /// Set once the queue is deleted: nothing more is posted (see [`Completer::retire`]).
     retired: AtomicBool,
 }
@@ -54,6 +57,7 @@ impl Completer {
             sq,
             generation,
             backlog: Mutex::new(VecDeque::new()),
+            backlogged: AtomicUsize::new(0),
             retired: AtomicBool::new(false),
         })
     }
@@ -114,15 +118,15 @@ impl Completer {
         if !self.current() {
             return;
         }
-        let mut backlog = umdev_mdev::sync::lock(&self.backlog);
-        if backlog.is_empty() {
+        if self.backlogged.load(Ordering::Acquire) == 0 {
             match self.try_post(ctx, cqe) {
-                Ok(()) => return,
+                Ok(()) | Err(None) => return,
                 Err(Some(_)) => {}
-                Err(None) => return,
             }
         }
+        let mut backlog = umdev_mdev::sync::lock(&self.backlog);
         backlog.push_back(cqe);
+        self.backlogged.store(backlog.len(), Ordering::Release);
     }
 
     /// Posts what waits, in order, as far as it can.
@@ -131,20 +135,22 @@ impl Completer {
         if !self.current() {
             backlog.clear();
         }
-        while let Some(&cqe) = backlog.front() {
+        let drained = loop {
+            let Some(&cqe) = backlog.front() else { break Drained::Empty };
             match self.try_post(ctx, cqe) {
                 Ok(()) | Err(None) => {
                     backlog.pop_front();
                 }
-                Err(Some(why)) => return why,
+                Err(Some(why)) => break why,
             }
-        }
-        Drained::Empty
+        };
+        self.backlogged.store(backlog.len(), Ordering::Release);
+        drained
     }
 
-    /// Whether completions wait.
+    /// How many completions wait.
     pub fn waiting(&self) -> usize {
-        umdev_mdev::sync::lock(&self.backlog).len()
+        self.backlogged.load(Ordering::Acquire)
     }
 
     /// Drops what waits (the queue is being deleted with its CQ full): the host deleted the
@@ -153,6 +159,7 @@ impl Completer {
         let mut backlog = umdev_mdev::sync::lock(&self.backlog);
         let n = backlog.len();
         backlog.clear();
+        self.backlogged.store(0, Ordering::Release);
         n
     }
 

@@ -475,6 +475,10 @@ impl Cq {
     /// poster has nothing left to do (`idle`) and no aggregation time is set. Resets the
     /// count if so.
     pub fn due(&self, idle: bool) -> bool {
+        // Nothing is ever held on a CQ without interrupts (see `signal`): no lock per command.
+        if !self.interrupts {
+            return false;
+        }
         let mut st = umdev_mdev::sync::lock(&self.state);
         let time_up = st.deadline.is_some_and(|d| Instant::now() >= d);
         let due = st.unsignalled > 0 && (time_up || (idle && st.deadline.is_none()));

@@ -224,6 +224,8 @@ impl QueueWorker {
                 if fetched > 0 {
                     lone = fetched == 1;
                     fetched = 0;
+                    // When the queue ran dry, not at each fetch: one clock reading per run.
+                    last_work = Instant::now();
                 }
                 self.idle(&mut waiter, head, last_work, lone);
                 continue;
@@ -256,7 +258,6 @@ impl QueueWorker {
                 }
             };
             head = (head + 1) % entries;
-            last_work = Instant::now();
             fetched = fetched.saturating_add(1);
             permit.get_mut().set_sqe(sqe);
             if self.sq().advance(head, sqe.cid()) {
