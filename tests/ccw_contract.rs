@@ -270,11 +270,12 @@ fn an_unmap_halts_a_program_promptly_and_byte_accurately_in_both_modes() {
             }
             assert_eq!(r.h.info().dma.pins_held, 0);
         }
+        // How prompt is a measurement, not a test (docs/ccw.md): what is asserted is that the
+        // unmap never timed out waiting and that it stopped programs rather than outwaiting them.
         eprintln!(
-            "{mode:?}: DMA_UNMAP of memory a 16 MiB READ uses: worst {worst:?}, {stopped} of 8 stopped"
+            "MEASURED {mode:?}: DMA_UNMAP of memory a 16 MiB READ uses: worst {worst:?}, {stopped} of 8 stopped"
         );
         assert!(stopped > 0, "{mode:?}: no program was stopped by the unmap");
-        assert!(worst < Duration::from_millis(50), "{mode:?}: an unmap of memory in use took {worst:?}");
         assert_eq!(r.h.info().dma.unmap_busy, 0);
     }
 }
@@ -295,13 +296,13 @@ fn an_unmap_between_the_ccws_of_a_chain_fails_only_the_ccws_that_need_it() {
                 Op::new(cmd::READ, 4096, Data::Direct(iova)),
             ];
             r.g.start(0, &ops).unwrap();
-            let t = Instant::now();
+            let waits = r.h.info().dma.unmap_waits;
             r.g.client.dma_unmap(iova, MIB).unwrap();
-            assert!(
-                t.elapsed() < Duration::from_millis(50),
-                "no pins in the region: the unmap does not wait"
-            );
+            let waited = r.h.info().dma.unmap_waits != waits;
             let s = r.wait_registers(0);
+            // No pins in the region while CCW 1 runs: the unmap does not wait for them. Only
+            // a CCW 2 that had pinned it already (and was stopped) could make it wait.
+            assert!(!waited || s.reason == Reason::Unmapped, "{mode:?}: the unmap waited: {s:?}");
             match (s.reason, s.ccws) {
                 // The unmap came while CCW 1 ran: CCW 1 is whole, CCW 2 finds no memory.
                 (Reason::DataUnmapped, 2) => {
@@ -442,7 +443,12 @@ fn unfetchable_ccws_status_past_ram_and_what_reset_and_disconnect_leave() {
     assert_eq!(u16::from_le_bytes(b), 0, "COMMAND cleared");
     let msix_control = msix_control(&mut r.g);
     assert_eq!(msix_control & 0x8000, 0, "MSI-X disabled");
-    assert_eq!(r.h.info().dma.pins_held, 0);
+    // The reset cancels the program; its worker lets go of the pins when it next looks.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while r.h.info().dma.pins_held != 0 {
+        assert!(Instant::now() < deadline, "the reset program's pins are never released");
+        std::thread::sleep(Duration::from_millis(1));
+    }
 
     // A disconnect with a program running: the same, and the next client finds it so.
     drop(r.g);

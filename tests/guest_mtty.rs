@@ -189,6 +189,7 @@ n=0; while [ ! -e /tmp/shell-done ] && [ $n -lt 600 ]; do sleep 0.1; n=$((n+1));
 [ -e /tmp/shell-done ] || {{ echo "no shell-done"; exit 1; }}
 exec 3<>/dev/$pty
 stty raw -echo <&3
+printf ECHO-MARK >&3
 echo "ECHO-READY $pty"
 timeout 120 head -c 65536 <&3 > /tmp/rx
 echo "ECHO-RECEIVED $(wc -c < /tmp/rx)"
@@ -232,8 +233,9 @@ grep 16550A /proc/tty/driver/serial | sed 's/^/SERIAL /'
 
     // 64 KiB host -> guest, then the guest sends it back: both directions intact.
     g.wait_for("ECHO-READY", Duration::from_secs(60));
-    // Whatever the shell still printed is not part of the transfer.
-    let _ = read_until(&mut host_tty, Duration::from_secs(2), false_after(Duration::from_millis(300)));
+    // Whatever the shell still printed is not part of the transfer: it ends at the mark the
+    // guest wrote once its line was raw.
+    let _ = read_until(&mut host_tty, Duration::from_secs(60), |b| b.ends_with(b"ECHO-MARK"));
     let data = pattern(65536, 0x9e37_79b9);
     let started = Instant::now();
     let mut writer_tty = host_tty.try_clone().unwrap();
@@ -271,10 +273,4 @@ grep 16550A /proc/tty/driver/serial | sed 's/^/SERIAL /'
     for l in serial {
         assert!(!l.contains("oe:") && !l.contains("brk:") && !l.contains("bo:"), "{l}");
     }
-}
-
-/// A predicate that turns true once `d` has passed since its creation (to drain a stream).
-fn false_after(d: Duration) -> impl Fn(&[u8]) -> bool {
-    let start = Instant::now();
-    move |_| start.elapsed() >= d
 }

@@ -389,8 +389,10 @@ fn abandoned_mappings_stay_mapped_under_track_guards() {
 
 #[test]
 fn overlapping_runs_from_many_threads_count_per_page_and_hold_an_unmap() {
-    // More threads than shards, so shards are shared; every call overlaps the others.
-    let (space, _f) = space_with(Default::default());
+    // More threads than shards, so shards are shared; every call overlaps the others. The
+    // unmap below waits as long as the dropping thread takes, however loaded the machine.
+    let (space, _f) =
+        space_with(DmaSpaceConfig { unmap_timeout: Duration::from_secs(60), ..Default::default() });
     let guards: Vec<PinnedPages> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..40u64)
             .map(|t| {

@@ -130,7 +130,9 @@ fn message_only_regions_are_known_but_not_pinnable() {
 
 #[test]
 fn unmap_notifies_and_waits_for_pins_to_drop() {
-    let space = DmaSpace::default();
+    // The unmap waits as long as the dropping thread takes, however loaded the machine.
+    let space =
+        DmaSpace::new(DmaSpaceConfig { unmap_timeout: Duration::from_secs(60), ..Default::default() });
     let file = memfd(8);
     space.map(0x100000, 8 * PAGE_SIZE, file.as_fd(), 0, RW).unwrap();
     let held = Arc::new(Mutex::new(Some(space.pin_range(0x102000, 2, Prot::READ).unwrap())));

@@ -84,8 +84,9 @@ pub const DEADLINE: Duration = Duration::from_secs(20);
 /// How long a send may block before the server counts as no longer reading.
 const SEND_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long fds the client passed may outlive the connection (device threads finishing a
-/// cancelled job drop their context a moment later).
-const FD_GRACE: Duration = Duration::from_secs(2);
+/// cancelled job drop their context a moment later): a hang guard, long enough for a loaded
+/// machine; a check returns as soon as they are closed.
+const FD_GRACE: Duration = Duration::from_secs(30);
 /// How long a DMA_UNMAP waits for pins.
 const UNMAP_TIMEOUT: Duration = Duration::from_millis(100);
 
