@@ -4,12 +4,15 @@
 //! doorbell page mapped, by the guest itself; the queue's worker watches it. Rings are
 //! reached through the pinning engine: pinned on first use and kept pinned (one pin per
 //! ring, not per entry), released when the client unmaps them and pinned again on next use.
+//! A ring's pins are kept under the lock its users already take: the SQ's own (its worker
+//! and an Abort read it), the CQ's state (its posters).
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
+use umdev_pinning::sync::SpinLock;
 use umdev_pinning::{PinnedPages, Prot};
 use vm_memory::mmap::MmapRegion;
 use vm_memory::{Bytes, FileOffset, VolatileMemory};
@@ -144,19 +147,20 @@ pub enum RingError {
     Guest(GuestError),
 }
 
-/// A ring of `entries` entries of `entry_size` bytes at `base`, pinned while in use.
+/// A ring of `entries` entries of `entry_size` bytes at `base`, pinned while in use. Its pins
+/// (`None` until first use and after an unmap of them) are kept by its queue, which passes
+/// them to each access.
 #[derive(Debug)]
 pub struct Ring {
     base: u64,
     entries: u32,
     entry_size: u64,
     prot: Prot,
-    pins: Mutex<Option<PinnedPages>>,
 }
 
 impl Ring {
     fn new(base: u64, entries: u32, entry_size: u64, prot: Prot) -> Ring {
-        Ring { base, entries, entry_size, prot, pins: Mutex::new(None) }
+        Ring { base, entries, entry_size, prot }
     }
 
     /// Bytes of the ring.
@@ -164,34 +168,46 @@ impl Ring {
         u64::from(self.entries) * self.entry_size
     }
 
-    fn pinned<'a>(&'a self, ctx: &DeviceContext) -> Result<MutexGuard<'a, Option<PinnedPages>>, RingError> {
-        let mut pins = umdev_mdev::sync::lock(&self.pins);
+    fn pinned<'p>(
+        &self,
+        pins: &'p mut Option<PinnedPages>,
+        ctx: &DeviceContext,
+    ) -> Result<&'p PinnedPages, RingError> {
         if pins.is_none() {
             let pages = self.bytes().div_ceil(PAGE);
             *pins = Some(ctx.pin_range(self.base, pages, self.prot).map_err(RingError::Guest)?);
         }
-        Ok(pins)
+        Ok(pins.as_ref().expect("pinned above"))
     }
 
     /// Reads entry `index`.
-    fn read<T: vm_memory::ByteValued>(&self, ctx: &DeviceContext, index: u32) -> Result<T, RingError> {
+    fn read<T: vm_memory::ByteValued>(
+        &self,
+        pins: &mut Option<PinnedPages>,
+        ctx: &DeviceContext,
+        index: u32,
+    ) -> Result<T, RingError> {
         if !ctx.bus_master() {
             return Err(RingError::Guest(GuestError::BusMasterOff));
         }
-        let pins = self.pinned(ctx)?;
-        let pins = pins.as_ref().expect("pinned above");
+        let pins = self.pinned(pins, ctx)?;
         pins.read_obj(u64::from(index) * self.entry_size).map_err(|_| RingError::Guest(truncated(self.base)))
     }
 
     /// Writes a completion entry at `index`: its first 12 bytes, then the dword holding the
     /// command identifier and the status with the phase tag, so a driver that sees the new
     /// phase sees the whole entry.
-    fn write_cqe(&self, ctx: &DeviceContext, index: u32, cqe: &Cqe) -> Result<(), RingError> {
+    fn write_cqe(
+        &self,
+        pins: &mut Option<PinnedPages>,
+        ctx: &DeviceContext,
+        index: u32,
+        cqe: &Cqe,
+    ) -> Result<(), RingError> {
         if !ctx.bus_master() {
             return Err(RingError::Guest(GuestError::BusMasterOff));
         }
-        let pins = self.pinned(ctx)?;
-        let pins = pins.as_ref().expect("pinned above");
+        let pins = self.pinned(pins, ctx)?;
         let at = u64::from(index) * self.entry_size;
         let bytes = vm_memory::ByteValued::as_slice(cqe);
         let fail = || RingError::Guest(truncated(self.base));
@@ -206,13 +222,9 @@ impl Ring {
         Ok(())
     }
 
-    /// Lets go of the ring's pins if they overlap `[iova, iova + len)`; the next access
-    /// pins again.
-    pub fn release_if_overlaps(&self, iova: u64, len: u64) {
-        let end = iova.saturating_add(len);
-        if self.base < end && iova < self.base.saturating_add(self.bytes()) {
-            umdev_mdev::sync::lock(&self.pins).take();
-        }
+    /// Whether the ring overlaps `[iova, iova + len)`.
+    fn overlaps(&self, iova: u64, len: u64) -> bool {
+        self.base < iova.saturating_add(len) && iova < self.base.saturating_add(self.bytes())
     }
 }
 
@@ -228,6 +240,9 @@ pub struct Sq {
     /// Entries.
     pub entries: u32,
     ring: Ring,
+    /// The ring's pins. Its worker fetches under this lock, an Abort looks under it, and an
+    /// unmap takes the pins away under it: short holds, almost never contended.
+    ring_pins: SpinLock<Option<PinnedPages>>,
     /// The completion queue its commands complete on.
     pub cq: Arc<Cq>,
     /// Head as the worker last published it (the next entry it fetches).
@@ -248,6 +263,7 @@ impl Sq {
             id,
             entries,
             ring: Ring::new(base, entries, SQE_SIZE, Prot::READ),
+            ring_pins: SpinLock::new(None),
             cq,
             head: AtomicU32::new(0),
             known_tail: AtomicU32::new(0),
@@ -258,7 +274,7 @@ impl Sq {
 
     /// Reads entry `index`.
     pub fn fetch(&self, ctx: &DeviceContext, index: u32) -> Result<Sqe, RingError> {
-        self.ring.read(ctx, index)
+        self.ring.read(&mut self.ring_pins.lock(), ctx, index)
     }
 
     /// Publishes the head after a fetch; true if the fetched command `cid` was aborted
@@ -286,7 +302,7 @@ impl Sq {
         let mut at = self.head.load(Ordering::SeqCst);
         let mut found = false;
         while at != tail && at < self.entries {
-            if self.ring.read::<Sqe>(ctx, at).is_ok_and(|e| e.cid() == cid) {
+            if self.fetch(ctx, at).is_ok_and(|e| e.cid() == cid) {
                 found = true;
                 break;
             }
@@ -299,9 +315,13 @@ impl Sq {
         Ok(found)
     }
 
-    /// Lets go of ring pins in an unmapped range.
+    /// Lets go of ring pins in an unmapped range (the next fetch pins again).
     pub fn unmapping(&self, iova: u64, len: u64) {
-        self.ring.release_if_overlaps(iova, len);
+        if self.ring.overlaps(iova, len) {
+            // Dropped after the lock is given back.
+            let pins = self.ring_pins.lock().take();
+            drop(pins);
+        }
     }
 }
 
@@ -332,6 +352,8 @@ pub enum Signal {
 
 #[derive(Debug)]
 struct CqState {
+    /// The ring's pins: posting takes this lock anyway.
+    pins: Option<PinnedPages>,
     tail: u32,
     phase: bool,
     /// The host's head as last read: the doorbell (a cache line the host writes) is read
@@ -385,6 +407,7 @@ impl Cq {
             interrupts,
             ring: Ring::new(base, entries, CQE_SIZE, Prot::READ_WRITE),
             state: Mutex::new(CqState {
+                pins: None,
                 tail: 0,
                 phase: true,
                 known_head: 0,
@@ -427,7 +450,8 @@ impl Cq {
             }
         }
         cqe.status = (u16::from(cqe.status) & !1 | u16::from(st.phase)).into();
-        self.ring.write_cqe(ctx, st.tail, &cqe).map_err(PostError::Ring)?;
+        let at = st.tail;
+        self.ring.write_cqe(&mut st.pins, ctx, at, &cqe).map_err(PostError::Ring)?;
         st.tail = next;
         if next == 0 {
             st.phase = !st.phase;
@@ -495,9 +519,12 @@ impl Cq {
         umdev_mdev::sync::lock(&self.state).deadline
     }
 
-    /// Lets go of ring pins in an unmapped range.
+    /// Lets go of ring pins in an unmapped range (the next post pins again).
     pub fn unmapping(&self, iova: u64, len: u64) {
-        self.ring.release_if_overlaps(iova, len);
+        if self.ring.overlaps(iova, len) {
+            let pins = umdev_mdev::sync::lock(&self.state).pins.take();
+            drop(pins);
+        }
     }
 }
 
