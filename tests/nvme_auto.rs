@@ -114,6 +114,15 @@ fn a_client_without_capabilities_maps_the_doorbell_page_and_rings_only_there() {
         (Some("auto"), Some("mmap"))
     );
     assert_eq!(device["doorbell_messages"], 0, "every doorbell went through the page: {device}");
+    // An admin command while the I/O queues' workers watch the page: one of them sees the
+    // admin tail move and wakes the admin queue's worker (the admin worker's own look is rare).
+    let nudges = device["admin_nudges"].as_u64().unwrap();
+    d.identify_controller().unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while h.info().device["admin_nudges"].as_u64().unwrap() == nudges {
+        assert!(std::time::Instant::now() < deadline, "no I/O queue's worker woke the admin worker");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     // Detach as SPDK does: shutdown notification with CC.EN left at 1, then DMA_UNMAP with
     // the mapping's fd attached, served (and the fd closed), then close.
     d.shutdown().unwrap();

@@ -269,6 +269,10 @@ pub struct Ctrl {
     /// Doorbell writes that arrived as REGION_WRITE messages (with the doorbell page mapped
     /// into the guest, there should be none).
     doorbell_messages: AtomicU64,
+    /// The admin SQ tail in the mapped page that an I/O queue's worker last woke the admin
+    /// queue's worker for ([`Ctrl::nudge_admin`]), and how many times it did.
+    admin_nudged: AtomicU32,
+    admin_nudges: AtomicU64,
 }
 
 impl Ctrl {
@@ -302,6 +306,8 @@ impl Ctrl {
             born: Instant::now(),
             unsafe_shutdowns: AtomicU64::new(0),
             doorbell_messages: AtomicU64::new(0),
+            admin_nudged: AtomicU32::new(0),
+            admin_nudges: AtomicU64::new(0),
             config,
         }
     }
@@ -378,6 +384,28 @@ impl Ctrl {
     /// Doorbell writes that arrived as messages.
     pub fn doorbell_messages(&self) -> u64 {
         self.doorbell_messages.load(Ordering::Relaxed)
+    }
+
+    /// With the doorbell page mapped, nothing rings the admin queue's worker: the client stores
+    /// the admin SQ tail into the page. An I/O queue's worker watching the page calls this at
+    /// each look: it wakes the admin worker once per new admin tail, so a command reaches an
+    /// admin queue that is idle when the I/O queues are without waiting for the admin worker's
+    /// own look, which can then be rare (each look of its own takes the CPU from a busy I/O
+    /// queue's worker, and that showed in the I/O tail latency).
+    pub(crate) fn nudge_admin(&self) {
+        let Some(page) = self.mapped_page() else { return };
+        let tail = page.load(0);
+        if tail != self.admin_nudged.load(Ordering::Relaxed)
+            && self.admin_nudged.swap(tail, Ordering::Relaxed) != tail
+        {
+            self.admin_nudges.fetch_add(1, Ordering::Relaxed);
+            self.sq_doorbells[0].wake();
+        }
+    }
+
+    /// Times an I/O queue's worker woke the admin queue's worker ([`Ctrl::nudge_admin`]).
+    pub fn admin_nudges(&self) -> u64 {
+        self.admin_nudges.load(Ordering::Relaxed)
     }
 
     /// How doorbells reach the workers for the connected client.

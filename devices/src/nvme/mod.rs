@@ -639,6 +639,7 @@ impl PciFunction for Nvme {
             "doorbells_now": match c.doorbell_mode() { DoorbellMode::Message => "message", DoorbellMode::Mapped => "mmap" },
             "admin_commands": Totals::of(c.all_stats().iter().take(1)).commands,
             "doorbell_messages": c.doorbell_messages(),
+            "admin_nudges": c.admin_nudges(),
             "shadow_doorbells": c.shadowed(),
             "shadow_doorbell_configs": c.shadow_configs(),
             "io": self.totals().to_json(),

@@ -44,8 +44,10 @@ const MIN_LOOK: Duration = Duration::from_micros(10);
 const SPIN_LOOKS: u32 = 256;
 const POLL_INTERVAL: Duration = Duration::from_micros(200);
 /// ...and how often the admin queue's worker looks: admin commands are rare once a driver is
-/// up, and each look of a worker takes the CPU from a busy I/O queue's worker for a while.
-const ADMIN_POLL_INTERVAL: Duration = Duration::from_millis(1);
+/// up, each look of a worker takes the CPU from a busy I/O queue's worker for a while (10-20
+/// µs here), and an I/O queue's worker watching the page wakes it for a new command
+/// ([`Ctrl::nudge_admin`]).
+const ADMIN_POLL_INTERVAL: Duration = Duration::from_millis(10);
 /// Commands an I/O queue keeps in flight in its io_uring at most (fewer if the queue is
 /// smaller): beyond this, fetching waits for a completion.
 pub const MAX_IN_FLIGHT: u32 = 256;
@@ -384,6 +386,9 @@ impl QueueWorker {
                 }
             }
             DoorbellMode::Mapped if last_work.elapsed() < POLL_SPIN => {
+                if id != 0 {
+                    ctrl.nudge_admin();
+                }
                 arm();
                 let mut ring = ring;
                 for _ in 0..SPIN_LOOKS {
@@ -394,6 +399,9 @@ impl QueueWorker {
                 }
             }
             DoorbellMode::Mapped => {
+                if id != 0 {
+                    ctrl.nudge_admin();
+                }
                 arm();
                 // The longer the queue has been idle, the longer the look: a client that paused
                 // (preempted, say) and comes back finds the worker looking every few
