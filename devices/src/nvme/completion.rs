@@ -11,10 +11,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-
-use smallvec::SmallVec;
 use std::sync::{Arc, Mutex};
-use umdev_pinning::sync::SpinLock;
 
 use super::ctrl::Ctrl;
 use super::queue::{completion, PostError, RingError, Sq};
@@ -23,9 +20,6 @@ use super::stats;
 use umdev_mdev::guest::GuestError;
 use umdev_mdev::request::Completion;
 use umdev_mdev::DeviceContext;
-
-/// Completions a queue's worker holds back at most during a burst: a cache line of the CQ.
-pub const HOLD: usize = 4;
 
 /// One queue's completion side: what its commands' [`Command`]s post through.
 #[derive(Debug)]
@@ -40,12 +34,6 @@ pub struct Completer {
     /// How many entries `backlog` holds, stored under its lock: with none waiting (nearly
     /// always) a completion is posted without taking it.
     backlogged: AtomicUsize,
-    /// Entries held back while the worker runs a burst of commands ([`Completer::hold`]), and
-    /// how many: posted together, so the CQ's cache line, which a polling host keeps reading,
-    /// changes hands once for up to [`HOLD`] of them rather than once each.
-    held: SpinLock<SmallVec<[Cqe; HOLD]>>,
-    held_n: AtomicUsize,
-    holding: AtomicBool,
     /// Set once the queue is deleted: nothing more is posted (see [`Completer::retire`]).
     retired: AtomicBool,
 }
@@ -70,9 +58,6 @@ impl Completer {
             generation,
             backlog: Mutex::new(VecDeque::new()),
             backlogged: AtomicUsize::new(0),
-            held: SpinLock::new(SmallVec::new()),
-            held_n: AtomicUsize::new(0),
-            holding: AtomicBool::new(false),
             retired: AtomicBool::new(false),
         })
     }
@@ -128,60 +113,11 @@ impl Completer {
         self.post(ctx, completion(&self.sq, sqe.cid(), status, dw0));
     }
 
-    /// While `on`, completions are held back (up to [`HOLD`], then posted together): the
-    /// queue's worker sets it while more commands wait behind the one it runs, and posts what
-    /// is held ([`Completer::release`]) before it waits for anything.
-    pub fn hold(&self, on: bool) {
-        self.holding.store(on, Ordering::Relaxed);
-    }
-
-    /// How many completions are held back.
-    pub fn held(&self) -> usize {
-        self.held_n.load(Ordering::Relaxed)
-    }
-
-    /// Posts what is held back, in order.
-    pub fn release(&self, ctx: &DeviceContext) {
-        if self.held() == 0 {
-            return;
-        }
-        let batch = {
-            let mut held = self.held.lock();
-            self.held_n.store(0, Ordering::Relaxed);
-            std::mem::take(&mut *held)
-        };
-        // Work of before a disable neither counts nor reaches the host (as in `post`).
-        if !self.current() {
-            return;
-        }
-        for cqe in batch {
-            self.post_now(ctx, cqe);
-        }
-    }
-
-    /// Posts `cqe`, after what is held back and what waits in the backlog.
+    /// Posts `cqe`, after what waits in the backlog.
     pub fn post(&self, ctx: &DeviceContext, cqe: Cqe) {
         if !self.current() {
             return;
         }
-        if self.holding.load(Ordering::Relaxed) && self.backlogged.load(Ordering::Acquire) == 0 {
-            let full = {
-                let mut held = self.held.lock();
-                held.push(cqe);
-                self.held_n.store(held.len(), Ordering::Relaxed);
-                held.len() >= HOLD
-            };
-            if full {
-                self.release(ctx);
-            }
-            return;
-        }
-        self.release(ctx);
-        self.post_now(ctx, cqe);
-    }
-
-    /// Posts `cqe` now, or after what waits in the backlog.
-    fn post_now(&self, ctx: &DeviceContext, cqe: Cqe) {
         if self.backlogged.load(Ordering::Acquire) == 0 {
             match self.try_post(ctx, cqe) {
                 Ok(()) | Err(None) => return,

@@ -259,7 +259,6 @@ pub struct Sq {
 impl Sq {
     /// A queue of `entries` 64-byte entries at `base`, completing on `cq`.
     pub fn new(id: u16, base: u64, entries: u32, cq: Arc<Cq>) -> Sq {
-        cq.sqs.fetch_add(1, Ordering::Relaxed);
         Sq {
             id,
             entries,
@@ -326,12 +325,6 @@ impl Sq {
     }
 }
 
-impl Drop for Sq {
-    fn drop(&mut self) {
-        self.cq.sqs.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
 /// Interrupt coalescing of an I/O completion queue (Set Features 08h and 09h, §5.21.1.8-9).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Coalescing {
@@ -392,10 +385,6 @@ pub struct Cq {
     coalescing: AtomicU32,
     /// Posted entries the host has not consumed (tail != head), for the INTx level.
     pub tail_seen: AtomicU32,
-    /// The host's head as last read (`CqState::known_head`), for [`Cq::room`].
-    head_seen: AtomicU32,
-    /// Submission queues completing here (counted by [`Sq::new`] and its drop).
-    sqs: AtomicU32,
 }
 
 /// Why a completion could not be posted.
@@ -428,8 +417,6 @@ impl Cq {
             }),
             coalescing: AtomicU32::new(0),
             tail_seen: AtomicU32::new(0),
-            head_seen: AtomicU32::new(0),
-            sqs: AtomicU32::new(0),
         }
     }
 
@@ -458,7 +445,6 @@ impl Cq {
         let next = (st.tail + 1) % self.entries;
         if next == st.known_head {
             st.known_head = head();
-            self.head_seen.store(st.known_head, Ordering::Relaxed);
             if next == st.known_head {
                 return Err(PostError::Full);
             }
@@ -472,17 +458,6 @@ impl Cq {
         }
         self.tail_seen.store(next, Ordering::Release);
         Ok(self.signal(&mut st, queued))
-    }
-
-    /// Entries that fit for certain (the host's head only moves forward, and it is read here
-    /// as last seen), if this queue completes one submission queue only; 0 for a queue that
-    /// several share (their posts would share the room).
-    pub fn room(&self) -> u32 {
-        if self.sqs.load(Ordering::Relaxed) != 1 {
-            return 0;
-        }
-        let (head, tail) = (self.head_seen.load(Ordering::Relaxed), self.tail_seen.load(Ordering::Relaxed));
-        (head + self.entries - tail - 1) % self.entries
     }
 
     /// Whether an entry fits given the host's `head`.

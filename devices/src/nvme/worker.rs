@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::cmds::{AdminCmd, NvmCmd};
-use super::completion::{Command, Completer, Drained, Outcome, Transfer, HOLD};
+use super::completion::{Command, Completer, Drained, Outcome, Transfer};
 use super::ctrl::{Ctrl, DoorbellMode, Running, Stop};
 use super::cx::CommandCx;
 use super::queue::{RingError, Sq};
@@ -206,18 +206,6 @@ impl QueueWorker {
                 waiter.sleep(|| false, None);
                 continue;
             }
-            // Held completions go before anything that may wait, and when no command is
-            // known to follow.
-            if self.completer.held() > 0
-                && (head == tail
-                    || tail >= entries
-                    || self.completer.waiting() > 0
-                    || self.aio.as_ref().is_some_and(|a| !a.ring.has_room()))
-            {
-                if let Some(ctx) = self.lane.context() {
-                    self.completer.release(&ctx);
-                }
-            }
             if self.completer.waiting() > 0 && !self.drain(&mut waiter) {
                 continue;
             }
@@ -278,18 +266,9 @@ impl QueueWorker {
                 permit.complete(Status::ABORT_REQUESTED.into());
                 continue;
             }
-            // More commands wait behind this one: its completion may wait for theirs, if the
-            // CQ has room for all that are held (a full CQ holds the SQ: nothing is fetched
-            // that could not complete).
-            let hold = id != 0 && head != tail && self.sq().cq.room() > HOLD as u32;
-            self.completer.hold(hold);
             self.execute(permit, sqe);
-            self.completer.hold(false);
             self.raise_due(false);
         };
-        if let Some(ctx) = self.lane.context() {
-            self.completer.release(&ctx);
-        }
         if let Some(mut aio) = self.aio.take() {
             // Pins go only once the host is done with the memory: what it does not finish in
             // time is waited for by another thread, which keeps the pins until then.
