@@ -94,6 +94,29 @@ fn scattered_reads_and_writes_go_through_one_pin_each() {
 }
 
 #[test]
+fn a_burst_of_commands_completes_each_once_in_the_order_they_ran() {
+    let mut d = up(Rig::new(), 1);
+    // Ten reads behind one doorbell: the worker runs them in queue order, each completion is
+    // posted once, and nothing more appears.
+    let cids: Vec<u16> = (0..10).map(|i| 0x40 + i).collect();
+    for (i, &cid) in cids.iter().enumerate() {
+        let mut sqe = Driver::<Rig>::rw_command(true, 1, i as u64 * 8, 8, DATA + 0x1000 * i as u64, 0);
+        sqe.cdw0 = (u32::from(nvm_op::READ) | u32::from(cid) << 16).into();
+        d.push(1, &sqe).unwrap();
+    }
+    d.ring(1).unwrap();
+    let mut seen = Vec::new();
+    for _ in 0..cids.len() {
+        let cqe = d.wait(1, Duration::from_secs(60)).unwrap();
+        assert_eq!(cqe.status(), Status::SUCCESS, "{cqe:?}");
+        seen.push(u16::from(cqe.cid));
+    }
+    assert_eq!(seen, cids, "each once, in the order they ran");
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(d.poll_one(1).unwrap().is_none(), "nothing posted twice");
+}
+
+#[test]
 fn chained_prp_lists_carry_the_largest_transfer() {
     let mut d = up(Rig::new(), 1);
     // 1 MiB from an unaligned start: 257 pages, 256 entries in the list.
