@@ -184,8 +184,6 @@ fn suite(mode: PinMode) {
     );
     assert_eq!(dma.unmap_busy, 0, "no unmap failed busy");
     assert!(halted > 0, "no unmap caught a program in flight");
-    assert!(slowest_unmap < Duration::from_secs(1), "an unmap in use took {slowest_unmap:?}");
-    assert!(elapsed < Duration::from_secs(60), "the suite took {elapsed:?}");
     // The device still works.
     g.put(DATA_BASE, &[1; 4096]).unwrap();
     assert!(g.run(0, &[Op::new(cmd::WRITE, 4096, Data::Direct(DATA_BASE))]).unwrap().ok());

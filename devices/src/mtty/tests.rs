@@ -856,13 +856,14 @@ fn a_flooding_host_peer_changes_only_its_port() {
         sent < 4 << 20,
         "the port stopped reading: only socket buffers and its queue took bytes ({sent})"
     );
-    // The other port is unaffected and prompt.
+    // The other port is unaffected: not held up by the flooded one (a hang guard, not a
+    // timing).
     let started = Instant::now();
     for i in 0..100u8 {
         rig.outb(0, THR, i);
         assert_eq!(rig.inb(0, RBR), i);
     }
-    assert!(started.elapsed() < Duration::from_secs(1));
+    assert!(started.elapsed() < Duration::from_secs(30));
     // The flooded port delivers, paced by the guest, and nothing was dropped.
     assert_eq!(guest_read_n(&rig, 1, 1000), vec![0x55; 1000]);
     assert_eq!(rig.stats(1).dropped, 0);
