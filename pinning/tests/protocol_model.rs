@@ -316,10 +316,21 @@ fn model(fault: Fault) {
 
 const RANDOM: usize = 2000;
 const PCT: usize = 2000;
+/// The schedules a broken protocol is tried under: fixed, so the test that expects the model
+/// to catch it does on every run (random ones missed the narrowest fault, a lost wake-up,
+/// about once in a few hundred runs).
+const SEED: u64 = 0x756d_6465_7600_0001;
 
 fn check(fault: Fault) {
-    shuttle::check_random(move || model(fault), RANDOM);
-    shuttle::check_pct(move || model(fault), PCT, 3);
+    if fault == Fault::None {
+        // The protocol itself: new random schedules every run, any failure a real one.
+        shuttle::check_random(move || model(fault), RANDOM);
+        shuttle::check_pct(move || model(fault), PCT, 3);
+        return;
+    }
+    shuttle::check_random_with_seed(move || model(fault), SEED, RANDOM);
+    let pct = shuttle::scheduler::PctScheduler::new_from_seed(SEED, 3, PCT);
+    shuttle::Runner::new(pct, shuttle::Config::default()).run(move || model(fault));
 }
 
 #[test]
