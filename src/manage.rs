@@ -201,8 +201,8 @@ fn remove_stale_sockets(run: &Path) -> Vec<PathBuf> {
 /// `umdev daemon`: serves the control socket and instances until SIGINT/SIGTERM; SIGHUP
 /// re-reads the definitions. `template` carries the limits every instance gets.
 ///
-/// Under systemd (`Type=notify`, $NOTIFY_SOCKET) it reports READY=1 once the control socket
-/// listens and every `auto` definition has been started, RELOADING=1/READY=1 around a SIGHUP,
+/// The control socket listens once every `auto` definition has been started. Under systemd
+/// (`Type=notify`, $NOTIFY_SOCKET) it then reports READY=1, RELOADING=1/READY=1 around a SIGHUP,
 /// STATUS= whenever the instances or their clients change, and STOPPING=1 before it stops
 /// its instances.
 pub fn daemon(dirs: &Dirs, template: InstanceConfig, max_instances: usize) -> Result<(), String> {
@@ -234,8 +234,11 @@ pub fn daemon(dirs: &Dirs, template: InstanceConfig, max_instances: usize) -> Re
         Manager::new(umdev::builtin_registry(), &dirs.run, Definitions::new(&dirs.state), template)
             .with_max_instances(max_instances),
     );
-    let control = ControlServer::start(manager.clone(), &dirs.control()).map_err(|e| e.to_string())?;
+    // The auto definitions start before the control socket listens: a client that finds the
+    // socket (a script, a test: without systemd there is no READY=1 to wait for) finds them
+    // running.
     report(&manager.reload());
+    let control = ControlServer::start(manager.clone(), &dirs.control()).map_err(|e| e.to_string())?;
     log::info!(
         target: STATUS,
         "daemon running (control {}, definitions {}); {} instance(s) started",
