@@ -406,25 +406,13 @@ impl PinnedPages {
                 return Ok(unsafe { VolatileSlice::new((run.host + at as usize) as *mut u8, len) });
             }
         }
-        let mut start = None;
-        let mut contiguous = true;
-        let mut next_host = 0usize;
-        self.for_each_piece(offset, len, |host, _, n| {
-            match start {
-                None => start = Some(host),
-                Some(_) => contiguous &= host == next_host,
-            }
-            next_host = host + n;
-        });
-        match start {
-            // SAFETY: (I13) [start, start + len) lies in pinned pages of mappings this guard keeps
-            // mapped (one piece, or pieces each starting where the last ended), writable if
-            // WRITE was asked for (checked above), while the slice, which borrows the guard,
-            // lives.
-            Some(host) if contiguous => Ok(unsafe { VolatileSlice::new(host as *mut u8, len) }),
+        // Across runs: one slice if they are next to each other in host memory, which
+        // `io_slices` merges.
+        match self.io_slices(offset, len, prot)?.as_slice() {
             // An empty range: an empty slice at no particular place.
-            None => Ok(VolatileSlice::from(&mut [][..])),
-            Some(_) => Err(AccessError::NotContiguous { offset, len: len as u64 }),
+            [] => Ok(VolatileSlice::from(&mut [][..])),
+            [one] => Ok(*one),
+            _ => Err(AccessError::NotContiguous { offset, len: len as u64 }),
         }
     }
 
