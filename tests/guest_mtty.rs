@@ -184,12 +184,16 @@ fn host_backends_reach_a_shell_and_carry_64_kib_both_ways() {
 set -- $ports
 sock=$1 pty=$2
 setsid sh -c "exec sh -i </dev/$pty >/dev/$pty 2>&1" &
+shell=$!
 echo "SHELL-ON $pty"
-n=0; while [ ! -e /tmp/shell-done ] && [ $n -lt 600 ]; do sleep 0.1; n=$((n+1)); done
+# The shell leads a session whose controlling terminal is the port, so its exit hangs the
+# port up (tty_vhangup_session), and a descriptor opened before that is dead. Open the port
+# only once the shell is gone, not when its last command has merely run.
+wait $shell
 [ -e /tmp/shell-done ] || {{ echo "no shell-done"; exit 1; }}
 exec 3<>/dev/$pty
 stty raw -echo <&3
-printf ECHO-MARK >&3
+printf ECHO-MARK >&3 || {{ echo "ECHO-MARK not written"; exit 1; }}
 echo "ECHO-READY $pty"
 timeout 120 head -c 65536 <&3 > /tmp/rx
 echo "ECHO-RECEIVED $(wc -c < /tmp/rx)"
@@ -229,7 +233,9 @@ grep 16550A /proc/tty/driver/serial | sed 's/^/SERIAL /'
         assert!(started.elapsed() < Duration::from_secs(60), "no answer from the guest shell: {text:?}");
     };
     assert!(answer.contains("42"), "{answer:?}");
-    write_all_nonblocking(&mut host_tty, b"touch /tmp/shell-done; exit\n", Duration::from_secs(5));
+    // The pause between the mark and the exit holds open the window in which a script that
+    // took the mark for the shell's end would open a port about to be hung up.
+    write_all_nonblocking(&mut host_tty, b"touch /tmp/shell-done; sleep 1; exit\n", Duration::from_secs(5));
 
     // 64 KiB host -> guest, then the guest sends it back: both directions intact.
     g.wait_for("ECHO-READY", Duration::from_secs(60));
