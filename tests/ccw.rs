@@ -416,7 +416,7 @@ fn truncating_under_the_device(mode: PinMode) {
         g.sc_write(0, regs::DOORBELL, regs::DOORBELL_START).unwrap();
     };
     let finish = |g: &mut CcwGuest| -> u32 {
-        assert!(wait_eventfd(&g.irqs[0], Duration::from_secs(10)), "no interrupt");
+        assert!(wait_eventfd(&g.irqs[0], Duration::from_secs(60)), "no interrupt");
         let _ = g.irqs[0].read();
         assert_eq!(g.sc_read(0, regs::STATE).unwrap(), regs::STATE_PENDING);
         let reason = g.sc_read(0, regs::REASON).unwrap();

@@ -36,7 +36,7 @@ fn run_serves_until_sigterm_then_removes_its_socket() {
             nix::sys::signal::Signal::try_from(signal).unwrap(),
         )
         .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let deadline = Instant::now() + Duration::from_secs(60);
         let status = loop {
             if let Some(s) = child.try_wait().unwrap() {
                 break s;

@@ -24,7 +24,7 @@ fn write32(c: &mut Client, region: u32, offset: u64, v: u32) {
 }
 
 fn wait_dma(c: &mut Client) -> u32 {
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let s = read32(c, BAR0, DMA_STATUS);
         if s != STATUS_BUSY {

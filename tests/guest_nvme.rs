@@ -116,7 +116,7 @@ umount /mnt/d
         modules: modules.clone(),
         script: &script,
         qemu_args: qemu_args.clone(),
-        timeout: Duration::from_secs(150),
+        timeout: Duration::from_secs(300),
         ..Default::default()
     });
     let stats = stop(daemon);
@@ -160,7 +160,7 @@ cd /mnt/d && sha256sum -c SUMS | sed 's/^/KEPT /'
         modules,
         script,
         qemu_args,
-        timeout: Duration::from_secs(120),
+        timeout: Duration::from_secs(300),
         ..Default::default()
     });
     stop(daemon);
@@ -190,7 +190,7 @@ grep nvme /proc/interrupts | sed 's/^/INT /'
         modules: vec!["nvme"],
         script: &script,
         append: "pci=nomsi",
-        timeout: Duration::from_secs(120),
+        timeout: Duration::from_secs(300),
         ..Default::default()
     });
     let stats = stop(daemon);
@@ -225,7 +225,7 @@ fn with_the_doorbell_page_mapped_the_guest_rings_without_messages() {
         sockets: vec![&socket],
         modules: vec!["nvme"],
         script: &script,
-        timeout: Duration::from_secs(120),
+        timeout: Duration::from_secs(300),
         ..Default::default()
     });
     let stats = stop(daemon);
@@ -317,7 +317,7 @@ fn thirty_two_direct_writers_and_readers_on_two_queues_read_back_what_they_wrote
         script: &script,
         qemu_args: vec!["-smp", "2"],
         mem_mib: 512,
-        timeout: Duration::from_secs(240),
+        timeout: Duration::from_secs(600),
         ..Default::default()
     });
     let stats = stop(daemon);
@@ -386,7 +386,7 @@ fn fio_verify_at_queue_depth_32_on_both_queues_reads_back_what_it_wrote() {
         qemu_args: vec!["-smp", "2"],
         files: vec![&fio],
         mem_mib: 512,
-        timeout: Duration::from_secs(240),
+        timeout: Duration::from_secs(600),
         ..Default::default()
     });
     let stats = stop(daemon);
@@ -438,7 +438,7 @@ cmp -s /tmp/r /tmp/big && echo BIG-OK || echo BIG-BAD
         sockets: vec![&socket],
         modules: vec!["nvme"],
         script: &script,
-        timeout: Duration::from_secs(120),
+        timeout: Duration::from_secs(300),
         ..Default::default()
     });
     let stats = stop(daemon);

@@ -39,7 +39,7 @@ impl Env {
                 .unwrap(),
         );
         let control = self.run.join("control.sock");
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let deadline = Instant::now() + Duration::from_secs(60);
         while std::os::unix::net::UnixStream::connect(&control).is_err() {
             assert!(Instant::now() < deadline, "the daemon never came up");
             std::thread::sleep(Duration::from_millis(5));

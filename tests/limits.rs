@@ -102,7 +102,7 @@ fn each_limit_has_a_flag_and_a_clear_error() {
             .unwrap(),
     );
     let umdev = |args: &[&str]| umdev().arg("--run-dir").arg(&run_dir).args(args).output().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(60);
     while !umdev(&["list"]).status.success() {
         assert!(Instant::now() < deadline);
         std::thread::sleep(Duration::from_millis(10));

@@ -34,7 +34,7 @@ fn run(q: &mut Qtest, ops: &[Op]) -> Status {
     q.writel(sc(regs::STATUS_HI), 0);
     q.irq_events.clear();
     q.writel(sc(regs::DOORBELL), regs::DOORBELL_START);
-    assert!(q.wait_irq_raise(Duration::from_secs(10)).is_some(), "no interrupt; QEMU said:\n{}", q.stderr());
+    assert!(q.wait_irq_raise(Duration::from_secs(60)).is_some(), "no interrupt; QEMU said:\n{}", q.stderr());
     assert_eq!(q.readl(sc(regs::STATE)), regs::STATE_PENDING);
     assert_eq!(q.readl(BAR0 + regs::IRQ_STATUS), 1);
     q.writel(sc(regs::ACK), 1);
@@ -99,7 +99,7 @@ fn qemu_guest_runs_channel_programs() {
     q.writel(sc(regs::CPA_LO), PROGRAM as u32);
     q.irq_events.clear();
     q.writel(sc(regs::DOORBELL), regs::DOORBELL_START);
-    assert!(q.wait_irq_raise(Duration::from_secs(10)).is_some());
+    assert!(q.wait_irq_raise(Duration::from_secs(60)).is_some());
     assert_eq!(q.readl(sc(regs::REASON)), Reason::TicLoop as u32);
     assert_eq!(q.readl(sc(regs::DSTAT_CSTAT)) >> 8, u32::from(cstat::PROGRAM_CHECK));
     q.writel(sc(regs::ACK), 1);

@@ -69,7 +69,7 @@ fn qemu_realizes_mtty_and_loops_bytes_back() {
     for &b in b"QEMU" {
         q.outb(reg(PORT0, THR), b);
     }
-    let irq = q.wait_irq_raise(Duration::from_secs(5));
+    let irq = q.wait_irq_raise(Duration::from_secs(60));
     assert!(irq.is_some(), "no INTx seen; QEMU said:\n{}", q.stderr());
     assert_eq!(q.inb(reg(PORT0, LSR)), LSR_DR | LSR_THRE | LSR_TEMT);
     assert_eq!(q.inb(reg(PORT0, IIR)), IIR_FIFO_ENABLED | IIR_RDI);
@@ -85,7 +85,7 @@ fn qemu_realizes_mtty_and_loops_bytes_back() {
     program(&mut q, PORT1, IER_RDI);
     q.irq_events.clear();
     q.outb(reg(PORT1, THR), b'z');
-    let irq = q.wait_irq_raise(Duration::from_secs(5));
+    let irq = q.wait_irq_raise(Duration::from_secs(60));
     assert!(irq.is_some(), "no second INTx; QEMU said:\n{}", q.stderr());
     assert_eq!(q.inb(reg(PORT0, LSR)) & LSR_DR, 0, "port 0 received nothing");
     assert_eq!(q.inb(reg(PORT1, IIR)), IIR_FIFO_ENABLED | IIR_RDI);

@@ -141,7 +141,7 @@ fn reconnect_child() {
 /// Waits until `pid` is back to `fds` fds, no more guest-memory mappings than idle and no
 /// growth in mappings beyond the thread-stack cache.
 fn back_to_idle(pid: u32, fds: usize, (maps, memfd_maps): (usize, usize), ty: &str) {
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let (f, (m, g)) = (fd_count(pid), map_count(pid));
         if f == fds && g == memfd_maps && m <= maps + THREAD_STACK_CACHE {

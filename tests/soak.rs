@@ -23,7 +23,7 @@ fn maps_count(pid: u32) -> usize {
 }
 
 fn connect(socket: &Path) -> CcwGuest {
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         match CcwGuest::connect(socket) {
             Ok(g) => return g,

@@ -69,7 +69,7 @@ fn spdks_initiator_attaches_to_the_default_configuration_does_io_and_detaches_cl
             .spawn()
             .unwrap(),
     );
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(60);
     while RawClient::connect(&socket).is_err() {
         assert!(Instant::now() < deadline, "umdev run never listened");
         std::thread::sleep(Duration::from_millis(5));

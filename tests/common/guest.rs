@@ -73,7 +73,7 @@ impl Default for GuestSpec<'_> {
             modules: Vec::new(),
             script: "",
             mem_mib: 256,
-            timeout: Duration::from_secs(90),
+            timeout: Duration::from_secs(300),
             append: "",
             qemu_args: Vec::new(),
             files: Vec::new(),

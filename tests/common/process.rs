@@ -48,7 +48,7 @@ pub fn run(socket: &Path, args: &[&str]) -> ChildGuard {
 pub fn run_with_stderr(socket: &Path, args: &[&str], stderr: Stdio) -> ChildGuard {
     let child =
         ChildGuard(umdev().arg("run").arg("--socket").arg(socket).args(args).stderr(stderr).spawn().unwrap());
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(60);
     while RawClient::connect(socket).is_err() {
         assert!(Instant::now() < deadline, "umdev run never listened");
         std::thread::sleep(Duration::from_millis(5));

@@ -44,8 +44,11 @@ impl Qtest {
     /// Starts QEMU (q35, `mem` MiB of memfd RAM shared with the device) connected to `socket`.
     pub fn start(qemu: &Path, socket: &Path, mem_mib: u32, workdir: &Path) -> io::Result<Qtest> {
         let stderr_path = workdir.join("qemu.stderr");
+        // QEMU fails a message whose reply takes over `x-msg-timeout` (5 s by default), and
+        // the guest then reads all-ones: on a busy machine that is a slow test, not a broken
+        // server, so the bound is a hang guard's.
         let dev = format!(
-            r#"{{"driver":"vfio-user-pci","addr":"04.0","socket":{{"type":"unix","path":"{}"}}}}"#,
+            r#"{{"driver":"vfio-user-pci","addr":"04.0","x-msg-timeout":120000,"socket":{{"type":"unix","path":"{}"}}}}"#,
             socket.display()
         );
         let mut child = Command::new(qemu)
@@ -93,7 +96,8 @@ impl Qtest {
     pub fn cmd(&mut self, c: &str) -> String {
         writeln!(self.stdin, "{c}").expect("QEMU stdin");
         self.stdin.flush().expect("QEMU stdin");
-        let deadline = Instant::now() + Duration::from_secs(15);
+        // A hang guard: the first command also waits for QEMU's start and its connection.
+        let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.lines.recv_timeout(left) {

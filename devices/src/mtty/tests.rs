@@ -569,7 +569,7 @@ fn character_timeout_delivers_bytes_below_the_trigger() {
     for &b in b"abc" {
         rig.outb(0, THR, b);
     }
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + ARRIVES;
     while take(&intx) == 0 {
         assert!(Instant::now() < deadline, "no character timeout interrupt");
         std::thread::sleep(Duration::from_millis(1));
@@ -683,9 +683,12 @@ fn ports_come_from_one_pool_across_both_types() {
     assert_eq!(avail(), (24, 12), "a refused create reserves nothing");
 }
 
-/// Reads from `r` until `n` bytes came or 5 s passed.
-fn read_n(r: &mut impl std::io::Read, n: usize) -> Vec<u8> {
-    let deadline = Instant::now() + Duration::from_secs(5);
+/// A hang guard for bytes that are on their way: a busy machine makes them late, not lost.
+const ARRIVES: Duration = Duration::from_secs(60);
+
+/// Reads from `r` until `n` bytes came or `within` passed.
+fn read_n(r: &mut impl std::io::Read, n: usize, within: Duration) -> Vec<u8> {
+    let deadline = Instant::now() + within;
     let mut got = Vec::new();
     let mut buf = [0u8; 4096];
     while got.len() < n && Instant::now() < deadline {
@@ -699,9 +702,9 @@ fn read_n(r: &mut impl std::io::Read, n: usize) -> Vec<u8> {
     got
 }
 
-/// Reads what the guest receives on `port` until `n` bytes came or 5 s passed.
-fn guest_read_n(rig: &Rig, port: u32, n: usize) -> Vec<u8> {
-    let deadline = Instant::now() + Duration::from_secs(5);
+/// Reads what the guest receives on `port` until `n` bytes came or `within` passed.
+fn guest_read_n(rig: &Rig, port: u32, n: usize, within: Duration) -> Vec<u8> {
+    let deadline = Instant::now() + within;
     let mut got = Vec::new();
     while got.len() < n && Instant::now() < deadline {
         if rig.inb(port, LSR) & LSR_DR != 0 {
@@ -738,24 +741,24 @@ fn a_socket_backend_serves_one_host_client_and_keeps_what_is_queued() {
     }
     let mut host = UnixStream::connect(&path).unwrap();
     host.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
-    assert_eq!(read_n(&mut host, 5), b"early");
+    assert_eq!(read_n(&mut host, 5, ARRIVES), b"early");
     // One host client at a time.
     let mut second = UnixStream::connect(&path).unwrap();
-    second.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    second.set_read_timeout(Some(ARRIVES)).unwrap();
     assert_eq!(std::io::Read::read(&mut second, &mut [0u8; 1]).unwrap(), 0, "a second client is closed");
     // Host to guest, then the host leaves with bytes still queued: the guest gets them all.
     let data: Vec<u8> = (0..=255u8).cycle().take(3000).collect();
     host.write_all(&data).unwrap();
     drop(host);
-    assert_eq!(guest_read_n(&rig, 1, data.len()), data, "nothing lost when the host went");
+    assert_eq!(guest_read_n(&rig, 1, data.len(), ARRIVES), data, "nothing lost when the host went");
     assert_eq!(rig.stats(1).dropped, 0);
     // A new client is served; what the guest sends reaches it.
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + ARRIVES;
     let mut host = loop {
         let mut c = UnixStream::connect(&path).unwrap();
         c.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
         rig.outb(1, THR, b'!');
-        if read_n(&mut c, 1) == b"!" {
+        if read_n(&mut c, 1, Duration::from_secs(1)) == b"!" {
             break c;
         }
         assert!(Instant::now() < deadline, "the host client after a departed one is not served");
@@ -773,7 +776,7 @@ fn a_socket_backend_serves_one_host_client_and_keeps_what_is_queued() {
     let deadline = Instant::now() + Duration::from_secs(60);
     while !got.ends_with(b"bye") {
         assert!(Instant::now() < deadline, "no \"bye\" after {got:?}");
-        got.extend(read_n(&mut host, 1));
+        got.extend(read_n(&mut host, 1, ARRIVES));
     }
     assert!(got[..got.len() - 3].iter().all(|&b| b == b'!'), "only earlier probes are queued: {got:?}");
     drop(rig);
@@ -797,9 +800,9 @@ fn a_pty_backend_is_a_host_terminal() {
     for &b in b"ping\n" {
         rig.outb(0, THR, b);
     }
-    assert_eq!(read_n(&mut tty, 5), b"ping\n", "raw: bytes cross unchanged");
+    assert_eq!(read_n(&mut tty, 5, ARRIVES), b"ping\n", "raw: bytes cross unchanged");
     tty.write_all(b"pong\r\n").unwrap();
-    assert_eq!(guest_read_n(&rig, 0, 6), b"pong\r\n");
+    assert_eq!(guest_read_n(&rig, 0, 6, ARRIVES), b"pong\r\n");
     // 64 KiB host to guest through the terminal, paced by the guest (the guest-to-host
     // direction in volume is covered by tests/guest_mtty.rs).
     let data: Vec<u8> = (0..65536u32).map(|i| (i * 7 + i / 256) as u8).collect();
@@ -820,9 +823,9 @@ fn a_pty_backend_is_a_host_terminal() {
         })
     };
     let mut got = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + Duration::from_secs(120);
     while got.len() < data.len() && Instant::now() < deadline {
-        got.extend(guest_read_n(&rig, 0, data.len() - got.len()));
+        got.extend(guest_read_n(&rig, 0, data.len() - got.len(), ARRIVES));
     }
     writer.join().unwrap();
     assert!(got == data, "host to guest: {} of {} bytes intact", got.len(), data.len());
@@ -865,7 +868,7 @@ fn a_flooding_host_peer_changes_only_its_port() {
     }
     assert!(started.elapsed() < Duration::from_secs(30));
     // The flooded port delivers, paced by the guest, and nothing was dropped.
-    assert_eq!(guest_read_n(&rig, 1, 1000), vec![0x55; 1000]);
+    assert_eq!(guest_read_n(&rig, 1, 1000, ARRIVES), vec![0x55; 1000]);
     assert_eq!(rig.stats(1).dropped, 0);
     // The peer closes in the middle of it all: everything it managed to send still reaches
     // the guest, whole; then the port serves the next peer.
@@ -873,7 +876,8 @@ fn a_flooding_host_peer_changes_only_its_port() {
     let mut received = 1000usize;
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let got = guest_read_n(&rig, 1, 4096);
+        // Short: an empty read (with the peer gone) is how the drain is seen to end.
+        let got = guest_read_n(&rig, 1, 4096, Duration::from_secs(5));
         assert!(got.iter().all(|&b| b == 0x55));
         received += got.len();
         if got.is_empty() && rig.dev.describe()["ports"][1]["host_connected"] == false {
@@ -886,7 +890,7 @@ fn a_flooding_host_peer_changes_only_its_port() {
     let mut next = UnixStream::connect(&path).unwrap();
     next.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
     rig.outb(1, THR, b'?');
-    assert_eq!(read_n(&mut next, 1), b"?");
+    assert_eq!(read_n(&mut next, 1, ARRIVES), b"?");
 }
 
 #[test]
@@ -902,11 +906,11 @@ fn a_host_peer_that_half_closes_gets_its_answer_and_loses_nothing() {
     peer.write_all(&request).unwrap();
     // As `nc -N` or `socat` do at the end of their input: shut down writing, keep reading.
     peer.shutdown(std::net::Shutdown::Write).unwrap();
-    assert!(guest_read_n(&rig, 0, request.len()) == request, "the whole request");
+    assert!(guest_read_n(&rig, 0, request.len(), ARRIVES) == request, "the whole request");
     for &b in b"answer" {
         rig.outb(0, THR, b);
     }
-    peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    peer.set_read_timeout(Some(ARRIVES)).unwrap();
     let mut answer = [0u8; 6];
     peer.read_exact(&mut answer).unwrap();
     assert_eq!(&answer, b"answer", "a half-closed peer still gets the guest's output");
@@ -918,7 +922,8 @@ fn a_host_peer_that_half_closes_gets_its_answer_and_loses_nothing() {
     std::thread::sleep(Duration::from_millis(100));
     let mut next = UnixStream::connect(&path).unwrap();
     next.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
-    let got = read_n(&mut next, 5);
+    // Short: nothing at all is an accepted outcome.
+    let got = read_n(&mut next, 5, Duration::from_secs(5));
     assert!(got == b"later" || got.is_empty() || b"later".ends_with(&got), "{got:?}");
 }
 
