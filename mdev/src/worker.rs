@@ -14,14 +14,6 @@
 //! of the process polls at a time (the turns are shared by every device), and a turn is given
 //! back before sleeping. A ring while the worker polls costs the ringer no syscall.
 //!
-//! The watch adapts to how soon work comes back, as KVM's halt polling does. When a watch
-//! ends empty and the work then comes while the worker sleeps, but within
-//! [`POLL_GROW_LIMIT`] times the configured budget, a longer watch would have spared the
-//! wake-up: the next watch is twice as long, up to that limit. When it comes later than the
-//! limit, a watch could not have caught it: the next is half as long, down to the budget.
-//! So a client slower than the budget (a guest under TCG on a busy machine) is still caught,
-//! and a worker whose client has gone quiet goes back to the configured watch.
-//!
 //! **Sleeping in the kernel.** A worker that also waits for events the kernel delivers to it
 //! (an io_uring's completions) sleeps where those arrive instead of in the thread's park:
 //! [`Waiter::wait_in`] with a [`KernelSleep`]. A ring then writes the bell's eventfd
@@ -53,23 +45,6 @@ impl Poll {
 /// and the interrupt with it. A client that answers within this time finds the worker still
 /// spinning, at no syscall's cost.
 const POLL_SPIN_ONLY: Duration = Duration::from_micros(2);
-
-/// How far a watch may grow, in configured budgets (see the module's doc).
-pub const POLL_GROW_LIMIT: u32 = 4;
-
-/// The next watch, after one of `watch` that ended empty and was followed by work `waited`
-/// after it began (`None`: no work, a timeout or a stop, which says nothing of the client):
-/// doubled while a longer watch would have caught the work, halved once none could, and
-/// always between `budget` and [`POLL_GROW_LIMIT`] times it.
-fn next_watch(watch: Duration, budget: Duration, waited: Option<Duration>) -> Duration {
-    let limit = budget.saturating_mul(POLL_GROW_LIMIT);
-    let next = match waited {
-        Some(w) if w <= limit => watch.saturating_mul(2),
-        Some(_) => watch / 2,
-        None => watch,
-    };
-    next.clamp(budget, limit)
-}
 
 /// Workers polling now, across the process.
 static POLLERS: AtomicUsize = AtomicUsize::new(0);
@@ -226,10 +201,7 @@ impl<S: Copy> Control<S> {
 pub struct Waiter<S> {
     bell: Bell,
     control: Arc<Control<S>>,
-    /// The configured budget.
     poll: Poll,
-    /// How long the next watch lasts: the budget, adapted (see the module's doc).
-    watch: Duration,
     /// The bell's rings as this waiter last returned.
     seen: u32,
     /// In [`Waiter::linger`]: a stop does not end the wait.
@@ -245,12 +217,6 @@ impl<S: Copy> Waiter<S> {
     /// The worker's bell (to hand to whoever rings it).
     pub fn bell(&self) -> Bell {
         self.bell.clone()
-    }
-
-    /// How long the next watch lasts: the [`Poll`] budget, as it has adapted to the client
-    /// (see the module's doc). Zero without a budget.
-    pub fn watch(&self) -> Duration {
-        self.watch
     }
 
     /// Waits until rung since the last return, `ready` holds, the device stops the worker,
@@ -343,8 +309,8 @@ impl<S: Copy> Waiter<S> {
         self.wait_on(&mut ready, arm, timeout, poll, &mut park, PARKED)
     }
 
-    /// Looks, polls (with a turn free; for the adapted watch if `poll` is a budget), arms,
-    /// then announces itself sleeping as `how` and sleeps in `sleep` (after one more look).
+    /// Looks, polls for up to `poll`'s budget (with a turn free), arms, then announces itself
+    /// sleeping as `how` and sleeps in `sleep` (after one more look).
     fn wait_on(
         &mut self,
         ready: &mut dyn FnMut() -> bool,
@@ -358,15 +324,12 @@ impl<S: Copy> Waiter<S> {
         if let Some(wake) = self.look(ready) {
             return wake;
         }
-        let watch = if poll.0.is_zero() { Duration::ZERO } else { self.watch };
         let budget = match timeout {
-            Some(t) => watch.min(t),
-            None => watch,
+            Some(t) => poll.0.min(t),
+            None => poll.0,
         };
-        let mut watched = false;
         if !budget.is_zero() {
             if let Some(_turn) = PollTurn::take() {
-                watched = true;
                 loop {
                     let spun = start.elapsed();
                     if spun >= budget {
@@ -397,12 +360,7 @@ impl<S: Copy> Waiter<S> {
             sleep(left);
         }
         self.bell.0.sleeping.store(AWAKE, Ordering::SeqCst);
-        let wake = wake.or_else(|| self.look(ready)).unwrap_or(Wake::Timeout);
-        if watched {
-            let waited = matches!(wake, Wake::Work).then(|| start.elapsed());
-            self.watch = next_watch(self.watch, self.poll.0, waited);
-        }
-        wake
+        wake.or_else(|| self.look(ready)).unwrap_or(Wake::Timeout)
     }
 
     /// A stop, a ring since the last return, or `ready`.
@@ -459,14 +417,7 @@ impl<S: Copy + Send + 'static> Worker<S> {
             ended: Condvar::new(),
         });
         let seen = bell.0.rings.load(Ordering::SeqCst);
-        let waiter = Waiter {
-            bell: bell.clone(),
-            control: control.clone(),
-            poll,
-            watch: poll.0,
-            seen,
-            lingering: false,
-        };
+        let waiter = Waiter { bell: bell.clone(), control: control.clone(), poll, seen, lingering: false };
         let thread = std::thread::Builder::new().name(name.clone()).spawn(move || {
             let _ended = Ended(waiter.control.clone());
             body(waiter);
@@ -578,64 +529,6 @@ mod tests {
         })
         .unwrap();
         (worker, rx)
-    }
-
-    #[test]
-    fn a_watch_grows_while_work_comes_just_after_it_and_shrinks_once_none_could_catch_it() {
-        let us = Duration::from_micros;
-        let budget = us(200);
-        // Work 300 us after a 200 us watch began: doubled, and again, up to 4 budgets.
-        assert_eq!(next_watch(budget, budget, Some(us(300))), us(400));
-        assert_eq!(next_watch(us(400), budget, Some(us(500))), us(800));
-        assert_eq!(next_watch(us(800), budget, Some(us(800))), us(800));
-        // A timeout or a stop says nothing of the client.
-        assert_eq!(next_watch(us(400), budget, None), us(400));
-        // Work later than any watch could wait for: halved, down to the budget.
-        assert_eq!(next_watch(us(800), budget, Some(us(801))), us(400));
-        assert_eq!(next_watch(us(400), budget, Some(Duration::from_secs(1))), us(200));
-        assert_eq!(next_watch(budget, budget, Some(Duration::from_secs(1))), us(200));
-        // No budget, no watch.
-        assert_eq!(next_watch(Duration::ZERO, Duration::ZERO, Some(us(1))), Duration::ZERO);
-    }
-
-    #[test]
-    fn a_waiter_that_sleeps_after_its_watch_and_is_rung_soon_after_watches_longer() {
-        // Rung only once the waiter sleeps: its watch ended empty. Whether the ring came
-        // within the limit depends on the machine's speed, so only the direction is checked:
-        // the watch never leaves [budget, 4 budgets], and it grows, if at all, when the ring
-        // was soon. `next_watch`'s own test pins the rule.
-        let budget = Duration::from_millis(50);
-        let (tx, rx) = std::sync::mpsc::channel();
-        let bell = Bell::new();
-        let worker = Worker::spawn_on(&bell, "umdev-test-watch", Poll(budget), move |mut w: Waiter<Why>| {
-            let mut started = Instant::now();
-            loop {
-                let before = w.watch();
-                match w.wait(|| false, None) {
-                    Wake::Work => {
-                        let _ = tx.send((before, w.watch(), started.elapsed()));
-                        started = Instant::now();
-                    }
-                    Wake::Timeout => {}
-                    Wake::Stop(_) => return,
-                }
-            }
-        })
-        .unwrap();
-        for _ in 0..3 {
-            while bell.0.sleeping.load(Ordering::SeqCst) != PARKED {
-                std::thread::yield_now();
-            }
-            worker.wake();
-            let (before, after, waited) = rx.recv().unwrap();
-            assert!(after >= budget && after <= budget * POLL_GROW_LIMIT, "{after:?}");
-            // Unchanged if another test held the process's polling turn: then it did not watch.
-            if waited <= budget * POLL_GROW_LIMIT && after != before {
-                assert_eq!(after, (before * 2).min(budget * POLL_GROW_LIMIT), "rung {waited:?} in");
-            }
-        }
-        worker.stop(Why::Delete);
-        worker.join(Duration::from_secs(60)).unwrap();
     }
 
     #[test]

@@ -371,7 +371,7 @@ impl QueueWorker {
             // it polls, a host with shadow doorbells is not asked to ring: it writes the
             // shadow only, which the poll sees, and spares itself the message.
             DoorbellMode::Message => {
-                let poll = lone && last_work.elapsed() < waiter.watch();
+                let poll = lone && last_work.elapsed() < ctrl.config().poll;
                 match (ring, poll) {
                     (Some(ring), poll) => {
                         let _ = waiter.wait_in_armed(rung, arm, deadline, poll, ring);
