@@ -36,6 +36,9 @@ pub struct Completer {
     backlogged: AtomicUsize,
     /// Set once the queue is deleted: nothing more is posted (see [`Completer::retire`]).
     retired: AtomicBool,
+    /// Set while the worker posts a batch of completions it found together (see
+    /// [`Completer::batch`]). Only the worker writes it.
+    batching: AtomicBool,
 }
 
 /// What happened to the backlog when the worker tried to post it.
@@ -59,6 +62,7 @@ impl Completer {
             backlog: Mutex::new(VecDeque::new()),
             backlogged: AtomicUsize::new(0),
             retired: AtomicBool::new(false),
+            batching: AtomicBool::new(false),
         })
     }
 
@@ -129,6 +133,19 @@ impl Completer {
         self.backlogged.store(backlog.len(), Ordering::Release);
     }
 
+    /// Runs `post_all`, which posts completions the worker found together (the transfers one
+    /// look at its io_uring found finished): their interrupt is held as if more commands
+    /// waited (up to the CQ's batch, see [`super::queue::Cq::post`]), and the worker raises
+    /// what is held when `post_all` returns ([`super::queue::Cq::due`]), so the batch costs
+    /// one interrupt rather than one per entry.
+    pub fn batch<R>(&self, post_all: impl FnOnce() -> R) -> R {
+        // Relaxed: only this thread reads it (in `try_post`, within `post_all`).
+        self.batching.store(true, Ordering::Relaxed);
+        let r = post_all();
+        self.batching.store(false, Ordering::Relaxed);
+        r
+    }
+
     /// Posts what waits, in order, as far as it can.
     pub fn drain(&self, ctx: &DeviceContext) -> Drained {
         let mut backlog = umdev_mdev::sync::lock(&self.backlog);
@@ -174,7 +191,13 @@ impl Completer {
             self.sq.head.load(std::sync::atomic::Ordering::Acquire),
         );
         let entries = self.sq.entries;
-        let queued = if tail < entries { (tail + entries - head) % entries } else { 0 };
+        let queued = if self.batching.load(Ordering::Relaxed) {
+            u32::MAX
+        } else if tail < entries {
+            (tail + entries - head) % entries
+        } else {
+            0
+        };
         match self.ctrl.post(ctx, &self.sq.cq, cqe, queued) {
             Ok(()) => Ok(()),
             Err(PostError::Full) => Err(Some(Drained::Full)),
