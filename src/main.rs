@@ -390,6 +390,12 @@ enum Command {
         /// OVERWRITTEN).
         #[arg(long)]
         file: Option<PathBuf>,
+        /// Write I/O queue doorbells as Linux's driver does when the controller offers Doorbell
+        /// Buffer Config: into a shadow page, and as a message only when the controller's event
+        /// index asks for one (default: every doorbell a message, as QEMU relays a driver
+        /// without them).
+        #[arg(long, conflicts_with = "fixed_buffers")]
+        shadow_doorbells: bool,
     },
     /// Print a shell completion script (install it where your shell looks, see the README).
     Completions {
@@ -534,8 +540,8 @@ fn dispatch(command: Command, dirs: &manage::Dirs) -> output::Out {
             }
         }
         #[cfg(feature = "bench")]
-        Command::Nvmebench { json, quick, only, opts, file, .. } => {
-            let r = nvmebench::run(quick, only.as_deref(), &opts, file.as_deref())?;
+        Command::Nvmebench { json, quick, only, opts, file, shadow_doorbells, .. } => {
+            let r = nvmebench::run(quick, only.as_deref(), &opts, file.as_deref(), shadow_doorbells)?;
             if json {
                 out!("{}", serde_json::to_string(&r).map_err(|e| e.to_string())?)
             } else {

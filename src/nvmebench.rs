@@ -60,6 +60,9 @@ pub struct Row {
     pub latency_p99_us: f64,
     /// The server process's CPU time (user + system) per I/O.
     pub server_cpu_us_per_io: f64,
+    /// Doorbell register writes (vfio-user messages) per I/O: with `--shadow-doorbells`, those
+    /// the controller's event indexes asked for.
+    pub doorbell_messages_per_io: f64,
     /// 128 KiB rows: the median over rounds of this round's GB/s over a memcpy of 128 KiB
     /// blocks streamed over the namespace's size measured right before it (the rounds
     /// alternate the two). The row's other figures are medians over the same rounds.
@@ -86,6 +89,8 @@ pub struct Floors {
 pub struct Report {
     /// What namespace 1 was (`ram:256M`, or the file's `--opt`s).
     pub namespace: String,
+    /// I/O queue doorbells went through shadow doorbells (`--shadow-doorbells`).
+    pub shadow_doorbells: bool,
     /// The floors.
     pub floors: Floors,
     /// The workloads.
@@ -283,6 +288,7 @@ fn workload(
         d.ring(q)?;
     }
     let cpu0 = server.cpu();
+    let rung0 = d.doorbells.written;
     let start = Instant::now();
     let mut done = 0u64;
     let mut draining = false;
@@ -337,6 +343,7 @@ fn workload(
         latency_p50_us: pct(0.5),
         latency_p99_us: pct(0.99),
         server_cpu_us_per_io: cpu.as_secs_f64() * 1e6 / done.max(1) as f64,
+        doorbell_messages_per_io: (d.doorbells.written - rung0) as f64 / done.max(1) as f64,
         vs_memcpy: None,
     })
 }
@@ -373,6 +380,7 @@ fn big_workload(
         latency_p50_us: mid(|r| r.latency_p50_us),
         latency_p99_us: mid(|r| r.latency_p99_us),
         server_cpu_us_per_io: mid(|r| r.server_cpu_us_per_io),
+        doorbell_messages_per_io: mid(|r| r.doorbell_messages_per_io),
         vs_memcpy: Some(median(&mut ratios)),
     })
 }
@@ -508,7 +516,13 @@ fn workloads() -> Vec<(Kind, bool, u16, usize)> {
 
 /// Runs the benchmark: the workloads whose name starts with `only` (refused if none does), on
 /// a RAM namespace or, with `file`, on that file (`cache1=none` unless `opts` set `cache1`).
-pub fn run(quick: bool, only: Option<&str>, opts: &[String], file: Option<&Path>) -> Result<Report, String> {
+pub fn run(
+    quick: bool,
+    only: Option<&str>,
+    opts: &[String],
+    file: Option<&Path>,
+    shadow_doorbells: bool,
+) -> Result<Report, String> {
     let chosen: Vec<(Kind, bool, u16, usize)> = workloads()
         .into_iter()
         .filter(|(kind, big, _, _)| only.is_none_or(|o| kind.name(size(*big)).starts_with(o)))
@@ -525,7 +539,10 @@ pub fn run(quick: bool, only: Option<&str>, opts: &[String], file: Option<&Path>
     let mut progress = crate::progress::Progress::new("nvmebench", chosen.len() + 4);
     let dir = crate::protobench::tempfile_dir_for("nvmebench")?;
     let duration = if quick { Duration::from_millis(400) } else { Duration::from_secs(2) };
-    let mut ns = vec![match file {
+    // The server takes absolute paths only: a daemon's directory is not the caller's.
+    let file =
+        file.map(|f| std::fs::canonicalize(f).map_err(|e| format!("{}: {e}", f.display()))).transpose()?;
+    let mut ns = vec![match file.as_deref() {
         Some(file) => {
             // The end's offset: a block device's size too, where metadata says 0.
             let len = std::fs::File::open(file)
@@ -554,6 +571,9 @@ pub fn run(quick: bool, only: Option<&str>, opts: &[String], file: Option<&Path>
     let mut d = NvmeGuest::connect(&server.socket, RAM, 3)?.driver();
     d.enable()?;
     d.create_io_queues(2, QUEUE_ENTRIES, false)?;
+    if shadow_doorbells {
+        d.enable_shadow_doorbells()?;
+    }
     progress.step("filling the namespace");
     fill(&mut d)?;
 
@@ -579,6 +599,7 @@ pub fn run(quick: bool, only: Option<&str>, opts: &[String], file: Option<&Path>
     drop(floor_server);
     Ok(Report {
         namespace: ns.join(" ").replacen("ns1=", "", 1),
+        shadow_doorbells,
         floors: Floors {
             memcpy_2m_gb_per_sec: (m2 + m2b) / 2.0,
             memcpy_128k_stream_gb_per_sec: (m128 + m128b) / 2.0,
@@ -594,8 +615,9 @@ pub fn run(quick: bool, only: Option<&str>, opts: &[String], file: Option<&Path>
 pub fn print(r: &Report) -> crate::output::Out {
     let f = &r.floors;
     out!(
-        "nvme over vfio-user: namespace {}, doorbells as posted REGION_WRITEs, MSI-X per queue.",
-        r.namespace
+        "nvme over vfio-user: namespace {}, doorbells as posted REGION_WRITEs{}, MSI-X per queue.",
+        r.namespace,
+        if r.shadow_doorbells { " where the shadow doorbells' event indexes ask for them" } else { "" }
     )?;
     out!("Floors, measured in this run (mean of before and after):")?;
     out!("  memcpy of 2 MiB (warm buffers):                        {:6.2} GB/s", f.memcpy_2m_gb_per_sec)?;
@@ -609,7 +631,9 @@ pub fn print(r: &Report) -> crate::output::Out {
         f.doorbell_irq_p99_us
     )?;
     out!("")?;
-    out!("workload        qd queues       IOPS    GB/s  lat p50  lat p99  server CPU/IO   vs floor")?;
+    out!(
+        "workload        qd queues       IOPS    GB/s  lat p50  lat p99  server CPU/IO  msgs/IO   vs floor"
+    )?;
     for row in &r.rows {
         let vs = if let Some(ratio) = row.vs_memcpy {
             format!("{:.0}% of memcpy", 100.0 * ratio)
@@ -619,7 +643,7 @@ pub fn print(r: &Report) -> crate::output::Out {
             String::new()
         };
         out!(
-            "{:<14} {:>3} {:>6} {:>10.0} {:>7.2} {:>6.1}us {:>6.1}us {:>11.2}us   {}",
+            "{:<14} {:>3} {:>6} {:>10.0} {:>7.2} {:>6.1}us {:>6.1}us {:>11.2}us {:>8.2}   {}",
             row.workload,
             row.qd,
             row.queues,
@@ -628,6 +652,7 @@ pub fn print(r: &Report) -> crate::output::Out {
             row.latency_p50_us,
             row.latency_p99_us,
             row.server_cpu_us_per_io,
+            row.doorbell_messages_per_io,
             vs
         )?;
     }
@@ -695,6 +720,7 @@ fn medians(rows: &[Row]) -> Row {
         latency_p50_us: mid(|r| r.latency_p50_us),
         latency_p99_us: mid(|r| r.latency_p99_us),
         server_cpu_us_per_io: mid(|r| r.server_cpu_us_per_io),
+        doorbell_messages_per_io: mid(|r| r.doorbell_messages_per_io),
         vs_memcpy: None,
     }
 }
@@ -745,6 +771,8 @@ pub fn run_fixed(quick: bool, backing: Backing) -> Result<FixedReport, String> {
             file
         }
     };
+    // The server takes absolute paths only: a daemon's directory is not the caller's.
+    let file = std::fs::canonicalize(&file).map_err(|e| format!("{}: {e}", file.display()))?;
     progress.step("starting the servers");
     let ns = format!("ns1=file:{}", file.display());
     let entries = format!("entries={QUEUE_ENTRIES}");

@@ -440,6 +440,48 @@ mod benches {
         assert!(refused.contains("bad option for type nvme: lba=3: one of 512, 4096"), "{refused}");
     }
 
+    /// `nvmebench --file` with a path relative to the caller's directory (the server takes
+    /// absolute ones only) and shadow doorbells: at queue depth 1 a command costs at most
+    /// one doorbell message (its SQ tail; the CQ heads go to the shadow page only), where
+    /// register doorbells cost two.
+    #[test]
+    fn nvmebench_takes_a_relative_file_and_shadow_doorbells_spare_messages() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::File::create(dir.path().join("ns.img")).unwrap().set_len(256 << 20).unwrap();
+        let run = |shadow: bool| {
+            let mut cmd = umdev();
+            cmd.current_dir(dir.path()).args([
+                "nvmebench",
+                "--quick",
+                "--json",
+                "--only",
+                "4k-randread",
+                "--file",
+                "ns.img",
+                // Buffered: a tmpfs /tmp has no O_DIRECT.
+                "--opt",
+                "cache1=writeback",
+            ]);
+            if shadow {
+                cmd.arg("--shadow-doorbells");
+            }
+            let out = cmd.output().unwrap();
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert_eq!(report["shadow_doorbells"], shadow);
+            let rows = report["rows"].as_array().unwrap().clone();
+            assert_eq!(rows.len(), 4, "{report}");
+            assert!(rows.iter().all(|r| r["iops"].as_f64().unwrap() > 0.0), "{report}");
+            let qd1 = rows.iter().find(|r| r["qd"] == 1 && r["queues"] == 1).unwrap();
+            qd1["doorbell_messages_per_io"].as_f64().unwrap()
+        };
+        // Two per command but the last (its SQ tail message is not sent: the run ends).
+        let registers = run(false);
+        assert!(registers > 1.0, "{registers} messages per command with register doorbells");
+        let shadowed = run(true);
+        assert!(shadowed <= 1.0, "{shadowed} messages per command with shadow doorbells");
+    }
+
     /// The pids of `pid`'s children.
     fn children(pid: u32) -> Vec<u32> {
         std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))

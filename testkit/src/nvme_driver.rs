@@ -2,7 +2,10 @@
 //!
 //! It brings a controller up (admin queue, Identify, Number of Queues, I/O queue pairs),
 //! builds PRPs (PRP2 as a page or a PRP list, chained across list pages as Linux does) and
-//! submits commands, over any [`Transport`]: the device in process, or vfio-user.
+//! submits commands, over any [`Transport`]: the device in process, or vfio-user. With
+//! [`Driver::enable_shadow_doorbells`] it writes I/O queue doorbells as Linux's driver does
+//! when the controller has Doorbell Buffer Config: into the shadow page, and to the register
+//! only when the event index asks for it.
 
 use std::time::Duration;
 
@@ -63,6 +66,9 @@ impl QueuePair {
 const ADMIN_SQ: u64 = 0x1_0000;
 const ADMIN_CQ: u64 = 0x2_0000;
 const IDENTIFY_BUF: u64 = 0x3_0000;
+/// Doorbell Buffer Config's two pages: the shadow doorbells and the event indexes.
+const SHADOW: u64 = 0x4_0000;
+const EVENTIDX: u64 = 0x5_0000;
 const QUEUES: u64 = 0x10_0000;
 /// Per I/O queue pair: the SQ (up to 1024 entries: 64 KiB), the CQ at +192 KiB.
 const QUEUE_SPAN: u64 = 0x4_0000;
@@ -85,6 +91,26 @@ pub struct Driver<T: Transport> {
     next_cid: u16,
     /// Poll instead of waiting for interrupts.
     pub poll: bool,
+    /// Doorbell Buffer Config is on: I/O queue doorbells go to the shadow page.
+    shadow: bool,
+    /// Doorbell updates so far, by where they went.
+    pub doorbells: DoorbellCounts,
+}
+
+/// Doorbell updates: written to the register (a message over vfio-user), or, with shadow
+/// doorbells, to the shadow page only.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DoorbellCounts {
+    /// Written to the register.
+    pub written: u64,
+    /// Written to the shadow page only (the event index did not ask for them).
+    pub spared: u64,
+}
+
+/// Whether a doorbell moving from `old` to `new` passes event index `event` (the host must
+/// write the register): NVMe 1.3 §5.10, the same test as virtio's `vring_need_event`.
+pub fn need_event(event: u16, new: u16, old: u16) -> bool {
+    new.wrapping_sub(event).wrapping_sub(1) < new.wrapping_sub(old)
 }
 
 impl<T: Transport> Driver<T> {
@@ -99,6 +125,8 @@ impl<T: Transport> Driver<T> {
             io: Vec::new(),
             next_cid: 0,
             poll: false,
+            shadow: false,
+            doorbells: DoorbellCounts::default(),
         }
     }
 
@@ -135,6 +163,7 @@ impl<T: Transport> Driver<T> {
         self.t.write32(reg::CC, cc | reg::CC_EN)?;
         self.admin = QueuePair::new(0, entries, ADMIN_SQ, ADMIN_CQ, 0);
         self.io.clear();
+        self.shadow = false;
         self.wait_csts(true).map(|_| ())
     }
 
@@ -163,7 +192,51 @@ impl<T: Transport> Driver<T> {
     /// Rings queue `qid`'s SQ tail doorbell.
     pub fn ring(&mut self, qid: u16) -> Result<(), Error> {
         let tail = self.queue(qid).sq_tail;
-        self.t.doorbell(reg::DOORBELLS + 8 * u64::from(qid), tail)
+        self.doorbell(u64::from(qid) * 2, tail)
+    }
+
+    /// Writes doorbell `index` (2y: SQ y's tail, 2y + 1: CQ y's head): with shadow doorbells
+    /// (I/O queues only), into the shadow page, and to the register only if the value passes
+    /// the event index the controller set.
+    fn doorbell(&mut self, index: u64, value: u32) -> Result<(), Error> {
+        if self.shadow && index >= 2 {
+            let mut old = [0u8; 4];
+            self.t.get(SHADOW + 4 * index, &mut old)?;
+            self.t.put(SHADOW + 4 * index, &value.to_le_bytes())?;
+            // The shadow is visible before the event index is read (Linux: mb()), so a
+            // controller that sets the index after reading the shadow is never missed.
+            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+            let mut event = [0u8; 4];
+            self.t.get(EVENTIDX + 4 * index, &mut event)?;
+            let (event, old) = (u32::from_le_bytes(event), u32::from_le_bytes(old));
+            if !need_event(event as u16, value as u16, old as u16) {
+                self.doorbells.spared += 1;
+                return Ok(());
+            }
+        }
+        self.doorbells.written += 1;
+        self.t.doorbell(reg::DOORBELLS + 4 * index, value)
+    }
+
+    /// Doorbell Buffer Config (NVMe 1.3 §5.10), as Linux's driver sends it when the controller
+    /// has it (OACS bit 8): from here until the next [`Driver::enable`], I/O queue doorbells
+    /// are written as [`Driver::ring`] describes. The shadow page starts with every queue's
+    /// current values.
+    pub fn enable_shadow_doorbells(&mut self) -> Result<(), Error> {
+        let mut page = vec![0u8; PAGE as usize];
+        for q in &self.io {
+            let at = usize::from(q.id) * 8;
+            page[at..at + 4].copy_from_slice(&q.sq_tail.to_le_bytes());
+            page[at + 4..at + 8].copy_from_slice(&q.cq_head.to_le_bytes());
+        }
+        self.t.put(SHADOW, &page)?;
+        self.t.put(EVENTIDX, &vec![0u8; PAGE as usize])?;
+        let mut sqe = Sqe::new(admin_op::DOORBELL_BUFFER_CONFIG, 0);
+        sqe.prp1 = SHADOW.into();
+        sqe.prp2 = EVENTIDX.into();
+        self.admin_ok(sqe)?;
+        self.shadow = true;
+        Ok(())
     }
 
     /// Submits `sqe` on queue `qid` (and rings).
@@ -192,7 +265,7 @@ impl<T: Transport> Driver<T> {
     /// Tells the controller the completions read so far are consumed (CQ head doorbell).
     pub fn release(&mut self, qid: u16) -> Result<(), Error> {
         let head = self.queue(qid).cq_head;
-        self.t.doorbell(reg::DOORBELLS + 8 * u64::from(qid) + 4, head)
+        self.doorbell(u64::from(qid) * 2 + 1, head)
     }
 
     /// Waits for the next completion of queue `qid` and releases it.
@@ -389,5 +462,25 @@ impl<T: Transport> Driver<T> {
             std::thread::sleep(Duration::from_millis(1));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::need_event;
+
+    #[test]
+    fn need_event_is_true_exactly_when_the_update_passes_the_event_index() {
+        // The index asked for the next submission after 5: moving 5 -> 6 passes it, and so
+        // does 5 -> 9; 6 -> 9 does not (the controller was told at 6).
+        assert!(need_event(5, 6, 5));
+        assert!(need_event(5, 9, 5));
+        assert!(!need_event(5, 9, 6));
+        assert!(!need_event(5, 5, 5));
+        // Across the u16 wrap.
+        assert!(need_event(0xffff, 2, 0xfffe));
+        assert!(!need_event(0xfffd, 2, 0xfffe));
+        // "Never" (the index a controller sets for CQ heads it does not want to hear of).
+        assert!(!need_event(0xffff, 8, 7));
     }
 }
