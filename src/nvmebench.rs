@@ -9,6 +9,11 @@
 //! Each 128 KiB buffer is 32 guest pages in 8 runs of 4 at scattered addresses (a PRP list
 //! per command; what a guest's block layer hands a driver looks like this).
 //!
+//! With `--shadow-doorbells`, the I/O queues' doorbells are written as Linux's driver writes
+//! them when the controller offers Doorbell Buffer Config: into the shadow page, and as a
+//! message only when the controller's event index asks for one. Each row counts the doorbell
+//! messages per I/O.
+//!
 //! With `--fixed-buffers`, instead: a file namespace with `cache1=none` (O_DIRECT) in kernel
 //! pin mode, served by two servers on the same file, `fixed_buffers=always` and `off`,
 //! driven in alternation (each round runs both, back to back, in alternating order): 4 KiB
