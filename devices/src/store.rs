@@ -138,8 +138,12 @@ impl Store {
         }
         // A huge-page disk is mapped without MAP_NORESERVE (which `MmapRegion::from_file`
         // sets): the mapping then reserves the pages from the pool, or fails with ENOMEM, where
-        // an unreserved one would raise SIGBUS at the first write the pool cannot serve.
-        let flags = if huge { libc::MAP_SHARED } else { libc::MAP_SHARED | libc::MAP_NORESERVE };
+        // an unreserved one would raise SIGBUS at the first write the pool cannot serve. Its
+        // pages are all the disk's from the start, so they are faulted in (and zeroed) here,
+        // once, rather than by the first command to touch each: no command waits for a 2 MiB
+        // page to be zeroed.
+        let flags =
+            if huge { libc::MAP_SHARED | libc::MAP_POPULATE } else { libc::MAP_SHARED | libc::MAP_NORESERVE };
         let offset = FileOffset::new(file.try_clone()?, 0);
         let region = MmapRegion::build(Some(offset), len, libc::PROT_READ | libc::PROT_WRITE, flags)
             .map_err(|e| match e {
@@ -588,6 +592,24 @@ mod tests {
         out
     }
 
+    /// KiB of huge pages this process has faulted in for the mapping holding `addr`
+    /// (/proc/self/smaps: its Shared_Hugetlb and Private_Hugetlb).
+    fn hugetlb_kib_at(addr: usize) -> u64 {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut inside = false;
+        let mut kib = 0;
+        for line in smaps.lines() {
+            let first = line.split_whitespace().next().unwrap_or("");
+            if let Some((lo, hi)) = first.split_once('-').filter(|_| !first.ends_with(':')) {
+                let range = usize::from_str_radix(lo, 16).ok().zip(usize::from_str_radix(hi, 16).ok());
+                inside = range.is_some_and(|(lo, hi)| (lo..hi).contains(&addr));
+            } else if inside && (first == "Shared_Hugetlb:" || first == "Private_Hugetlb:") {
+                kib += line.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            }
+        }
+        kib
+    }
+
     fn roundtrip(store: &Store) {
         let mut data: Vec<u8> = (0..20_000u32).map(|i| (i * 7) as u8).collect();
         let cuts = [100, 4096, 1, 8000, 20_000 - 12_197];
@@ -727,8 +749,13 @@ mod tests {
         assert!(Store::ram_huge(HUGE_PAGE + 4096).is_err(), "not whole huge pages");
         // The pool may be empty on this host: then creation fails (the pages are reserved
         // when mapped), it never faults later.
-        match Store::ram_huge(HUGE_PAGE) {
-            Ok(store) => roundtrip(&store),
+        match Store::ram_huge(2 * HUGE_PAGE) {
+            Ok(store) => {
+                // Every page is in before the first write: no command waits for one.
+                let at = store.ram.as_ref().unwrap().as_ptr() as usize;
+                assert_eq!(hugetlb_kib_at(at), 2 * HUGE_PAGE / 1024, "both pages faulted in at creation");
+                roundtrip(&store)
+            }
             Err(e) => eprintln!("no 2 MiB page in the pool here ({e}): creation refused, as it should be"),
         }
         // One page more than the pool has free: refused at creation, whatever the pool holds.
