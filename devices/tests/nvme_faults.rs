@@ -226,3 +226,39 @@ fn a_disconnect_with_a_read_held_by_the_backing_keeps_its_pins_until_the_host_le
     answer_and_see_it_land(&fuse, &mut d, &held, &data);
     assert!(d.poll_one(1).unwrap().is_none(), "no completion after the disconnect");
 }
+
+/// With shadow doorbells, a worker with 8 or more transfers in flight does not ask the host to
+/// ring for new submissions: a command submitted through the shadow alone while the backing
+/// holds 8 reads is still seen (the worker's bounded look), before any of the 8 ends.
+#[test]
+fn a_busy_queue_with_shadow_doorbells_takes_a_command_the_host_did_not_ring_for() {
+    let Some(fuse) = mounted(64 << 20) else { return };
+    let mut d = on(&fuse);
+    d.enable_shadow_doorbells().unwrap();
+    d.poll = true;
+    const HELD_END: u64 = 16 << 20;
+    fuse.set_policy(|io| match io {
+        Io::Read { offset, .. } if *offset < HELD_END => Action::Hold,
+        _ => Action::Serve,
+    });
+    // Eight reads 2 MiB apart (no readahead of one covers another), held by the backing.
+    for i in 0..8u16 {
+        let lba = u64::from(i) * (2 << 20) / BLOCK;
+        d.push(1, &rw(true, lba, DATA + u64::from(i) * BLOCK, i)).unwrap();
+    }
+    d.ring(1).unwrap();
+    let held = fuse.wait_held(8, GUARD);
+    // The ninth goes to the shadow page only: the event index did not ask to hear of it.
+    d.push(1, &rw(true, (40 << 20) / BLOCK, DATA + 0x10000, 99)).unwrap();
+    let written = d.doorbells.written;
+    d.ring(1).unwrap();
+    assert_eq!(d.doorbells.written, written, "no register write for the ninth");
+    let cqe = d.wait(1, GUARD).unwrap();
+    assert_eq!((u16::from(cqe.cid), cqe.status()), (99, Status::SUCCESS), "the ninth ends first");
+    for h in &held {
+        fuse.answer(h.unique, None);
+    }
+    let mut cids: Vec<u16> = (0..8).map(|_| u16::from(d.wait(1, GUARD).unwrap().cid)).collect();
+    cids.sort();
+    assert_eq!(cids, (0..8).collect::<Vec<_>>());
+}
