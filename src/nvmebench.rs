@@ -519,6 +519,11 @@ fn workloads() -> Vec<(Kind, bool, u16, usize)> {
     all
 }
 
+/// `file` as the server takes it: absolute (a daemon's directory is not the caller's).
+fn absolute(file: &Path) -> Result<PathBuf, String> {
+    std::fs::canonicalize(file).map_err(|e| format!("{}: {e}", file.display()))
+}
+
 /// Runs the benchmark: the workloads whose name starts with `only` (refused if none does), on
 /// a RAM namespace or, with `file`, on that file (`cache1=none` unless `opts` set `cache1`).
 pub fn run(
@@ -544,9 +549,7 @@ pub fn run(
     let mut progress = crate::progress::Progress::new("nvmebench", chosen.len() + 4);
     let dir = crate::protobench::tempfile_dir_for("nvmebench")?;
     let duration = if quick { Duration::from_millis(400) } else { Duration::from_secs(2) };
-    // The server takes absolute paths only: a daemon's directory is not the caller's.
-    let file =
-        file.map(|f| std::fs::canonicalize(f).map_err(|e| format!("{}: {e}", f.display()))).transpose()?;
+    let file = file.map(absolute).transpose()?;
     let mut ns = vec![match file.as_deref() {
         Some(file) => {
             // The end's offset: a block device's size too, where metadata says 0.
@@ -776,8 +779,7 @@ pub fn run_fixed(quick: bool, backing: Backing) -> Result<FixedReport, String> {
             file
         }
     };
-    // The server takes absolute paths only: a daemon's directory is not the caller's.
-    let file = std::fs::canonicalize(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+    let file = absolute(&file)?;
     progress.step("starting the servers");
     let ns = format!("ns1=file:{}", file.display());
     let entries = format!("entries={QUEUE_ENTRIES}");
