@@ -1,12 +1,9 @@
 //! The controller driven through [`VfioDevice`] by the testkit's NVMe `Driver`, against a real
 //! [`DmaSpace`] over a memfd, with eventfds for interrupts.
 
-mod rig;
-
 use std::fs::File;
 use std::time::Duration;
 
-use rig::*;
 use umdev_devices::nvme::namespace::Backing;
 use umdev_devices::nvme::spec::*;
 use umdev_devices::nvme::*;
@@ -14,6 +11,7 @@ use umdev_mdev::pci::regs::{COMMAND, COMMAND_MASTER, COMMAND_MEMORY};
 use umdev_mdev::VfioDevice;
 use umdev_mdev::VFIO_PCI_CONFIG_REGION_INDEX as CONFIG;
 use umdev_testkit::nvme_driver::{self as driver, Driver, Transport};
+use umdev_testkit::nvme_rig::*;
 
 #[test]
 fn identify_describes_the_controller_and_namespace() {

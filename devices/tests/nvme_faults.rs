@@ -2,12 +2,9 @@
 //! read and write of the host kernel as the test says. Needs root (mounting FUSE); skipped
 //! with the reason elsewhere.
 
-mod rig;
-
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use rig::*;
 use umdev_devices::nvme::namespace::Backing;
 use umdev_devices::nvme::spec::*;
 use umdev_devices::nvme::*;
@@ -15,6 +12,7 @@ use umdev_devices::store::Cache;
 use umdev_mdev::VfioDevice;
 use umdev_testkit::fuse::{Action, FuseFile, Io};
 use umdev_testkit::nvme_driver::{Driver, Transport};
+use umdev_testkit::nvme_rig::*;
 
 const BLOCK: u64 = 4096;
 /// A hang guard only: what the test waits for happens as soon as the host gets to it.

@@ -25,6 +25,7 @@ pub mod client;
 pub mod fuse;
 pub mod nvme_driver;
 pub mod nvme_guest;
+pub mod nvme_rig;
 pub mod server_fuzz;
 
 /// A client that refuses every DMA message (ENODEV), for a device attached without a

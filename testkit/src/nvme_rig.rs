@@ -1,8 +1,6 @@
-//! The nvme controller in-process for the integration tests: a [`Rig`] serves it through
+//! The nvme controller in-process, for tests and the fuzz harness: a [`Rig`] serves it through
 //! [`VfioDevice`] against a real [`DmaSpace`] over a memfd, with eventfds for interrupts, and
 //! the testkit's NVMe `Driver` drives it.
-
-#![allow(dead_code)] // each test binary uses its part
 
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
@@ -14,6 +12,8 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use std::sync::Arc;
 
+use crate::nvme_driver::{Driver, Transport};
+use crate::NoClient;
 use umdev_devices::nvme::ctrl::Ctrl;
 use umdev_devices::nvme::namespace::Backing;
 use umdev_devices::nvme::*;
@@ -23,24 +23,29 @@ use umdev_mdev::pci::regs::{
 use umdev_mdev::pci::PciDevice;
 use umdev_mdev::{DeviceContext, IrqAction, IrqData, SetIrqs, VfioDevice};
 use umdev_mdev::{VFIO_PCI_CONFIG_REGION_INDEX as CONFIG, VFIO_PCI_INTX_IRQ_INDEX, VFIO_PCI_MSIX_IRQ_INDEX};
-use umdev_testkit::nvme_driver::{Driver, Transport};
-use umdev_testkit::NoClient;
 
 /// Guest RAM: 128 MiB at IOVA 0.
 pub const RAM_SIZE: u64 = 128 << 20;
 /// Read-only guest memory, mapped after RAM.
 pub const RO: u64 = RAM_SIZE;
+/// Where the tests put command data in guest RAM.
 pub const DATA: u64 = Driver::<Rig>::DATA;
 
 /// The device, its guest RAM and DMA space, and one eventfd per MSI-X vector (or INTx).
 pub struct Rig {
+    /// The device, as the server holds it.
     pub dev: Arc<PciDevice<Nvme>>,
+    /// Guest RAM, at IOVA 0.
     pub ram: File,
+    /// The client's DMA space.
     pub dma: DmaSpace,
+    /// One eventfd per MSI-X vector, or the INTx one.
     pub irqs: Vec<EventFd>,
+    /// MSI-X (else INTx).
     pub msix: bool,
 }
 
+/// A memfd of `size` bytes.
 pub fn memfd(name: &std::ffi::CStr, size: u64) -> File {
     let file =
         File::from(nix::sys::memfd::memfd_create(name, nix::sys::memfd::MFdFlags::MFD_CLOEXEC).unwrap());
@@ -49,6 +54,8 @@ pub fn memfd(name: &std::ffi::CStr, size: u64) -> File {
 }
 
 impl Rig {
+    /// The device of `config`, its memory mapped, bus mastering and interrupts on (MSI-X with
+    /// a vector per queue, or INTx), a client attached.
     pub fn with(config: NvmeConfig, msix: bool) -> Rig {
         Rig::with_dma(config, msix, DmaSpace::default())
     }
@@ -85,11 +92,13 @@ impl Rig {
         rig
     }
 
+    /// A controller with one 64 MiB RAM namespace and MSI-X.
     pub fn new() -> Rig {
         let config = NvmeConfig { namespaces: vec![Some(Backing::Ram(64 << 20))], ..NvmeConfig::default() };
         Rig::with(config, true)
     }
 
+    /// The config-space offset of capability `id`.
     pub fn cap(&self, id: u8) -> u64 {
         let read = |at: u64| {
             let mut b = [0u8; 1];
@@ -123,8 +132,15 @@ impl Rig {
         }
     }
 
+    /// The controller.
     pub fn ctrl(&self) -> &Ctrl {
         self.dev.function().controller()
+    }
+}
+
+impl Default for Rig {
+    fn default() -> Rig {
+        Rig::new()
     }
 }
 
@@ -158,6 +174,7 @@ impl Transport for Rig {
     }
 }
 
+/// A driver over `rig` with the controller enabled and `queues` I/O queue pairs of 64 entries.
 pub fn up(rig: Rig, queues: u16) -> Driver<Rig> {
     let mut d = Driver::new(rig);
     d.enable().unwrap();
@@ -167,6 +184,7 @@ pub fn up(rig: Rig, queues: u16) -> Driver<Rig> {
     d
 }
 
+/// `len` bytes of a pattern that differs with `seed` and along the buffer.
 pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 9) as u8).collect()
 }
