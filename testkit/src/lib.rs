@@ -24,6 +24,7 @@ pub mod ccw_guest;
 pub mod client;
 pub mod fuse;
 pub mod nvme_driver;
+pub mod nvme_fuzz;
 pub mod nvme_guest;
 pub mod nvme_rig;
 pub mod server_fuzz;

@@ -37,6 +37,8 @@ pub struct Rig {
     pub dev: Arc<PciDevice<Nvme>>,
     /// Guest RAM, at IOVA 0.
     pub ram: File,
+    /// Guest memory the device may read but not write, at [`RO`].
+    pub ro: File,
     /// The client's DMA space.
     pub dma: DmaSpace,
     /// One eventfd per MSI-X vector, or the INTx one.
@@ -69,7 +71,7 @@ impl Rig {
         dma.map(RO, 1 << 20, ro.as_fd(), 0, Prot::READ).unwrap();
         let command = u64::from(COMMAND_MEMORY | COMMAND_MASTER);
         dev.region_write(CONFIG, COMMAND as u64, &command.to_le_bytes()[..2]).unwrap();
-        let mut rig = Rig { dev, ram, dma, irqs: Vec::new(), msix };
+        let mut rig = Rig { dev, ram, ro, dma, irqs: Vec::new(), msix };
         let vectors = if msix { u32::from(rig.dev.function().controller().io_queues()) + 1 } else { 1 };
         if msix {
             let cap = rig.cap(CAP_ID_MSIX);
