@@ -24,11 +24,12 @@
 //! from a trampled one, so it does not require every command to complete, only the checks
 //! above.
 //!
-//! Input layout: `mem_len u16` (mod [`WINDOW`] + 1) and that many bytes, written at
-//! [`crate::nvme_rig::DATA`]; then records of [`RECORD`] bytes, at most [`MAX_COMMANDS`]: `flags
-//! u8` (bit 0: the I/O queue, else the admin queue; bit 1: ring the doorbell after it; bit 2:
-//! PRPs as given, else each taken modulo [`WINDOW`] into the data window), then the 64-byte
-//! entry. All queues are rung at the end.
+//! Input layout: `commands u8` (mod [`MAX_COMMANDS`] + 1), then that many records of
+//! [`RECORD`] bytes (fewer if the input ends): `flags u8` (bit 0: the I/O queue, else the
+//! admin queue; bit 1: ring the doorbell after it; bit 2: PRPs as given, else each taken
+//! modulo [`WINDOW`] into the data window), then the 64-byte entry; then the rest of the
+//! input, up to [`WINDOW`] bytes, written at [`crate::nvme_rig::DATA`]. All queues are rung at
+//! the end.
 
 use std::collections::HashSet;
 use std::os::unix::fs::FileExt;
@@ -70,32 +71,29 @@ pub struct Command {
 
 /// Decodes an input: the bytes for the data window and the commands.
 pub fn decode(data: &[u8]) -> (Vec<u8>, Vec<Command>) {
-    let (len, rest) = match data {
-        [a, b, rest @ ..] => (usize::from(u16::from_le_bytes([*a, *b])) % (WINDOW as usize + 1), rest),
-        _ => (0, &[][..]),
-    };
-    let mem = rest[..len.min(rest.len())].to_vec();
-    let rest = &rest[mem.len()..];
-    let commands = rest
+    let Some((&n, rest)) = data.split_first() else { return (Vec::new(), Vec::new()) };
+    let n = usize::from(n) % (MAX_COMMANDS + 1);
+    let records = rest.len().min(n * RECORD) / RECORD;
+    let commands = rest[..records * RECORD]
         .chunks_exact(RECORD)
-        .take(MAX_COMMANDS)
         .map(|r| {
             let mut sqe = Sqe::default();
             sqe.as_mut_slice().copy_from_slice(&r[1..]);
             Command { io: r[0] & 1 != 0, ring: r[0] & 2 != 0, raw_prps: r[0] & 4 != 0, sqe }
         })
         .collect();
-    (mem, commands)
+    let mem = &rest[records * RECORD..];
+    (mem[..mem.len().min(WINDOW as usize)].to_vec(), commands)
 }
 
 /// Encodes an input (for seeds).
 pub fn encode(mem: &[u8], commands: &[Command]) -> Vec<u8> {
-    let mut out = (mem.len() as u16).to_le_bytes().to_vec();
-    out.extend_from_slice(mem);
+    let mut out = vec![commands.len() as u8];
     for c in commands {
         out.push(u8::from(c.io) | u8::from(c.ring) << 1 | u8::from(c.raw_prps) << 2);
         out.extend_from_slice(c.sqe.as_slice());
     }
+    out.extend_from_slice(mem);
     out
 }
 
