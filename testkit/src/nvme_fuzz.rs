@@ -22,7 +22,9 @@
 //! `tests/nvme_hostile.rs` drives them. A command whose PRPs point at the driver's own
 //! queues can corrupt them, as a guest can; the harness then cannot tell a lost completion
 //! from a trampled one, so it does not require every command to complete, only the checks
-//! above.
+//! above. (An input could in principle forge a completion: write a block that looks like
+//! one, then read it into the driver's completion queue. A report of Internal Error or of a
+//! repeat is checked against the input before it is taken for the controller's.)
 //!
 //! Input layout: `commands u8` (mod [`MAX_COMMANDS`] + 1), then that many records of
 //! [`RECORD`] bytes (fewer if the input ends): `flags u8` (bit 0: the I/O queue, else the
@@ -134,7 +136,7 @@ pub fn run(data: &[u8]) {
         if pending[q] + 1 >= entries {
             d.ring(q as u16).unwrap_or_else(|e| panic!("doorbell: {e}"));
             settle(&mut d, &submitted, &mut seen);
-            pending = [0; 2];
+            pending[q] = 0;
         }
         let mut sqe = c.sqe;
         let cid = 0x8000 | i as u16;
