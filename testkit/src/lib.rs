@@ -7,9 +7,12 @@
 //!   driving the ccw device through rust-vmm's `vfio_user::Client`;
 //! - [`nvme_driver`] and [`nvme_guest`]: an NVMe host driver over any register transport, and
 //!   a guest driving the nvme device over a raw client;
+//! - [`nvme_rig`]: the nvme device in-process (no socket), on a real DMA space, for that
+//!   driver;
 //! - [`fuse`]: a one-file FUSE filesystem whose reads and writes the test answers (held,
 //!   failed or served), a backing file for a device under test;
 //! - [`ccw_fuzz`]: the channel-program interpreter's fuzz harness and model;
+//! - [`nvme_fuzz`]: the nvme controller's fuzz harness and seeds;
 //! - [`server_fuzz`]: the vfio-user server's fuzz harnesses (the dispatcher and a real
 //!   connection), their input format and seeds.
 //!
