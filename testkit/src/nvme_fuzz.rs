@@ -26,7 +26,9 @@
 //! one, then read it into the driver's completion queue. A report of Internal Error or of a
 //! repeat is checked against the input before it is taken for the controller's.)
 //!
-//! Input layout: `commands u8` (mod [`MAX_COMMANDS`] + 1), then that many records of
+//! Input layout: `config u8` (bits 0-5: how many commands, at most [`MAX_COMMANDS`]; bit 7:
+//! the driver turns on shadow doorbells first, as Linux does, so the I/O queue's tail is read
+//! from guest memory), then that many records of
 //! [`RECORD`] bytes (fewer if the input ends): `flags u8` (bit 0: the I/O queue, else the
 //! admin queue; bit 1: ring the doorbell after it; bit 2: PRPs as given, else each taken
 //! modulo [`WINDOW`] into the data window), then the 64-byte entry; then the rest of the
@@ -71,10 +73,21 @@ pub struct Command {
     pub sqe: Sqe,
 }
 
-/// Decodes an input: the bytes for the data window and the commands.
-pub fn decode(data: &[u8]) -> (Vec<u8>, Vec<Command>) {
-    let Some((&n, rest)) = data.split_first() else { return (Vec::new(), Vec::new()) };
-    let n = usize::from(n) % (MAX_COMMANDS + 1);
+/// What one input describes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Input {
+    /// Shadow doorbells on (Doorbell Buffer Config) before the commands.
+    pub shadow: bool,
+    /// The commands.
+    pub commands: Vec<Command>,
+    /// The bytes for the data window.
+    pub mem: Vec<u8>,
+}
+
+/// Decodes an input.
+pub fn decode(data: &[u8]) -> Input {
+    let Some((&config, rest)) = data.split_first() else { return Input::default() };
+    let n = usize::from(config & 0x3f).min(MAX_COMMANDS);
     let records = rest.len().min(n * RECORD) / RECORD;
     let commands = rest[..records * RECORD]
         .chunks_exact(RECORD)
@@ -85,12 +98,13 @@ pub fn decode(data: &[u8]) -> (Vec<u8>, Vec<Command>) {
         })
         .collect();
     let mem = &rest[records * RECORD..];
-    (mem[..mem.len().min(WINDOW as usize)].to_vec(), commands)
+    Input { shadow: config & 0x80 != 0, commands, mem: mem[..mem.len().min(WINDOW as usize)].to_vec() }
 }
 
 /// Encodes an input (for seeds).
-pub fn encode(mem: &[u8], commands: &[Command]) -> Vec<u8> {
-    let mut out = vec![commands.len() as u8];
+pub fn encode(input: &Input) -> Vec<u8> {
+    let Input { shadow, commands, mem } = input;
+    let mut out = vec![commands.len().min(MAX_COMMANDS) as u8 | u8::from(*shadow) << 7];
     for c in commands {
         out.push(u8::from(c.io) | u8::from(c.ring) << 1 | u8::from(c.raw_prps) << 2);
         out.extend_from_slice(c.sqe.as_slice());
@@ -115,11 +129,14 @@ fn admin_allowed(opcode: u8) -> bool {
 
 /// Runs one input (see the module's documentation).
 pub fn run(data: &[u8]) {
-    let (mem, commands) = decode(data);
+    let Input { shadow, commands, mem } = decode(data);
     let config = NvmeConfig { namespaces: vec![Some(Backing::Ram(1 << 20))], ..NvmeConfig::default() };
     let mut d = Driver::new(Rig::with(config, true));
     d.enable().unwrap_or_else(|e| panic!("enable: {e}"));
     d.create_io_queues(1, IO_ENTRIES, false).unwrap_or_else(|e| panic!("I/O queues: {e}"));
+    if shadow {
+        d.enable_shadow_doorbells().unwrap_or_else(|e| panic!("shadow doorbells: {e}"));
+    }
     d.t.put(DATA, &mem).unwrap_or_else(|e| panic!("guest memory: {e}"));
 
     // Command identifiers from 0x8000 up, one per command.
@@ -218,8 +235,8 @@ fn still_works(d: &mut Driver<Rig>) {
 }
 
 /// Hand-made seeds: reads and writes through PRP1, PRP2 and a PRP list, Identify, a log
-/// page, Dataset Management, Compare, and reads with PRPs as given (read-only memory, no
-/// memory at all).
+/// page, Dataset Management, Compare, reads with PRPs as given (read-only memory, no memory at
+/// all), and a write and read with shadow doorbells.
 pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
     let rw = |read: bool, slba: u64, nlb: u32, prp1: u64, prp2: u64| {
         Driver::<Rig>::rw_command(read, 1, slba, nlb, prp1, prp2)
@@ -240,15 +257,20 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
     let mut compare = rw(true, 0, 7, 0x1000, 0);
     compare.cdw0 = u32::from(nvm_op::COMPARE).into();
     let raw = |sqe: Sqe| Command { raw_prps: true, ..io(sqe) };
+    let input = |shadow: bool, commands: Vec<Command>| encode(&Input { shadow, commands, mem: mem.clone() });
     vec![
-        ("rw", encode(&mem, &[io(rw(false, 0, 7, 0x1000, 0)), io(rw(true, 0, 7, 0x2000, 0))])),
-        ("prp2", encode(&mem, &[io(rw(false, 8, 15, 0x1200, 0x2000)), io(rw(true, 8, 15, 0x1200, 0x2000))])),
+        ("rw", input(false, vec![io(rw(false, 0, 7, 0x1000, 0)), io(rw(true, 0, 7, 0x2000, 0))])),
+        (
+            "prp2",
+            input(false, vec![io(rw(false, 8, 15, 0x1200, 0x2000)), io(rw(true, 8, 15, 0x1200, 0x2000))]),
+        ),
         (
             "prp-list",
-            encode(&mem, &[io(rw(false, 16, 23, 0x1000, 0x3000)), io(rw(true, 16, 23, 0x1000, 0x3000))]),
+            input(false, vec![io(rw(false, 16, 23, 0x1000, 0x3000)), io(rw(true, 16, 23, 0x1000, 0x3000))]),
         ),
-        ("admin", encode(&mem, &[admin(identify), admin(log)])),
-        ("dsm-compare", encode(&mem, &[io(dsm), io(compare)])),
-        ("raw", encode(&mem, &[raw(rw(true, 0, 0, RO, 0)), raw(rw(true, 0, 0, 1 << 40, 0))])),
+        ("admin", input(false, vec![admin(identify), admin(log)])),
+        ("dsm-compare", input(false, vec![io(dsm), io(compare)])),
+        ("raw", input(false, vec![raw(rw(true, 0, 0, RO, 0)), raw(rw(true, 0, 0, 1 << 40, 0))])),
+        ("shadow-rw", input(true, vec![io(rw(false, 0, 7, 0x1000, 0)), io(rw(true, 0, 7, 0x2000, 0))])),
     ]
 }
