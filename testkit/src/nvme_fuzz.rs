@@ -60,9 +60,9 @@ const QUIET: Duration = Duration::from_millis(30);
 /// How long it waits for completions at most.
 const SETTLE: Duration = Duration::from_secs(5);
 
-/// One command of an input.
+/// One submission of an input: an entry, the queue it goes on, and how.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Command {
+pub struct Submission {
     /// On the I/O queue (else the admin queue).
     pub io: bool,
     /// Ring the queue's doorbell after writing it.
@@ -79,7 +79,7 @@ pub struct Input {
     /// Shadow doorbells on (Doorbell Buffer Config) before the commands.
     pub shadow: bool,
     /// The commands.
-    pub commands: Vec<Command>,
+    pub commands: Vec<Submission>,
     /// The bytes for the data window.
     pub mem: Vec<u8>,
 }
@@ -94,7 +94,7 @@ pub fn decode(data: &[u8]) -> Input {
         .map(|r| {
             let mut sqe = Sqe::default();
             sqe.as_mut_slice().copy_from_slice(&r[1..]);
-            Command { io: r[0] & 1 != 0, ring: r[0] & 2 != 0, raw_prps: r[0] & 4 != 0, sqe }
+            Submission { io: r[0] & 1 != 0, ring: r[0] & 2 != 0, raw_prps: r[0] & 4 != 0, sqe }
         })
         .collect();
     let mem = &rest[records * RECORD..];
@@ -241,8 +241,8 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
     let rw = |read: bool, slba: u64, nlb: u32, prp1: u64, prp2: u64| {
         Driver::<Rig>::rw_command(read, 1, slba, nlb, prp1, prp2)
     };
-    let io = |sqe: Sqe| Command { io: true, ring: true, raw_prps: false, sqe };
-    let admin = |sqe: Sqe| Command { io: false, ring: true, raw_prps: false, sqe };
+    let io = |sqe: Sqe| Submission { io: true, ring: true, raw_prps: false, sqe };
+    let admin = |sqe: Sqe| Submission { io: false, ring: true, raw_prps: false, sqe };
     // A PRP list at window offset 0x3000 naming the pages at 0x4000 and 0x5000.
     let mut mem = vec![0u8; 0x6000];
     mem[0x3000..0x3008].copy_from_slice(&(DATA + 0x4000).to_le_bytes());
@@ -256,8 +256,9 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
     dsm.cdw[1] = 4.into(); // AD
     let mut compare = rw(true, 0, 7, 0x1000, 0);
     compare.cdw0 = u32::from(nvm_op::COMPARE).into();
-    let raw = |sqe: Sqe| Command { raw_prps: true, ..io(sqe) };
-    let input = |shadow: bool, commands: Vec<Command>| encode(&Input { shadow, commands, mem: mem.clone() });
+    let raw = |sqe: Sqe| Submission { raw_prps: true, ..io(sqe) };
+    let input =
+        |shadow: bool, commands: Vec<Submission>| encode(&Input { shadow, commands, mem: mem.clone() });
     vec![
         ("rw", input(false, vec![io(rw(false, 0, 7, 0x1000, 0)), io(rw(true, 0, 7, 0x2000, 0))])),
         (
