@@ -68,6 +68,7 @@
 #![deny(missing_docs)]
 
 mod account;
+mod biased;
 mod budget;
 mod counters;
 #[cfg(feature = "fuzzing")]

@@ -1,0 +1,281 @@
+//! A lock biased to one thread: its owner takes and gives it back with plain loads and
+//! stores, no locked instruction; any other thread pays for both sides, with a
+//! `membarrier(2)` that fences every thread of the process. For state that one worker
+//! thread takes several times per request and others look at rarely (a device's request
+//! lane: only an unmap, a reset or a count looks at it from elsewhere).
+//!
+//! What it buys: a locked instruction waits for every store before it, so on a worker that
+//! has just copied a 4 KiB transfer each one costs the time to drain that copy (measured in
+//! docs/benchmarks.md, "Where the QD32 time goes"). What it costs: a take from another
+//! thread is a system call that interrupts every CPU running the process (microseconds).
+//! So a lock whose other threads take it often loses its bias: after [`REVOKE_TAKES`]
+//! foreign takes within [`REVOKE_WINDOW`] it becomes a plain spin lock for good.
+//!
+//! A lock has no owner until a thread takes it with [`BiasedLock::lock_claiming`]; plain
+//! [`BiasedLock::lock`] never claims. Where `membarrier`'s private expedited command is not
+//! available (an old kernel, a seccomp filter) no lock gets an owner, and every lock is a
+//! spin lock. The protocol, and why its two sides exclude each other, is I19 in DESIGN.md;
+//! its text (`raw.rs`) is shared with the shuttle model in tests/biased_model.rs.
+
+use std::cell::{Cell, UnsafeCell};
+use std::marker::PhantomData;
+use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::time::{Duration, Instant};
+
+include!("raw.rs");
+
+/// Foreign takes within [`REVOKE_WINDOW`] that end a lock's bias.
+pub const REVOKE_TAKES: u32 = 64;
+/// See [`REVOKE_TAKES`]: more than 1000 foreign takes a second.
+pub const REVOKE_WINDOW: Duration = Duration::from_millis(64);
+
+/// The owner's half of the fence pair. Under Miri (which has no `membarrier`) both halves
+/// are full fences, the same protocol as a plain Dekker lock.
+#[inline(always)]
+fn light_fence() {
+    if cfg!(miri) {
+        std::sync::atomic::fence(Ordering::SeqCst);
+    } else {
+        std::sync::atomic::compiler_fence(Ordering::SeqCst);
+    }
+}
+
+/// A full fence on every running thread of the process: each has executed one between the
+/// call's start and its return (membarrier(2), MEMBARRIER_CMD_PRIVATE_EXPEDITED).
+fn heavy_fence() {
+    if cfg!(miri) {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        return;
+    }
+    // SAFETY: (local) membarrier takes no pointer; the process registered for the command in
+    // `asymmetric`, which said yes before any lock got an owner (the only way here).
+    let r = unsafe { libc::syscall(libc::SYS_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) };
+    if r != 0 {
+        // An owner may be inside with nothing to order its stores: no way on is sound.
+        log::error!("membarrier failed after registering ({}): aborting", std::io::Error::last_os_error());
+        std::process::abort();
+    }
+}
+
+const MEMBARRIER_CMD_PRIVATE_EXPEDITED: libc::c_long = 1 << 3;
+const MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED: libc::c_long = 1 << 4;
+
+/// Whether locks may have owners: the process registered for private expedited membarriers
+/// (tried once).
+fn asymmetric() -> bool {
+    if cfg!(miri) {
+        return true;
+    }
+    static STATE: AtomicU8 = AtomicU8::new(0); // 0: not tried, 1: yes, 2: no
+    match STATE.load(Ordering::Acquire) {
+        1 => true,
+        2 => false,
+        _ => {
+            // SAFETY: (local) as in `heavy_fence`; registering twice is harmless.
+            let r = unsafe {
+                libc::syscall(libc::SYS_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0)
+            };
+            if r != 0 {
+                log::debug!(
+                    "no private expedited membarrier ({}): biased locks stay spin locks",
+                    std::io::Error::last_os_error()
+                );
+            }
+            STATE.store(if r == 0 { 1 } else { 2 }, Ordering::Release);
+            r == 0
+        }
+    }
+}
+
+/// No step of the protocol is left out here (the model's faults, in tests/biased_model.rs).
+#[inline(always)]
+fn broken(_: Break) -> bool {
+    false
+}
+
+/// Spins 64 times, yields 64 times, then naps 20 us between looks (as `SpinLock`'s waiters).
+#[cold]
+fn backoff(tries: &mut u32) {
+    if *tries < 64 {
+        std::hint::spin_loop();
+    } else if *tries < 128 {
+        std::thread::yield_now();
+    } else {
+        std::thread::sleep(Duration::from_micros(20));
+    }
+    *tries = tries.saturating_add(1);
+}
+
+thread_local! {
+    /// This thread's token, 0 until first asked.
+    static TOKEN: Cell<u64> = const { Cell::new(0) };
+}
+
+/// A number no other thread of the process has (from 1; never [`UNOWNED`] or [`REVOKED`]).
+#[inline]
+fn token() -> u64 {
+    TOKEN.with(|t| {
+        let mine = t.get();
+        if mine != 0 {
+            return mine;
+        }
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        let mine = NEXT.fetch_add(1, Ordering::Relaxed);
+        t.set(mine);
+        mine
+    })
+}
+
+/// A lock around a `T`, as described in the module documentation.
+pub struct BiasedLock<T> {
+    raw: RawBiased,
+    /// Foreign takes in the current window: under the gate only.
+    window: UnsafeCell<Window>,
+    value: UnsafeCell<T>,
+}
+
+#[derive(Default)]
+struct Window {
+    takes: u32,
+    start: Option<Instant>,
+}
+
+// SAFETY: (I19) the value and the window are reached only through a guard, and the protocol
+// hands out one guard at a time; the window only through a gate hold.
+unsafe impl<T: Send> Sync for BiasedLock<T> {}
+
+impl<T: Default> Default for BiasedLock<T> {
+    fn default() -> Self {
+        BiasedLock::new(T::default())
+    }
+}
+
+/// Exclusive access to a [`BiasedLock`]'s value until dropped.
+#[must_use = "the lock is given back when the guard drops"]
+pub struct BiasedGuard<'a, T> {
+    lock: &'a BiasedLock<T>,
+    hold: Hold,
+    /// Held on the thread that took it: an owner's hold is its thread's.
+    _not_send: PhantomData<*mut ()>,
+}
+
+impl<T> BiasedLock<T> {
+    /// An unlocked, unowned lock around `value`.
+    pub fn new(value: T) -> Self {
+        BiasedLock {
+            raw: RawBiased::new(),
+            window: UnsafeCell::new(Window::default()),
+            value: UnsafeCell::new(value),
+        }
+    }
+
+    /// Takes the lock, waiting for its holder if it has one; the owner's take is a few plain
+    /// loads and stores.
+    #[inline]
+    pub fn lock(&self) -> BiasedGuard<'_, T> {
+        self.take(false)
+    }
+
+    /// As [`BiasedLock::lock`], and an unowned lock becomes this thread's (the worker's call).
+    #[inline]
+    pub fn lock_claiming(&self) -> BiasedGuard<'_, T> {
+        self.take(true)
+    }
+
+    #[inline]
+    fn take(&self, claim: bool) -> BiasedGuard<'_, T> {
+        let hold = self.raw.lock(token(), claim);
+        if hold == Hold::Fenced {
+            self.count_foreign();
+        }
+        BiasedGuard { lock: self, hold, _not_send: PhantomData }
+    }
+
+    /// Takes the lock if nobody holds it (never claiming it).
+    pub fn try_lock(&self) -> Option<BiasedGuard<'_, T>> {
+        let hold = self.raw.try_lock(token())?;
+        if hold == Hold::Fenced {
+            self.count_foreign();
+        }
+        Some(BiasedGuard { lock: self, hold, _not_send: PhantomData })
+    }
+
+    /// Whether the lock is biased to the calling thread now.
+    pub fn owned_here(&self) -> bool {
+        self.raw.owned_by(token())
+    }
+
+    /// Whether the lock has lost its bias for good.
+    pub fn revoked(&self) -> bool {
+        self.raw.owner.load(Ordering::Relaxed) == REVOKED
+    }
+
+    /// Ends the bias now (a lock whose other threads will take it often).
+    pub fn revoke(&self) {
+        // Through the gate even on the owner's thread: the change must exclude gate holders.
+        let hold = self.raw.lock_gate(token(), false);
+        self.raw.revoke();
+        self.raw.unlock(hold);
+    }
+
+    /// The value, through exclusive access to the lock itself.
+    pub fn get_mut(&mut self) -> &mut T {
+        self.value.get_mut()
+    }
+
+    /// A foreign take just fenced: counts it, and revokes the bias if such takes come often.
+    fn count_foreign(&self) {
+        // SAFETY: (I19) a fenced hold holds the gate, which every access of the window takes.
+        let w = unsafe { &mut *self.window.get() };
+        let now = Instant::now();
+        let start = *w.start.get_or_insert(now);
+        w.takes += 1;
+        if w.takes < REVOKE_TAKES {
+            return;
+        }
+        if too_often(w.takes, now.duration_since(start)) {
+            log::debug!("a biased lock is taken often from other threads: it becomes a spin lock");
+            self.raw.revoke();
+        }
+        *w = Window::default();
+    }
+}
+
+/// The revocation policy: `takes` foreign takes in `elapsed`.
+fn too_often(takes: u32, elapsed: Duration) -> bool {
+    takes >= REVOKE_TAKES && elapsed < REVOKE_WINDOW
+}
+
+impl<T> std::fmt::Debug for BiasedLock<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BiasedLock").field("revoked", &self.revoked()).finish_non_exhaustive()
+    }
+}
+
+impl<T> Deref for BiasedGuard<'_, T> {
+    type Target = T;
+    #[inline]
+    fn deref(&self) -> &T {
+        // SAFETY: (I19) this guard holds the lock: no other reference to the value exists.
+        unsafe { &*self.lock.value.get() }
+    }
+}
+
+impl<T> DerefMut for BiasedGuard<'_, T> {
+    #[inline]
+    fn deref_mut(&mut self) -> &mut T {
+        // SAFETY: (I19) as in `deref`, and `&mut self` makes this the only borrow of the guard.
+        unsafe { &mut *self.lock.value.get() }
+    }
+}
+
+impl<T> Drop for BiasedGuard<'_, T> {
+    #[inline]
+    fn drop(&mut self) {
+        self.lock.raw.unlock(self.hold);
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,152 @@
+use super::*;
+use std::sync::atomic::AtomicUsize;
+use std::sync::{Arc, Barrier};
+
+/// Non-atomic read-modify-writes under the lock, from an owner and from foreign threads:
+/// any overlap of two holders loses an increment. Whether the bias is revoked on the way
+/// depends on the machine's speed; the count must come out right either way.
+#[test]
+fn one_holder_at_a_time_between_the_owner_and_other_threads() {
+    const ROUNDS: u64 = if cfg!(miri) { 100 } else { 20_000 };
+    const FOREIGN: u64 = if cfg!(miri) { 20 } else { 2_000 };
+    let lock = Arc::new(BiasedLock::<u64>::default());
+    let start = Arc::new(Barrier::new(4));
+    let owner = {
+        let (lock, start) = (lock.clone(), start.clone());
+        std::thread::spawn(move || {
+            drop(lock.lock_claiming());
+            let owned = lock.owned_here();
+            start.wait();
+            for _ in 0..ROUNDS {
+                let mut guard = lock.lock();
+                let seen = *guard;
+                std::hint::black_box(&mut *guard);
+                *guard = seen + 1;
+            }
+            owned
+        })
+    };
+    let others: Vec<_> = (0..3)
+        .map(|_| {
+            let (lock, start) = (lock.clone(), start.clone());
+            std::thread::spawn(move || {
+                start.wait();
+                for _ in 0..FOREIGN {
+                    let mut guard = lock.lock_claiming();
+                    let seen = *guard;
+                    std::hint::black_box(&mut *guard);
+                    *guard = seen + 1;
+                }
+            })
+        })
+        .collect();
+    assert!(owner.join().expect("no panic"), "the first claiming thread owns the lock");
+    for t in others {
+        t.join().expect("no panic");
+    }
+    assert_eq!(*lock.lock(), ROUNDS + 3 * FOREIGN);
+}
+
+#[test]
+fn only_a_claiming_take_of_an_unowned_lock_sets_the_owner() {
+    let lock = Arc::new(BiasedLock::new(0u32));
+    drop(lock.lock());
+    assert!(!lock.owned_here(), "a plain take does not claim");
+    drop(lock.lock_claiming());
+    assert!(lock.owned_here());
+    let other = lock.clone();
+    let stolen = std::thread::spawn(move || {
+        drop(other.lock_claiming());
+        other.owned_here()
+    })
+    .join()
+    .unwrap();
+    assert!(!stolen, "an owned lock stays its owner's");
+    assert!(lock.owned_here());
+    lock.revoke();
+    assert!(lock.revoked() && !lock.owned_here());
+    drop(lock.lock_claiming());
+    assert!(lock.revoked(), "a revoked lock is never claimed again");
+}
+
+#[test]
+fn try_lock_fails_on_either_side_while_the_other_holds() {
+    let lock = Arc::new(BiasedLock::new(0u32));
+    let owner_hold = lock.lock_claiming();
+    drop(owner_hold);
+    let held = lock.lock();
+    assert_eq!(held.hold, Hold::Owner);
+    let other = lock.clone();
+    assert!(std::thread::spawn(move || other.try_lock().is_none()).join().unwrap());
+    drop(held);
+    // A foreign holder keeps the owner out of its own fast path.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let other = lock.clone();
+    let t = std::thread::spawn(move || {
+        let guard = other.lock();
+        tx.send(guard.hold).unwrap();
+        done_rx.recv().unwrap();
+        drop(guard);
+    });
+    assert_eq!(rx.recv().unwrap(), if asymmetric() { Hold::Fenced } else { Hold::Gate });
+    assert!(lock.try_lock().is_none());
+    done_tx.send(()).unwrap();
+    t.join().unwrap();
+    assert!(lock.try_lock().is_some());
+}
+
+#[test]
+fn a_panicking_holder_lets_go_on_either_side() {
+    let lock = Arc::new(BiasedLock::new(0u32));
+    drop(lock.lock_claiming());
+    let died = {
+        let lock = lock.clone();
+        std::thread::spawn(move || {
+            let _guard = lock.lock();
+            panic!("a foreign holder dies");
+        })
+        .join()
+    };
+    assert!(died.is_err());
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _guard = lock.lock();
+        panic!("the owner's holder dies");
+    }));
+    assert!(caught.is_err());
+    *lock.lock() += 1;
+    let other = lock.clone();
+    std::thread::spawn(move || *other.lock() += 1).join().unwrap();
+    assert_eq!(*lock.lock(), 2);
+}
+
+#[test]
+fn many_foreign_takes_in_a_short_time_end_the_bias() {
+    assert!(too_often(REVOKE_TAKES, REVOKE_WINDOW / 2));
+    assert!(!too_often(REVOKE_TAKES, REVOKE_WINDOW));
+    assert!(!too_often(REVOKE_TAKES - 1, Duration::ZERO));
+}
+
+#[test]
+fn thread_tokens_are_distinct_and_never_the_reserved_values() {
+    let here = token();
+    assert_eq!(token(), here);
+    let seen = Arc::new(AtomicUsize::new(0));
+    let theirs: Vec<u64> = (0..4)
+        .map(|_| {
+            let seen = seen.clone();
+            std::thread::spawn(move || {
+                seen.fetch_add(1, Ordering::Relaxed);
+                token()
+            })
+            .join()
+            .unwrap()
+        })
+        .collect();
+    let mut all = theirs.clone();
+    all.push(here);
+    all.sort_unstable();
+    all.dedup();
+    assert_eq!(all.len(), 5);
+    assert!(all.iter().all(|&t| t != UNOWNED && t != REVOKED));
+}
