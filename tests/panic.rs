@@ -30,10 +30,11 @@ struct Work {
 
 impl Completion for Work {
     type Outcome = ();
-    fn complete(self, (): (), _ctx: &DeviceContext) {
+    type Shared = ();
+    fn complete(self, (): (), _ctx: &DeviceContext, (): &()) {
         umdev_mdev::sync::lock(&self.state).result = 1;
     }
-    fn fail(self, _ctx: &DeviceContext) {
+    fn fail(self, _ctx: &DeviceContext, (): &()) {
         umdev_mdev::sync::lock(&self.state).result = 2;
     }
 }

@@ -167,8 +167,9 @@ struct Job {
 
 impl Completion for Job {
     type Outcome = Result<u32, i32>;
+    type Shared = ();
 
-    fn complete(self, outcome: Result<u32, i32>, _ctx: &umdev_mdev::DeviceContext) {
+    fn complete(self, outcome: Result<u32, i32>, _ctx: &umdev_mdev::DeviceContext, (): &()) {
         // Reset meanwhile: the registers are no longer this job's. Looked at before taking
         // their lock too: a stale job the worker never took ends when a new command replaces
         // it, under that lock.
@@ -192,8 +193,8 @@ impl Completion for Job {
     }
 
     /// The device failed internally (the command's handling panicked): EIO.
-    fn fail(self, ctx: &umdev_mdev::DeviceContext) {
-        self.complete(Err(libc::EIO), ctx);
+    fn fail(self, ctx: &umdev_mdev::DeviceContext, (): &()) {
+        self.complete(Err(libc::EIO), ctx, &());
     }
 }
 

@@ -20,19 +20,31 @@
 //! unmap, which waits for them, returns. A detach also waits, boundedly, for every request
 //! to end, so nothing of the client's connection outlives it.
 //!
-//! Each lane has its own lock, a spin lock (a worker takes it a few times per request, almost
-//! never contended: only an unmap, a reset or a count looks at a lane from elsewhere), and
-//! workers of different queues share no lock or counter.
+//! Each lane has its own lock, biased to its worker ([`BiasedLock`]: the worker takes it a few
+//! times per request with plain stores; only an unmap, a reset or a count looks at a lane from
+//! elsewhere, and pays for both sides), and workers of different queues share no lock or
+//! counter. A permit holds no reference count of its own: the lane keeps itself, the client's
+//! context and what its requests share ([`Completion::Shared`]) while any permit is open, so
+//! a request at queue depth 32 does no locked instruction in the framework (each would wait
+//! for the stores of the transfer before it).
+//!
+//! The rule that keeps a permit's pointers sound (cited by its SAFETY comments as (R1)):
+//! **a lane, and each context a permit of it was given, stay allocated while the lane counts
+//! a permit open.** `LaneState::open` counts permits from [`Lane::begin`] to the end of their
+//! drop; while it is above zero, `LaneState::keep` holds an `Arc` of the lane, and a context
+//! the lane replaces goes to `LaneState::retired` instead of being dropped. Both are let go
+//! in the hold that counts the last permit down, after which that permit touches nothing.
 //! [`serve`] runs a request's handling so that a panic fails that request and the worker
 //! goes on.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
-use umdev_pinning::sync::{self, SpinGuard, SpinLock};
+use umdev_pinning::sync::{self, BiasedGuard, BiasedLock};
 use umdev_pinning::{PinnedPages, Prot, PAGE_SIZE};
 
 use crate::guest::{DeviceContext, GuestError};
@@ -42,11 +54,15 @@ use crate::guest::{DeviceContext, GuestError};
 pub trait Completion: Send + 'static {
     /// What the request produced.
     type Outcome;
+    /// What every request of a lane shares (its queue, say): given to the lane once
+    /// ([`Requests::lane_with`]) and to each completion by reference, so that a request
+    /// carries no reference count of it. `()` for nothing.
+    type Shared: Send + Sync + 'static;
     /// The request finished with `outcome`.
-    fn complete(self, outcome: Self::Outcome, ctx: &DeviceContext);
+    fn complete(self, outcome: Self::Outcome, ctx: &DeviceContext, shared: &Self::Shared);
     /// The request was dropped unfinished (or its handling panicked): report the device's
     /// documented failure.
-    fn fail(self, ctx: &DeviceContext);
+    fn fail(self, ctx: &DeviceContext, shared: &Self::Shared);
 }
 
 /// Why the framework cancelled a request.
@@ -89,7 +105,7 @@ struct Tracker {
     /// Bumped by every attach and detach: a lane refreshes its copy of the context when it
     /// has moved.
     attachment: AtomicU64,
-    lanes: Mutex<Vec<Weak<LaneInner>>>,
+    lanes: Mutex<Vec<Weak<dyn AsCore>>>,
 }
 
 impl Requests {
@@ -100,17 +116,30 @@ impl Requests {
 
     /// A lane for one worker; `wake` wakes that worker when one of its requests is cancelled.
     pub fn lane(&self, wake: impl Fn() + Send + Sync + 'static) -> Lane {
+        self.lane_with((), wake)
+    }
+
+    /// A lane whose requests share `shared` ([`Completion::Shared`]).
+    pub fn lane_with<S: Send + Sync + 'static>(
+        &self,
+        shared: S,
+        wake: impl Fn() + Send + Sync + 'static,
+    ) -> Lane<S> {
         let inner = Arc::new(LaneInner {
-            tracker: self.inner.clone(),
-            state: SpinLock::new(LaneState::default()),
-            cancelled: AtomicUsize::new(0),
-            idle: Mutex::new(()),
-            idled: Condvar::new(),
-            wake: Box::new(wake),
+            core: LaneCore {
+                tracker: self.inner.clone(),
+                state: BiasedLock::new(LaneState::default()),
+                cancelled: AtomicUsize::new(0),
+                idle: Mutex::new(()),
+                idled: Condvar::new(),
+                wake: Box::new(wake),
+            },
+            shared,
         });
         let mut lanes = sync::lock(&self.inner.lanes);
         lanes.retain(|l| l.strong_count() > 0);
-        lanes.push(Arc::downgrade(&inner));
+        let weak: Weak<dyn AsCore> = Arc::downgrade(&inner) as Weak<LaneInner<S>>;
+        lanes.push(weak);
         Lane { inner }
     }
 
@@ -133,7 +162,7 @@ impl Requests {
         // The lanes' copies go too: a context holds the client's connection.
         self.each_lane(|lane| {
             let mut st = lane.state();
-            st.ctx = None;
+            st.replace_ctx(None);
             st.attachment = attachment;
         });
         self.cancel_all();
@@ -210,11 +239,11 @@ impl Requests {
         idle
     }
 
-    fn each_lane(&self, mut f: impl FnMut(&LaneInner)) {
-        let lanes: Vec<Arc<LaneInner>> =
+    fn each_lane(&self, mut f: impl FnMut(&LaneCore)) {
+        let lanes: Vec<Arc<dyn AsCore>> =
             sync::lock(&self.inner.lanes).iter().filter_map(Weak::upgrade).collect();
         for lane in &lanes {
-            f(lane);
+            f(lane.core());
         }
     }
 }
@@ -227,13 +256,29 @@ impl std::fmt::Debug for Requests {
 
 /// One worker's requests: permits are taken here, under the lane's own lock. Clones share
 /// the lane.
-pub struct Lane {
-    inner: Arc<LaneInner>,
+pub struct Lane<S = ()> {
+    inner: Arc<LaneInner<S>>,
 }
 
-struct LaneInner {
+struct LaneInner<S> {
+    core: LaneCore,
+    shared: S,
+}
+
+/// A lane as the tracker sees it, whatever its requests share.
+trait AsCore: Send + Sync {
+    fn core(&self) -> &LaneCore;
+}
+
+impl<S: Send + Sync> AsCore for LaneInner<S> {
+    fn core(&self) -> &LaneCore {
+        &self.core
+    }
+}
+
+struct LaneCore {
     tracker: Arc<Tracker>,
-    state: SpinLock<LaneState>,
+    state: BiasedLock<LaneState>,
     /// Requests of the lane whose slot holds a cancellation: until there is one, a permit's
     /// look ([`Permit::cancelled`]) is this one load.
     cancelled: AtomicUsize,
@@ -248,6 +293,10 @@ struct LaneInner {
 struct LaneState {
     /// The context as of `attachment`: the lane's own copy.
     ctx: Option<Arc<DeviceContext>>,
+    /// Contexts replaced while permits given them were open (R1).
+    retired: Vec<Arc<DeviceContext>>,
+    /// The lane itself while a permit is open (R1).
+    keep: Option<Arc<dyn AsCore>>,
     attachment: u64,
     slots: Vec<Slot>,
     free: Vec<u32>,
@@ -264,33 +313,47 @@ struct Slot {
     cancel: Option<Cancel>,
 }
 
-impl LaneInner {
+impl LaneState {
+    /// Sets the lane's context, keeping the old one while permits may use it (R1).
+    fn replace_ctx(&mut self, ctx: Option<Arc<DeviceContext>>) {
+        if let Some(old) = std::mem::replace(&mut self.ctx, ctx) {
+            if self.open > 0 {
+                self.retired.push(old);
+            }
+        }
+    }
+}
+
+impl LaneCore {
+    /// The lane's state, from anywhere (the worker's own takes are cheap).
     #[inline]
-    fn state(&self) -> SpinGuard<'_, LaneState> {
+    fn state(&self) -> BiasedGuard<'_, LaneState> {
         self.state.lock()
     }
 }
 
-impl Clone for Lane {
+impl<S> Clone for Lane<S> {
     fn clone(&self) -> Self {
         Lane { inner: self.inner.clone() }
     }
 }
 
-impl Lane {
+impl<S: Send + Sync + 'static> Lane<S> {
     /// Takes on a request that ends through `completion`; [`Detached`] (with `completion`
-    /// back, unreported) if no client is attached.
-    pub fn begin<C: Completion>(&self, completion: C) -> Result<Permit<C>, Detached<C>> {
-        let lane = &self.inner;
-        let mut st = lane.state();
+    /// back, unreported) if no client is attached. The thread that first calls this owns the
+    /// lane's lock (see the module documentation): the worker.
+    pub fn begin<C: Completion<Shared = S>>(&self, completion: C) -> Result<Permit<C>, Detached<C>> {
+        let lane = &self.inner.core;
+        let mut st = lane.state.lock_claiming();
         let attachment = lane.tracker.attachment.load(Ordering::Acquire);
         if st.attachment != attachment {
-            // A copy of the lane's own: each permit clones it, and an `Arc` shared by every
-            // lane would have the workers of different queues bump one reference count.
-            st.ctx = sync::lock(&lane.tracker.context).as_deref().cloned().map(Arc::new);
+            // A copy of the lane's own: an `Arc` shared by every lane would have the workers
+            // of different queues touch one line.
+            let ctx = sync::lock(&lane.tracker.context).as_deref().cloned().map(Arc::new);
+            st.replace_ctx(ctx);
             st.attachment = attachment;
         }
-        let Some(ctx) = st.ctx.clone() else { return Err(Detached(completion)) };
+        let Some(ctx) = st.ctx.as_deref().map(NonNull::from) else { return Err(Detached(completion)) };
         let index = match st.free.pop() {
             Some(i) => i,
             None => {
@@ -300,23 +363,32 @@ impl Lane {
         };
         // A slot is freed with no ranges and no cancellation (`Permit::drop`).
         st.slots[index as usize].live = true;
+        if st.open == 0 {
+            st.keep = Some(self.inner.clone());
+        }
         st.open += 1;
         drop(st);
-        Ok(Permit { completion: Some(completion), lane: lane.clone(), index, ctx, pins: SmallVec::new() })
+        let lane = NonNull::from(&*self.inner);
+        Ok(Permit { completion: Some(completion), lane, index, ctx, pins: SmallVec::new() })
     }
 
     /// The client's context, if one is attached.
     pub fn context(&self) -> Option<DeviceContext> {
-        sync::lock(&self.inner.tracker.context).as_deref().cloned()
+        sync::lock(&self.inner.core.tracker.context).as_deref().cloned()
     }
 
     /// Requests of this lane in flight now.
     pub fn in_flight(&self) -> usize {
-        self.inner.state().open
+        self.inner.core.state().open
+    }
+
+    /// What the lane's requests share.
+    pub fn shared(&self) -> &S {
+        &self.inner.shared
     }
 }
 
-impl std::fmt::Debug for Lane {
+impl<S: Send + Sync + 'static> std::fmt::Debug for Lane<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Lane").field("in_flight", &self.in_flight()).finish_non_exhaustive()
     }
@@ -325,14 +397,32 @@ impl std::fmt::Debug for Lane {
 /// One request in flight: complete it, or drop it to fail it.
 pub struct Permit<C: Completion> {
     completion: Option<C>,
-    lane: Arc<LaneInner>,
+    /// Its lane, kept while the permit is open (R1).
+    lane: NonNull<LaneInner<C::Shared>>,
     index: u32,
-    ctx: Arc<DeviceContext>,
+    /// The context it was given, kept while the permit is open (R1).
+    ctx: NonNull<DeviceContext>,
     /// The request's pins, released with the permit (or by [`Permit::release_pins`]).
     pins: SmallVec<[PinnedPages; 1]>,
 }
 
+// SAFETY: (R1) the pointers are shared references to a lane and a context that outlive the
+// permit; both are `Sync` (a lane's parts are, and `C::Shared` is by its bound), so the
+// permit may move to another thread like a pair of `Arc`s. What else it holds is `Send`.
+unsafe impl<C: Completion> Send for Permit<C> {}
+
 impl<C: Completion> Permit<C> {
+    #[inline]
+    fn lane(&self) -> &LaneInner<C::Shared> {
+        // SAFETY: (R1) the lane stays allocated while this permit is open.
+        unsafe { self.lane.as_ref() }
+    }
+
+    /// What the lane's requests share.
+    pub fn shared(&self) -> &C::Shared {
+        &self.lane().shared
+    }
+
     /// The request's completion (and whatever request data it carries).
     pub fn get(&self) -> &C {
         self.completion.as_ref().expect("present until the permit is consumed")
@@ -345,17 +435,19 @@ impl<C: Completion> Permit<C> {
 
     /// The client's context the request runs in.
     pub fn ctx(&self) -> &DeviceContext {
-        &self.ctx
+        // SAFETY: (R1) the context stays allocated while this permit is open.
+        unsafe { self.ctx.as_ref() }
     }
 
     /// Why the request was cancelled, if it was: it should stop at its next block.
     pub fn cancelled(&self) -> Option<Cancel> {
         // Acquire: pairs with the canceller's increment, made under the lock after it set the
         // slot's cancellation, so the lock below finds it.
-        if self.lane.cancelled.load(Ordering::Acquire) == 0 {
+        let lane = &self.lane().core;
+        if lane.cancelled.load(Ordering::Acquire) == 0 {
             return None;
         }
-        self.lane.state().slots[self.index as usize].cancel
+        lane.state().slots[self.index as usize].cancel
     }
 
     /// Pins the guest pages `pfns` for `prot` with one call to the engine (see
@@ -365,7 +457,7 @@ impl<C: Completion> Permit<C> {
         // Announced before the engine pins: an unmap that starts meanwhile (a long lock-mode
         // call) or right after finds the ranges and cancels the request.
         let before = {
-            let mut st = self.lane.state();
+            let mut st = self.lane().core.state();
             let ranges = &mut st.slots[self.index as usize].ranges;
             let before = ranges.len();
             // One range per stretch of consecutive page numbers (a PRP list's 32 pages of a
@@ -387,13 +479,13 @@ impl<C: Completion> Permit<C> {
             }
             before
         };
-        match self.ctx.pin_pages(pfns, prot) {
+        match self.ctx().pin_pages(pfns, prot) {
             Ok(pins) => {
                 self.pins.push(pins);
                 Ok(self.pins.last().expect("just pushed"))
             }
             Err(e) => {
-                self.lane.state().slots[self.index as usize].ranges.truncate(before);
+                self.lane().core.state().slots[self.index as usize].ranges.truncate(before);
                 Err(e)
             }
         }
@@ -404,7 +496,7 @@ impl<C: Completion> Permit<C> {
     /// cancels the request, as for its own pins. Until [`Permit::release_pins`] or the end.
     pub fn claim(&mut self, iova: u64, len: u64) {
         let end = iova.saturating_add(len);
-        self.lane.state().slots[self.index as usize].ranges.push((iova, end));
+        self.lane().core.state().slots[self.index as usize].ranges.push((iova, end));
     }
 
     /// The request's pins, in the order they were taken.
@@ -417,21 +509,22 @@ impl<C: Completion> Permit<C> {
     /// unmap waits for are gone. A [`Cancel::Reset`] stays.
     pub fn release_pins(&mut self) -> bool {
         self.pins.clear();
-        let mut st = self.lane.state();
+        let lane = &self.lane().core;
+        let mut st = lane.state();
         let slot = &mut st.slots[self.index as usize];
         slot.ranges.clear();
         if slot.cancel != Some(Cancel::Unmapped) {
             return false;
         }
         slot.cancel = None;
-        self.lane.cancelled.fetch_sub(1, Ordering::Relaxed);
+        lane.cancelled.fetch_sub(1, Ordering::Relaxed);
         true
     }
 
     /// Ends the request with `outcome` (its pins are released after the completion reports).
     pub fn complete(mut self, outcome: C::Outcome) {
         if let Some(completion) = self.completion.take() {
-            completion.complete(outcome, &self.ctx);
+            completion.complete(outcome, self.ctx(), self.shared());
         }
     }
 
@@ -445,24 +538,30 @@ impl<C: Completion> Permit<C> {
 impl<C: Completion> Drop for Permit<C> {
     fn drop(&mut self) {
         if let Some(completion) = self.completion.take() {
-            completion.fail(&self.ctx);
+            completion.fail(self.ctx(), self.shared());
         }
         self.pins.clear();
-        let mut st = self.lane.state();
+        let lane = &self.lane().core;
+        let mut st = lane.state();
         let slot = &mut st.slots[self.index as usize];
         slot.live = false;
         slot.ranges.clear();
         if slot.cancel.take().is_some() {
-            self.lane.cancelled.fetch_sub(1, Ordering::Relaxed);
+            lane.cancelled.fetch_sub(1, Ordering::Relaxed);
         }
         st.free.push(self.index);
         st.open -= 1;
         let notify = st.open == 0 && st.waiters > 0;
+        // The last open permit lets go of what kept the lane and its old contexts (R1), after
+        // the hold and the notification: nothing of the lane is touched after this drop.
+        let kept =
+            if st.open == 0 { (st.keep.take(), std::mem::take(&mut st.retired)) } else { Default::default() };
         drop(st);
         if notify {
-            let _waiting = sync::lock(&self.lane.idle);
-            self.lane.idled.notify_all();
+            let _waiting = sync::lock(&lane.idle);
+            lane.idled.notify_all();
         }
+        drop(kept);
     }
 }
 
@@ -504,10 +603,11 @@ mod tests {
 
     impl Completion for Report {
         type Outcome = u32;
-        fn complete(self, outcome: u32, _ctx: &DeviceContext) {
+        type Shared = ();
+        fn complete(self, outcome: u32, _ctx: &DeviceContext, (): &()) {
             let _ = self.0.send(Ok(outcome));
         }
-        fn fail(self, _ctx: &DeviceContext) {
+        fn fail(self, _ctx: &DeviceContext, (): &()) {
             let _ = self.0.send(Err(()));
         }
     }

@@ -25,7 +25,7 @@
 //! - **mapping**: one mapped range: IOVA pages, host memory, state (live, unmapping,
 //!   removed). The **mapping table**: a space's mappings by first page.
 //! - **shard**: one of a space's 16 per-thread parts (each thread has one, round robin): a
-//!   spin lock, the records of calls made from it, a stock of pins, counts, a lookup hint.
+//!   lock biased to the first thread that pins through it, the records of calls made from it, a stock of pins, counts, a lookup hint.
 //!   The **shard table**: the mapping table behind the shard locks, and the shards.
 //! - **run** ([`PinnedRun`]): consecutive entries of a call naming consecutive pages of one
 //!   mapping, pinned as one step. Its **mapping index**: which of its call's mappings.
@@ -37,7 +37,8 @@
 //!   [`PinnedPages::forget`]).
 //! - **stock**: pins a shard or a mapping reserved from the space's `max_pins`.
 //! - **lock account** ([`LockAccount`]): the budget of bytes lock mode mlocks; **spin lock**:
-//!   the lock of a shard or of a mapping's pin state; **lock mode** ([`PinMode::Lock`]).
+//!   the lock of a mapping's pin state; **biased lock**: a shard's lock, taken by its owning
+//!   thread with plain stores (DESIGN.md I19); **lock mode** ([`PinMode::Lock`]).
 //! - **counts**: calls, runs, pages and syscalls, summed into [`DmaStats`].
 //! - **orphan**: a mapping `abandon_all` took while records still name it.
 //! - **kernel mode** ([`PinMode::Kernel`]): track mode's records, and the kernel's long-term

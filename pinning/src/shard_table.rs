@@ -1,8 +1,8 @@
 //! The shard table: a space's mapping table behind one lock per shard, and each shard's
 //! track-mode records, stock of pins and counts.
 //!
-//! Reading the table takes the calling thread's shard lock only (a [`SpinLock`]: one atomic
-//! swap to take, a plain store to give back); changing it takes all of them, in order, and
+//! Reading the table takes the calling thread's shard lock only (a [`BiasedLock`]: for the
+//! thread that owns the shard, plain stores and loads to take and give back); changing it takes all of them, in order, and
 //! clears every shard's hint (DESIGN.md I2). A track-mode pin call does its whole work (look
 //! up its pages, check their mappings are live, record its runs) under its own shard's lock:
 //! one uncontended lock per call, shared with no other thread. An unmap marks its mappings
@@ -20,6 +20,7 @@ use std::sync::Arc;
 use crossbeam_utils::CachePadded;
 use smallvec::SmallVec;
 
+use crate::biased::{BiasedGuard, BiasedLock};
 use crate::counters::Counts;
 use crate::mapping::Mapping;
 use crate::record::{
@@ -27,7 +28,6 @@ use crate::record::{
 };
 use crate::run::PinnedRun;
 use crate::shard::{this_shard, SHARDS};
-use crate::spin::{SpinGuard, SpinLock};
 
 /// Emptied records a shard keeps for reuse.
 const FREE_RECORDS: usize = 64;
@@ -391,12 +391,12 @@ impl Drop for Shard {
 
 // A shard and its lock in two cache lines (of the 128-byte pairs `CachePadded` aligns to):
 // a pin touches them and nothing else of the table.
-const _: () = assert!(std::mem::size_of::<CachePadded<SpinLock<Shard>>>() <= 256);
+const _: () = assert!(std::mem::size_of::<CachePadded<BiasedLock<Shard>>>() <= 256);
 
 /// The mapping table and the shards, as described in the module documentation.
 #[derive(Default)]
 pub(crate) struct ShardTable {
-    shards: [CachePadded<SpinLock<Shard>>; SHARDS],
+    shards: [CachePadded<BiasedLock<Shard>>; SHARDS],
     table: UnsafeCell<MappingTable>,
 }
 
@@ -415,7 +415,7 @@ impl std::fmt::Debug for ShardTable {
 
 /// The table read under the calling thread's shard lock, and that shard.
 pub(crate) struct TableRead<'a> {
-    shard: SpinGuard<'a, Shard>,
+    shard: BiasedGuard<'a, Shard>,
     index: usize,
     table: &'a MappingTable,
 }
@@ -444,7 +444,7 @@ impl Deref for TableRead<'_> {
 
 /// The table under every shard lock.
 pub(crate) struct TableWrite<'a> {
-    _shards: SmallVec<[SpinGuard<'a, Shard>; SHARDS]>,
+    _shards: SmallVec<[BiasedGuard<'a, Shard>; SHARDS]>,
     table: &'a mut MappingTable,
 }
 
@@ -467,7 +467,10 @@ impl ShardTable {
     #[inline]
     pub(crate) fn read(&self) -> TableRead<'_> {
         let index = this_shard();
-        let shard = self.shards[index].lock();
+        // Claiming: the first thread to pin through a shard owns its lock, and takes it from
+        // then on with plain stores (I19); a guard dropped elsewhere, an unmap's look or a
+        // table write pays for both sides.
+        let shard = self.shards[index].lock_claiming();
         // SAFETY: (I2) we hold a shard lock, so no TableWrite (which holds them all) exists; other
         // readers only read.
         let table = unsafe { &*self.table.get() };
@@ -477,7 +480,7 @@ impl ShardTable {
     /// Locks every shard, in order, and gives the table for changing. The thread must not
     /// hold a shard lock of this table already.
     pub(crate) fn write(&self) -> TableWrite<'_> {
-        let mut shards: SmallVec<[SpinGuard<'_, Shard>; SHARDS]> =
+        let mut shards: SmallVec<[BiasedGuard<'_, Shard>; SHARDS]> =
             self.shards.iter().map(|s| s.lock()).collect();
         // The table may change: every shard's hint may point at an entry about to go.
         for shard in &mut shards {
@@ -490,7 +493,7 @@ impl ShardTable {
 
     /// Shard `index` alone (for a guard's retirement; the table is not read).
     #[inline]
-    pub(crate) fn lock_shard(&self, index: usize) -> SpinGuard<'_, Shard> {
+    pub(crate) fn lock_shard(&self, index: usize) -> BiasedGuard<'_, Shard> {
         self.shards[index].lock()
     }
 
@@ -526,7 +529,7 @@ impl ShardTable {
     }
 
     /// This thread's shard alone, for counting an event (the thread must hold no shard lock).
-    pub(crate) fn counts_here(&self) -> SpinGuard<'_, Shard> {
+    pub(crate) fn counts_here(&self) -> BiasedGuard<'_, Shard> {
         self.lock_shard(this_shard())
     }
 }

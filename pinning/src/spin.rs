@@ -1,17 +1,17 @@
-//! The lock of a thread shard, and of a mapping's pin state: data that every pin call takes,
-//! almost always uncontended. Exported ([`crate::sync::SpinLock`]) for locks of the same kind
-//! outside the engine: a device worker's per-request bookkeeping (umdev-mdev's request lanes).
+//! The lock of a mapping's pin state, of the kernel table's slots and of the budget's
+//! departed counts: taken by any thread, almost always uncontended. Exported
+//! ([`crate::sync::SpinLock`]) for locks of the same kind outside the engine. A lock that one
+//! thread takes nearly always is a [`crate::sync::BiasedLock`] instead (a shard's, a device
+//! worker's request lane).
 //!
 //! Taking it is one atomic swap; giving it back is a plain release store, where a futex
 //! mutex spends a second atomic read-modify-write to learn whether to wake a waiter. What
 //! that buys: about 1-2 ns per take and give, 3-5% of a one-page pin+drop or translation
 //! (std's `Mutex` in its place, alternating: docs/benchmarks.md). The price is that
 //! waiters cannot sleep on it: they spin a little, then yield, then nap briefly. That suits
-//! a shard: contended only when more threads than shards pin at once, when another thread
-//! drops a guard or reads totals, and while a map or unmap changes the table — short holds
-//! with no syscalls in them but the table change's own. It suits a mapping's pin state too:
-//! held for a count update, or in lock mode for the mlock or munlock of a call's fresh pages,
-//! which a waiter would otherwise sleep through in a futex for about as long.
+//! a mapping's pin state: held for a count update, or in lock mode for the mlock or munlock
+//! of a call's fresh pages, which a waiter would otherwise sleep through in a futex for
+//! about as long.
 //!
 //! A holder that panics gives the lock back as it unwinds; there is no poisoning (see
 //! [`crate::sync`]: every shard's state stays consistent between its stores).
@@ -88,14 +88,6 @@ impl<T> SpinLock<T> {
     pub(crate) fn get_mut(&mut self) -> &mut T {
         self.value.get_mut()
     }
-
-    /// Takes the lock if nobody holds it.
-    pub(crate) fn try_lock(&self) -> Option<SpinGuard<'_, T>> {
-        if self.locked.load(Ordering::Relaxed) || self.locked.swap(true, Ordering::Acquire) {
-            return None;
-        }
-        Some(SpinGuard { lock: self, _not_send: PhantomData })
-    }
 }
 
 impl<T> std::fmt::Debug for SpinLock<T> {
@@ -162,12 +154,8 @@ mod tests {
     }
 
     #[test]
-    fn try_lock_fails_while_held_and_a_panicking_holder_lets_go() {
+    fn a_panicking_holder_lets_go() {
         let lock = Arc::new(SpinLock::<u32>::default());
-        let guard = lock.lock();
-        assert!(lock.try_lock().is_none());
-        drop(guard);
-        assert!(lock.try_lock().is_some());
         let held = Arc::clone(&lock);
         let died = std::thread::spawn(move || {
             let _guard = held.lock();
@@ -175,7 +163,7 @@ mod tests {
         })
         .join();
         assert!(died.is_err());
-        *lock.try_lock().expect("free after the holder unwound") += 1;
+        *lock.lock() += 1;
         assert_eq!(*lock.lock(), 1);
     }
 }

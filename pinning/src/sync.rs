@@ -6,7 +6,7 @@
 //! is still the best record there is. These helpers take the guard either way instead of
 //! spreading `.lock().unwrap_or_else(|p| p.into_inner())` through the code.
 
-pub use crate::biased::{BiasedGuard, BiasedLock};
+pub use crate::biased::{asymmetric_heavy_fence, asymmetric_light_fence, BiasedGuard, BiasedLock};
 pub use crate::spin::{SpinGuard, SpinLock};
 
 use std::sync::{Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard, WaitTimeoutResult};

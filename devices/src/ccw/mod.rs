@@ -211,14 +211,15 @@ struct Job {
 
 impl Completion for Job {
     type Outcome = Status;
+    type Shared = ();
 
-    fn complete(self, status: Status, ctx: &DeviceContext) {
+    fn complete(self, status: Status, ctx: &DeviceContext, (): &()) {
         self.shared.complete(&self, status, ctx);
     }
 
     /// The device failed internally (its handling of the program panicked): the program
     /// ends with unit check, reason `DeviceError`, nothing counted (docs/ccw.md).
-    fn fail(self, ctx: &DeviceContext) {
+    fn fail(self, ctx: &DeviceContext, (): &()) {
         let (dstat, cstat) = Reason::DeviceError.status_bits();
         let status = Status {
             dstat,

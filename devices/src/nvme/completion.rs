@@ -212,11 +212,11 @@ impl Completer {
     }
 }
 
-/// A command in flight: its entry (for the error log and the completion) and its queue's
-/// completion side. Small: a permit carrying it moves through the worker by value.
-#[derive(Debug)]
+/// A command in flight: its entry (for the error log and the completion). Its queue's
+/// completion side is its lane's ([`Completion::Shared`]). Small: a permit carrying it moves
+/// through the worker by value.
+#[derive(Debug, Default)]
 pub struct Command {
-    completer: Arc<Completer>,
     sqe: Sqe,
 }
 
@@ -272,21 +272,6 @@ impl From<Status> for Outcome {
 }
 
 impl Command {
-    /// A command of `completer`'s queue; its entry is set once fetched ([`Command::set_sqe`]).
-    pub fn new(completer: Arc<Completer>) -> Command {
-        Command { completer, sqe: Sqe::default() }
-    }
-
-    /// The controller.
-    pub fn ctrl(&self) -> &Arc<Ctrl> {
-        &self.completer.ctrl
-    }
-
-    /// The queue it came from.
-    pub fn sq(&self) -> &Arc<Sq> {
-        &self.completer.sq
-    }
-
     /// The entry as fetched.
     pub fn set_sqe(&mut self, sqe: Sqe) {
         self.sqe = sqe;
@@ -300,19 +285,20 @@ impl Command {
 
 impl Completion for Command {
     type Outcome = Outcome;
+    type Shared = Arc<Completer>;
 
-    fn complete(self, outcome: Outcome, ctx: &DeviceContext) {
+    fn complete(self, outcome: Outcome, ctx: &DeviceContext, completer: &Arc<Completer>) {
         match outcome {
-            Outcome::Done(status, dw0) => self.completer.finish(ctx, &self.sqe, status, dw0),
+            Outcome::Done(status, dw0) => completer.finish(ctx, &self.sqe, status, dw0),
             Outcome::Held => {}
             // Completing a permit whose transfer was never started: the worker's own mistake,
             // and the host still gets an answer.
-            Outcome::Started => self.completer.finish(ctx, &self.sqe, Status::INTERNAL_ERROR, 0),
+            Outcome::Started => completer.finish(ctx, &self.sqe, Status::INTERNAL_ERROR, 0),
         }
     }
 
     /// The handling of the command failed inside the controller: Internal Error.
-    fn fail(self, ctx: &DeviceContext) {
-        self.completer.finish(ctx, &self.sqe, Status::INTERNAL_ERROR, 0);
+    fn fail(self, ctx: &DeviceContext, completer: &Arc<Completer>) {
+        completer.finish(ctx, &self.sqe, Status::INTERNAL_ERROR, 0);
     }
 }

@@ -22,7 +22,7 @@ use super::state::AdminState;
 use super::stats::QueueStats;
 use umdev_mdev::irq::{IrqHandle, IrqMode};
 use umdev_mdev::pci::Host;
-use umdev_mdev::request::{Lane, Requests};
+use umdev_mdev::request::Requests;
 use umdev_mdev::worker::{Bell, Worker};
 use umdev_mdev::DeviceContext;
 
@@ -187,7 +187,7 @@ pub enum EnableError {
 
 /// Starts a queue's worker: `(controller, queue, its lane, its bell, the running count
 /// guard, the generation)`. The controller is made with one ([`Ctrl::new`]).
-pub type Spawn = fn(&Arc<Ctrl>, Arc<Sq>, Lane, &Bell, Running, u64) -> std::io::Result<Worker<Stop>>;
+pub type Spawn = fn(&Arc<Ctrl>, Arc<Sq>, &Bell, Running, u64) -> std::io::Result<Worker<Stop>>;
 
 /// The controller registers the guest writes.
 #[derive(Debug, Default)]
@@ -258,7 +258,7 @@ pub struct Ctrl {
     /// Volatile write cache enabled (Set Features 06h), read on every write.
     write_cache: AtomicBool,
     /// The framework's tracker of the commands, which holds the client's context.
-    requests: Requests,
+    pub(crate) requests: Requests,
     spawn: Spawn,
     /// Queue workers alive.
     running: Arc<AtomicUsize>,
@@ -572,13 +572,9 @@ impl Ctrl {
     ) -> std::io::Result<()> {
         let id = usize::from(sq.id);
         let bell = self.sq_doorbells[id].bell().clone();
-        let lane = {
-            let bell = bell.clone();
-            self.requests.lane(move || bell.ring())
-        };
         self.running.fetch_add(1, Ordering::AcqRel);
         let alive = Running(self.running.clone());
-        let worker = (self.spawn)(self, sq.clone(), lane, &bell, alive, generation)?;
+        let worker = (self.spawn)(self, sq.clone(), &bell, alive, generation)?;
         queues.sqs[id] = Some(SqEntry { sq, worker });
         Ok(())
     }

@@ -149,7 +149,7 @@ pub fn finish((mut permit, t): (Permit<Command>, Started), result: std::io::Resu
     let poisoned = permit.pins().iter().any(|p| p.poisoned());
     // The client truncated the memory, or unmapped it while the host was moving it.
     let unmapped = permit.release_pins();
-    let (ctrl, qid, nsid) = (permit.get().ctrl().clone(), permit.get().sq().id, t.nsid);
+    let (ctrl, qid, nsid) = (permit.shared().ctrl().clone(), permit.shared().sq().id, t.nsid);
     let status = match result {
         Ok(_) if poisoned || unmapped => Status::DATA_TRANSFER_ERROR,
         Ok(_) => {

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
-use umdev_pinning::sync::SpinLock;
+use umdev_pinning::sync::{asymmetric_heavy_fence, asymmetric_light_fence, BiasedLock};
 use umdev_pinning::{PinnedPages, Prot};
 use vm_memory::mmap::MmapRegion;
 use vm_memory::{Bytes, FileOffset, VolatileMemory};
@@ -240,9 +240,9 @@ pub struct Sq {
     /// Entries.
     pub entries: u32,
     ring: Ring,
-    /// The ring's pins. Its worker fetches under this lock, an Abort looks under it, and an
-    /// unmap takes the pins away under it: short holds, almost never contended.
-    ring_pins: SpinLock<Option<PinnedPages>>,
+    /// The ring's pins. Its worker fetches under this lock (biased to it: plain stores), an
+    /// Abort looks under it, and an unmap takes the pins away under it.
+    ring_pins: BiasedLock<Option<PinnedPages>>,
     /// The completion queue its commands complete on.
     pub cq: Arc<Cq>,
     /// Head as the worker last published it (the next entry it fetches).
@@ -263,7 +263,7 @@ impl Sq {
             id,
             entries,
             ring: Ring::new(base, entries, SQE_SIZE, Prot::READ),
-            ring_pins: SpinLock::new(None),
+            ring_pins: BiasedLock::new(None),
             cq,
             head: AtomicU32::new(0),
             known_tail: AtomicU32::new(0),
@@ -274,14 +274,18 @@ impl Sq {
 
     /// Reads entry `index`.
     pub fn fetch(&self, ctx: &DeviceContext, index: u32) -> Result<Sqe, RingError> {
-        self.ring.read(&mut self.ring_pins.lock(), ctx, index)
+        self.ring.read(&mut self.ring_pins.lock_claiming(), ctx, index)
     }
 
     /// Publishes the head after a fetch; true if the fetched command `cid` was aborted
     /// while it waited (an Abort found it between the old head and the tail).
     pub fn advance(&self, head: u32, cid: u16) -> bool {
-        self.head.store(head, Ordering::SeqCst);
-        if !self.has_aborts.load(Ordering::SeqCst) {
+        // Dekker's handshake with `abort`: it raises `has_aborts`, fences, reads `head`; we
+        // store `head`, fence, read `has_aborts`. One of us sees the other. Our fence is the
+        // light half: no locked instruction per command.
+        self.head.store(head, Ordering::Release);
+        asymmetric_light_fence();
+        if !self.has_aborts.load(Ordering::Acquire) {
             return false;
         }
         let mut aborts = umdev_mdev::sync::lock(&self.aborts);
@@ -298,8 +302,9 @@ impl Sq {
         if aborts.len() >= 4 {
             return Err(Status::ABORT_LIMIT);
         }
-        self.has_aborts.store(true, Ordering::SeqCst);
-        let mut at = self.head.load(Ordering::SeqCst);
+        self.has_aborts.store(true, Ordering::Relaxed);
+        asymmetric_heavy_fence();
+        let mut at = self.head.load(Ordering::Acquire);
         let mut found = false;
         while at != tail && at < self.entries {
             if self.fetch(ctx, at).is_ok_and(|e| e.cid() == cid) {
@@ -379,7 +384,9 @@ pub struct Cq {
     /// Interrupts enabled.
     pub interrupts: bool,
     ring: Ring,
-    state: Mutex<CqState>,
+    /// Biased to the first thread that posts (its SQ's worker): a post takes it with plain
+    /// stores; another SQ's worker sharing the CQ, or an unmap, pays for both sides.
+    state: BiasedLock<CqState>,
     /// Coalescing as configured when the queue was created, or later: threshold in the low
     /// byte, time in the next (read by every post: one load, not a lock).
     coalescing: AtomicU32,
@@ -406,7 +413,7 @@ impl Cq {
             vector,
             interrupts,
             ring: Ring::new(base, entries, CQE_SIZE, Prot::READ_WRITE),
-            state: Mutex::new(CqState {
+            state: BiasedLock::new(CqState {
                 pins: None,
                 tail: 0,
                 phase: true,
@@ -441,7 +448,7 @@ impl Cq {
         head: impl FnOnce() -> u32,
         queued: u32,
     ) -> Result<Signal, PostError> {
-        let mut st = umdev_mdev::sync::lock(&self.state);
+        let mut st = self.state.lock_claiming();
         let next = (st.tail + 1) % self.entries;
         if next == st.known_head {
             st.known_head = head();
@@ -462,7 +469,7 @@ impl Cq {
 
     /// Whether an entry fits given the host's `head`.
     pub fn has_room(&self, head: u32) -> bool {
-        (umdev_mdev::sync::lock(&self.state).tail + 1) % self.entries != head
+        (self.state.lock().tail + 1) % self.entries != head
     }
 
     fn signal(&self, st: &mut CqState, queued: u32) -> Signal {
@@ -503,7 +510,7 @@ impl Cq {
         if !self.interrupts {
             return false;
         }
-        let mut st = umdev_mdev::sync::lock(&self.state);
+        let mut st = self.state.lock();
         let time_up = st.deadline.is_some_and(|d| Instant::now() >= d);
         let due = st.unsignalled > 0 && (time_up || (idle && st.deadline.is_none()));
         if due {
@@ -516,13 +523,13 @@ impl Cq {
 
     /// When held entries must interrupt by, if an aggregation time holds them.
     pub fn deadline(&self) -> Option<Instant> {
-        umdev_mdev::sync::lock(&self.state).deadline
+        self.state.lock().deadline
     }
 
     /// Lets go of ring pins in an unmapped range (the next post pins again).
     pub fn unmapping(&self, iova: u64, len: u64) {
         if self.ring.overlaps(iova, len) {
-            let pins = umdev_mdev::sync::lock(&self.state).pins.take();
+            let pins = self.state.lock().pins.take();
             drop(pins);
         }
     }

@@ -73,7 +73,6 @@ const DELETE_DRAIN: Duration = Duration::from_secs(2);
 pub fn spawn(
     ctrl: &Arc<Ctrl>,
     sq: Arc<Sq>,
-    lane: Lane,
     bell: &Bell,
     alive: Running,
     generation: u64,
@@ -81,6 +80,11 @@ pub fn spawn(
     let id = sq.id;
     let name = if id == 0 { "umdev-nvme-admin".to_string() } else { format!("umdev-nvme-q{id}") };
     let completer = Completer::new(ctrl.clone(), sq, generation);
+    // The lane keeps the completer for its commands, which carry none of their own.
+    let lane = {
+        let bell = bell.clone();
+        ctrl.requests.lane_with(completer.clone(), move || bell.ring())
+    };
     let poll = Poll(ctrl.config().poll);
     Worker::spawn_on(bell, name, poll, move |waiter| {
         let _alive = alive;
@@ -174,7 +178,7 @@ impl Aio {
 struct QueueWorker {
     completer: Arc<Completer>,
     /// The queue's commands, tracked by the framework.
-    lane: Lane,
+    lane: Lane<Arc<Completer>>,
     /// The queue's io_uring, for file transfers.
     aio: Option<Aio>,
 }
@@ -249,7 +253,7 @@ impl QueueWorker {
                 waiter.wait_in(|| false, None, false, &mut aio.ring);
                 continue;
             }
-            let mut permit = match self.lane.begin(Command::new(self.completer.clone())) {
+            let mut permit = match self.lane.begin(Command::default()) {
                 Ok(permit) => permit,
                 // The client left: the controller is reset next, which stops this worker.
                 Err(_) => {

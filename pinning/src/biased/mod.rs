@@ -6,7 +6,7 @@
 //!
 //! What it buys: a locked instruction waits for every store before it, so on a worker that
 //! has just copied a 4 KiB transfer each one costs the time to drain that copy (measured in
-//! docs/benchmarks.md, "Where the QD32 time goes"). What it costs: a take from another
+//! docs/benchmarks.md, "What taking every locked instruction off the path buys"). What it costs: a take from another
 //! thread is a system call that interrupts every CPU running the process (microseconds).
 //! So a lock whose other threads take it often loses its bias: after [`REVOKE_TAKES`]
 //! foreign takes within [`REVOKE_WINDOW`] it becomes a plain spin lock for good.
@@ -24,6 +24,30 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 include!("raw.rs");
+
+/// One side of a store-then-load handshake that runs all the time (a worker publishing its
+/// queue head, then looking for a rare request): with [`asymmetric_heavy_fence`] on the
+/// other side, between its store and its load, the two are ordered as if both had fenced
+/// (Dekker's pattern, as in a biased lock: I19). A compiler fence where the process has
+/// private expedited membarriers, a full fence where it has not.
+#[inline]
+pub fn asymmetric_light_fence() {
+    if asymmetric() {
+        light_fence();
+    } else {
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+}
+
+/// The rare side of [`asymmetric_light_fence`]'s handshake: a full fence on every thread of
+/// the process where membarriers are available (microseconds), else one here.
+pub fn asymmetric_heavy_fence() {
+    if asymmetric() {
+        heavy_fence();
+    } else {
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+}
 
 /// Foreign takes within [`REVOKE_WINDOW`] that end a lock's bias.
 pub const REVOKE_TAKES: u32 = 64;
@@ -135,10 +159,19 @@ pub struct BiasedLock<T> {
     value: UnsafeCell<T>,
 }
 
+/// Small: a shard's lock and its state share two cache lines.
 #[derive(Default)]
 struct Window {
     takes: u32,
-    start: Option<Instant>,
+    /// When the window's first take was, in milliseconds of [`clock_ms`].
+    start_ms: u32,
+}
+
+/// Milliseconds since the first call in the process (wrapping after 49 days: a window that
+/// straddles the wrap looks long, and keeps its bias one window longer).
+fn clock_ms() -> u32 {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    EPOCH.get_or_init(Instant::now).elapsed().as_millis() as u32
 }
 
 // SAFETY: (I19) the value and the window are reached only through a guard, and the protocol
@@ -228,13 +261,15 @@ impl<T> BiasedLock<T> {
     fn count_foreign(&self) {
         // SAFETY: (I19) a fenced hold holds the gate, which every access of the window takes.
         let w = unsafe { &mut *self.window.get() };
-        let now = Instant::now();
-        let start = *w.start.get_or_insert(now);
+        let now = clock_ms();
+        if w.takes == 0 {
+            w.start_ms = now;
+        }
         w.takes += 1;
         if w.takes < REVOKE_TAKES {
             return;
         }
-        if too_often(w.takes, now.duration_since(start)) {
+        if too_often(w.takes, Duration::from_millis(u64::from(now.wrapping_sub(w.start_ms)))) {
             log::debug!("a biased lock is taken often from other threads: it becomes a spin lock");
             self.raw.revoke();
         }
