@@ -20,10 +20,13 @@
 //! unmap, which waits for them, returns. A detach also waits, boundedly, for every request
 //! to end, so nothing of the client's connection outlives it.
 //!
-//! Each lane has its own lock, biased to its worker ([`BiasedLock`]: the worker takes it a few
-//! times per request with plain stores; only an unmap, a reset or a count looks at a lane from
-//! elsewhere, and pays for both sides), and workers of different queues share no lock or
-//! counter. A permit holds no reference count of its own: the lane keeps itself, the client's
+//! Each lane has its own lock, and workers of different queues share no lock or counter. A
+//! worker that both begins and ends its lane's requests on its own thread (nvme's queue
+//! workers) claims the lane ([`Lane::claim`]): the lock is then biased to it
+//! ([`BiasedLock`]: it takes it a few times per request with plain stores; an unmap, a reset
+//! or a count looks at the lane from elsewhere and pays for both sides). A lane whose requests
+//! begin on one thread and end on another (ccw's and testdev's: the connection thread starts
+//! them) stays unclaimed, a spin lock. A permit holds no reference count of its own: the lane keeps itself, the client's
 //! context and what its requests share ([`Completion::Shared`]) while any permit is open, so
 //! a request at queue depth 32 does no locked instruction in the framework (each would wait
 //! for the stores of the transfer before it).
@@ -339,12 +342,18 @@ impl<S> Clone for Lane<S> {
 }
 
 impl<S: Send + Sync + 'static> Lane<S> {
+    /// The calling thread begins and ends (nearly) all of this lane's requests: the lane's
+    /// lock becomes its, taken with plain stores (see the module documentation). Only the
+    /// first claim counts.
+    pub fn claim(&self) {
+        drop(self.inner.core.state.lock_claiming());
+    }
+
     /// Takes on a request that ends through `completion`; [`Detached`] (with `completion`
-    /// back, unreported) if no client is attached. The thread that first calls this owns the
-    /// lane's lock (see the module documentation): the worker.
+    /// back, unreported) if no client is attached.
     pub fn begin<C: Completion<Shared = S>>(&self, completion: C) -> Result<Permit<C>, Detached<C>> {
         let lane = &self.inner.core;
-        let mut st = lane.state.lock_claiming();
+        let mut st = lane.state();
         let attachment = lane.tracker.attachment.load(Ordering::Acquire);
         if st.attachment != attachment {
             // A copy of the lane's own: an `Arc` shared by every lane would have the workers
@@ -698,6 +707,38 @@ mod tests {
         );
         drop((a, b, c));
         assert_eq!(dma.stats().pinned_pages, 0);
+    }
+
+    #[test]
+    fn a_claimed_lane_is_cancelled_and_counted_from_other_threads() {
+        let (requests, dma, _ram) = attached();
+        let lane = requests.lane(|| {});
+        lane.claim();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut p = lane.begin(Report(tx.clone())).unwrap();
+        p.pin_pages(&[2, 3], Prot::READ).unwrap();
+        // An unmap and a count from another thread take the owner's lock from outside.
+        let other = requests.clone();
+        let seen = std::thread::spawn(move || {
+            other.cancel_overlapping(3 * PAGE_SIZE, PAGE_SIZE);
+            other.in_flight()
+        })
+        .join()
+        .unwrap();
+        assert_eq!((seen, p.cancelled()), (1, Some(Cancel::Unmapped)));
+        assert!(p.release_pins());
+        // A permit ended on another thread counts down all the same.
+        std::thread::spawn(move || p.complete(5)).join().unwrap();
+        assert_eq!(rx.recv().unwrap(), Ok(5));
+        assert_eq!((requests.in_flight(), dma.stats().pinned_pages), (0, 0));
+        // The lane outlives its handle while a permit is open (R1), and the permit ends it.
+        let p = lane.begin(Report(tx)).unwrap();
+        drop(lane);
+        requests.detach();
+        assert_eq!(p.cancelled(), Some(Cancel::Reset));
+        drop(p);
+        assert_eq!(rx.recv().unwrap(), Err(()));
+        assert_eq!(requests.in_flight(), 0);
     }
 
     #[test]

@@ -194,6 +194,8 @@ impl QueueWorker {
 
     /// Serves the queue until told to stop.
     fn run(mut self, mut waiter: Waiter<Stop>) {
+        // This thread begins and ends the queue's commands (the io_uring's too).
+        self.lane.claim();
         let id = self.sq().id;
         let entries = self.sq().entries;
         let mut head = 0u32;
