@@ -160,7 +160,7 @@ impl RawBiased {
         self.owner.store(REVOKED, Ordering::Relaxed);
     }
 
-    /// Whether a gate hold is the owner's own (it needs no fence), for the policy's counts.
+    /// Whether `me` owns the lock now.
     fn owned_by(&self, me: u64) -> bool {
         self.owner.load(Ordering::Relaxed) == me
     }
