@@ -371,6 +371,7 @@ impl Mapping {
 
     /// Adds a pin to pages `[page, page + npages)`; in lock mode, locks and charges the
     /// pages going from 0 to 1 first. On failure nothing has changed.
+    #[inline]
     pub(crate) fn pin_run(&self, pins: &mut MappingPins, page: u64, npages: u64) -> Result<(), RunFailure> {
         if self.policy.mode != PinMode::Lock {
             // The hot path: one pass over the counts.
@@ -450,6 +451,7 @@ impl Mapping {
     /// then returns that page and changes nothing. The one check of every unpin (I12).
     /// Sub-runs that reach 0 are appended to `released` (lock mode only) for
     /// [`Mapping::release`].
+    #[inline]
     pub(crate) fn try_unpin_run(
         &self,
         pins: &mut MappingPins,

@@ -76,6 +76,7 @@ pub(crate) fn unpin_runs(mappings: &[Arc<Mapping>], held: &mut MappingGuards<'_>
 }
 
 /// [`unpin_runs`] for one run, in its mapping; the pins removed.
+#[inline]
 fn unpin_run_of(mapping: &Mapping, pins: &mut MappingPins, run: &PinnedRun, released: &mut Released) -> u64 {
     let first = mapping.run_page(run);
     if mapping.try_unpin_run(pins, first, run.npages(), released).is_ok() {
