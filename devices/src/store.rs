@@ -256,8 +256,26 @@ impl Store {
         self.file_vectored(pos, bufs, Direction::Read, 0)
     }
 
-    /// Writes `bufs`, in order, to the store from `pos`, whole.
+    /// Writes `bufs`, in order, to the store from `pos`, whole; visible to other threads in
+    /// order with what the caller does next.
     pub fn write_vectored(
+        &self,
+        pos: u64,
+        bufs: &[VolatileSlice<'_>],
+        durability: Durability,
+    ) -> io::Result<()> {
+        let written = self.write_vectored_unfenced(pos, bufs, durability);
+        fence_writes();
+        written
+    }
+
+    /// [`Store::write_vectored`] without its store fence: a RAM store's bytes may reach
+    /// other threads after the caller's later stores, until the caller runs [`fence_writes`],
+    /// which it must before it publishes the write. A fence right after the copy makes the
+    /// thread's next store-to-load forward that fails (a load wider than the store it reads,
+    /// a common pattern in moved values) wait for the whole copy to reach memory; a fence
+    /// just before the publication leaves the copy that time to drain.
+    pub fn write_vectored_unfenced(
         &self,
         pos: u64,
         bufs: &[VolatileSlice<'_>],
@@ -514,6 +532,20 @@ fn invalid(what: &str) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidInput, what.to_string())
 }
 
+/// Orders every RAM store write this thread made before (through
+/// [`Store::write_vectored_unfenced`]) before its later stores: call it before publishing
+/// those writes to another thread or to the host (an NVMe completion entry). An `sfence`
+/// on x86-64, where the writes are streaming stores, which x86's ordering of stores does
+/// not cover; nothing to do elsewhere, where they are plain copies.
+#[inline]
+pub fn fence_writes() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a store fence has no preconditions.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
+}
+
 /// Copies `src` into `dst`, a RAM store's bytes, bypassing the cache where it can: a write
 /// lands at a position nobody is likely to read soon, mostly not in cache, and streaming
 /// stores spare reading each line in before overwriting it (a 4 KiB write to cold store
@@ -546,15 +578,14 @@ fn stream_copy(dst: &VolatileSlice<'_>, src: &VolatileSlice<'_>) {
 }
 
 /// Copies `len` bytes (a multiple of 64) from `src` to the 16-byte-aligned `dst` with
-/// non-temporal stores (SSE2, in every x86-64 CPU), then fences them, so the copy is
-/// visible to other threads in order with what the caller does next.
+/// non-temporal stores (SSE2, in every x86-64 CPU), not fenced: see [`fence_writes`].
 ///
 /// # Safety
 /// `src` must be readable and `dst` writable for `len` bytes, not overlapping; `dst` must be
 /// 16-byte aligned.
 #[cfg(target_arch = "x86_64")]
 unsafe fn stream_blocks(dst: *mut u8, src: *const u8, len: usize) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
     let mut at = 0;
     while at < len {
         // SAFETY: `at + 64 <= len`, within both buffers (the caller's contract); the
@@ -573,8 +604,6 @@ unsafe fn stream_blocks(dst: *mut u8, src: *const u8, len: usize) {
         }
         at += 64;
     }
-    // SAFETY: a store fence has no preconditions.
-    unsafe { _mm_sfence() };
 }
 
 #[cfg(test)]

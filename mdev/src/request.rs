@@ -34,9 +34,11 @@
 //! The rule that keeps a permit's pointers sound (cited by its SAFETY comments as (R1)):
 //! **a lane, and each context a permit of it was given, stay allocated while the lane counts
 //! a permit open.** `LaneState::open` counts permits from [`Lane::begin`] to the end of their
-//! drop; while it is above zero, `LaneState::keep` holds an `Arc` of the lane, and a context
-//! the lane replaces goes to `LaneState::retired` instead of being dropped. Both are let go
-//! in the hold that counts the last permit down, after which that permit touches nothing.
+//! drop. While it is above zero the lane's handles keep it, and a handle dropped meanwhile
+//! leaves an `Arc` of the lane in `LaneState::keep` (so a lane whose permits open and close
+//! one at a time counts no reference per request); a context the lane replaces goes to
+//! `LaneState::retired` instead of being dropped. Both are let go in the hold that counts
+//! the last permit down, after which that permit touches nothing.
 //! [`serve`] runs a request's handling so that a panic fails that request and the worker
 //! goes on.
 
@@ -259,7 +261,7 @@ impl std::fmt::Debug for Requests {
 
 /// One worker's requests: permits are taken here, under the lane's own lock. Clones share
 /// the lane.
-pub struct Lane<S = ()> {
+pub struct Lane<S: Send + Sync + 'static = ()> {
     inner: Arc<LaneInner<S>>,
 }
 
@@ -298,7 +300,7 @@ struct LaneState {
     ctx: Option<Arc<DeviceContext>>,
     /// Contexts replaced while permits given them were open (R1).
     retired: Vec<Arc<DeviceContext>>,
-    /// The lane itself while a permit is open (R1).
+    /// The lane itself, left by a handle dropped while a permit is open (R1).
     keep: Option<Arc<dyn AsCore>>,
     attachment: u64,
     slots: Vec<Slot>,
@@ -335,9 +337,19 @@ impl LaneCore {
     }
 }
 
-impl<S> Clone for Lane<S> {
+impl<S: Send + Sync + 'static> Clone for Lane<S> {
     fn clone(&self) -> Self {
         Lane { inner: self.inner.clone() }
+    }
+}
+
+impl<S: Send + Sync + 'static> Drop for Lane<S> {
+    fn drop(&mut self) {
+        let mut st = self.inner.core.state();
+        if st.open > 0 && st.keep.is_none() {
+            // Permits are open and this may be the last handle: they keep the lane now (R1).
+            st.keep = Some(self.inner.clone());
+        }
     }
 }
 
@@ -372,9 +384,6 @@ impl<S: Send + Sync + 'static> Lane<S> {
         };
         // A slot is freed with no ranges and no cancellation (`Permit::drop`).
         st.slots[index as usize].live = true;
-        if st.open == 0 {
-            st.keep = Some(self.inner.clone());
-        }
         st.open += 1;
         drop(st);
         let lane = NonNull::from(&*self.inner);
@@ -531,6 +540,13 @@ impl<C: Completion> Permit<C> {
     }
 
     /// Ends the request with `outcome` (its pins are released after the completion reports).
+    ///
+    /// Inline so that the permit is read where the caller keeps it. A call passes it as a
+    /// fresh copy, stored just before the completion reads it back with loads of another
+    /// width, which the CPU cannot forward from those stores: the loads wait until the
+    /// stores reach the cache, and so for every store ahead of them (after a store fence,
+    /// the whole of a device's streaming data copy: docs/benchmarks.md).
+    #[inline]
     pub fn complete(mut self, outcome: C::Outcome) {
         if let Some(completion) = self.completion.take() {
             completion.complete(outcome, self.ctx(), self.shared());
@@ -560,11 +576,16 @@ impl<C: Completion> Drop for Permit<C> {
         }
         st.free.push(self.index);
         st.open -= 1;
-        let notify = st.open == 0 && st.waiters > 0;
+        if st.open > 0 {
+            // The usual end: nothing to let go of or to wake. Returning here, not building an
+            // empty `kept` to drop below, spares the common path a copy of it through the
+            // stack (see `complete` for what such a copy can cost).
+            return;
+        }
+        let notify = st.waiters > 0;
         // The last open permit lets go of what kept the lane and its old contexts (R1), after
         // the hold and the notification: nothing of the lane is touched after this drop.
-        let kept =
-            if st.open == 0 { (st.keep.take(), std::mem::take(&mut st.retired)) } else { Default::default() };
+        let kept = (st.keep.take(), std::mem::take(&mut st.retired));
         drop(st);
         if notify {
             let _waiting = sync::lock(&lane.idle);
@@ -738,6 +759,35 @@ mod tests {
         assert_eq!(p.cancelled(), Some(Cancel::Reset));
         drop(p);
         assert_eq!(rx.recv().unwrap(), Err(()));
+        assert_eq!(requests.in_flight(), 0);
+    }
+
+    #[test]
+    fn a_permit_counts_no_reference_and_a_dropped_handle_leaves_the_lane_to_its_permits() {
+        let (requests, _dma, _ram) = attached();
+        let lane = requests.lane(|| {});
+        let (tx, rx) = std::sync::mpsc::channel();
+        let refs = Arc::strong_count(&lane.inner);
+        // One at a time (a RAM namespace's commands) and several at once: no count moves.
+        for _ in 0..3 {
+            let p = lane.begin(Report(tx.clone())).unwrap();
+            assert_eq!(Arc::strong_count(&lane.inner), refs);
+            p.complete(1);
+        }
+        let open: Vec<_> = (0..4).map(|_| lane.begin(Report(tx.clone())).unwrap()).collect();
+        assert_eq!(Arc::strong_count(&lane.inner), refs);
+        // The handles go while permits are open: the lane stays, held by `keep` (R1), until
+        // the last permit's drop lets go of it.
+        let weak = Arc::downgrade(&lane.inner);
+        let other = lane.clone();
+        drop(lane);
+        drop(other);
+        assert!(weak.upgrade().is_some(), "kept for its open permits");
+        for (k, p) in open.into_iter().enumerate() {
+            p.complete(k as u32);
+            assert_eq!(weak.upgrade().is_some(), k < 3, "let go with the last permit only");
+        }
+        assert_eq!(rx.try_iter().count(), 7);
         assert_eq!(requests.in_flight(), 0);
     }
 

@@ -25,7 +25,10 @@ pub struct CommandCx<'a> {
     ctrl: &'a Arc<Ctrl>,
     sq: &'a Arc<Sq>,
     generation: u64,
-    permit: RefCell<Permit<Command>>,
+    /// Borrowed, not owned: the worker completes the permit where it put it before the
+    /// command ran, not a copy moved out after the command's data copy (see
+    /// [`Permit::complete`] for what reading such a copy back can cost).
+    permit: RefCell<&'a mut Permit<Command>>,
     /// What the handler handed to the queue's io_uring ([`CommandCx::start`]).
     transfer: RefCell<Option<Transfer>>,
     /// The queue has an io_uring: a file namespace's transfer may be started there.
@@ -46,7 +49,12 @@ pub struct PinnedTransfer {
 
 impl<'a> CommandCx<'a> {
     /// The context of the command `permit` holds, fetched from `sq`.
-    pub fn new(ctrl: &'a Arc<Ctrl>, sq: &'a Arc<Sq>, generation: u64, permit: Permit<Command>) -> Self {
+    pub fn new(
+        ctrl: &'a Arc<Ctrl>,
+        sq: &'a Arc<Sq>,
+        generation: u64,
+        permit: &'a mut Permit<Command>,
+    ) -> Self {
         CommandCx {
             ctrl,
             sq,
@@ -104,9 +112,9 @@ impl<'a> CommandCx<'a> {
         Outcome::Started
     }
 
-    /// The request back, to complete it, with the transfer its handler started, if any.
-    pub fn into_parts(self) -> (Permit<Command>, Option<Transfer>) {
-        (self.permit.into_inner(), self.transfer.into_inner())
+    /// The transfer the handler started, if any.
+    pub fn into_transfer(self) -> Option<Transfer> {
+        self.transfer.into_inner()
     }
 
     /// The controller.

@@ -106,7 +106,8 @@ fn read_write(cx: &CommandCx, ns: &Namespace, c: ReadWrite, read: bool) -> Outco
                 log::warn!("nvme: ns{}: read of {len} bytes at {pos}: {e}", ns.id());
                 Status::UNRECOVERED_READ_ERROR
             }),
-            Ok(slices) => ns.store().write_vectored(pos, &slices, durability).map_err(|e| {
+            // Unfenced: the completion entry's write fences it (`Cq`'s `write_cqe`).
+            Ok(slices) => ns.store().write_vectored_unfenced(pos, &slices, durability).map_err(|e| {
                 log::warn!("nvme: ns{}: write of {len} bytes at {pos}: {e}", ns.id());
                 write_status(&e)
             }),

@@ -208,6 +208,9 @@ impl Ring {
             return Err(RingError::Guest(GuestError::BusMasterOff));
         }
         let pins = self.pinned(pins, ctx)?;
+        // What the entry reports is visible before it: a RAM namespace's writes are made
+        // unfenced (`Store::write_vectored_unfenced`), and this is where they are published.
+        crate::store::fence_writes();
         let at = u64::from(index) * self.entry_size;
         let bytes = vm_memory::ByteValued::as_slice(cqe);
         let fail = || RingError::Guest(truncated(self.base));

@@ -307,9 +307,9 @@ impl QueueWorker {
 
     /// Parses the command and runs its handler; a panic in it fails the command (Internal
     /// Error) and the queue goes on.
-    fn execute(&mut self, permit: Permit<Command>, sqe: Sqe) {
+    fn execute(&mut self, mut permit: Permit<Command>, sqe: Sqe) {
         let id = self.sq().id;
-        let cx = CommandCx::new(self.ctrl(), self.sq(), self.completer.generation(), permit)
+        let cx = CommandCx::new(self.ctrl(), self.sq(), self.completer.generation(), &mut permit)
             .with_aio(self.aio.is_some());
         let outcome =
             request::serve(format_args!("nvme command {:#04x} on queue {id}", sqe.opcode()), || {
@@ -325,7 +325,7 @@ impl QueueWorker {
                     }
                 }
             });
-        let (permit, transfer) = cx.into_parts();
+        let transfer = cx.into_transfer();
         match (outcome, &mut self.aio, transfer) {
             (Some(Outcome::Started), Some(aio), Some(t)) => aio.start(permit, t),
             (Some(outcome), _, _) => permit.complete(outcome),
