@@ -35,10 +35,13 @@
 //! **a lane, and each context a permit of it was given, stay allocated while the lane counts
 //! a permit open.** `LaneState::open` counts permits from [`Lane::begin`] to the end of their
 //! drop. While it is above zero the lane's handles keep it, and a handle dropped meanwhile
-//! leaves an `Arc` of the lane in `LaneState::keep` (so a lane whose permits open and close
-//! one at a time counts no reference per request); a context the lane replaces goes to
-//! `LaneState::retired` instead of being dropped. Both are let go in the hold that counts
-//! the last permit down, after which that permit touches nothing.
+//! first leaves an `Arc` of it in `LaneState::keep`; so does a waiter for idleness (which
+//! the last permit notifies after its hold) while `LaneState::waiters` counts it. So a lane
+//! whose permits open and close one at a time counts no reference per request. A context
+//! the lane replaces goes to `LaneState::retired` instead of being dropped. The permit that
+//! counts the last one down lets go of both after its hold and its notification (of `keep`
+//! only if no one waits: it notifies holding a clone, and the last waiter to leave an idle
+//! lane lets go), after which it touches nothing of the lane.
 //! [`serve`] runs a request's handling so that a panic fails that request and the worker
 //! goes on.
 
@@ -226,11 +229,21 @@ impl Requests {
     pub fn wait_idle(&self, bound: Duration) -> bool {
         let deadline = Instant::now() + bound;
         let mut idle = true;
-        self.each_lane(|lane| {
+        for held in self.lanes() {
+            let lane = held.core();
             // Held from the first look at `open` until the wait: the permit that closes the
             // last request notifies under it, so the notification cannot fall between the two.
             let mut waiting = sync::lock(&lane.idle);
-            lane.state().waiters += 1;
+            {
+                let mut st = lane.state();
+                st.waiters += 1;
+                // The permit that closes the last request notifies after its hold, when this
+                // waiter (its bound passed) and the lane's handles may be gone: the lane is
+                // kept while anyone waits (R1).
+                if st.keep.is_none() {
+                    st.keep = Some(held.clone());
+                }
+            }
             while lane.state().open > 0 {
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
@@ -239,15 +252,30 @@ impl Requests {
                 }
                 waiting = sync::wait_timeout(&lane.idled, waiting, left).0;
             }
-            lane.state().waiters -= 1;
-        });
+            let left = {
+                let mut st = lane.state();
+                st.waiters -= 1;
+                // The last waiter of an idle lane lets go of what kept it (R1); with permits
+                // open, the one that closes the last lets go.
+                if st.waiters == 0 && st.open == 0 {
+                    st.keep.take()
+                } else {
+                    None
+                }
+            };
+            drop(waiting);
+            drop(left);
+        }
         idle
     }
 
+    /// The lanes alive now.
+    fn lanes(&self) -> Vec<Arc<dyn AsCore>> {
+        sync::lock(&self.inner.lanes).iter().filter_map(Weak::upgrade).collect()
+    }
+
     fn each_lane(&self, mut f: impl FnMut(&LaneCore)) {
-        let lanes: Vec<Arc<dyn AsCore>> =
-            sync::lock(&self.inner.lanes).iter().filter_map(Weak::upgrade).collect();
-        for lane in &lanes {
+        for lane in &self.lanes() {
             f(lane.core());
         }
     }
@@ -300,7 +328,7 @@ struct LaneState {
     ctx: Option<Arc<DeviceContext>>,
     /// Contexts replaced while permits given them were open (R1).
     retired: Vec<Arc<DeviceContext>>,
-    /// The lane itself, left by a handle dropped while a permit is open (R1).
+    /// The lane itself, left by a handle dropped while a permit is open or by a waiter (R1).
     keep: Option<Arc<dyn AsCore>>,
     attachment: u64,
     slots: Vec<Slot>,
@@ -583,9 +611,12 @@ impl<C: Completion> Drop for Permit<C> {
             return;
         }
         let notify = st.waiters > 0;
-        // The last open permit lets go of what kept the lane and its old contexts (R1), after
-        // the hold and the notification: nothing of the lane is touched after this drop.
-        let kept = (st.keep.take(), std::mem::take(&mut st.retired));
+        // The last open permit lets go of the old contexts and of what kept the lane (R1),
+        // after the hold and the notification: nothing of the lane is touched after this
+        // drop. With waiters the lane stays kept for them (they let go of it) and the
+        // notification holds a reference of its own.
+        let lane_ref = if notify { st.keep.clone() } else { st.keep.take() };
+        let kept = (lane_ref, std::mem::take(&mut st.retired));
         drop(st);
         if notify {
             let _waiting = sync::lock(&lane.idle);
@@ -789,6 +820,38 @@ mod tests {
         }
         assert_eq!(rx.try_iter().count(), 7);
         assert_eq!(requests.in_flight(), 0);
+    }
+
+    #[test]
+    fn a_waiter_keeps_the_lane_it_waits_for_and_the_last_to_leave_lets_go() {
+        let (requests, _dma, _ram) = attached();
+        let lane = requests.lane(|| {});
+        let weak = Arc::downgrade(&lane.inner);
+        // A waiter of an idle lane keeps nothing once it leaves.
+        assert!(requests.wait_idle(Duration::from_secs(600)));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let p = lane.begin(Report(tx.clone())).unwrap();
+        drop(lane);
+        // A waiter whose bound passes while the permit is open: the lane stays for the permit.
+        assert!(!requests.wait_idle(Duration::from_millis(1)));
+        assert!(weak.upgrade().is_some());
+        // A waiter that the last permit wakes: the permit notifies holding the lane, the
+        // waiter leaves last and lets go of it.
+        let other = requests.clone();
+        let waiter = std::thread::spawn(move || other.wait_idle(Duration::from_secs(600)));
+        while weak.upgrade().is_some_and(|l| l.core.state().waiters == 0) {
+            std::thread::yield_now();
+        }
+        p.complete(3);
+        assert!(waiter.join().unwrap());
+        assert_eq!(rx.recv().unwrap(), Ok(3));
+        assert!(weak.upgrade().is_none(), "let go once idle and unwaited");
+        // And a lane with a handle, waited for while idle, goes with its handle.
+        let lane = requests.lane(|| {});
+        let weak = Arc::downgrade(&lane.inner);
+        assert!(requests.wait_idle(Duration::from_secs(600)));
+        drop(lane);
+        assert!(weak.upgrade().is_none(), "no reference left behind by the waiter");
     }
 
     #[test]
