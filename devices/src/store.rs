@@ -573,7 +573,8 @@ fn prefetch(slice: &VolatileSlice<'_>, at: usize, len: usize) {
 /// [`Store::write_vectored_unfenced`]) before its later stores: call it before publishing
 /// those writes to another thread or to the host (an NVMe completion entry). An `sfence`
 /// on x86-64, where the writes are streaming stores, which x86's ordering of stores does
-/// not cover; nothing to do elsewhere, where they are plain copies.
+/// not cover; nothing elsewhere, where they are plain copies, ordered by the release that
+/// publishes them.
 #[inline]
 pub fn fence_writes() {
     #[cfg(target_arch = "x86_64")]
