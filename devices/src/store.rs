@@ -543,30 +543,30 @@ const PREFETCH_HEAD: usize = 4096;
 /// stream, which the CPU's prefetcher follows: asking a page ahead all along made 128 KiB
 /// reads no faster (docs/benchmarks.md).
 fn prefetched_copy(src: &VolatileSlice<'_>, dst: &VolatileSlice<'_>) {
-    prefetch(src, 0, PREFETCH_HEAD.min(src.len()));
+    prefetch_head(src, PREFETCH_HEAD);
     src.copy_to_volatile_slice(*dst);
 }
 
-/// Asks for the cache lines of `slice[at..at + len]` (a hint: nothing is read or faulted).
+/// Asks for the cache lines of the first `len` bytes of `slice` (all of it if shorter): a
+/// hint, nothing is read or faulted.
 #[inline]
-fn prefetch(slice: &VolatileSlice<'_>, at: usize, len: usize) {
+fn prefetch_head(slice: &VolatileSlice<'_>, len: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         let base = slice.ptr_guard();
-        let mut off = at;
-        while off < at + len {
-            // SAFETY: `off < at + len <= slice.len()`, so the pointer stays inside the slice's
+        let len = len.min(slice.len());
+        for off in (0..len).step_by(64) {
+            // SAFETY: `off < len <= slice.len()`, so the pointer stays inside the slice's
             // mapping; a prefetch reads nothing and cannot fault.
             unsafe {
                 std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
                     base.as_ptr().add(off).cast::<i8>(),
                 )
             };
-            off += 64;
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (slice, at, len);
+    let _ = (slice, len);
 }
 
 /// Orders every RAM store write this thread made before (through
