@@ -535,15 +535,22 @@ fn invalid(what: &str) -> io::Error {
 /// How much of a read's source [`prefetched_copy`] asks for before it copies: a page.
 const PREFETCH_HEAD: usize = 4096;
 
-/// Copies `src`, a RAM store's bytes, into `dst`, its first page's lines asked for first. A
-/// read lands at a position of the store nobody touched lately, mostly not in any cache: a
-/// copy alone has only as many of its lines in flight as the CPU's prefetcher guesses, while
-/// 64 prefetches at once keep the memory busy from the first line (4 KiB random reads by
-/// SPDK's initiator at QD32: 1.18x the plain copy). Past the first page a long copy is a
-/// stream, which the CPU's prefetcher follows: asking a page ahead all along made 128 KiB
-/// reads no faster (docs/benchmarks.md).
+/// The longest copy [`prefetched_copy`] prefetches the head of.
+const PREFETCH_MAX_COPY: usize = 4 * PREFETCH_HEAD;
+
+/// Copies `src`, a RAM store's bytes, into `dst`, a short copy's first page's lines asked for
+/// first. A read lands at a position of the store nobody touched lately, mostly not in any
+/// cache: a copy alone has only as many of its lines in flight as the CPU's prefetcher
+/// guesses, while 64 prefetches at once keep the memory busy from the first line (4 KiB
+/// random reads by SPDK's initiator at QD32: 1.18x the plain copy). A long copy is a stream
+/// that the CPU's prefetcher follows after a few lines, and often already follows from the
+/// previous command's (a sequential read): there the 64 instructions only take the copy's
+/// time (128 KiB sequential reads 1.03x without them, random ones level; asking a page ahead
+/// all along was slower still: docs/benchmarks.md).
 fn prefetched_copy(src: &VolatileSlice<'_>, dst: &VolatileSlice<'_>) {
-    prefetch_head(src, PREFETCH_HEAD);
+    if src.len() <= PREFETCH_MAX_COPY {
+        prefetch_head(src, PREFETCH_HEAD);
+    }
     src.copy_to_volatile_slice(*dst);
 }
 
