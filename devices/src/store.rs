@@ -284,6 +284,8 @@ impl Store {
         let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
         self.check(pos, total)?;
         if let Some(region) = &self.ram {
+            // Before the copy: a slice that fails half-way leaves streamed bytes too.
+            UNFENCED.set(true);
             let mut at = pos;
             for buf in bufs {
                 stream_copy(&Self::ram_slice(region, at, buf.len())?, buf);
@@ -576,19 +578,34 @@ fn prefetch_head(slice: &VolatileSlice<'_>, len: usize) {
     let _ = (slice, len);
 }
 
+thread_local! {
+    /// This thread made RAM store writes ([`Store::write_vectored_unfenced`]) that no
+    /// [`fence_writes`] has ordered yet.
+    static UNFENCED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 /// Orders every RAM store write this thread made before (through
 /// [`Store::write_vectored_unfenced`]) before its later stores: call it before publishing
 /// those writes to another thread or to the host (an NVMe completion entry). An `sfence`
 /// on x86-64, where the writes are streaming stores, which x86's ordering of stores does
-/// not cover; nothing elsewhere, where they are plain copies, ordered by the release that
-/// publishes them.
+/// not cover, and only if the thread made such writes since its last fence; nothing
+/// elsewhere, where they are plain copies, ordered by the release that publishes them.
 #[inline]
 pub fn fence_writes() {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a store fence has no preconditions.
-    unsafe {
-        std::arch::x86_64::_mm_sfence()
-    };
+    if UNFENCED.replace(false) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a store fence has no preconditions.
+        unsafe {
+            std::arch::x86_64::_mm_sfence()
+        };
+    }
+}
+
+/// Whether this thread made RAM store writes that [`fence_writes`] has not ordered yet: a
+/// caller that can publish several writes at once fences once for all of them.
+#[inline]
+pub fn writes_unfenced() -> bool {
+    UNFENCED.get()
 }
 
 /// Copies `src` into `dst`, a RAM store's bytes, bypassing the cache where it can: a write
@@ -737,6 +754,32 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn unfenced_ram_writes_are_tracked_per_thread_until_a_fence() {
+        let store = Store::ram(1 << 20).unwrap();
+        let mut data = vec![7u8; 8192];
+        fence_writes();
+        assert!(!writes_unfenced());
+        // A read streams nothing.
+        store.read_vectored(0, &slices(&mut data, &[8192])).unwrap();
+        assert!(!writes_unfenced());
+        store.write_vectored_unfenced(4096, &slices(&mut data, &[4096]), Durability::Cached).unwrap();
+        assert!(writes_unfenced());
+        // Another thread's fence does not order this thread's writes.
+        std::thread::spawn(|| {
+            assert!(!writes_unfenced());
+            fence_writes();
+        })
+        .join()
+        .unwrap();
+        assert!(writes_unfenced());
+        fence_writes();
+        assert!(!writes_unfenced());
+        // The fenced form leaves nothing behind.
+        store.write_vectored(0, &slices(&mut data, &[4096]), Durability::Cached).unwrap();
+        assert!(!writes_unfenced());
     }
 
     #[test]

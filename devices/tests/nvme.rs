@@ -115,6 +115,51 @@ fn a_burst_of_commands_completes_each_once_in_the_order_they_ran() {
 }
 
 #[test]
+fn a_burst_of_ram_writes_and_reads_completes_each_once_in_order_with_the_data_written() {
+    let mut d = up(Rig::new(), 1);
+    // Eleven 4 KiB writes then eleven reads of the same blocks behind one doorbell (more than
+    // a batch of held write completions, and not a multiple of it): every entry once, in
+    // queue order, and each read sees the write queued before it.
+    let n = 11u64;
+    let mut cids = Vec::new();
+    for i in 0..n {
+        d.t.put(DATA + 0x1000 * i, &pattern(4096, i as u8 + 1)).unwrap();
+        let mut sqe = Driver::<Rig>::rw_command(false, 1, 64 + i * 8, 8, DATA + 0x1000 * i, 0);
+        sqe.cdw0 = (u32::from(nvm_op::WRITE) | (0x100 + i as u32) << 16).into();
+        d.push(1, &sqe).unwrap();
+        cids.push(0x100 + i as u16);
+    }
+    for i in 0..n {
+        let mut sqe = Driver::<Rig>::rw_command(true, 1, 64 + i * 8, 8, DATA + 0x20_0000 + 0x1000 * i, 0);
+        sqe.cdw0 = (u32::from(nvm_op::READ) | (0x200 + i as u32) << 16).into();
+        d.push(1, &sqe).unwrap();
+        cids.push(0x200 + i as u16);
+    }
+    d.ring(1).unwrap();
+    let mut seen = Vec::new();
+    for _ in 0..cids.len() {
+        let cqe = d.wait(1, Duration::from_secs(60)).unwrap();
+        assert_eq!(cqe.status(), Status::SUCCESS, "{cqe:?}");
+        seen.push(u16::from(cqe.cid));
+    }
+    assert_eq!(seen, cids, "each once, in the order they ran");
+    for i in 0..n {
+        let mut got = vec![0u8; 4096];
+        d.t.get(DATA + 0x20_0000 + 0x1000 * i, &mut got).unwrap();
+        assert_eq!(got, pattern(4096, i as u8 + 1), "block {i}");
+    }
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(d.poll_one(1).unwrap().is_none(), "nothing posted twice");
+    // A lone write after the burst completes without another command behind it.
+    let mut sqe = Driver::<Rig>::rw_command(false, 1, 0, 8, DATA, 0);
+    sqe.cdw0 = (u32::from(nvm_op::WRITE) | 0x300 << 16).into();
+    d.push(1, &sqe).unwrap();
+    d.ring(1).unwrap();
+    let cqe = d.wait(1, Duration::from_secs(60)).unwrap();
+    assert_eq!((u16::from(cqe.cid), cqe.status()), (0x300, Status::SUCCESS));
+}
+
+#[test]
 fn chained_prp_lists_carry_the_largest_transfer() {
     let mut d = up(Rig::new(), 1);
     // 1 MiB from an unaligned start: 257 pages, 256 entries in the list.

@@ -27,6 +27,7 @@ use super::queue::{RingError, Sq};
 use super::spec::{event, log_page, Sqe, Status};
 use super::{admin, io};
 use crate::aio::{FixedBuffer, Request, Ring};
+use smallvec::SmallVec;
 use umdev_mdev::guest::GuestError;
 use umdev_mdev::request::{self, Lane, Permit};
 use umdev_mdev::worker::{Bell, KernelSleep, Poll, Waiter, Worker};
@@ -62,6 +63,10 @@ const SUBMIT_BATCH: usize = 8;
 const BUSY_UNARMED: usize = 8;
 /// See [`BUSY_UNARMED`].
 const BUSY_LOOK: Duration = Duration::from_millis(1);
+/// Completions of RAM writes a worker holds while more commands wait, at most: their
+/// streaming stores are fenced once, before the first of their entries, rather than once
+/// per entry, where each fence waits for its copy to reach memory (see [`QueueWorker::finish`]).
+const FENCE_BATCH: usize = 4;
 /// How long a stopping worker waits for the host to finish the transfers it has in flight
 /// (their pins are held meanwhile); what is left then is waited for by another thread.
 const QUIESCE: Duration = Duration::from_millis(1500);
@@ -91,7 +96,7 @@ pub fn spawn(
         // Made on the worker's own thread: the kernel's workers for its blocking I/O are this
         // thread's, and capped for it.
         let aio = Aio::for_queue(completer.ctrl(), completer.sq(), &waiter.bell());
-        QueueWorker { completer, lane, aio }.run(waiter);
+        QueueWorker { completer, lane, aio, held: SmallVec::new() }.run(waiter);
     })
 }
 
@@ -181,6 +186,8 @@ struct QueueWorker {
     lane: Lane<Arc<Completer>>,
     /// The queue's io_uring, for file transfers.
     aio: Option<Aio>,
+    /// Ended commands whose completions wait for [`QueueWorker::flush`], in queue order.
+    held: SmallVec<[(Permit<Command>, Outcome); FENCE_BATCH]>,
 }
 
 impl QueueWorker {
@@ -208,7 +215,19 @@ impl QueueWorker {
         let mut fetched = 0u32;
         let mut lone = false;
         let mut bad_tail = None;
+        // The last pass ran a command and nothing else: held completions may wait for the
+        // next command if one is queued (and no transfer in the io_uring could end first).
+        let mut ran = false;
         let stop = loop {
+            if std::mem::take(&mut ran) && !self.held.is_empty() {
+                let more = head != tail && tail < entries;
+                let in_flight = self.aio.as_ref().is_some_and(|a| a.ring.in_flight() > 0);
+                if !more || in_flight || self.held.len() >= FENCE_BATCH {
+                    self.flush();
+                }
+            } else {
+                self.flush();
+            }
             if let Some(stop) = waiter.stopped() {
                 break stop;
             }
@@ -220,6 +239,7 @@ impl QueueWorker {
                 }
             }
             if self.ctrl().fatal() {
+                self.flush();
                 // Until a disable stops the worker (or a ring: look again).
                 waiter.sleep(|| false, None);
                 continue;
@@ -259,6 +279,7 @@ impl QueueWorker {
                 Ok(permit) => permit,
                 // The client left: the controller is reset next, which stops this worker.
                 Err(_) => {
+                    self.flush();
                     waiter.sleep(|| false, None);
                     continue;
                 }
@@ -267,12 +288,14 @@ impl QueueWorker {
                 Ok(sqe) => sqe,
                 Err(RingError::Guest(GuestError::BusMasterOff)) => {
                     permit.into_inner();
+                    self.flush();
                     // Until bus mastering comes back (which rings every queue) or a doorbell.
                     waiter.sleep(|| false, None);
                     continue;
                 }
                 Err(RingError::Guest(e)) => {
                     permit.into_inner();
+                    self.flush();
                     self.ctrl().fail(&format!("SQ {id} entry {head} cannot be read: {e}"));
                     continue;
                 }
@@ -281,12 +304,14 @@ impl QueueWorker {
             fetched = fetched.saturating_add(1);
             permit.get_mut().set_sqe(sqe);
             if self.sq().advance(head, sqe.cid()) {
-                permit.complete(Status::ABORT_REQUESTED.into());
+                self.finish(permit, Status::ABORT_REQUESTED.into());
                 continue;
             }
             self.execute(permit, sqe);
             self.raise_due(false);
+            ran = true;
         };
+        self.flush();
         if let Some(mut aio) = self.aio.take() {
             // Pins go only once the host is done with the memory: what it does not finish in
             // time is waited for by another thread, which keeps the pins until then.
@@ -328,14 +353,46 @@ impl QueueWorker {
         let transfer = cx.into_transfer();
         match (outcome, &mut self.aio, transfer) {
             (Some(Outcome::Started), Some(aio), Some(t)) => aio.start(permit, t),
-            (Some(outcome), _, _) => permit.complete(outcome),
-            (None, _, _) => drop(permit), // Internal Error
+            (Some(outcome), _, _) => self.finish(permit, outcome),
+            (None, _, _) => {
+                self.flush();
+                drop(permit) // Internal Error
+            }
+        }
+    }
+
+    /// Completes `permit` with `outcome`, or holds it for [`QueueWorker::flush`] if it left
+    /// RAM writes unfenced (or others are held, which it must not overtake): the worker
+    /// flushes before anything but running the next queued command, and after
+    /// [`FENCE_BATCH`] of them, so a completion waits for at most that many commands' work
+    /// and never for a sleep.
+    fn finish(&mut self, permit: Permit<Command>, outcome: Outcome) {
+        if self.held.is_empty() && !crate::store::writes_unfenced() {
+            return permit.complete(outcome);
+        }
+        self.held.push((permit, outcome));
+    }
+
+    /// Completes what [`QueueWorker::finish`] held, in order: the first entry's write fences
+    /// the writes of all of them (`Cq`'s `write_cqe`).
+    #[inline]
+    fn flush(&mut self) {
+        if !self.held.is_empty() {
+            self.flush_held();
+        }
+    }
+
+    #[inline(never)]
+    fn flush_held(&mut self) {
+        for (permit, outcome) in self.held.drain(..) {
+            permit.complete(outcome);
         }
     }
 
     /// Posts the backlog; true if it is empty now. Otherwise waits for what it waits for (CQ
     /// room: the CQ head doorbell rings; bus mastering: turning it on rings) and returns false.
     fn drain(&mut self, waiter: &mut Waiter<Stop>) -> bool {
+        self.flush();
         // Transfers started but not yet handed to the host go now, not after the wait.
         if let Some(aio) = &mut self.aio {
             let _ = aio.ring.submit();
@@ -372,6 +429,7 @@ impl QueueWorker {
     /// coalescing's aggregation time is up). `lone`: the work just done was a single
     /// command, the only case where a message doorbell is watched for before sleeping.
     fn idle(&mut self, waiter: &mut Waiter<Stop>, head: u32, last_work: Instant, lone: bool) {
+        self.flush();
         self.raise_due(true);
         let QueueWorker { completer, aio, .. } = self;
         let deadline = completer.sq().cq.deadline().map(|d| d.saturating_duration_since(Instant::now()));
