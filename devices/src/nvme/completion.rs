@@ -106,11 +106,13 @@ impl Completer {
         self.ctrl.stats(self.sq.id).command(!status.ok());
         if !status.ok() {
             log::debug!(
-                "nvme: queue {} opcode {:#04x} cid {} nsid {} failed: {status}",
+                "nvme: queue {} opcode {:#04x} cid {} nsid {} cdw10 {:#x} cdw11 {:#x} failed: {status}",
                 self.sq.id,
                 sqe.opcode(),
                 sqe.cid(),
-                u32::from(sqe.nsid)
+                u32::from(sqe.nsid),
+                u32::from(sqe.cdw[0]),
+                u32::from(sqe.cdw[1])
             );
             self.ctrl.log_error(self.sq.id, sqe, status);
         }
