@@ -91,6 +91,23 @@ fn scattered_reads_and_writes_go_through_one_pin_each() {
     assert_eq!(totals.list_pages, 2);
 }
 
+/// Waits for one successful completion on queue 1 per identifier of `cids`, in that order.
+fn expect_in_order(d: &mut Driver<Rig>, cids: &[u16]) {
+    let mut seen = Vec::new();
+    for _ in 0..cids.len() {
+        let cqe = d.wait(1, Duration::from_secs(60)).unwrap();
+        assert_eq!(cqe.status(), Status::SUCCESS, "{cqe:?}");
+        seen.push(u16::from(cqe.cid));
+    }
+    assert_eq!(seen, cids, "each once, in the order they ran");
+}
+
+/// Nothing more is posted on queue 1 (nothing twice).
+fn nothing_more(d: &mut Driver<Rig>) {
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(d.poll_one(1).unwrap().is_none(), "nothing posted twice");
+}
+
 #[test]
 fn a_burst_of_commands_completes_each_once_in_the_order_they_ran() {
     let mut d = up(Rig::new(), 1);
@@ -103,15 +120,8 @@ fn a_burst_of_commands_completes_each_once_in_the_order_they_ran() {
         d.push(1, &sqe).unwrap();
     }
     d.ring(1).unwrap();
-    let mut seen = Vec::new();
-    for _ in 0..cids.len() {
-        let cqe = d.wait(1, Duration::from_secs(60)).unwrap();
-        assert_eq!(cqe.status(), Status::SUCCESS, "{cqe:?}");
-        seen.push(u16::from(cqe.cid));
-    }
-    assert_eq!(seen, cids, "each once, in the order they ran");
-    std::thread::sleep(Duration::from_millis(20));
-    assert!(d.poll_one(1).unwrap().is_none(), "nothing posted twice");
+    expect_in_order(&mut d, &cids);
+    nothing_more(&mut d);
 }
 
 #[test]
@@ -136,20 +146,13 @@ fn a_burst_of_ram_writes_and_reads_completes_each_once_in_order_with_the_data_wr
         cids.push(0x200 + i as u16);
     }
     d.ring(1).unwrap();
-    let mut seen = Vec::new();
-    for _ in 0..cids.len() {
-        let cqe = d.wait(1, Duration::from_secs(60)).unwrap();
-        assert_eq!(cqe.status(), Status::SUCCESS, "{cqe:?}");
-        seen.push(u16::from(cqe.cid));
-    }
-    assert_eq!(seen, cids, "each once, in the order they ran");
+    expect_in_order(&mut d, &cids);
     for i in 0..n {
         let mut got = vec![0u8; 4096];
         d.t.get(DATA + 0x20_0000 + 0x1000 * i, &mut got).unwrap();
         assert_eq!(got, pattern(4096, i as u8 + 1), "block {i}");
     }
-    std::thread::sleep(Duration::from_millis(20));
-    assert!(d.poll_one(1).unwrap().is_none(), "nothing posted twice");
+    nothing_more(&mut d);
     // A lone write after the burst completes without another command behind it.
     let mut sqe = Driver::<Rig>::rw_command(false, 1, 0, 8, DATA, 0);
     sqe.cdw0 = (u32::from(nvm_op::WRITE) | 0x300 << 16).into();
