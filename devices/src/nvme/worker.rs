@@ -219,14 +219,16 @@ impl QueueWorker {
         // next command if one is queued (and no transfer in the io_uring could end first).
         let mut ran = false;
         let stop = loop {
-            if std::mem::take(&mut ran) && !self.held.is_empty() {
-                let more = head != tail && tail < entries;
-                let in_flight = self.aio.as_ref().is_some_and(|a| a.ring.in_flight() > 0);
-                if !more || in_flight || self.held.len() >= FENCE_BATCH {
-                    self.flush();
+            let ran_last = std::mem::take(&mut ran);
+            if !self.held.is_empty() {
+                let hold_on = ran_last
+                    && self.held.len() < FENCE_BATCH
+                    && head != tail
+                    && tail < entries
+                    && self.aio.as_ref().is_none_or(|a| a.ring.in_flight() == 0);
+                if !hold_on {
+                    self.flush_held();
                 }
-            } else {
-                self.flush();
             }
             if let Some(stop) = waiter.stopped() {
                 break stop;
