@@ -91,7 +91,13 @@ impl Notifications {
     /// The next datagram's assignments (`READY=1`, `STATUS=...`).
     fn next(&self) -> Vec<String> {
         let mut buf = [0u8; 4096];
-        let n = self.socket.recv(&mut buf).expect("a notification before the timeout");
+        // A signal to the test process (a child's SIGCHLD, say) may interrupt the wait.
+        let n = loop {
+            match self.socket.recv(&mut buf) {
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                r => break r.expect("a notification before the timeout"),
+            }
+        };
         String::from_utf8_lossy(&buf[..n]).lines().map(str::to_string).collect()
     }
 
