@@ -163,6 +163,55 @@ fn a_burst_of_ram_writes_and_reads_completes_each_once_in_order_with_the_data_wr
 }
 
 #[test]
+fn long_reads_behind_one_doorbell_each_end_as_their_own_entry_says_whatever_the_next_holds() {
+    let mut d = up(Rig::new(), 1);
+    // 64 KiB reads (a PRP list each), so the worker looks at the entry after each before it
+    // runs it: that entry's list pointer unmapped, past the end of its page, its namespace
+    // absent. What it finds there changes nothing: each entry ends with its own status.
+    let list = |d: &mut Driver<Rig>, at: u64, first: u64| {
+        for i in 1..16u64 {
+            d.t.put(at + 8 * (i - 1), &(first + 0x1000 * i).to_le_bytes()).unwrap();
+        }
+        at
+    };
+    let (a, b) = (DATA + 0x40_0000, DATA + 0x50_0000);
+    let data = pattern(64 << 10, 5);
+    let src: Vec<u64> = (0..16).map(|i| DATA + 0x60_0000 + 0x1000 * i).collect();
+    for (p, chunk) in src.iter().zip(data.chunks(4096)) {
+        d.t.put(*p, chunk).unwrap();
+    }
+    assert_eq!(d.rw(1, false, 1, 0, 128, 512, &src, 0).unwrap(), Status::SUCCESS);
+    let cases = [
+        (1, a, list(&mut d, DATA + 0x30_0000, a), Status::SUCCESS),
+        (1, DATA, 0x4000_0000_0000, Status::DATA_TRANSFER_ERROR),
+        (1, DATA, DATA + 0x30_1ff8, Status::PRP_OFFSET_INVALID),
+        (7, DATA, DATA + 0x30_0000, Status::INVALID_NAMESPACE.dnr()),
+        (1, b, list(&mut d, DATA + 0x30_2000, b), Status::SUCCESS),
+    ];
+    d.t.put(DATA + 0x30_1ff8, &0x1234u64.to_le_bytes()).unwrap(); // not page aligned
+    for (i, &(nsid, prp1, prp2, _)) in cases.iter().enumerate() {
+        let mut sqe = Driver::<Rig>::rw_command(true, nsid, 0, 128, prp1, prp2);
+        sqe.cdw0 = (u32::from(nvm_op::READ) | (0x500 + i as u32) << 16).into();
+        d.push(1, &sqe).unwrap();
+    }
+    d.ring(1).unwrap();
+    let mut seen = Vec::new();
+    for _ in &cases {
+        let cqe = d.wait(1, Duration::from_secs(60)).unwrap();
+        seen.push((u16::from(cqe.cid), cqe.status()));
+    }
+    let want: Vec<_> = cases.iter().enumerate().map(|(i, c)| (0x500 + i as u16, c.3)).collect();
+    assert_eq!(seen, want);
+    let (mut x, mut y) = (vec![0u8; 64 << 10], vec![0u8; 64 << 10]);
+    for (i, (pa, pb)) in x.chunks_mut(4096).zip(y.chunks_mut(4096)).enumerate() {
+        d.t.get(a + 0x1000 * i as u64, pa).unwrap();
+        d.t.get(b + 0x1000 * i as u64, pb).unwrap();
+    }
+    assert!(x == data && y == data, "both reads brought blocks 0-127");
+    nothing_more(&mut d);
+}
+
+#[test]
 fn chained_prp_lists_carry_the_largest_transfer() {
     let mut d = up(Rig::new(), 1);
     // 1 MiB from an unaligned start: 257 pages, 256 entries in the list.

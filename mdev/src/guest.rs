@@ -167,6 +167,14 @@ impl DeviceContext {
         Ok(self.dma.pin_range(iova, npages, prot)?)
     }
 
+    /// Asks the CPU to start loading guest memory the device will read soon; see
+    /// [`umdev_pinning::DmaSpace::prefetch`]. Nothing with bus mastering off.
+    pub fn prefetch(&self, iova: u64, len: usize) {
+        if self.bus_master() {
+            self.dma.prefetch(iova, len);
+        }
+    }
+
     /// Reads `buf.len()` bytes of fd-backed guest memory at `iova`, pinned for the copy.
     pub fn read_pinned(&self, iova: u64, buf: &mut [u8]) -> Result<(), GuestError> {
         self.copy_in(iova, buf, Path::Pinned)

@@ -11,16 +11,18 @@
 use umdev_pinning::Prot;
 use vm_memory::ByteValued;
 
-use super::cmds::{DatasetManagement, NvmCmd, ReadWrite, WriteZeroes};
+use super::cmds::{DataPtr, DatasetManagement, NvmCmd, ReadWrite, WriteZeroes};
 use super::completion::{Command, Outcome, Transfer as Started};
+use super::ctrl::Ctrl;
 use super::cx::CommandCx;
 use super::namespace::Namespace;
 use super::prp::{self, DataPages};
-use super::spec::{DsmRange, DsmRanges, Status};
+use super::spec::{DsmRange, DsmRanges, Sqe, Status, PAGE};
 use super::stats::Transfer;
 use crate::aio::Op;
 use crate::store::Durability;
 use umdev_mdev::request::Permit;
+use umdev_mdev::DeviceContext;
 
 /// Runs an NVM command: its namespace is looked up first (§6: Invalid Namespace or Format
 /// for one that is not active).
@@ -49,6 +51,40 @@ pub fn execute(cx: &CommandCx, cmd: NvmCmd) -> Outcome {
         NvmCmd::Flush(_) => flush(std::iter::once(ns)),
         NvmCmd::WriteZeroes(c) => write_zeroes(ns, c),
         NvmCmd::DatasetManagement(c) => dataset_management(cx, ns, c),
+    }
+}
+
+/// The bytes a Read or Write entry moves and its data pointer, as the entry reads before
+/// any check (`None` for any other command or an inactive namespace): for hints, not for
+/// running it.
+fn transfer_of(ctrl: &Ctrl, sqe: &Sqe) -> Option<(u64, DataPtr)> {
+    match NvmCmd::parse(sqe) {
+        Ok(NvmCmd::Read(c) | NvmCmd::Write(c)) => {
+            ctrl.namespace(c.nsid).map(|ns| (u64::from(c.blocks) << ns.lba_shift(), c.data))
+        }
+        _ => None,
+    }
+}
+
+/// The bytes a Read or Write entry moves, 0 for anything else (see `transfer_of`).
+pub fn transfer_len(ctrl: &Ctrl, sqe: &Sqe) -> u64 {
+    transfer_of(ctrl, sqe).map_or(0, |(len, _)| len)
+}
+
+/// Starts loading the PRP list of `sqe` if it is a Read or Write that has one: for the
+/// worker to call with the next queued entry before it runs a long command ahead of it,
+/// whose copy then hides the list's trip from the host's cache (the host wrote it just
+/// before it rang). A hint: nothing is checked or kept; the command is parsed again when it
+/// runs.
+pub fn prefetch_prp_list(ctrl: &Ctrl, ctx: &DeviceContext, sqe: &Sqe) {
+    let Some((len, data)) = transfer_of(ctrl, sqe) else {
+        return;
+    };
+    let first = PAGE - (data.prp1() & (PAGE - 1));
+    // One entry per page after the first; a list only for more than two pages.
+    let entries = len.saturating_sub(first).div_ceil(PAGE);
+    if entries > 1 {
+        ctx.prefetch(data.prp2(), (entries * 8) as usize);
     }
 }
 

@@ -275,6 +275,11 @@ impl Sq {
         }
     }
 
+    /// Asks the CPU to start loading entry `index` (see [`DeviceContext::prefetch`]).
+    pub fn prefetch(&self, ctx: &DeviceContext, index: u32) {
+        ctx.prefetch(self.ring.base + u64::from(index) * self.ring.entry_size, SQE_SIZE as usize);
+    }
+
     /// Reads entry `index`.
     pub fn fetch(&self, ctx: &DeviceContext, index: u32) -> Result<Sqe, RingError> {
         self.ring.read(&mut self.ring_pins.lock_claiming(), ctx, index)

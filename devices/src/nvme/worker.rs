@@ -31,6 +31,7 @@ use smallvec::SmallVec;
 use umdev_mdev::guest::GuestError;
 use umdev_mdev::request::{self, Lane, Permit};
 use umdev_mdev::worker::{Bell, KernelSleep, Poll, Waiter, Worker};
+use umdev_mdev::DeviceContext;
 
 /// With mapped doorbells: how long a worker spins after its last command, then how often
 /// it looks at the page (nothing rings it: the client writes the page directly). A polling
@@ -63,6 +64,10 @@ const SUBMIT_BATCH: usize = 8;
 const BUSY_UNARMED: usize = 8;
 /// See [`BUSY_UNARMED`].
 const BUSY_LOOK: Duration = Duration::from_millis(1);
+/// The shortest transfer before which the worker looks ahead in its SQ
+/// ([`QueueWorker::look_ahead`]): a copy long enough to hide trips between caches. At 4 KiB
+/// the look cost more than it hid (4 KiB random reads at QD32: 0.94x).
+const LOOK_AHEAD_MIN: u64 = 32 * 1024;
 /// Completions of RAM writes a worker holds while more commands wait, at most: their
 /// streaming stores are fenced once, before the first of their entries, rather than once
 /// per entry, where each fence waits for its copy to reach memory (see [`QueueWorker::finish`]).
@@ -309,6 +314,9 @@ impl QueueWorker {
                 self.finish(permit, Status::ABORT_REQUESTED.into());
                 continue;
             }
+            if id != 0 && head != tail && io::transfer_len(self.ctrl(), &sqe) >= LOOK_AHEAD_MIN {
+                self.look_ahead(permit.ctx(), head, tail);
+            }
             self.execute(permit, sqe);
             self.raise_due(false);
             ran = true;
@@ -360,6 +368,20 @@ impl QueueWorker {
                 self.flush();
                 drop(permit) // Internal Error
             }
+        }
+    }
+
+    /// Before a long command runs: starts loading what the next queued one reads first (its
+    /// entry at `next` was asked for by the look before, see below), its PRP list and the
+    /// entry after it, which the host wrote in its own cache. Each is a trip between caches
+    /// that the command's copy then hides instead of the worker waiting for it later.
+    fn look_ahead(&self, ctx: &DeviceContext, next: u32, tail: u32) {
+        if let Ok(sqe) = self.sq().fetch(ctx, next) {
+            io::prefetch_prp_list(self.ctrl(), ctx, &sqe);
+        }
+        let after = (next + 1) % self.sq().entries;
+        if after != tail {
+            self.sq().prefetch(ctx, after);
         }
     }
 

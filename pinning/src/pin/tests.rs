@@ -49,6 +49,26 @@ fn an_idaw_list_pins_as_its_contiguous_runs() {
 }
 
 #[test]
+fn a_prefetch_pins_nothing_and_is_quiet_wherever_it_points() {
+    let (space, _f) = space_with(Default::default());
+    space.map_message_only(128 * P, 4 * P, Prot::READ).unwrap();
+    // Inside a page, running past its end (cut at the end), empty, unmapped, fd-less,
+    // and at the top of the IOVA space.
+    for (iova, len) in
+        [(P + 8, 248), (2 * P - 8, 4096), (3 * P, 0), (100 * P, 64), (129 * P, 64), (u64::MAX - 8, 64)]
+    {
+        space.prefetch(iova, len);
+    }
+    let stats = space.stats();
+    assert_eq!((stats.pin_calls, stats.pins_held), (0, 0));
+    assert_eq!(counts(&space, 0..4), vec![0; 4]);
+    // The shard's lock is free again: a pin and an unmap go on.
+    drop(space.pin_pages(&[1], Prot::READ).unwrap());
+    space.unmap(0, 64 * P).unwrap();
+    space.prefetch(P, 64);
+}
+
+#[test]
 fn order_and_repeats_are_kept() {
     let (space, _f) = space_with(Default::default());
     let pins = space.pin_pages(&[7, 6, 5, 5, 6, 7], Prot::READ).unwrap();
