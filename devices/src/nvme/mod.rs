@@ -23,7 +23,7 @@
 //!
 //! - `worker` (a queue's fetch loop) → completion, cx, admin, io, cmds, ctrl, queue, spec
 //! - `admin` (admin command handlers) → cx, completion, cmds, ctrl, state, namespace, prp, queue, stats, spec
-//! - `io` (NVM command handlers) → cx, completion, cmds, namespace, prp, stats, spec
+//! - `io` (NVM command handlers) → cx, completion, cmds, ctrl, namespace, prp, stats, spec
 //! - `cx` (what a handler sees) → cmds, completion, ctrl, prp, queue, spec
 //! - `completion` (posting completions) → ctrl, queue, spec, stats
 //! - `ctrl` (registers, queue table, events) → namespace, queue, state, stats, spec
