@@ -233,7 +233,9 @@ impl HostMemory {
     /// mapping now holds zero pages.
     #[inline]
     pub(crate) fn poisoned(&self) -> bool {
-        self.poisoned.load(Ordering::Acquire)
+        // The process-wide flag first: it spares the load of this mapping's own, which sits
+        // in an allocation of its own.
+        crate::sigbus::ever_poisoned() && self.poisoned.load(Ordering::Acquire)
     }
 
     /// Host address of byte `offset` of the mapping.

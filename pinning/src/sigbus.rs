@@ -36,6 +36,16 @@ static GUARDED: RwLock<BTreeMap<usize, Guarded>> = RwLock::new(BTreeMap::new());
 /// The SIGBUS disposition before ours, for faults that are not ours.
 static PREVIOUS: OnceLock<SigHandler> = OnceLock::new();
 static RECOVERED: AtomicU64 = AtomicU64::new(0);
+/// Raised, for good, before the first guest mapping of the process is poisoned: until then a
+/// check after a copy need not walk to each mapping's own flag.
+static EVER_POISONED: AtomicBool = AtomicBool::new(false);
+
+/// False while no guest mapping of this process has ever been poisoned (see `recover`:
+/// raised before the zero pages go in, so a copy that read them finds it raised).
+#[inline]
+pub(crate) fn ever_poisoned() -> bool {
+    EVER_POISONED.load(Ordering::Acquire)
+}
 
 /// Faults in guest memory survived since the process started.
 pub fn recovered_faults() -> u64 {
@@ -106,6 +116,11 @@ fn recover(addr: usize) -> bool {
     if addr - start >= g.len {
         return false;
     }
+    // Marked before the zero pages go in: another thread whose copy raced this fault and
+    // read the zeros finds the mark when it checks after its copy. (If the mmap fails the
+    // mark stays on memory that did not change; the process dies of this SIGBUS anyway.)
+    EVER_POISONED.store(true, Ordering::Release);
+    g.poisoned.store(true, Ordering::Release);
     let flags = libc::MAP_FIXED | libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
     // SAFETY: (I13, I14) [start, start + len) is a live guest mapping the engine owns (registered until
     // just before its munmap); replacing it in place keeps the range valid for everyone
@@ -114,7 +129,6 @@ fn recover(addr: usize) -> bool {
     if replaced == libc::MAP_FAILED {
         return false;
     }
-    g.poisoned.store(true, Ordering::Release);
     RECOVERED.fetch_add(1, Ordering::Relaxed);
     true
 }

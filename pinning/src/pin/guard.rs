@@ -273,7 +273,12 @@ impl PinnedPages {
     /// mapped: accesses to them see zeros and lose writes. Devices that use the host
     /// addresses directly check this after an access, as the copy helpers do.
     pub fn poisoned(&self) -> bool {
-        // Two plain loops, not one chained iterator: this runs after every copy.
+        // This runs after every copy. While no mapping of the process was ever poisoned (the
+        // usual life) it is one load of a flag nobody writes, not a walk to each mapping.
+        if !crate::sigbus::ever_poisoned() {
+            return false;
+        }
+        // Two plain loops, not one chained iterator.
         match self.hold.view() {
             HoldView::Recorded(_) => self.record().is_some_and(|r| r.mappings().any(|m| m.poisoned())),
             HoldView::Counted(plan) => plan.mappings.iter().any(|m| m.poisoned()),
