@@ -134,21 +134,66 @@ fn backoff(tries: &mut u32) {
 thread_local! {
     /// This thread's token, 0 until first asked.
     static TOKEN: Cell<u64> = const { Cell::new(0) };
+    /// Gives the token back as the thread ends (see [`TokenBack`]).
+    static TOKEN_BACK: TokenBack = const { TokenBack };
 }
 
-/// A number no other thread of the process has (from 1; never [`UNOWNED`] or [`REVOKED`]).
+/// Tokens of threads that ended, for threads that start: the last one back goes first.
+static FREE_TOKENS: std::sync::Mutex<Vec<u64>> = std::sync::Mutex::new(Vec::new());
+
+/// The pool, whatever a panic left it in (a `Vec`'s push and pop leave it whole).
+fn free_tokens() -> std::sync::MutexGuard<'static, Vec<u64>> {
+    FREE_TOKENS.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A number no other live thread of the process has (from 1; never [`UNOWNED`] or
+/// [`REVOKED`]): the thread's identity for the protocol, and its shard's
+/// (`shard::this_shard`).
 #[inline]
-fn token() -> u64 {
+pub(crate) fn token() -> u64 {
     TOKEN.with(|t| {
         let mine = t.get();
         if mine != 0 {
             return mine;
         }
-        static NEXT: AtomicU64 = AtomicU64::new(1);
-        let mine = NEXT.fetch_add(1, Ordering::Relaxed);
+        let mine = take_token();
         t.set(mine);
         mine
     })
+}
+
+/// A token for a thread that has none: one an ended thread gave back if there is one, and
+/// the thread gives it back in turn when it ends; past its end (a lock taken by a
+/// thread-local's destructor after [`TokenBack`]'s ran) a new one, never given back.
+#[cold]
+fn take_token() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    // Registers the thread's TokenBack; fails once the thread's thread-locals are going.
+    if TOKEN_BACK.try_with(|_| ()).is_ok() {
+        if let Some(token) = free_tokens().pop() {
+            return token;
+        }
+    }
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// A thread's token goes back to [`FREE_TOKENS`] as the thread ends, so that the next thread
+/// to start takes it, and with it the bias of every lock the ended thread owned: a queue
+/// worker that a controller reset replaced still finds its shard's lock biased to it, where
+/// a new token would find it owned by a thread that is gone, pay the gate and `membarrier`
+/// on every take, and soon revoke the bias for good. Sound because no two live threads ever
+/// hold one token: this thread's `TOKEN` is cleared before the token goes back, and a take
+/// after that gets a new one (`take_token`). The pool's mutex orders the ended thread's last
+/// hold (its release of `held`) before the next owner's first (I19).
+struct TokenBack;
+
+impl Drop for TokenBack {
+    fn drop(&mut self) {
+        let mine = TOKEN.with(|t| t.replace(0));
+        if mine != 0 {
+            free_tokens().push(mine);
+        }
+    }
 }
 
 /// A lock around a `T`, as described in the module documentation.

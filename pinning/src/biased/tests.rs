@@ -1,5 +1,4 @@
 use super::*;
-use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Barrier};
 
 /// Non-atomic read-modify-writes under the lock, from an owner and from foreign threads:
@@ -128,22 +127,24 @@ fn many_foreign_takes_in_a_short_time_end_the_bias() {
 }
 
 #[test]
-fn thread_tokens_are_distinct_and_never_the_reserved_values() {
+fn live_threads_have_distinct_tokens_never_the_reserved_values() {
     let here = token();
     assert_eq!(token(), here);
-    let seen = Arc::new(AtomicUsize::new(0));
-    let theirs: Vec<u64> = (0..4)
+    // Four threads, all alive once each has its token (ended threads' tokens are reused:
+    // tests/biased_handoff.rs).
+    let all_in = Arc::new(Barrier::new(4));
+    let threads: Vec<_> = (0..4)
         .map(|_| {
-            let seen = seen.clone();
+            let all_in = all_in.clone();
             std::thread::spawn(move || {
-                seen.fetch_add(1, Ordering::Relaxed);
-                token()
+                let mine = token();
+                all_in.wait();
+                assert_eq!(token(), mine);
+                mine
             })
-            .join()
-            .unwrap()
         })
         .collect();
-    let mut all = theirs.clone();
+    let mut all: Vec<u64> = threads.into_iter().map(|t| t.join().unwrap()).collect();
     all.push(here);
     all.sort_unstable();
     all.dedup();
