@@ -277,7 +277,10 @@ impl Sq {
 
     /// Asks the CPU to start loading entry `index` (see [`DeviceContext::prefetch`]).
     pub fn prefetch(&self, ctx: &DeviceContext, index: u32) {
-        ctx.prefetch(self.ring.base + u64::from(index) * self.ring.entry_size, SQE_SIZE as usize);
+        // The guest chose the base, and nothing checked that the ring ends below 2^64.
+        if let Some(at) = self.ring.base.checked_add(u64::from(index) * self.ring.entry_size) {
+            ctx.prefetch(at, SQE_SIZE as usize);
+        }
     }
 
     /// Reads entry `index`.
