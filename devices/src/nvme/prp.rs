@@ -33,9 +33,10 @@ fn page_offset(addr: u64) -> u64 {
     addr & (PAGE - 1)
 }
 
-/// Most entries read from one list page: a list page holds 512, but one transfer needs at
-/// most `MAX_PAGES - 1` after PRP1, and a page with more than that never chains.
-const MAX_LIST_READ: usize = MAX_PAGES - 1;
+/// Entries read from a list page at a time: a 512-byte buffer serves a 256 KiB transfer's
+/// list in one read, and the buffer is zeroed for each command, so it stays small (a whole
+/// page's worth cost more to zero than to read).
+const LIST_CHUNK: usize = 64;
 
 impl DataPages {
     /// Resolves PRP1/PRP2 of a `len`-byte transfer (1 to [`MAX_TRANSFER`] bytes; more is
@@ -70,7 +71,7 @@ impl DataPages {
         }
         // PRP2 is a list pointer.
         let mut list = prp2;
-        let mut buf = [0u8; MAX_LIST_READ * 8];
+        let mut buf = [0u8; LIST_CHUNK * 8];
         while wanted > 0 {
             if list & 7 != 0 {
                 return Err(Status::PRP_OFFSET_INVALID);
@@ -83,26 +84,36 @@ impl DataPages {
             if self.list_pages as usize >= MAX_PAGES {
                 return Err(Status::PRP_OFFSET_INVALID);
             }
-            // Chained: room < wanted; else data = wanted; and wanted <= MAX_LIST_READ.
+            // The page's entries to read: its data entries and, chained, the pointer after them.
             let n = if chained { room } else { data };
-            debug_assert!(n <= MAX_LIST_READ);
-            let bytes = &mut buf[..n * 8];
-            ctx.read_pinned(list, bytes).map_err(|_| Status::DATA_TRANSFER_ERROR)?;
-            self.list_pages += 1;
-            // One reservation and one offset check for the page's entries, not per entry.
+            let mut next = None;
             let mut offsets = 0;
-            self.pfns.extend(bytes[..data * 8].chunks_exact(8).map(|entry| {
-                let addr = u64::from_le_bytes(entry.try_into().expect("8-byte chunks"));
-                offsets |= page_offset(addr);
-                addr / PAGE
-            }));
+            let mut at = 0;
+            while at < n {
+                let k = (n - at).min(LIST_CHUNK);
+                let bytes = &mut buf[..k * 8];
+                // `at < n <= room`: inside the list's page, so the add cannot wrap.
+                ctx.read_pinned(list + 8 * at as u64, bytes).map_err(|_| Status::DATA_TRANSFER_ERROR)?;
+                // `at < n`, and `n <= data + 1`: at most the chunk's last entry is the pointer.
+                let entries = (data - at).min(k);
+                // One reservation and one offset check per chunk, not per entry.
+                self.pfns.extend(bytes[..entries * 8].chunks_exact(8).map(|entry| {
+                    let addr = u64::from_le_bytes(entry.try_into().expect("8-byte chunks"));
+                    offsets |= page_offset(addr);
+                    addr / PAGE
+                }));
+                if entries < k {
+                    next = Some(u64::from_le_bytes(bytes[entries * 8..].try_into().expect("one entry")));
+                }
+                at += k;
+            }
+            self.list_pages += 1;
             if offsets != 0 {
                 return Err(Status::PRP_OFFSET_INVALID);
             }
             wanted -= data;
-            if chained {
-                let next = &bytes[data * 8..];
-                list = u64::from_le_bytes(next.try_into().expect("one entry"));
+            if let Some(next) = next {
+                list = next;
             }
         }
         Ok(())
@@ -186,6 +197,29 @@ mod tests {
         assert_eq!(p.pfns.len(), MAX_PAGES);
         assert_eq!((p.pfns[1], p.pfns[254], p.pfns[255], p.pfns[256]), (0x80, 0x80 + 253, 0xb, 0xc));
         assert_eq!(p.list_pages, 2);
+    }
+
+    #[test]
+    fn a_page_is_read_in_chunks_whose_edges_change_nothing() {
+        let (ctx, ram) = guest();
+        // 65 entries before the page ends: 64 data entries fill the first chunk exactly, and
+        // the pointer to the next list page is alone in the second.
+        let mut first: Vec<u64> = (0..64).map(|i| 0x8_0000 + i * 0x1000).collect();
+        first.push(0x5000);
+        put_list(&ram, 0x6df8, &first);
+        put_list(&ram, 0x5000, &[0xb000, 0xc000]);
+        let p = resolve(&ctx, 0x1000, 0x6df8, 67 * 4096).unwrap();
+        assert_eq!(p.pfns.len(), 67);
+        assert_eq!((p.pfns[1], p.pfns[64], p.pfns[65], p.pfns[66]), (0x80, 0x80 + 63, 0xb, 0xc));
+        assert_eq!(p.list_pages, 2);
+        // 200 entries in one page: an unaligned entry in the fourth chunk is found, as in
+        // the first.
+        let mut long: Vec<u64> = (0..200).map(|i| 0x8_0000 + i * 0x1000).collect();
+        put_list(&ram, 0x3000, &long);
+        assert_eq!(resolve(&ctx, 0x1000, 0x3000, 201 * 4096).unwrap().pfns[200], 0x80 + 199);
+        long[199] += 8;
+        put_list(&ram, 0x3000, &long);
+        assert_eq!(resolve(&ctx, 0x1000, 0x3000, 201 * 4096).unwrap_err(), Status::PRP_OFFSET_INVALID);
     }
 
     #[test]
