@@ -34,8 +34,9 @@ fn page_offset(addr: u64) -> u64 {
 }
 
 /// Entries read from a list page at a time: a 512-byte buffer serves a 256 KiB transfer's
-/// list in one read, and the buffer is zeroed for each command, so it stays small (a whole
-/// page's worth cost more to zero than to read).
+/// list in one read. The buffer is zeroed for each command with a list, so it stays small:
+/// the largest transfer's 2 KiB, zeroed for a 128 KiB read's 248-byte list, showed in
+/// profiles.
 const LIST_CHUNK: usize = 64;
 
 impl DataPages {
