@@ -256,6 +256,20 @@ impl Store {
         self.file_vectored(pos, bufs, Direction::Read, 0)
     }
 
+    /// Asks the CPU to start loading the first page (at most) of `[pos, pos + len)` of a RAM
+    /// store: a hint for a read that runs soon, so that its copy finds the lines on their way.
+    /// Nothing is read, checked or kept; other stores and ranges past the end do nothing.
+    pub fn prefetch(&self, pos: u64, len: usize) {
+        if let Some(region) = &self.ram {
+            let len = len.min(PREFETCH_HEAD);
+            if self.check(pos, len as u64).is_ok() {
+                if let Ok(slice) = Self::ram_slice(region, pos, len) {
+                    prefetch_head(&slice, len);
+                }
+            }
+        }
+    }
+
     /// Writes `bufs`, in order, to the store from `pos`, whole; visible to other threads in
     /// order with what the caller does next.
     pub fn write_vectored(

@@ -212,6 +212,46 @@ fn long_reads_behind_one_doorbell_each_end_as_their_own_entry_says_whatever_the_
 }
 
 #[test]
+fn short_ram_reads_behind_one_doorbell_end_as_their_own_entry_says_whatever_the_next_reads() {
+    let mut d = up(Rig::new(), 1);
+    // 4 KiB reads of the RAM namespace (64 MiB of 512-byte blocks), so the worker looks at
+    // the entry after each and asks for the start of what it reads: from one block past the
+    // end, across the end, from an SLBA whose end overflows, from an absent namespace. What
+    // it finds there changes nothing: each entry ends with its own status.
+    let blocks = 64 << 11;
+    let (a, b, src) = (DATA + 0x40_0000, DATA + 0x50_0000, DATA + 0x60_0000);
+    let data = pattern(4096, 3);
+    d.t.put(src, &data).unwrap();
+    assert_eq!(d.rw(1, false, 1, 0, 8, 512, &[src], 0).unwrap(), Status::SUCCESS);
+    let cases = [
+        (1, 0, a, Status::SUCCESS),
+        (1, blocks, DATA, Status::LBA_OUT_OF_RANGE.dnr()),
+        (1, blocks - 2, DATA, Status::LBA_OUT_OF_RANGE.dnr()),
+        (1, u64::MAX - 3, DATA, Status::LBA_OUT_OF_RANGE.dnr()),
+        (7, 0, DATA, Status::INVALID_NAMESPACE.dnr()),
+        (1, 0, b, Status::SUCCESS),
+    ];
+    for (i, &(nsid, slba, prp1, _)) in cases.iter().enumerate() {
+        let mut sqe = Driver::<Rig>::rw_command(true, nsid, slba, 8, prp1, 0);
+        sqe.cdw0 = (u32::from(nvm_op::READ) | (0x600 + i as u32) << 16).into();
+        d.push(1, &sqe).unwrap();
+    }
+    d.ring(1).unwrap();
+    let mut seen = Vec::new();
+    for _ in &cases {
+        let cqe = d.wait(1, Duration::from_secs(60)).unwrap();
+        seen.push((u16::from(cqe.cid), cqe.status()));
+    }
+    let want: Vec<_> = cases.iter().enumerate().map(|(i, c)| (0x600 + i as u16, c.3)).collect();
+    assert_eq!(seen, want);
+    let (mut x, mut y) = (vec![0u8; 4096], vec![0u8; 4096]);
+    d.t.get(a, &mut x).unwrap();
+    d.t.get(b, &mut y).unwrap();
+    assert!(x == data && y == data, "both reads brought blocks 0-7");
+    nothing_more(&mut d);
+}
+
+#[test]
 fn chained_prp_lists_carry_the_largest_transfer() {
     let mut d = up(Rig::new(), 1);
     // 1 MiB from an unaligned start: 257 pages, 256 entries in the list.

@@ -11,7 +11,7 @@
 use umdev_pinning::Prot;
 use vm_memory::ByteValued;
 
-use super::cmds::{DataPtr, DatasetManagement, NvmCmd, ReadWrite, WriteZeroes};
+use super::cmds::{DatasetManagement, NvmCmd, ReadWrite, WriteZeroes};
 use super::completion::{Command, Outcome, Transfer as Started};
 use super::ctrl::Ctrl;
 use super::cx::CommandCx;
@@ -54,37 +54,54 @@ pub fn execute(cx: &CommandCx, cmd: NvmCmd) -> Outcome {
     }
 }
 
-/// The bytes a Read or Write entry moves and its data pointer, as the entry reads before
-/// any check (`None` for any other command or an inactive namespace): for hints, not for
-/// running it.
-fn transfer_of(ctrl: &Ctrl, sqe: &Sqe) -> Option<(u64, DataPtr)> {
-    match NvmCmd::parse(sqe) {
-        Ok(NvmCmd::Read(c) | NvmCmd::Write(c)) => {
-            ctrl.namespace(c.nsid).map(|ns| (u64::from(c.blocks) << ns.lba_shift(), c.data))
-        }
-        _ => None,
+/// A queued Read or Write entry as it reads before any check, parsed once for the worker's
+/// hints ([`super::worker`]'s look ahead), never for running it: the command is parsed and
+/// checked again when its turn comes.
+pub struct Peek<'a> {
+    ns: &'a Namespace,
+    c: ReadWrite,
+    read: bool,
+}
+
+impl<'a> Peek<'a> {
+    /// `sqe` if it is a Read or Write of an active namespace.
+    pub fn of(ctrl: &'a Ctrl, sqe: &Sqe) -> Option<Peek<'a>> {
+        let (c, read) = match NvmCmd::parse(sqe) {
+            Ok(NvmCmd::Read(c)) => (c, true),
+            Ok(NvmCmd::Write(c)) => (c, false),
+            _ => return None,
+        };
+        ctrl.namespace(c.nsid).map(|ns| Peek { ns, c, read })
     }
-}
 
-/// The bytes a Read or Write entry moves, 0 for anything else (see `transfer_of`).
-pub fn transfer_len(ctrl: &Ctrl, sqe: &Sqe) -> u64 {
-    transfer_of(ctrl, sqe).map_or(0, |(len, _)| len)
-}
+    /// The bytes it moves.
+    pub fn len(&self) -> u64 {
+        u64::from(self.c.blocks) << self.ns.lba_shift()
+    }
 
-/// Starts loading the PRP list of `sqe` if it is a Read or Write that has one: for the
-/// worker to call with the next queued entry before it runs a long command ahead of it,
-/// whose copy then hides the list's trip from the host's cache (the host wrote it just
-/// before it rang). A hint: nothing is checked or kept; the command is parsed again when it
-/// runs.
-pub fn prefetch_prp_list(ctrl: &Ctrl, ctx: &DeviceContext, sqe: &Sqe) {
-    let Some((len, data)) = transfer_of(ctrl, sqe) else {
-        return;
-    };
-    let first = PAGE - (data.prp1() & (PAGE - 1));
-    // One entry per page after the first; a list only for more than two pages.
-    let entries = len.saturating_sub(first).div_ceil(PAGE);
-    if entries > 1 {
-        ctx.prefetch(data.prp2(), (entries * 8) as usize);
+    /// Whether it reads a RAM namespace: a copy from the store, as random reads' are mostly
+    /// from memory no cache holds.
+    pub fn reads_ram(&self) -> bool {
+        self.read && !self.ns.is_file()
+    }
+
+    /// Starts loading its PRP list, if it has one (the host wrote it in its own cache just
+    /// before it rang), and, if it reads a RAM namespace, the first 4 KiB it reads there:
+    /// for the worker to call with the next queued entry before it runs the one ahead of it,
+    /// whose work then hides these trips. Nothing is checked or kept.
+    pub fn prefetch(&self, ctx: &DeviceContext) {
+        let len = self.len();
+        let data = self.c.data;
+        let first = PAGE - (data.prp1() & (PAGE - 1));
+        // One entry per page after the first; a list only for more than two pages.
+        let entries = len.saturating_sub(first).div_ceil(PAGE);
+        if entries > 1 {
+            ctx.prefetch(data.prp2(), (entries * 8) as usize);
+        }
+        if self.reads_ram() && self.ns.in_range(self.c.slba, u64::from(self.c.blocks)) {
+            // In range: the position is below the namespace's size.
+            self.ns.store().prefetch(self.c.slba << self.ns.lba_shift(), len as usize);
+        }
     }
 }
 
