@@ -258,7 +258,8 @@ impl Store {
 
     /// Asks the CPU to start loading the first page (at most) of `[pos, pos + len)` of a RAM
     /// store: a hint for a read that runs soon, so that its copy finds the lines on their way.
-    /// Nothing is read, checked or kept; other stores and ranges past the end do nothing.
+    /// Nothing is read or kept; a range past the store's end, or a store that is not RAM,
+    /// gets nothing.
     pub fn prefetch(&self, pos: u64, len: usize) {
         if let Some(region) = &self.ram {
             let len = len.min(PREFETCH_HEAD);
