@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sd_notify::NotifyState;
@@ -273,6 +273,10 @@ pub fn daemon(dirs: &Dirs, template: InstanceConfig, max_instances: usize) -> Re
 /// stop, within a second for a client that comes or goes (the server keeps no hook for that).
 struct StatusReporter {
     manager: Arc<Manager>,
+    /// The STATUS= last sent. Each sender computes and sends under this lock, so that what
+    /// changed after a READY=1 (a client that connected before the thread first looked) is
+    /// compared with what READY=1 said, not with a later look, and never goes unsent.
+    last: Arc<Mutex<String>>,
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -280,7 +284,9 @@ struct StatusReporter {
 impl StatusReporter {
     fn start(manager: Arc<Manager>) -> StatusReporter {
         let stop = Arc::new(AtomicBool::new(false));
-        let mut reporter = StatusReporter { manager: manager.clone(), stop: stop.clone(), thread: None };
+        let last = Arc::new(Mutex::new(String::new()));
+        let mut reporter =
+            StatusReporter { manager: manager.clone(), last: last.clone(), stop: stop.clone(), thread: None };
         reporter.ready();
         // Only a service manager listens; without one there is nothing to follow.
         if std::env::var_os("NOTIFY_SOCKET").is_none() {
@@ -289,13 +295,14 @@ impl StatusReporter {
         reporter.thread = std::thread::Builder::new()
             .name("umdev-status".into())
             .spawn(move || {
-                let (mut seen, mut last) = (0, serving(&manager));
+                let mut seen = 0;
                 while !stop.load(Ordering::Acquire) {
                     seen = manager.wait_change(seen, Duration::from_secs(1));
+                    let mut last = umdev_pinning::sync::lock(&last);
                     let now = serving(&manager);
-                    if now != last && !stop.load(Ordering::Acquire) {
+                    if now != *last && !stop.load(Ordering::Acquire) {
                         notify(&[NotifyState::Status(&now)]);
-                        last = now;
+                        *last = now;
                     }
                 }
             })
@@ -304,7 +311,9 @@ impl StatusReporter {
     }
 
     fn ready(&self) {
-        notify(&[NotifyState::Ready, NotifyState::Status(&serving(&self.manager))]);
+        let mut last = umdev_pinning::sync::lock(&self.last);
+        *last = serving(&self.manager);
+        notify(&[NotifyState::Ready, NotifyState::Status(&last)]);
     }
 }
 
