@@ -102,6 +102,29 @@ fn expect_in_order(d: &mut Driver<Rig>, cids: &[u16]) {
     assert_eq!(seen, cids, "each once, in the order they ran");
 }
 
+/// Reads on queue 1 behind one doorbell: each of `commands` (NSID, SLBA, blocks, PRP1, PRP2)
+/// with command identifier `cid` + its index, the queue rung once, then each completion's
+/// (command identifier, status) as they came.
+fn reads_behind_one_doorbell(
+    d: &mut Driver<Rig>,
+    commands: &[(u32, u64, u32, u64, u64)],
+    cid: u16,
+) -> Vec<(u16, Status)> {
+    for (i, &(nsid, slba, blocks, prp1, prp2)) in commands.iter().enumerate() {
+        let mut sqe = Driver::<Rig>::rw_command(true, nsid, slba, blocks, prp1, prp2);
+        sqe.cdw0 = (u32::from(nvm_op::READ) | u32::from(cid + i as u16) << 16).into();
+        d.push(1, &sqe).unwrap();
+    }
+    d.ring(1).unwrap();
+    commands
+        .iter()
+        .map(|_| {
+            let cqe = d.wait(1, Duration::from_secs(60)).unwrap();
+            (u16::from(cqe.cid), cqe.status())
+        })
+        .collect()
+}
+
 /// Nothing more is posted on queue 1 (nothing twice).
 fn nothing_more(d: &mut Driver<Rig>) {
     std::thread::sleep(Duration::from_millis(20));
@@ -189,17 +212,8 @@ fn long_reads_behind_one_doorbell_each_end_as_their_own_entry_says_whatever_the_
         (1, b, list(&mut d, DATA + 0x30_2000, b), Status::SUCCESS),
     ];
     d.t.put(DATA + 0x30_1ff8, &0x1234u64.to_le_bytes()).unwrap(); // not page aligned
-    for (i, &(nsid, prp1, prp2, _)) in cases.iter().enumerate() {
-        let mut sqe = Driver::<Rig>::rw_command(true, nsid, 0, 128, prp1, prp2);
-        sqe.cdw0 = (u32::from(nvm_op::READ) | (0x500 + i as u32) << 16).into();
-        d.push(1, &sqe).unwrap();
-    }
-    d.ring(1).unwrap();
-    let mut seen = Vec::new();
-    for _ in &cases {
-        let cqe = d.wait(1, Duration::from_secs(60)).unwrap();
-        seen.push((u16::from(cqe.cid), cqe.status()));
-    }
+    let commands: Vec<_> = cases.iter().map(|&(nsid, prp1, prp2, _)| (nsid, 0, 128, prp1, prp2)).collect();
+    let seen = reads_behind_one_doorbell(&mut d, &commands, 0x500);
     let want: Vec<_> = cases.iter().enumerate().map(|(i, c)| (0x500 + i as u16, c.3)).collect();
     assert_eq!(seen, want);
     let (mut x, mut y) = (vec![0u8; 64 << 10], vec![0u8; 64 << 10]);
@@ -231,17 +245,8 @@ fn short_ram_reads_behind_one_doorbell_end_as_their_own_entry_says_whatever_the_
         (7, 0, DATA, Status::INVALID_NAMESPACE.dnr()),
         (1, 0, b, Status::SUCCESS),
     ];
-    for (i, &(nsid, slba, prp1, _)) in cases.iter().enumerate() {
-        let mut sqe = Driver::<Rig>::rw_command(true, nsid, slba, 8, prp1, 0);
-        sqe.cdw0 = (u32::from(nvm_op::READ) | (0x600 + i as u32) << 16).into();
-        d.push(1, &sqe).unwrap();
-    }
-    d.ring(1).unwrap();
-    let mut seen = Vec::new();
-    for _ in &cases {
-        let cqe = d.wait(1, Duration::from_secs(60)).unwrap();
-        seen.push((u16::from(cqe.cid), cqe.status()));
-    }
+    let commands: Vec<_> = cases.iter().map(|&(nsid, slba, prp1, _)| (nsid, slba, 8, prp1, 0)).collect();
+    let seen = reads_behind_one_doorbell(&mut d, &commands, 0x600);
     let want: Vec<_> = cases.iter().enumerate().map(|(i, c)| (0x600 + i as u16, c.3)).collect();
     assert_eq!(seen, want);
     let (mut x, mut y) = (vec![0u8; 4096], vec![0u8; 4096]);
