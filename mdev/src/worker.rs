@@ -12,7 +12,9 @@
 //! queue depth 1 is the whole latency. A worker given a [`Poll`] budget watches for work for
 //! up to that long before it sleeps, if a CPU is free for it: at most one worker per spare CPU
 //! of the process polls at a time (the turns are shared by every device), and a turn is given
-//! back before sleeping. A ring while the worker polls costs the ringer no syscall.
+//! back before sleeping. A ring while the worker polls costs the ringer no syscall. A poll
+//! that finds it lost its CPU for a scheduler slice (a busy neighbour's) ends, and the worker
+//! does not poll for a while: a polling worker that does not run only delays what comes.
 //!
 //! **Sleeping in the kernel.** A worker that also waits for events the kernel delivers to it
 //! (an io_uring's completions) sleeps where those arrive instead of in the thread's park:
@@ -45,6 +47,17 @@ impl Poll {
 /// and the interrupt with it. A client that answers within this time finds the worker still
 /// spinning, at no syscall's cost.
 const POLL_SPIN_ONLY: Duration = Duration::from_micros(2);
+
+/// A look that comes this long after the one before finds that the worker lost its CPU
+/// meanwhile for a whole scheduler slice: to a thread that keeps the CPU busy (another
+/// program), not to one that its yield let run briefly (a VMM's main loop runs for about 100
+/// µs)...
+const POLL_LOST: Duration = Duration::from_millis(1);
+/// ...and the worker then does not poll for this long. While such a thread shares its CPU, a
+/// polling worker is runnable without running, and work that arrives meanwhile waits out the
+/// other thread's slice (a host that shadows its doorbells does not even ring while the
+/// worker polls); a sleeping worker is woken by the ring at once.
+const POLL_PAUSE: Duration = Duration::from_millis(100);
 
 /// Workers polling now, across the process.
 static POLLERS: AtomicUsize = AtomicUsize::new(0);
@@ -206,6 +219,8 @@ pub struct Waiter<S> {
     seen: u32,
     /// In [`Waiter::linger`]: a stop does not end the wait.
     lingering: bool,
+    /// No polling before this ([`POLL_PAUSE`]).
+    poll_paused_until: Option<Instant>,
 }
 
 impl<S: Copy> Waiter<S> {
@@ -328,13 +343,20 @@ impl<S: Copy> Waiter<S> {
             Some(t) => poll.0.min(t),
             None => poll.0,
         };
-        if !budget.is_zero() {
+        let paused = self.poll_paused_until.is_some_and(|until| start < until);
+        if !budget.is_zero() && !paused {
             if let Some(_turn) = PollTurn::take() {
+                let mut looked = Duration::ZERO;
                 loop {
                     let spun = start.elapsed();
+                    if spun - looked >= POLL_LOST {
+                        self.poll_paused_until = Some(start + spun + POLL_PAUSE);
+                        break;
+                    }
                     if spun >= budget {
                         break;
                     }
+                    looked = spun;
                     if spun < POLL_SPIN_ONLY {
                         std::hint::spin_loop();
                     } else {
@@ -417,7 +439,14 @@ impl<S: Copy + Send + 'static> Worker<S> {
             ended: Condvar::new(),
         });
         let seen = bell.0.rings.load(Ordering::SeqCst);
-        let waiter = Waiter { bell: bell.clone(), control: control.clone(), poll, seen, lingering: false };
+        let waiter = Waiter {
+            bell: bell.clone(),
+            control: control.clone(),
+            poll,
+            seen,
+            lingering: false,
+            poll_paused_until: None,
+        };
         let thread = std::thread::Builder::new().name(name.clone()).spawn(move || {
             let _ended = Ended(waiter.control.clone());
             body(waiter);
@@ -710,5 +739,59 @@ mod tests {
         // Other tests may hold turns meanwhile: never more than the spare CPUs.
         assert!(turns.len() <= spare);
         drop(turns);
+    }
+
+    /// A waiter of its own, on this thread, polling up to `poll`.
+    fn waiter(poll: Poll) -> Waiter<Why> {
+        let control = Arc::new(Control {
+            stopping: AtomicBool::new(false),
+            stop: Mutex::new(None),
+            done: Mutex::new(false),
+            ended: Condvar::new(),
+        });
+        Waiter { bell: Bell::new(), control, poll, seen: 0, lingering: false, poll_paused_until: None }
+    }
+
+    #[test]
+    fn a_poll_that_loses_its_cpu_for_a_slice_pauses_polling() {
+        let mut w = waiter(Poll(Duration::from_millis(50)));
+        let t0 = Instant::now();
+        // The second look stands for a CPU lost for 2 ms. It is a poll's look only if a turn
+        // was free (other tests may hold them): try until one was.
+        for _ in 0..1000 {
+            let mut looks = 0;
+            let ready = || {
+                looks += 1;
+                if looks == 2 {
+                    std::thread::sleep(2 * POLL_LOST);
+                }
+                false
+            };
+            assert_eq!(w.wait(ready, Some(Duration::from_millis(5))), Wake::Timeout);
+            if w.poll_paused_until.is_some() {
+                break;
+            }
+        }
+        let until = w.poll_paused_until.expect("a poll lost its CPU and paused");
+        assert!(until >= t0 + POLL_PAUSE);
+    }
+
+    #[test]
+    fn a_paused_waiter_does_not_poll() {
+        let mut w = waiter(Poll(Duration::from_millis(50)));
+        w.poll_paused_until = Some(Instant::now() + Duration::from_secs(3600));
+        let mut looks = 0;
+        assert_eq!(
+            w.wait(
+                || {
+                    looks += 1;
+                    false
+                },
+                Some(Duration::from_millis(20))
+            ),
+            Wake::Timeout
+        );
+        // The first look, the one after announcing the sleep, the one after it: no poll's.
+        assert!(looks <= 3, "{looks} looks");
     }
 }
