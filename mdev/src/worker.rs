@@ -224,6 +224,18 @@ pub struct Waiter<S> {
 }
 
 impl<S: Copy> Waiter<S> {
+    /// A waiter on `bell`, with a control of its own, that has seen the rings so far.
+    fn new(bell: &Bell, poll: Poll) -> Waiter<S> {
+        let control = Arc::new(Control {
+            stopping: AtomicBool::new(false),
+            stop: Mutex::new(None),
+            done: Mutex::new(false),
+            ended: Condvar::new(),
+        });
+        let seen = bell.0.rings.load(Ordering::SeqCst);
+        Waiter { bell: bell.clone(), control, poll, seen, lingering: false, poll_paused_until: None }
+    }
+
     /// The stop reason, once the device asked the thread to stop.
     pub fn stopped(&self) -> Option<S> {
         self.control.stop_reason()
@@ -432,21 +444,8 @@ impl<S: Copy + Send + 'static> Worker<S> {
         body: impl FnOnce(Waiter<S>) + Send + 'static,
     ) -> std::io::Result<Worker<S>> {
         let name = name.into();
-        let control = Arc::new(Control {
-            stopping: AtomicBool::new(false),
-            stop: Mutex::new(None),
-            done: Mutex::new(false),
-            ended: Condvar::new(),
-        });
-        let seen = bell.0.rings.load(Ordering::SeqCst);
-        let waiter = Waiter {
-            bell: bell.clone(),
-            control: control.clone(),
-            poll,
-            seen,
-            lingering: false,
-            poll_paused_until: None,
-        };
+        let waiter = Waiter::new(bell, poll);
+        let control = waiter.control.clone();
         let thread = std::thread::Builder::new().name(name.clone()).spawn(move || {
             let _ended = Ended(waiter.control.clone());
             body(waiter);
@@ -743,13 +742,7 @@ mod tests {
 
     /// A waiter of its own, on this thread, polling up to `poll`.
     fn waiter(poll: Poll) -> Waiter<Why> {
-        let control = Arc::new(Control {
-            stopping: AtomicBool::new(false),
-            stop: Mutex::new(None),
-            done: Mutex::new(false),
-            ended: Condvar::new(),
-        });
-        Waiter { bell: Bell::new(), control, poll, seen: 0, lingering: false, poll_paused_until: None }
+        Waiter::new(&Bell::new(), poll)
     }
 
     #[test]
