@@ -841,6 +841,25 @@ fn shadow_doorbells_carry_the_queues_and_the_registers_ring_only_when_asked() {
         assert_eq!(d.wait(2, Duration::from_secs(60)).unwrap().status(), Status::SUCCESS);
     }
     assert!(d.doorbells.spared > spared, "CQ head updates the controller did not ask to hear of");
+    // A second configuration, after tails the registers never heard of: the controller hands
+    // over the tails and heads it works from, not the registers' (from a stale tail the
+    // worker would fetch old entries again), and the queues go on.
+    d.enable_shadow_doorbells().unwrap();
+    for q in [1u16, 2] {
+        let (tail, head) = (d.io[usize::from(q) - 1].sq_tail, d.io[usize::from(q) - 1].cq_head);
+        let at = driver::SHADOW + u64::from(q) * 8;
+        assert_eq!(
+            (dword(&mut d, at), dword(&mut d, at + 4)),
+            (tail, head),
+            "queue {q} after a second config"
+        );
+    }
+    for q in [1u16, 2] {
+        assert_eq!(d.rw(q, true, 1, 0, 8, 512, &[DATA], 0).unwrap(), Status::SUCCESS);
+    }
+    for q in [1u16, 2] {
+        assert!(d.poll_one(q).unwrap().is_none(), "queue {q}: a completion of an entry run again");
+    }
     let mut back = vec![0u8; 4096];
     // A disable turns it off; after it, registers alone work again.
     d.t.write32(reg::CC, 0).unwrap();

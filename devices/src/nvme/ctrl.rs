@@ -768,7 +768,11 @@ impl Ctrl {
         })?;
         let queues = self.queues();
         for qid in 1..self.sq_doorbells.len() {
-            let (tail, head) = (self.sq_doorbells[qid].value(), self.cq_doorbells[qid].value());
+            // Where the worker reads them now (the pages before, the mapped page, or the
+            // registers): a register lags while another source is in use, and a tail behind
+            // the worker's head would have it fetch old entries again.
+            let q = qid as u16;
+            let (tail, head) = (self.sq_tail(q), self.cq_head(q));
             pages.store(qid * 2, tail);
             pages.arm(qid * 2, tail);
             pages.store(qid * 2 + 1, head);
