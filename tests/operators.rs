@@ -72,11 +72,39 @@ fn a_bad_option_fails_at_define_with_the_message_start_gives() {
         !env.state.exists() || std::fs::read_dir(&env.state).unwrap().count() == 0,
         "nothing was written"
     );
+    // What the other options keep from applying is refused too, not taken silently; and
+    // two namespaces on one file (under any name).
+    let image = env.path().join("disk.img");
+    std::fs::File::create(&image).unwrap().set_len(1 << 20).unwrap();
+    let link = env.path().join("link.img");
+    std::os::unix::fs::symlink(&image, &link).unwrap();
+    let (ns1, ns2) = (format!("ns1=file:{}", image.display()), format!("ns2=file:{}", link.display()));
+    let together: &[(&[&str], &str)] = &[
+        (&["ns1=ram:1M", "aio=sync"], "aio=sync cannot apply: no namespace is a file or block device"),
+        (&[&ns1, "fixed_buffers=always"], "fixed_buffers=always cannot apply: they carry O_DIRECT transfers"),
+        (
+            &[&ns1, "cache1=none", "aio=sync", "fixed_buffers=on"],
+            "fixed buffers are io_uring's (aio=io_uring)",
+        ),
+        (&[&ns1, "cache1=none", "fixed_buffers=on"], "they are the kernel's pins (--pin-mode kernel)"),
+        (&[&ns1, "ram_pages=2m"], "ram_pages=2m cannot apply: no namespace is a RAM disk"),
+        (&["doorbells=mmap", "poll_us=0"], "poll_us=0 cannot apply"),
+        (&[&ns1, &ns2], "ns2: the same file or block device as ns1"),
+    ];
+    for (opts, want) in together {
+        let args = |verb: &'static str| {
+            let mut args = vec![verb, "-t", "nvme"];
+            opts.iter().for_each(|o| args.extend(["--opt", o]));
+            args
+        };
+        let (defined, started) = (env.umdev(&args("define")), env.umdev(&args("start")));
+        assert!(!defined.status.success() && !started.status.success(), "{opts:?}");
+        assert!(stderr_of(&defined).contains(want), "{opts:?}: {}", stderr_of(&defined));
+        assert_eq!(stderr_of(&defined), stderr_of(&started), "{opts:?}: one message");
+    }
     // The T suffix, exact sizes, and the older ccw spellings are accepted.
     env.ok(&["define", "-t", "nvme", "--opt", "ns1=ram:1T", "--opt", "ns2=ram:4096", "--opt", "lba=4096"]);
     env.ok(&["define", "-t", "ccw", "--opt", "size=1M"]);
-    let image = env.path().join("disk.img");
-    std::fs::File::create(&image).unwrap().set_len(1 << 20).unwrap();
     env.ok(&["define", "-t", "ccw", "--opt", &format!("store=file:{}", image.display())]);
     assert!(env
         .fails(&["define", "-t", "ccw", "--opt", "size=1M", "--opt", &format!("file={}", image.display())])
@@ -84,6 +112,15 @@ fn a_bad_option_fails_at_define_with_the_message_start_gives() {
     // A key given twice is refused, not the last one taken.
     let twice = env.fails(&["define", "-t", "nvme", "--opt", "lba=512", "--opt", "lba=4096"]);
     assert!(twice.contains("option lba given twice (lba=512 and lba=4096)"), "{twice}");
+    // A running device has its file to itself: a second is refused at start (a lock, which
+    // only opening finds), and may start once the first has stopped.
+    env.ok(&["define", "-u", B, "-t", "nvme", "--opt", &ns1]);
+    env.ok(&["start", "-u", A, "-t", "nvme", "--opt", &ns1]);
+    let busy = env.fails(&["start", "-u", B]);
+    assert!(busy.contains("in use: a lock on it is held elsewhere"), "{busy}");
+    env.ok(&["stop", "-u", A]);
+    env.ok(&["start", "-u", B]);
+    env.ok(&["stop", "-u", B]);
     assert!(env.fails(&["daemon", "--max-instances", "0"]).contains("0"));
     assert!(env
         .fails(&["run", "-t", "testdev", "--socket", "/tmp/x.sock", "--max-dma-maps", "0"])

@@ -19,7 +19,7 @@
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
-use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::Path;
 
 use vm_memory::mmap::MmapRegion;
@@ -102,6 +102,10 @@ pub struct Store {
     /// are never given back while it lives (a hole punched in it would give them back, and a
     /// write there could then find the pool empty: a SIGBUS, not an error).
     huge: bool,
+    /// A file store's hold on its file ([`Store::open_with`]): an open file of its own that
+    /// no io_uring is given, so that dropping the store lets go of the file at once (a
+    /// ring's files are let go by the kernel later, after the ring is closed).
+    _hold: Option<File>,
 }
 
 impl Store {
@@ -150,28 +154,40 @@ impl Store {
                 vm_memory::mmap::MmapRegionError::Mmap(e) => e,
                 e => io::Error::other(e),
             })?;
-        Ok(Store { file, direct: None, kind: StoreKind::Ram, size, ram: Some(region), huge })
+        Ok(Store { file, direct: None, kind: StoreKind::Ram, size, ram: Some(region), huge, _hold: None })
     }
 
     /// The regular file or block device at `path`, read and written in place through the
-    /// page cache; its size is the store's.
+    /// page cache; its size is the store's. The store has it to itself while it lives (see
+    /// [`Store::open_with`]).
     pub fn open(path: &Path) -> io::Result<Store> {
         Self::open_with(path, Cache::Writeback)
     }
 
     /// As [`Store::open`], in cache mode `cache`. With [`Cache::None`] the file is also
     /// opened O_DIRECT, which fails if the host's filesystem cannot do it.
+    ///
+    /// The store takes the file for its own, so that no two writers (two stores, another
+    /// umdev, QEMU) corrupt it: a block device is claimed exclusively (`O_EXCL`: refused
+    /// while it is mounted or another program claims it), a regular file with an
+    /// open-file-description write lock on all of it (refused while another program holds
+    /// any lock on it, as QEMU does on its images). A filesystem without such locks is
+    /// used unlocked, with a warning. A read-only block device is refused.
     pub fn open_with(path: &Path, cache: Cache) -> io::Result<Store> {
+        let hold = hold(path)?;
         let file = std::fs::OpenOptions::new().read(true).write(true).open(path)?;
-        let meta = file.metadata()?;
+        let (held, meta) = (hold.metadata()?, file.metadata()?);
+        if (held.dev(), held.ino()) != (meta.dev(), meta.ino()) {
+            return Err(invalid("replaced while it was opened"));
+        }
         let (kind, size) = if meta.file_type().is_block_device() {
-            // A block device's size is where its end is.
-            let end = nix::unistd::lseek(&file, 0, nix::unistd::Whence::SeekEnd)?;
-            (StoreKind::BlockDevice, end as u64)
-        } else if meta.is_file() {
-            (StoreKind::File, meta.len())
+            let dev = umdev_mdev::backing::block_device(&file)?;
+            if dev.read_only {
+                return Err(io::Error::new(io::ErrorKind::PermissionDenied, "a read-only block device"));
+            }
+            (StoreKind::BlockDevice, dev.size)
         } else {
-            return Err(invalid("not a regular file or a block device"));
+            (StoreKind::File, meta.len())
         };
         if size == 0 {
             return Err(invalid("the backing file is empty"));
@@ -180,7 +196,7 @@ impl Store {
             Cache::Writeback => None,
             Cache::None => Some(Direct::open(path, kind)?),
         };
-        Ok(Store { file, direct, kind, size, ram: None, huge: false })
+        Ok(Store { file, direct, kind, size, ram: None, huge: false, _hold: Some(hold) })
     }
 
     /// The cache mode (RAM stores: [`Cache::Writeback`], which they behave like).
@@ -369,8 +385,9 @@ impl Store {
     }
 
     /// Zeroes `[pos, pos + len)`, giving the space back where the host can (a hole in a
-    /// file or the memfd, a discard with zeroing on a block device); reads return zeros
-    /// after.
+    /// file or the memfd; on a block device a zero-out, which may unmap); reads return zeros
+    /// after. Where the host cannot (no hole punching, or a block device's range not
+    /// whole logical blocks of it), the zeros are written.
     pub fn write_zeroes(&self, pos: u64, len: u64) -> io::Result<()> {
         self.check(pos, len)?;
         if len == 0 {
@@ -391,6 +408,9 @@ impl Store {
         match err.raw_os_error() {
             // The filesystem cannot punch holes: write the zeros.
             Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) => self.write_zeros_slowly(pos, len),
+            // A block device zeroes whole logical blocks of its own only (a 4 KiB-sector disk
+            // under 512-byte namespace blocks).
+            Some(libc::EINVAL) if self.kind == StoreKind::BlockDevice => self.write_zeros_slowly(pos, len),
             _ => Err(err),
         }
     }
@@ -447,6 +467,55 @@ impl Direct {
             None => (4096, 4096),
         };
         Ok(Direct { file, mem_align, offset_align })
+    }
+}
+
+/// `path` opened to be a store's for as long as the result is open ([`Store::open_with`]):
+/// a block device claimed exclusively, a regular file under an open-file-description write
+/// lock on all of it (which another program's lock on any byte of it refuses).
+fn hold(path: &Path) -> io::Result<File> {
+    let block = std::fs::metadata(path)?.file_type().is_block_device();
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true).write(true);
+    if block {
+        options.custom_flags(libc::O_EXCL);
+    }
+    let file = options.open(path).map_err(|e| match e.raw_os_error() {
+        Some(libc::EBUSY) => io::Error::new(
+            e.kind(),
+            "in use: mounted, or claimed by another program (a block device is had exclusively)",
+        ),
+        _ => e,
+    })?;
+    let meta = file.metadata()?;
+    if meta.file_type().is_block_device() != block {
+        return Err(invalid("replaced while it was opened"));
+    }
+    if !block && !meta.is_file() {
+        return Err(invalid("not a regular file or a block device"));
+    }
+    if block {
+        return Ok(file);
+    }
+    let whole = libc::flock {
+        l_type: libc::F_WRLCK as libc::c_short,
+        l_whence: libc::SEEK_SET as libc::c_short,
+        l_start: 0,
+        l_len: 0, // to the end, however far it grows
+        l_pid: 0,
+    };
+    match nix::fcntl::fcntl(&file, nix::fcntl::FcntlArg::F_OFD_SETLK(&whole)) {
+        Ok(_) => Ok(file),
+        Err(nix::errno::Errno::EAGAIN | nix::errno::Errno::EACCES) => Err(io::Error::new(
+            io::ErrorKind::ResourceBusy,
+            "in use: a lock on it is held elsewhere (another namespace or device, another umdev, or QEMU)",
+        )),
+        Err(e) => {
+            log::warn!(
+                "a backing file cannot be locked ({e}): nothing keeps another program from writing it too"
+            );
+            Ok(file)
+        }
     }
 }
 
@@ -916,5 +985,114 @@ mod tests {
         assert!(Store::open(&path).is_err());
         assert!(Store::open(dir.path()).is_err());
         assert!(Store::ram(0).is_err());
+    }
+
+    fn refused(opened: io::Result<Store>, what: &str) -> io::Error {
+        match opened {
+            Ok(_) => panic!("{what} was opened"),
+            Err(e) => e,
+        }
+    }
+
+    #[test]
+    fn a_file_store_has_its_file_to_itself_until_it_is_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disk.img");
+        File::create(&path).unwrap().set_len(1 << 20).unwrap();
+        let first = Store::open(&path).unwrap();
+        for cache in [Cache::Writeback, Cache::None] {
+            let e = refused(Store::open_with(&path, cache), "a second store on the same file");
+            assert_eq!(e.kind(), io::ErrorKind::ResourceBusy, "{e}");
+        }
+        // Through another name of it as well.
+        let link = dir.path().join("link.img");
+        std::os::unix::fs::symlink(&path, &link).unwrap();
+        assert!(Store::open(&link).is_err());
+        drop(first);
+        let again = Store::open(&link).unwrap();
+        // Another program's lock (QEMU takes read locks on bytes of its images) keeps it too.
+        drop(again);
+        let other = File::open(&path).unwrap();
+        let read = libc::flock {
+            l_type: libc::F_RDLCK as libc::c_short,
+            l_whence: libc::SEEK_SET as libc::c_short,
+            l_start: 100,
+            l_len: 1,
+            l_pid: 0,
+        };
+        nix::fcntl::fcntl(&other, nix::fcntl::FcntlArg::F_OFD_SETLK(&read)).unwrap();
+        assert_eq!(Store::open(&path).err().unwrap().kind(), io::ErrorKind::ResourceBusy);
+    }
+
+    /// A loop device over a file of `bytes` (`losetup`, root), detached on drop.
+    struct Loop {
+        dev: std::path::PathBuf,
+        _dir: tempfile::TempDir,
+    }
+
+    impl Loop {
+        fn new(bytes: u64, args: &[&str]) -> Option<Loop> {
+            let dir = tempfile::tempdir().unwrap();
+            let file = dir.path().join("backing.img");
+            File::create(&file).unwrap().set_len(bytes).unwrap();
+            let out = std::process::Command::new("losetup")
+                .args(["--find", "--show"])
+                .args(args)
+                .arg(&file)
+                .output();
+            match out {
+                Ok(out) if out.status.success() => {
+                    let dev = String::from_utf8_lossy(&out.stdout).trim().into();
+                    Some(Loop { dev, _dir: dir })
+                }
+                Ok(out) => {
+                    eprintln!("SKIPPED: no loop device: {}", String::from_utf8_lossy(&out.stderr).trim());
+                    None
+                }
+                Err(e) => {
+                    eprintln!("SKIPPED: no losetup: {e}");
+                    None
+                }
+            }
+        }
+    }
+
+    impl Drop for Loop {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("losetup").arg("-d").arg(&self.dev).status();
+        }
+    }
+
+    #[test]
+    fn a_block_device_store_claims_it_and_refuses_one_set_read_only() {
+        let Some(lo) = Loop::new(1 << 20, &[]) else { return };
+        let first = Store::open(&lo.dev).unwrap();
+        assert_eq!((first.kind(), first.size()), (StoreKind::BlockDevice, 1 << 20));
+        let e = refused(Store::open(&lo.dev), "a second store on the same device");
+        assert!(e.to_string().contains("in use"), "{e}");
+        drop(first);
+        Store::open_with(&lo.dev, Cache::None).unwrap();
+        let Some(ro) = Loop::new(1 << 20, &["--read-only"]) else { return };
+        let e = refused(Store::open(&ro.dev), "a read-only device");
+        assert!(e.to_string().contains("read-only"), "{e}");
+        let e = umdev_mdev::backing::check(&ro.dev, 4096).unwrap_err();
+        assert!(e.contains("read-only block device"), "{e}");
+        assert_eq!(umdev_mdev::backing::check(&lo.dev, 4096), Ok(()));
+        let e = umdev_mdev::backing::check(&lo.dev, 2 << 20).unwrap_err();
+        assert!(e.ends_with("1048576 bytes; a store has at least 2097152"), "{e}");
+    }
+
+    #[test]
+    fn zeroes_on_a_block_device_need_not_be_whole_blocks_of_it() {
+        let Some(lo) = Loop::new(1 << 20, &["--sector-size", "4096"]) else { return };
+        let store = Store::open(&lo.dev).unwrap();
+        store.write(0, &[0xa5; 16384]).unwrap();
+        // 512-byte blocks 3 to 12 of a 4 KiB-sector disk.
+        store.write_zeroes(1536, 5120).unwrap();
+        let mut back = vec![0u8; 16384];
+        store.read(0, &mut back).unwrap();
+        assert!(back[..1536].iter().all(|&b| b == 0xa5));
+        assert!(back[1536..6656].iter().all(|&b| b == 0));
+        assert!(back[6656..].iter().all(|&b| b == 0xa5));
     }
 }

@@ -260,3 +260,44 @@ fn a_busy_queue_with_shadow_doorbells_takes_a_command_the_host_did_not_ring_for(
     cids.sort();
     assert_eq!(cids, (0..8).collect::<Vec<_>>());
 }
+
+#[test]
+fn zeroes_with_fua_or_the_write_cache_off_are_made_durable_before_the_command_completes() {
+    let Some(fuse) = mounted(1 << 20) else { return };
+    let mut d = on(&fuse);
+    // Every fsync fails: a command that makes its change durable says so.
+    fuse.set_policy(|io| match io {
+        Io::Fsync => Action::Fail(libc::EIO),
+        _ => Action::Serve,
+    });
+    let zeroes = |fua: bool| {
+        let mut sqe = Sqe::new(nvm_op::WRITE_ZEROES, 0);
+        sqe.nsid = 1.into();
+        sqe.set_dw(10, 4);
+        sqe.set_dw(12, 1 | u32::from(fua) << 30);
+        sqe
+    };
+    let deallocate = |d: &mut Driver<Rig>| {
+        let mut range = [0u8; 16];
+        range[4..8].copy_from_slice(&2u32.to_le_bytes()); // NLB
+        range[8..16].copy_from_slice(&8u64.to_le_bytes()); // SLBA
+        d.t.put(DATA + 0x7000, &range).unwrap();
+        let mut sqe = Sqe::new(nvm_op::DSM, 0);
+        sqe.nsid = 1.into();
+        sqe.set_dw(11, 1 << 2);
+        sqe.prp1 = (DATA + 0x7000).into();
+        d.io_command(1, sqe).unwrap().status()
+    };
+    assert_eq!(d.io_command(1, zeroes(false)).unwrap().status(), Status::SUCCESS, "cached: no flush");
+    assert_eq!(deallocate(&mut d), Status::SUCCESS, "cached: no flush");
+    assert_eq!(d.io_command(1, zeroes(true)).unwrap().status(), Status::WRITE_FAULT, "FUA flushes");
+    // With the volatile write cache off, every change is durable before it completes.
+    let mut vwc = Sqe::new(admin_op::SET_FEATURES, 0);
+    vwc.set_dw(10, u32::from(feature::VOLATILE_WRITE_CACHE));
+    d.admin_ok(vwc).unwrap();
+    assert_eq!(d.io_command(1, zeroes(false)).unwrap().status(), Status::WRITE_FAULT);
+    assert_eq!(deallocate(&mut d), Status::WRITE_FAULT);
+    fuse.set_policy(|_| Action::Serve);
+    assert_eq!(d.io_command(1, zeroes(false)).unwrap().status(), Status::SUCCESS);
+    assert_eq!(deallocate(&mut d), Status::SUCCESS);
+}

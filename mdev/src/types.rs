@@ -414,17 +414,8 @@ fn parse_store(value: &str, min: u64, max_ram: u64) -> Result<StoreSpec, String>
             Err("the file must be an absolute path (the daemon's directory is not yours)".into())
         }
         Some(("file", path)) => {
-            use std::os::unix::fs::FileTypeExt;
-            let meta = std::fs::metadata(path).map_err(|e| format!("{path}: {e}"))?;
-            if meta.file_type().is_block_device() {
-                Ok(StoreSpec::File(PathBuf::from(path)))
-            } else if !meta.is_file() {
-                Err(format!("{path}: not a regular file or a block device"))
-            } else if meta.len() < min {
-                Err(format!("{path}: {} bytes; a store has at least {min}", meta.len()))
-            } else {
-                Ok(StoreSpec::File(PathBuf::from(path)))
-            }
+            crate::backing::check(std::path::Path::new(path), min)?;
+            Ok(StoreSpec::File(PathBuf::from(path)))
         }
         _ => Err("ram:SIZE or file:/absolute/path".into()),
     }

@@ -370,6 +370,8 @@ pub struct WriteZeroes {
     pub slba: u64,
     /// NLB + 1.
     pub blocks: u32,
+    /// FUA (CDW12 bit 30): the zeroes durable before the command completes.
+    pub fua: bool,
 }
 
 /// Dataset Management (NVMe 1.3 §6.2).
@@ -409,13 +411,14 @@ impl NvmCmd {
         let nsid = u32::from(sqe.nsid);
         let slba = u64::from(sqe.dw(10)) | u64::from(sqe.dw(11)) << 32;
         let blocks = (sqe.dw(12) & 0xffff) + 1;
-        let rw = || ReadWrite { nsid, slba, blocks, fua: sqe.dw(12) & 1 << 30 != 0, data: DataPtr::of(sqe) };
+        let fua = sqe.dw(12) & 1 << 30 != 0;
+        let rw = || ReadWrite { nsid, slba, blocks, fua, data: DataPtr::of(sqe) };
         Ok(match sqe.opcode() {
             nvm_op::FLUSH => NvmCmd::Flush(nsid),
             nvm_op::WRITE => NvmCmd::Write(rw()),
             nvm_op::READ => NvmCmd::Read(rw()),
             nvm_op::COMPARE => NvmCmd::Compare(rw()),
-            nvm_op::WRITE_ZEROES => NvmCmd::WriteZeroes(WriteZeroes { nsid, slba, blocks }),
+            nvm_op::WRITE_ZEROES => NvmCmd::WriteZeroes(WriteZeroes { nsid, slba, blocks, fua }),
             nvm_op::DSM => NvmCmd::DatasetManagement(DatasetManagement {
                 nsid,
                 ranges: (sqe.dw(10) & 0xff) as usize + 1,

@@ -49,7 +49,7 @@ pub fn execute(cx: &CommandCx, cmd: NvmCmd) -> Outcome {
             stats: None,
         }),
         NvmCmd::Flush(_) => flush(std::iter::once(ns)),
-        NvmCmd::WriteZeroes(c) => write_zeroes(ns, c),
+        NvmCmd::WriteZeroes(c) => write_zeroes(cx, ns, c),
         NvmCmd::DatasetManagement(c) => dataset_management(cx, ns, c),
     }
 }
@@ -286,19 +286,30 @@ fn flush<'a>(namespaces: impl Iterator<Item = &'a Namespace>) -> Outcome {
     Outcome::ok(0)
 }
 
-/// Write Zeroes (§6.11): the range deallocated, reading as zeroes.
-fn write_zeroes(ns: &Namespace, c: WriteZeroes) -> Outcome {
+/// Write Zeroes (§6.11): the range deallocated, reading as zeroes; made durable before the
+/// completion with FUA or the volatile write cache off, as a Write is.
+fn write_zeroes(cx: &CommandCx, ns: &Namespace, c: WriteZeroes) -> Outcome {
     let nlb = u64::from(c.blocks);
     if !ns.in_range(c.slba, nlb) {
         return Status::LBA_OUT_OF_RANGE.dnr().into();
     }
-    match ns.store().write_zeroes(c.slba << ns.lba_shift(), nlb << ns.lba_shift()) {
+    let zeroed = ns.store().write_zeroes(c.slba << ns.lba_shift(), nlb << ns.lba_shift());
+    match zeroed.and_then(|()| durable(cx, ns, c.fua)) {
         Ok(()) => Outcome::ok(0),
         Err(e) => {
             log::warn!("nvme: ns{}: write zeroes: {e}", ns.id());
             write_status(&e).into()
         }
     }
+}
+
+/// What a command changed in `ns`'s store made durable now if `fua` or the volatile write
+/// cache is off (a flush: the store cannot make one range durable alone).
+fn durable(cx: &CommandCx, ns: &Namespace, fua: bool) -> std::io::Result<()> {
+    if fua || !cx.ctrl().write_cache() {
+        ns.store().flush()?;
+    }
+    Ok(())
 }
 
 /// Dataset Management (§6.2): with AD, every range checked, then deallocated.
@@ -328,6 +339,11 @@ fn dataset_management(cx: &CommandCx, ns: &Namespace, c: DatasetManagement) -> O
             log::warn!("nvme: ns{}: deallocate: {e}", ns.id());
             return Status::WRITE_FAULT.into();
         }
+    }
+    // With the write cache off, deallocated blocks read as zeroes after a power loss too.
+    if let Err(e) = durable(cx, ns, false) {
+        log::warn!("nvme: ns{}: deallocate: {e}", ns.id());
+        return Status::WRITE_FAULT.into();
     }
     Outcome::ok(0)
 }

@@ -63,7 +63,7 @@ use self::spec::reg;
 use self::stats::Totals;
 use crate::store::Cache;
 use umdev_mdev::pci::{Bar, ClassCode, ConfigSpaceBuilder, PciDevice, PciFunction, PciIds, Reg, RegMap};
-use umdev_mdev::types::{parse_options, OptionSpec, OptionValue, StoreSpec, ValueSyntax};
+use umdev_mdev::types::{parse_options, OptionSpec, OptionValue, ParsedOptions, StoreSpec, ValueSyntax};
 use umdev_mdev::{DeviceError, RegionMmap, SparseArea};
 
 pub use self::spec::{DEVICE_ID, VENDOR_ID};
@@ -118,6 +118,24 @@ pub enum NvmeError {
         key: String,
         /// The namespace.
         nsid: usize,
+    },
+    /// Two namespaces on one file or block device.
+    #[error("{key}: the same file or block device as {first} (a backing serves one namespace)")]
+    SameBacking {
+        /// The later namespace's key (`ns2`).
+        key: String,
+        /// The earlier one's.
+        first: String,
+    },
+    /// An option given that cannot apply to the device as the other options make it.
+    #[error("{key}={value} cannot apply: {why}")]
+    NoEffect {
+        /// The option's key.
+        key: &'static str,
+        /// Its value as given.
+        value: String,
+        /// Why.
+        why: &'static str,
     },
     /// A config made without options is out of range.
     #[error("{what} {value}: {range}")]
@@ -344,7 +362,77 @@ impl NvmeConfig {
         if let Some(v) = p.text("serial") {
             config.serial = Some(v.to_string());
         }
+        config.refuse_shared_backings()?;
+        config.refuse_inapplicable(&p, options.pin_mode())?;
         Ok(config)
+    }
+
+    /// Refuses two namespaces on one file or block device (by its identity, whatever
+    /// the paths): each would take it for its own, so the second could not be opened.
+    fn refuse_shared_backings(&self) -> Result<(), NvmeError> {
+        use std::os::unix::fs::{FileTypeExt, MetadataExt};
+        let mut seen: Vec<((u64, u64), usize)> = Vec::new();
+        for (i, b) in self.namespaces.iter().enumerate() {
+            let Some(Backing::File(path, _)) = b else { continue };
+            // Checked by the options; if it is gone since, making the device says so.
+            let Ok(meta) = std::fs::metadata(path) else { continue };
+            let id = if meta.file_type().is_block_device() {
+                (u64::MAX, meta.rdev())
+            } else {
+                (meta.dev(), meta.ino())
+            };
+            if let Some(&(_, first)) = seen.iter().find(|(s, _)| *s == id) {
+                return Err(NvmeError::SameBacking {
+                    key: format!("ns{}", i + 1),
+                    first: format!("ns{}", first + 1),
+                });
+            }
+            seen.push((id, i));
+        }
+        Ok(())
+    }
+
+    /// Refuses an option given that the rest of the config keeps from applying, rather than
+    /// taking it silently.
+    fn refuse_inapplicable(
+        &self,
+        p: &ParsedOptions,
+        pin_mode: umdev_pinning::PinMode,
+    ) -> Result<(), NvmeError> {
+        let refuse = |key: &'static str, why: &'static str| {
+            let value = p.word(key).map(str::to_string).or_else(|| p.number(key).map(|n| n.to_string()));
+            Err(NvmeError::NoEffect { key, value: value.unwrap_or_default(), why })
+        };
+        let files = || self.namespaces.iter().flatten().filter(|b| matches!(b, Backing::File(..)));
+        if p.get("aio").is_some() && files().next().is_none() {
+            return refuse("aio", "no namespace is a file or block device");
+        }
+        if p.get("fixed_buffers").is_some() {
+            if self.aio != AioMode::IoUring {
+                return refuse("fixed_buffers", "fixed buffers are io_uring's (aio=io_uring)");
+            }
+            if !files().any(|b| matches!(b, Backing::File(_, Cache::None))) {
+                return refuse(
+                    "fixed_buffers",
+                    "they carry O_DIRECT transfers, and no namespace has cacheN=none",
+                );
+            }
+            if pin_mode != umdev_pinning::PinMode::Kernel {
+                return refuse("fixed_buffers", "they are the kernel's pins (--pin-mode kernel)");
+            }
+        }
+        let ram =
+            self.namespaces.iter().flatten().any(|b| matches!(b, Backing::Ram(_) | Backing::HugeRam(_)));
+        if p.get("ram_pages").is_some() && !ram {
+            return refuse("ram_pages", "no namespace is a RAM disk");
+        }
+        if p.get("poll_us").is_some() && self.doorbells == Doorbells::Mapped {
+            return refuse(
+                "poll_us",
+                "it is how long a worker watches after a doorbell message (doorbells=message or auto)",
+            );
+        }
+        Ok(())
     }
 
     /// Checks what [`create`] relies on, for configs not made by [`NvmeConfig::from_options`]
