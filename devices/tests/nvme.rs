@@ -452,6 +452,19 @@ fn features_round_trip_and_a_temperature_event_reaches_an_aer() {
     assert_eq!(d.admin_ok(get(feature::NUMBER_OF_QUEUES, 0)).unwrap(), 0, "one pair granted, 0's based");
     d.admin_ok(set(feature::INTERRUPT_COALESCING, 3 | 1 << 8)).unwrap();
     assert_eq!(d.admin_ok(get(feature::INTERRUPT_COALESCING, 0)).unwrap(), 3 | 1 << 8);
+    // Saved values (SEL 2) are the defaults, whatever is current.
+    let saved = |fid: u8| {
+        let mut sqe = get(fid, 0);
+        sqe.set_dw(10, u32::from(fid) | 2 << 8);
+        sqe
+    };
+    assert_eq!(d.admin_ok(saved(feature::INTERRUPT_COALESCING)).unwrap(), 0);
+    assert_eq!(d.admin_ok(saved(feature::VOLATILE_WRITE_CACHE)).unwrap(), 1);
+    // Vector 0 is never coalesced, and says so; asking for it changes nothing.
+    assert_eq!(d.admin_ok(get(feature::INTERRUPT_VECTOR_CONFIG, 0)).unwrap(), 1 << 16);
+    d.admin_ok(set(feature::INTERRUPT_VECTOR_CONFIG, 0)).unwrap();
+    assert_eq!(d.admin_ok(get(feature::INTERRUPT_VECTOR_CONFIG, 0)).unwrap(), 1 << 16);
+    assert_eq!(d.admin_ok(get(feature::INTERRUPT_VECTOR_CONFIG, 1)).unwrap(), 1, "vector 1: coalesced");
     let mut save = set(feature::ARBITRATION, 0);
     save.set_dw(10, u32::from(feature::ARBITRATION) | 1 << 31);
     assert_eq!(d.admin_command(save).unwrap().status(), Status::FEATURE_NOT_SAVEABLE.dnr());
@@ -1050,4 +1063,64 @@ fn in_kernel_pin_mode_o_direct_transfers_move_through_the_pinned_runs_as_fixed_b
     d.t.get(DATA + 0x100000, &mut got).unwrap();
     assert!(got == pattern(64 << 10, 14));
     assert_eq!(d.t.dev.function().totals().fixed_transfers, 2, "the two 64 KiB transfers, not the 4 KiB one");
+}
+
+#[test]
+fn admin_queues_may_be_longer_than_the_io_queues_mqes_bounds() {
+    // MQES bounds the I/O queues only (NVMe 1.3 §3.1.8): Linux and SPDK ask for 32-entry admin
+    // queues whatever it is.
+    let config = NvmeConfig {
+        namespaces: vec![Some(Backing::Ram(1 << 20))],
+        max_entries: 16,
+        ..NvmeConfig::default()
+    };
+    let mut d = Driver::new(Rig::with(config, true));
+    d.enable().unwrap();
+    assert_eq!(d.admin.entries, 32);
+    assert_eq!(d.t.read32(reg::CAP).unwrap() & 0xffff, 15, "MQES");
+    d.identify_controller().unwrap();
+    d.create_io_queues(1, 16, false).unwrap();
+    assert_eq!(d.rw(1, true, 1, 0, 8, 512, &[DATA], 0).unwrap(), Status::SUCCESS);
+}
+
+#[test]
+fn a_cq_head_past_the_end_in_the_shadow_page_frees_no_entry() {
+    let mut d = up(Rig::new(), 0);
+    d.create_io_queues(1, 4, false).unwrap();
+    d.enable_shadow_doorbells().unwrap();
+    d.poll = true;
+    let read = |cid: u16| {
+        let mut sqe = Driver::<Rig>::rw_command(true, 1, 0, 8, DATA, 0);
+        sqe.cdw0 = ((u32::from(sqe.cdw0) & 0xffff) | u32::from(cid) << 16).into();
+        sqe
+    };
+    let cq_base = d.io[0].cq_base;
+    let cid_at = |d: &mut Driver<Rig>, slot: u64| {
+        let mut cqe = Cqe::default();
+        d.t.get(cq_base + slot * 16, vm_memory::ByteValued::as_mut_slice(&mut cqe)).unwrap();
+        u16::from(cqe.cid)
+    };
+    // Three completions fill the 4-entry CQ (one slot stays free); none is consumed.
+    for cid in 1..=3 {
+        d.submit(1, &read(cid)).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while cid_at(&mut d, u64::from(cid) - 1) != cid {
+            assert!(std::time::Instant::now() < deadline, "completion {cid}");
+            std::thread::yield_now();
+        }
+    }
+    // The host's CQ head in the shadow page says 100: out of range, it frees nothing, and
+    // two more commands wait rather than overwrite the three.
+    d.t.put(driver::SHADOW + 12, &100u32.to_le_bytes()).unwrap();
+    for cid in 4..=5 {
+        d.submit(1, &read(cid)).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!([cid_at(&mut d, 0), cid_at(&mut d, 1), cid_at(&mut d, 2)], [1, 2, 3]);
+    // Consumed with a valid head, the rest complete.
+    let mut got = Vec::new();
+    while got.len() < 5 {
+        got.push(u16::from(d.wait(1, Duration::from_secs(60)).unwrap().cid));
+    }
+    assert_eq!(got, [1, 2, 3, 4, 5]);
 }

@@ -148,7 +148,8 @@ fn get_features(cx: &CommandCx, c: cmds::GetFeatures) -> Outcome {
         return Status::INVALID_FIELD.dnr().into(); // no Save/Select support (ONCS bit 4)
     }
     let ctrl = cx.ctrl();
-    let default = c.select == 1;
+    // Nothing is saved: the saved values are the defaults.
+    let default = c.select != 0;
     let defaults = AdminState::new(ctrl.io_queues());
     let admin = ctrl.admin();
     let st = if default { &defaults } else { &*admin };
@@ -174,8 +175,7 @@ fn get_features(cx: &CommandCx, c: cmds::GetFeatures) -> Outcome {
             let Some(&cd) = st.coalescing_disabled.get(iv as usize) else {
                 return Status::INVALID_FIELD.dnr().into();
             };
-            // The admin queue's vector is never coalesced.
-            iv | u32::from(cd || iv == 0) << 16
+            iv | u32::from(cd) << 16
         }
         feature::WRITE_ATOMICITY => st.write_atomicity,
         feature::ASYNC_EVENT_CONFIG => st.async_config,
@@ -239,7 +239,8 @@ fn set_features(cx: &CommandCx, c: cmds::SetFeatures) -> Outcome {
             let Some(cd) = admin.coalescing_disabled.get_mut(usize::from(vector)) else {
                 return Status::INVALID_FIELD.dnr().into();
             };
-            *cd = disabled;
+            // Vector 0 stays uncoalesced (AdminState::coalescing_disabled).
+            *cd = disabled || vector == 0;
             apply_coalescing(ctrl, &admin);
         }
         Feature::WriteAtomicity(dn) => admin.write_atomicity = u32::from(dn),

@@ -169,13 +169,12 @@ pub enum EnableError {
         /// CC.AMS.
         ams: u32,
     },
-    /// AQA sizes an admin queue outside 2 to MQES + 1 entries.
-    #[error("AQA {aqa:#x}: admin queues of 2 to {max} entries")]
+    /// AQA sizes an admin queue of fewer than 2 entries (its 12-bit fields allow 4096 at
+    /// most; MQES bounds the I/O queues only, NVMe 1.3 §3.1.8).
+    #[error("AQA {aqa:#x}: admin queues of 2 to 4096 entries")]
     AdminQueues {
         /// AQA as written.
         aqa: u32,
-        /// Entries at most.
-        max: u32,
     },
     /// No client is attached: there is no guest memory to serve.
     #[error("no client attached")]
@@ -537,9 +536,8 @@ impl Ctrl {
             (r.aqa, r.asq, r.acq)
         };
         let (sq_entries, cq_entries) = ((aqa & 0xfff) + 1, ((aqa >> 16) & 0xfff) + 1);
-        let max = self.config.max_entries;
-        if sq_entries < 2 || cq_entries < 2 || sq_entries > max || cq_entries > max {
-            return Err(EnableError::AdminQueues { aqa, max });
+        if sq_entries < 2 || cq_entries < 2 {
+            return Err(EnableError::AdminQueues { aqa });
         }
         if self.requests.context().is_none() {
             return Err(EnableError::NoClient);

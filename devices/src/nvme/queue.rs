@@ -462,7 +462,12 @@ impl Cq {
         let mut st = self.state.lock_claiming();
         let next = (st.tail + 1) % self.entries;
         if next == st.known_head {
-            st.known_head = head();
+            // A head past the queue's end (a mapped or shadow doorbell can hold one; a written
+            // register is checked) frees nothing: what the host has not consumed stays.
+            let head = head();
+            if head < self.entries {
+                st.known_head = head;
+            }
             if next == st.known_head {
                 return Err(PostError::Full);
             }
@@ -480,7 +485,9 @@ impl Cq {
 
     /// Whether an entry fits given the host's `head`.
     pub fn has_room(&self, head: u32) -> bool {
-        (self.state.lock().tail + 1) % self.entries != head
+        let st = self.state.lock();
+        let head = if head < self.entries { head } else { st.known_head };
+        (st.tail + 1) % self.entries != head
     }
 
     fn signal(&self, st: &mut CqState, queued: u32) -> Signal {

@@ -34,7 +34,8 @@ pub struct AdminState {
     /// Number of Queues as granted (0's based NSQA, NCQA).
     pub(super) queues_granted: (u16, u16),
     pub(super) coalescing: Coalescing,
-    /// Interrupt vectors with coalescing disabled.
+    /// Interrupt vectors with coalescing disabled: vector 0 always (the admin CQ's, which
+    /// is never coalesced, and with INTx or MSI every CQ's).
     pub(super) coalescing_disabled: Vec<bool>,
     pub(super) write_atomicity: u32,
     pub(super) async_config: u32,
@@ -63,7 +64,7 @@ impl AdminState {
             error_recovery: 0,
             queues_granted: (n, n),
             coalescing: Coalescing::default(),
-            coalescing_disabled: vec![false; usize::from(io_queues) + 1],
+            coalescing_disabled: (0..=io_queues).map(|v| v == 0).collect(),
             write_atomicity: 0,
             async_config: 0,
             aers: SmallVec::new(),
