@@ -182,8 +182,9 @@ enum Command {
     /// definitions directories. One daemon per run and definitions directory (each is locked);
     /// sockets a daemon that died left there are removed at start.
     Daemon {
-        /// Opt-in adaptive busy-polling after each reply, up to this many microseconds.
-        #[arg(long, default_value_t = 0)]
+        /// Opt-in adaptive busy-polling after each reply, up to this many microseconds (at most
+        /// 10000).
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=10_000))]
         busy_poll_us: u64,
         /// Instances (and so vfio-user connections, one each) the daemon serves at most.
         #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
@@ -328,8 +329,9 @@ enum Command {
         socket: std::path::PathBuf,
         #[command(flatten)]
         create: CreateArgs,
-        /// Opt-in adaptive busy-polling after each reply, up to this many microseconds.
-        #[arg(long, default_value_t = 0)]
+        /// Opt-in adaptive busy-polling after each reply, up to this many microseconds (at most
+        /// 10000).
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=10_000))]
         busy_poll_us: u64,
         #[command(flatten)]
         limits: LimitArgs,

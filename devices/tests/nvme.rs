@@ -1124,3 +1124,16 @@ fn a_cq_head_past_the_end_in_the_shadow_page_frees_no_entry() {
     }
     assert_eq!(got, [1, 2, 3, 4, 5]);
 }
+
+#[test]
+fn the_statistics_show_what_applies() {
+    // The defaults: doorbells=auto, a RAM namespace.
+    let d = up(Rig::new(), 1);
+    let stats = d.t.dev.describe();
+    // RAM only: no file data moves, so no aio mode or fixed buffers apply.
+    assert!(stats["aio"].is_null() && stats["fixed_buffers"].is_null(), "{stats}");
+    // doorbells=auto: no mode until a client says hello.
+    assert!(stats["doorbells_now"].is_null(), "{stats}");
+    d.t.dev.client_version(&umdev_mdev::ClientHello { minor: 0, capabilities: true });
+    assert_eq!(d.t.dev.describe()["doorbells_now"], "message");
+}

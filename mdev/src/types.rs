@@ -354,7 +354,7 @@ impl OptionSpec {
                 format_size(max_ram),
                 min
             ),
-            ValueSyntax::Text { max_len } => format!("TEXT (1-{max_len} printable ASCII characters)"),
+            ValueSyntax::Text { max_len } => format!("TEXT (1-{max_len} printable ASCII characters, no spaces)"),
             ValueSyntax::Custom { syntax, .. } => syntax.to_string(),
         }
     }
@@ -369,9 +369,10 @@ impl OptionSpec {
                 .filter(|n| (min..=max).contains(n) && !value.starts_with('+'))
                 .map(OptionValue::Integer)
                 .ok_or_else(|| bad(format!("a whole number from {min} to {max}"))),
+            // Any case: `2M` as sizes take it, `NONE`.
             ValueSyntax::Choice(words) => words
                 .iter()
-                .find(|w| **w == value)
+                .find(|w| w.eq_ignore_ascii_case(value))
                 .map(|w| OptionValue::Word(w))
                 .ok_or_else(|| bad(format!("one of {}", words.join(", ")))),
             ValueSyntax::Size { min, max } => parse_size(value)
@@ -572,6 +573,8 @@ mod tests {
         let unknown = parse(&[("foo", "bar")]).unwrap_err();
         assert_eq!(unknown, r#"unknown option "foo" (it takes lba, queues, ns1..ns16)"#);
         let port = OptionSpec::new("port", ValueSyntax::Choice(&["pty"]), None, "").numbered(0, 1);
+        // A choice in any case is the word it names.
+        assert_eq!(port.parse("port0", "PTY"), Ok(OptionValue::Word("pty")));
         assert!(
             port.matches("port0")
                 && port.matches("port1")

@@ -237,6 +237,8 @@ pub struct Ctrl {
     /// The connected client maps the page ([`DoorbellMode::Mapped`]); chosen at its VERSION,
     /// while the controller is disabled.
     mapped: AtomicBool,
+    /// A client has said hello (and so, with `doorbells=auto`, had its mode chosen).
+    greeted: AtomicBool,
     /// Doorbell Buffer Config's pages while it is on (I/O queues only: the admin queue always
     /// uses its registers).
     shadow: arc_swap::ArcSwapOption<ShadowDoorbells>,
@@ -286,6 +288,7 @@ impl Ctrl {
             sq_doorbells: (0..slots).map(|_| Doorbell::default()).collect(),
             cq_doorbells: (0..slots).map(|_| Doorbell::default()).collect(),
             mapped: AtomicBool::new(config.doorbells == Doorbells::Mapped),
+            greeted: AtomicBool::new(false),
             shadow: arc_swap::ArcSwapOption::empty(),
             shadowing: AtomicBool::new(false),
             shadow_configs: AtomicU64::new(0),
@@ -407,6 +410,13 @@ impl Ctrl {
         self.admin_nudges.load(Ordering::Relaxed)
     }
 
+    /// How doorbells reach the workers for the connected (or last) client; `None` while no
+    /// client has said which with `doorbells=auto`.
+    pub fn chosen_doorbell_mode(&self) -> Option<DoorbellMode> {
+        let chosen = self.config.doorbells != Doorbells::Auto || self.greeted.load(Ordering::Acquire);
+        chosen.then(|| self.doorbell_mode())
+    }
+
     /// How doorbells reach the workers for the connected client.
     pub fn doorbell_mode(&self) -> DoorbellMode {
         if self.mapped.load(Ordering::Acquire) {
@@ -448,6 +458,7 @@ impl Ctrl {
             (Doorbells::Mapped, _) => DoorbellMode::Mapped,
         };
         self.mapped.store(mode == DoorbellMode::Mapped, Ordering::Release);
+        self.greeted.store(true, Ordering::Release);
     }
 
     /// CAP (§3.1.1).

@@ -48,7 +48,6 @@ pub mod stats;
 mod worker;
 
 use std::fs::File;
-use std::hash::{Hash, Hasher};
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
@@ -456,27 +455,66 @@ impl NvmeConfig {
 }
 
 /// A serial number: stable for a device whose namespaces are files (derived from their
-/// paths), random otherwise; unique per device either way.
+/// canonical paths), random otherwise; unique per device either way (a running device has
+/// its files to itself).
 fn default_serial(config: &NvmeConfig) -> String {
-    let files: Vec<_> = config
-        .namespaces
-        .iter()
-        .flatten()
-        .filter_map(|b| match b {
-            Backing::File(p, _) => Some(std::fs::canonicalize(p).unwrap_or_else(|_| p.clone())),
-            Backing::Ram(_) | Backing::HugeRam(_) => None,
-        })
-        .collect();
+    let files: Vec<_> = config.namespaces.iter().flatten().filter_map(canonical_file).collect();
     let value = if files.is_empty() {
         let mut bytes = [0u8; 8];
         random_bytes(&mut bytes);
         u64::from_le_bytes(bytes)
     } else {
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        files.hash(&mut h);
-        h.finish()
+        files.iter().fold(StableHash::new(), |h, p| h.bytes(p.as_os_str().as_encoded_bytes()).bytes(&[0])).0
     };
     format!("UMDEV{:012X}", value & 0xffff_ffff_ffff)
+}
+
+/// A file namespace's path, canonical where it can be made so.
+fn canonical_file(b: &Backing) -> Option<std::path::PathBuf> {
+    match b {
+        Backing::File(p, _) => Some(std::fs::canonicalize(p).unwrap_or_else(|_| p.clone())),
+        Backing::Ram(_) | Backing::HugeRam(_) => None,
+    }
+}
+
+/// FNV-1a, 64 bits: identities derived from it (serial numbers, NGUIDs) stay what they were
+/// across builds and toolchains, where std's hasher promises nothing.
+#[derive(Clone, Copy)]
+struct StableHash(u64);
+
+impl StableHash {
+    fn new() -> StableHash {
+        StableHash(0xcbf2_9ce4_8422_2325)
+    }
+
+    fn bytes(self, bytes: &[u8]) -> StableHash {
+        StableHash(bytes.iter().fold(self.0, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)))
+    }
+}
+
+/// Sparse RAM namespaces take the host's memory as the guest writes them: more of them than
+/// the host has (memory and swap) is allowed, and said, since a guest that fills them takes
+/// the host's memory (and every other instance's) with it.
+fn warn_if_ram_exceeds_host(config: &NvmeConfig) {
+    let ram: u64 = config
+        .namespaces
+        .iter()
+        .flatten()
+        .map(|b| match b {
+            Backing::Ram(n) => *n,
+            Backing::HugeRam(_) | Backing::File(..) => 0, // reserved up front, or on disk
+        })
+        .sum();
+    let Ok(info) = nix::sys::sysinfo::sysinfo() else { return };
+    let host = info.ram_total().saturating_add(info.swap_total());
+    if ram > host {
+        log::warn!(
+            "nvme: the RAM namespaces hold {:.1} GiB and the host has {:.1} GiB of memory and swap: a guest \
+             that fills them exhausts it",
+            ram as f64 / f64::from(1 << 30),
+            host as f64 / f64::from(1 << 30)
+        );
+    }
 }
 
 fn random_bytes(buf: &mut [u8]) {
@@ -492,13 +530,17 @@ fn random_bytes(buf: &mut [u8]) {
     }
 }
 
-/// A namespace's NGUID, from the serial number and the NSID.
-fn nguid(serial: &str, nsid: u32) -> [u8; 16] {
+/// A namespace's NGUID: a file namespace's from its file's canonical path (the file keeps
+/// its identity whatever else the device has), a RAM namespace's from the serial number and
+/// the NSID.
+fn nguid(serial: &str, nsid: u32, backing: &Backing) -> [u8; 16] {
+    let seed = match canonical_file(backing) {
+        Some(path) => StableHash::new().bytes(b"file\0").bytes(path.as_os_str().as_encoded_bytes()),
+        None => StableHash::new().bytes(serial.as_bytes()).bytes(&[0]).bytes(&nsid.to_le_bytes()),
+    };
     let mut out = [0u8; 16];
     for (i, half) in out.chunks_exact_mut(8).enumerate() {
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        (serial, nsid, i).hash(&mut h);
-        half.copy_from_slice(&h.finish().to_le_bytes());
+        half.copy_from_slice(&seed.bytes(&[i as u8]).0.to_le_bytes());
     }
     out
 }
@@ -526,6 +568,7 @@ pub fn config(io_queues: u16) -> ConfigSpaceBuilder {
 /// Creates an nvme device.
 pub fn create(config: NvmeConfig) -> Result<PciDevice<Nvme>, NvmeError> {
     config.validate()?;
+    warn_if_ram_exceeds_host(&config);
     let serial = config.serial.clone().unwrap_or_else(|| default_serial(&config));
     let namespaces = config
         .namespaces
@@ -533,7 +576,7 @@ pub fn create(config: NvmeConfig) -> Result<PciDevice<Nvme>, NvmeError> {
         .enumerate()
         .map(|(i, b)| {
             b.as_ref()
-                .map(|b| Namespace::new(i as u32 + 1, b, config.lba_shift, nguid(&serial, i as u32 + 1)))
+                .map(|b| Namespace::new(i as u32 + 1, b, config.lba_shift, nguid(&serial, i as u32 + 1, b)))
                 .transpose()
         })
         .collect::<Result<Vec<_>, _>>()?;
@@ -694,6 +737,7 @@ impl PciFunction for Nvme {
 
     fn describe(&self) -> serde_json::Value {
         let c = &self.ctrl;
+        let files = c.namespaces().any(|ns| ns.is_file());
         let namespaces: Vec<_> = c
             .namespaces()
             .map(|ns| {
@@ -722,9 +766,13 @@ impl PciFunction for Nvme {
             "io_queues": c.io_queues(),
             "queues_live": c.live_queues(),
             "doorbells": c.config().doorbells.name(),
-            "aio": c.config().aio.name(),
-            "fixed_buffers": c.config().fixed_buffers.name(),
-            "doorbells_now": match c.doorbell_mode() { DoorbellMode::Message => "message", DoorbellMode::Mapped => "mmap" },
+            // What applies: no mode where no namespace is a file.
+            "aio": files.then(|| c.config().aio.name()),
+            "fixed_buffers": files.then(|| c.config().fixed_buffers.name()),
+            "doorbells_now": c.chosen_doorbell_mode().map(|m| match m {
+                DoorbellMode::Message => "message",
+                DoorbellMode::Mapped => "mmap",
+            }),
             "admin_commands": Totals::of(c.all_stats().iter().take(1)).commands,
             "doorbell_messages": c.doorbell_messages(),
             "admin_nudges": c.admin_nudges(),
@@ -801,6 +849,35 @@ fn bad_option(why: NvmeError) -> umdev_mdev::types::TypeError {
 #[cfg(test)]
 mod tests {
     use std::collections::{BTreeMap, BTreeSet};
+
+    use super::*;
+
+    #[test]
+    fn identities_are_derived_the_same_way_by_every_build() {
+        // FNV-1a's published values: a toolchain's hasher cannot move them.
+        assert_eq!(StableHash::new().0, 0xcbf2_9ce4_8422_2325);
+        assert_eq!(StableHash::new().bytes(b"a").0, 0xaf63_dc4c_8601_ec8c);
+        let file = |p: &str| Backing::File(p.into(), Cache::None);
+        let config = |ns: Vec<Option<Backing>>| NvmeConfig { namespaces: ns, ..NvmeConfig::default() };
+        let one = config(vec![Some(file("/nonexistent/a.img"))]);
+        assert_eq!(default_serial(&one), default_serial(&one.clone()));
+        assert_eq!(
+            default_serial(&one),
+            "UMDEV".to_string()
+                + &format!(
+                    "{:012X}",
+                    StableHash::new().bytes(b"/nonexistent/a.img").bytes(&[0]).0 & 0xffff_ffff_ffff
+                )
+        );
+        // A file namespace's NGUID follows its file, not the serial or its NSID.
+        let a = file("/nonexistent/a.img");
+        assert_eq!(nguid("S1", 1, &a), nguid("S2", 3, &a));
+        assert_ne!(nguid("S1", 1, &a), nguid("S1", 1, &file("/nonexistent/b.img")));
+        // A RAM namespace's follows the serial and the NSID.
+        let ram = Backing::Ram(1 << 20);
+        assert_ne!(nguid("S1", 1, &ram), nguid("S1", 2, &ram));
+        assert_ne!(nguid("S1", 1, &ram), nguid("S2", 1, &ram));
+    }
 
     /// The sources of the nvme modules, without their test modules.
     fn sources() -> BTreeMap<&'static str, &'static str> {

@@ -31,6 +31,19 @@ pub enum NamespaceError {
         /// What failed.
         source: std::io::Error,
     },
+    /// The host's hugetlb pool has too few free 2 MiB pages for a RAM disk on them.
+    #[error(
+        "ns{id}: RAM disk on 2 MiB pages (ram_pages=2m): it needs {needed} pages and the host's pool has \
+         {free} free (sysctl vm.nr_hugepages sets the pool's size)"
+    )]
+    HugePool {
+        /// The NSID.
+        id: u32,
+        /// Pages the namespace needs.
+        needed: u64,
+        /// Pages free and unreserved in the pool when it was asked.
+        free: u64,
+    },
     /// The file or block device could not be opened.
     #[error("ns{id}: {}: {source}", path.display())]
     File {
@@ -77,7 +90,15 @@ impl Namespace {
                 (Store::ram(*size).map_err(|source| NamespaceError::Ram { id, source })?, None)
             }
             Backing::HugeRam(size) => {
-                (Store::ram_huge(*size).map_err(|source| NamespaceError::Ram { id, source })?, None)
+                let store = Store::ram_huge(*size).map_err(|source| {
+                    match (source.raw_os_error(), huge_pages_free()) {
+                        (Some(libc::ENOMEM), Some(free)) => {
+                            NamespaceError::HugePool { id, needed: size / crate::store::HUGE_PAGE, free }
+                        }
+                        _ => NamespaceError::Ram { id, source },
+                    }
+                })?;
+                (store, None)
             }
             Backing::File(path, cache) => (
                 Store::open_with(path, *cache).map_err(|source| NamespaceError::File {
@@ -159,6 +180,18 @@ impl Namespace {
     pub fn in_range(&self, slba: u64, nlb: u64) -> bool {
         slba.checked_add(nlb).is_some_and(|end| end <= self.blocks)
     }
+}
+
+/// 2 MiB pages of the host's hugetlb pool free and not reserved for a mapping, if sysfs says.
+fn huge_pages_free() -> Option<u64> {
+    let read = |name: &str| {
+        std::fs::read_to_string(format!("/sys/kernel/mm/hugepages/hugepages-2048kB/{name}"))
+            .ok()?
+            .trim()
+            .parse::<u64>()
+            .ok()
+    };
+    Some(read("free_hugepages")?.saturating_sub(read("resv_hugepages")?))
 }
 
 #[cfg(test)]
