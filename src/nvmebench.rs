@@ -15,8 +15,9 @@
 //! messages per I/O.
 //!
 //! With `--fixed-buffers`, instead: a file namespace with `cache1=none` (O_DIRECT) in kernel
-//! pin mode, served by two servers on the same file, `fixed_buffers=always` and `off`,
-//! driven in alternation (each round runs both, back to back, in alternating order): 4 KiB
+//! pin mode, served by `fixed_buffers=always` and by `off` on the same file in alternation,
+//! one server at a time (each has the file to itself), started afresh for each run (each
+//! round runs both, back to back, in alternating order): 4 KiB
 //! random reads at QD1 and QD32, random writes at QD32, 16, 32, 64 and 128 KiB random reads
 //! and 128 KiB random writes at QD8, into contiguous buffers (one run each, which a fixed
 //! buffer can hold). Medians over the rounds, and the median of each round's on/off ratio.
@@ -759,7 +760,7 @@ pub fn run_fixed(quick: bool, backing: Backing) -> Result<FixedReport, String> {
         (Kind::RandRead, BIG, 8),
         (Kind::RandWrite, BIG, 8),
     ];
-    let mut progress = crate::progress::Progress::new("nvmebench --fixed-buffers", chosen.len() + 2);
+    let mut progress = crate::progress::Progress::new("nvmebench --fixed-buffers", chosen.len() + 1);
     let tmp = crate::protobench::tempfile_dir_for("nvmebench-fixed")?;
     let place = match &backing {
         Backing::In(dir) => {
@@ -780,7 +781,6 @@ pub fn run_fixed(quick: bool, backing: Backing) -> Result<FixedReport, String> {
         }
     };
     let file = absolute(&file)?;
-    progress.step("starting the servers");
     let ns = format!("ns1=file:{}", file.display());
     let entries = format!("entries={QUEUE_ENTRIES}");
     let server = |side: &str| {
@@ -803,16 +803,23 @@ pub fn run_fixed(quick: bool, backing: Backing) -> Result<FixedReport, String> {
         ];
         Server::start(tmp.path(), &format!("nvme-fixed-{side}"), &args)
     };
-    let servers = [server("always")?, server("off")?];
-    let mut drivers = Vec::new();
-    for s in &servers {
+    // One server at a time: each has the file to itself (a lock, or a block device's claim).
+    // A fresh server for each run; both sides pay the same start.
+    const SIDES: [&str; 2] = ["always", "off"];
+    let connect = |side: usize| -> Result<(Server, Driver<NvmeGuest>), String> {
+        let s = server(SIDES[side])?;
         let mut d = NvmeGuest::connect(&s.socket, RAM, 2)?.driver();
         d.enable()?;
         d.create_io_queues(1, QUEUE_ENTRIES, false)?;
-        drivers.push(d);
-    }
+        Ok((s, d))
+    };
+    let fixed = |v: serde_json::Value| v["io"]["fixed_transfers"].as_u64().unwrap_or(0);
     progress.step("filling the file");
-    fill(&mut drivers[1])?;
+    let (s, mut d) = connect(1)?;
+    fill(&mut d)?;
+    drop(d);
+    s.stop();
+    let mut transfers = [0u64; 2];
     let mut rows = Vec::new();
     for (kind, len, qd) in chosen {
         progress.step(format_args!("{} qd{qd}: on and off, {rounds} rounds", kind.name(len)));
@@ -822,7 +829,10 @@ pub fn run_fixed(quick: bool, backing: Backing) -> Result<FixedReport, String> {
             // Alternating which side goes first: a neighbour's load then falls on both.
             let order = if r % 2 == 0 { [0, 1] } else { [1, 0] };
             for side in order {
-                let row = workload(&mut drivers[side], &servers[side], kind, len, true, qd, 1, round)?;
+                let (s, mut d) = connect(side)?;
+                let row = workload(&mut d, &s, kind, len, true, qd, 1, round)?;
+                drop(d);
+                transfers[side] += fixed(s.stop());
                 sides[side].push(row);
             }
             let (on, off) = (&sides[0][r], &sides[1][r]);
@@ -838,10 +848,7 @@ pub fn run_fixed(quick: bool, backing: Backing) -> Result<FixedReport, String> {
             cpu_on_vs_off: median(&mut cpu),
         });
     }
-    drop(drivers);
-    let [on, off] = servers;
-    let fixed = |v: serde_json::Value| v["io"]["fixed_transfers"].as_u64().unwrap_or(0);
-    let (fixed_on, fixed_off) = (fixed(on.stop()), fixed(off.stop()));
+    let [fixed_on, fixed_off] = transfers;
     if !matches!(backing, Backing::Existing(_)) {
         let _ = std::fs::remove_file(&file);
     }
