@@ -102,6 +102,8 @@ fn a_bad_option_fails_at_define_with_the_message_start_gives() {
         assert!(stderr_of(&defined).contains(want), "{opts:?}: {}", stderr_of(&defined));
         assert_eq!(stderr_of(&defined), stderr_of(&started), "{opts:?}: one message");
     }
+    // `fixed_buffers=off` asks for nothing: accepted whatever else is given.
+    env.ok(&["define", "-t", "nvme", "--opt", "ns1=ram:1M", "--opt", "fixed_buffers=off"]);
     // The T suffix, exact sizes, and the older ccw spellings are accepted.
     env.ok(&["define", "-t", "nvme", "--opt", "ns1=ram:1T", "--opt", "ns2=ram:4096", "--opt", "lba=4096"]);
     env.ok(&["define", "-t", "ccw", "--opt", "size=1M"]);

@@ -96,6 +96,8 @@ pub struct Store {
     direct: Option<Direct>,
     kind: StoreKind,
     size: u64,
+    /// The unit the host zeroes in: a block device's logical block (1 for anything else).
+    sector: u64,
     /// The RAM disk's mapping.
     ram: Option<MmapRegion>,
     /// A RAM disk on huge pages: its pages were reserved from the pool when it was mapped and
@@ -104,8 +106,9 @@ pub struct Store {
     huge: bool,
     /// A file store's hold on its file ([`Store::open_with`]): an open file of its own that
     /// no io_uring is given, so that dropping the store lets go of the file at once (a
-    /// ring's files are let go by the kernel later, after the ring is closed).
-    _hold: Option<File>,
+    /// ring's files are let go by the kernel later, after the ring is closed). A block
+    /// device is zeroed through it ([`Store::write_zeroes`]).
+    hold: Option<File>,
 }
 
 impl Store {
@@ -154,7 +157,16 @@ impl Store {
                 vm_memory::mmap::MmapRegionError::Mmap(e) => e,
                 e => io::Error::other(e),
             })?;
-        Ok(Store { file, direct: None, kind: StoreKind::Ram, size, ram: Some(region), huge, _hold: None })
+        Ok(Store {
+            file,
+            direct: None,
+            kind: StoreKind::Ram,
+            size,
+            sector: 1,
+            ram: Some(region),
+            huge,
+            hold: None,
+        })
     }
 
     /// The regular file or block device at `path`, read and written in place through the
@@ -180,23 +192,30 @@ impl Store {
         if (held.dev(), held.ino()) != (meta.dev(), meta.ino()) {
             return Err(invalid("replaced while it was opened"));
         }
-        let (kind, size) = if meta.file_type().is_block_device() {
+        let (kind, size, sector) = if meta.file_type().is_block_device() {
             let dev = umdev_mdev::backing::block_device(&file)?;
             if dev.read_only {
                 return Err(io::Error::new(io::ErrorKind::PermissionDenied, "a read-only block device"));
             }
-            (StoreKind::BlockDevice, dev.size)
+            (StoreKind::BlockDevice, dev.size, dev.logical_block)
         } else {
-            (StoreKind::File, meta.len())
+            (StoreKind::File, meta.len(), 1)
         };
         if size == 0 {
             return Err(invalid("the backing file is empty"));
         }
         let direct = match cache {
             Cache::Writeback => None,
-            Cache::None => Some(Direct::open(path, kind)?),
+            Cache::None => {
+                let direct = Direct::open(path, kind, sector)?;
+                let twin = direct.file.metadata()?;
+                if (twin.dev(), twin.ino()) != (held.dev(), held.ino()) {
+                    return Err(invalid("replaced while it was opened"));
+                }
+                Some(direct)
+            }
         };
-        Ok(Store { file, direct, kind, size, ram: None, huge: false, _hold: Some(hold) })
+        Ok(Store { file, direct, kind, size, sector, ram: None, huge: false, hold: Some(hold) })
     }
 
     /// The cache mode (RAM stores: [`Cache::Writeback`], which they behave like).
@@ -396,23 +415,33 @@ impl Store {
         if self.huge {
             return self.write_zeros_slowly(pos, len);
         }
+        // A block device zeroes whole logical blocks of its own only (a 4 KiB-sector disk
+        // under 512-byte namespace blocks): the rest, at either end, is written.
+        let end = pos + len;
+        let (first, last) = (pos.next_multiple_of(self.sector), end / self.sector * self.sector);
+        if first >= last {
+            return self.write_zeros_slowly(pos, len);
+        }
         let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+        // On a block device through the open file that claims it: the kernel drops the range
+        // from the device's page cache only for the claimant, and for anyone else (with
+        // dirty pages there) refuses with EBUSY.
+        let fd = self.hold.as_ref().filter(|_| self.kind == StoreKind::BlockDevice).unwrap_or(&self.file);
         // SAFETY: fallocate on an fd this store owns, with an in-range offset and length;
         // it touches no memory of ours.
-        let rc =
-            unsafe { libc::fallocate(self.file.as_raw_fd(), mode, pos as libc::off_t, len as libc::off_t) };
-        if rc == 0 {
-            return Ok(());
+        let rc = unsafe {
+            libc::fallocate(fd.as_raw_fd(), mode, first as libc::off_t, (last - first) as libc::off_t)
+        };
+        if rc != 0 {
+            let err = io::Error::last_os_error();
+            return match err.raw_os_error() {
+                // The filesystem cannot punch holes: write the zeros.
+                Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) => self.write_zeros_slowly(pos, len),
+                _ => Err(err),
+            };
         }
-        let err = io::Error::last_os_error();
-        match err.raw_os_error() {
-            // The filesystem cannot punch holes: write the zeros.
-            Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) => self.write_zeros_slowly(pos, len),
-            // A block device zeroes whole logical blocks of its own only (a 4 KiB-sector disk
-            // under 512-byte namespace blocks).
-            Some(libc::EINVAL) if self.kind == StoreKind::BlockDevice => self.write_zeros_slowly(pos, len),
-            _ => Err(err),
-        }
+        self.write_zeros_slowly(pos, first - pos)?;
+        self.write_zeros_slowly(last, end - last)
     }
 
     fn write_zeros_slowly(&self, pos: u64, len: u64) -> io::Result<()> {
@@ -440,7 +469,7 @@ impl Direct {
     /// `path` opened O_DIRECT, and what the host needs of a transfer on it: `statx`'s direct
     /// I/O alignment where the kernel reports it; otherwise the block device's logical block
     /// for both, or 4 KiB for both for a file (enough on every filesystem Linux has).
-    fn open(path: &Path, kind: StoreKind) -> io::Result<Direct> {
+    fn open(path: &Path, kind: StoreKind, sector: u64) -> io::Result<Direct> {
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -455,15 +484,7 @@ impl Direct {
                 ))
             }
             Some(a) => a,
-            None if kind == StoreKind::BlockDevice => {
-                let mut lbs: libc::c_int = 0;
-                // SAFETY: BLKSSZGET writes one int through the pointer, which is valid.
-                if unsafe { libc::ioctl(file.as_raw_fd(), libc::BLKSSZGET, &mut lbs) } != 0 || lbs <= 0 {
-                    (4096, 4096)
-                } else {
-                    (lbs as u64, lbs as u64)
-                }
-            }
+            None if kind == StoreKind::BlockDevice => (sector, sector),
             None => (4096, 4096),
         };
         Ok(Direct { file, mem_align, offset_align })
@@ -1087,12 +1108,14 @@ mod tests {
         let Some(lo) = Loop::new(1 << 20, &["--sector-size", "4096"]) else { return };
         let store = Store::open(&lo.dev).unwrap();
         store.write(0, &[0xa5; 16384]).unwrap();
-        // 512-byte blocks 3 to 12 of a 4 KiB-sector disk.
-        store.write_zeroes(1536, 5120).unwrap();
+        // 512-byte blocks of a 4 KiB-sector disk: within one sector, and across two whole
+        // ones with parts of sectors at both ends.
+        for (from, to) in [(1536, 3584), (5632, 14848)] {
+            store.write_zeroes(from, to - from).unwrap();
+        }
         let mut back = vec![0u8; 16384];
         store.read(0, &mut back).unwrap();
-        assert!(back[..1536].iter().all(|&b| b == 0xa5));
-        assert!(back[1536..6656].iter().all(|&b| b == 0));
-        assert!(back[6656..].iter().all(|&b| b == 0xa5));
+        let zero = |at: usize| (1536..3584).contains(&at) || (5632..14848).contains(&at);
+        assert!(back.iter().enumerate().all(|(at, &b)| b == if zero(at) { 0 } else { 0xa5 }));
     }
 }

@@ -22,6 +22,8 @@ pub struct BlockDevice {
     /// Set read-only (`blockdev --setro`, a write-protected disk): writes fail, though
     /// opening it for writing does not.
     pub read_only: bool,
+    /// Bytes of its logical block (`BLKSSZGET`): the unit it zeroes, and O_DIRECT's.
+    pub logical_block: u64,
 }
 
 /// The facts of the block device open as `file`.
@@ -33,7 +35,12 @@ pub fn block_device(file: &File) -> io::Result<BlockDevice> {
     if unsafe { libc::ioctl(file.as_raw_fd(), BLKROGET, &mut ro) } != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(BlockDevice { size: end as u64, read_only: ro != 0 })
+    let mut lbs: libc::c_int = 0;
+    // SAFETY: BLKSSZGET writes one int through the pointer, which points at one.
+    if unsafe { libc::ioctl(file.as_raw_fd(), libc::BLKSSZGET, &mut lbs) } != 0 || lbs <= 0 {
+        lbs = 512;
+    }
+    Ok(BlockDevice { size: end as u64, read_only: ro != 0, logical_block: lbs as u64 })
 }
 
 /// Whether `path` can back a store of at least `min` bytes that is read and written: a
@@ -45,19 +52,27 @@ pub fn block_device(file: &File) -> io::Result<BlockDevice> {
 pub fn check(path: &Path, min: u64) -> Result<(), String> {
     let shown = path.display();
     let meta = std::fs::metadata(path).map_err(|e| format!("{shown}: {e}"))?;
-    let size = if meta.file_type().is_block_device() {
+    let block = meta.file_type().is_block_device();
+    if !block && !meta.is_file() {
+        return Err(format!("{shown}: not a regular file or a block device"));
+    }
+    // As this process may, by its effective ids (a daemon's are not its caller's).
+    nix::unistd::faccessat(
+        nix::fcntl::AT_FDCWD,
+        path,
+        nix::unistd::AccessFlags::R_OK | nix::unistd::AccessFlags::W_OK,
+        nix::fcntl::AtFlags::AT_EACCESS,
+    )
+    .map_err(|e| format!("{shown}: cannot be read and written: {}", io::Error::from(e)))?;
+    let size = if block {
         let file = File::open(path).map_err(|e| format!("{shown}: {e}"))?;
         let dev = block_device(&file).map_err(|e| format!("{shown}: {e}"))?;
         if dev.read_only {
             return Err(format!("{shown}: a read-only block device (blockdev --setrw makes it writable)"));
         }
         dev.size
-    } else if meta.is_file() {
-        nix::unistd::access(path, nix::unistd::AccessFlags::R_OK | nix::unistd::AccessFlags::W_OK)
-            .map_err(|e| format!("{shown}: cannot be read and written: {}", io::Error::from(e)))?;
-        meta.len()
     } else {
-        return Err(format!("{shown}: not a regular file or a block device"));
+        meta.len()
     };
     if size < min {
         return Err(format!("{shown}: {size} bytes; a store has at least {min}"));

@@ -776,19 +776,38 @@ impl Ctrl {
             Status::DATA_TRANSFER_ERROR
         })?;
         let queues = self.queues();
-        for qid in 1..self.sq_doorbells.len() {
-            // Where the worker reads them now (the pages before, the mapped page, or the
-            // registers): a register lags while another source is in use, and a tail behind
-            // the worker's head would have it fetch old entries again.
-            let q = qid as u16;
-            let (tail, head) = (self.sq_tail(q), self.cq_head(q));
+        // Where the workers read them now (the pages before, the mapped page, or the
+        // registers): a register lags while another source is in use, and a tail behind a
+        // worker's head would have it fetch old entries again.
+        let n = self.sq_doorbells.len();
+        let seeded: Vec<(u32, u32)> =
+            (0..n).map(|q| (self.sq_tail(q as u16), self.cq_head(q as u16))).collect();
+        let before = self.with_shadow(|_| ()).and_then(|()| self.shadow.load_full());
+        for (qid, &(tail, head)) in seeded.iter().enumerate().skip(1) {
             pages.store(qid * 2, tail);
             pages.arm(qid * 2, tail);
             pages.store(qid * 2 + 1, head);
             pages.arm(qid * 2 + 1, EVENT_NEVER);
         }
-        self.shadow.store(Some(Arc::new(pages)));
+        let pages = Arc::new(pages);
+        self.shadow.store(Some(pages.clone()));
         self.shadowing.store(true, Ordering::Release);
+        // A doorbell the host wrote to the old place meanwhile (until this completes it may
+        // not use the new one) is carried over. One written after this look is not: a host
+        // rings its I/O queues through the new page once the command has completed.
+        for (qid, &(tail, head)) in seeded.iter().enumerate().skip(1) {
+            let (q, i) = (qid as u16, qid * 2);
+            let now = match &before {
+                Some(old) => (old.load(i), old.load(i + 1)),
+                None => self.unshadowed(q),
+            };
+            if now.0 != tail {
+                pages.store(i, now.0);
+            }
+            if now.1 != head {
+                pages.store(i + 1, now.1);
+            }
+        }
         self.shadow_configs.fetch_add(1, Ordering::Relaxed);
         drop(queues);
         // Workers asleep on the old registers look again.
@@ -855,6 +874,18 @@ impl Ctrl {
         match self.mapped_page() {
             Some(page) => page.load(usize::from(qid) * 2),
             None => self.sq_doorbells[usize::from(qid)].value(),
+        }
+    }
+
+    /// Queue `qid`'s SQ tail and CQ head where they are when Doorbell Buffer Config is off:
+    /// the mapped page, or the registers.
+    fn unshadowed(&self, qid: u16) -> (u32, u32) {
+        let i = usize::from(qid) * 2;
+        match self.mapped_page() {
+            Some(page) => (page.load(i), page.load(i + 1)),
+            None => {
+                (self.sq_doorbells[usize::from(qid)].value(), self.cq_doorbells[usize::from(qid)].value())
+            }
         }
     }
 

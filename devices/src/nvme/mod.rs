@@ -131,7 +131,7 @@ pub enum NvmeError {
     NoEffect {
         /// The option's key.
         key: &'static str,
-        /// Its value as given.
+        /// Its value (a choice as its canonical word).
         value: String,
         /// Why.
         why: &'static str,
@@ -236,7 +236,8 @@ impl NvmeConfig {
                 "with --pin-mode kernel and aio=io_uring: an O_DIRECT transfer of at least 64 KiB (always: of \
                  any size) whose memory is one pinned run moves through the kernel's pin of that run as a fixed \
                  buffer (READ_FIXED/WRITE_FIXED), so the host takes no page pins of its own for it; off: plain \
-                 reads and writes",
+                 reads and writes. on and always are refused without aio=io_uring, a cacheN=none namespace and \
+                 --pin-mode kernel",
             ),
             OptionSpec::new(
                 "lba",
@@ -406,7 +407,8 @@ impl NvmeConfig {
         if p.get("aio").is_some() && files().next().is_none() {
             return refuse("aio", "no namespace is a file or block device");
         }
-        if p.get("fixed_buffers").is_some() {
+        // `off` asks for nothing, and may stay in a definition whatever else changes.
+        if p.word("fixed_buffers").is_some_and(|w| w != "off") {
             if self.aio != AioMode::IoUring {
                 return refuse("fixed_buffers", "fixed buffers are io_uring's (aio=io_uring)");
             }
@@ -470,8 +472,15 @@ fn default_serial(config: &NvmeConfig) -> String {
 }
 
 /// A file namespace's path, canonical where it can be made so.
+/// A file namespace's path as its identity: a regular file's canonical path (the same file
+/// whatever link names it), a block device's path as given (`/dev/disk/by-id/...` names the
+/// same disk after a reboot; the `/dev/sdX` it leads to may not).
 fn canonical_file(b: &Backing) -> Option<std::path::PathBuf> {
+    use std::os::unix::fs::FileTypeExt;
     match b {
+        Backing::File(p, _) if std::fs::metadata(p).is_ok_and(|m| m.file_type().is_block_device()) => {
+            Some(p.clone())
+        }
         Backing::File(p, _) => Some(std::fs::canonicalize(p).unwrap_or_else(|_| p.clone())),
         Backing::Ram(_) | Backing::HugeRam(_) => None,
     }
@@ -530,12 +539,17 @@ fn random_bytes(buf: &mut [u8]) {
     }
 }
 
-/// A namespace's NGUID: a file namespace's from its file's canonical path (the file keeps
-/// its identity whatever else the device has), a RAM namespace's from the serial number and
-/// the NSID.
-fn nguid(serial: &str, nsid: u32, backing: &Backing) -> [u8; 16] {
+/// A namespace's NGUID: a file namespace's from its file's path ([`canonical_file`]) and the
+/// serial if one was given (the file keeps its identity whatever else the device has; the
+/// same path on two hosts is told apart by their serials), a RAM namespace's from the serial
+/// number and the NSID.
+fn nguid(serial: &str, given: Option<&str>, nsid: u32, backing: &Backing) -> [u8; 16] {
     let seed = match canonical_file(backing) {
-        Some(path) => StableHash::new().bytes(b"file\0").bytes(path.as_os_str().as_encoded_bytes()),
+        Some(path) => StableHash::new()
+            .bytes(b"file\0")
+            .bytes(given.unwrap_or("").as_bytes())
+            .bytes(&[0])
+            .bytes(path.as_os_str().as_encoded_bytes()),
         None => StableHash::new().bytes(serial.as_bytes()).bytes(&[0]).bytes(&nsid.to_le_bytes()),
     };
     let mut out = [0u8; 16];
@@ -576,7 +590,10 @@ pub fn create(config: NvmeConfig) -> Result<PciDevice<Nvme>, NvmeError> {
         .enumerate()
         .map(|(i, b)| {
             b.as_ref()
-                .map(|b| Namespace::new(i as u32 + 1, b, config.lba_shift, nguid(&serial, i as u32 + 1, b)))
+                .map(|b| {
+                    let id = nguid(&serial, config.serial.as_deref(), i as u32 + 1, b);
+                    Namespace::new(i as u32 + 1, b, config.lba_shift, id)
+                })
                 .transpose()
         })
         .collect::<Result<Vec<_>, _>>()?;
@@ -871,12 +888,14 @@ mod tests {
         );
         // A file namespace's NGUID follows its file, not the serial or its NSID.
         let a = file("/nonexistent/a.img");
-        assert_eq!(nguid("S1", 1, &a), nguid("S2", 3, &a));
-        assert_ne!(nguid("S1", 1, &a), nguid("S1", 1, &file("/nonexistent/b.img")));
+        assert_eq!(nguid("S1", None, 1, &a), nguid("S2", None, 3, &a));
+        assert_ne!(nguid("S1", None, 1, &a), nguid("S1", None, 1, &file("/nonexistent/b.img")));
+        // A serial given tells the same path on two hosts apart.
+        assert_ne!(nguid("S1", Some("S1"), 1, &a), nguid("S2", Some("S2"), 1, &a));
         // A RAM namespace's follows the serial and the NSID.
         let ram = Backing::Ram(1 << 20);
-        assert_ne!(nguid("S1", 1, &ram), nguid("S1", 2, &ram));
-        assert_ne!(nguid("S1", 1, &ram), nguid("S2", 1, &ram));
+        assert_ne!(nguid("S1", None, 1, &ram), nguid("S1", None, 2, &ram));
+        assert_ne!(nguid("S1", None, 1, &ram), nguid("S2", None, 1, &ram));
     }
 
     /// The sources of the nvme modules, without their test modules.
