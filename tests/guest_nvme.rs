@@ -453,3 +453,111 @@ cmp -s /tmp/r /tmp/big && echo BIG-OK || echo BIG-BAD
     assert_eq!(io["errors"], 0, "{io}");
     assert!(io["fixed_transfers"].as_u64().unwrap() > 0, "the guest's one-run transfers went fixed: {io}");
 }
+
+/// A loop device over a file of `bytes` with `sector`-byte logical blocks (`losetup`, root),
+/// detached on drop; `None`, said why, where there is none to be had.
+struct Loop(String, tempfile::TempDir);
+
+impl Loop {
+    fn new(bytes: u64, sector: u32) -> Option<Loop> {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("backing.img");
+        std::fs::File::create(&file).unwrap().set_len(bytes).unwrap();
+        let sector = sector.to_string();
+        let out = std::process::Command::new("losetup")
+            .args(["--find", "--show", "--sector-size", &sector])
+            .arg(&file)
+            .output();
+        match out {
+            Ok(out) if out.status.success() => {
+                Some(Loop(String::from_utf8_lossy(&out.stdout).trim().into(), dir))
+            }
+            Ok(out) => {
+                eprintln!("SKIPPED: no loop device: {}", String::from_utf8_lossy(&out.stderr).trim());
+                None
+            }
+            Err(e) => {
+                eprintln!("SKIPPED: no losetup: {e}");
+                None
+            }
+        }
+    }
+}
+
+impl Drop for Loop {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("losetup").arg("-d").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn a_block_device_with_larger_sectors_serves_the_guest_and_is_had_by_one_device() {
+    if !guest::available() {
+        return;
+    }
+    // 4 KiB sectors under 512-byte namespace blocks: O_DIRECT where transfers are whole
+    // sectors, the page cache elsewhere; discards of parts of sectors zero what they name.
+    let Some(disk) = Loop::new(256 << 20, 4096) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("nvme.sock");
+    let ns = format!("ns1=file:{}", disk.0);
+    let daemon = serve(&socket, &[&ns, "cache1=none"]);
+    // Another device cannot have it meanwhile.
+    let other = common::process::umdev()
+        .args(["run", "--type", "nvme", "--socket"])
+        .arg(dir.path().join("other.sock"))
+        .args(["--opt", &ns])
+        .output()
+        .unwrap();
+    let refused = String::from_utf8_lossy(&other.stderr);
+    assert!(!other.status.success() && refused.contains("in use"), "{refused}");
+    let script = format!(
+        r#"set -e
+{IDENTIFY}
+{SCATTERED_IO}
+head -c 65536 /dev/urandom > /tmp/d
+dd if=/tmp/d of=/dev/nvme0n1 bs=4096 seek=1000 conv=fsync 2>/dev/null
+blkdiscard -o $((1000 * 4096 + 1536)) -l 13312 /dev/nvme0n1
+echo 3 > /proc/sys/vm/drop_caches
+dd if=/dev/nvme0n1 of=/tmp/back bs=4096 skip=1000 count=16 iflag=direct 2>/dev/null
+head -c 1536 /tmp/d > /tmp/want
+head -c 13312 /dev/zero >> /tmp/want
+tail -c $((65536 - 14848)) /tmp/d >> /tmp/want
+cmp -s /tmp/want /tmp/back && echo DISCARD-OK || echo DISCARD-BAD
+mke2fs -q -F /dev/nvme0n1
+mkdir -p /mnt/d
+mount -t ext4 /dev/nvme0n1 /mnt/d
+head -c 3000000 /dev/urandom > /mnt/d/f
+sha256sum /mnt/d/f > /tmp/sum
+umount /mnt/d
+echo 3 > /proc/sys/vm/drop_caches
+mount -t ext4 /dev/nvme0n1 /mnt/d
+sha256sum -c /tmp/sum | sed 's/^/SUM /'
+"#
+    );
+    let console = guest::run_ok(&GuestSpec {
+        sockets: vec![&socket],
+        modules: vec!["nvme", "ext4"],
+        script: &script,
+        timeout: Duration::from_secs(300),
+        ..Default::default()
+    });
+    let stats = stop(daemon);
+    assert_eq!(line(&console, "DISK"), format!("DISK {} 512", (256 << 20) / 512), "{console:?}");
+    for off in [3, 1000, 77, 4099, 20000, 513] {
+        assert!(console.contains(&format!("IO-OK {off}")), "data at block {off} read back: {console:?}");
+    }
+    assert!(console.iter().any(|l| l == "DISCARD-OK"), "{console:?}");
+    assert!(console.iter().any(|l| l == "SUM /mnt/d/f: OK"), "{console:?}");
+    let ns1 = &stats["namespaces"][0];
+    assert_eq!(
+        (ns1["backing"].as_str(), ns1["cache"].as_str()),
+        (Some("block-device"), Some("none")),
+        "{stats}"
+    );
+    assert_eq!(ns1["direct_alignment"]["offset"], 4096, "{stats}");
+    assert_eq!(stats["io"]["errors"], 0, "{stats}");
+    // Stopped, it let go: another device has it at once.
+    let again = serve(&socket, &[&ns]);
+    stop(again);
+}
