@@ -456,7 +456,10 @@ cmp -s /tmp/r /tmp/big && echo BIG-OK || echo BIG-BAD
 
 /// A loop device over a file of `bytes` with `sector`-byte logical blocks (`losetup`, root),
 /// detached on drop; `None`, said why, where there is none to be had.
-struct Loop(String, tempfile::TempDir);
+struct Loop {
+    dev: String,
+    _dir: tempfile::TempDir,
+}
 
 impl Loop {
     fn new(bytes: u64, sector: u32) -> Option<Loop> {
@@ -486,7 +489,7 @@ impl Loop {
 
 impl Drop for Loop {
     fn drop(&mut self) {
-        let _ = std::process::Command::new("losetup").arg("-d").arg(&self.0).status();
+        let _ = std::process::Command::new("losetup").arg("-d").arg(&self.dev).status();
     }
 }
 
@@ -500,7 +503,7 @@ fn a_block_device_with_larger_sectors_serves_the_guest_and_is_had_by_one_device(
     let Some(disk) = Loop::new(256 << 20, 4096) else { return };
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("nvme.sock");
-    let ns = format!("ns1=file:{}", disk.0);
+    let ns = format!("ns1=file:{}", disk.dev);
     let daemon = serve(&socket, &[&ns, "cache1=none"]);
     // Another device cannot have it meanwhile.
     let other = common::process::umdev()
