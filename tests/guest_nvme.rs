@@ -473,7 +473,7 @@ impl Loop {
             .output();
         match out {
             Ok(out) if out.status.success() => {
-                Some(Loop(String::from_utf8_lossy(&out.stdout).trim().into(), dir))
+                Some(Loop { dev: String::from_utf8_lossy(&out.stdout).trim().into(), _dir: dir })
             }
             Ok(out) => {
                 eprintln!("SKIPPED: no loop device: {}", String::from_utf8_lossy(&out.stderr).trim());
