@@ -151,3 +151,37 @@ fn a_client_that_never_answers_does_not_wedge_the_device() {
     next.negotiate().unwrap();
     assert_eq!(read_reg(&mut next, DMA_STATUS), STATUS_IDLE, "the next client finds a reset device");
 }
+
+#[test]
+fn dma_reads_come_in_chunks_whose_replies_fit_what_the_server_accepts() {
+    // A server that takes 4 KiB per transfer: its DMA_READs ask no more of a client that
+    // takes 1 MiB, so each reply (with its data) is a message the server accepts.
+    let h = Harness::with("testdev", Default::default(), |c| c.limits.max_data_xfer_size = 4096);
+    let mut c = RawClient::connect(&h.socket).unwrap();
+    c.negotiate().unwrap();
+    c.enable_bus_master().unwrap();
+    let r = c.request(Command::DmaMap as u16, &dma_map_payload(3, 0, MSG_IOVA, 0x20000), &[]).unwrap();
+    assert_eq!(r.errno(), 0);
+    write_reg(&mut c, DMA_ADDR_LO, MSG_IOVA as u32);
+    write_reg(&mut c, DMA_ADDR_HI, 0);
+    write_reg(&mut c, DMA_LEN, 10_000);
+    let mut first = Some(ring(&mut c, CMD_CHECKSUM));
+    let (mut offset, mut expected_sum) = (0u64, 0u32);
+    while offset < 10_000 {
+        let req = first.take().unwrap_or_else(|| c.recv().unwrap());
+        assert_eq!(req.header.command, Command::DmaRead as u16);
+        let count = u64::from_le_bytes(req.payload[8..16].try_into().unwrap());
+        assert!(count <= 4096, "a chunk of {count} bytes");
+        let data: Vec<u8> = (0..count).map(|i| ((offset + i) % 251) as u8).collect();
+        expected_sum = data.iter().fold(expected_sum, |s, &b| s.wrapping_add(u32::from(b)));
+        reply(&mut c, &req.header, &[&le64(MSG_IOVA + offset)[..], &le64(count), &data].concat());
+        offset += count;
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while read_reg(&mut c, DMA_STATUS) == STATUS_BUSY {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!((read_reg(&mut c, DMA_STATUS), read_reg(&mut c, DMA_RESULT)), (STATUS_DONE, expected_sum));
+    assert!(c.alive(), "the connection stayed up");
+}

@@ -167,3 +167,24 @@ fn with_doorbells_message_a_client_without_capabilities_finds_no_page() {
     let (flags, _, fd) = bar0_info(&mut c);
     assert_eq!((flags & MMAP, fd.is_none()), (0, true));
 }
+
+#[test]
+fn a_client_that_takes_no_fds_is_offered_no_mapping() {
+    let mut options = InstanceOptions::default();
+    options.params.insert("ns1".into(), "ram:16M".into());
+    options.params.insert("doorbells".into(), "mmap".into());
+    let h = Harness::with("nvme", options, |_| {});
+    let mut c = RawClient::connect(&h.socket).unwrap();
+    assert_eq!(c.negotiate_with(r#"{"capabilities":{"max_msg_fds":0}}"#).unwrap().errno(), 0);
+    let (flags, _, fd) = bar0_info(&mut c);
+    assert_eq!(flags & (MMAP | CAPS), 0, "no fd can come, so no area is mappable: {flags:#x}");
+    assert!(fd.is_none());
+    // One that takes fds is offered the page.
+    drop(c);
+    h.wait_idle();
+    let mut c = RawClient::connect(&h.socket).unwrap();
+    c.negotiate().unwrap();
+    let (flags, _, fd) = bar0_info(&mut c);
+    assert_eq!(flags & MMAP, MMAP, "{flags:#x}");
+    assert!(fd.is_some());
+}

@@ -53,7 +53,7 @@ pub struct Link {
     /// The thread that reads the socket; it must not wait for client replies.
     reader: ThreadId,
     /// The client's `max_data_xfer_size`, once negotiated.
-    client_max_xfer: AtomicU32,
+    max_dma_chunk: AtomicU32,
     stats: Arc<ServerStats>,
 }
 
@@ -66,7 +66,7 @@ impl Link {
             pending: Mutex::new(Pending { open: true, waiters: HashMap::new() }),
             next_id: AtomicU16::new(0),
             reader,
-            client_max_xfer: AtomicU32::new(1 << 20),
+            max_dma_chunk: AtomicU32::new(1 << 20),
             stats,
         }
     }
@@ -74,14 +74,21 @@ impl Link {
     /// Sends one message, whole, whoever else is sending.
     pub fn send(&self, header: &Header, parts: &[&[u8]], fd: Option<BorrowedFd<'_>>) -> io::Result<()> {
         let _guard = umdev_pinning::sync::lock(&self.write);
-        crate::socket::send(&self.stream, header, parts, fd)?;
+        if let Err(e) = crate::socket::send(&self.stream, header, parts, fd) {
+            // Part of the message may be out (a client that stopped reading for the send
+            // timeout): nothing can follow it in the stream. The connection ends.
+            let _ = self.stream.shutdown(std::net::Shutdown::Both);
+            return Err(e);
+        }
         self.stats.bytes_out.fetch_add(u64::from(header.size), Ordering::Relaxed);
         Ok(())
     }
 
-    /// The client's negotiated `max_data_xfer_size`.
-    pub fn set_client_max_xfer(&self, bytes: u32) {
-        self.client_max_xfer.store(bytes.max(1), Ordering::Relaxed);
+    /// The most data one DMA request or its reply carries: the smaller of the client's
+    /// negotiated `max_data_xfer_size` and this server's (a reply above the server's own
+    /// message limit would end the connection).
+    pub fn set_max_dma_chunk(&self, bytes: u32) {
+        self.max_dma_chunk.store(bytes.max(1), Ordering::Relaxed);
     }
 
     /// Hands a client reply to the device thread waiting for it; false if none is. The
@@ -136,7 +143,7 @@ impl Link {
     }
 
     fn chunk(&self) -> usize {
-        CLIENT_DMA_CHUNK.min(self.client_max_xfer.load(Ordering::Relaxed) as usize)
+        CLIENT_DMA_CHUNK.min(self.max_dma_chunk.load(Ordering::Relaxed) as usize)
     }
 }
 

@@ -161,7 +161,9 @@ impl Session {
                 capabilities: client.capabilities,
             });
             let negotiated = negotiate(client, &self.limits);
-            self.link.set_client_max_xfer(negotiated.client.max_data_xfer_size);
+            // A DMA_READ's reply carries its chunk: no larger than what this side accepts.
+            self.link
+                .set_max_dma_chunk(negotiated.client.max_data_xfer_size.min(self.limits.max_data_xfer_size));
             let payload = negotiated.reply.clone();
             self.negotiated = Some(negotiated);
             self.new_max_size = Some(self.limits.max_message_size());
@@ -201,7 +203,12 @@ impl Session {
             }
             Request::DeviceGetInfo => Ok(Reply::Payload(reply::device_info(&self.device.device_info()))),
             Request::RegionInfo { index, argsz } => {
-                let info = self.region_info(index).ok_or(libc::EINVAL)?;
+                let mut info = self.region_info(index).ok_or(libc::EINVAL)?;
+                if negotiated.client.max_msg_fds == 0 {
+                    // No fd can reach this client: nothing is mappable for it.
+                    info.mmap = None;
+                    info.flags.remove(RegionFlags::MMAP);
+                }
                 let (payload, send_fd) = reply::region_info(index, &info, argsz);
                 match (send_fd, info.mmap) {
                     (true, Some(mmap)) if negotiated.client.max_msg_fds > 0 => {
