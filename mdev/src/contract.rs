@@ -5,7 +5,9 @@
 //! that counts server-to-client DMA, wires eventfds to every interrupt, and checks:
 //!
 //! 1. **Accesses.** Out-of-bounds and odd-width accesses to every region are refused, the
-//!    declared widths accepted.
+//!    declared widths accepted. Each register is written with `0x5a` bytes at each width it
+//!    declares, doorbells included: a device that starts work on such a write must cope (its
+//!    `make_busy` and the later checks come after a reset).
 //! 2. **Reset** returns every readable register (but the ones the device names volatile:
 //!    read side effects) and config space to their power-on values, disables interrupts
 //!    (COMMAND, MSI and MSI-X enables back to 0) and drops the interrupt eventfds.
@@ -18,7 +20,8 @@
 //! 5. **Detach** drops every pin, every eventfd the device was given and every thread it
 //!    started for the client.
 //!
-//! Run each device in a test of its own process (fd and thread counts are process-wide).
+//! Fd and thread counts are process-wide: run the devices of one test one after the other
+//! (as tests/contract.rs does), never beside other tests in the same process.
 
 use std::fs::File;
 use std::os::fd::AsFd;

@@ -38,4 +38,7 @@ pub use device::{
 };
 pub use guest::{BusMaster, DeviceContext, GuestError};
 pub use umdev_pinning::sync;
+/// What [`request::Permit::pin_pages`] takes and gives: re-exported so that a device needs
+/// no dependency on the engine of its own.
+pub use umdev_pinning::{PinError, PinnedPages, Prot, PAGE_SIZE};
 pub use vmm_sys_util::eventfd::EventFd;

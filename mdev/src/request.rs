@@ -100,6 +100,8 @@ impl<C> std::fmt::Display for Detached<C> {
     }
 }
 
+impl<C> std::error::Error for Detached<C> {}
+
 /// A device's requests, across its lanes, and the client's context. Cheap to clone.
 #[derive(Clone, Default)]
 pub struct Requests {
@@ -123,6 +125,10 @@ impl Requests {
     }
 
     /// A lane for one worker; `wake` wakes that worker when one of its requests is cancelled.
+    /// It is called on the thread that cancels (the connection thread, in a DMA_UNMAP, a
+    /// reset or a detach), with no lock of the lane's held but with whatever that thread
+    /// holds (a reset may hold the device's lock): it should only ring the worker (a
+    /// [`crate::worker::Bell`]), not begin or end requests or take the device's lock.
     pub fn lane(&self, wake: impl Fn() + Send + Sync + 'static) -> Lane {
         self.lane_with((), wake)
     }

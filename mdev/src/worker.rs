@@ -416,8 +416,9 @@ impl<S: Copy> Waiter<S> {
 #[error("worker thread {0} did not stop in time; left to end on its own")]
 pub struct Stuck(pub String);
 
-/// A device's handle on one worker thread. Dropping it stops nothing by itself: call
-/// [`Worker::stop`] and [`Worker::join`] (a device's reset or drop does).
+/// A device's handle on one worker thread. Dropping it stops nothing by itself: the device
+/// calls [`Worker::stop`] and [`Worker::join`] in its reset and its drop (the framework does
+/// not know a device's workers).
 pub struct Worker<S> {
     bell: Bell,
     control: Arc<Control<S>>,

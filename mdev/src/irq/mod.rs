@@ -80,7 +80,6 @@ pub struct IrqStats {
     pub lost: u64,
 }
 
-/// What was declared in config space.
 /// The interrupt-relevant state of config space, as the guest last wrote it (the PCI layer
 /// derives it from COMMAND and the capabilities).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -197,7 +196,7 @@ pub struct IrqHandle {
 }
 
 impl Interrupts {
-    /// The interrupts `config` declares: INTx if it has a pin, its MSI and MSI-X
+    /// The interrupts `layout` declares: INTx if it has a pin, its MSI and MSI-X
     /// capabilities, ERR and REQ. Everything starts disabled.
     pub fn new(layout: IrqLayout) -> Self {
         let state = State::new(&layout, IrqStats::default());

@@ -7,8 +7,8 @@
 //! - [`bar`] and [`caps`]: what can be declared, and how each register behaves;
 //! - [`device`]: [`PciFunction`] (`&self`, for devices with threads of their own) and
 //!   [`PciDevice`];
-//! - [`simple`]: [`SimpleFunction`] (`&mut self`, served through `Mutex`, `RwLock` or
-//!   [`Shared`]: no locking code in the device);
+//! - [`simple`]: [`SimpleFunction`] (`&mut self`, served through `Mutex` or [`Shared`]: no
+//!   locking code in the device);
 //! - [`regmap`]: [`RegMap`], a BAR's registers declared once and every access checked
 //!   and cut the same way;
 //! - [`regs`]: register offsets and bits.
@@ -27,5 +27,5 @@ pub use config::{
     ClassCode, ConfigChanges, ConfigError, ConfigSpace, ConfigSpaceBuilder, IrqRegisters, PciIds,
 };
 pub use device::{Host, PciDevice, PciDeviceError, PciFunction};
-pub use regmap::{Access, Hit, Reg, RegMap, RegMapBuilder};
+pub use regmap::{Access, Hit, Reg, RegMap, RegMapBuilder, RegMapError};
 pub use simple::{Shared, SharedRef, SimpleFunction, Waker, WeakShared};
