@@ -37,7 +37,10 @@ pub trait SimpleFunction: Send + 'static {
         None
     }
 
-    /// DEVICE_RESET (also run on detach): back to the power-on state.
+    /// DEVICE_RESET (also run on detach): back to the power-on state. The framework has
+    /// cancelled every request in flight ([`crate::request::Cancel::Reset`]) before this
+    /// runs; the device stops its own workers here, and ignores what requests begun before
+    /// the reset still report (see the README's "Requests").
     fn reset(&mut self) {}
 
     /// A client connected.
@@ -45,10 +48,14 @@ pub trait SimpleFunction: Send + 'static {
         let _ = ctx;
     }
 
-    /// The client is gone: drop every pin and the context. A reset follows.
+    /// The client is gone: drop every pin and the context the device keeps outside its
+    /// requests (a request's pins are the framework's: it cancels the requests and waits,
+    /// boundedly, for them to end). A reset follows.
     fn detach(&mut self) {}
 
-    /// `[iova, iova + len)` is being unmapped: drop its pins.
+    /// `[iova, iova + len)` is being unmapped: drop the pins the device keeps in it outside
+    /// its requests (the framework has cancelled the requests holding pins there, and the
+    /// unmap waits for their pins).
     fn dma_unmap(&mut self, iova: u64, len: u64) {
         let _ = (iova, len);
     }
