@@ -60,21 +60,28 @@ fn reply(c: &mut RawClient, to: &Header, payload: &[u8]) {
     c.send_bytes(&[&h.encode()[..], payload].concat(), &[]).unwrap();
 }
 
-#[test]
-fn the_server_keeps_serving_while_its_dma_request_is_pending() {
-    let h = Harness::new("testdev");
+/// A client with bus mastering on and 128 KiB at [`MSG_IOVA`] mapped without an fd (the
+/// device reaches it only through the client), whose device is checksumming `len` bytes of
+/// it; and the server's first DMA request for them.
+fn checksumming(h: &Harness, len: u32) -> (RawClient, umdev_testkit::client::Reply) {
     let mut c = RawClient::connect(&h.socket).unwrap();
     c.negotiate().unwrap();
     c.enable_bus_master().unwrap();
-    // A region mapped without an fd: the device can reach it only through the client.
     let r = c.request(Command::DmaMap as u16, &dma_map_payload(3, 0, MSG_IOVA, 0x20000), &[]).unwrap();
     assert_eq!(r.errno(), 0);
-
-    // Checksum 100 KiB of it: more than one 64 KiB DMA_READ.
     write_reg(&mut c, DMA_ADDR_LO, MSG_IOVA as u32);
     write_reg(&mut c, DMA_ADDR_HI, 0);
-    write_reg(&mut c, DMA_LEN, 100_000);
-    let mut first = Some(ring(&mut c, CMD_CHECKSUM));
+    write_reg(&mut c, DMA_LEN, len);
+    let first = ring(&mut c, CMD_CHECKSUM);
+    (c, first)
+}
+
+#[test]
+fn the_server_keeps_serving_while_its_dma_request_is_pending() {
+    let h = Harness::new("testdev");
+    // Checksum 100 KiB: more than one 64 KiB DMA_READ.
+    let (mut c, first) = checksumming(&h, 100_000);
+    let mut first = Some(first);
 
     let mut served_meanwhile = 0;
     let mut expected_sum = 0u32;
@@ -157,15 +164,8 @@ fn dma_reads_come_in_chunks_whose_replies_fit_what_the_server_accepts() {
     // A server that takes 4 KiB per transfer: its DMA_READs ask no more of a client that
     // takes 1 MiB, so each reply (with its data) is a message the server accepts.
     let h = Harness::with("testdev", Default::default(), |c| c.limits.max_data_xfer_size = 4096);
-    let mut c = RawClient::connect(&h.socket).unwrap();
-    c.negotiate().unwrap();
-    c.enable_bus_master().unwrap();
-    let r = c.request(Command::DmaMap as u16, &dma_map_payload(3, 0, MSG_IOVA, 0x20000), &[]).unwrap();
-    assert_eq!(r.errno(), 0);
-    write_reg(&mut c, DMA_ADDR_LO, MSG_IOVA as u32);
-    write_reg(&mut c, DMA_ADDR_HI, 0);
-    write_reg(&mut c, DMA_LEN, 10_000);
-    let mut first = Some(ring(&mut c, CMD_CHECKSUM));
+    let (mut c, first) = checksumming(&h, 10_000);
+    let mut first = Some(first);
     let (mut offset, mut expected_sum) = (0u64, 0u32);
     while offset < 10_000 {
         let req = first.take().unwrap_or_else(|| c.recv().unwrap());

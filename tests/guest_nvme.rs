@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use common::guest::{self, GuestSpec};
 use common::process::{self, ChildGuard};
+use umdev_testkit::loop_device::LoopDevice;
 
 /// `umdev run --type nvme` on `socket` with `opts`, stderr kept for the statistics it
 /// prints on exit.
@@ -454,45 +455,6 @@ cmp -s /tmp/r /tmp/big && echo BIG-OK || echo BIG-BAD
     assert!(io["fixed_transfers"].as_u64().unwrap() > 0, "the guest's one-run transfers went fixed: {io}");
 }
 
-/// A loop device over a file of `bytes` with `sector`-byte logical blocks (`losetup`, root),
-/// detached on drop; `None`, said why, where there is none to be had.
-struct Loop {
-    dev: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Loop {
-    fn new(bytes: u64, sector: u32) -> Option<Loop> {
-        let dir = tempfile::tempdir().unwrap();
-        let file = dir.path().join("backing.img");
-        std::fs::File::create(&file).unwrap().set_len(bytes).unwrap();
-        let sector = sector.to_string();
-        let out = std::process::Command::new("losetup")
-            .args(["--find", "--show", "--sector-size", &sector])
-            .arg(&file)
-            .output();
-        match out {
-            Ok(out) if out.status.success() => {
-                Some(Loop { dev: String::from_utf8_lossy(&out.stdout).trim().into(), _dir: dir })
-            }
-            Ok(out) => {
-                eprintln!("SKIPPED: no loop device: {}", String::from_utf8_lossy(&out.stderr).trim());
-                None
-            }
-            Err(e) => {
-                eprintln!("SKIPPED: no losetup: {e}");
-                None
-            }
-        }
-    }
-}
-
-impl Drop for Loop {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("losetup").arg("-d").arg(&self.dev).status();
-    }
-}
-
 #[test]
 fn a_block_device_with_larger_sectors_serves_the_guest_and_is_had_by_one_device() {
     if !guest::available() {
@@ -500,10 +462,10 @@ fn a_block_device_with_larger_sectors_serves_the_guest_and_is_had_by_one_device(
     }
     // 4 KiB sectors under 512-byte namespace blocks: O_DIRECT where transfers are whole
     // sectors, the page cache elsewhere; discards of parts of sectors zero what they name.
-    let Some(disk) = Loop::new(256 << 20, 4096) else { return };
+    let Some(disk) = LoopDevice::new(256 << 20, &["--sector-size", "4096"]) else { return };
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("nvme.sock");
-    let ns = format!("ns1=file:{}", disk.dev);
+    let ns = format!("ns1=file:{}", disk.path().display());
     let daemon = serve(&socket, &[&ns, "cache1=none"]);
     // Another device cannot have it meanwhile.
     let other = common::process::umdev()

@@ -25,9 +25,13 @@ const DATA: u64 = Driver::<Polling>::DATA;
 const MMAP: u32 = 1 << 2;
 const CAPS: u32 = 1 << 3;
 
-fn harness() -> Harness {
+/// An nvme instance with a 16 MiB RAM namespace and `doorbells` (`None`: the default, auto).
+fn harness(doorbells: Option<&str>) -> Harness {
     let mut options = InstanceOptions::default();
     options.params.insert("ns1".into(), "ram:16M".into());
+    if let Some(mode) = doorbells {
+        options.params.insert("doorbells".into(), mode.into());
+    }
     Harness::with("nvme", options, |_| {})
 }
 
@@ -83,7 +87,7 @@ impl Transport for Polling {
 
 #[test]
 fn a_client_without_capabilities_maps_the_doorbell_page_and_rings_only_there() {
-    let h = harness();
+    let h = harness(None);
     let mut c = RawClient::connect(&h.socket).unwrap();
     // SPDK's VERSION: major 0, minor 1, nothing else.
     assert_eq!(c.request(Command::Version as u16, &[0, 0, 1, 0], &[]).unwrap().errno(), 0);
@@ -136,7 +140,7 @@ fn a_client_without_capabilities_maps_the_doorbell_page_and_rings_only_there() {
 
 #[test]
 fn a_client_with_capabilities_gets_message_doorbells_and_the_next_one_chooses_again() {
-    let h = harness();
+    let h = harness(None);
     for round in 0..2 {
         let mut c = RawClient::connect(&h.socket).unwrap();
         c.negotiate().unwrap(); // QEMU's capabilities
@@ -158,10 +162,7 @@ fn a_client_with_capabilities_gets_message_doorbells_and_the_next_one_chooses_ag
 
 #[test]
 fn with_doorbells_message_a_client_without_capabilities_finds_no_page() {
-    let mut options = InstanceOptions::default();
-    options.params.insert("ns1".into(), "ram:16M".into());
-    options.params.insert("doorbells".into(), "message".into());
-    let h = Harness::with("nvme", options, |_| {});
+    let h = harness(Some("message"));
     let mut c = RawClient::connect(&h.socket).unwrap();
     assert_eq!(c.request(Command::Version as u16, &[0, 0, 1, 0], &[]).unwrap().errno(), 0);
     let (flags, _, fd) = bar0_info(&mut c);
@@ -170,10 +171,7 @@ fn with_doorbells_message_a_client_without_capabilities_finds_no_page() {
 
 #[test]
 fn a_client_that_takes_no_fds_is_offered_no_mapping() {
-    let mut options = InstanceOptions::default();
-    options.params.insert("ns1".into(), "ram:16M".into());
-    options.params.insert("doorbells".into(), "mmap".into());
-    let h = Harness::with("nvme", options, |_| {});
+    let h = harness(Some("mmap"));
     let mut c = RawClient::connect(&h.socket).unwrap();
     assert_eq!(c.negotiate_with(r#"{"capabilities":{"max_msg_fds":0}}"#).unwrap().errno(), 0);
     let (flags, _, fd) = bar0_info(&mut c);

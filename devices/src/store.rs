@@ -188,10 +188,17 @@ impl Store {
     pub fn open_with(path: &Path, cache: Cache) -> io::Result<Store> {
         let hold = hold(path)?;
         let file = std::fs::OpenOptions::new().read(true).write(true).open(path)?;
-        let (held, meta) = (hold.metadata()?, file.metadata()?);
-        if (held.dev(), held.ino()) != (meta.dev(), meta.ino()) {
-            return Err(invalid("replaced while it was opened"));
-        }
+        let held = hold.metadata()?;
+        // Each later open of `path` must find the file held, not one put there since.
+        let same = |opened: &File| -> io::Result<std::fs::Metadata> {
+            let meta = opened.metadata()?;
+            if (meta.dev(), meta.ino()) == (held.dev(), held.ino()) {
+                Ok(meta)
+            } else {
+                Err(invalid("replaced while it was opened"))
+            }
+        };
+        let meta = same(&file)?;
         let (kind, size, sector) = if meta.file_type().is_block_device() {
             let dev = umdev_mdev::backing::block_device(&file)?;
             if dev.read_only {
@@ -208,10 +215,7 @@ impl Store {
             Cache::Writeback => None,
             Cache::None => {
                 let direct = Direct::open(path, kind, sector)?;
-                let twin = direct.file.metadata()?;
-                if (twin.dev(), twin.ino()) != (held.dev(), held.ino()) {
-                    return Err(invalid("replaced while it was opened"));
-                }
+                same(&direct.file)?;
                 Some(direct)
             }
         };
@@ -1045,68 +1049,31 @@ mod tests {
         assert_eq!(Store::open(&path).err().unwrap().kind(), io::ErrorKind::ResourceBusy);
     }
 
-    /// A loop device over a file of `bytes` (`losetup`, root), detached on drop.
-    struct Loop {
-        dev: std::path::PathBuf,
-        _dir: tempfile::TempDir,
-    }
-
-    impl Loop {
-        fn new(bytes: u64, args: &[&str]) -> Option<Loop> {
-            let dir = tempfile::tempdir().unwrap();
-            let file = dir.path().join("backing.img");
-            File::create(&file).unwrap().set_len(bytes).unwrap();
-            let out = std::process::Command::new("losetup")
-                .args(["--find", "--show"])
-                .args(args)
-                .arg(&file)
-                .output();
-            match out {
-                Ok(out) if out.status.success() => {
-                    let dev = String::from_utf8_lossy(&out.stdout).trim().into();
-                    Some(Loop { dev, _dir: dir })
-                }
-                Ok(out) => {
-                    eprintln!("SKIPPED: no loop device: {}", String::from_utf8_lossy(&out.stderr).trim());
-                    None
-                }
-                Err(e) => {
-                    eprintln!("SKIPPED: no losetup: {e}");
-                    None
-                }
-            }
-        }
-    }
-
-    impl Drop for Loop {
-        fn drop(&mut self) {
-            let _ = std::process::Command::new("losetup").arg("-d").arg(&self.dev).status();
-        }
-    }
-
     #[test]
     fn a_block_device_store_claims_it_and_refuses_one_set_read_only() {
-        let Some(lo) = Loop::new(1 << 20, &[]) else { return };
-        let first = Store::open(&lo.dev).unwrap();
+        use umdev_testkit::loop_device::LoopDevice;
+        let Some(lo) = LoopDevice::new(1 << 20, &[]) else { return };
+        let first = Store::open(lo.path()).unwrap();
         assert_eq!((first.kind(), first.size()), (StoreKind::BlockDevice, 1 << 20));
-        let e = refused(Store::open(&lo.dev), "a second store on the same device");
+        let e = refused(Store::open(lo.path()), "a second store on the same device");
         assert!(e.to_string().contains("in use"), "{e}");
         drop(first);
-        Store::open_with(&lo.dev, Cache::None).unwrap();
-        let Some(ro) = Loop::new(1 << 20, &["--read-only"]) else { return };
-        let e = refused(Store::open(&ro.dev), "a read-only device");
+        Store::open_with(lo.path(), Cache::None).unwrap();
+        let Some(ro) = LoopDevice::new(1 << 20, &["--read-only"]) else { return };
+        let e = refused(Store::open(ro.path()), "a read-only device");
         assert!(e.to_string().contains("read-only"), "{e}");
-        let e = umdev_mdev::backing::check(&ro.dev, 4096).unwrap_err();
+        let e = umdev_mdev::backing::check(ro.path(), 4096).unwrap_err();
         assert!(e.contains("read-only block device"), "{e}");
-        assert_eq!(umdev_mdev::backing::check(&lo.dev, 4096), Ok(()));
-        let e = umdev_mdev::backing::check(&lo.dev, 2 << 20).unwrap_err();
+        assert_eq!(umdev_mdev::backing::check(lo.path(), 4096), Ok(()));
+        let e = umdev_mdev::backing::check(lo.path(), 2 << 20).unwrap_err();
         assert!(e.ends_with("1048576 bytes; a store has at least 2097152"), "{e}");
     }
 
     #[test]
     fn zeroes_on_a_block_device_need_not_be_whole_blocks_of_it() {
-        let Some(lo) = Loop::new(1 << 20, &["--sector-size", "4096"]) else { return };
-        let store = Store::open(&lo.dev).unwrap();
+        use umdev_testkit::loop_device::LoopDevice;
+        let Some(lo) = LoopDevice::new(1 << 20, &["--sector-size", "4096"]) else { return };
+        let store = Store::open(lo.path()).unwrap();
         store.write(0, &[0xa5; 16384]).unwrap();
         // 512-byte blocks of a 4 KiB-sector disk: within one sector, and across two whole
         // ones with parts of sectors at both ends.

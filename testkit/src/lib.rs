@@ -11,6 +11,7 @@
 //!   driver;
 //! - [`fuse`]: a one-file FUSE filesystem whose reads and writes the test answers (held,
 //!   failed or served), a backing file for a device under test;
+//! - [`loop_device`]: a loop device over a sparse file, a block-device backing;
 //! - [`ccw_fuzz`]: the channel-program interpreter's fuzz harness and model;
 //! - [`nvme_fuzz`]: the nvme controller's fuzz harness and seeds;
 //! - [`server_fuzz`]: the vfio-user server's fuzz harnesses (the dispatcher and a real
@@ -26,6 +27,7 @@ pub mod ccw_fuzz;
 pub mod ccw_guest;
 pub mod client;
 pub mod fuse;
+pub mod loop_device;
 pub mod nvme_driver;
 pub mod nvme_fuzz;
 pub mod nvme_guest;

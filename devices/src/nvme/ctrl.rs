@@ -782,7 +782,7 @@ impl Ctrl {
         let n = self.sq_doorbells.len();
         let seeded: Vec<(u32, u32)> =
             (0..n).map(|q| (self.sq_tail(q as u16), self.cq_head(q as u16))).collect();
-        let before = self.with_shadow(|_| ()).and_then(|()| self.shadow.load_full());
+        let before = self.shadowed().then(|| self.shadow.load_full()).flatten();
         for (qid, &(tail, head)) in seeded.iter().enumerate().skip(1) {
             pages.store(qid * 2, tail);
             pages.arm(qid * 2, tail);

@@ -471,7 +471,6 @@ fn default_serial(config: &NvmeConfig) -> String {
     format!("UMDEV{:012X}", value & 0xffff_ffff_ffff)
 }
 
-/// A file namespace's path, canonical where it can be made so.
 /// A file namespace's path as its identity: a regular file's canonical path (the same file
 /// whatever link names it), a block device's path as given (`/dev/disk/by-id/...` names the
 /// same disk after a reboot; the `/dev/sdX` it leads to may not).
