@@ -49,6 +49,7 @@
 //! ```
 //! use std::os::fd::AsFd;
 //! use umdev_pinning::{DmaSpace, Prot, PAGE_SIZE};
+//! // (the memfd comes from `nix`, a dev-dependency here; any memfd or shared file does)
 //!
 //! let memfd = std::fs::File::from(nix::sys::memfd::memfd_create(
 //!     c"guest-ram", nix::sys::memfd::MFdFlags::empty()).unwrap());
@@ -99,9 +100,13 @@ pub use page_counts::{CHUNK_BYTES, CHUNK_PAGES, MAX_PIN_COUNT};
 pub use pin::{AccessError, PinError, PinnedPages, RegisteredBuffer, UnpinError};
 pub use run::{PinnedRun, Segment};
 pub use sigbus::recovered_faults;
+/// The types of [`PinnedPages::read_obj`], [`PinnedPages::slice`] and
+/// [`PinnedPages::io_slices`], so that a user needs no version of their crates of its own.
+pub use smallvec::SmallVec;
 pub use space::{
     DmaSpace, DmaSpaceConfig, DmaStats, MapError, MappingInfo, UnmapError, UnmapNotifier, Unmapped,
 };
+pub use vm_memory::{ByteValued, VolatileSlice};
 
 #[cfg(test)]
 pub(crate) mod testutil {

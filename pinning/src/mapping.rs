@@ -64,6 +64,11 @@ pub(crate) struct MappingPins {
     /// holding it. Boxed: one word in every mapping, which most never use.
     #[expect(clippy::box_collection, reason = "one word here instead of a Vec's three")]
     pub(crate) kept: Option<Box<Vec<KeptBuffer>>>,
+    /// Lock mode: the pins of forgotten guards, per page, a part of `page_counts` (which
+    /// also counts live guards' pins). `unpin_pages` takes only these, so that it cannot
+    /// take a live guard's pin (which that guard's drop would then take from someone else's).
+    /// Boxed, as `kept`.
+    pub(crate) kept_counts: Option<Box<PageCounts>>,
 }
 
 /// Kernel mode: a registered buffer whose guard was forgotten (`PinnedPages::forget`). It is

@@ -303,7 +303,7 @@ fn check(ops: &[Op], mode: PinMode, alone: bool) {
                 }
             }
             Op::UnpinAny { pfns } => {
-                if let Some(expected) = model.unpin_error(pfns, lock) {
+                if let Some(expected) = model.unpin_error(pfns) {
                     match space.unpin_pages(pfns) {
                         Ok(()) => panic!("{}", ctx(&format!("unpinned; the model says {expected}"))),
                         Err(actual) => {
@@ -314,9 +314,7 @@ fn check(ops: &[Op], mode: PinMode, alone: bool) {
             }
             &Op::UnpinAnyRange { page, pages } => {
                 let expected = match range_end(page, pages) {
-                    Some(_) if pages > 0 => {
-                        model.unpin_error(&(page..page + pages).collect::<Vec<_>>(), lock)
-                    }
+                    Some(_) if pages > 0 => model.unpin_error(&(page..page + pages).collect::<Vec<_>>()),
                     _ => Some(UnpinError::InvalidCount(pages)),
                 };
                 if let Some(expected) = expected {

@@ -22,8 +22,8 @@ pub(super) struct ModelMapping {
 pub(super) struct Model {
     pub(super) mappings: BTreeMap<u64, ModelMapping>,
     counts: HashMap<u64, u32>,
-    /// The part of `counts` kept with `forget`: all that track and kernel mode's
-    /// unpin_pages sees (a live guard's pins are its own there).
+    /// The part of `counts` kept with `forget`: all that unpin_pages sees (a live guard's
+    /// pins are its own).
     pub(super) kept: HashMap<u64, u32>,
 }
 
@@ -143,16 +143,16 @@ impl Model {
         Ok(())
     }
 
-    /// What unpin_pages of `pfns` should refuse, without changing the model: in track and
-    /// kernel mode only kept pins count, in lock mode every pin.
-    pub(super) fn unpin_error(&self, pfns: &[u64], lock: bool) -> Option<UnpinError> {
+    /// What unpin_pages of `pfns` should refuse, without changing the model: only kept pins
+    /// count, in every mode.
+    pub(super) fn unpin_error(&self, pfns: &[u64]) -> Option<UnpinError> {
         if pfns.is_empty() || pfns.len() as u64 > MAX_PAGES_PER_CALL {
             return Some(UnpinError::InvalidCount(pfns.len() as u64));
         }
         if let Some((index, &pfn)) = pfns.iter().enumerate().find(|(_, &p)| self.mapping_of(p).is_none()) {
             return Some(UnpinError::NotMapped { index, pfn });
         }
-        let mut trial = if lock { self.counts.clone() } else { self.kept.clone() };
+        let mut trial = self.kept.clone();
         for (index, &pfn) in pfns.iter().enumerate() {
             match trial.get_mut(&pfn) {
                 Some(c) if *c > 0 => *c -= 1,

@@ -158,7 +158,8 @@ impl PinError {
 /// Why an unpin call failed. Nothing was unpinned.
 #[derive(Debug, Error)]
 pub enum UnpinError {
-    /// The call named no pages, or too many.
+    /// The call named no pages, or too many, or a range that wraps past the end of the
+    /// address space.
     #[error("invalid unpin of {0} pages")]
     InvalidCount(u64),
     /// The page is not in any mapping.

@@ -498,11 +498,12 @@ impl PinnedPages {
     /// [`crate::MAX_PIN_COUNT`] kept pins cannot count more: the guard's pins then stay held
     /// for good (logged; their mappings are never unmapped, as with any pin never returned).
     pub fn forget(mut self) {
-        // The guard is released from here on; in lock mode the plan goes, its counts stay.
+        // The guard is released from here on; in lock mode the plan goes, its counts stay
+        // (marked kept, for unpin_pages).
         match self.hold.take() {
             // SAFETY: (I3) the record is live and this guard's; it is retired once, there.
             Hold::Recorded { owner, record } => unsafe { track::forget(owner, record) },
-            Hold::Counted(plan) => Plan::recycle(plan),
+            Hold::Counted(plan) => lock_mode::keep(plan),
             Hold::Released => {}
         }
     }

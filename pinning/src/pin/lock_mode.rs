@@ -131,6 +131,26 @@ pub(crate) fn release(plan: Box<Plan>) {
     Plan::recycle(plan);
 }
 
+/// Keeps a lock-mode guard's pins for `unpin_pages` (`PinnedPages::forget`): they stay
+/// counted, and are counted as kept too, under the mappings' locks.
+pub(crate) fn keep(plan: Box<Plan>) {
+    let mut held = MappingGuards::take(&plan.mappings);
+    for run in &plan.runs {
+        let mi = run.mapping_index();
+        let page = plan.mappings[mi].run_page(run);
+        let pins = held.get(mi);
+        // Every kept pin is counted in `page_counts`, which no page holds more than
+        // MAX_PIN_COUNT of, this guard's included: the kept count cannot overflow.
+        debug_assert!(pins
+            .kept_counts
+            .as_ref()
+            .is_none_or(|k| (page..page + run.npages()).all(|p| k.count(p) < pins.page_counts.count(p))));
+        pins.kept_counts.get_or_insert_default().increment(page, run.npages());
+    }
+    drop(held);
+    Plan::recycle(plan);
+}
+
 /// Lock mode: reserves the plan's pins from its first mapping's stock and pins its runs,
 /// all under its mappings' locks; the counts go there too (no shared atomic per call but
 /// the lock account's). A failure is counted in this thread's shard.

@@ -44,6 +44,11 @@ impl DmaSpace {
     ///
     /// The pins are held until the returned guard drops (or [`PinnedPages::forget`] hands
     /// them to [`DmaSpace::unpin_pages`]). On error nothing stays pinned.
+    ///
+    /// Units: `pin_pages` and `unpin_pages` take page numbers; `pin_range`, `unpin_range`
+    /// and `pin_count` take byte addresses (IOVAs). In [`PinMode::Kernel`] every pin is taken
+    /// for writing (io_uring registers buffers so), so a mapping granted read-only refuses
+    /// even a [`Prot::READ`] pin (`PinError::Permission` naming READ|WRITE).
     pub fn pin_pages(&self, pfns: &[u64], prot: Prot) -> Result<PinnedPages, PinError> {
         self.pin(prot, PageArray(pfns))
     }

@@ -105,20 +105,43 @@ fn lock_mode_pins_let_go_after_their_mapping_left_the_table_go_straight_back_to_
 
 #[test]
 #[cfg_attr(miri, ignore = "Miri: mlock")]
-fn a_guard_survives_its_pins_being_unpinned_behind_its_back() {
-    // Lock mode counts every pin per page, so unpin_pages can take a guard's pins; the
-    // guard then releases only what it still holds.
+fn unpin_pages_takes_kept_pins_only_never_a_live_guards() {
+    // Lock mode counts a live guard's pins per page as it counts kept ones. Were unpin_pages
+    // to take a guard's pin, that guard's drop would take the next guard's, and an unmap
+    // would then go ahead under a live guard.
     let lock = DmaSpaceConfig {
         mode: PinMode::Lock,
         account: Arc::new(LockAccount::unlimited()),
+        unmap_timeout: std::time::Duration::ZERO,
         ..Default::default()
     };
     let (space, _f) = space_with(lock);
-    let pins = space.pin_pages(&[2, 3, 4], Prot::READ).unwrap();
-    space.unpin_pages(&[3]).unwrap();
-    drop(pins);
+    let first = space.pin_pages(&[2, 3, 4], Prot::READ).unwrap();
+    let err = space.unpin_pages(&[3]).unwrap_err();
+    assert!(matches!(err, UnpinError::NotPinned { index: 0, pfn: 3 }), "{err}");
+    assert_eq!(counts(&space, 2..5), vec![1, 1, 1]);
+    let second = space.pin_pages(&[3], Prot::READ).unwrap();
+    drop(first);
+    assert_eq!(counts(&space, 2..5), vec![0, 1, 0]);
+    assert!(matches!(space.unmap(0, 64 * P), Err(crate::UnmapError::Busy { .. })));
+    drop(second);
+
+    // Kept and live pins on one page: only the kept one is taken, and a call naming the
+    // page more often than it has kept pins changes nothing.
+    space.pin_pages(&[5], Prot::READ).unwrap().forget();
+    let live = space.pin_pages(&[5, 6], Prot::READ).unwrap();
+    let err = space.unpin_pages(&[6]).unwrap_err();
+    assert!(matches!(err, UnpinError::NotPinned { index: 0, pfn: 6 }), "{err}");
+    let err = space.unpin_pages(&[5, 5]).unwrap_err();
+    assert!(matches!(err, UnpinError::NotPinned { index: 1, pfn: 5 }), "{err}");
+    assert_eq!(counts(&space, 5..7), vec![2, 1]);
+    space.unpin_pages(&[5]).unwrap();
+    assert_eq!(counts(&space, 5..7), vec![1, 1]);
+    assert!(space.unpin_pages(&[5]).is_err());
+    drop(live);
     assert_eq!(counts(&space, 0..8), vec![0; 8]);
     assert_eq!(space.stats().pins_held, 0);
+    assert_eq!(space.account().locked(), 0);
 }
 
 fn lock_space(limit: u64) -> (DmaSpace, std::fs::File, usize) {

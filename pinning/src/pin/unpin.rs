@@ -13,8 +13,9 @@ use crate::space::DmaSpace;
 impl DmaSpace {
     /// Drops one pin from each page named by `pfns`, as taken by [`DmaSpace::pin_pages`] and
     /// kept with [`crate::PinnedPages::forget`]. If any page is not pinned (counting repeats
-    /// in `pfns`), nothing changes. In track mode only kept pins are found: the pins of a
-    /// live guard are its own, released when it drops.
+    /// in `pfns`), nothing changes. Only kept pins are found, in every mode: the pins of a
+    /// live guard are its own, released when it drops (`NotPinned` for a page only a live
+    /// guard pins).
     pub fn unpin_pages(&self, pfns: &[u64]) -> Result<(), UnpinError> {
         self.unpin(PageArray(pfns))
     }
@@ -46,15 +47,36 @@ impl DmaSpace {
     fn unpin_plan(plan: &Plan) -> Result<(), UnpinError> {
         let mut held = MappingGuards::take(&plan.mappings);
         let mut released: SmallVec<[Released; 2]> = plan.mappings.iter().map(|_| Released::new()).collect();
+        // Lock mode counts live guards' pins per page too: a page's kept pins are counted
+        // apart, and only those are taken.
+        let lock = plan.mappings.first().is_some_and(|m| m.policy.mode == PinMode::Lock);
         for (done, run) in plan.runs.iter().enumerate() {
             let mi = run.mapping_index();
             let mapping = &plan.mappings[mi];
             let first = mapping.run_page(run);
-            if let Err(page) = mapping.try_unpin_run(held.get(mi), first, run.npages(), &mut released[mi]) {
+            let pins = held.get(mi);
+            let kept = if lock {
+                pins.kept_counts.as_mut().map_or(Err(first), |k| k.try_decrement(first, run.npages(), None))
+            } else {
+                Ok(0)
+            };
+            let unpinned = kept.and_then(|_| {
+                mapping.try_unpin_run(pins, first, run.npages(), &mut released[mi]).inspect_err(|_| {
+                    debug_assert!(false, "lock mode: a kept pin is counted");
+                    if let Some(k) = pins.kept_counts.as_mut().filter(|_| lock) {
+                        k.increment(first, run.npages());
+                    }
+                })
+            });
+            if let Err(page) = unpinned {
                 // Put back what this call took; nothing was munlocked yet.
                 for undo in plan.runs[..done].iter().rev() {
                     let m = &plan.mappings[undo.mapping_index()];
-                    held.get(undo.mapping_index()).page_counts.increment(m.run_page(undo), undo.npages());
+                    let pins = held.get(undo.mapping_index());
+                    pins.page_counts.increment(m.run_page(undo), undo.npages());
+                    if let Some(k) = pins.kept_counts.as_mut().filter(|_| lock) {
+                        k.increment(m.run_page(undo), undo.npages());
+                    }
                 }
                 let index = run.index() + (page - first) as usize;
                 return Err(UnpinError::NotPinned {

@@ -14,8 +14,11 @@ use crate::page::Prot;
 /// and that it must drop its pins there.
 ///
 /// Called on the thread doing the unmap, with no engine lock held, so it may unpin (or wait
-/// for its own threads to unpin). It must not map or unmap in the same space. A device that
-/// owns its DMA space should capture it weakly, or the two keep each other alive.
+/// for its own threads to unpin). It must not map or unmap in the same space. Called once
+/// per mapping that holds pins in the unmapped range, with that whole mapping's IOVA range
+/// (a mapping leaves whole; an unmap never splits one). A device that owns its DMA space
+/// should capture it weakly, or the two keep each other alive (or clear the notifier with
+/// `set_unmap_notifier(None)` when it is done).
 pub type UnmapNotifier = Arc<dyn Fn(u64, u64) + Send + Sync>;
 
 /// How a [`crate::DmaSpace`] behaves; `Default` gives the documented defaults.
@@ -261,7 +264,8 @@ pub struct DmaStats {
     pub unmap_busy: u64,
     /// Calls to the unmap notifier.
     pub notifier_calls: u64,
-    /// Heap bytes of pin-count bookkeeping.
+    /// Heap bytes of pin bookkeeping: per-page count chunks and the shards' small-record
+    /// arrays (19 KiB per shard that has pinned, allocated at its first small call).
     pub bookkeeping_bytes: u64,
     /// Mappings whose file the client truncated under them (now zero pages, no new pins).
     pub poisoned_mappings: u64,

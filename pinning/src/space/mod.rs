@@ -356,7 +356,12 @@ impl DmaSpace {
 
     /// Removes every mapping at once, pins or not: the last resort when a client is gone and
     /// a device failed to drop its pins. Guards keep their mapping's memory until they drop;
-    /// memory under pins taken without a guard is leaked, never unmapped under them.
+    /// memory under pins taken without a guard is leaked, never unmapped under them: pins
+    /// kept with [`crate::PinnedPages::forget`] can no longer be unpinned (`NotMapped`), and
+    /// their lock-mode charge ([`DmaSpace::account`]) and kernel pins stay until the process
+    /// ends. From then on [`DmaSpace::stats`] counts only mappings in the table: the
+    /// abandoned mappings' pins are in `DmaStats::pins_held` only while track-mode guards
+    /// hold them (the error log says how many each mapping had).
     pub fn abandon_all(&self) -> Unmapped {
         let mut table = self.write_table();
         let taken = std::mem::take(&mut *table);
