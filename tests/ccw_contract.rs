@@ -459,6 +459,25 @@ fn unfetchable_ccws_status_past_ram_and_what_reset_and_disconnect_leave() {
     assert_eq!(r.h.info().dma.pins_held, 0);
 }
 
+#[test]
+fn a_program_running_at_a_disconnect_reports_nothing() {
+    // docs/ccw.md: a client disconnect, like DEVICE_RESET, stops a running program, which
+    // writes no status block and raises no interrupt, though the connection's memory and
+    // interrupt eventfds are still there while the device lets go of it.
+    let mut r = rig(PinMode::Track, 32 * MIB);
+    let ram = r.g.ram.try_clone().unwrap();
+    let irq = r.g.irqs[1].try_clone().unwrap();
+    let ops: Vec<Op> = (0..200).map(|_| Op::new(cmd::WRITE, 128 << 10, Data::Direct(DATA_BASE))).collect();
+    r.g.start(1, &ops).unwrap();
+    drop(r.g);
+    r.h.wait_idle();
+    let mut block = vec![0u8; STATUS_SIZE];
+    ram.read_exact_at(&mut block, status_area(1)).unwrap();
+    assert_eq!(block, vec![0xee; STATUS_SIZE], "no status block");
+    assert!(!wait_eventfd(&irq, Duration::from_millis(50)), "no interrupt");
+    assert_eq!(r.h.info().dma.pins_held, 0);
+}
+
 /// MSI-X Message Control of the device, found through the capability list.
 fn msix_control(g: &mut CcwGuest) -> u16 {
     let mut read32 = |off: u64| {

@@ -306,6 +306,13 @@ impl Interrupts {
         Ok(())
     }
 
+    /// Holds every interrupt until [`Irqs::reset`]: INTx as if disabled, MSI and MSI-X as if
+    /// off (nothing raised meanwhile is delivered, then or after). A device's reset or detach
+    /// does this first, so that requests ending as they are cancelled raise nothing.
+    pub fn quiesce(&self) {
+        self.apply_control(IrqControl { intx_disabled: true, ..IrqControl::default() });
+    }
+
     /// Applies the interrupt-relevant config-space state after a config write: mode
     /// changes, MSI mask bits, MSI-X function mask, INTx disable. Fires what became
     /// deliverable.

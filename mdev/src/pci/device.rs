@@ -302,10 +302,16 @@ impl<F: PciFunction> PciDevice<F> {
         }
     }
 
-    fn reset_all(&self) {
-        // Bus mastering goes first: from here on the function can start no guest access (its
-        // programs stop at their next block), whatever its own reset does.
+    /// Bus mastering off and every interrupt held, until the reset that follows: from here on
+    /// the function starts no guest access (its requests stop at their next block) and
+    /// raises nothing, whatever its requests do as they end.
+    fn quiesce(&self) {
         self.bus_master.set(false);
+        self.irqs.quiesce();
+    }
+
+    fn reset_all(&self) {
+        self.quiesce();
         self.requests.cancel_all();
         self.function.reset();
         self.irqs.reset();
@@ -474,6 +480,9 @@ impl<F: PciFunction> VfioDevice for PciDevice<F> {
     }
 
     fn detach(&self) {
+        // What a cancelled request does before it ends must not reach the guest: the
+        // connection's memory and eventfds are still there until the reset below.
+        self.quiesce();
         self.requests.detach();
         self.function.detach();
         // Cancelled requests end at their next block, and client DMA fails at once now that
