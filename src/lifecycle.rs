@@ -166,9 +166,28 @@ impl Definitions {
         move |source| LifecycleError::Io { what, path: path.to_path_buf(), source }
     }
 
+    /// Holds the directory's lock (`.lock` in it, created with the directory if need be):
+    /// each change of a definition is made under it, so that two commands changing one
+    /// definition at once take turns instead of one losing the other's change.
+    fn lock(&self) -> Result<nix::fcntl::Flock<std::fs::File>, LifecycleError> {
+        use nix::fcntl::{Flock, FlockArg};
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::create_dir_all(&self.dir).map_err(Self::io("creating", &self.dir))?;
+        let path = self.dir.join(".lock");
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(Self::io("opening", &path))?;
+        Flock::lock(file, FlockArg::LockExclusive)
+            .map_err(|(_, e)| Self::io("locking", &path)(io::Error::from_raw_os_error(e as i32)))
+    }
+
     /// Writes a new definition; fails if the UUID is already defined.
     pub fn define(&self, def: &Definition) -> Result<(), LifecycleError> {
-        std::fs::create_dir_all(&self.dir).map_err(Self::io("creating", &self.dir))?;
+        let _lock = self.lock()?;
         if self.path(&def.uuid).exists() {
             return Err(LifecycleError::AlreadyDefined(def.uuid));
         }
@@ -177,12 +196,29 @@ impl Definitions {
 
     /// Replaces the definition of `def.uuid`; fails if it is not defined.
     pub fn replace(&self, def: &Definition) -> Result<(), LifecycleError> {
-        if !self.path(&def.uuid).exists() {
-            return Err(LifecycleError::NotDefined(def.uuid));
-        }
-        self.write(def)
+        self.update(&def.uuid, |_| Ok(def.clone()))
     }
 
+    /// Reads the definition of `uuid`, changes it with `change` and writes it back, all under
+    /// the directory's lock; fails if it is not defined, or with `change`'s error (nothing
+    /// is written then).
+    pub fn update(
+        &self,
+        uuid: &Uuid,
+        change: impl FnOnce(Definition) -> Result<Definition, LifecycleError>,
+    ) -> Result<(), LifecycleError> {
+        let _lock = self.lock()?;
+        let def = change(self.get(uuid)?)?;
+        if def.uuid != *uuid {
+            return Err(LifecycleError::Failed(format!(
+                "a change of {uuid} cannot rename it to {}",
+                def.uuid
+            )));
+        }
+        self.write(&def)
+    }
+
+    /// Writes `def` (the caller holds the lock).
     fn write(&self, def: &Definition) -> Result<(), LifecycleError> {
         let path = self.path(&def.uuid);
         let text = serde_json::to_string_pretty(def).map_err(|e| LifecycleError::Failed(e.to_string()))?;
@@ -195,6 +231,10 @@ impl Definitions {
     /// Removes a definition (a file that cannot be read as one too: it is named by its UUID).
     pub fn undefine(&self, uuid: &Uuid) -> Result<(), LifecycleError> {
         let path = self.path(uuid);
+        if !self.dir.exists() {
+            return Err(LifecycleError::NotDefined(*uuid));
+        }
+        let _lock = self.lock()?;
         match std::fs::remove_file(&path) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Err(LifecycleError::NotDefined(*uuid)),
@@ -223,10 +263,13 @@ impl Definitions {
         Ok(def)
     }
 
-    /// Every definition file (`<uuid>.json`), by UUID, read or with why it cannot be.
-    pub fn entries(&self) -> Vec<(Uuid, Result<Definition, LifecycleError>)> {
-        let Ok(entries) = std::fs::read_dir(&self.dir) else {
-            return Vec::new();
+    /// Every definition file (`<uuid>.json`), by UUID, read or with why it cannot be; none
+    /// if the directory does not exist yet, an error if it cannot be read.
+    pub fn entries(&self) -> Result<Vec<(Uuid, Result<Definition, LifecycleError>)>, LifecycleError> {
+        let entries = match std::fs::read_dir(&self.dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(Self::io("reading", &self.dir)(e)),
         };
         let mut all: Vec<(Uuid, Result<Definition, LifecycleError>)> = entries
             .flatten()
@@ -237,12 +280,15 @@ impl Definitions {
             })
             .collect();
         all.sort_by_key(|(uuid, _)| *uuid);
-        all
+        Ok(all)
     }
 
-    /// Every readable definition, by UUID; unreadable files are logged and skipped.
+    /// Every readable definition, by UUID; unreadable files (and an unreadable directory)
+    /// are logged and skipped.
     pub fn list(&self) -> Vec<Definition> {
         self.entries()
+            .inspect_err(|err| log::warn!("no definitions: {err}"))
+            .unwrap_or_default()
             .into_iter()
             .filter_map(|(uuid, def)| {
                 def.inspect_err(|err| log::warn!("skipping definition {uuid}: {err}")).ok()
@@ -459,9 +505,12 @@ impl DefinitionEntry {
     }
 
     /// Every file of `definitions`, each checked against `registry`.
-    pub fn all(definitions: &Definitions, registry: &Registry) -> Vec<DefinitionEntry> {
-        definitions
-            .entries()
+    pub fn all(
+        definitions: &Definitions,
+        registry: &Registry,
+    ) -> Result<Vec<DefinitionEntry>, LifecycleError> {
+        Ok(definitions
+            .entries()?
             .into_iter()
             .map(|(uuid, def)| match def {
                 Ok(def) => {
@@ -470,7 +519,7 @@ impl DefinitionEntry {
                 }
                 Err(e) => DefinitionEntry { uuid, definition: None, error: Some(e.to_string()) },
             })
-            .collect()
+            .collect())
     }
 }
 
@@ -849,7 +898,14 @@ impl Manager {
     /// definition has been removed or changed since they started. Nothing running is stopped
     /// or restarted: a connected guest would lose its device.
     pub fn reload(&self) -> ReloadReport {
-        let entries = DefinitionEntry::all(&self.definitions, &self.registry);
+        let entries = match DefinitionEntry::all(&self.definitions, &self.registry) {
+            Ok(entries) => entries,
+            Err(e) => {
+                // Nothing is known of the definitions: nothing is started or forgotten.
+                log::error!("reloading definitions: {e}");
+                return ReloadReport::default();
+            }
+        };
         // A definition removed since its instance was stopped need not be remembered.
         umdev_pinning::sync::lock(&self.stopped).retain(|uuid| entries.iter().any(|d| d.uuid == *uuid));
         umdev_pinning::sync::lock(&self.errors).retain(|uuid, _| entries.iter().any(|d| d.uuid == *uuid));
@@ -919,6 +975,41 @@ mod tests {
         defs.undefine(&uuid).unwrap();
         assert!(matches!(defs.undefine(&uuid), Err(LifecycleError::NotDefined(_))));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn changes_made_at_once_each_keep_the_others() {
+        // Each update reads, changes and writes under the directory's lock: eight threads
+        // adding an option each, five times over, leave all eight.
+        let dir = tempfile::tempdir().unwrap();
+        let defs = Definitions::new(dir.path());
+        let d = def(7, StartPolicy::Manual);
+        defs.define(&d).unwrap();
+        std::thread::scope(|s| {
+            for t in 0..8 {
+                let defs = defs.clone();
+                s.spawn(move || {
+                    for round in 0..5 {
+                        defs.update(&d.uuid, |mut d| {
+                            d.options.params.insert(format!("k{t}"), round.to_string());
+                            Ok(d)
+                        })
+                        .unwrap();
+                    }
+                });
+            }
+        });
+        let got = defs.get(&d.uuid).unwrap();
+        assert_eq!(got.options.params.len(), 8, "{:?}", got.options.params);
+        assert!(got.options.params.values().all(|v| v == "4"));
+        // A refused change writes nothing; an unreadable directory is an error, not "none".
+        assert!(defs.update(&d.uuid, |_| Err(LifecycleError::Failed("no".into()))).is_err());
+        assert_eq!(defs.get(&d.uuid).unwrap(), got);
+        assert_eq!(defs.entries().unwrap().len(), 1);
+        let missing = Definitions::new(dir.path().join("none"));
+        assert_eq!(missing.entries().unwrap().len(), 0);
+        let not_a_dir = Definitions::new(dir.path().join(".lock"));
+        assert!(not_a_dir.entries().is_err());
     }
 
     fn def(n: u128, start: StartPolicy) -> Definition {

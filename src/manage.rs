@@ -573,7 +573,8 @@ pub fn list(dirs: &Dirs, view: &ListView) -> Out {
         |u: &Uuid, t: &str| uuid.is_none_or(|w| w == *u) && view.mdev_type.as_deref().is_none_or(|w| w == t);
     if view.defined {
         let registry = umdev::builtin_registry();
-        let entries = DefinitionEntry::all(&Definitions::new(&dirs.state), &registry);
+        let entries =
+            DefinitionEntry::all(&Definitions::new(&dirs.state), &registry).map_err(|e| e.to_string())?;
         // Definitions need no daemon; without one their state is unknown.
         let daemon: Option<DaemonStatus> = ask_if_running(dirs, &ControlRequest::Status)?;
         let rows: Vec<_> = sync_status(&entries, daemon.as_ref())
@@ -709,32 +710,43 @@ pub struct ModifyArgs {
 /// keeps what it started with until it is stopped and started (as with mdevctl).
 pub fn modify(dirs: &Dirs, args: ModifyArgs) -> Out {
     let uuid = parse_uuid(&args.uuid)?;
-    let definitions = Definitions::new(&dirs.state);
-    let mut def = definitions.get(&uuid).map_err(|e| e.to_string())?;
-    if let Some(path) = &args.jsonfile {
-        let config = read_jsonfile(path)?;
-        def =
-            Definition { uuid, options: config.options()?, mdev_type: config.mdev_type, start: config.start };
-    }
-    if let Some(t) = args.mdev_type {
-        def.mdev_type = t;
-    }
-    if let Some(start) = args.start {
-        def.start = start;
-    }
-    if args.set.pin_mode.is_some() {
-        def.options.pin_mode = args.set.pin_mode;
-    }
-    for key in &args.remove {
-        if key == "pin_mode" {
-            def.options.pin_mode = None;
-        } else if def.options.params.remove(key).is_none() {
-            return Err(format!("{uuid} has no option {key:?} to remove"));
+    let config = args.jsonfile.as_deref().map(read_jsonfile).transpose()?;
+    // Read, changed and written under the definitions' lock: two modifies take turns.
+    let change = |mut def: Definition| -> Result<Definition, String> {
+        if let Some(config) = config {
+            def = Definition {
+                uuid,
+                options: config.options()?,
+                mdev_type: config.mdev_type,
+                start: config.start,
+            };
         }
-    }
-    def.options.params.extend(args.set.params);
-    check(&def)?;
-    definitions.replace(&def).map_err(|e| e.to_string())?;
+        if let Some(t) = args.mdev_type {
+            def.mdev_type = t;
+        }
+        if let Some(start) = args.start {
+            def.start = start;
+        }
+        if args.set.pin_mode.is_some() {
+            def.options.pin_mode = args.set.pin_mode;
+        }
+        for key in &args.remove {
+            let had = if key == "pin_mode" {
+                def.options.pin_mode.take().is_some()
+            } else {
+                def.options.params.remove(key).is_some()
+            };
+            if !had {
+                return Err(format!("{uuid} has no option {key:?} to remove"));
+            }
+        }
+        def.options.params.extend(args.set.params);
+        check(&def)?;
+        Ok(def)
+    };
+    Definitions::new(&dirs.state)
+        .update(&uuid, |def| change(def).map_err(LifecycleError::Failed))
+        .map_err(|e| e.to_string())?;
     let running: Option<Vec<InstanceSummary>> = ask_if_running(dirs, &ControlRequest::List).unwrap_or(None);
     if running.is_some_and(|r| r.iter().any(|i| i.uuid == uuid)) {
         log::info!(target: STATUS, "{uuid} runs as it started; stop and start it to apply the change");

@@ -333,7 +333,11 @@ impl NvmeConfig {
             }
         }
         if config.namespaces.is_empty() {
+            // The default namespace: 1 GiB of RAM, on huge pages if asked (a whole number of them).
             config.namespaces = NvmeConfig::default().namespaces;
+            if huge {
+                config.namespaces = vec![Some(Backing::HugeRam(1 << 30))];
+            }
         }
         if p.word("aio") == Some("sync") {
             config.aio = AioMode::Sync;
@@ -867,6 +871,18 @@ mod tests {
     use std::collections::{BTreeMap, BTreeSet};
 
     use super::*;
+
+    #[test]
+    fn ram_pages_applies_to_the_default_namespace_too() {
+        let config = |opts: &[(&str, &str)]| {
+            let mut options = umdev_mdev::types::InstanceOptions::default();
+            options.params.extend(opts.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+            NvmeConfig::from_options(&options).unwrap().namespaces
+        };
+        assert!(matches!(config(&[("ram_pages", "2m")])[..], [Some(Backing::HugeRam(0x4000_0000))]));
+        assert!(matches!(config(&[])[..], [Some(Backing::Ram(0x4000_0000))]));
+        assert!(matches!(config(&[("ram_pages", "4k")])[..], [Some(Backing::Ram(0x4000_0000))]));
+    }
 
     #[test]
     fn identities_are_derived_the_same_way_by_every_build() {
