@@ -83,6 +83,15 @@ pub enum LifecycleError {
     /// The device could not be built, or its socket not served.
     #[error("{0}")]
     Failed(String),
+    /// A directory umdev keeps its definitions or sockets in is another user's, or others
+    /// may write to it.
+    #[error("{}: {why}; umdev keeps its definitions and sockets only in a directory of its own user's that others cannot write to (--run-dir, --state-dir)", path.display())]
+    NotPrivate {
+        /// The directory.
+        path: PathBuf,
+        /// Whose it is, or its mode.
+        why: String,
+    },
     /// Reading or writing definitions failed.
     #[error("{what} {}: {source}", path.display())]
     Io {
@@ -108,6 +117,7 @@ impl LifecycleError {
             LifecycleError::Busy(_) => libc::EBUSY,
             LifecycleError::TooManyInstances(_) => libc::ENOSPC,
             LifecycleError::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
+            LifecycleError::NotPrivate { .. } => libc::EACCES,
             _ => libc::EINVAL,
         }
     }
@@ -119,6 +129,38 @@ impl LifecycleError {
             TypeError::BadOption { .. } => LifecycleError::BadOption(e.to_string()),
             TypeError::Create { .. } => LifecycleError::Failed(e.to_string()),
         }
+    }
+}
+
+/// Creates `dir` (and its missing parents) mode 0700 if it is missing, and refuses it unless it
+/// is a directory of this process's effective user (or root's) that neither its group nor
+/// others can write to: definitions read from, or sockets put in, a directory another user
+/// controls would be that user's to swap (a shared `/tmp` fallback, say).
+pub fn private_dir(dir: &Path) -> Result<(), LifecycleError> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|source| LifecycleError::Io { what: "creating", path: dir.to_path_buf(), source })?;
+    let meta = std::fs::metadata(dir).map_err(|source| LifecycleError::Io {
+        what: "reading",
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let me = nix::unistd::geteuid().as_raw();
+    let why = if !meta.is_dir() {
+        Some("not a directory".to_string())
+    } else if meta.uid() != me && meta.uid() != 0 {
+        Some(format!("owned by uid {}, not {me}", meta.uid()))
+    } else if meta.mode() & 0o022 != 0 {
+        Some(format!("mode {:o}: its group or others may write to it", meta.mode() & 0o7777))
+    } else {
+        None
+    };
+    match why {
+        Some(why) => Err(LifecycleError::NotPrivate { path: dir.to_path_buf(), why }),
+        None => Ok(()),
     }
 }
 
@@ -172,7 +214,7 @@ impl Definitions {
     fn lock(&self) -> Result<nix::fcntl::Flock<std::fs::File>, LifecycleError> {
         use nix::fcntl::{Flock, FlockArg};
         use std::os::unix::fs::OpenOptionsExt;
-        std::fs::create_dir_all(&self.dir).map_err(Self::io("creating", &self.dir))?;
+        private_dir(&self.dir)?;
         let path = self.dir.join(".lock");
         let file = std::fs::OpenOptions::new()
             .create(true)
@@ -266,11 +308,11 @@ impl Definitions {
     /// Every definition file (`<uuid>.json`), by UUID, read or with why it cannot be; none
     /// if the directory does not exist yet, an error if it cannot be read.
     pub fn entries(&self) -> Result<Vec<(Uuid, Result<Definition, LifecycleError>)>, LifecycleError> {
-        let entries = match std::fs::read_dir(&self.dir) {
-            Ok(entries) => entries,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(Self::io("reading", &self.dir)(e)),
-        };
+        if !self.dir.exists() {
+            return Ok(Vec::new());
+        }
+        private_dir(&self.dir)?;
+        let entries = std::fs::read_dir(&self.dir).map_err(Self::io("reading", &self.dir))?;
         let mut all: Vec<(Uuid, Result<Definition, LifecycleError>)> = entries
             .flatten()
             .filter_map(|e| {
@@ -1010,6 +1052,31 @@ mod tests {
         assert_eq!(missing.entries().unwrap().len(), 0);
         let not_a_dir = Definitions::new(dir.path().join(".lock"));
         assert!(not_a_dir.entries().is_err());
+    }
+
+    #[test]
+    fn directories_must_be_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let fresh = dir.path().join("a/b");
+        private_dir(&fresh).unwrap();
+        assert_eq!(std::fs::metadata(&fresh).unwrap().permissions().mode() & 0o777, 0o700);
+        std::fs::set_permissions(&fresh, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let err = private_dir(&fresh).unwrap_err();
+        assert!(matches!(err, LifecycleError::NotPrivate { .. }), "{err}");
+        // Definitions in such a directory are neither read nor written.
+        let defs = Definitions::new(&fresh);
+        assert!(matches!(defs.entries(), Err(LifecycleError::NotPrivate { .. })));
+        assert!(matches!(defs.define(&def(1, StartPolicy::Auto)), Err(LifecycleError::NotPrivate { .. })));
+        std::fs::set_permissions(&fresh, std::fs::Permissions::from_mode(0o755)).unwrap();
+        defs.define(&def(1, StartPolicy::Auto)).unwrap();
+        assert_eq!(defs.entries().unwrap().len(), 1);
+        let file = dir.path().join("f");
+        std::fs::write(&file, "").unwrap();
+        assert!(matches!(
+            private_dir(&file),
+            Err(LifecycleError::Io { .. } | LifecycleError::NotPrivate { .. })
+        ));
     }
 
     fn def(n: u128, start: StartPolicy) -> Definition {

@@ -40,7 +40,9 @@ const ROOT_STATE_DIR: &str = "/etc/umdev.d";
 impl Dirs {
     /// Explicit directories, else `$UMDEV_RUN_DIR`/`$UMDEV_STATE_DIR`, else for root
     /// `/run/umdev` and `/etc/umdev.d`, for others `$XDG_RUNTIME_DIR/umdev` and
-    /// `$XDG_CONFIG_HOME/umdev` (or `/tmp/umdev-$UID`, `~/.config/umdev`).
+    /// `$XDG_CONFIG_HOME/umdev` (or `/tmp/umdev-$UID`, `~/.config/umdev`, `/tmp/umdev-state-$UID`
+    /// without `$HOME`). Each must be the user's own, not writable by others
+    /// ([`umdev::lifecycle::private_dir`]).
     pub fn resolve(run: Option<PathBuf>, state: Option<PathBuf>) -> Dirs {
         let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
         let root = nix::unistd::geteuid().is_root();
@@ -60,7 +62,7 @@ impl Dirs {
                 env("XDG_CONFIG_HOME")
                     .or_else(|| env("HOME").map(|h| h.join(".config")))
                     .map(|d| d.join("umdev"))
-                    .unwrap_or_else(|| PathBuf::from("/tmp/umdev-state"))
+                    .unwrap_or_else(|| PathBuf::from(format!("/tmp/umdev-state-{}", nix::unistd::geteuid())))
             }
         });
         Dirs { run, state }
@@ -206,7 +208,7 @@ fn remove_stale_sockets(run: &Path) -> Vec<PathBuf> {
 /// STATUS= whenever the instances or their clients change, and STOPPING=1 before it stops
 /// its instances.
 pub fn daemon(dirs: &Dirs, template: InstanceConfig, max_instances: usize) -> Result<(), String> {
-    std::fs::create_dir_all(&dirs.run).map_err(|e| format!("creating {}: {e}", dirs.run.display()))?;
+    umdev::lifecycle::private_dir(&dirs.run).map_err(|e| e.to_string())?;
     let locks = DirLocks::take(dirs)?;
     let stale = remove_stale_sockets(&dirs.run);
     if !stale.is_empty() {
