@@ -103,6 +103,12 @@ pub enum ControlError {
          removing it); `umdev daemon` removes it when it starts"
     )]
     Stale(PathBuf),
+    /// The daemon took the request and did not answer in time.
+    #[error(
+        "the umdev daemon at {} did not answer within {}s (is it stopped or stuck? `umdev list` \
+         and its log say more)", .0.display(), ANSWER_TIMEOUT.as_secs()
+    )]
+    NoAnswer(PathBuf),
     /// The exchange failed.
     #[error("talking to the daemon: {0}")]
     Io(#[from] io::Error),
@@ -232,6 +238,10 @@ impl Drop for ControlServer {
     }
 }
 
+/// How long a command waits for the daemon's answer: a start may fill a huge-page pool or
+/// wait for a device's previous client to let go.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// Sends one request to the daemon listening on `path` and returns its answer.
 pub fn request(path: &Path, request: &ControlRequest) -> Result<ControlResponse, ControlError> {
     let mut stream = match UnixStream::connect(path) {
@@ -244,10 +254,15 @@ pub fn request(path: &Path, request: &ControlRequest) -> Result<ControlResponse,
         }
         Err(e) => return Err(e.into()),
     };
-    stream.set_read_timeout(Some(Duration::from_secs(60)))?;
+    stream.set_read_timeout(Some(ANSWER_TIMEOUT))?;
+    stream.set_write_timeout(Some(ANSWER_TIMEOUT))?;
+    let timed_out = |e: io::Error| match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => ControlError::NoAnswer(path.to_path_buf()),
+        _ => ControlError::Io(e),
+    };
     let line = serde_json::to_string(request).map_err(|e| ControlError::Protocol(e.to_string()))?;
-    writeln!(stream, "{line}")?;
+    writeln!(stream, "{line}").map_err(timed_out)?;
     let mut answer = String::new();
-    BufReader::new(stream).take(16 << 20).read_line(&mut answer)?;
+    BufReader::new(stream).take(16 << 20).read_line(&mut answer).map_err(timed_out)?;
     serde_json::from_str(&answer).map_err(|e| ControlError::Protocol(e.to_string()))
 }

@@ -357,8 +357,8 @@ enum Command {
         /// Fewer samples (for a smoke run).
         #[arg(long)]
         quick: bool,
-        /// Only this pin mode (track or lock); both by default.
-        #[arg(long)]
+        /// Only this pin mode; both by default.
+        #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(["track", "lock"]), ignore_case = true)]
         mode: Option<String>,
     },
     #[cfg(feature = "bench")]
@@ -424,8 +424,10 @@ enum Command {
         #[arg(long, default_value_t = 400, value_parser = clap::value_parser!(u64).range(1..))]
         batch_us: u64,
         /// Instead of the grid: T threads pinning single pages and 64-entry IDAW lists, on one
-        /// mapping and on one mapping each, for each T of this list (e.g. `1,2,4,16`).
-        #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..=1024))]
+        /// mapping and on one mapping each, for each T of this list (e.g. `1,2,4,16`); track
+        /// mode, 100 ms batches, at most 15 rounds.
+        #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..=1024),
+              conflicts_with_all = ["svg", "mode", "batch_us"])]
         threads: Option<Vec<u64>>,
         /// Also draw ns per call against pages (kernel, lock and track modes, per run and per
         /// page, the kernel's floor and the seeds' figures; log-log) into this SVG file.

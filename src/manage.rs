@@ -65,7 +65,9 @@ impl Dirs {
                     .unwrap_or_else(|| PathBuf::from(format!("/tmp/umdev-state-{}", nix::unistd::geteuid())))
             }
         });
-        Dirs { run, state }
+        // Paths the daemon reports back (sockets) must mean the same from any directory.
+        let absolute = |p: PathBuf| std::path::absolute(&p).unwrap_or(p);
+        Dirs { run: absolute(run), state: absolute(state) }
     }
 
     /// As [`Dirs::resolve`], but the directories systemd made for the service come before the
@@ -571,6 +573,9 @@ pub struct ListView {
 /// running but no longer defined, invalid).
 pub fn list(dirs: &Dirs, view: &ListView) -> Out {
     let uuid = view.uuid.as_deref().map(parse_uuid).transpose()?;
+    if let Some(t) = view.mdev_type.as_deref() {
+        umdev::builtin_registry().find(t).map_err(|e| e.to_string())?;
+    }
     let wanted =
         |u: &Uuid, t: &str| uuid.is_none_or(|w| w == *u) && view.mdev_type.as_deref().is_none_or(|w| w == t);
     if view.defined {

@@ -521,6 +521,18 @@ fn workloads() -> Vec<(Kind, bool, u16, usize)> {
 }
 
 /// `file` as the server takes it: absolute (a daemon's directory is not the caller's).
+/// Refuses a backing file (or block device) smaller than the benchmark's namespace.
+fn check_size(file: &Path) -> Result<(), String> {
+    // The end's offset: a block device's size too, where metadata says 0.
+    let len = std::fs::File::open(file)
+        .and_then(|mut f| std::io::Seek::seek(&mut f, std::io::SeekFrom::End(0)))
+        .map_err(|e| format!("{}: {e}", file.display()))?;
+    if len < NS_BYTES {
+        return Err(format!("{}: {len} bytes; the benchmark needs {NS_BYTES}", file.display()));
+    }
+    Ok(())
+}
+
 fn absolute(file: &Path) -> Result<PathBuf, String> {
     std::fs::canonicalize(file).map_err(|e| format!("{}: {e}", file.display()))
 }
@@ -553,13 +565,7 @@ pub fn run(
     let file = file.map(absolute).transpose()?;
     let mut ns = vec![match file.as_deref() {
         Some(file) => {
-            // The end's offset: a block device's size too, where metadata says 0.
-            let len = std::fs::File::open(file)
-                .and_then(|mut f| std::io::Seek::seek(&mut f, std::io::SeekFrom::End(0)))
-                .map_err(|e| format!("{}: {e}", file.display()))?;
-            if len < NS_BYTES {
-                return Err(format!("{}: {len} bytes; the benchmark needs {NS_BYTES}", file.display()));
-            }
+            check_size(file)?;
             format!("ns1=file:{}", file.display())
         }
         None => format!("ns1=ram:{}M", NS_BYTES >> 20),
@@ -762,8 +768,15 @@ pub fn run_fixed(quick: bool, backing: Backing) -> Result<FixedReport, String> {
     ];
     let mut progress = crate::progress::Progress::new("nvmebench --fixed-buffers", chosen.len() + 1);
     let tmp = crate::protobench::tempfile_dir_for("nvmebench-fixed")?;
+    if let Backing::Existing(file) = &backing {
+        check_size(file)?;
+    }
     let place = match &backing {
         Backing::In(dir) => {
+            // A directory the caller names must exist: only the benchmark's own is made.
+            if !dir.is_dir() {
+                return Err(format!("{}: not a directory", dir.display()));
+            }
             let place = dir.join(format!("umdev-nvmebench-{}", std::process::id()));
             crate::cleanup::dir(&place);
             std::fs::create_dir_all(&place).map_err(|e| format!("creating {}: {e}", place.display()))?;

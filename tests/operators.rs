@@ -209,6 +209,9 @@ fn modify_and_mdevctls_json() {
         rows[0].clone()
     };
     assert_eq!(state(A)["start"], "manual");
+    // Removing what is not there is refused, a pin mode as any option.
+    assert!(env.fails(&["modify", "-u", A, "--delopt", "pin_mode"]).contains("no option \"pin_mode\""));
+    assert!(env.fails(&["list", "-t", "bogus"]).contains("unknown device type"));
     env.ok(&["modify", "-u", A, "--auto"]);
     assert_eq!(state(A)["start"], "auto");
     env.ok(&["modify", "-u", A, "--manual", "--opt", "lba=4096", "--pin-mode", "lock"]);
@@ -474,6 +477,19 @@ mod benches {
         assert!(env.fails(&["pinbench", "--rounds", "0"]).contains("0"));
         assert!(env.fails(&["pinbench", "--threads", "1,0"]).contains("0"));
         assert!(env.fails(&["ccwbench", "--mode", "pinned"]).contains("pinned"));
+        // Choices a benchmark cannot honour are refused, not ignored.
+        assert!(env.fails(&["ccwbench", "--mode", "kernel"]).contains("possible values: track, lock"));
+        let both = env.fails(&["pinbench", "--threads", "1", "--svg", "/tmp/never.svg"]);
+        assert!(both.contains("cannot be used with"), "{both}");
+        // A directory named for the benchmark's files must exist: it is not made.
+        let gone = env.fails(&["nvmebench", "--quick", "--fixed-buffers", "--dir", "/nonexistent-umdev/x"]);
+        assert!(gone.contains("not a directory"), "{gone}");
+        assert!(!std::path::Path::new("/nonexistent-umdev").exists());
+        let small = tempfile::NamedTempFile::new().unwrap();
+        small.as_file().set_len(64 << 20).unwrap();
+        let path = small.path().to_str().unwrap();
+        let short = env.fails(&["nvmebench", "--quick", "--fixed-buffers", "--file", path]);
+        assert!(short.contains("bytes; the benchmark needs 268435456"), "{short}");
         // The server under test refuses its options: its own words come through.
         let refused = env.fails(&["nvmebench", "--quick", "--opt", "lba=3"]);
         assert!(refused.contains("bad option for type nvme: lba=3: one of 512, 4096"), "{refused}");

@@ -28,7 +28,8 @@ pub enum PinMode {
 impl std::str::FromStr for PinMode {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
+        // In any case, as the devices' option words are taken.
+        match s.to_ascii_lowercase().as_str() {
             "track" => Ok(PinMode::Track),
             "lock" => Ok(PinMode::Lock),
             "kernel" => Ok(PinMode::Kernel),
