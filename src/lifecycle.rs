@@ -164,6 +164,9 @@ pub fn private_dir(dir: &Path) -> Result<(), LifecycleError> {
     }
 }
 
+/// A definition file's UUID (its name), and its definition or why it cannot be read.
+pub type DefinitionFile = (Uuid, Result<Definition, LifecycleError>);
+
 /// A persistent device definition (`<state-dir>/<uuid>.json`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Definition {
@@ -307,13 +310,13 @@ impl Definitions {
 
     /// Every definition file (`<uuid>.json`), by UUID, read or with why it cannot be; none
     /// if the directory does not exist yet, an error if it cannot be read.
-    pub fn entries(&self) -> Result<Vec<(Uuid, Result<Definition, LifecycleError>)>, LifecycleError> {
+    pub fn entries(&self) -> Result<Vec<DefinitionFile>, LifecycleError> {
         if !self.dir.exists() {
             return Ok(Vec::new());
         }
         private_dir(&self.dir)?;
         let entries = std::fs::read_dir(&self.dir).map_err(Self::io("reading", &self.dir))?;
-        let mut all: Vec<(Uuid, Result<Definition, LifecycleError>)> = entries
+        let mut all: Vec<DefinitionFile> = entries
             .flatten()
             .filter_map(|e| {
                 let name = e.file_name().to_string_lossy().to_string();
