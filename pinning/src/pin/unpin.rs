@@ -62,8 +62,8 @@ impl DmaSpace {
             };
             let unpinned = kept.and_then(|_| {
                 mapping.try_unpin_run(pins, first, run.npages(), &mut released[mi]).inspect_err(|_| {
-                    debug_assert!(false, "lock mode: a kept pin is counted");
                     if let Some(k) = pins.kept_counts.as_mut().filter(|_| lock) {
+                        debug_assert!(false, "lock mode: every kept pin is counted");
                         k.increment(first, run.npages());
                     }
                 })
