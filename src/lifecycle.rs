@@ -789,6 +789,12 @@ impl Manager {
                 };
                 return result;
             }
+            (None, Some(_), uuid) if override_definition => {
+                let what = uuid.map_or("no UUID was given".to_string(), |u| format!("{u} is not defined"));
+                return Err(LifecycleError::Failed(format!(
+                    "--override puts options over a device's definition, and {what}"
+                )));
+            }
             (None, Some(t), uuid) => {
                 (t.to_string(), uuid.unwrap_or_else(Uuid::new_v4), options, InstanceOptions::default())
             }

@@ -103,7 +103,7 @@ impl LimitArgs {
 struct CreateArgs {
     /// How the instance pins guest pages: track, lock or kernel (the kernel's own long-term
     /// pins, through io_uring buffer registration).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(["track", "lock", "kernel"]), ignore_case = true)]
     pin_mode: Option<String>,
     /// A type's option, KEY=VALUE (repeatable, each key once; `umdev types -v` lists them).
     #[arg(long = "opt", value_name = "KEY=VALUE")]
@@ -125,7 +125,8 @@ impl CreateArgs {
 
 fn parse_pin_mode(mode: Option<&str>) -> Result<Option<umdev_mdev::types::PinModeName>, String> {
     use umdev_mdev::types::PinModeName;
-    match mode {
+    // Any case, as clap accepted it.
+    match mode.map(str::to_ascii_lowercase).as_deref() {
         None => Ok(None),
         Some("track") => Ok(Some(PinModeName::Track)),
         Some("lock") => Ok(Some(PinModeName::Lock)),
@@ -433,8 +434,8 @@ enum Command {
         /// page, the kernel's floor and the seeds' figures; log-log) into this SVG file.
         #[arg(long)]
         svg: Option<std::path::PathBuf>,
-        /// Only this pin mode's rows (track, lock or kernel); all three by default.
-        #[arg(long)]
+        /// Only this pin mode's rows; all three by default.
+        #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(["track", "lock", "kernel"]), ignore_case = true)]
         mode: Option<String>,
     },
     /// `demo` and the benchmarks in a build without them: says how to get them.

@@ -623,10 +623,15 @@ pub fn list(dirs: &Dirs, view: &ListView) -> Out {
     let list: Vec<InstanceSummary> = serde_json::from_value(result).map_err(|e| e.to_string())?;
     let list: Vec<InstanceSummary> = list.into_iter().filter(|i| wanted(&i.uuid, &i.mdev_type)).collect();
     if view.dumpjson {
-        let configs: Vec<(Uuid, DeviceConfig)> = list
-            .iter()
-            .map(|i| (i.uuid, DeviceConfig::of(&i.mdev_type, StartPolicy::Manual, &i.options)))
-            .collect();
+        // An instance of a definition starts as it does (a config re-defined from this keeps
+        // its `auto`); any other was started by hand.
+        let definitions = Definitions::new(&dirs.state);
+        let start = |i: &InstanceSummary| match i.from_definition {
+            true => definitions.get(&i.uuid).map_or(StartPolicy::Manual, |d| d.start),
+            false => StartPolicy::Manual,
+        };
+        let configs: Vec<(Uuid, DeviceConfig)> =
+            list.iter().map(|i| (i.uuid, DeviceConfig::of(&i.mdev_type, start(i), &i.options))).collect();
         return dump(&configs, uuid.is_some());
     }
     if view.json {

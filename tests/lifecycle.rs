@@ -109,7 +109,9 @@ fn lifecycle_commands_and_their_errors() {
     assert!(env.fails(&["start", "--type", "testdev", "--uuid", "not-a-uuid"]).contains("not a UUID"));
     assert!(env.fails(&["start", "--type", "nope"]).contains("unknown device type"));
     assert!(env.fails(&["start", "--type", "testdev", "--opt", "size=1"]).contains("unknown option"));
-    assert!(env.fails(&["start", "--type", "testdev", "--pin-mode", "pinned"]).contains("unknown pin mode"));
+    assert!(env
+        .fails(&["start", "--type", "testdev", "--pin-mode", "pinned"])
+        .contains("possible values: track, lock, kernel"));
     assert!(env
         .fails(&["stop", "--uuid", "5a1e4c36-0f8e-4a5e-9d2f-00000000ffff"])
         .contains("no running instance"));

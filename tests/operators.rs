@@ -288,6 +288,12 @@ fn a_defined_device_starts_as_defined_unless_overridden() {
     // Plain starts of it say nothing of overrides.
     env.ok(&["stop", "-u", A]);
     assert_eq!(env.ok(&["start", "-u", A]).lines().count(), 1);
+    // A running instance's config keeps its definition's start policy.
+    env.ok(&["modify", "-u", A, "--auto"]);
+    assert_eq!(json(&env.ok(&["list", "--dumpjson", "-u", A]))["start"], "auto");
+    // --override needs a definition to put options over.
+    let none = env.fails(&["start", "-t", "ccw", "--override"]);
+    assert!(none.contains("--override puts options over a device's definition"), "{none}");
     stop(daemon);
 }
 

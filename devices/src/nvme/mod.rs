@@ -368,6 +368,11 @@ impl NvmeConfig {
         }
         config.refuse_shared_backings()?;
         config.refuse_inapplicable(&p, options.pin_mode())?;
+        // The default `on` where nothing could go fixed is off, as the statistics say.
+        let direct = config.namespaces.iter().flatten().any(|b| matches!(b, Backing::File(_, Cache::None)));
+        if options.pin_mode() != umdev_pinning::PinMode::Kernel || config.aio == AioMode::Sync || !direct {
+            config.fixed_buffers = FixedBuffers::Off;
+        }
         Ok(config)
     }
 
@@ -882,6 +887,22 @@ mod tests {
         assert!(matches!(config(&[("ram_pages", "2m")])[..], [Some(Backing::HugeRam(0x4000_0000))]));
         assert!(matches!(config(&[])[..], [Some(Backing::Ram(0x4000_0000))]));
         assert!(matches!(config(&[("ram_pages", "4k")])[..], [Some(Backing::Ram(0x4000_0000))]));
+    }
+
+    #[test]
+    fn fixed_buffers_are_off_where_nothing_can_go_fixed() {
+        let file = tempfile::NamedTempFile::new().unwrap();
+        file.as_file().set_len(1 << 20).unwrap();
+        use umdev_mdev::types::PinModeName;
+        let mode = |pin: Option<PinModeName>, cache: &str| {
+            let mut options = umdev_mdev::types::InstanceOptions { pin_mode: pin, ..Default::default() };
+            options.params.insert("ns1".into(), format!("file:{}", file.path().display()));
+            options.params.insert("cache1".into(), cache.into());
+            NvmeConfig::from_options(&options).unwrap().fixed_buffers
+        };
+        assert_eq!(mode(Some(PinModeName::Kernel), "none"), FixedBuffers::On);
+        assert_eq!(mode(None, "none"), FixedBuffers::Off);
+        assert_eq!(mode(Some(PinModeName::Kernel), "writeback"), FixedBuffers::Off);
     }
 
     #[test]
