@@ -404,9 +404,11 @@ fn size_range(min: u64, max: u64) -> String {
     )
 }
 
-/// `ram:SIZE` or `file:/absolute/path`: the store syntax every block device shares.
+/// `ram:SIZE` or `file:/absolute/path`: the store syntax every block device shares (the
+/// word in any case).
 fn parse_store(value: &str, min: u64, max_ram: u64) -> Result<StoreSpec, String> {
-    match value.split_once(':') {
+    let split = value.split_once(':').map(|(word, rest)| (word.to_ascii_lowercase(), rest));
+    match split.as_ref().map(|(word, rest)| (word.as_str(), *rest)) {
         Some(("ram", size)) => parse_size(size)
             .filter(|n| (min..=max_ram).contains(n))
             .map(StoreSpec::Ram)
@@ -586,6 +588,7 @@ mod tests {
         }
         assert!(parse(&[("ns1", "ram:1025G")]).unwrap_err().contains("4K to 1T"));
         assert!(parse(&[("ns1", "ram:1000")]).is_err(), "under the minimum");
+        assert!(parse(&[("ns1", "RAM:1M")]).is_ok(), "the word in any case");
         assert!(parse(&[("ns1", "file:rel.img")]).unwrap_err().contains("absolute"));
         assert!(parse(&[("ns1", "file:/nonexistent/x.img")]).unwrap_err().contains("No such file"));
         assert!(parse(&[("ns1", "file:/")]).unwrap_err().contains("not a regular file"));

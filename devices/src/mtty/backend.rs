@@ -43,12 +43,14 @@ pub enum Backend {
 
 impl Backend {
     /// Parses `loopback`, `null`, `pty` or `socket:PATH`.
+    /// The words in any case, as every option's words; a socket's path as given.
     pub fn parse(spec: &str) -> Result<Backend, String> {
-        match spec {
-            "loopback" => Ok(Backend::Loopback),
-            "null" => Ok(Backend::Null),
-            "pty" => Ok(Backend::Pty),
-            _ => match spec.strip_prefix("socket:") {
+        let (word, rest) = spec.split_once(':').map_or((spec, None), |(w, r)| (w, Some(r)));
+        match (word.to_ascii_lowercase().as_str(), rest) {
+            ("loopback", None) => Ok(Backend::Loopback),
+            ("null", None) => Ok(Backend::Null),
+            ("pty", None) => Ok(Backend::Pty),
+            _ => match rest.filter(|_| word.eq_ignore_ascii_case("socket")) {
                 Some("") => Err("socket: needs a path (socket:PATH)".into()),
                 Some(path) if !path.starts_with('/') => Err(format!(
                     "socket:{path}: the path must be absolute (the daemon's directory is not yours)"

@@ -930,6 +930,12 @@ fn a_host_peer_that_half_closes_gets_its_answer_and_loses_nothing() {
 #[test]
 fn a_relative_socket_path_is_refused_and_a_failed_create_leaves_no_socket() {
     assert!(Backend::parse("socket:tty.sock").unwrap_err().contains("absolute"));
+    // Words in any case; a path as given.
+    assert!(matches!(Backend::parse("PTY"), Ok(Backend::Pty)));
+    assert!(
+        matches!(Backend::parse("Socket:/A.sock"), Ok(Backend::Socket(p)) if p == std::path::Path::new("/A.sock"))
+    );
+    assert!(Backend::parse("pty:x").is_err() && Backend::parse("socket").is_err());
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("dup.sock");
     let same = Backend::Socket(path.clone());
