@@ -138,3 +138,55 @@ fn one_client_at_a_time_and_the_next_after_a_disconnect() {
     assert_eq!(read32(&mut third, BAR0, SCRATCH), 0, "the device was reset on disconnect");
     assert_eq!(h.info().protocol.connections, 2);
 }
+
+/// A region's fd a client maps is sealed against resizing (a shrunk doorbell page would fault
+/// in the server at its next reset), and each client gets a file of its own: what the last
+/// one still holds reaches nothing of the next one's.
+#[test]
+fn mapped_region_files_are_sealed_and_each_clients_own() {
+    for (ty, region, offset) in [("testdev", 1u32, 0u64), ("nvme", 0, 0x1000)] {
+        let mut options = umdev_mdev::types::InstanceOptions::default();
+        if ty == "nvme" {
+            options.params.insert("doorbells".into(), "mmap".into());
+        }
+        let h = Harness::with(ty, options, |_| {});
+        let first = Client::new(&h.socket).expect("connect");
+        let old = first
+            .region(region)
+            .unwrap()
+            .file_offset
+            .as_ref()
+            .expect("a mappable region")
+            .file()
+            .try_clone()
+            .unwrap();
+        let err = old.set_len(0).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EPERM), "{ty}: {err}");
+        assert!(old.set_len(1 << 30).is_err(), "{ty}: grown");
+        drop(first);
+        h.wait_idle();
+        let mut second = Client::new(&h.socket).expect("reconnect");
+        let new = second
+            .region(region)
+            .unwrap()
+            .file_offset
+            .as_ref()
+            .expect("a mappable region")
+            .file()
+            .try_clone()
+            .unwrap();
+        // The departed client writes where it mapped; the new client's file does not change.
+        old.write_all_at(&[0xa5; 64], offset).unwrap();
+        let mut seen = [0u8; 64];
+        new.read_exact_at(&mut seen, offset).unwrap();
+        assert_eq!(seen, [0; 64], "{ty}: the old file is not the new one");
+        if ty == "testdev" {
+            let mut b = [0u8; 4];
+            second.region_read(region, offset, &mut b).unwrap();
+            assert_eq!(b, [0; 4], "the device reads the new file");
+            second.region_write(region, offset, &[1, 2, 3, 4]).unwrap();
+            new.read_exact_at(&mut b, offset).unwrap();
+            assert_eq!(b, [1, 2, 3, 4], "and writes it");
+        }
+    }
+}

@@ -88,54 +88,61 @@ impl Transport for Polling {
 #[test]
 fn a_client_without_capabilities_maps_the_doorbell_page_and_rings_only_there() {
     let h = harness(None);
-    let mut c = RawClient::connect(&h.socket).unwrap();
-    // SPDK's VERSION: major 0, minor 1, nothing else.
-    assert_eq!(c.request(Command::Version as u16, &[0, 0, 1, 0], &[]).unwrap().errno(), 0);
-    let (flags, offset, fd) = bar0_info(&mut c);
-    assert_eq!(flags & (MMAP | CAPS), MMAP | CAPS, "BAR0 mappable, with its sparse area: {flags:#x}");
-    let fd = fd.expect("the doorbell page's fd");
-    let doorbells = MmapRegion::from_file(FileOffset::new(fd, offset + 0x1000), 4096).unwrap();
-    let ram_file = common::memfd(RAM);
-    let map = dma_map_payload(3, 0, 0, RAM);
-    assert_eq!(c.request(Command::DmaMap as u16, &map, &[ram_file.as_raw_fd()]).unwrap().errno(), 0);
-    c.enable_bus_master().unwrap();
-    let ram = MmapRegion::from_file(FileOffset::new(ram_file.try_clone().unwrap(), 0), RAM as usize).unwrap();
-    let mut d = Driver::new(Polling { client: c, ram, doorbells });
-    d.poll = true;
-    d.enable().unwrap();
-    d.identify_controller().unwrap();
-    d.create_io_queues(2, 64, true).unwrap();
-    let data: Vec<u8> = (0..8192u32).map(|i| (i * 7) as u8).collect();
-    d.t.put(DATA, &data).unwrap();
-    assert_eq!(d.rw(1, false, 1, 8, 16, 512, &[DATA, DATA + 0x1000], 0).unwrap(), Status::SUCCESS);
-    assert_eq!(d.rw(2, true, 1, 8, 16, 512, &[DATA + 0x10000, DATA + 0x11000], 0).unwrap(), Status::SUCCESS);
-    let mut back = vec![0u8; 8192];
-    d.t.get(DATA + 0x10000, &mut back).unwrap();
-    assert!(back == data, "the data read back differs");
-    let device = h.info().device;
-    assert_eq!(
-        (device["doorbells"].as_str(), device["doorbells_now"].as_str()),
-        (Some("auto"), Some("mmap"))
-    );
-    assert_eq!(device["doorbell_messages"], 0, "every doorbell went through the page: {device}");
-    // An admin command while the I/O queues' workers watch the page: one of them sees the
-    // admin tail move and wakes the admin queue's worker (the admin worker's own look is rare).
-    let nudges = device["admin_nudges"].as_u64().unwrap();
-    d.identify_controller().unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while h.info().device["admin_nudges"].as_u64().unwrap() == nudges {
-        assert!(std::time::Instant::now() < deadline, "no I/O queue's worker woke the admin worker");
-        std::thread::sleep(Duration::from_millis(1));
+    // Twice: the second client maps a page of its own (the first one's is no longer read).
+    for _client in 0..2 {
+        let mut c = RawClient::connect(&h.socket).unwrap();
+        // SPDK's VERSION: major 0, minor 1, nothing else.
+        assert_eq!(c.request(Command::Version as u16, &[0, 0, 1, 0], &[]).unwrap().errno(), 0);
+        let (flags, offset, fd) = bar0_info(&mut c);
+        assert_eq!(flags & (MMAP | CAPS), MMAP | CAPS, "BAR0 mappable, with its sparse area: {flags:#x}");
+        let fd = fd.expect("the doorbell page's fd");
+        let doorbells = MmapRegion::from_file(FileOffset::new(fd, offset + 0x1000), 4096).unwrap();
+        let ram_file = common::memfd(RAM);
+        let map = dma_map_payload(3, 0, 0, RAM);
+        assert_eq!(c.request(Command::DmaMap as u16, &map, &[ram_file.as_raw_fd()]).unwrap().errno(), 0);
+        c.enable_bus_master().unwrap();
+        let ram =
+            MmapRegion::from_file(FileOffset::new(ram_file.try_clone().unwrap(), 0), RAM as usize).unwrap();
+        let mut d = Driver::new(Polling { client: c, ram, doorbells });
+        d.poll = true;
+        d.enable().unwrap();
+        d.identify_controller().unwrap();
+        d.create_io_queues(2, 64, true).unwrap();
+        let data: Vec<u8> = (0..8192u32).map(|i| (i * 7) as u8).collect();
+        d.t.put(DATA, &data).unwrap();
+        assert_eq!(d.rw(1, false, 1, 8, 16, 512, &[DATA, DATA + 0x1000], 0).unwrap(), Status::SUCCESS);
+        assert_eq!(
+            d.rw(2, true, 1, 8, 16, 512, &[DATA + 0x10000, DATA + 0x11000], 0).unwrap(),
+            Status::SUCCESS
+        );
+        let mut back = vec![0u8; 8192];
+        d.t.get(DATA + 0x10000, &mut back).unwrap();
+        assert!(back == data, "the data read back differs");
+        let device = h.info().device;
+        assert_eq!(
+            (device["doorbells"].as_str(), device["doorbells_now"].as_str()),
+            (Some("auto"), Some("mmap"))
+        );
+        assert_eq!(device["doorbell_messages"], 0, "every doorbell went through the page: {device}");
+        // An admin command while the I/O queues' workers watch the page: one of them sees the
+        // admin tail move and wakes the admin queue's worker (the admin worker's own look is rare).
+        let nudges = device["admin_nudges"].as_u64().unwrap();
+        d.identify_controller().unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while h.info().device["admin_nudges"].as_u64().unwrap() == nudges {
+            assert!(std::time::Instant::now() < deadline, "no I/O queue's worker woke the admin worker");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // Detach as SPDK does: shutdown notification with CC.EN left at 1, then DMA_UNMAP with
+        // the mapping's fd attached, served (and the fd closed), then close.
+        d.shutdown().unwrap();
+        let unmap = dma_unmap_payload(24, 0, 0, RAM);
+        let r = d.t.client.request(Command::DmaUnmap as u16, &unmap, &[ram_file.as_raw_fd()]).unwrap();
+        assert_eq!(r.errno(), 0, "DMA_UNMAP with an fd attached");
+        drop(d);
+        h.wait_idle();
+        assert_eq!(h.info().dma.pinned_pages, 0);
     }
-    // Detach as SPDK does: shutdown notification with CC.EN left at 1, then DMA_UNMAP with
-    // the mapping's fd attached, served (and the fd closed), then close.
-    d.shutdown().unwrap();
-    let unmap = dma_unmap_payload(24, 0, 0, RAM);
-    let r = d.t.client.request(Command::DmaUnmap as u16, &unmap, &[ram_file.as_raw_fd()]).unwrap();
-    assert_eq!(r.errno(), 0, "DMA_UNMAP with an fd attached");
-    drop(d);
-    h.wait_idle();
-    assert_eq!(h.info().dma.pinned_pages, 0);
 }
 
 #[test]

@@ -9,7 +9,6 @@
 //! chunks and look between chunks whether they were cancelled; a cancelled job's result is
 //! discarded if the registers were reset meanwhile.
 
-use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -135,20 +134,13 @@ pub fn config() -> ConfigSpaceBuilder {
 
 /// A new testdev, ready to attach.
 pub fn create() -> Result<PciDevice<TestDev>, TestDevError> {
-    use nix::fcntl::{fcntl, FcntlArg, SealFlag};
-    use nix::sys::memfd::MFdFlags;
-    let memfd = nix::sys::memfd::memfd_create(
-        c"umdev-testdev-bar1",
-        MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
-    )
-    .map_err(|e| TestDevError::Memfd(e.into()))?;
-    let file = File::from(memfd);
-    file.set_len(BAR1_SIZE).map_err(TestDevError::Memfd)?;
-    // The client gets this fd to mmap BAR1: sealed, it cannot resize the device's memory.
-    let seals = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL;
-    fcntl(&file, FcntlArg::F_ADD_SEALS(seals)).map_err(|e| TestDevError::Memfd(e.into()))?;
-    let bar1 = Arc::new(OwnedFd::from(file));
+    let bar1 = bar1_memfd().map_err(TestDevError::Memfd)?;
     Ok(PciDevice::new(config(), move |host| TestDev::new(host, bar1))?)
+}
+
+/// BAR1's memory, which the client maps: sealed, and a new one for each client.
+fn bar1_memfd() -> std::io::Result<Arc<OwnedFd>> {
+    umdev_mdev::region_memfd(c"umdev-testdev-bar1", BAR1_SIZE).map(|f| Arc::new(OwnedFd::from(f)))
 }
 
 /// How long dropping the device waits for its worker to end.
@@ -275,7 +267,9 @@ struct Close;
 pub struct TestDev {
     inner: Arc<Inner>,
     maps: Maps,
-    bar1: Arc<OwnedFd>,
+    /// BAR1's memory: replaced at each detach, so that a client that left cannot reach the
+    /// next one's.
+    bar1: Mutex<Arc<OwnedFd>>,
     /// The worker's requests.
     lane: Lane,
     worker: Option<Worker<Close>>,
@@ -299,7 +293,7 @@ impl TestDev {
                 bell.ring();
             }
         });
-        TestDev { inner, maps: Maps::new(), bar1, lane, worker }
+        TestDev { inner, maps: Maps::new(), bar1: Mutex::new(bar1), lane, worker }
     }
 
     fn bar0_read(&self, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
@@ -388,12 +382,14 @@ impl TestDev {
 
     fn bar1_read(&self, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
         // The adapter checked the bounds: offset + len <= 8 KiB.
-        let done = nix::sys::uio::pread(self.bar1.as_fd(), data, offset as libc::off_t);
+        let bar1 = umdev_pinning::sync::lock(&self.bar1).clone();
+        let done = nix::sys::uio::pread(bar1.as_fd(), data, offset as libc::off_t);
         bar1_result(offset, done, data.len())
     }
 
     fn bar1_write(&self, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
-        let done = nix::sys::uio::pwrite(self.bar1.as_fd(), data, offset as libc::off_t);
+        let bar1 = umdev_pinning::sync::lock(&self.bar1).clone();
+        let done = nix::sys::uio::pwrite(bar1.as_fd(), data, offset as libc::off_t);
         bar1_result(offset, done, data.len())
     }
 
@@ -565,7 +561,7 @@ impl PciFunction for TestDev {
 
     fn bar_mmap(&self, bar: u8) -> Option<RegionMmap> {
         (bar == 1).then(|| RegionMmap {
-            fd: self.bar1.clone(),
+            fd: umdev_pinning::sync::lock(&self.bar1).clone(),
             offset: 0,
             areas: vec![SparseArea { offset: 0, size: BAR1_MMAP_SIZE }],
         })
@@ -573,6 +569,15 @@ impl PciFunction for TestDev {
 
     fn reset(&self) {
         self.clear();
+    }
+
+    fn detach(&self) {
+        match bar1_memfd() {
+            Ok(fresh) => *umdev_pinning::sync::lock(&self.bar1) = fresh,
+            Err(e) => {
+                log::error!("testdev: no new BAR1 memory for the next client ({e}); it shares this one's")
+            }
+        }
     }
 }
 

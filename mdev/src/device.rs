@@ -76,6 +76,21 @@ pub struct SparseArea {
     pub size: u64,
 }
 
+/// A memfd of `size` bytes for a region a client maps ([`RegionMmap::fd`]), sealed so that
+/// the client can neither shrink it (the device's own mapping or reads of it would fault, or
+/// come up short) nor grow it. A device gives each client a file of its own (a fresh one at
+/// each detach), so that a client that left cannot reach what the next one maps.
+pub fn region_memfd(name: &std::ffi::CStr, size: u64) -> std::io::Result<std::fs::File> {
+    use nix::fcntl::{fcntl, FcntlArg, SealFlag};
+    use nix::sys::memfd::MFdFlags;
+    let fd = nix::sys::memfd::memfd_create(name, MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)?;
+    let file = std::fs::File::from(fd);
+    file.set_len(size)?;
+    let seals = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL;
+    fcntl(&file, FcntlArg::F_ADD_SEALS(seals))?;
+    Ok(file)
+}
+
 /// How a region can be mmapped by the client.
 #[derive(Clone, Debug)]
 pub struct RegionMmap {

@@ -27,6 +27,7 @@ pub mod types;
 pub mod unix_socket;
 pub mod worker;
 
+pub use device::region_memfd;
 pub use device::{
     ClientDma, ClientDmaError, ClientHello, DeviceError, DeviceFlags, DeviceInfo, IrqAction, IrqData,
     IrqFlags, IrqInfo, RegionFlags, RegionInfo, RegionMmap, SetIrqs, SparseArea, VfioDevice,

@@ -640,6 +640,15 @@ impl Ctrl {
         self.irq.intx_deassert();
     }
 
+    /// Maps `file`'s doorbell page where the old one was (the controller is disabled: no
+    /// worker reads it meanwhile).
+    pub(crate) fn replace_doorbell_page(&self, file: &std::fs::File) -> std::io::Result<()> {
+        match &self.page {
+            Some(page) => page.replace(file),
+            None => Ok(()),
+        }
+    }
+
     /// DEVICE_RESET and detach: disabled, registers back to power-on values.
     pub fn reset(&self) {
         self.disable();

@@ -49,7 +49,7 @@ mod worker;
 
 use std::fs::File;
 use std::os::fd::OwnedFd;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use serde_json::json;
 use thiserror::Error;
@@ -608,14 +608,10 @@ pub fn create(config: NvmeConfig) -> Result<PciDevice<Nvme>, NvmeError> {
     let (mmap, page) = match config.doorbells {
         Doorbells::Message => (None, None),
         Doorbells::Mapped | Doorbells::Auto => {
-            let fd =
-                nix::sys::memfd::memfd_create(c"umdev-nvme-bar0", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
-                    .map_err(|e| NvmeError::DoorbellPage(e.into()))?;
-            let file = File::from(fd);
-            file.set_len(BAR0_SIZE).map_err(NvmeError::DoorbellPage)?;
+            let file = doorbell_file().map_err(NvmeError::DoorbellPage)?;
             let page = DoorbellPage::new(file.try_clone().map_err(NvmeError::DoorbellPage)?, reg::DOORBELLS)
                 .map_err(NvmeError::DoorbellPage)?;
-            (Some(Arc::new(OwnedFd::from(file))), Some(page))
+            (Some(Mutex::new(Arc::new(OwnedFd::from(file)))), Some(page))
         }
     };
     let files = namespaces.iter().flatten().any(|ns| ns.is_file());
@@ -672,13 +668,20 @@ pub fn create(config: NvmeConfig) -> Result<PciDevice<Nvme>, NvmeError> {
     })?)
 }
 
+/// BAR0's file for a client to map (the doorbell page at 0x1000): sealed, so that the client
+/// cannot shrink it under the workers' mapping of the page.
+fn doorbell_file() -> std::io::Result<File> {
+    umdev_mdev::region_memfd(c"umdev-nvme-bar0", BAR0_SIZE)
+}
+
 /// The nvme PCI function (serve it through [`PciDevice`]; see [`create`]).
 #[derive(Debug)]
 pub struct Nvme {
     ctrl: Arc<Ctrl>,
     map: RegMap<u64>,
-    /// BAR0's backing for `doorbells=mmap` and `auto` (the doorbell page at 0x1000).
-    mmap: Option<Arc<OwnedFd>>,
+    /// BAR0's backing for `doorbells=mmap` and `auto` (the doorbell page at 0x1000): a new
+    /// file at each detach, so that a client that left cannot ring the next one's queues.
+    mmap: Option<Mutex<Arc<OwnedFd>>>,
 }
 
 impl Nvme {
@@ -728,7 +731,7 @@ impl PciFunction for Nvme {
     fn bar_mmap(&self, bar: u8) -> Option<RegionMmap> {
         let fd = self.mmap.as_ref().filter(|_| bar == 0)?;
         Some(RegionMmap {
-            fd: fd.clone(),
+            fd: umdev_mdev::sync::lock(fd).clone(),
             offset: 0,
             areas: vec![SparseArea { offset: reg::DOORBELLS, size: reg::DOORBELLS }],
         })
@@ -748,6 +751,17 @@ impl PciFunction for Nvme {
 
     fn detach(&self) {
         self.ctrl.reset();
+        // The next client maps a page of its own; the workers read it from now on.
+        if let Some(slot) = &self.mmap {
+            let fresh =
+                doorbell_file().and_then(|file| self.ctrl.replace_doorbell_page(&file).map(|()| file));
+            match fresh {
+                Ok(file) => *umdev_mdev::sync::lock(slot) = Arc::new(OwnedFd::from(file)),
+                Err(e) => {
+                    log::error!("nvme: no new doorbell page for the next client ({e}); it shares this one's")
+                }
+            }
+        }
     }
 
     fn dma_unmap(&self, iova: u64, len: u64) {

@@ -104,6 +104,8 @@ impl Doorbell {
 #[derive(Debug)]
 pub struct DoorbellPage {
     region: MmapRegion,
+    /// The page's offset in its file.
+    offset: u64,
 }
 
 impl DoorbellPage {
@@ -111,7 +113,33 @@ impl DoorbellPage {
     pub fn new(file: std::fs::File, offset: u64) -> std::io::Result<DoorbellPage> {
         let region = MmapRegion::from_file(FileOffset::new(file, offset), PAGE as usize)
             .map_err(std::io::Error::other)?;
-        Ok(DoorbellPage { region })
+        Ok(DoorbellPage { region, offset })
+    }
+
+    /// Maps the same page of `file` in place of this one's, at the same address: from then
+    /// on the page is `file`'s (the old file is no longer read or written here).
+    pub fn replace(&self, file: &std::fs::File) -> std::io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let offset = libc::off_t::try_from(self.offset).map_err(std::io::Error::other)?;
+        // SAFETY: MAP_FIXED over this page's own mapping, of its length, with the protection
+        // it was made with: the address range stays mapped throughout (the kernel replaces
+        // the mapping in one step), so the atomics other threads may hold references into
+        // stay valid, and nothing else of the process lies there. The region's drop unmaps
+        // the range, whichever file is mapped there then.
+        let at = unsafe {
+            libc::mmap(
+                self.region.as_ptr().cast(),
+                PAGE as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                file.as_raw_fd(),
+                offset,
+            )
+        };
+        if at == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
     }
 
     fn slot(&self, index: usize) -> Option<&AtomicU32> {

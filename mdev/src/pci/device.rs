@@ -48,8 +48,12 @@ pub trait PciFunction: Send + Sync + 'static {
     /// Writes `data` at `offset` in BAR `bar`.
     fn bar_write(&self, bar: u8, offset: u64, data: &[u8]) -> Result<(), DeviceError>;
 
-    /// How the client may mmap BAR `bar`, if at all. Asked once, at construction; the
-    /// areas must be page aligned and keep clear of the MSI-X table and PBA pages.
+    /// How the client may mmap BAR `bar`, if at all. Asked at construction, where the layout
+    /// is checked (the areas must be page aligned and keep clear of the MSI-X table and PBA
+    /// pages), and again at each region-info request for the file to send: a device gives
+    /// each client a file of its own ([`crate::region_memfd`], a new one at
+    /// [`PciFunction::detach`]), so that a client that left cannot reach the next one's. The
+    /// offset and areas must stay as they were at construction.
     fn bar_mmap(&self, bar: u8) -> Option<RegionMmap> {
         let _ = bar;
         None
@@ -428,6 +432,16 @@ impl<F: PciFunction> VfioDevice for PciDevice<F> {
         if (index as usize) < NUM_BARS && withheld & 1 << index != 0 {
             info.flags.remove(RegionFlags::MMAP);
             info.mmap = None;
+        }
+        // The file as the function has it now: it may give each client its own.
+        if let Some(mmap) = info.mmap.as_mut() {
+            match self.function.bar_mmap(index as u8) {
+                Some(now) => mmap.fd = now.fd,
+                None => {
+                    info.flags.remove(RegionFlags::MMAP);
+                    info.mmap = None;
+                }
+            }
         }
         Some(info)
     }
