@@ -190,3 +190,20 @@ fn mapped_region_files_are_sealed_and_each_clients_own() {
         }
     }
 }
+
+/// Connections that close as soon as they connect (probes, clients that gave up) neither
+/// wait for a handover nor count against the clients that may wait: the client right after
+/// a burst of them is served.
+#[test]
+fn connections_that_close_at_once_do_not_keep_the_next_client_out() {
+    let h = Harness::new("testdev");
+    for round in 0..5 {
+        for _ in 0..16 {
+            drop(std::os::unix::net::UnixStream::connect(&h.socket).unwrap());
+        }
+        let mut c = RawClient::connect(&h.socket).unwrap();
+        c.negotiate().unwrap_or_else(|e| panic!("round {round}: not served: {e}"));
+        drop(c);
+        h.wait_idle();
+    }
+}

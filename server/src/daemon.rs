@@ -113,8 +113,11 @@ struct Instance {
     served: Arc<Served>,
     /// The connected client: a handle on its socket (to cut it on stop) and its process.
     active: Mutex<Option<Active>>,
-    /// Clients waiting for a handover now.
-    handovers: std::sync::atomic::AtomicUsize,
+    /// Clients waiting for a handover now, each by its thread's token: only those still
+    /// connected count against [`MAX_HANDOVERS`].
+    handovers: Mutex<Vec<(u64, UnixStream)>>,
+    /// The next handover's token.
+    next_handover: std::sync::atomic::AtomicU64,
     /// Signalled when the connected client's cleanup is done.
     idle: Condvar,
     stop: EventFd,
@@ -176,8 +179,15 @@ fn peer_pid(stream: &UnixStream) -> Option<i32> {
     (creds.pid() > 0).then_some(creds.pid())
 }
 
-/// At most this many clients wait for a handover at once; more are turned away.
+/// At most this many clients wait for a handover at once; more are turned away. Clients that
+/// hung up while they waited do not count.
 const MAX_HANDOVERS: usize = 4;
+/// Handover threads at most, counting those whose clients hung up and that have not
+/// noticed yet (each looks every [`HANDOVER_LOOK`]).
+const MAX_HANDOVER_THREADS: usize = 4 * MAX_HANDOVERS;
+/// How often a client waiting for a handover is looked at: one that hung up meanwhile stops
+/// counting at once and its thread ends by then.
+const HANDOVER_LOOK: Duration = Duration::from_millis(10);
 
 impl Instance {
     fn info(&self) -> InstanceInfo {
@@ -243,19 +253,35 @@ impl Instance {
                 Slot::Leaving | Slot::ProcessGone => {}
             }
         }
-        if self.handovers.fetch_add(1, Ordering::AcqRel) >= MAX_HANDOVERS {
-            self.handovers.fetch_sub(1, Ordering::AcqRel);
-            return self.turn_away("too many clients waiting for a handover");
+        // A client that connected and closed at once (a probe, a client that gave up) waits
+        // for nothing.
+        if hangs_up_within(&stream, Duration::ZERO) {
+            return log::debug!("instance {id}: a new connection closed before it was served");
+        }
+        let token = self.next_handover.fetch_add(1, Ordering::Relaxed);
+        {
+            let mut waiting = lock(&self.handovers);
+            let threads = waiting.len();
+            let live = waiting.iter().filter(|(_, s)| !hangs_up_within(s, Duration::ZERO)).count();
+            if live >= MAX_HANDOVERS || threads >= MAX_HANDOVER_THREADS {
+                drop(waiting);
+                return self.turn_away("too many clients waiting for a handover");
+            }
+            match stream.try_clone() {
+                Ok(handle) => waiting.push((token, handle)),
+                Err(e) => return log::warn!("instance {id}: cannot set up a client socket: {e}"),
+            }
         }
         let me = self.clone();
+        let done = move |me: &Instance| lock(&me.handovers).retain(|(t, _)| *t != token);
         let spawned = std::thread::Builder::new().name(format!("umdev-handover-{id}")).spawn(move || {
             me.hand_over(stream);
-            me.handovers.fetch_sub(1, Ordering::AcqRel);
+            done(&me);
         });
         match spawned {
             Ok(thread) => self.keep(thread),
             Err(e) => {
-                self.handovers.fetch_sub(1, Ordering::AcqRel);
+                lock(&self.handovers).retain(|(t, _)| *t != token);
                 log::error!("instance {id}: cannot spawn a handover thread: {e}");
             }
         }
@@ -287,8 +313,9 @@ impl Instance {
                     return self.turn_away("the previous client's cleanup did not finish in time");
                 }
                 Slot::Leaving => {
-                    // Its cleanup is under way: wait for it (or for the next change).
-                    let _ = wait_timeout(&self.idle, active, left);
+                    // Its cleanup is under way: wait for it (or for the next change), looking
+                    // at whether this client is still there meanwhile.
+                    let _ = wait_timeout(&self.idle, active, left.min(HANDOVER_LOOK));
                 }
                 Slot::ProcessGone => {
                     // Its process exited; its socket lingers (QEMU's io_uring holds the file
@@ -464,7 +491,8 @@ impl Daemon {
             config: config.clone(),
             served: Arc::new(served),
             active: Mutex::new(None),
-            handovers: std::sync::atomic::AtomicUsize::new(0),
+            handovers: Mutex::new(Vec::new()),
+            next_handover: std::sync::atomic::AtomicU64::new(0),
             idle: Condvar::new(),
             stop,
             threads: Mutex::new(Vec::new()),
