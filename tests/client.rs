@@ -207,3 +207,27 @@ fn connections_that_close_at_once_do_not_keep_the_next_client_out() {
         h.wait_idle();
     }
 }
+
+/// Guest memory on FUSE is refused at DMA_MAP: a user-space server (the client, perhaps)
+/// provides its pages, and a server thread touching one would wait as long as it chose.
+#[test]
+fn guest_memory_on_fuse_is_refused() {
+    let fuse = match umdev_testkit::fuse::FuseFile::mount(1 << 20) {
+        Ok(f) => f,
+        Err(why) => return eprintln!("SKIPPED: {why}"),
+    };
+    use umdev_server::wire::Command as Cmd;
+    let h = Harness::new("testdev");
+    let mut c = RawClient::connect(&h.socket).unwrap();
+    c.negotiate().unwrap();
+    let file = std::fs::OpenOptions::new().read(true).write(true).open(fuse.path()).unwrap();
+    let map = common::raw::dma_map_payload(3, 0, RAM_IOVA, 1 << 20);
+    let r = c.request(Cmd::DmaMap as u16, &map, &[file.as_raw_fd()]).unwrap();
+    assert_eq!(r.errno(), libc::EINVAL, "FUSE memory refused");
+    assert_eq!(h.info().dma.mappings, 0);
+    // The connection goes on: memory from a memfd maps.
+    let ram = memfd(RAM_SIZE);
+    let map = common::raw::dma_map_payload(3, 0, RAM_IOVA, RAM_SIZE);
+    assert_eq!(c.request(Cmd::DmaMap as u16, &map, &[ram.as_raw_fd()]).unwrap().errno(), 0);
+    assert_eq!(h.info().dma.mappings, 1);
+}

@@ -58,6 +58,11 @@ pub enum MmapError {
     /// The length does not fit in this process's address space.
     #[error("size {0:#x} does not fit in the address space")]
     TooLarge(u64),
+    /// The file is on FUSE: its pages come from a user-space server (the client itself,
+    /// perhaps), so a thread of this process touching one would wait as long as that server
+    /// chose, with engine locks held (a lock-mode mlock) or on the connection's own thread.
+    #[error("the file is on FUSE, whose pages a user-space server provides at its own pace; map memory from a memfd, tmpfs, hugetlbfs or a local file system")]
+    Fuse,
     /// The process already holds its budget of guest mappings (see
     /// [`process_mapping_limit`]): every mapping is a VMA, and VMAs are a per-process kernel
     /// resource the whole server shares.
@@ -70,6 +75,9 @@ pub enum MmapError {
     #[error("mmap failed: {0}")]
     Mmap(#[source] io::Error),
 }
+
+/// `statfs`'s `f_type` of FUSE (linux/magic.h).
+const FUSE_SUPER_MAGIC: libc::c_long = 0x6573_5546;
 
 /// Guest mappings alive in this process.
 static LIVE_MAPPINGS: AtomicU64 = AtomicU64::new(0);
@@ -215,6 +223,9 @@ impl HostMemory {
     #[cfg(not(miri))]
     fn backing_of(fd: BorrowedFd<'_>) -> Result<Backing, MmapError> {
         let fs = fstatfs(fd).map_err(|e| MmapError::Inspect(e.into()))?;
+        if fs.filesystem_type().0 == FUSE_SUPER_MAGIC {
+            return Err(MmapError::Fuse);
+        }
         if fs.filesystem_type() == HUGETLBFS_MAGIC {
             // hugetlbfs reports its huge page size as the block size.
             let page_size = u64::try_from(fs.block_size()).unwrap_or(PAGE_SIZE).max(PAGE_SIZE);
