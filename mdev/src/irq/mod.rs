@@ -186,7 +186,9 @@ struct Shared {
 #[derive(Debug)]
 pub struct Interrupts {
     shared: Arc<Shared>,
-    watcher: Mutex<Option<UnmaskWatcher>>,
+    /// The INTx unmask eventfd's watcher, and a handle on the eventfd (to tell it from the
+    /// trigger's).
+    watcher: Mutex<Option<(UnmaskWatcher, EventFd)>>,
 }
 
 /// The device-facing side: raise, assert and deassert interrupts from any thread.
@@ -238,6 +240,17 @@ impl Interrupts {
             // takes that lock, and stopping waits for the callback.
             match (req.action, req.data) {
                 (IrqAction::Unmask, IrqData::Eventfds(mut fds)) => return self.set_unmask_fd(fds.pop()),
+                (IrqAction::Trigger, IrqData::Eventfds(fds))
+                    if fds.first().is_some_and(|fd| {
+                        umdev_pinning::sync::lock(&self.watcher)
+                            .as_ref()
+                            .is_some_and(|(_, u)| same_file(fd, u))
+                    }) =>
+                {
+                    // Each unmask would signal the trigger, which is the unmask: a loop.
+                    log::debug!("SET_IRQS: INTx trigger eventfd is its unmask eventfd: refused");
+                    return Err(DeviceError::Errno(libc::EINVAL));
+                }
                 (IrqAction::Trigger, IrqData::None) if count == 0 => {
                     self.set_unmask_fd(None)?;
                     let mut st = self.shared.lock();
@@ -387,24 +400,43 @@ impl Interrupts {
     /// Registers (`Some`) or removes (`None`) the INTx unmask eventfd.
     fn set_unmask_fd(&self, fd: Option<EventFd>) -> Result<(), DeviceError> {
         let mut slot = umdev_pinning::sync::lock(&self.watcher);
-        if let Some(old) = slot.take() {
+        if let Some((old, _)) = slot.take() {
             old.stop();
         }
         if let Some(fd) = fd {
+            if self.shared.lock().intx.trigger.as_ref().is_some_and(|t| same_file(t, &fd)) {
+                // Each unmask would signal the trigger, which is the unmask: a loop.
+                log::debug!("SET_IRQS: INTx unmask eventfd is its trigger eventfd: refused");
+                return Err(DeviceError::Errno(libc::EINVAL));
+            }
+            let handle =
+                fd.try_clone().map_err(|e| DeviceError::Errno(e.raw_os_error().unwrap_or(libc::EIO)))?;
             let shared = self.shared.clone();
             let watcher = UnmaskWatcher::spawn(fd, move || shared.set_intx_masked(false)).map_err(|e| {
                 log::error!("cannot watch the INTx unmask eventfd: {e}");
                 DeviceError::Errno(e.raw_os_error().unwrap_or(libc::EIO))
             })?;
-            *slot = Some(watcher);
+            *slot = Some((watcher, handle));
         }
         Ok(())
     }
 }
 
+/// Whether `a` and `b` are descriptors of one open file (one eventfd, dup'ed or sent twice).
+/// False where the kernel cannot say (no `kcmp`).
+fn same_file(a: &EventFd, b: &EventFd) -> bool {
+    use std::os::fd::AsRawFd;
+    const KCMP_FILE: libc::c_int = 0;
+    let pid = std::process::id() as libc::pid_t;
+    // SAFETY: kcmp compares two entries of this process's own fd table; it reads no memory
+    // of ours and changes nothing.
+    let r = unsafe { libc::syscall(libc::SYS_kcmp, pid, pid, KCMP_FILE, a.as_raw_fd(), b.as_raw_fd()) };
+    r == 0
+}
+
 impl Drop for Interrupts {
     fn drop(&mut self) {
-        if let Some(watcher) = self.watcher.get_mut().unwrap_or_else(|p| p.into_inner()).take() {
+        if let Some((watcher, _)) = self.watcher.get_mut().unwrap_or_else(|p| p.into_inner()).take() {
             watcher.stop();
         }
     }

@@ -174,6 +174,36 @@ fn intx_without_an_eventfd_stays_asserted_and_fires_when_one_arrives() {
 }
 
 #[test]
+fn one_eventfd_cannot_be_both_intx_trigger_and_unmask() {
+    // Each unmask would signal the trigger, which the watcher would read as another unmask:
+    // a loop burning a CPU. Refused whichever is set second, by file (a dup is the same).
+    let irqs = full();
+    let trigger = assign(&irqs, INTX, 0, 1).remove(0);
+    let refused = irqs.set_irqs(req(
+        INTX,
+        0,
+        1,
+        IrqAction::Unmask,
+        IrqData::Eventfds(vec![trigger.try_clone().unwrap()]),
+    ));
+    assert!(matches!(refused, Err(DeviceError::Errno(libc::EINVAL))), "{refused:?}");
+
+    let irqs = full();
+    let unmask = efd();
+    set(&irqs, INTX, 0, 1, IrqAction::Unmask, IrqData::Eventfds(vec![unmask.try_clone().unwrap()]));
+    let refused = irqs.set_irqs(req(
+        INTX,
+        0,
+        1,
+        IrqAction::Trigger,
+        IrqData::Eventfds(vec![unmask.try_clone().unwrap()]),
+    ));
+    assert!(matches!(refused, Err(DeviceError::Errno(libc::EINVAL))), "{refused:?}");
+    // Two different eventfds are fine.
+    assign(&irqs, INTX, 0, 1);
+}
+
+#[test]
 fn intx_unmask_eventfd_acts_as_unmask() {
     let irqs = full();
     let dev = irqs.handle();
