@@ -72,3 +72,28 @@ fn run_refuses_a_live_socket_and_replaces_a_stale_one() {
     first.kill().unwrap();
     first.wait().unwrap();
 }
+
+/// A client repeating a mistake cannot flood the log at its default level: a few warnings,
+/// then debug only (the statistics count every one).
+#[test]
+fn a_client_repeating_a_mistake_does_not_flood_the_log() {
+    use std::io::Read;
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("dev.sock");
+    let mut child =
+        common::process::run_with_stderr(&socket, &["--type", "testdev"], std::process::Stdio::piped());
+    let mut c = RawClient::connect(&socket).unwrap();
+    c.negotiate().unwrap();
+    for id in 0..200u16 {
+        let stray = common::raw::message(1000 + id, 1, 1, &[]);
+        c.send_bytes(&stray, &[]).unwrap();
+    }
+    assert!(c.alive(), "the connection goes on");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM)
+        .unwrap();
+    let mut log = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut log).unwrap();
+    let warned = log.lines().filter(|l| l.contains("matches no request")).count();
+    assert!((1..=8).contains(&warned), "{warned} warnings:\n{log}");
+    assert!(log.contains("further mistakes are logged at debug level"), "{log}");
+}

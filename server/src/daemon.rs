@@ -338,8 +338,14 @@ impl Instance {
         if self.stopping.load(Ordering::Acquire) {
             return log::info!("instance {id}: stopping; closing a new connection");
         }
-        self.served.stats.rejected.fetch_add(1, Ordering::Relaxed);
-        log::warn!("instance {id}: {why}; closing the new connection");
+        let rejected = self.served.stats.rejected.fetch_add(1, Ordering::Relaxed) + 1;
+        // A storm of connections must not flood the log: the first few, then every 1000th
+        // (the statistics count them all).
+        if rejected <= 8 || rejected.is_multiple_of(1000) {
+            log::warn!("instance {id}: {why}; closing the new connection ({rejected} turned away so far)");
+        } else {
+            log::debug!("instance {id}: {why}; closing the new connection");
+        }
     }
 
     /// Makes `stream` the connected client (the slot, held by the caller's lock, is free)

@@ -59,7 +59,13 @@ pub struct Session {
     new_max_size: Option<u32>,
     regions: Vec<Option<RegionShape>>,
     scratch: Vec<u8>,
+    /// Client mistakes logged at warning level so far (see [`Session::fault`]).
+    faults: u32,
 }
+
+/// Client mistakes a connection logs at warning level; the rest go at debug level, so that
+/// a client repeating one cannot flood the log.
+const LOUD_FAULTS: u32 = 8;
 
 impl Session {
     /// A session serving `device` with `dma` over `link`.
@@ -80,6 +86,18 @@ impl Session {
             new_max_size: None,
             regions: Vec::new(),
             scratch: Vec::new(),
+            faults: 0,
+        }
+    }
+
+    /// Logs a client's mistake: at warning level for the connection's first
+    /// [`LOUD_FAULTS`], then at debug level.
+    fn fault(&mut self, what: std::fmt::Arguments<'_>) {
+        self.faults = self.faults.saturating_add(1);
+        match self.faults {
+            n if n < LOUD_FAULTS => log::warn!("{what}"),
+            LOUD_FAULTS => log::warn!("{what} (this client's further mistakes are logged at debug level)"),
+            _ => log::debug!("{what}"),
         }
     }
 
@@ -96,24 +114,26 @@ impl Session {
             flags::TYPE_REPLY => {
                 if !self.link.deliver(header, payload) {
                     self.stats.stray_replies.fetch_add(1, Ordering::Relaxed);
-                    log::warn!(
+                    self.fault(format_args!(
                         "reply {} (command {}) matches no request; dropped",
-                        header.id,
-                        header.command
-                    );
+                        header.id, header.command
+                    ));
                 }
                 return Ok(());
             }
             flags::TYPE_COMMAND => {}
             other => {
                 self.stats.count_message(header.command);
-                log::warn!("message {} has unknown type {other}", header.id);
+                self.fault(format_args!("message {} has unknown type {other}", header.id));
                 return self.answer(&header, Err(libc::EINVAL));
             }
         }
         self.stats.count_message(header.command);
         if frame.excess_fds > 0 {
-            log::warn!("message {} came with {} fds over the limit; all closed", header.id, frame.excess_fds);
+            self.fault(format_args!(
+                "message {} came with {} fds over the limit; all closed",
+                header.id, frame.excess_fds
+            ));
             return self.answer(&header, Err(libc::EINVAL));
         }
         let outcome = match parse(&header, payload, frame.fds, &self.limits) {
@@ -153,7 +173,7 @@ impl Session {
     fn dispatch(&mut self, header: &Header, request: Request<'_>) -> Outcome {
         if let Request::Version(client) = request {
             if self.negotiated.is_some() {
-                log::warn!("VERSION sent twice");
+                self.fault(format_args!("VERSION sent twice"));
                 return Err(libc::EINVAL);
             }
             self.device.client_version(&umdev_mdev::ClientHello {
@@ -170,7 +190,7 @@ impl Session {
             return Ok(Reply::Payload(payload));
         }
         let Some(negotiated) = &self.negotiated else {
-            log::warn!("command {} before VERSION", header.command);
+            self.fault(format_args!("command {} before VERSION", header.command));
             return Err(libc::EINVAL);
         };
         match request {
@@ -230,11 +250,13 @@ impl Session {
                     WireIrqData::None => IrqData::None,
                     WireIrqData::Bool(b) => IrqData::Bool(b),
                     WireIrqData::Fds(fds) => {
-                        let vetted: Result<Vec<_>, _> = fds.into_iter().map(crate::eventfd::vet).collect();
-                        IrqData::Eventfds(vetted.map_err(|e| {
-                            log::warn!("SET_IRQS: {e}");
-                            libc::EINVAL
-                        })?)
+                        match fds.into_iter().map(crate::eventfd::vet).collect::<Result<Vec<_>, _>>() {
+                            Ok(fds) => IrqData::Eventfds(fds),
+                            Err(e) => {
+                                self.fault(format_args!("SET_IRQS: {e}"));
+                                return Err(libc::EINVAL);
+                            }
+                        }
                     }
                 };
                 let request = SetIrqs { index, start, count, action, data };
@@ -261,7 +283,7 @@ impl Session {
             }
             Request::RegionWriteMulti(writes) => {
                 if !negotiated.write_multiple {
-                    log::warn!("REGION_WRITE_MULTI without write_multiple");
+                    self.fault(format_args!("REGION_WRITE_MULTI without write_multiple"));
                     return Err(libc::EINVAL);
                 }
                 self.write_multi(&writes)?;
