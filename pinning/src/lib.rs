@@ -94,7 +94,10 @@ pub mod sync;
 
 pub use account::{has_cap_ipc_lock, process_lock_limit, LockAccount, OverLimit, PinMode};
 pub use kernel::{kernel_pins_available, KernelPinsUnavailable, KERNEL_BUFFER_BYTES, MAX_KERNEL_BUFFERS};
-pub use mmap::{process_mapping_limit, process_mappings, set_process_mapping_limit, Backing, MmapError};
+pub use mmap::{
+    process_mapped_bytes, process_mapped_bytes_limit, process_mapping_limit, process_mappings,
+    set_process_mapped_bytes_limit, set_process_mapping_limit, Backing, MmapError,
+};
 pub use page::{Prot, PAGE_SHIFT, PAGE_SIZE};
 pub use page_counts::{CHUNK_BYTES, CHUNK_PAGES, MAX_PIN_COUNT};
 pub use pin::{AccessError, PinError, PinnedPages, RegisteredBuffer, UnpinError};

@@ -71,6 +71,15 @@ pub enum MmapError {
         /// The limit.
         limit: u64,
     },
+    /// The mapping would take the process's guest mappings past their address-space budget
+    /// (see [`process_mapped_bytes_limit`]).
+    #[error("{bytes:#x} more bytes of guest mappings would pass the process's budget of {limit:#x}")]
+    ProcessBytes {
+        /// The mapping's size.
+        bytes: u64,
+        /// The budget.
+        limit: u64,
+    },
     /// mmap refused the fd (its open mode, the file system, address space exhaustion, ...).
     #[error("mmap failed: {0}")]
     Mmap(#[source] io::Error),
@@ -114,23 +123,59 @@ pub fn process_mappings() -> u64 {
     LIVE_MAPPINGS.load(Ordering::Relaxed)
 }
 
+/// Bytes of guest mappings alive in this process.
+static LIVE_BYTES: AtomicU64 = AtomicU64::new(0);
+/// Their limit.
+static BYTES_LIMIT: AtomicU64 = AtomicU64::new(DEFAULT_BYTES_LIMIT);
+/// Half of x86-64's 128 TiB of user address space.
+const DEFAULT_BYTES_LIMIT: u64 = 64 << 40;
+
+/// Address space all DMA spaces of this process may map together. Default 64 TiB, half of
+/// what a 4-level x86-64 process has: a mapping of a sparse file costs no memory, only
+/// addresses, and clients mapping a few huge ones could otherwise leave the process none for
+/// a thread's stack or the allocator (one client starving every other instance's).
+pub fn process_mapped_bytes_limit() -> u64 {
+    BYTES_LIMIT.load(Ordering::Relaxed)
+}
+
+/// Sets [`process_mapped_bytes_limit`]. Mappings already held are kept.
+pub fn set_process_mapped_bytes_limit(limit: u64) {
+    BYTES_LIMIT.store(limit, Ordering::Relaxed);
+}
+
+/// Bytes of guest mappings alive in this process now.
+pub fn process_mapped_bytes() -> u64 {
+    LIVE_BYTES.load(Ordering::Relaxed)
+}
+
 /// A reserved place in the process's mapping budget, returned on drop.
 #[derive(Debug)]
-struct BudgetReservation;
+struct BudgetReservation {
+    /// Its bytes.
+    bytes: u64,
+}
 
 impl BudgetReservation {
-    fn reserve() -> Result<BudgetReservation, MmapError> {
+    /// One mapping of `bytes`, or why the process has no room for it.
+    fn reserve(bytes: u64) -> Result<BudgetReservation, MmapError> {
         let limit = process_mapping_limit();
         LIVE_MAPPINGS
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |live| (live < limit).then_some(live + 1))
-            .map(|_| BudgetReservation)
-            .map_err(|_| MmapError::ProcessLimit { limit })
+            .map_err(|_| MmapError::ProcessLimit { limit })?;
+        let byte_limit = process_mapped_bytes_limit();
+        let fits = |live: u64| live.checked_add(bytes).filter(|&total| total <= byte_limit);
+        if LIVE_BYTES.fetch_update(Ordering::AcqRel, Ordering::Acquire, fits).is_err() {
+            LIVE_MAPPINGS.fetch_sub(1, Ordering::AcqRel);
+            return Err(MmapError::ProcessBytes { bytes, limit: byte_limit });
+        }
+        Ok(BudgetReservation { bytes })
     }
 }
 
 impl Drop for BudgetReservation {
     fn drop(&mut self) {
         LIVE_MAPPINGS.fetch_sub(1, Ordering::AcqRel);
+        LIVE_BYTES.fetch_sub(self.bytes, Ordering::AcqRel);
     }
 }
 
@@ -195,7 +240,7 @@ impl HostMemory {
         let len = usize::try_from(size).map_err(|_| MmapError::TooLarge(size))?;
         let length = NonZeroUsize::new(len).ok_or(MmapError::TooLarge(size))?;
         let file_offset = libc::off_t::try_from(offset).map_err(|_| MmapError::TooLarge(offset))?;
-        let reservation = BudgetReservation::reserve()?;
+        let reservation = BudgetReservation::reserve(size)?;
         // SAFETY: (I13) a fresh mapping chosen by the kernel (no MAP_FIXED), so no existing memory is
         // replaced; the fd is a regular file checked above to cover [offset, offset + size).
         let addr =
@@ -210,7 +255,7 @@ impl HostMemory {
     fn anonymous(size: u64) -> Result<Self, MmapError> {
         let len = usize::try_from(size).map_err(|_| MmapError::TooLarge(size))?;
         let length = NonZeroUsize::new(len).ok_or(MmapError::TooLarge(size))?;
-        let reservation = BudgetReservation::reserve()?;
+        let reservation = BudgetReservation::reserve(size)?;
         let rw = nix::sys::mman::ProtFlags::PROT_READ | nix::sys::mman::ProtFlags::PROT_WRITE;
         // SAFETY: (I13) a fresh private mapping chosen by the kernel replaces no memory.
         let addr = unsafe { mman::mmap_anonymous(None, length, rw, MapFlags::MAP_PRIVATE) }

@@ -129,7 +129,9 @@ impl MapError {
         match self {
             MapError::Overlap { .. } => libc::EEXIST,
             MapError::TooManyMappings { .. } => libc::ENOSPC,
-            MapError::Backing(MmapError::ProcessLimit { .. }) => libc::ENOMEM,
+            MapError::Backing(MmapError::ProcessLimit { .. } | MmapError::ProcessBytes { .. }) => {
+                libc::ENOMEM
+            }
             MapError::Backing(MmapError::Inspect(_)) => libc::EBADF,
             MapError::Backing(MmapError::Mmap(e)) => e.raw_os_error().unwrap_or(libc::EINVAL),
             _ => libc::EINVAL,
