@@ -336,3 +336,35 @@ fn the_status_block_encodes_little_endian() {
     assert_eq!(u64::from_le_bytes(b[8..16].try_into().unwrap()), 0x1122);
     assert_eq!(u32::from_le_bytes(b[16..20].try_into().unwrap()), 8);
 }
+
+#[test]
+fn a_ccw_and_an_idaw_list_may_end_at_the_top_of_the_address_space() {
+    // The last 64 KiB below 2^64 are the VecBus's first 64 KiB (the data stays low).
+    const TOP: u64 = u64::MAX - 0xffff;
+    struct Top(VecBus);
+    impl Bus for Top {
+        fn fetch(&mut self, a: u64, b: &mut [u8]) -> Result<(), BusError> {
+            self.0.fetch(if a >= TOP { a - TOP } else { a + 0x10000 }, b)
+        }
+        fn transfer(&mut self, d: Direction, p: &[Piece], s: u64) -> Result<(), Partial> {
+            self.0.transfer(d, p, s)
+        }
+        fn deliver(&mut self, p: &[Piece], d: &[u8]) -> Result<(), Partial> {
+            self.0.deliver(p, d)
+        }
+        fn store_size(&self) -> u64 {
+            self.0.store_size()
+        }
+    }
+    let mut bus = Top(VecBus::new(64 * P as usize, 0x4000));
+    // A lone NOP in the last 16 bytes.
+    bus.0.ccw(0xfff0, cmd::NOP, 0, 0, 0);
+    let s = run(&mut bus, u64::MAX - 15);
+    assert_eq!(s.reason, Reason::Ok, "{s:?}");
+    // A READ of two 4 KiB blocks whose two IDAWs are the last 16 bytes, its CCW below them.
+    bus.0.ccw(0xffe0, cmd::READ, flags::IDA, 0x2000, u64::MAX - 15);
+    bus.0.put(0xfff0, &[0x00, 0x30, 0, 0, 0, 0, 0, 0]);
+    bus.0.put(0xfff8, &[0x00, 0x50, 0, 0, 0, 0, 0, 0]);
+    let s = run(&mut bus, u64::MAX - 31);
+    assert_eq!((s.reason, s.bytes), (Reason::Ok, 0x2000), "{s:?}");
+}

@@ -155,7 +155,9 @@ pub struct ClientDmaPort {
 
 fn check(reply: &ClientReply, iova: u64, count: usize, data: bool) -> Result<(), ClientDmaError> {
     if reply.header.is_error() {
-        return Err(ClientDmaError::Refused(reply.header.error as i32));
+        // An error with no errno is still an error: EIO, not "0".
+        let errno = i32::try_from(reply.header.error).ok().filter(|&e| e > 0).unwrap_or(libc::EIO);
+        return Err(ClientDmaError::Refused(errno));
     }
     let p = &reply.payload;
     // A DMA_WRITE reply may be a bare header (QEMU 10.1) or echo address and count.
@@ -198,5 +200,22 @@ impl ClientDma for ClientDmaPort {
             check(&reply, at, piece.len(), false)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::flags;
+
+    #[test]
+    fn an_error_reply_without_an_errno_is_eio() {
+        let reply = |error| ClientReply {
+            header: Header { id: 1, command: 11, size: 16, flags: flags::TYPE_REPLY | flags::ERROR, error },
+            payload: Vec::new(),
+        };
+        assert!(matches!(check(&reply(0), 0, 8, true), Err(ClientDmaError::Refused(libc::EIO))));
+        assert!(matches!(check(&reply(14), 0, 8, true), Err(ClientDmaError::Refused(libc::EFAULT))));
+        assert!(matches!(check(&reply(u32::MAX), 0, 8, true), Err(ClientDmaError::Refused(libc::EIO))));
     }
 }

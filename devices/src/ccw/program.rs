@@ -462,15 +462,17 @@ fn idaw_pieces(bus: &mut dyn Bus, idal: u64, count: u32, block: u64) -> Result<P
     idaw0.checked_add(len0 - 1).ok_or(Reason::DataUnmapped)?;
     let mut pieces: Pieces = smallvec::smallvec![Piece { addr: idaw0, len: len0 as u32 }];
     let mut left = u64::from(count) - len0;
-    let mut at = idal + 8;
+    // The next IDAW's address; none past the top of the address space (a list may end there).
+    let mut at = idal.checked_add(8);
     let mut list = IdawSlice::zeroed();
     while left > 0 {
         let n = left.div_ceil(block).min(IDAW_SLICE as u64) as usize;
         let bytes = n * size_of::<Idaw>();
-        at.checked_add(bytes as u64).ok_or(Reason::IdalUnmapped)?;
-        let fetched = bus.fetch(at, &mut list.as_mut_slice()[..bytes]);
+        let base = at.ok_or(Reason::IdalUnmapped)?;
+        base.checked_add(bytes as u64 - 1).ok_or(Reason::IdalUnmapped)?;
+        let fetched = bus.fetch(base, &mut list.as_mut_slice()[..bytes]);
         fetched.map_err(|e| fetch_error(e, Reason::IdalUnmapped))?;
-        at += bytes as u64;
+        at = base.checked_add(bytes as u64);
         for &idaw in &list.0[..n] {
             let idaw = u64::from(idaw);
             if idaw % block != 0 {
@@ -508,7 +510,8 @@ pub fn run(bus: &mut dyn Bus, cpa: u64) -> Status {
             return status;
         }
         let mut raw = RawCcw::default();
-        if ccw_addr.checked_add(CCW_SIZE).is_none() {
+        // A CCW may end at the top of the address space, not past it.
+        if ccw_addr.checked_add(CCW_SIZE - 1).is_none() {
             program_check(&mut status, Reason::CcwUnmapped);
             return status;
         }
