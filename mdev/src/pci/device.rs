@@ -172,8 +172,9 @@ impl<F: PciFunction> PciDevice<F> {
             *region = RegionInfo::read_write(bar.size());
             if let Some(mmap) = function.bar_mmap(index as u8) {
                 check_mmap(index as u8, bar.size(), bar.is_io(), &mmap, msix.as_ref()).map_err(E::from)?;
+                // Only the flag is kept: the file is asked for at each region-info request
+                // (a function gives each client its own; holding the first would keep it open).
                 region.flags |= RegionFlags::MMAP;
-                region.mmap = Some(mmap);
             }
         }
         regions[VFIO_PCI_CONFIG_REGION_INDEX as usize] = RegionInfo::read_write(config.size() as u64);
@@ -434,13 +435,10 @@ impl<F: PciFunction> VfioDevice for PciDevice<F> {
             info.mmap = None;
         }
         // The file as the function has it now: it may give each client its own.
-        if let Some(mmap) = info.mmap.as_mut() {
-            match self.function.bar_mmap(index as u8) {
-                Some(now) => mmap.fd = now.fd,
-                None => {
-                    info.flags.remove(RegionFlags::MMAP);
-                    info.mmap = None;
-                }
+        if info.flags.contains(RegionFlags::MMAP) {
+            info.mmap = self.function.bar_mmap(index as u8);
+            if info.mmap.is_none() {
+                info.flags.remove(RegionFlags::MMAP);
             }
         }
         Some(info)
@@ -450,7 +448,7 @@ impl<F: PciFunction> VfioDevice for PciDevice<F> {
         self.function.client_version(hello);
         let mut withheld = 0u8;
         for (bar, region) in self.regions.iter().enumerate().take(NUM_BARS) {
-            if region.mmap.is_some() && !self.function.offer_mmap(bar as u8, hello) {
+            if region.flags.contains(RegionFlags::MMAP) && !self.function.offer_mmap(bar as u8, hello) {
                 withheld |= 1 << bar;
             }
         }
