@@ -22,6 +22,7 @@ fn all_spaces_share_one_budget_of_address_space() {
     let huge = 1u64 << 40;
     file.set_len(huge).unwrap();
     set_process_mapped_bytes_limit(3 * huge);
+    set_process_mapping_limit(1000);
     let (a, b) = (DmaSpace::default(), DmaSpace::default());
     a.map(0, huge, file.as_fd(), 0, Prot::READ).unwrap();
     a.map(huge, huge, file.as_fd(), 0, Prot::READ).unwrap();
@@ -45,6 +46,7 @@ fn all_spaces_share_one_budget_of_mappings() {
     let file = std::fs::File::from(fd);
     file.set_len(PAGE_SIZE).unwrap();
     set_process_mapping_limit(3);
+    set_process_mapped_bytes_limit(64 << 40);
     let (a, b) = (DmaSpace::default(), DmaSpace::default());
     a.map(0, PAGE_SIZE, file.as_fd(), 0, Prot::READ).unwrap();
     a.map(PAGE_SIZE, PAGE_SIZE, file.as_fd(), 0, Prot::READ).unwrap();
