@@ -58,14 +58,20 @@ struct LimitArgs {
     /// resource (half of vm.max_map_count: 32765 by default).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     max_process_mappings: Option<u64>,
+    /// Bytes of address space all clients' DMA mappings may take together: a mapping of a
+    /// sparse file costs addresses only, and they must leave the process room for its threads
+    /// (70368744177664: 64 TiB, half of x86-64's).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    max_process_mapped_bytes: Option<u64>,
     /// Pins a device may hold at once, repeats counted (16777216).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     max_pins: Option<u64>,
-    /// Bytes one region access or message carries at most (1048576; also bounds the message size).
-    #[arg(long)]
+    /// Bytes one region access or message carries at most, 4096 to 67108864 (1048576; also
+    /// bounds the message size; QEMU accepts at most 64 MiB).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(4096..=64 << 20))]
     max_data_xfer: Option<u32>,
-    /// fds one message may carry, e.g. SET_IRQS eventfds (16; QEMU accepts at most 16).
-    #[arg(long)]
+    /// fds one message may carry, e.g. SET_IRQS eventfds, 1 to 253 (16; QEMU accepts at most 16).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=253))]
     max_msg_fds: Option<u32>,
 }
 
@@ -79,19 +85,16 @@ impl LimitArgs {
         if let Some(n) = self.max_process_mappings {
             umdev_pinning::set_process_mapping_limit(n);
         }
+        if let Some(n) = self.max_process_mapped_bytes {
+            umdev_pinning::set_process_mapped_bytes_limit(n);
+        }
         if let Some(n) = self.max_pins {
             config.dma.max_pins = n;
         }
         if let Some(n) = self.max_data_xfer {
-            if !(4096..=64 << 20).contains(&n) {
-                return Err("--max-data-xfer must be 4096 to 64 MiB (QEMU accepts at most 64 MiB)".into());
-            }
             l.max_data_xfer_size = n;
         }
         if let Some(n) = self.max_msg_fds {
-            if !(1..=253).contains(&n) {
-                return Err("--max-msg-fds must be 1 to 253".into());
-            }
             l.max_msg_fds = n;
         }
         Ok(())
