@@ -361,6 +361,11 @@ fn a_ccw_and_an_idaw_list_may_end_at_the_top_of_the_address_space() {
     bus.0.ccw(0xfff0, cmd::NOP, 0, 0, 0);
     let s = run(&mut bus, u64::MAX - 15);
     assert_eq!(s.reason, Reason::Ok, "{s:?}");
+    // Chained from there, the next CCW would be past the top: nowhere, not at 0.
+    bus.0.ccw(0xfff0, cmd::NOP, flags::CC, 0, 0);
+    let s = run(&mut bus, u64::MAX - 15);
+    assert_eq!((s.reason, s.ccws), (Reason::CcwUnmapped, 1), "{s:?}");
+    bus.0.ccw(0xfff0, cmd::NOP, 0, 0, 0);
     // A READ of two 4 KiB blocks whose two IDAWs are the last 16 bytes, its CCW below them.
     bus.0.ccw(0xffe0, cmd::READ, flags::IDA, 0x2000, u64::MAX - 15);
     bus.0.put(0xfff0, &[0x00, 0x30, 0, 0, 0, 0, 0, 0]);

@@ -556,7 +556,12 @@ pub fn run(bus: &mut dyn Bus, cpa: u64) -> Status {
             status.dstat |= dstat::CE | dstat::DE;
             return status;
         }
-        ccw_addr = ccw_addr.wrapping_add(CCW_SIZE);
+        // A chain running off the top of the address space: the next CCW is nowhere.
+        let Some(next) = ccw_addr.checked_add(CCW_SIZE) else {
+            program_check(&mut status, Reason::CcwUnmapped);
+            return status;
+        };
+        ccw_addr = next;
     }
 }
 
