@@ -319,7 +319,7 @@ impl Interrupts {
         Ok(())
     }
 
-    /// Holds every interrupt until [`Irqs::reset`]: INTx as if disabled, MSI and MSI-X as if
+    /// Holds every interrupt until [`Interrupts::reset`]: INTx as if disabled, MSI and MSI-X as if
     /// off (nothing raised meanwhile is delivered, then or after). A device's reset or detach
     /// does this first, so that requests ending as they are cancelled raise nothing.
     pub fn quiesce(&self) {
@@ -399,16 +399,20 @@ impl Interrupts {
 
     /// Registers (`Some`) or removes (`None`) the INTx unmask eventfd.
     fn set_unmask_fd(&self, fd: Option<EventFd>) -> Result<(), DeviceError> {
+        if fd
+            .as_ref()
+            .is_some_and(|fd| self.shared.lock().intx.trigger.as_ref().is_some_and(|t| same_file(t, fd)))
+        {
+            // Each unmask would signal the trigger, which is the unmask: a loop. Refused
+            // before anything changes: the unmask eventfd in place stays.
+            log::debug!("SET_IRQS: INTx unmask eventfd is its trigger eventfd: refused");
+            return Err(DeviceError::Errno(libc::EINVAL));
+        }
         let mut slot = umdev_pinning::sync::lock(&self.watcher);
         if let Some((old, _)) = slot.take() {
             old.stop();
         }
         if let Some(fd) = fd {
-            if self.shared.lock().intx.trigger.as_ref().is_some_and(|t| same_file(t, &fd)) {
-                // Each unmask would signal the trigger, which is the unmask: a loop.
-                log::debug!("SET_IRQS: INTx unmask eventfd is its trigger eventfd: refused");
-                return Err(DeviceError::Errno(libc::EINVAL));
-            }
             let handle =
                 fd.try_clone().map_err(|e| DeviceError::Errno(e.raw_os_error().unwrap_or(libc::EIO)))?;
             let shared = self.shared.clone();
@@ -422,16 +426,30 @@ impl Interrupts {
     }
 }
 
-/// Whether `a` and `b` are descriptors of one open file (one eventfd, dup'ed or sent twice).
-/// False where the kernel cannot say (no `kcmp`).
+/// Whether `a` and `b` are descriptors of one open file (one eventfd, dup'ed or sent twice):
+/// by `kcmp`, or where it is missing or refused (a kernel without it, a container's seccomp
+/// profile), by the eventfd's id in `/proc/self/fdinfo`; false only where neither can say.
 fn same_file(a: &EventFd, b: &EventFd) -> bool {
     use std::os::fd::AsRawFd;
-    const KCMP_FILE: libc::c_int = 0;
-    let pid = std::process::id() as libc::pid_t;
+    const KCMP_FILE: libc::c_ulong = 0;
+    let pid = libc::c_ulong::from(std::process::id());
+    let (fa, fb) = (a.as_raw_fd() as libc::c_ulong, b.as_raw_fd() as libc::c_ulong);
     // SAFETY: kcmp compares two entries of this process's own fd table; it reads no memory
-    // of ours and changes nothing.
-    let r = unsafe { libc::syscall(libc::SYS_kcmp, pid, pid, KCMP_FILE, a.as_raw_fd(), b.as_raw_fd()) };
-    r == 0
+    // of ours and changes nothing. Every argument is passed as the kernel's unsigned long.
+    let r = unsafe { libc::syscall(libc::SYS_kcmp, pid, pid, KCMP_FILE, fa, fb) };
+    match r {
+        0 => true,
+        r if r > 0 => false,
+        _ => matches!((eventfd_id(a), eventfd_id(b)), (Some(x), Some(y)) if x == y),
+    }
+}
+
+/// The kernel's id of the eventfd `fd` refers to (`eventfd-id` in its fdinfo, Linux 5.18 and
+/// later), the same for every descriptor of it.
+fn eventfd_id(fd: &EventFd) -> Option<u64> {
+    use std::os::fd::AsRawFd;
+    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd())).ok()?;
+    info.lines().find_map(|l| l.strip_prefix("eventfd-id:")).and_then(|v| v.trim().parse().ok())
 }
 
 impl Drop for Interrupts {

@@ -201,6 +201,10 @@ fn one_eventfd_cannot_be_both_intx_trigger_and_unmask() {
     assert!(matches!(refused, Err(DeviceError::Errno(libc::EINVAL))), "{refused:?}");
     // Two different eventfds are fine.
     assign(&irqs, INTX, 0, 1);
+    // Where kcmp is refused, the eventfd's id in fdinfo tells the same.
+    let (one, other) = (efd(), efd());
+    assert_eq!(eventfd_id(&one), eventfd_id(&one.try_clone().unwrap()));
+    assert!(eventfd_id(&one).is_some() && eventfd_id(&one) != eventfd_id(&other));
 }
 
 #[test]
