@@ -178,15 +178,18 @@ fn one_eventfd_cannot_be_both_intx_trigger_and_unmask() {
     // Each unmask would signal the trigger, which the watcher would read as another unmask:
     // a loop burning a CPU. Refused whichever is set second, by file (a dup is the same).
     let irqs = full();
+    let dev = irqs.handle();
     let trigger = assign(&irqs, INTX, 0, 1).remove(0);
-    let refused = irqs.set_irqs(req(
-        INTX,
-        0,
-        1,
-        IrqAction::Unmask,
-        IrqData::Eventfds(vec![trigger.try_clone().unwrap()]),
-    ));
+    let unmask = efd();
+    set(&irqs, INTX, 0, 1, IrqAction::Unmask, IrqData::Eventfds(vec![unmask.try_clone().unwrap()]));
+    let same = IrqData::Eventfds(vec![trigger.try_clone().unwrap()]);
+    let refused = irqs.set_irqs(req(INTX, 0, 1, IrqAction::Unmask, same));
     assert!(matches!(refused, Err(DeviceError::Errno(libc::EINVAL))), "{refused:?}");
+    // The refusal changed nothing: the unmask eventfd in place still unmasks.
+    assert_eq!(dev.intx_assert(), Delivery::Signalled);
+    assert_eq!(take(&trigger), 1);
+    unmask.write(1).unwrap();
+    assert_eq!(wait_for(&trigger), 1);
 
     let irqs = full();
     let unmask = efd();
