@@ -58,11 +58,17 @@ pub enum MmapError {
     /// The length does not fit in this process's address space.
     #[error("size {0:#x} does not fit in the address space")]
     TooLarge(u64),
-    /// The file is on FUSE: its pages come from a user-space server (the client itself,
-    /// perhaps), so a thread of this process touching one would wait as long as that server
-    /// chose, with engine locks held (a lock-mode mlock) or on the connection's own thread.
-    #[error("the file is on FUSE, whose pages a user-space server provides at its own pace; map memory from a memfd, tmpfs, hugetlbfs or a local file system")]
-    Fuse,
+    /// The file is on a file system whose pages may come at someone else's pace: FUSE (a
+    /// user-space server, the client itself perhaps), a network file system, or one that may
+    /// stack on those (overlayfs). A thread of this process touching such a page would wait
+    /// as long as that server chose, with engine locks held (a lock-mode mlock) or on the
+    /// connection's own thread. Memory comes from memfds, tmpfs, hugetlbfs, ramfs or a local
+    /// disk file system (ext2/3/4, XFS, Btrfs, F2FS).
+    #[error("the file is on a file system with magic {magic:#x}, whose pages may come at another server's pace (FUSE, a network or stacked file system); map memory from a memfd, tmpfs, hugetlbfs, ramfs or a local disk file system (ext4, XFS, Btrfs, F2FS)")]
+    Filesystem {
+        /// `statfs`'s `f_type`.
+        magic: u32,
+    },
     /// The process already holds its budget of guest mappings (see
     /// [`process_mapping_limit`]): every mapping is a VMA, and VMAs are a per-process kernel
     /// resource the whole server shares.
@@ -85,8 +91,18 @@ pub enum MmapError {
     Mmap(#[source] io::Error),
 }
 
-/// `statfs`'s `f_type` of FUSE (linux/magic.h).
-const FUSE_SUPER_MAGIC: libc::c_long = 0x6573_5546;
+/// File systems guest memory may be on (`statfs`'s `f_type`, linux/magic.h): memory, and
+/// local disks, whose page faults wait for nobody but the kernel and the disk.
+const MEMORY_FILESYSTEMS: [u32; 8] = [
+    0x0102_1994, // tmpfs (memfds, /dev/shm)
+    0x9584_58f6, // hugetlbfs
+    0x8584_58f6, // ramfs
+    0xef53,      // ext2, ext3, ext4
+    0x5846_5342, // XFS
+    0x9123_683e, // Btrfs
+    0xf2f5_2010, // F2FS
+    0xca45_1a4e, // bcachefs
+];
 
 /// Guest mappings alive in this process.
 static LIVE_MAPPINGS: AtomicU64 = AtomicU64::new(0);
@@ -268,8 +284,10 @@ impl HostMemory {
     #[cfg(not(miri))]
     fn backing_of(fd: BorrowedFd<'_>) -> Result<Backing, MmapError> {
         let fs = fstatfs(fd).map_err(|e| MmapError::Inspect(e.into()))?;
-        if fs.filesystem_type().0 == FUSE_SUPER_MAGIC {
-            return Err(MmapError::Fuse);
+        // The kernel's f_type is a 32-bit magic, whatever the width libc gives it.
+        let magic = fs.filesystem_type().0 as u64 as u32;
+        if !MEMORY_FILESYSTEMS.contains(&magic) {
+            return Err(MmapError::Filesystem { magic });
         }
         if fs.filesystem_type() == HUGETLBFS_MAGIC {
             // hugetlbfs reports its huge page size as the block size.

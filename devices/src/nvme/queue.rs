@@ -106,26 +106,51 @@ pub struct DoorbellPage {
     region: MmapRegion,
     /// The page's offset in its file.
     offset: u64,
+    /// The file mapped at the page now (the region keeps the first one open, mapped or not).
+    current: std::sync::Mutex<std::fs::File>,
 }
 
 impl DoorbellPage {
     /// A page of the shared `file` at `offset`.
     pub fn new(file: std::fs::File, offset: u64) -> std::io::Result<DoorbellPage> {
+        let current = std::sync::Mutex::new(file.try_clone()?);
         let region = MmapRegion::from_file(FileOffset::new(file, offset), PAGE as usize)
             .map_err(std::io::Error::other)?;
-        Ok(DoorbellPage { region, offset })
+        Ok(DoorbellPage { region, offset, current })
     }
 
     /// Maps the same page of `file` in place of this one's, at the same address: from then
-    /// on the page is `file`'s (the old file is no longer read or written here).
+    /// on the page is `file`'s (the old file is no longer read or written here). If that
+    /// fails the page stays the old file's.
     pub fn replace(&self, file: &std::fs::File) -> std::io::Result<()> {
+        let mut current = umdev_mdev::sync::lock(&self.current);
+        let kept = file.try_clone()?;
+        if let Err(e) = self.map_at_page(file) {
+            // A failed MAP_FIXED may have unmapped the range first (kernels before 6.12):
+            // the old file goes back, or the process cannot go on (a worker would fault on
+            // the hole).
+            if let Err(again) = self.map_at_page(&current) {
+                log::error!(
+                    "nvme: the doorbell page could not be mapped ({e}), nor the old one again ({again})"
+                );
+                std::process::abort();
+            }
+            return Err(e);
+        }
+        *current = kept;
+        Ok(())
+    }
+
+    /// Maps this page's page of `file` at the page's address.
+    fn map_at_page(&self, file: &std::fs::File) -> std::io::Result<()> {
         use std::os::fd::AsRawFd;
         let offset = libc::off_t::try_from(self.offset).map_err(std::io::Error::other)?;
-        // SAFETY: MAP_FIXED over this page's own mapping, of its length, with the protection
-        // it was made with: the address range stays mapped throughout (the kernel replaces
-        // the mapping in one step), so the atomics other threads may hold references into
-        // stay valid, and nothing else of the process lies there. The region's drop unmaps
-        // the range, whichever file is mapped there then.
+        // SAFETY: MAP_FIXED over this page's own mapping (MAP_SHARED, read-write, the page's
+        // length): on success the range is mapped throughout (the kernel replaces the
+        // mapping in one step), so the atomics other threads may hold references into stay
+        // valid, and nothing else of the process lies there; on failure the caller maps a
+        // file there again or aborts. The region's drop unmaps the range, whichever file is
+        // mapped there then.
         let at = unsafe {
             libc::mmap(
                 self.region.as_ptr().cast(),
