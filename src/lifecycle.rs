@@ -132,36 +132,57 @@ impl LifecycleError {
     }
 }
 
-/// Creates `dir` (and its missing parents) mode 0700 if it is missing, and refuses it unless it
-/// is a directory of this process's effective user (or root's) that neither its group nor
-/// others can write to: definitions read from, or sockets put in, a directory another user
-/// controls would be that user's to swap (a shared `/tmp` fallback, say).
+/// Creates `dir` (and its missing parents) mode 0700 if it is missing, then
+/// [`check_private_dir`].
 pub fn private_dir(dir: &Path) -> Result<(), LifecycleError> {
-    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    use std::os::unix::fs::DirBuilderExt;
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(dir)
         .map_err(|source| LifecycleError::Io { what: "creating", path: dir.to_path_buf(), source })?;
-    let meta = std::fs::metadata(dir).map_err(|source| LifecycleError::Io {
-        what: "reading",
-        path: dir.to_path_buf(),
-        source,
-    })?;
+    check_private_dir(dir)
+}
+
+/// Refuses `dir` unless it is a directory of this process's effective user (or root's) that
+/// neither its group nor others can write to: definitions read from, or sockets put in, a
+/// directory another user controls would be that user's to swap (a shared `/tmp` fallback,
+/// say). A symbolic link is followed only if it is the user's own (one another user planted
+/// in `/tmp` is refused). A directory of the user's own that others may write to is made
+/// private, with a warning (an older umdev created them with the umask's mode).
+pub fn check_private_dir(dir: &Path) -> Result<(), LifecycleError> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let me = nix::unistd::geteuid().as_raw();
-    let why = if !meta.is_dir() {
-        Some("not a directory".to_string())
-    } else if meta.uid() != me && meta.uid() != 0 {
-        Some(format!("owned by uid {}, not {me}", meta.uid()))
-    } else if meta.mode() & 0o022 != 0 {
-        Some(format!("mode {:o}: its group or others may write to it", meta.mode() & 0o7777))
-    } else {
-        None
-    };
-    match why {
-        Some(why) => Err(LifecycleError::NotPrivate { path: dir.to_path_buf(), why }),
-        None => Ok(()),
+    let io = |what| move |source| LifecycleError::Io { what, path: dir.to_path_buf(), source };
+    let not_private = |why: String| LifecycleError::NotPrivate { path: dir.to_path_buf(), why };
+    let link = std::fs::symlink_metadata(dir).map_err(io("reading"))?;
+    if link.file_type().is_symlink() && link.uid() != me && link.uid() != 0 {
+        return Err(not_private(format!("a symbolic link of uid {}, not {me}", link.uid())));
     }
+    let meta = std::fs::metadata(dir).map_err(io("reading"))?;
+    if !meta.is_dir() {
+        return Err(not_private("not a directory".into()));
+    }
+    if meta.uid() != me && meta.uid() != 0 {
+        return Err(not_private(format!("owned by uid {}, not {me}", meta.uid())));
+    }
+    let mode = meta.mode() & 0o7777;
+    if mode & 0o022 != 0 {
+        if meta.uid() != me {
+            return Err(not_private(format!("mode {mode:o}: its group or others may write to it")));
+        }
+        let private = mode & !0o022;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(private)).map_err(|e| {
+            not_private(format!(
+                "mode {mode:o}: its group or others may write to it, and it cannot be changed ({e})"
+            ))
+        })?;
+        log::warn!(
+            "{}: its group or others could write to it (mode {mode:o}); made {private:o}",
+            dir.display()
+        );
+    }
+    Ok(())
 }
 
 /// A definition file's UUID (its name), and its definition or why it cannot be read.
@@ -290,6 +311,9 @@ impl Definitions {
     /// The definition of `uuid`. A file whose JSON does not parse, or names another UUID than
     /// its file name, is [`LifecycleError::Invalid`].
     pub fn get(&self, uuid: &Uuid) -> Result<Definition, LifecycleError> {
+        if self.dir.exists() {
+            check_private_dir(&self.dir)?;
+        }
         let path = self.path(uuid);
         let text = match std::fs::read_to_string(&path) {
             Ok(t) => t,
@@ -314,7 +338,7 @@ impl Definitions {
         if !self.dir.exists() {
             return Ok(Vec::new());
         }
-        private_dir(&self.dir)?;
+        check_private_dir(&self.dir)?;
         let entries = std::fs::read_dir(&self.dir).map_err(Self::io("reading", &self.dir))?;
         let mut all: Vec<DefinitionFile> = entries
             .flatten()
@@ -1069,23 +1093,44 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let fresh = dir.path().join("a/b");
         private_dir(&fresh).unwrap();
-        assert_eq!(std::fs::metadata(&fresh).unwrap().permissions().mode() & 0o777, 0o700);
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&fresh), 0o700);
+        // One's own directory that others may write to is made private (an older umdev
+        // created them with the umask's mode).
         std::fs::set_permissions(&fresh, std::fs::Permissions::from_mode(0o777)).unwrap();
-        let err = private_dir(&fresh).unwrap_err();
-        assert!(matches!(err, LifecycleError::NotPrivate { .. }), "{err}");
-        // Definitions in such a directory are neither read nor written.
-        let defs = Definitions::new(&fresh);
-        assert!(matches!(defs.entries(), Err(LifecycleError::NotPrivate { .. })));
-        assert!(matches!(defs.define(&def(1, StartPolicy::Auto)), Err(LifecycleError::NotPrivate { .. })));
-        std::fs::set_permissions(&fresh, std::fs::Permissions::from_mode(0o755)).unwrap();
-        defs.define(&def(1, StartPolicy::Auto)).unwrap();
-        assert_eq!(defs.entries().unwrap().len(), 1);
+        private_dir(&fresh).unwrap();
+        assert_eq!(mode(&fresh), 0o755);
         let file = dir.path().join("f");
         std::fs::write(&file, "").unwrap();
         assert!(matches!(
             private_dir(&file),
             Err(LifecycleError::Io { .. } | LifecycleError::NotPrivate { .. })
         ));
+        if !nix::unistd::geteuid().is_root() {
+            return eprintln!("SKIPPED the rest: another user's directory needs root to make");
+        }
+        // Another user's directory, or a symbolic link another user planted, is refused, and
+        // definitions in it are neither read nor written.
+        let theirs = nix::unistd::Uid::from_raw(65534);
+        nix::unistd::chown(&fresh, Some(theirs), None).unwrap();
+        let err = check_private_dir(&fresh).unwrap_err();
+        assert!(matches!(err, LifecycleError::NotPrivate { .. }), "{err}");
+        let defs = Definitions::new(&fresh);
+        assert!(matches!(defs.entries(), Err(LifecycleError::NotPrivate { .. })));
+        assert!(matches!(defs.get(&Uuid::from_u128(1)), Err(LifecycleError::NotPrivate { .. })));
+        assert!(matches!(defs.define(&def(1, StartPolicy::Auto)), Err(LifecycleError::NotPrivate { .. })));
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink("/", &link).unwrap();
+        nix::unistd::fchownat(
+            nix::fcntl::AT_FDCWD,
+            &link,
+            Some(theirs),
+            None,
+            nix::unistd::FchownatFlags::AT_SYMLINK_NOFOLLOW,
+        )
+        .unwrap();
+        let err = check_private_dir(&link).unwrap_err();
+        assert!(format!("{err}").contains("symbolic link"), "{err}");
     }
 
     fn def(n: u128, start: StartPolicy) -> Definition {

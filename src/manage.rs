@@ -151,8 +151,7 @@ struct DirLocks {
 impl DirLocks {
     fn take(dirs: &Dirs) -> Result<DirLocks, String> {
         use nix::fcntl::{Flock, FlockArg};
-        std::fs::create_dir_all(&dirs.state)
-            .map_err(|e| format!("creating {}: {e}", dirs.state.display()))?;
+        umdev::lifecycle::private_dir(&dirs.state).map_err(|e| e.to_string())?;
         let mut locks = Vec::new();
         let mut held: Vec<PathBuf> = Vec::new();
         for (dir, what) in [(&dirs.run, "the run directory"), (&dirs.state, "the definitions in")] {
