@@ -520,7 +520,6 @@ fn workloads() -> Vec<(Kind, bool, u16, usize)> {
     all
 }
 
-/// `file` as the server takes it: absolute (a daemon's directory is not the caller's).
 /// Refuses a backing file (or block device) smaller than the benchmark's namespace.
 fn check_size(file: &Path) -> Result<(), String> {
     // The end's offset: a block device's size too, where metadata says 0.
@@ -533,6 +532,7 @@ fn check_size(file: &Path) -> Result<(), String> {
     Ok(())
 }
 
+/// `file` as the server takes it: absolute (a daemon's directory is not the caller's).
 fn absolute(file: &Path) -> Result<PathBuf, String> {
     std::fs::canonicalize(file).map_err(|e| format!("{}: {e}", file.display()))
 }

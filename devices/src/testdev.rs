@@ -269,7 +269,7 @@ pub struct TestDev {
     maps: Maps,
     /// BAR1's memory: replaced at each detach, so that a client that left cannot reach the
     /// next one's.
-    bar1: Mutex<Arc<OwnedFd>>,
+    bar1: arc_swap::ArcSwap<OwnedFd>,
     /// The worker's requests.
     lane: Lane,
     worker: Option<Worker<Close>>,
@@ -293,7 +293,7 @@ impl TestDev {
                 bell.ring();
             }
         });
-        TestDev { inner, maps: Maps::new(), bar1: Mutex::new(bar1), lane, worker }
+        TestDev { inner, maps: Maps::new(), bar1: arc_swap::ArcSwap::new(bar1), lane, worker }
     }
 
     fn bar0_read(&self, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
@@ -382,14 +382,12 @@ impl TestDev {
 
     fn bar1_read(&self, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
         // The adapter checked the bounds: offset + len <= 8 KiB.
-        let bar1 = umdev_pinning::sync::lock(&self.bar1).clone();
-        let done = nix::sys::uio::pread(bar1.as_fd(), data, offset as libc::off_t);
+        let done = nix::sys::uio::pread(self.bar1.load().as_fd(), data, offset as libc::off_t);
         bar1_result(offset, done, data.len())
     }
 
     fn bar1_write(&self, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
-        let bar1 = umdev_pinning::sync::lock(&self.bar1).clone();
-        let done = nix::sys::uio::pwrite(bar1.as_fd(), data, offset as libc::off_t);
+        let done = nix::sys::uio::pwrite(self.bar1.load().as_fd(), data, offset as libc::off_t);
         bar1_result(offset, done, data.len())
     }
 
@@ -561,7 +559,7 @@ impl PciFunction for TestDev {
 
     fn bar_mmap(&self, bar: u8) -> Option<RegionMmap> {
         (bar == 1).then(|| RegionMmap {
-            fd: umdev_pinning::sync::lock(&self.bar1).clone(),
+            fd: self.bar1.load_full(),
             offset: 0,
             areas: vec![SparseArea { offset: 0, size: BAR1_MMAP_SIZE }],
         })
@@ -573,7 +571,7 @@ impl PciFunction for TestDev {
 
     fn detach(&self) {
         match bar1_memfd() {
-            Ok(fresh) => *umdev_pinning::sync::lock(&self.bar1) = fresh,
+            Ok(fresh) => self.bar1.store(fresh),
             Err(e) => {
                 log::error!("testdev: no new BAR1 memory for the next client ({e}); it shares this one's")
             }

@@ -83,7 +83,14 @@ pub struct SparseArea {
 pub fn region_memfd(name: &std::ffi::CStr, size: u64) -> std::io::Result<std::fs::File> {
     use nix::fcntl::{fcntl, FcntlArg, SealFlag};
     use nix::sys::memfd::MFdFlags;
-    let fd = nix::sys::memfd::memfd_create(name, MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)?;
+    let flags = MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING;
+    // Not executable (where `vm.memfd_noexec=2` a memfd must say so); kernels before 6.3 do not
+    // know the flag.
+    let noexec = flags | MFdFlags::from_bits_retain(libc::MFD_NOEXEC_SEAL);
+    let fd = match nix::sys::memfd::memfd_create(name, noexec) {
+        Err(nix::errno::Errno::EINVAL) => nix::sys::memfd::memfd_create(name, flags)?,
+        made => made?,
+    };
     let file = std::fs::File::from(fd);
     file.set_len(size)?;
     let seals = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL;

@@ -293,6 +293,8 @@ impl Instance {
     fn hand_over(self: &Arc<Self>, stream: UnixStream) {
         let budget = HANGUP_GRACE + self.config.dma.unmap_timeout + HANDOVER_SLACK;
         let deadline = std::time::Instant::now() + budget;
+        // When the predecessor's process was first seen gone with its socket still open.
+        let mut lingering: Option<std::time::Instant> = None;
         loop {
             if hangs_up_within(&stream, Duration::ZERO) {
                 return log::debug!("instance {}: a client waiting for a handover left", self.config.id);
@@ -319,15 +321,21 @@ impl Instance {
                 }
                 Slot::ProcessGone => {
                     // Its process exited; its socket lingers (QEMU's io_uring holds the file
-                    // for milliseconds). Wait for it to close.
+                    // for milliseconds). Wait for it to close, up to HANGUP_GRACE, looking at
+                    // whether this client is still there meanwhile.
+                    let since = *lingering.get_or_insert_with(std::time::Instant::now);
+                    let grace = HANGUP_GRACE.saturating_sub(since.elapsed());
+                    if grace.is_zero() {
+                        drop(active);
+                        return self
+                            .turn_away("the previous client's process exited but its connection lingers");
+                    }
                     let Some(predecessor) = active.as_ref().and_then(|a| a.stream.try_clone().ok()) else {
                         continue;
                     };
                     drop(active);
-                    if !hangs_up_within_or_stop(&predecessor, &self.stop, left.min(HANGUP_GRACE)) {
-                        return self
-                            .turn_away("the previous client's process exited but its connection lingers");
-                    }
+                    let _ =
+                        hangs_up_within_or_stop(&predecessor, &self.stop, left.min(grace).min(HANDOVER_LOOK));
                 }
             }
         }

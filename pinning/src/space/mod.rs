@@ -638,6 +638,8 @@ impl DmaSpace {
                 stats.pins_held += pins.page_counts.pins();
                 stats.pinned_pages += pins.page_counts.pinned_pages();
                 stats.bookkeeping_bytes += pins.page_counts.bookkeeping_bytes() as u64;
+                stats.bookkeeping_bytes +=
+                    pins.kept_counts.as_ref().map_or(0, |k| k.bookkeeping_bytes()) as u64;
                 stats.poisoned_mappings += u64::from(m.poisoned());
             }
             // Distinct recorded pages that the counts do not already cover (without counts,
