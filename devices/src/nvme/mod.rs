@@ -49,7 +49,7 @@ mod worker;
 
 use std::fs::File;
 use std::os::fd::OwnedFd;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use serde_json::json;
 use thiserror::Error;
@@ -369,11 +369,25 @@ impl NvmeConfig {
         config.refuse_shared_backings()?;
         config.refuse_inapplicable(&p, options.pin_mode())?;
         // The default `on` where nothing could go fixed is off, as the statistics say.
-        let direct = config.namespaces.iter().flatten().any(|b| matches!(b, Backing::File(_, Cache::None)));
-        if options.pin_mode() != umdev_pinning::PinMode::Kernel || config.aio == AioMode::Sync || !direct {
+        if config.why_nothing_goes_fixed(options.pin_mode()).is_some() {
             config.fixed_buffers = FixedBuffers::Off;
         }
         Ok(config)
+    }
+
+    /// Why no transfer of this configuration could move through a fixed buffer, if none
+    /// could.
+    fn why_nothing_goes_fixed(&self, pin_mode: umdev_pinning::PinMode) -> Option<&'static str> {
+        if self.aio != AioMode::IoUring {
+            return Some("fixed buffers are io_uring's (aio=io_uring)");
+        }
+        if !self.namespaces.iter().flatten().any(|b| matches!(b, Backing::File(_, Cache::None))) {
+            return Some("they carry O_DIRECT transfers, and no namespace has cacheN=none");
+        }
+        if pin_mode != umdev_pinning::PinMode::Kernel {
+            return Some("they are the kernel's pins (--pin-mode kernel)");
+        }
+        None
     }
 
     /// Refuses two namespaces on one file or block device (by its identity, whatever
@@ -412,23 +426,14 @@ impl NvmeConfig {
             let value = p.word(key).map(str::to_string).or_else(|| p.number(key).map(|n| n.to_string()));
             Err(NvmeError::NoEffect { key, value: value.unwrap_or_default(), why })
         };
-        let files = || self.namespaces.iter().flatten().filter(|b| matches!(b, Backing::File(..)));
-        if p.get("aio").is_some() && files().next().is_none() {
+        let files = self.namespaces.iter().flatten().any(|b| matches!(b, Backing::File(..)));
+        if p.get("aio").is_some() && !files {
             return refuse("aio", "no namespace is a file or block device");
         }
         // `off` asks for nothing, and may stay in a definition whatever else changes.
         if p.word("fixed_buffers").is_some_and(|w| w != "off") {
-            if self.aio != AioMode::IoUring {
-                return refuse("fixed_buffers", "fixed buffers are io_uring's (aio=io_uring)");
-            }
-            if !files().any(|b| matches!(b, Backing::File(_, Cache::None))) {
-                return refuse(
-                    "fixed_buffers",
-                    "they carry O_DIRECT transfers, and no namespace has cacheN=none",
-                );
-            }
-            if pin_mode != umdev_pinning::PinMode::Kernel {
-                return refuse("fixed_buffers", "they are the kernel's pins (--pin-mode kernel)");
+            if let Some(why) = self.why_nothing_goes_fixed(pin_mode) {
+                return refuse("fixed_buffers", why);
             }
         }
         let ram =
@@ -611,7 +616,7 @@ pub fn create(config: NvmeConfig) -> Result<PciDevice<Nvme>, NvmeError> {
             let file = doorbell_file().map_err(NvmeError::DoorbellPage)?;
             let page = DoorbellPage::new(file.try_clone().map_err(NvmeError::DoorbellPage)?, reg::DOORBELLS)
                 .map_err(NvmeError::DoorbellPage)?;
-            (Some(Mutex::new(Arc::new(OwnedFd::from(file)))), Some(page))
+            (Some(arc_swap::ArcSwap::from_pointee(OwnedFd::from(file))), Some(page))
         }
     };
     let files = namespaces.iter().flatten().any(|ns| ns.is_file());
@@ -681,7 +686,7 @@ pub struct Nvme {
     map: RegMap<u64>,
     /// BAR0's backing for `doorbells=mmap` and `auto` (the doorbell page at 0x1000): a new
     /// file at each detach, so that a client that left cannot ring the next one's queues.
-    mmap: Option<Mutex<Arc<OwnedFd>>>,
+    mmap: Option<arc_swap::ArcSwap<OwnedFd>>,
 }
 
 impl Nvme {
@@ -731,7 +736,7 @@ impl PciFunction for Nvme {
     fn bar_mmap(&self, bar: u8) -> Option<RegionMmap> {
         let fd = self.mmap.as_ref().filter(|_| bar == 0)?;
         Some(RegionMmap {
-            fd: umdev_mdev::sync::lock(fd).clone(),
+            fd: fd.load_full(),
             offset: 0,
             areas: vec![SparseArea { offset: reg::DOORBELLS, size: reg::DOORBELLS }],
         })
@@ -756,7 +761,7 @@ impl PciFunction for Nvme {
             let fresh =
                 doorbell_file().and_then(|file| self.ctrl.replace_doorbell_page(&file).map(|()| file));
             match fresh {
-                Ok(file) => *umdev_mdev::sync::lock(slot) = Arc::new(OwnedFd::from(file)),
+                Ok(file) => slot.store(Arc::new(OwnedFd::from(file))),
                 Err(e) => {
                     log::error!("nvme: no new doorbell page for the next client ({e}); it shares this one's")
                 }
