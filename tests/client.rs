@@ -150,31 +150,19 @@ fn mapped_region_files_are_sealed_and_each_clients_own() {
             options.params.insert("doorbells".into(), "mmap".into());
         }
         let h = Harness::with(ty, options, |_| {});
+        let file_of = |c: &Client| {
+            let info = c.region(region).unwrap();
+            info.file_offset.as_ref().expect("a mappable region").file().try_clone().unwrap()
+        };
         let first = Client::new(&h.socket).expect("connect");
-        let old = first
-            .region(region)
-            .unwrap()
-            .file_offset
-            .as_ref()
-            .expect("a mappable region")
-            .file()
-            .try_clone()
-            .unwrap();
+        let old = file_of(&first);
         let err = old.set_len(0).unwrap_err();
         assert_eq!(err.raw_os_error(), Some(libc::EPERM), "{ty}: {err}");
         assert!(old.set_len(1 << 30).is_err(), "{ty}: grown");
         drop(first);
         h.wait_idle();
         let mut second = Client::new(&h.socket).expect("reconnect");
-        let new = second
-            .region(region)
-            .unwrap()
-            .file_offset
-            .as_ref()
-            .expect("a mappable region")
-            .file()
-            .try_clone()
-            .unwrap();
+        let new = file_of(&second);
         // The departed client writes where it mapped; the new client's file does not change.
         old.write_all_at(&[0xa5; 64], offset).unwrap();
         let mut seen = [0u8; 64];

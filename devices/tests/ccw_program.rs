@@ -289,28 +289,36 @@ fn sense_length_and_sli() {
     assert_eq!((s.ccws, s.residual), (2, 0));
 }
 
+/// A [`VecBus`] whose fetches see its memory through `at` (an address map), and which says
+/// `stop` whenever asked whether to stop.
+struct Shaped {
+    bus: VecBus,
+    at: fn(u64) -> u64,
+    stop: Option<Reason>,
+}
+
+impl Bus for Shaped {
+    fn fetch(&mut self, a: u64, b: &mut [u8]) -> Result<(), BusError> {
+        self.bus.fetch((self.at)(a), b)
+    }
+    fn transfer(&mut self, d: Direction, p: &[Piece], s: u64) -> Result<(), Partial> {
+        self.bus.transfer(d, p, s)
+    }
+    fn deliver(&mut self, p: &[Piece], d: &[u8]) -> Result<(), Partial> {
+        self.bus.deliver(p, d)
+    }
+    fn store_size(&self) -> u64 {
+        self.bus.store_size()
+    }
+    fn stopped(&self) -> Option<Reason> {
+        self.stop
+    }
+}
+
 #[test]
 fn a_stop_request_ends_the_program_with_unit_exception() {
-    struct Stopping(VecBus);
-    impl Bus for Stopping {
-        fn fetch(&mut self, a: u64, b: &mut [u8]) -> Result<(), BusError> {
-            self.0.fetch(a, b)
-        }
-        fn transfer(&mut self, d: Direction, p: &[Piece], s: u64) -> Result<(), Partial> {
-            self.0.transfer(d, p, s)
-        }
-        fn deliver(&mut self, p: &[Piece], d: &[u8]) -> Result<(), Partial> {
-            self.0.deliver(p, d)
-        }
-        fn store_size(&self) -> u64 {
-            self.0.store_size()
-        }
-        fn stopped(&self) -> Option<Reason> {
-            Some(Reason::Halted)
-        }
-    }
-    let mut bus = Stopping(VecBus::new(64 * P as usize, 0x1000));
-    bus.0.ccw(0x100, cmd::NOP, 0, 1, 0);
+    let mut bus = Shaped { bus: VecBus::new(64 * P as usize, 0x1000), at: |a| a, stop: Some(Reason::Halted) };
+    bus.bus.ccw(0x100, cmd::NOP, 0, 1, 0);
     let s = run(&mut bus, 0x100);
     assert_eq!((s.dstat, s.reason, s.ccws), (dstat::UE, Reason::Halted, 0));
 }
@@ -341,35 +349,21 @@ fn the_status_block_encodes_little_endian() {
 fn a_ccw_and_an_idaw_list_may_end_at_the_top_of_the_address_space() {
     // The last 64 KiB below 2^64 are the VecBus's first 64 KiB (the data stays low).
     const TOP: u64 = u64::MAX - 0xffff;
-    struct Top(VecBus);
-    impl Bus for Top {
-        fn fetch(&mut self, a: u64, b: &mut [u8]) -> Result<(), BusError> {
-            self.0.fetch(if a >= TOP { a - TOP } else { a + 0x10000 }, b)
-        }
-        fn transfer(&mut self, d: Direction, p: &[Piece], s: u64) -> Result<(), Partial> {
-            self.0.transfer(d, p, s)
-        }
-        fn deliver(&mut self, p: &[Piece], d: &[u8]) -> Result<(), Partial> {
-            self.0.deliver(p, d)
-        }
-        fn store_size(&self) -> u64 {
-            self.0.store_size()
-        }
-    }
-    let mut bus = Top(VecBus::new(64 * P as usize, 0x4000));
+    let at = |a: u64| if a >= TOP { a - TOP } else { a + 0x10000 };
+    let mut bus = Shaped { bus: VecBus::new(64 * P as usize, 0x4000), at, stop: None };
     // A lone NOP in the last 16 bytes.
-    bus.0.ccw(0xfff0, cmd::NOP, 0, 0, 0);
+    bus.bus.ccw(0xfff0, cmd::NOP, 0, 0, 0);
     let s = run(&mut bus, u64::MAX - 15);
     assert_eq!(s.reason, Reason::Ok, "{s:?}");
     // Chained from there, the next CCW would be past the top: nowhere, not at 0.
-    bus.0.ccw(0xfff0, cmd::NOP, flags::CC, 0, 0);
+    bus.bus.ccw(0xfff0, cmd::NOP, flags::CC, 0, 0);
     let s = run(&mut bus, u64::MAX - 15);
     assert_eq!((s.reason, s.ccws), (Reason::CcwUnmapped, 1), "{s:?}");
-    bus.0.ccw(0xfff0, cmd::NOP, 0, 0, 0);
+    bus.bus.ccw(0xfff0, cmd::NOP, 0, 0, 0);
     // A READ of two 4 KiB blocks whose two IDAWs are the last 16 bytes, its CCW below them.
-    bus.0.ccw(0xffe0, cmd::READ, flags::IDA, 0x2000, u64::MAX - 15);
-    bus.0.put(0xfff0, &[0x00, 0x30, 0, 0, 0, 0, 0, 0]);
-    bus.0.put(0xfff8, &[0x00, 0x50, 0, 0, 0, 0, 0, 0]);
+    bus.bus.ccw(0xffe0, cmd::READ, flags::IDA, 0x2000, u64::MAX - 15);
+    bus.bus.put(0xfff0, &[0x00, 0x30, 0, 0, 0, 0, 0, 0]);
+    bus.bus.put(0xfff8, &[0x00, 0x50, 0, 0, 0, 0, 0, 0]);
     let s = run(&mut bus, u64::MAX - 31);
     assert_eq!((s.reason, s.bytes), (Reason::Ok, 0x2000), "{s:?}");
 }
