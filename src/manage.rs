@@ -572,13 +572,13 @@ pub struct ListView {
 /// running but no longer defined, invalid).
 pub fn list(dirs: &Dirs, view: &ListView) -> Out {
     let uuid = view.uuid.as_deref().map(parse_uuid).transpose()?;
+    let registry = umdev::builtin_registry();
     if let Some(t) = view.mdev_type.as_deref() {
-        umdev::builtin_registry().find(t).map_err(|e| e.to_string())?;
+        registry.find(t).map_err(|e| e.to_string())?;
     }
     let wanted =
         |u: &Uuid, t: &str| uuid.is_none_or(|w| w == *u) && view.mdev_type.as_deref().is_none_or(|w| w == t);
     if view.defined {
-        let registry = umdev::builtin_registry();
         let entries =
             DefinitionEntry::all(&Definitions::new(&dirs.state), &registry).map_err(|e| e.to_string())?;
         // Definitions need no daemon; without one their state is unknown.

@@ -231,9 +231,7 @@ impl Session {
                 }
                 let (payload, send_fd) = reply::region_info(index, &info, argsz);
                 match (send_fd, info.mmap) {
-                    (true, Some(mmap)) if negotiated.client.max_msg_fds > 0 => {
-                        Ok(Reply::WithFd(payload, mmap.fd))
-                    }
+                    (true, Some(mmap)) => Ok(Reply::WithFd(payload, mmap.fd)),
                     _ => Ok(Reply::Payload(payload)),
                 }
             }
