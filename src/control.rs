@@ -9,7 +9,7 @@ use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -103,12 +103,16 @@ pub enum ControlError {
          removing it); `umdev daemon` removes it when it starts"
     )]
     Stale(PathBuf),
-    /// The daemon took the request and did not answer in time.
+    /// The daemon took the request and did not answer within the timeout (the path, the
+    /// timeout).
     #[error(
-        "the umdev daemon at {} did not answer within {}s (is it stopped or stuck? `umdev list` \
-         and its log say more)", .0.display(), ANSWER_TIMEOUT.as_secs()
+        "the umdev daemon at {} did not answer within {} (is it stopped or stuck? `umdev list` \
+         and its log say more; {TIMEOUT_ENV} sets how long to wait)", .0.display(), duration_text(.1)
     )]
-    NoAnswer(PathBuf),
+    NoAnswer(PathBuf, Duration),
+    /// [`TIMEOUT_ENV`] does not hold a timeout.
+    #[error("{0}")]
+    BadTimeout(String),
     /// The exchange failed.
     #[error("talking to the daemon: {0}")]
     Io(#[from] io::Error),
@@ -238,12 +242,56 @@ impl Drop for ControlServer {
     }
 }
 
-/// How long a command waits for the daemon's answer: a start may fill a huge-page pool or
-/// wait for a device's previous client to let go.
-const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
+/// The environment variable that sets how long a command waits for the daemon's answer, in
+/// milliseconds: [`MIN_TIMEOUT_MS`] to [`MAX_TIMEOUT_MS`]; [`DEFAULT_TIMEOUT`] when unset or
+/// empty. Read once, at a process's first request.
+pub const TIMEOUT_ENV: &str = "UMDEV_CONTROL_TIMEOUT_MS";
+/// The shortest wait [`TIMEOUT_ENV`] may set, in milliseconds.
+pub const MIN_TIMEOUT_MS: u64 = 1;
+/// The longest wait [`TIMEOUT_ENV`] may set, in milliseconds (an hour).
+pub const MAX_TIMEOUT_MS: u64 = 3_600_000;
+/// How long a command waits for the daemon's answer unless [`TIMEOUT_ENV`] says otherwise: a
+/// start may fill a huge-page pool or wait for a device's previous client to let go.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Sends one request to the daemon listening on `path` and returns its answer.
+/// The wait a [`TIMEOUT_ENV`] value sets (`None`: unset), or why it sets none.
+pub fn parse_timeout(value: Option<&std::ffi::OsStr>) -> Result<Duration, String> {
+    let Some(value) = value.filter(|v| !v.is_empty()) else { return Ok(DEFAULT_TIMEOUT) };
+    value
+        .to_str()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|ms| (MIN_TIMEOUT_MS..=MAX_TIMEOUT_MS).contains(ms))
+        .map(Duration::from_millis)
+        .ok_or_else(|| {
+            format!(
+                "{TIMEOUT_ENV}={value:?}: not a number of milliseconds from {MIN_TIMEOUT_MS} to \
+                 {MAX_TIMEOUT_MS} (how long a command waits for the daemon's answer; {} when unset)",
+                DEFAULT_TIMEOUT.as_millis()
+            )
+        })
+}
+
+/// The wait [`TIMEOUT_ENV`] sets, read once per process.
+fn answer_timeout() -> Result<Duration, ControlError> {
+    static TIMEOUT: OnceLock<Result<Duration, String>> = OnceLock::new();
+    TIMEOUT
+        .get_or_init(|| parse_timeout(std::env::var_os(TIMEOUT_ENV).as_deref()))
+        .clone()
+        .map_err(ControlError::BadTimeout)
+}
+
+/// `60s`, `250ms`: a timeout as the messages say it.
+fn duration_text(d: &Duration) -> String {
+    match d.as_millis() {
+        ms if ms % 1000 == 0 => format!("{}s", ms / 1000),
+        ms => format!("{ms}ms"),
+    }
+}
+
+/// Sends one request to the daemon listening on `path` and returns its answer, waiting for
+/// it as long as [`TIMEOUT_ENV`] says ([`DEFAULT_TIMEOUT`] by default).
 pub fn request(path: &Path, request: &ControlRequest) -> Result<ControlResponse, ControlError> {
+    let timeout = answer_timeout()?;
     let mut stream = match UnixStream::connect(path) {
         Ok(s) => s,
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -254,10 +302,12 @@ pub fn request(path: &Path, request: &ControlRequest) -> Result<ControlResponse,
         }
         Err(e) => return Err(e.into()),
     };
-    stream.set_read_timeout(Some(ANSWER_TIMEOUT))?;
-    stream.set_write_timeout(Some(ANSWER_TIMEOUT))?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
     let timed_out = |e: io::Error| match e.kind() {
-        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => ControlError::NoAnswer(path.to_path_buf()),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+            ControlError::NoAnswer(path.to_path_buf(), timeout)
+        }
         _ => ControlError::Io(e),
     };
     let line = serde_json::to_string(request).map_err(|e| ControlError::Protocol(e.to_string()))?;
@@ -265,4 +315,32 @@ pub fn request(path: &Path, request: &ControlRequest) -> Result<ControlResponse,
     let mut answer = String::new();
     BufReader::new(stream).take(16 << 20).read_line(&mut answer).map_err(timed_out)?;
     serde_json::from_str(&answer).map_err(|e| ControlError::Protocol(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::OsStr;
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn the_answer_timeout_is_the_environments_within_its_range() {
+        assert_eq!(parse_timeout(None), Ok(DEFAULT_TIMEOUT));
+        assert_eq!(parse_timeout(Some(OsStr::new(""))), Ok(DEFAULT_TIMEOUT));
+        assert_eq!(parse_timeout(Some(OsStr::new("250"))), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_timeout(Some(OsStr::new("1"))), Ok(Duration::from_millis(1)));
+        assert_eq!(parse_timeout(Some(OsStr::new("3600000"))), Ok(Duration::from_secs(3600)));
+        for bad in ["0", "3600001", "-5", "1.5", "soon", "18446744073709551616"] {
+            let e = parse_timeout(Some(OsStr::new(bad))).unwrap_err();
+            assert!(e.contains(TIMEOUT_ENV) && e.contains("from 1 to 3600000"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_timeout_reads_as_seconds_or_milliseconds() {
+        assert_eq!(duration_text(&DEFAULT_TIMEOUT), "60s");
+        assert_eq!(duration_text(&Duration::from_millis(250)), "250ms");
+        assert_eq!(duration_text(&Duration::from_millis(1500)), "1500ms");
+    }
 }

@@ -471,11 +471,22 @@ fn cli_command() -> clap::Command {
             text.push('\n');
         }
     }
-    let mut cli = Cli::command();
+    let mut cli = Cli::command().after_help(environment_help());
     for name in ["start", "define", "modify", "run", "types"] {
         cli = cli.mut_subcommand(name, |c| c.after_long_help(text.clone()));
     }
     cli
+}
+
+/// The environment variables umdev reads, as `umdev --help` and umdev(1) list them.
+fn environment_help() -> String {
+    use umdev::control::{DEFAULT_TIMEOUT, MAX_TIMEOUT_MS, MIN_TIMEOUT_MS, TIMEOUT_ENV};
+    format!(
+        "Environment:\n  UMDEV_RUN_DIR, UMDEV_STATE_DIR  the directories, as --run-dir and --state-dir (an \
+         option comes first)\n  {TIMEOUT_ENV}  how long a command waits for the daemon's answer, \
+         {MIN_TIMEOUT_MS} to {MAX_TIMEOUT_MS} ms ({} by default)",
+        DEFAULT_TIMEOUT.as_millis()
+    )
 }
 
 fn main() {

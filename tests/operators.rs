@@ -391,6 +391,52 @@ fn a_dead_daemons_sockets_are_named_and_removed_and_one_daemon_holds_its_directo
     stop(daemon);
 }
 
+/// A daemon that takes the request and never answers: the command gives up after the wait
+/// `UMDEV_CONTROL_TIMEOUT_MS` sets (60 s by default), naming the socket; a value outside
+/// 1..=3600000 ms is refused before anything is sent.
+#[test]
+fn a_daemon_that_does_not_answer_is_named_after_the_wait_the_environment_sets() {
+    let env = Dirs::new();
+    std::fs::create_dir_all(&env.run).unwrap();
+    let control = env.run.join("control.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&control).unwrap();
+    let list = |timeout: &str| {
+        umdev()
+            .arg("--run-dir")
+            .arg(&env.run)
+            .arg("list")
+            .env("UMDEV_CONTROL_TIMEOUT_MS", timeout)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
+    for bad in ["0", "3600001", "soon", "-5"] {
+        let out = list(bad);
+        assert!(!out.status.success());
+        let err = stderr_of(&out);
+        assert!(err.contains(&format!("UMDEV_CONTROL_TIMEOUT_MS=\"{bad}\"")), "{err}");
+        assert!(err.contains("from 1 to 3600000"), "{err}");
+    }
+    // The fake daemon: accepts, holds the connection, answers nothing.
+    let (done, wait) = std::sync::mpsc::channel::<()>();
+    let fake = std::thread::spawn(move || {
+        let (held, _) = listener.accept().unwrap();
+        let _ = wait.recv();
+        drop(held);
+    });
+    let out = list("200");
+    done.send(()).unwrap();
+    // Had the command not connected, this lets the fake's accept return.
+    let _ = std::os::unix::net::UnixStream::connect(&control);
+    fake.join().unwrap();
+    assert!(!out.status.success());
+    let err = stderr_of(&out);
+    assert!(
+        err.contains(&format!("the umdev daemon at {} did not answer within 200ms", control.display())),
+        "{err}"
+    );
+}
+
 /// `umdev <args>` writing into a pipe nobody reads any more (`umdev ... | head -0`): it must
 /// end quietly with status 0.
 fn into_a_closed_pipe(env: &Dirs, args: &[&str]) {
