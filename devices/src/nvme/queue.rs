@@ -108,6 +108,11 @@ pub struct DoorbellPage {
     offset: u64,
     /// The file mapped at the page now (the region keeps the first one open, mapped or not).
     current: std::sync::Mutex<std::fs::File>,
+    /// Tests: how many of the next maps of a file at the page fail as a failed `MAP_FIXED`
+    /// may on kernels before 6.12, with the old mapping gone (an anonymous page stands in for
+    /// the hole, so that a look at it reads zeros rather than faulting).
+    #[cfg(test)]
+    failing_maps: AtomicU32,
 }
 
 impl DoorbellPage {
@@ -116,7 +121,13 @@ impl DoorbellPage {
         let current = std::sync::Mutex::new(file.try_clone()?);
         let region = MmapRegion::from_file(FileOffset::new(file, offset), PAGE as usize)
             .map_err(std::io::Error::other)?;
-        Ok(DoorbellPage { region, offset, current })
+        Ok(DoorbellPage {
+            region,
+            offset,
+            current,
+            #[cfg(test)]
+            failing_maps: AtomicU32::new(0),
+        })
     }
 
     /// Maps the same page of `file` in place of this one's, at the same address: from then
@@ -144,20 +155,35 @@ impl DoorbellPage {
     /// Maps this page's page of `file` at the page's address.
     fn map_at_page(&self, file: &std::fs::File) -> std::io::Result<()> {
         use std::os::fd::AsRawFd;
+        #[cfg(test)]
+        if self.failing_maps.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1)).is_ok() {
+            self.mmap_over_page(libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)?;
+            return Err(std::io::Error::from_raw_os_error(libc::ENOMEM));
+        }
         let offset = libc::off_t::try_from(self.offset).map_err(std::io::Error::other)?;
-        // SAFETY: MAP_FIXED over this page's own mapping (MAP_SHARED, read-write, the page's
-        // length): on success the range is mapped throughout (the kernel replaces the
-        // mapping in one step), so the atomics other threads may hold references into stay
-        // valid, and nothing else of the process lies there; on failure the caller maps a
-        // file there again or aborts. The region's drop unmaps the range, whichever file is
-        // mapped there then.
+        self.mmap_over_page(libc::MAP_SHARED, file.as_raw_fd(), offset)
+    }
+
+    /// The page's one `mmap`: `MAP_FIXED | flags` of `fd` at `offset`, read-write, over the
+    /// page's own mapping.
+    fn mmap_over_page(
+        &self,
+        flags: libc::c_int,
+        fd: std::os::fd::RawFd,
+        offset: libc::off_t,
+    ) -> std::io::Result<()> {
+        // SAFETY: MAP_FIXED over this page's own mapping, read-write, the page's length: on
+        // success the range is mapped throughout (the kernel replaces the mapping in one step),
+        // so the atomics other threads may hold references into stay valid, and nothing else
+        // of the process lies there; on failure the caller (`replace`) maps the old file there
+        // again or aborts. The region's drop unmaps the range, whatever is mapped there then.
         let at = unsafe {
             libc::mmap(
                 self.region.as_ptr().cast(),
                 PAGE as usize,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_FIXED,
-                file.as_raw_fd(),
+                flags | libc::MAP_FIXED,
+                fd,
                 offset,
             )
         };
@@ -692,5 +718,57 @@ impl ShadowDoorbells {
     pub fn overlaps(&self, iova: u64, len: u64) -> bool {
         let end = iova.saturating_add(len);
         self.iova.iter().any(|&p| p < end && iova < p + PAGE)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::FileExt;
+    use std::sync::atomic::Ordering;
+
+    use super::{DoorbellPage, PAGE};
+
+    /// A file like BAR0's: the doorbell page at offset `PAGE`.
+    fn bar0() -> std::fs::File {
+        umdev_mdev::region_memfd(c"umdev-test-doorbells", 2 * PAGE).unwrap()
+    }
+
+    /// Doorbell `index` as `file` holds it.
+    fn in_file(file: &std::fs::File, index: u64) -> u32 {
+        let mut bytes = [0u8; 4];
+        file.read_exact_at(&mut bytes, PAGE + 4 * index).unwrap();
+        u32::from_le_bytes(bytes)
+    }
+
+    #[test]
+    fn a_replaced_page_is_the_new_files() {
+        let (old, new) = (bar0(), bar0());
+        let page = DoorbellPage::new(old.try_clone().unwrap(), PAGE).unwrap();
+        page.store(0, 7);
+        page.replace(&new).unwrap();
+        assert_eq!(page.load(0), 0, "the new file's doorbell");
+        page.store(1, 9);
+        assert_eq!((in_file(&new, 1), in_file(&old, 1)), (9, 0));
+        assert_eq!(in_file(&old, 0), 7, "the old file keeps what was written to it");
+    }
+
+    /// A MAP_FIXED that fails and takes the old mapping with it (kernels before 6.12): the
+    /// old file is mapped back, and the page reads and writes it as before.
+    #[test]
+    fn a_failed_replace_maps_the_old_file_back() {
+        let (old, new) = (bar0(), bar0());
+        let page = DoorbellPage::new(old.try_clone().unwrap(), PAGE).unwrap();
+        page.store(0, 7);
+        page.failing_maps.store(1, Ordering::Release);
+        let e = page.replace(&new).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::ENOMEM), "the map's own error");
+        assert_eq!(page.failing_maps.load(Ordering::Acquire), 0, "the map back was not failed");
+        assert_eq!(page.load(0), 7, "the old file's doorbell, read through the page");
+        page.store(1, 9);
+        assert_eq!((in_file(&old, 1), in_file(&new, 1)), (9, 0), "a write reaches the old file");
+        // The page is still the old file's: a later replace moves it to the new one.
+        page.replace(&new).unwrap();
+        page.store(2, 5);
+        assert_eq!((in_file(&new, 2), in_file(&old, 2)), (5, 0));
     }
 }
