@@ -21,7 +21,9 @@ use thiserror::Error;
 use umdev_mdev::types::{DeviceType, InstanceOptions, Registry, TypeError};
 use uuid::Uuid;
 
+use umdev_pinning::DmaStats;
 use umdev_server::daemon::{Daemon, DaemonError, InstanceConfig, InstanceInfo};
+use umdev_server::StatsSnapshot;
 
 /// Why a lifecycle operation failed.
 #[derive(Debug, Error)]
@@ -404,6 +406,33 @@ pub struct InstanceSummary {
     /// What `start --override` put over its definition's options.
     #[serde(default, skip_serializing_if = "is_empty_options")]
     pub overrides: InstanceOptions,
+}
+
+/// One instance's counters, as `umdev stats` shows them: named by its `uuid`, as `umdev list`
+/// names it.
+#[derive(Clone, Debug, Serialize)]
+pub struct InstanceStats {
+    /// UUID.
+    pub uuid: Uuid,
+    /// Socket clients connect to.
+    pub socket: PathBuf,
+    /// A client is connected now.
+    pub connected: bool,
+    /// Protocol counters: messages per command, errors.
+    pub protocol: StatsSnapshot,
+    /// Pinning-engine counters of its DMA space: pin calls, runs, pages, locked bytes, ...
+    pub dma: DmaStats,
+    /// What the device shows of itself (its own counters, a serial port's pty path, ...).
+    #[serde(skip_serializing_if = "serde_json::Value::is_null")]
+    pub device: serde_json::Value,
+}
+
+impl InstanceStats {
+    /// The daemon's `info` of the instance `uuid` (which names it by its id, the UUID's text).
+    fn of(uuid: Uuid, info: InstanceInfo) -> InstanceStats {
+        let InstanceInfo { id: _, socket, connected, protocol, dma, device } = info;
+        InstanceStats { uuid, socket, connected, protocol, dma, device }
+    }
 }
 
 fn is_empty_options(o: &InstanceOptions) -> bool {
@@ -959,8 +988,9 @@ impl Manager {
     }
 
     /// One instance's counters.
-    pub fn stats(&self, uuid: Uuid) -> Result<InstanceInfo, LifecycleError> {
-        self.daemon.info(&uuid.to_string()).ok_or(LifecycleError::UnknownUuid(uuid))
+    pub fn stats(&self, uuid: Uuid) -> Result<InstanceStats, LifecycleError> {
+        let info = self.daemon.info(&uuid.to_string()).ok_or(LifecycleError::UnknownUuid(uuid))?;
+        Ok(InstanceStats::of(uuid, info))
     }
 
     /// Starts every `auto` definition; returns what failed.

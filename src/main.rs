@@ -316,7 +316,8 @@ enum Command {
         #[arg(short, long)]
         parent: Option<String>,
     },
-    /// An instance's counters as JSON: messages per command, errors, pins, runs, pages, ...
+    /// An instance's counters as JSON: its uuid (as `list --json` names it), messages per
+    /// command, errors, pins, runs, pages, ...
     Stats {
         /// The instance's UUID.
         #[arg(long, short = 'u')]

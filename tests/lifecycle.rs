@@ -130,9 +130,15 @@ fn lifecycle_commands_and_their_errors() {
     assert!(!socket.exists(), "the socket is freed");
     assert_eq!(env.available("testdev"), before - 1, "capacity freed (one instance left)");
 
-    // Stats of the remaining instance: JSON with the documented counters.
+    // Stats of the remaining instance: JSON with the documented counters, the instance named
+    // as `list --json` names it.
     let stats: serde_json::Value =
         serde_json::from_str(&env.ok(&["stats", "--uuid", &generated_uuid])).unwrap();
+    assert_eq!(stats["uuid"], generated_uuid, "{stats}");
+    assert!(stats.get("id").is_none(), "one name for the UUID: {stats}");
+    let listed = env.list();
+    let entry = listed.iter().find(|i| i["uuid"] == generated_uuid).unwrap();
+    assert_eq!((&stats["socket"], &stats["connected"]), (&entry["socket"], &entry["connected"]));
     for key in ["pin_calls", "runs", "pages", "locked_bytes", "unmap_waits"] {
         assert!(stats["dma"].get(key).is_some(), "stats lack dma.{key}: {stats}");
     }

@@ -89,7 +89,8 @@ impl InstanceConfig {
     }
 }
 
-/// What `umdev list`/`umdev stats` show of an instance.
+/// What the daemon knows of an instance, by its id (`umdev stats` shows it under the
+/// instance's `uuid`, as `umdev list` names it).
 #[derive(Clone, Debug, Serialize)]
 pub struct InstanceInfo {
     /// Its id.
