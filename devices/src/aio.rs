@@ -31,7 +31,8 @@
 //!
 //! What it is not: shared between threads, or a scheduler. It never drops a payload while the
 //! kernel may still use its memory: [`Ring::quiesce`] cancels and waits (boundedly), and a
-//! ring dropped with transfers left hands them to a thread that waits for the kernel.
+//! ring dropped (or detached) with transfers left hands them to the process's one draining thread,
+//! which waits for the kernel.
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
@@ -609,51 +610,173 @@ impl<T: Send + 'static> Drop for Ring<T> {
         if self.quiesce(DROP_WAIT, |_, _, _| {}) == 0 {
             return;
         }
-        self.drain_in_thread();
+        let left = self.take_left();
+        drainer::hand_over(Box::new(Left { ring: left, done: Box::new(drop) }));
     }
 }
 
 impl<T: Send + 'static> Ring<T> {
-    /// Lets go of the ring at once: what is still in flight is left to a thread that waits
-    /// for the kernel to finish it (once [`Ring::quiesce`] gave up, say).
-    pub fn detach(mut self) {
-        if self.in_flight > 0 {
-            self.drain_in_thread();
-        }
+    /// The payloads of the transfers in flight.
+    pub fn in_flight_payloads(&self) -> impl Iterator<Item = &T> {
+        self.slots.iter().filter_map(|s| s.payload.as_ref())
     }
 
-    /// Moves what is in flight, with the kernel's ring, to a thread that reaps it to the end.
-    fn drain_in_thread(&mut self) {
-        let left = self.in_flight;
-        log::warn!("aio: {left} transfer(s) still in the kernel; a thread waits for them");
-        // Not dropped if the thread cannot start (the closure is dropped with it): the payloads
-        // are then kept for good rather than dropped under the kernel.
-        let ring = std::mem::ManuallyDrop::new(Ring {
+    /// Lets go of the ring at once: what is still in flight (once [`Ring::quiesce`] gave up,
+    /// say) is left to the process's draining thread, which hands each payload to `done` as
+    /// the kernel finishes its transfer (and drops it there).
+    pub fn detach(mut self, done: impl FnMut(T) + Send + 'static) {
+        if self.in_flight == 0 || self.uring.is_none() {
+            return;
+        }
+        let left = self.take_left();
+        drainer::hand_over(Box::new(Left { ring: left, done: Box::new(done) }));
+    }
+
+    /// Moves what is in flight, with the kernel's ring, into a ring of its own for the
+    /// draining thread; `self` is left empty.
+    fn take_left(&mut self) -> Ring<T> {
+        log::warn!(
+            "aio: {} transfer(s) still in the kernel; the draining thread waits for them",
+            self.in_flight
+        );
+        // Nothing is to wake the draining thread but the kernel's completions: the poll of the
+        // worker's bell (which its next worker rings) goes.
+        if self.kick_armed {
+            let _ = self.push(opcode::PollRemove::new(KICK).build().user_data(CANCEL));
+            let _ = self.submit();
+        }
+        let left = Ring {
             uring: self.uring.take(),
             slots: std::mem::take(&mut self.slots),
             free: Vec::new(),
-            in_flight: left,
+            in_flight: self.in_flight,
             kick: None,
             kick_armed: false,
             cancelling: false,
             cancel_on_quiesce: false,
             fixed: std::mem::take(&mut self.fixed),
-        });
+        };
         self.in_flight = 0;
-        let spawned = std::thread::Builder::new().name("umdev-aio-drain".into()).spawn(move || {
-            let mut ring = std::mem::ManuallyDrop::into_inner(ring);
-            while ring.in_flight > 0 {
-                ring.reap(|_, _, _| {});
-                if ring.in_flight > 0 {
-                    ring.wait(None);
+        left
+    }
+}
+
+/// A ring left to the draining thread, and what it does with each payload that comes back.
+struct Left<T: Send + 'static> {
+    ring: Ring<T>,
+    done: Box<dyn FnMut(T) + Send>,
+}
+
+impl<T: Send + 'static> drainer::Draining for Left<T> {
+    fn step(&mut self) -> usize {
+        // Into the kernel once, without waiting: it runs what it owes this ring (the work that
+        // posts completions of a thread that has ended) and takes what `reap` continued.
+        self.ring.wait(Some(Duration::ZERO));
+        let done = &mut self.done;
+        self.ring.reap(|payload, _, _| done(payload));
+        let _ = self.ring.submit();
+        self.ring.in_flight
+    }
+
+    fn fd(&self) -> RawFd {
+        self.ring.uring.as_ref().map_or(-1, |u| u.as_raw_fd())
+    }
+}
+
+/// The process's one thread that waits for what rings left in the kernel: however many
+/// rings a hung backing holds, they cost one thread, and it ends when the last is done.
+mod drainer {
+    use std::os::fd::{AsRawFd, RawFd};
+    use std::sync::{Mutex, OnceLock};
+
+    use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+    /// A ring with transfers left in the kernel.
+    pub(super) trait Draining: Send {
+        /// Reaps what the kernel finished: the transfers still in flight.
+        fn step(&mut self) -> usize;
+        /// The ring's file descriptor (readable when completions wait).
+        fn fd(&self) -> RawFd;
+    }
+
+    struct Drainer {
+        arrived: Mutex<Arrived>,
+        /// Written when a ring arrives while the thread runs.
+        wake: EventFd,
+    }
+
+    #[derive(Default)]
+    struct Arrived {
+        rings: Vec<Box<dyn Draining>>,
+        running: bool,
+    }
+
+    /// How long the thread waits in `poll` before it looks at every ring again anyway: a
+    /// completion whose notice it missed costs at most this.
+    const LOOK_AGAIN_MS: i32 = 1000;
+
+    fn drainer() -> Option<&'static Drainer> {
+        static DRAINER: OnceLock<Option<Drainer>> = OnceLock::new();
+        DRAINER
+            .get_or_init(|| match EventFd::new(EFD_NONBLOCK) {
+                Ok(wake) => Some(Drainer { arrived: Mutex::default(), wake }),
+                Err(e) => {
+                    log::error!("aio: no eventfd for the draining thread ({e})");
+                    None
+                }
+            })
+            .as_ref()
+    }
+
+    /// Gives `ring` to the draining thread (started if none runs). If there can be none, the
+    /// ring and its payloads are kept for good rather than dropped under the kernel.
+    pub(super) fn hand_over(ring: Box<dyn Draining>) {
+        let Some(d) = drainer() else {
+            log::error!("aio: the transfers' memory stays pinned for good");
+            std::mem::forget(ring);
+            return;
+        };
+        let mut arrived = d.arrived.lock().unwrap_or_else(|p| p.into_inner());
+        arrived.rings.push(ring);
+        if arrived.running {
+            let _ = d.wake.write(1);
+            return;
+        }
+        match std::thread::Builder::new().name("umdev-aio-drain".into()).spawn(move || run(d)) {
+            Ok(_) => arrived.running = true,
+            Err(e) => {
+                log::error!("aio: no thread to wait for the kernel ({e}); the transfers' memory stays pinned for good");
+                std::mem::forget(std::mem::take(&mut arrived.rings));
+            }
+        }
+    }
+
+    fn run(d: &'static Drainer) {
+        let mut rings: Vec<Box<dyn Draining>> = Vec::new();
+        let mut fds: Vec<libc::pollfd> = Vec::new();
+        loop {
+            {
+                let mut arrived = d.arrived.lock().unwrap_or_else(|p| p.into_inner());
+                rings.append(&mut arrived.rings);
+                if rings.is_empty() {
+                    arrived.running = false;
+                    return;
                 }
             }
-            log::info!("aio: the last of {left} transfer(s) left in the kernel finished");
-        });
-        if let Err(e) = spawned {
-            log::error!(
-                "aio: no thread to wait for the kernel ({e}); the transfers' memory stays pinned for good"
-            );
+            let _ = d.wake.read();
+            let before = rings.len();
+            rings.retain_mut(|r| r.step() > 0);
+            if rings.len() < before {
+                log::info!("aio: {} ring(s) left in the kernel are done", before - rings.len());
+            }
+            if rings.is_empty() {
+                continue;
+            }
+            fds.clear();
+            fds.extend(rings.iter().map(|r| libc::pollfd { fd: r.fd(), events: libc::POLLIN, revents: 0 }));
+            fds.push(libc::pollfd { fd: d.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+            // SAFETY: `fds` is a valid array of `fds.len()` pollfds for the call's duration.
+            unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, LOOK_AGAIN_MS) };
         }
     }
 }

@@ -301,3 +301,120 @@ fn zeroes_with_fua_or_the_write_cache_off_are_made_durable_before_the_command_co
     assert_eq!(d.io_command(1, zeroes(false)).unwrap().status(), Status::SUCCESS);
     assert_eq!(deallocate(&mut d), Status::SUCCESS);
 }
+
+/// A file namespace of `config` on `fuse`, its I/O queue up.
+fn on_with(fuse: &FuseFile, config: NvmeConfig) -> Driver<Rig> {
+    let config = NvmeConfig {
+        namespaces: vec![Some(Backing::File(fuse.path().to_path_buf(), Cache::Writeback))],
+        lba_shift: 12,
+        ..config
+    };
+    up(Rig::with(config, true), 1)
+}
+
+/// Disables the controller (a guest's reset) and brings it back with one I/O queue.
+fn reset_and_back(d: &mut Driver<Rig>) {
+    let cc = d.t.read32(reg::CC).unwrap();
+    d.t.write32(reg::CC, cc & !1).unwrap();
+    d.enable().unwrap();
+    d.create_io_queues(1, 64, false).unwrap();
+}
+
+/// Threads of this process with `name`.
+fn threads_named(name: &str) -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|comm| comm.trim_end() == name)
+        .count()
+}
+
+/// A backing that stops answering holds what stopped queues left in the kernel, up to
+/// `max_held` transfers: past that, the namespace's commands fail at once (Namespace Not
+/// Ready, which a host may retry) instead of piling up with their pins, and one thread waits
+/// for everything left. Once the backing answers, what it held lands, every pin goes and the
+/// namespace serves again.
+#[test]
+fn a_backing_that_stops_answering_holds_at_most_max_held_then_its_commands_fail_at_once() {
+    let Some(fuse) = mounted(1 << 20) else { return };
+    let mut d = on_with(&fuse, NvmeConfig { max_held: 2, ..NvmeConfig::default() });
+    let data = pattern(BLOCK as usize, 11);
+    d.t.put(DATA, &data).unwrap();
+    for lba in [8, 9, 10] {
+        assert_eq!(d.rw(1, false, 1, lba, 1, BLOCK, &[DATA], 0).unwrap(), Status::SUCCESS);
+    }
+    fuse.set_policy(|io| match io {
+        Io::Read { .. } => Action::Hold,
+        _ => Action::Serve,
+    });
+
+    // Two lifetimes, each leaving one read in the backing at its reset.
+    for (n, (lba, page)) in [(8, HELD_PAGE), (9, HELD_PAGE + 0x1000)].into_iter().enumerate() {
+        d.submit(1, &rw(true, lba, page, 7)).unwrap();
+        fuse.wait_held(n + 1, GUARD);
+        reset_and_back(&mut d);
+        assert_eq!(d.t.ctrl().held_by_backing(1), (n + 1, 0), "left in the backing after reset {n}");
+    }
+    assert_eq!(threads_named("umdev-aio-drain"), 1, "one thread waits for every ring left");
+
+    // At max_held: a read fails at once, reaching neither the backing nor the pins.
+    assert_eq!(d.rw(1, true, 1, 10, 1, BLOCK, &[DATA + 0x8000], 0).unwrap(), Status::NAMESPACE_NOT_READY);
+    assert_eq!(fuse.wait_held(2, GUARD).len(), 2, "the refused read reached the backing");
+    assert_eq!(d.t.dma.pin_count(DATA + 0x8000), 0, "the refused read holds no pin");
+    let described = d.t.dev.describe();
+    assert_eq!(described["namespaces"][0]["held_by_backing"], 2, "{described}");
+
+    // The backing answers: both reads land, their pins go, the namespace serves again.
+    for h in fuse.wait_held(2, GUARD) {
+        fuse.answer(h.unique, None);
+    }
+    let deadline = Instant::now() + GUARD;
+    while d.t.ctrl().held_by_backing(1).0 > 0 {
+        assert!(Instant::now() < deadline, "the held reads were never counted done");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    for page in [HELD_PAGE, HELD_PAGE + 0x1000] {
+        let mut back = vec![0u8; BLOCK as usize];
+        d.t.get(page, &mut back).unwrap();
+        assert!(back == data, "a read left in the backing landed in its still-pinned page");
+    }
+    fuse.set_policy(|_| Action::Serve);
+    assert_eq!(d.rw(1, true, 1, 10, 1, BLOCK, &[DATA + 0x8000], 0).unwrap(), Status::SUCCESS);
+}
+
+/// With `aio=sync`, a worker blocked in a backing that stops answering does not stop at a
+/// reset; such workers count against `max_held` until they end, so a reset loop cannot pile
+/// up threads and pins without bound.
+#[test]
+fn workers_left_blocked_in_a_synchronous_backing_count_against_max_held() {
+    let Some(fuse) = mounted(1 << 20) else { return };
+    let mut d = on_with(&fuse, NvmeConfig { max_held: 1, aio: AioMode::Sync, ..NvmeConfig::default() });
+    let data = pattern(BLOCK as usize, 12);
+    d.t.put(DATA, &data).unwrap();
+    assert_eq!(d.rw(1, false, 1, 8, 1, BLOCK, &[DATA], 0).unwrap(), Status::SUCCESS);
+    fuse.set_policy(|io| match io {
+        Io::Read { .. } => Action::Hold,
+        _ => Action::Serve,
+    });
+    d.submit(1, &rw(true, 8, HELD_PAGE, 7)).unwrap();
+    let held = fuse.wait_held(1, GUARD);
+
+    // The reset gives up on the blocked worker after its bound and counts it.
+    reset_and_back(&mut d);
+    assert_eq!(d.t.ctrl().held_by_backing(1), (0, 1));
+    assert_eq!(d.rw(1, true, 1, 8, 1, BLOCK, &[DATA + 0x8000], 0).unwrap(), Status::NAMESPACE_NOT_READY);
+    assert_eq!(fuse.wait_held(1, GUARD).len(), 1, "the refused read reached the backing");
+
+    // The backing answers: the worker ends, uncounted, and the namespace serves again.
+    fuse.answer(held[0].unique, None);
+    let deadline = Instant::now() + GUARD;
+    while d.t.ctrl().held_by_backing(1).1 > 0 {
+        assert!(Instant::now() < deadline, "the blocked worker was never counted done");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    fuse.set_policy(|_| Action::Serve);
+    assert_eq!(d.rw(1, true, 1, 8, 1, BLOCK, &[DATA + 0x8000], 0).unwrap(), Status::SUCCESS);
+    let mut back = vec![0u8; BLOCK as usize];
+    d.t.get(DATA + 0x8000, &mut back).unwrap();
+    assert!(back == data);
+}

@@ -9,7 +9,7 @@
 //! know what a worker runs: it starts them through the [`Spawn`] function it was made with
 //! (the module graph in [`super`] says why).
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -145,6 +145,10 @@ pub struct ControllerConfig {
     /// In kernel pin mode, which O_DIRECT transfers move through the pinned runs as fixed
     /// buffers.
     pub fixed_buffers: FixedBuffers,
+    /// How much a backing that does not answer may hold before the namespace's new commands
+    /// fail at once (Namespace Not Ready): transfers its stopped queues left in the kernel,
+    /// per namespace, and queue workers left blocked in it (`aio=sync`), per controller.
+    pub max_held: usize,
 }
 
 /// Why a queue's worker stops: the one reason, given to its [`Worker`].
@@ -202,6 +206,8 @@ struct Registers {
 pub(crate) struct SqEntry {
     pub(crate) sq: Arc<Sq>,
     worker: Worker<Stop>,
+    /// Shared with the worker's [`Running`].
+    life: Arc<AtomicU8>,
 }
 
 impl SqEntry {
@@ -209,6 +215,32 @@ impl SqEntry {
     pub(crate) fn stop(&self, why: Stop) {
         self.worker.stop(why);
     }
+
+    /// Waits for the worker to end, at most `bound`; one that does not is counted as left
+    /// behind until it ends.
+    fn join(self, bound: Duration, held: &Held, after: &str) {
+        if let Err(e) = self.worker.join(bound) {
+            log::warn!("nvme: {e}{after}");
+            if self.life.compare_exchange(ALIVE, LEFT, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                held.workers.fetch_add(1, Ordering::AcqRel);
+            }
+        }
+    }
+}
+
+/// A queue worker's life, as its [`SqEntry`] and its [`Running`] see it.
+const ALIVE: u8 = 0;
+/// Not joined in time: counted in [`Held::workers`] until it ends.
+const LEFT: u8 = 1;
+const ENDED: u8 = 2;
+
+/// What a backing that does not answer holds ([`ControllerConfig::max_held`]).
+#[derive(Debug)]
+pub(crate) struct Held {
+    /// Per namespace (NSID - 1): transfers of stopped queues still in the kernel.
+    pub(crate) transfers: Box<[AtomicUsize]>,
+    /// Queue workers that did not end when stopped (blocked in a synchronous transfer).
+    workers: AtomicUsize,
 }
 
 /// The live queues, by identifier.
@@ -263,6 +295,8 @@ pub struct Ctrl {
     spawn: Spawn,
     /// Queue workers alive.
     running: Arc<AtomicUsize>,
+    /// What backings that do not answer hold.
+    held: Arc<Held>,
     /// When the controller was made (SMART power-on hours).
     born: Instant,
     /// Resets without a shutdown notification (SMART).
@@ -305,6 +339,10 @@ impl Ctrl {
             requests: host.requests,
             spawn,
             running: Arc::new(AtomicUsize::new(0)),
+            held: Arc::new(Held {
+                transfers: config.namespaces.iter().map(|_| AtomicUsize::new(0)).collect(),
+                workers: AtomicUsize::new(0),
+            }),
             born: Instant::now(),
             unsafe_shutdowns: AtomicU64::new(0),
             doorbell_messages: AtomicU64::new(0),
@@ -582,18 +620,38 @@ impl Ctrl {
         let id = usize::from(sq.id);
         let bell = self.sq_doorbells[id].bell().clone();
         self.running.fetch_add(1, Ordering::AcqRel);
-        let alive = Running(self.running.clone());
+        let life = Arc::new(AtomicU8::new(ALIVE));
+        let alive = Running { running: self.running.clone(), held: self.held.clone(), life: life.clone() };
         let worker = (self.spawn)(self, sq.clone(), &bell, alive, generation)?;
-        queues.sqs[id] = Some(SqEntry { sq, worker });
+        queues.sqs[id] = Some(SqEntry { sq, worker, life });
         Ok(())
     }
 
     /// Stops one queue's worker for `why` and waits for it, boundedly.
     pub(crate) fn stop_queue(&self, entry: SqEntry, why: Stop) {
         entry.worker.stop(why);
-        if let Err(e) = entry.worker.join(STOP_WAIT) {
-            log::warn!("nvme: {e}");
-        }
+        entry.join(STOP_WAIT, &self.held, "");
+    }
+
+    /// Whether namespace `nsid`'s backing holds as much as it may ([`ControllerConfig::max_held`]):
+    /// its new commands then fail at once.
+    pub fn backing_held(&self, nsid: u32) -> bool {
+        let max = self.config.max_held;
+        let transfers = self.held.transfers.get(nsid.wrapping_sub(1) as usize);
+        transfers.is_some_and(|t| t.load(Ordering::Relaxed) >= max)
+            || self.held.workers.load(Ordering::Relaxed) >= max
+    }
+
+    /// Transfers of namespace `nsid` that stopped queues left in the kernel, and queue
+    /// workers left blocked (the controller's).
+    pub fn held_by_backing(&self, nsid: u32) -> (usize, usize) {
+        let transfers = self.held.transfers.get(nsid.wrapping_sub(1) as usize);
+        (transfers.map_or(0, |t| t.load(Ordering::Acquire)), self.held.workers.load(Ordering::Acquire))
+    }
+
+    /// The count a stopped queue's transfers left in the kernel go into.
+    pub(crate) fn held(&self) -> &Arc<Held> {
+        &self.held
     }
 
     /// CC.EN 1 -> 0 (and reset, detach; §7.6.1): stops every worker, drops the queues and
@@ -613,9 +671,7 @@ impl Ctrl {
         self.requests.cancel_all();
         let deadline = Instant::now() + STOP_WAIT;
         for e in entries {
-            if let Err(e) = e.worker.join(deadline.saturating_duration_since(Instant::now())) {
-                log::warn!("nvme: {e} after a disable");
-            }
+            e.join(deadline.saturating_duration_since(Instant::now()), &self.held, " after a disable");
         }
         self.shadowing.store(false, Ordering::Release);
         self.shadow.store(None);
@@ -1070,12 +1126,21 @@ fn set_high(r: &mut u64, v: u32) {
     *r = (*r & 0xffff_ffff) | u64::from(v) << 32;
 }
 
-/// Counts a queue worker down as it ends: the worker's body holds it.
+/// Counts a queue worker down as it ends (and out of [`Held::workers`] if it was left
+/// behind): the worker's body holds it.
 #[derive(Debug)]
-pub struct Running(Arc<AtomicUsize>);
+pub struct Running {
+    running: Arc<AtomicUsize>,
+    held: Arc<Held>,
+    life: Arc<AtomicU8>,
+}
 
 impl Drop for Running {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        if self.life.swap(ENDED, Ordering::AcqRel) == LEFT {
+            self.held.workers.fetch_sub(1, Ordering::AcqRel);
+            log::info!("nvme: a queue worker left blocked in its backing has ended");
+        }
+        self.running.fetch_sub(1, Ordering::AcqRel);
     }
 }

@@ -29,11 +29,18 @@ use umdev_mdev::DeviceContext;
 pub fn execute(cx: &CommandCx, cmd: NvmCmd) -> Outcome {
     let ctrl = cx.ctrl();
     if let NvmCmd::Flush(0xffff_ffff) = cmd {
+        if ctrl.namespaces().any(|ns| ns.is_file() && ctrl.backing_held(ns.id())) {
+            return Status::NAMESPACE_NOT_READY.into();
+        }
         return flush(ctrl.namespaces());
     }
     let Some(ns) = ctrl.namespace(cmd.nsid()) else {
         return Status::INVALID_NAMESPACE.dnr().into();
     };
+    // A backing that stopped answering holds no more: the host may retry later.
+    if ns.is_file() && ctrl.backing_held(ns.id()) {
+        return Status::NAMESPACE_NOT_READY.into();
+    }
     match cmd {
         NvmCmd::Read(c) => read_write(cx, ns, c, true),
         NvmCmd::Write(c) => read_write(cx, ns, c, false),

@@ -83,6 +83,11 @@ pub const MAX_IO_QUEUES: u16 = 64;
 pub const DEFAULT_ENTRIES: u32 = 1024;
 /// See [`DEFAULT_ENTRIES`].
 pub const MAX_ENTRIES: u32 = 4096;
+/// What a file backing that stops answering may hold by default (`max_held`): four stopped
+/// lifetimes of a queue kept full.
+pub const DEFAULT_MAX_HELD: usize = 4 * worker::MAX_IN_FLIGHT as usize;
+/// The most `max_held` may be.
+pub const MAX_HELD: usize = 65_536;
 /// How long a worker watches its doorbell after a lone command, by default (`poll_us`).
 pub const DEFAULT_POLL: std::time::Duration = std::time::Duration::from_micros(200);
 
@@ -182,6 +187,9 @@ pub struct NvmeConfig {
     /// In kernel pin mode, which O_DIRECT transfers of file namespaces move through the
     /// kernel's pinned runs as fixed buffers (`READ_FIXED`/`WRITE_FIXED`).
     pub fixed_buffers: FixedBuffers,
+    /// How much a file backing that does not answer may hold before its namespace's new
+    /// commands fail at once with Namespace Not Ready (`max_held`; docs/nvme.md).
+    pub max_held: usize,
 }
 
 impl Default for NvmeConfig {
@@ -196,6 +204,7 @@ impl Default for NvmeConfig {
             poll: DEFAULT_POLL,
             aio: AioMode::default(),
             fixed_buffers: FixedBuffers::default(),
+            max_held: DEFAULT_MAX_HELD,
         }
     }
 }
@@ -284,6 +293,14 @@ impl NvmeConfig {
                 Some("200"),
                 "microseconds a queue's worker watches its doorbell after a lone command before it sleeps",
             ),
+            OptionSpec::new(
+                "max_held",
+                ValueSyntax::Integer { min: 1, max: MAX_HELD as u64 },
+                Some("1024"),
+                "how much a file backing that stops answering may hold (transfers left in the kernel by \
+                 stopped queues per namespace; queue workers left blocked in it with aio=sync) before the \
+                 namespace's new commands fail at once with Namespace Not Ready, until it answers again",
+            ),
         ]
     }
 
@@ -362,6 +379,9 @@ impl NvmeConfig {
         }
         if let Some(us) = p.number("poll_us") {
             config.poll = std::time::Duration::from_micros(us);
+        }
+        if let Some(n) = p.number("max_held") {
+            config.max_held = n as usize;
         }
         if let Some(v) = p.text("serial") {
             config.serial = Some(v.to_string());
@@ -465,6 +485,9 @@ impl NvmeConfig {
         }
         if self.namespaces.len() > MAX_NAMESPACES as usize {
             return out("namespaces", self.namespaces.len() as u64, format!("at most {MAX_NAMESPACES}"));
+        }
+        if !(1..=MAX_HELD).contains(&self.max_held) {
+            return out("max_held", self.max_held as u64, format!("1 to {MAX_HELD}"));
         }
         Ok(())
     }
@@ -641,6 +664,7 @@ pub fn create(config: NvmeConfig) -> Result<PciDevice<Nvme>, NvmeError> {
         poll: config.poll,
         aio,
         fixed_buffers: config.fixed_buffers,
+        max_held: config.max_held,
     };
     let regs: Vec<Reg<u64>> = [
         (reg::CAP, false),
@@ -793,6 +817,8 @@ impl PciFunction for Nvme {
                     "direct_alignment": ns.store().direct_alignment().map(|(mem, offset)| json!({"memory": mem, "offset": offset})),
                     "bytes": ns.size(),
                     "lba_size": ns.lba_size(),
+                    // Transfers of stopped queues its backing has not finished (max_held).
+                    "held_by_backing": ns.is_file().then(|| c.held_by_backing(ns.id()).0),
                 })
             })
             .collect();
@@ -822,6 +848,8 @@ impl PciFunction for Nvme {
             "admin_nudges": c.admin_nudges(),
             "shadow_doorbells": c.shadowed(),
             "shadow_doorbell_configs": c.shadow_configs(),
+            // Queue workers that did not stop, blocked in a backing (aio=sync; max_held).
+            "workers_held_by_backing": files.then(|| c.held_by_backing(0).1),
             "io": self.totals().to_json(),
         })
     }
@@ -906,6 +934,21 @@ mod tests {
         assert!(matches!(config(&[("ram_pages", "2m")])[..], [Some(Backing::HugeRam(0x4000_0000))]));
         assert!(matches!(config(&[])[..], [Some(Backing::Ram(0x4000_0000))]));
         assert!(matches!(config(&[("ram_pages", "4k")])[..], [Some(Backing::Ram(0x4000_0000))]));
+    }
+
+    #[test]
+    fn max_held_is_taken_in_its_range_and_refused_outside_it() {
+        let parse = |v: &str| {
+            let mut options = umdev_mdev::types::InstanceOptions::default();
+            options.params.insert("max_held".into(), v.into());
+            NvmeConfig::from_options(&options).map(|c| c.max_held)
+        };
+        assert_eq!(NvmeConfig::default().max_held, DEFAULT_MAX_HELD);
+        assert_eq!(parse("1").unwrap(), 1);
+        assert_eq!(parse("65536").unwrap(), MAX_HELD);
+        assert!(parse("0").is_err());
+        assert!(parse("65537").is_err());
+        assert!(NvmeConfig { max_held: 0, ..NvmeConfig::default() }.validate().is_err());
     }
 
     #[test]

@@ -227,6 +227,8 @@ impl Status {
     /// Capacity Exceeded (the backing store is out of space: a sparse file on a full
     /// filesystem).
     pub const CAPACITY_EXCEEDED: Status = Status::generic(0x81);
+    /// Namespace Not Ready: not accessible now; a retry may succeed (DNR clear).
+    pub const NAMESPACE_NOT_READY: Status = Status::generic(0x82);
     /// Completion Queue Invalid.
     pub const CQ_INVALID: Status = Status::specific(0x00);
     /// Invalid Queue Identifier.

@@ -107,6 +107,35 @@ pub fn spawn(
     })
 }
 
+/// Leaves what `ring` still has in the kernel to the draining thread, counted against each
+/// transfer's namespace until the kernel finishes it ([`Ctrl::backing_held`]).
+fn leave(ctrl: &Ctrl, ring: Ring<(Permit<Command>, Transfer)>) {
+    let held = ctrl.held().clone();
+    let mut per_ns: SmallVec<[(u32, usize); 4]> = SmallVec::new();
+    for (_, t) in ring.in_flight_payloads() {
+        match per_ns.iter_mut().find(|(n, _)| *n == t.nsid) {
+            Some((_, count)) => *count += 1,
+            None => per_ns.push((t.nsid, 1)),
+        }
+    }
+    for (nsid, count) in per_ns {
+        let Some(tally) = held.transfers.get(nsid.wrapping_sub(1) as usize) else { continue };
+        let now = tally.fetch_add(count, std::sync::atomic::Ordering::AcqRel) + count;
+        if now >= ctrl.config().max_held {
+            log::warn!(
+                "nvme: ns{nsid}: its backing holds {now} transfer(s) of stopped queues (max_held {}): new \
+                 commands to it fail with Namespace Not Ready until it answers",
+                ctrl.config().max_held
+            );
+        }
+    }
+    ring.detach(move |(_permit, t)| {
+        if let Some(tally) = held.transfers.get(t.nsid.wrapping_sub(1) as usize) {
+            tally.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        }
+    });
+}
+
 /// An I/O queue's io_uring, and where each namespace's files are in it.
 struct Aio {
     /// Each transfer's payload: the command's permit (holding its pins) and the transfer.
@@ -337,7 +366,7 @@ impl QueueWorker {
                     self.sq().id
                 );
             }
-            aio.ring.detach();
+            leave(self.ctrl(), aio.ring);
         }
         if stop == Stop::Delete {
             self.abort_remaining(&mut waiter, head);
