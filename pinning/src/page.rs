@@ -38,7 +38,9 @@ pub fn iova_of_checked(pfn: u64) -> Option<u64> {
 }
 
 bitflags! {
-    /// Access rights of a mapping, and the access a pin asks for.
+    /// Access rights of a mapping, and the access a pin asks for. Neither may be empty: a
+    /// mapping that grants nothing is refused (`MapError::NoAccess`), and so is a pin that
+    /// asks for nothing (`PinError::NoAccess`), both `EINVAL`.
     ///
     /// The bit values are those of `VFIO_DMA_MAP_FLAG_READ`/`_WRITE`, so vfio-user's DMA_MAP
     /// flags convert directly.

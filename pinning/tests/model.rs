@@ -35,6 +35,11 @@ fn pages() -> impl Strategy<Value = Vec<u64>> {
     prop_oneof![8 => prop::collection::vec(page(), 0..8), 1 => prop::collection::vec(page(), 8..40)]
 }
 
+/// The access a pin asks for: read, write or both, and now and then none (refused).
+fn pin_prot() -> impl Strategy<Value = u32> {
+    prop_oneof![1 => Just(0u32), 8 => 1..=3u32]
+}
+
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (map_page(), 0..17u64, prop_oneof![1 => Just(0u32), 8 => 1..=3u32], prop::bool::weighted(0.15), 0..4u64).prop_map(
@@ -42,12 +47,12 @@ fn op() -> impl Strategy<Value = Op> {
         ),
         1 => (map_page(), 0..25u64).prop_map(|(page, pages)| Op::Unmap { page, pages }),
         1 => Just(Op::UnmapAll),
-        4 => (pages(), any::<bool>()).prop_map(|(pfns, write)| Op::Pin { pfns, write }),
+        4 => (pages(), pin_prot()).prop_map(|(pfns, prot)| Op::Pin { pfns, prot }),
         // Arrays made of short ascending runs, IDAW style.
-        6 => (prop::collection::vec((page(), 1..9u64), 1..5), any::<bool>()).prop_map(|(runs, write)| {
-            Op::Pin { pfns: runs.into_iter().flat_map(|(s, n)| (0..n).map(move |k| s.wrapping_add(k))).collect(), write }
+        6 => (prop::collection::vec((page(), 1..9u64), 1..5), pin_prot()).prop_map(|(runs, prot)| {
+            Op::Pin { pfns: runs.into_iter().flat_map(|(s, n)| (0..n).map(move |k| s.wrapping_add(k))).collect(), prot }
         }),
-        2 => (map_page(), 0..41u64, any::<bool>()).prop_map(|(page, pages, write)| Op::PinRange { page, pages, write }),
+        2 => (map_page(), 0..41u64, pin_prot()).prop_map(|(page, pages, prot)| Op::PinRange { page, pages, prot }),
         3 => any::<usize>().prop_map(|which| Op::Drop { which }),
         1 => any::<usize>().prop_map(|which| Op::Forget { which }),
         1 => (any::<usize>(), prop_oneof![1 => Just(0u8), 2 => any::<u8>()]).prop_map(|(which, part)| Op::UnpinKept { which, part }),

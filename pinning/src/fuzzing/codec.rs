@@ -54,21 +54,45 @@ impl Bytes<'_> {
     }
 }
 
+/// The access a pin asks for, from its write bit and its other bit: read (neither), write,
+/// both, or (the other bit alone) none, which is refused. Inputs written before pins could
+/// ask for none or both set only the write bit.
+fn pin_prot(write: bool, other: bool) -> u32 {
+    match (write, other) {
+        (false, false) => 1,
+        (true, false) => 2,
+        (true, true) => 3,
+        (false, true) => 0,
+    }
+}
+
+/// The write bit and the other bit of [`pin_prot`]'s `prot` (bits above 3 dropped).
+fn pin_bits(prot: u32) -> (bool, bool) {
+    match prot & 3 {
+        1 => (false, false),
+        2 => (true, false),
+        3 => (true, true),
+        _ => (false, true),
+    }
+}
+
 /// Decodes bytes into a pin mode and ops; every byte string decodes (a truncated op is
 /// dropped).
 ///
 /// Byte 0: bit 1 selects [`PinMode::Kernel`], else bit 0 [`PinMode::Lock`]. Then ops, each an opcode byte (modulo 12) and
 /// its arguments: pages are one byte each ([`page_of`]), arrays a length byte (low 6 bits,
-/// so up to 63 entries, bit 7 = write for pins) then the pages.
+/// so up to 63 entries; for pins bit 7 = write, bit 6 = the other access bit) then the pages.
+/// A pin's access is read, write (the write bit), both (both bits) or none (the other bit
+/// alone).
 ///
 /// | opcode | op | arguments |
 /// |---|---|---|
 /// | 0 | Map | page, pages (mod 17), flags: prot = bits 0-1, message-only = bit 2, offset = bits 3-4 |
 /// | 1 | Unmap | page, pages (mod 25) |
 /// | 2 | UnmapAll | |
-/// | 3 | Pin | length/write byte, pages |
-/// | 4 | Pin (IDAW style) | byte: runs = 1 + bits 0-1, write = bit 7; per run: page, length (mod 8) |
-/// | 5 | PinRange | page, pages (mod 41), write (bit 0) |
+/// | 3 | Pin | length/access byte, pages |
+/// | 4 | Pin (IDAW style) | byte: runs = 1 + bits 0-1, write = bit 7, other access bit = bit 6; per run: page, length (mod 8) |
+/// | 5 | PinRange | page, pages (mod 41), access: write = bit 0, other = bit 1 |
 /// | 6, 7, 8 | Drop, Forget, UnpinKept | which |
 /// | 9 | UnpinAny | length byte, pages |
 /// | 10 | UnpinAnyRange | page, pages (mod 41) |
@@ -104,7 +128,7 @@ fn decode_op(b: &mut Bytes<'_>) -> Option<Op> {
         2 => Op::UnmapAll,
         3 => {
             let head = *b.data.first()?;
-            Op::Pin { pfns: b.pages()?, write: head & 0x80 != 0 }
+            Op::Pin { pfns: b.pages()?, prot: pin_prot(head & 0x80 != 0, head & 0x40 != 0) }
         }
         4 => {
             let head = b.byte()?;
@@ -113,13 +137,12 @@ fn decode_op(b: &mut Bytes<'_>) -> Option<Op> {
                 let (start, len) = (page_of(b.byte()?), b.byte()? % 8);
                 pfns.extend((0..u64::from(len)).map(|k| start.wrapping_add(k)));
             }
-            Op::Pin { pfns, write: head & 0x80 != 0 }
+            Op::Pin { pfns, prot: pin_prot(head & 0x80 != 0, head & 0x40 != 0) }
         }
-        5 => Op::PinRange {
-            page: map_page_of(b.byte()?),
-            pages: u64::from(b.byte()? % 41),
-            write: b.byte()? & 1 != 0,
-        },
+        5 => {
+            let (page, pages, access) = (map_page_of(b.byte()?), u64::from(b.byte()? % 41), b.byte()?);
+            Op::PinRange { page, pages, prot: pin_prot(access & 1 != 0, access & 2 != 0) }
+        }
         6 => Op::Drop { which: usize::from(b.byte()?) },
         7 => Op::Forget { which: usize::from(b.byte()?) },
         8 => Op::UnpinKept { which: usize::from(b.byte()?), part: 0 },
@@ -143,9 +166,9 @@ pub fn encode(mode: PinMode, ops: &[Op]) -> Vec<u8> {
         PinMode::Lock => 1,
         PinMode::Kernel => 2,
     }];
-    let array = |out: &mut Vec<u8>, pfns: &[u64], write: bool| {
+    let array = |out: &mut Vec<u8>, pfns: &[u64], (write, other): (bool, bool)| {
         let n = pfns.len().min(63);
-        out.push(n as u8 | if write { 0x80 } else { 0 });
+        out.push(n as u8 | if write { 0x80 } else { 0 } | if other { 0x40 } else { 0 });
         out.extend(pfns[..n].iter().map(|&p| byte_of(p)));
     };
     for op in ops {
@@ -157,19 +180,20 @@ pub fn encode(mode: PinMode, ops: &[Op]) -> Vec<u8> {
             }
             Op::Unmap { page, pages } => out.extend([1, byte_of(*page), *pages as u8]),
             Op::UnmapAll => out.push(2),
-            Op::Pin { pfns, write } => {
+            Op::Pin { pfns, prot } => {
                 out.push(3);
-                array(&mut out, pfns, *write);
+                array(&mut out, pfns, pin_bits(*prot));
             }
-            Op::PinRange { page, pages, write } => {
-                out.extend([5, byte_of(*page), *pages as u8, u8::from(*write)])
+            Op::PinRange { page, pages, prot } => {
+                let (write, other) = pin_bits(*prot);
+                out.extend([5, byte_of(*page), *pages as u8, u8::from(write) | (u8::from(other) << 1)])
             }
             Op::Drop { which } => out.extend([6, *which as u8]),
             Op::Forget { which } => out.extend([7, *which as u8]),
             Op::UnpinKept { which, .. } => out.extend([8, *which as u8]),
             Op::UnpinAny { pfns } => {
                 out.push(9);
-                array(&mut out, pfns, false);
+                array(&mut out, pfns, (false, false));
             }
             Op::UnpinAnyRange { page, pages } => out.extend([10, byte_of(*page), *pages as u8]),
             Op::Access { which, offset, len, write } => {

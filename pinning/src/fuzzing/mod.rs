@@ -221,27 +221,31 @@ fn check(ops: &[Op], mode: PinMode, alone: bool) {
                 }
             }
             Op::Pin { .. } | Op::PinRange { .. } => {
-                let (pfns, write, result) = match *op {
-                    Op::Pin { ref pfns, write } => {
-                        let prot = if write { Prot::WRITE } else { Prot::READ };
-                        (pfns.clone(), write, space.pin_pages(pfns, prot))
+                let (pfns, wanted, result) = match *op {
+                    Op::Pin { ref pfns, prot } => {
+                        let prot = Prot::from_bits_truncate(prot);
+                        (pfns.clone(), prot, space.pin_pages(pfns, prot))
                     }
-                    Op::PinRange { page, pages, write } => {
-                        let prot = if write { Prot::WRITE } else { Prot::READ };
+                    Op::PinRange { page, pages, prot } => {
+                        let prot = Prot::from_bits_truncate(prot);
                         (
                             (0..pages).map(|k| page.wrapping_add(k)).collect(),
-                            write,
+                            prot,
                             space.pin_range(page * P, pages, prot),
                         )
                     }
                     _ => unreachable!("matched above"),
                 };
-                let wanted = if write { Prot::WRITE } else { Prot::READ };
+                let write = wanted.contains(Prot::WRITE);
                 let expected = match *op {
                     // A range running past the last page with a byte address is refused as
-                    // a whole, at its first page.
+                    // a whole, at its first page (unless it asks for no access, refused
+                    // before anything is looked at).
                     Op::PinRange { page, pages, .. }
-                        if pages > 0 && pages <= MAX_PAGES_PER_CALL && range_end(page, pages).is_none() =>
+                        if !wanted.is_empty()
+                            && pages > 0
+                            && pages <= MAX_PAGES_PER_CALL
+                            && range_end(page, pages).is_none() =>
                     {
                         Err(Expect::NotMapped(0, page))
                     }
@@ -450,8 +454,12 @@ mod tests {
         let ops = vec![
             Op::Map { page: 4, pages: 8, prot: 3, message_only: false, offset_pages: 2 },
             Op::Map { page: HIGH_BASE + 8, pages: 8, prot: 1, message_only: false, offset_pages: 0 },
-            Op::Pin { pfns: vec![5, 6, 7, 1, HIGH_BASE + 9, u64::MAX], write: true },
-            Op::PinRange { page: 4, pages: 3, write: false },
+            Op::Pin { pfns: vec![5, 6, 7, 1, HIGH_BASE + 9, u64::MAX], prot: 2 },
+            Op::PinRange { page: 4, pages: 3, prot: 1 },
+            Op::Pin { pfns: vec![5, 6], prot: 3 },
+            Op::Pin { pfns: vec![5], prot: 0 },
+            Op::PinRange { page: 4, pages: 2, prot: 0 },
+            Op::PinRange { page: 6, pages: 1, prot: 3 },
             Op::Access { which: 1, offset: 4000, len: 300, write: true },
             Op::Forget { which: 0 },
             Op::UnpinKept { which: 0, part: 0 },

@@ -30,6 +30,7 @@ pub(super) struct Model {
 /// A failing pin call as the model predicts it.
 #[derive(Debug, PartialEq)]
 pub(super) enum Expect {
+    NoAccess,
     Empty,
     TooManyPages(u64),
     NotMapped(usize, u64),
@@ -78,7 +79,8 @@ impl Model {
     /// returned.
     ///
     /// `mode`: lock mode charges the lock limit; kernel mode needs write access to the
-    /// mapping whatever the pin asks for (the kernel pins for writing).
+    /// mapping whatever the pin asks for (the kernel pins for writing). A pin asking for no
+    /// access is refused first, in every mode.
     pub(super) fn pin(
         &mut self,
         pfns: &[u64],
@@ -86,6 +88,10 @@ impl Model {
         mode: PinMode,
     ) -> Result<Vec<(usize, usize)>, Expect> {
         let lock = mode == PinMode::Lock;
+        // A pin asks for some access, whatever it names.
+        if wanted.is_empty() {
+            return Err(Expect::NoAccess);
+        }
         let wanted = if mode == PinMode::Kernel { wanted | Prot::WRITE } else { wanted };
         if pfns.is_empty() {
             return Err(Expect::Empty);
@@ -189,7 +195,7 @@ impl Model {
 
 pub(super) fn same_error(actual: &PinError, expected: &Expect) -> bool {
     match (actual, expected) {
-        (PinError::Empty, Expect::Empty) => true,
+        (PinError::NoAccess, Expect::NoAccess) | (PinError::Empty, Expect::Empty) => true,
         (PinError::TooManyPages { requested, max }, Expect::TooManyPages(n)) => {
             requested == n && *max == MAX_PAGES_PER_CALL
         }

@@ -54,8 +54,8 @@ pub enum Op {
     Pin {
         /// The array.
         pfns: Vec<u64>,
-        /// For write (else read).
-        write: bool,
+        /// The access asked for: `Prot` bits, 0 to 3 (0, no access, is refused).
+        prot: u32,
     },
     /// Pin a range of pages; the guard is kept.
     PinRange {
@@ -63,8 +63,8 @@ pub enum Op {
         page: u64,
         /// Pages.
         pages: u64,
-        /// For write (else read).
-        write: bool,
+        /// The access asked for: `Prot` bits, 0 to 3 (0, no access, is refused).
+        prot: u32,
     },
     /// Drop a kept guard (`which` modulo their number).
     Drop {

@@ -12,6 +12,12 @@ use crate::page::Prot;
 /// pins, the page's offset in the range) and `pfn` its IOVA page number.
 #[derive(Debug, Error)]
 pub enum PinError {
+    /// The call asked for no access ([`Prot::empty()`]). A pin is the device's leave to read
+    /// or write the pages (its guard's copies and slices, its host addresses): one for
+    /// neither means nothing, so it is refused (`EINVAL`), as a mapping that grants neither
+    /// is (`MapError::NoAccess`).
+    #[error("a pin must ask for read or write access (or both); it asked for neither")]
+    NoAccess,
     /// The call named no pages.
     #[error("no pages to pin")]
     Empty,
@@ -139,7 +145,7 @@ impl PinError {
     /// The errno a VFIO-style interface reports for this error.
     pub fn errno(&self) -> i32 {
         match self {
-            PinError::Empty | PinError::NotMapped { .. } => libc::EINVAL,
+            PinError::NoAccess | PinError::Empty | PinError::NotMapped { .. } => libc::EINVAL,
             PinError::TooManyPages { .. } => libc::E2BIG,
             PinError::Permission { .. } => libc::EPERM,
             PinError::NoHostMemory { .. } | PinError::Poisoned { .. } => libc::EFAULT,

@@ -45,6 +45,11 @@ impl DmaSpace {
     /// The pins are held until the returned guard drops (or [`PinnedPages::forget`] hands
     /// them to [`DmaSpace::unpin_pages`]). On error nothing stays pinned.
     ///
+    /// `prot` must ask for some access: [`Prot::READ`], [`Prot::WRITE`] or both. A pin is the
+    /// device's leave to read or write the pages, so one for neither ([`Prot::empty()`]) is
+    /// refused with [`PinError::NoAccess`] (`EINVAL`), in every mode, before the pages are
+    /// looked at.
+    ///
     /// Units: `pin_pages` and `unpin_pages` take page numbers; `pin_range`, `unpin_range`
     /// and `pin_count` take byte addresses (IOVAs). In [`PinMode::Kernel`] every pin is taken
     /// for writing (io_uring registers buffers so), so a mapping granted read-only refuses
@@ -54,7 +59,8 @@ impl DmaSpace {
     }
 
     /// Pins the `npages` pages from `iova` (page aligned; rounded down otherwise). The range
-    /// may span adjacent mappings; it is pinned one run per mapping.
+    /// may span adjacent mappings; it is pinned one run per mapping. `prot` and the errors
+    /// are [`DmaSpace::pin_pages`]'s ([`Prot::empty()`] is refused with [`PinError::NoAccess`]).
     pub fn pin_range(&self, iova: u64, npages: u64, prot: Prot) -> Result<PinnedPages, PinError> {
         self.pin(prot, PageRange { pfn: iova >> PAGE_SHIFT, npages })
     }
@@ -80,7 +86,7 @@ impl DmaSpace {
         if self.mode() == PinMode::Kernel {
             return kernel_mode::pin(self, prot, entries).map(PinnedPages::recorded);
         }
-        let planned = entries.check(self.config().max_pages_per_call).and_then(|()| {
+        let planned = entries.check(self.config().max_pages_per_call, prot).and_then(|()| {
             let mut plan = Plan::boxed(prot);
             plan.reserve_for(entries);
             let mut read = self.read_table();
@@ -98,7 +104,8 @@ impl DmaSpace {
     }
 
     /// Translates `pfns` the way [`DmaSpace::pin_pages`] does (the same table, run splitting
-    /// and access checks, but for poisoning, which only a pin refuses) but takes no pins and
+    /// and access checks, [`Prot::empty()`] refused with [`PinError::NoAccess`], but for
+    /// poisoning, which only a pin refuses) but takes no pins and
     /// allocates nothing: `f(index, host_addr, npages)` gets each run in order. Nothing keeps
     /// the memory mapped afterwards, so the addresses are only as good as the caller's own
     /// knowledge that no unmap happens: this is plain translation as an unsafe translator
@@ -113,7 +120,7 @@ impl DmaSpace {
         f: impl FnMut(usize, usize, u64),
     ) -> Result<(), PinError> {
         let entries = PageArray(pfns);
-        entries.check(self.config().max_pages_per_call)?;
+        entries.check(self.config().max_pages_per_call, prot)?;
         let mut read = self.read_table();
         let (table, shard) = read.parts();
         cut(table, &mut shard.hint, entries, &mut TranslateSink { prot, report: f })

@@ -49,8 +49,12 @@ pub(crate) trait Entries: Copy {
         sink: &mut S,
     ) -> Result<(), S::Stop>;
 
-    /// Checks the call's size against `max` pages, and that a range's pages have IOVAs.
-    fn check(&self, max: u64) -> Result<(), PinError> {
+    /// Checks that the call asks for some access (`prot`), its size against `max` pages, and
+    /// that a range's pages have IOVAs.
+    fn check(&self, max: u64, prot: Prot) -> Result<(), PinError> {
+        if prot.is_empty() {
+            return Err(PinError::NoAccess);
+        }
         match self.len() {
             0 => return Err(PinError::Empty),
             n if n > max => return Err(PinError::TooManyPages { requested: n, max }),

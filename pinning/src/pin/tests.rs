@@ -132,6 +132,40 @@ fn failures_unwind_everything_and_name_the_first_bad_page() {
     assert_eq!(space.stats().pin_failures, 6);
 }
 
+/// A pin asking for no access means nothing: it is refused (EINVAL) before anything else is
+/// looked at, on track mode's small-record path as on its general one and in lock mode, and
+/// takes nothing; so is such a translation.
+#[test]
+#[cfg_attr(miri, ignore = "Miri: mlock")]
+fn a_pin_asking_for_no_access_is_refused_in_every_path() {
+    for mode in [PinMode::Track, PinMode::Lock] {
+        let (space, _f) = space_with(DmaSpaceConfig { mode, ..Default::default() });
+        let none = Prot::empty();
+        let refused = [
+            space.pin_pages(&[1], none),
+            space.pin_pages(&[1, 5, 6, 7, 9], none),
+            space.pin_pages(&(0..40).map(|p| p * 3 % 64).collect::<Vec<_>>(), none),
+            space.pin_range(0, 64, none),
+            // Calls that would fail anyway fail for this first.
+            space.pin_pages(&[], none),
+            space.pin_pages(&[100], none),
+        ];
+        for result in refused {
+            let err = result.unwrap_err();
+            assert!(matches!(err, PinError::NoAccess), "{mode}: {err}");
+            assert_eq!(err.errno(), libc::EINVAL);
+        }
+        let stats = space.stats();
+        assert_eq!((stats.pins_held, stats.pin_failures), (0, 6), "{mode}");
+        assert_eq!(counts(&space, 0..64), vec![0; 64], "{mode}");
+        let translated = space.translate_pages(&[1, 2], none, |_, _, _| panic!("{mode}: translated"));
+        assert!(matches!(translated, Err(PinError::NoAccess)), "{mode}");
+        // The same call asking for access is pinned.
+        let pins = space.pin_pages(&[1, 5, 6, 7, 9], Prot::READ).unwrap();
+        assert_eq!(pins.runs().len(), 3);
+    }
+}
+
 #[test]
 #[cfg_attr(miri, ignore = "Miri: 70000 calls: too slow")]
 fn track_mode_guards_count_past_the_per_page_limit_up_to_the_space_limit() {

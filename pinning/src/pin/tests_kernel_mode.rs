@@ -218,3 +218,18 @@ fn an_abandoned_mapping_keeps_its_kernel_pins_until_the_guard_drops() {
     drop(pins);
     assert_eq!(held(&space), (0, 0));
 }
+
+#[test]
+#[cfg_attr(miri, ignore = "Miri: io_uring")]
+fn a_pin_asking_for_no_access_is_refused_before_the_kernel_is_asked() {
+    let space = kernel_space(64);
+    let file = memfd(16);
+    space.map(0, 16 * P, file.as_fd(), 0, Prot::READ_WRITE).unwrap();
+    for result in [space.pin_pages(&[1, 5, 6], Prot::empty()), space.pin_range(0, 16, Prot::empty())] {
+        let err = result.unwrap_err();
+        assert!(matches!(err, PinError::NoAccess), "{err}");
+        assert_eq!(err.errno(), libc::EINVAL);
+    }
+    assert_eq!(held(&space), (0, 0), "no buffer registered");
+    assert_eq!((space.stats().pins_held, space.stats().pin_failures), (0, 2));
+}

@@ -243,8 +243,9 @@ fn pin_small(
     max_pages: u64,
 ) -> Option<RecordPtr> {
     let npages = entries.len();
-    // Bigger calls never fit a shard's share of small-record pins: no look for room.
-    if npages == 0 || npages > max_pages || npages > SMALL_PINS {
+    // Bigger calls never fit a shard's share of small-record pins: no look for room. A call
+    // asking for no access is refused by the general path.
+    if npages == 0 || npages > max_pages || npages > SMALL_PINS || prot.is_empty() {
         return None;
     }
     if shard.small_short(npages) && !reclaim_small(&space.policy, shard, npages) {
@@ -371,7 +372,7 @@ pub(super) fn pin_recorded(
     let space = &dma.inner.space;
     let shard_index = read.index();
     let (table, shard) = read.parts();
-    if let Err(e) = entries.check(dma.config().max_pages_per_call) {
+    if let Err(e) = entries.check(dma.config().max_pages_per_call, prot) {
         shard.counts.pin_failures += 1;
         return Err(e);
     }
