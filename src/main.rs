@@ -33,10 +33,11 @@ use output::out;
     about = "vfio-user server for mediated devices, with an external page-pinning engine"
 )]
 struct Cli {
-    /// Directory of the daemon's control socket and instance sockets.
+    /// Directory of the daemon's control socket and instance sockets (only the commands of
+    /// [`RUN_DIR_USERS`] take it; the help says so, from that list).
     #[arg(long, global = true)]
     run_dir: Option<std::path::PathBuf>,
-    /// Directory of persistent device definitions.
+    /// Directory of persistent device definitions (only the commands of [`STATE_DIR_USERS`]).
     #[arg(long, global = true)]
     state_dir: Option<std::path::PathBuf>,
     /// How log lines look: `terminal` (env_logger, RUST_LOG; warnings and errors by default),
@@ -459,6 +460,37 @@ const NO_BENCH: &str =
      clients they drive the devices with. From a checkout: `cargo run --release -- demo`; installed: \
      `cargo install --path .` (feature `bench`, on by default)";
 
+/// The commands that use the run directory (they talk to the daemon, or are it): the others
+/// refuse `--run-dir` rather than ignore it.
+const RUN_DIR_USERS: [&str; 7] = ["daemon", "types", "start", "stop", "list", "modify", "stats"];
+/// The commands that use the definitions directory: the others refuse `--state-dir`.
+const STATE_DIR_USERS: [&str; 6] = ["daemon", "start", "list", "define", "modify", "undefine"];
+
+/// `a, b and c`.
+fn and_list(names: &[&str]) -> String {
+    match names {
+        [] => String::new(),
+        [one] => one.to_string(),
+        [rest @ .., last] => format!("{} and {last}", rest.join(", ")),
+    }
+}
+
+/// `--run-dir` or `--state-dir` given to a command that does not use it (which would
+/// ignore it): what to say, as a usage error.
+fn unused_directory(cli: &Cli, command: &str) -> Option<String> {
+    let dirs = [
+        (cli.run_dir.is_some(), "--run-dir", &RUN_DIR_USERS[..], "UMDEV_RUN_DIR"),
+        (cli.state_dir.is_some(), "--state-dir", &STATE_DIR_USERS[..], "UMDEV_STATE_DIR"),
+    ];
+    let (_, flag, users, env) =
+        dirs.into_iter().find(|(given, _, users, _)| *given && !users.contains(&command))?;
+    Some(format!(
+        "`umdev {command}` does not use {flag}: only {} do (to set the directory for every command, use \
+         ${env})",
+        and_list(users)
+    ))
+}
+
 /// The CLI, with every type's options in the help of the commands that take them (and so in
 /// their man pages).
 fn cli_command() -> clap::Command {
@@ -472,7 +504,21 @@ fn cli_command() -> clap::Command {
             text.push('\n');
         }
     }
-    let mut cli = Cli::command().after_help(environment_help());
+    let mut cli = Cli::command()
+        .after_help(environment_help())
+        .mut_arg("run_dir", |a| {
+            a.help(format!(
+                "Directory of the daemon's control socket and instance sockets, for {} (other commands \
+                 refuse it)",
+                and_list(&RUN_DIR_USERS)
+            ))
+        })
+        .mut_arg("state_dir", |a| {
+            a.help(format!(
+                "Directory of persistent device definitions, for {} (other commands refuse it)",
+                and_list(&STATE_DIR_USERS)
+            ))
+        });
     for name in ["start", "define", "modify", "run", "types"] {
         cli = cli.mut_subcommand(name, |c| c.after_long_help(text.clone()));
     }
@@ -483,8 +529,8 @@ fn cli_command() -> clap::Command {
 fn environment_help() -> String {
     use umdev::control::{DEFAULT_TIMEOUT, MAX_TIMEOUT_MS, MIN_TIMEOUT_MS, TIMEOUT_ENV};
     format!(
-        "Environment:\n  UMDEV_RUN_DIR, UMDEV_STATE_DIR  the directories, as --run-dir and --state-dir (an \
-         option comes first)\n  {TIMEOUT_ENV}  how long a command waits for the daemon's answer, \
+        "Environment:\n  UMDEV_RUN_DIR, UMDEV_STATE_DIR  the directories, for every command (--run-dir and \
+         --state-dir, where a command takes them, come first)\n  {TIMEOUT_ENV}  how long a command waits for the daemon's answer, \
          {MIN_TIMEOUT_MS} to {MAX_TIMEOUT_MS} ms ({} by default)",
         DEFAULT_TIMEOUT.as_millis()
     )
@@ -495,10 +541,14 @@ fn main() {
     // explicitly (output::write_file).
     // SAFETY: umask only changes this process's file creation mask.
     unsafe { libc::umask(0o077) };
-    let cli = match Cli::from_arg_matches(&cli_command().get_matches()) {
+    let matches = cli_command().get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
         Ok(cli) => cli,
         Err(e) => e.exit(),
     };
+    if let Some(why) = matches.subcommand_name().and_then(|c| unused_directory(&cli, c)) {
+        cli_command().error(clap::error::ErrorKind::ArgumentConflict, why).exit();
+    }
     logging::init(cli.log_format);
     let dirs = match cli.command {
         Command::Daemon { .. } => manage::Dirs::for_daemon(cli.run_dir, cli.state_dir),
@@ -739,6 +789,16 @@ mod tests {
         }
         assert!(parsed > 50, "only {parsed} commands found");
         assert!(failures.is_empty(), "commands the CLI refuses:\n{}", failures.join("\n"));
+    }
+
+    /// The directory options' lists name commands the CLI has.
+    #[test]
+    fn the_commands_that_take_a_directory_exist() {
+        let cli = cli_command();
+        for name in super::RUN_DIR_USERS.iter().chain(&super::STATE_DIR_USERS) {
+            assert!(cli.find_subcommand(name).is_some(), "{name}");
+        }
+        assert_eq!(super::and_list(&["a", "b", "c"]), "a, b and c");
     }
 
     #[test]

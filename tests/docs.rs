@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::docs::{lines, simple_commands, Simple};
-use common::process::{umdev, ChildGuard, Dirs};
+use common::process::{ChildGuard, Dirs};
 
 /// The placeholder UUID of the documents (`<uuid>`, `UUID`, `5a1e4c36-...`).
 const UUID: &str = "5a1e4c36-0f8e-4a5e-9d2f-000000000d0c";
@@ -100,8 +100,7 @@ impl Run {
     }
 
     fn command(&self, args: &[String]) -> Command {
-        let mut cmd = umdev();
-        cmd.arg("--run-dir").arg(&self.env.run).arg("--state-dir").arg(&self.env.state);
+        let mut cmd = self.env.command();
         cmd.args(args).current_dir(&self.root);
         cmd
     }

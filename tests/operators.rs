@@ -391,6 +391,42 @@ fn a_dead_daemons_sockets_are_named_and_removed_and_one_daemon_holds_its_directo
     stop(daemon);
 }
 
+/// `--run-dir` and `--state-dir` are taken only by the commands that use them: another
+/// command refuses one (a usage error, naming the commands that take it) rather than ignore
+/// it, wherever on the line it stands. The environment variables reach every command.
+#[test]
+fn a_directory_option_a_command_does_not_use_is_refused() {
+    let env = Dirs::new();
+    let (run, state) = (env.run.to_str().unwrap(), env.state.to_str().unwrap());
+    let socket = env.path().join("run.sock");
+    let refused: [(&[&str], &str); 6] = [
+        (&["--run-dir", run, "define", "-t", "testdev", "-u", A], "`umdev define` does not use --run-dir"),
+        (&["undefine", "-u", A, "--run-dir", run], "`umdev undefine` does not use --run-dir"),
+        (&["--state-dir", state, "stats", "-u", A], "`umdev stats` does not use --state-dir"),
+        (&["stop", "--state-dir", state, "-u", A], "`umdev stop` does not use --state-dir"),
+        (
+            &["--run-dir", run, "run", "-t", "testdev", "--socket", socket.to_str().unwrap()],
+            "`umdev run` does not use --run-dir",
+        ),
+        (&["completions", "bash", "--state-dir", state], "`umdev completions` does not use --state-dir"),
+    ];
+    for (args, message) in refused {
+        let out = umdev().args(args).stdin(Stdio::null()).output().unwrap();
+        let err = stderr_of(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(message), "{args:?}: {err}");
+    }
+    let err = stderr_of(&umdev().args(["--run-dir", run, "man"]).output().unwrap());
+    assert!(err.contains("only daemon, types, start, stop, list, modify and stats do"), "{err}");
+    assert!(!env.state.exists() && !socket.exists(), "nothing was done");
+    // The commands that use a directory take its option; the environment reaches them all.
+    umdev().args(["--state-dir", state, "define", "-t", "testdev", "-u", A]).output().unwrap();
+    assert!(env.ok(&["list", "-d"]).contains(A));
+    let listed = umdev().args(["--run-dir", run, "--state-dir", state, "list", "-d"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&listed.stdout).contains(A), "{}", stderr_of(&listed));
+    env.ok(&["undefine", "-u", A]);
+}
+
 /// A daemon that takes the request and never answers: the command gives up after the wait
 /// `UMDEV_CONTROL_TIMEOUT_MS` sets (60 s by default), naming the socket; a value outside
 /// 1..=3600000 ms is refused before anything is sent.
@@ -442,16 +478,7 @@ fn a_daemon_that_does_not_answer_is_named_after_the_wait_the_environment_sets() 
 fn into_a_closed_pipe(env: &Dirs, args: &[&str]) {
     let (read, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
     drop(read);
-    let out = umdev()
-        .arg("--run-dir")
-        .arg(&env.run)
-        .arg("--state-dir")
-        .arg(&env.state)
-        .args(args)
-        .stdout(Stdio::from(write))
-        .stderr(Stdio::piped())
-        .output()
-        .unwrap();
+    let out = env.command().args(args).stdout(Stdio::from(write)).stderr(Stdio::piped()).output().unwrap();
     assert!(out.status.success(), "umdev {args:?} into a closed pipe: {} {}", out.status, stderr_of(&out));
     assert!(!stderr_of(&out).contains("panicked"), "{}", stderr_of(&out));
 }

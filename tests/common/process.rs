@@ -79,16 +79,17 @@ impl Dirs {
         self.dir.path()
     }
 
-    /// `umdev --run-dir .. --state-dir .. <args>`, run to completion.
+    /// `umdev <args>` on these directories, run to completion.
     pub fn umdev(&self, args: &[&str]) -> Output {
-        umdev()
-            .arg("--run-dir")
-            .arg(&self.run)
-            .arg("--state-dir")
-            .arg(&self.state)
-            .args(args)
-            .output()
-            .unwrap()
+        self.command().args(args).output().unwrap()
+    }
+
+    /// `umdev` with `$UMDEV_RUN_DIR` and `$UMDEV_STATE_DIR` naming these directories: every
+    /// command takes them (only those that use a directory take its option).
+    pub fn command(&self) -> Command {
+        let mut command = umdev();
+        command.env("UMDEV_RUN_DIR", &self.run).env("UMDEV_STATE_DIR", &self.state);
+        command
     }
 
     /// Where the daemons of [`Dirs::daemon`] write their stderr.
@@ -123,11 +124,8 @@ impl Dirs {
     /// `umdev <args>` with `input` on its stdin, run to completion.
     pub fn with_stdin(&self, args: &[&str], input: &str) -> Output {
         use std::io::Write;
-        let mut child = umdev()
-            .arg("--run-dir")
-            .arg(&self.run)
-            .arg("--state-dir")
-            .arg(&self.state)
+        let mut child = self
+            .command()
             .args(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
