@@ -143,8 +143,10 @@ impl Framer {
         if fds.is_empty() {
             return;
         }
-        // Count fds already held for the message this read belongs to; close the excess now.
-        let held: usize = self.fds.iter().map(|(_, f)| f.len()).sum();
+        // Count fds already held for the message this read belongs to (not those of earlier
+        // messages still buffered); close the excess now.
+        let message = self.message_start(pos);
+        let held: usize = self.fds.iter().filter(|(at, _)| *at >= message).map(|(_, f)| f.len()).sum();
         let room = self.max_fds.saturating_sub(held);
         if fds.len() > room {
             let closed = fds.len() - room;
@@ -154,6 +156,23 @@ impl Framer {
         if !fds.is_empty() {
             self.fds.push_back((pos, fds));
         }
+    }
+
+    /// The stream position of the first byte of the message that holds byte `pos` (a byte
+    /// already received): found by walking the headers from the front. Where a header is
+    /// incomplete or impossible (the framer will refuse it), the walk stops there, which at
+    /// worst counts fds of earlier messages too: never fewer than the message's own.
+    fn message_start(&self, pos: u64) -> u64 {
+        let mut at = self.start;
+        while at + HEADER_SIZE <= self.filled {
+            let Ok(bytes) = <&[u8; HEADER_SIZE]>::try_from(&self.buf[at..at + HEADER_SIZE]) else { break };
+            let size = Header::decode(bytes).size as usize;
+            if size < HEADER_SIZE || size > self.max_size as usize || self.base + (at + size) as u64 > pos {
+                break;
+            }
+            at += size;
+        }
+        self.base + at as u64
     }
 
     /// Bytes still needed to complete the message at the front, if its header is here.
@@ -293,6 +312,20 @@ mod tests {
         f.push(&m[8..], fds(3));
         let frame = f.next_frame().unwrap().unwrap();
         assert_eq!((frame.fds.len(), frame.excess_fds), (4, 2));
+    }
+
+    #[test]
+    fn a_message_gets_its_whole_fd_allowance_while_an_earlier_ones_fds_wait() {
+        let mut f = Framer::new(4096, 16);
+        let (x, y) = (msg(1, 2, &[0; 32]), msg(2, 8, &[0; 64]));
+        // X's first read ends inside it (the buffer filled), with X's fd; the next read ends
+        // X and carries Y, with Y's 16 eventfds: all 16 are Y's.
+        f.push(&x[..20], fds(1));
+        f.push(&[&x[20..], &y[..]].concat(), fds(16));
+        let fx = f.next_frame().unwrap().unwrap();
+        assert_eq!((fx.header.id, fx.fds.len(), fx.excess_fds), (1, 1, 0));
+        let fy = f.next_frame().unwrap().unwrap();
+        assert_eq!((fy.header.id, fy.fds.len(), fy.excess_fds), (2, 16, 0));
     }
 
     #[test]
