@@ -278,6 +278,10 @@ impl<F: PciFunction> PciDevice<F> {
         }
         let end = offset.checked_add(len as u64).filter(|&end| end <= size);
         let Some(end) = end else { return Err(bad_access(index, offset, len)) };
+        // An access of no bytes within the BAR does nothing, wherever it falls (docs/vfio-user.md).
+        if len == 0 {
+            return Ok(());
+        }
         if let Some(msix) = self.msix {
             let table = (msix.table_bar, u64::from(msix.table_offset), msix.table_size());
             let pba = (msix.pba_bar, u64::from(msix.pba_offset), msix.pba_size());
