@@ -733,6 +733,14 @@ fn compare_matches_the_blocks_and_the_effects_log_is_served() {
     // One byte differs in the second page.
     d.t.put(DATA + 0x1000 + 77, &[data[0x1000 + 77] ^ 1]).unwrap();
     assert_eq!(compare(&mut d, DATA, DATA + 0x1000), Status::COMPARE_FAILURE);
+    // The failure is in the error log with its LBA, as a Read's would be.
+    let mut log = Sqe::new(admin_op::GET_LOG_PAGE, 0);
+    log.set_dw(10, u32::from(log_page::ERROR) | (64 / 4 - 1) << 16);
+    log.prp1 = (DATA + 0x9000).into();
+    d.admin_ok(log).unwrap();
+    let mut entry = ErrorLogEntry::default();
+    d.t.get(DATA + 0x9000, vm_memory::ByteValued::as_mut_slice(&mut entry)).unwrap();
+    assert_eq!((u16::from(entry.status) >> 1, u64::from(entry.lba)), (Status::COMPARE_FAILURE.0, 40));
     assert_eq!(compare(&mut d, 1 << 40, 0), Status::DATA_TRANSFER_ERROR);
     // Get Log Page 05h: Read is supported, Write changes logical block content.
     let mut log = Sqe::new(admin_op::GET_LOG_PAGE, 0);

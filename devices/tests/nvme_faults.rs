@@ -418,3 +418,28 @@ fn workers_left_blocked_in_a_synchronous_backing_count_against_max_held() {
     d.t.get(DATA + 0x8000, &mut back).unwrap();
     assert!(back == data);
 }
+
+/// With `aio=sync`, a Delete I/O SQ whose worker is blocked in a backing that does not answer
+/// completes after its bound, and the worker, when the backing finally answers, posts
+/// nothing: neither its command's completion nor aborts for a ring that is no longer its.
+#[test]
+fn a_queue_deleted_while_its_worker_is_blocked_in_the_backing_posts_nothing_afterwards() {
+    let Some(fuse) = mounted(1 << 20) else { return };
+    let mut d = on_with(&fuse, NvmeConfig { aio: AioMode::Sync, ..NvmeConfig::default() });
+    let held = hold_a_read(&fuse, &mut d, &pattern(BLOCK as usize, 13));
+
+    let mut delete = Sqe::new(admin_op::DELETE_SQ, 0);
+    delete.set_dw(10, 1);
+    assert_eq!(d.admin_command(delete).unwrap().status(), Status::SUCCESS);
+    assert_eq!(d.t.ctrl().held_by_backing(1), (0, 1), "the blocked worker is counted");
+
+    // The backing answers: the worker ends (uncounted) and nothing reaches the CQ.
+    fuse.answer(held[0].unique, None);
+    let deadline = Instant::now() + GUARD;
+    while d.t.ctrl().held_by_backing(1).1 > 0 {
+        assert!(Instant::now() < deadline, "the blocked worker never ended");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    until_let_go(|| d.t.dma.pin_count(HELD_PAGE) > 0);
+    assert!(d.poll_one(1).unwrap().is_none(), "no completion for a command of a deleted SQ");
+}

@@ -374,7 +374,12 @@ fn delete_sq(cx: &CommandCx, qid: u16) -> Outcome {
         }
     };
     if let Some(entry) = entry {
-        ctrl.stop_queue(entry, Stop::Delete);
+        let sq = entry.sq.clone();
+        // A worker still blocked (in a backing that does not answer) posts nothing when it
+        // wakes: the queue is gone, and what it would abort is no longer its ring's.
+        if !ctrl.stop_queue(entry, Stop::Delete) {
+            sq.retire();
+        }
     }
     ctrl.open_sq_doorbell(qid, 0);
     Outcome::ok(0)

@@ -34,8 +34,6 @@ pub struct Completer {
     /// How many entries `backlog` holds, stored under its lock: with none waiting (nearly
     /// always) a completion is posted without taking it.
     backlogged: AtomicUsize,
-    /// Set once the queue is deleted: nothing more is posted (see [`Completer::retire`]).
-    retired: AtomicBool,
     /// Set while the worker posts a batch of completions it found together (see
     /// [`Completer::batch`]). Only the worker writes it.
     batching: AtomicBool,
@@ -61,7 +59,6 @@ impl Completer {
             generation,
             backlog: Mutex::new(VecDeque::new()),
             backlogged: AtomicUsize::new(0),
-            retired: AtomicBool::new(false),
             batching: AtomicBool::new(false),
         })
     }
@@ -84,7 +81,7 @@ impl Completer {
     /// Whether the queue's work still counts (no disable since it started, the queue not
     /// deleted).
     pub fn current(&self) -> bool {
-        self.ctrl.generation() == self.generation && !self.retired.load(Ordering::Acquire)
+        self.ctrl.generation() == self.generation && !self.sq.retired()
     }
 
     /// The queue is deleted: from now on nothing is posted or counted. A transfer the host
@@ -92,7 +89,7 @@ impl Completer {
     /// silently: its CQ may serve a new SQ by then, with the same command identifiers, and
     /// the guest may have reused its buffer, so a late entry would be a false completion.
     pub fn retire(&self) {
-        self.retired.store(true, Ordering::Release);
+        self.sq.retire();
     }
 
     /// Posts the completion of `sqe` with `status` and `dw0`: counted, logged in the error

@@ -217,14 +217,23 @@ impl SqEntry {
     }
 
     /// Waits for the worker to end, at most `bound`; one that does not is counted as left
-    /// behind until it ends.
-    fn join(self, bound: Duration, held: &Held, after: &str) {
-        if let Err(e) = self.worker.join(bound) {
+    /// behind until it ends. Whether it ended.
+    fn join(self, bound: Duration, held: &Held, max_held: usize, after: &str) -> bool {
+        let joined = self.worker.join(bound);
+        if let Err(e) = joined {
             log::warn!("nvme: {e}{after}");
             if self.life.compare_exchange(ALIVE, LEFT, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-                held.workers.fetch_add(1, Ordering::AcqRel);
+                let now = held.workers.fetch_add(1, Ordering::AcqRel) + 1;
+                if now >= max_held {
+                    log::warn!(
+                        "nvme: {now} queue worker(s) left blocked in a backing (max_held {max_held}): new \
+                         commands to file namespaces fail with Namespace Not Ready until it answers"
+                    );
+                }
             }
+            return false;
         }
+        true
     }
 }
 
@@ -627,10 +636,10 @@ impl Ctrl {
         Ok(())
     }
 
-    /// Stops one queue's worker for `why` and waits for it, boundedly.
-    pub(crate) fn stop_queue(&self, entry: SqEntry, why: Stop) {
+    /// Stops one queue's worker for `why` and waits for it, boundedly: whether it ended.
+    pub(crate) fn stop_queue(&self, entry: SqEntry, why: Stop) -> bool {
         entry.worker.stop(why);
-        entry.join(STOP_WAIT, &self.held, "");
+        entry.join(STOP_WAIT, &self.held, self.config.max_held, "")
     }
 
     /// Whether namespace `nsid`'s backing holds as much as it may ([`ControllerConfig::max_held`]):
@@ -671,7 +680,8 @@ impl Ctrl {
         self.requests.cancel_all();
         let deadline = Instant::now() + STOP_WAIT;
         for e in entries {
-            e.join(deadline.saturating_duration_since(Instant::now()), &self.held, " after a disable");
+            let left = deadline.saturating_duration_since(Instant::now());
+            let _ = e.join(left, &self.held, self.config.max_held, " after a disable");
         }
         self.shadowing.store(false, Ordering::Release);
         self.shadow.store(None);

@@ -162,14 +162,25 @@ fn read_write(cx: &CommandCx, ns: &Namespace, c: ReadWrite, read: bool) -> Outco
         let runs = pins.runs().len() as u64;
         let moved = match pins.io_slices(pages.offset as u64, len, prot) {
             Err(_) => Err(Status::DATA_TRANSFER_ERROR),
-            Ok(slices) if read => ns.store().read_vectored(pos, &slices).map_err(|e| {
-                log::warn!("nvme: ns{}: read of {len} bytes at {pos}: {e}", ns.id());
-                Status::UNRECOVERED_READ_ERROR
-            }),
+            // The memory could not be reached (gone under the transfer): as `finish` says.
+            Ok(slices) if read => {
+                ns.store().read_vectored(pos, &slices).map_err(|e| match e.raw_os_error() {
+                    Some(libc::EFAULT) => Status::DATA_TRANSFER_ERROR,
+                    _ => {
+                        log::warn!("nvme: ns{}: read of {len} bytes at {pos}: {e}", ns.id());
+                        Status::UNRECOVERED_READ_ERROR
+                    }
+                })
+            }
             // Unfenced: the completion entry's write fences it (`Cq`'s `write_cqe`).
             Ok(slices) => ns.store().write_vectored_unfenced(pos, &slices, durability).map_err(|e| {
-                log::warn!("nvme: ns{}: write of {len} bytes at {pos}: {e}", ns.id());
-                write_status(&e)
+                match e.raw_os_error() {
+                    Some(libc::EFAULT) => Status::DATA_TRANSFER_ERROR,
+                    _ => {
+                        log::warn!("nvme: ns{}: write of {len} bytes at {pos}: {e}", ns.id());
+                        write_status(&e)
+                    }
+                }
             }),
         };
         (moved, runs, pins.poisoned())
@@ -185,12 +196,13 @@ fn read_write(cx: &CommandCx, ns: &Namespace, c: ReadWrite, read: bool) -> Outco
             return Status::DATA_TRANSFER_ERROR.into();
         }
     };
-    if let Err(status) = moved {
-        return status.into();
-    }
-    // The client truncated the memory, or unmapped it while we held it.
+    // The client truncated the memory, or unmapped it while we held it (whatever the store
+    // made of the memory's loss).
     if poisoned || unmapped {
         return Status::DATA_TRANSFER_ERROR.into();
+    }
+    if let Err(status) = moved {
+        return status.into();
     }
     cx.ctrl().stats(cx.sq().id).transfer(Transfer {
         pages: pages.pfns.len() as u64,

@@ -663,7 +663,8 @@ pub fn create(config: NvmeConfig) -> Result<PciDevice<Nvme>, NvmeError> {
         serial,
         poll: config.poll,
         aio,
-        fixed_buffers: config.fixed_buffers,
+        // Fixed buffers are io_uring's: off where file data moves synchronously after all.
+        fixed_buffers: if aio == AioMode::IoUring { config.fixed_buffers } else { FixedBuffers::Off },
         max_held: config.max_held,
     };
     let regs: Vec<Reg<u64>> = [

@@ -336,6 +336,9 @@ pub struct Sq {
     /// Command identifiers an Abort named while they waited in the queue.
     aborts: Mutex<SmallVec<[u16; 4]>>,
     has_aborts: AtomicBool,
+    /// Set once the queue is deleted (by its worker as it ends, or by the deletion if the
+    /// worker did not end in time): nothing more of it is posted.
+    retired: AtomicBool,
 }
 
 impl Sq {
@@ -351,7 +354,19 @@ impl Sq {
             known_tail: AtomicU32::new(0),
             aborts: Mutex::new(SmallVec::new()),
             has_aborts: AtomicBool::new(false),
+            retired: AtomicBool::new(false),
         }
+    }
+
+    /// The queue is deleted: nothing more of it is posted or counted (see
+    /// [`super::completion::Completer::retire`]).
+    pub fn retire(&self) {
+        self.retired.store(true, Ordering::Release);
+    }
+
+    /// Whether the queue was deleted.
+    pub fn retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
     }
 
     /// Asks the CPU to start loading entry `index` (see [`DeviceContext::prefetch`]).

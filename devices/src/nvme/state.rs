@@ -91,7 +91,7 @@ impl AdminState {
     pub fn log_error(&mut self, sqid: u16, sqe: &Sqe, status: Status) {
         self.error_count += 1;
         let lba = match sqe.opcode() {
-            nvm_op::READ | nvm_op::WRITE | nvm_op::WRITE_ZEROES if sqid != 0 => {
+            nvm_op::READ | nvm_op::WRITE | nvm_op::COMPARE | nvm_op::WRITE_ZEROES if sqid != 0 => {
                 u64::from(sqe.dw(10)) | u64::from(sqe.dw(11)) << 32
             }
             _ => 0,

@@ -574,6 +574,11 @@ impl QueueWorker {
     /// completions it does not consume), or the controller is disabled meanwhile, what
     /// cannot be posted is dropped: the worker always ends.
     fn abort_remaining(&self, waiter: &mut Waiter<Stop>, mut head: u32) {
+        // A deletion that gave up waiting for this worker retired the queue: its doorbell and
+        // ring may be a new queue's by now.
+        if !self.completer.current() {
+            return;
+        }
         let Some(ctx) = self.lane.context() else { return };
         let (ctrl, sq) = (self.ctrl(), self.sq());
         let tail = ctrl.sq_tail(sq.id);
