@@ -278,15 +278,22 @@ impl<F: PciFunction> PciDevice<F> {
         }
         let end = offset.checked_add(len as u64).filter(|&end| end <= size);
         let Some(end) = end else { return Err(bad_access(index, offset, len)) };
-        // An access of no bytes within the BAR does nothing, wherever it falls (docs/vfio-user.md).
-        if len == 0 {
-            return Ok(());
-        }
         if let Some(msix) = self.msix {
             let table = (msix.table_bar, u64::from(msix.table_offset), msix.table_size());
             let pba = (msix.pba_bar, u64::from(msix.pba_offset), msix.pba_size());
             for (is_table, (bar, start, size)) in [(true, table), (false, pba)] {
-                if u32::from(bar) != index || end <= start || offset >= start + size {
+                if u32::from(bar) != index || offset >= start + size {
+                    continue;
+                }
+                if len == 0 {
+                    // No bytes at an offset in the table or the PBA: nothing to do
+                    // (docs/vfio-user.md); elsewhere the function's rules apply.
+                    if offset >= start {
+                        return Ok(());
+                    }
+                    continue;
+                }
+                if end <= start {
                     continue;
                 }
                 if offset < start || end > start + size {
