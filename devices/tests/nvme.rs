@@ -718,6 +718,32 @@ fn with_bus_mastering_off_commands_wait_and_go_on_when_it_is_back() {
     assert_eq!(back, [0x5a; 4096]);
 }
 
+/// Doorbell Buffer Config's pages are guest memory: with bus mastering off the controller
+/// writes no event index (and reads no shadow tail) even when a doorbell register wakes a
+/// queue's worker; once it is back, the queue serves as before.
+#[test]
+fn with_bus_mastering_off_the_shadow_doorbell_pages_are_left_alone() {
+    let mut d = up(Rig::new(), 1);
+    d.enable_shadow_doorbells().unwrap();
+    assert_eq!(d.rw(1, false, 1, 0, 8, 512, &[DATA], 0).unwrap(), Status::SUCCESS);
+    let off = u64::from(COMMAND_MEMORY);
+    d.t.dev.region_write(CONFIG, COMMAND as u64, &off.to_le_bytes()[..2]).unwrap();
+    // A sentinel in SQ 1's event index; then the host rings SQ 1's register with its tail
+    // unchanged: the worker wakes, finds nothing and sleeps again, which would set the index.
+    d.t.put(driver::EVENTIDX + 8, &[0xa5; 4]).unwrap();
+    let mut tail = [0u8; 4];
+    d.t.get(driver::SHADOW + 8, &mut tail).unwrap();
+    d.t.write32(reg::DOORBELLS + 8, u32::from_le_bytes(tail)).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let mut event = [0u8; 4];
+    d.t.get(driver::EVENTIDX + 8, &mut event).unwrap();
+    assert_eq!(event, [0xa5; 4], "an event index written with bus mastering off");
+
+    let on = u64::from(COMMAND_MEMORY | COMMAND_MASTER);
+    d.t.dev.region_write(CONFIG, COMMAND as u64, &on.to_le_bytes()[..2]).unwrap();
+    assert_eq!(d.rw(1, true, 1, 0, 8, 512, &[DATA + 0x1000], 0).unwrap(), Status::SUCCESS);
+}
+
 #[test]
 fn compare_matches_the_blocks_and_the_effects_log_is_served() {
     let mut d = up(Rig::new(), 1);

@@ -126,6 +126,13 @@ impl DeviceContext {
         self.bus_master.enabled()
     }
 
+    /// The bus master switch itself, for a device that keeps guest memory pinned and reaches
+    /// it without a call here (a doorbell page it polls): it looks at the switch before each
+    /// access.
+    pub fn bus_master_switch(&self) -> BusMaster {
+        self.bus_master.clone()
+    }
+
     /// How the client's DMA space pins pages.
     pub fn pin_mode(&self) -> umdev_pinning::PinMode {
         self.dma.mode()

@@ -66,9 +66,10 @@ impl QueuePair {
 const ADMIN_SQ: u64 = 0x1_0000;
 const ADMIN_CQ: u64 = 0x2_0000;
 const IDENTIFY_BUF: u64 = 0x3_0000;
-/// Doorbell Buffer Config's two pages: the shadow doorbells and the event indexes.
+/// Where the driver puts Doorbell Buffer Config's shadow doorbell page...
 pub const SHADOW: u64 = 0x4_0000;
-const EVENTIDX: u64 = 0x5_0000;
+/// ...and its event index page.
+pub const EVENTIDX: u64 = 0x5_0000;
 const QUEUES: u64 = 0x10_0000;
 /// Per I/O queue pair: the SQ (up to 1024 entries: 64 KiB), the CQ at +192 KiB.
 const QUEUE_SPAN: u64 = 0x4_0000;

@@ -846,7 +846,7 @@ impl Ctrl {
         {
             return Err(Status::INVALID_FIELD.dnr());
         }
-        let pages = ShadowDoorbells::new(ctx, shadow, eventidx).map_err(|e| {
+        let pages = ShadowDoorbells::new(ctx, shadow, eventidx, self.sq_doorbells.len()).map_err(|e| {
             log::debug!("nvme: doorbell buffers at {shadow:#x} and {eventidx:#x}: {e}");
             Status::DATA_TRANSFER_ERROR
         })?;

@@ -18,7 +18,8 @@ use vm_memory::mmap::MmapRegion;
 use vm_memory::{Bytes, FileOffset, VolatileMemory};
 
 use super::spec::{Cqe, Sqe, Status, CQE_SIZE, PAGE, SQE_SIZE};
-use umdev_mdev::guest::GuestError;
+use crossbeam::utils::CachePadded;
+use umdev_mdev::guest::{BusMaster, GuestError};
 use umdev_mdev::worker::Bell;
 use umdev_mdev::DeviceContext;
 
@@ -672,6 +673,12 @@ pub struct ShadowDoorbells {
     eventidx: *const AtomicU32,
     /// The guest addresses of the pages.
     iova: [u64; 2],
+    /// The pages are guest memory: read and written only while bus mastering is on.
+    bus_master: BusMaster,
+    /// By queue: its SQ tail and CQ head as last read or written here, which is what the
+    /// controller knows of them while it may not read the page (a line of its own per queue:
+    /// each is written by its queue's worker).
+    last: Box<[CachePadded<[AtomicU32; 2]>]>,
 }
 
 // SAFETY: the pointers address pinned guest pages that stay mapped while `_pins` lives, and
@@ -687,17 +694,32 @@ pub const EVENT_NEVER: u32 = u32::MAX;
 impl ShadowDoorbells {
     /// Pins the shadow page at `shadow` and the event index page at `eventidx` (both page
     /// aligned) for reading and writing.
-    pub fn new(ctx: &DeviceContext, shadow: u64, eventidx: u64) -> Result<ShadowDoorbells, GuestError> {
+    /// `queues` is how many queue identifiers the controller has (the admin queue's
+    /// included).
+    pub fn new(
+        ctx: &DeviceContext,
+        shadow: u64,
+        eventidx: u64,
+        queues: usize,
+    ) -> Result<ShadowDoorbells, GuestError> {
         let pin = |iova| ctx.pin_range(iova, 1, Prot::READ_WRITE);
         let pins = [pin(shadow)?, pin(eventidx)?];
         let addr = |p: &PinnedPages| p.host_addr(0).ok_or(GuestError::NotMapped { iova: 0, len: PAGE });
         let (s, e) = (addr(&pins[0])?, addr(&pins[1])?);
+        let queues = queues.min((PAGE / 8) as usize);
         Ok(ShadowDoorbells {
             _pins: pins,
             shadow: s as *const AtomicU32,
             eventidx: e as *const AtomicU32,
             iova: [shadow, eventidx],
+            bus_master: ctx.bus_master_switch(),
+            last: (0..queues).map(|_| CachePadded::new([AtomicU32::new(0), AtomicU32::new(0)])).collect(),
         })
+    }
+
+    /// Where doorbell `index`'s last value is kept, if its queue is the controller's.
+    fn last(&self, index: usize) -> Option<&AtomicU32> {
+        self.last.get(index / 2).map(|pair| &pair[index % 2])
     }
 
     /// Dword `index` of the page at `base` (one of `self`'s).
@@ -710,21 +732,41 @@ impl ShadowDoorbells {
     }
 
     /// The value the host last wrote for doorbell `index` (Acquire: its queue entries are
-    /// visible).
+    /// visible). While bus mastering is off the page is not read: the value is the last one
+    /// read or written here.
     pub fn load(&self, index: usize) -> u32 {
-        u32::from_le(self.slot(self.shadow, index).load(Ordering::Acquire))
+        let last = self.last(index);
+        if !self.bus_master.enabled() {
+            if let Some(last) = last {
+                return last.load(Ordering::Relaxed);
+            }
+        }
+        let value = u32::from_le(self.slot(self.shadow, index).load(Ordering::Acquire));
+        if let Some(last) = last {
+            last.store(value, Ordering::Relaxed);
+        }
+        value
     }
 
     /// Sets doorbell `index`'s shadow value (at Doorbell Buffer Config, or a queue's
-    /// creation).
+    /// creation); only remembered while bus mastering is off.
     pub fn store(&self, index: usize, value: u32) {
-        self.slot(self.shadow, index).store(value.to_le(), Ordering::Release);
+        if let Some(last) = self.last(index) {
+            last.store(value, Ordering::Relaxed);
+        }
+        if self.bus_master.enabled() {
+            self.slot(self.shadow, index).store(value.to_le(), Ordering::Release);
+        }
     }
 
     /// Sets doorbell `index`'s event index, then a full fence: a value the host writes after
     /// this is either seen by the caller's next [`ShadowDoorbells::load`] or rings the
     /// doorbell register (the host writes the shadow, fences, then reads the event index).
+    /// Nothing while bus mastering is off: the workers look again when it comes back.
     pub fn arm(&self, index: usize, value: u32) {
+        if !self.bus_master.enabled() {
+            return;
+        }
         self.slot(self.eventidx, index).store(value.to_le(), Ordering::Release);
         std::sync::atomic::fence(Ordering::SeqCst);
     }
