@@ -669,8 +669,9 @@ struct Left<T: Send + 'static> {
 
 impl<T: Send + 'static> drainer::Draining for Left<T> {
     fn step(&mut self) -> usize {
-        // Into the kernel once, without waiting: it runs what it owes this ring (the work that
-        // posts completions of a thread that has ended) and takes what `reap` continued.
+        // Into the kernel once, without waiting: completions this thread's own submissions
+        // (what `reap` continued) owe it are posted; those of the thread that ended are
+        // posted by the kernel's fallback work.
         self.ring.wait(Some(Duration::ZERO));
         let done = &mut self.done;
         self.ring.reap(|payload, _, _| done(payload));
@@ -686,6 +687,7 @@ impl<T: Send + 'static> drainer::Draining for Left<T> {
 /// The process's one thread that waits for what rings left in the kernel: however many
 /// rings a hung backing holds, they cost one thread, and it ends when the last is done.
 mod drainer {
+    use std::io;
     use std::os::fd::{AsRawFd, RawFd};
     use std::sync::{Mutex, OnceLock};
 
@@ -715,17 +717,20 @@ mod drainer {
     /// completion whose notice it missed costs at most this.
     const LOOK_AGAIN_MS: i32 = 1000;
 
+    /// The drainer, made at the first hand-over that can make it (a failure to, say for want
+    /// of an fd, is tried again at the next).
     fn drainer() -> Option<&'static Drainer> {
-        static DRAINER: OnceLock<Option<Drainer>> = OnceLock::new();
-        DRAINER
-            .get_or_init(|| match EventFd::new(EFD_NONBLOCK) {
-                Ok(wake) => Some(Drainer { arrived: Mutex::default(), wake }),
-                Err(e) => {
-                    log::error!("aio: no eventfd for the draining thread ({e})");
-                    None
-                }
-            })
-            .as_ref()
+        static DRAINER: OnceLock<Drainer> = OnceLock::new();
+        if let Some(d) = DRAINER.get() {
+            return Some(d);
+        }
+        match EventFd::new(EFD_NONBLOCK) {
+            Ok(wake) => Some(DRAINER.get_or_init(|| Drainer { arrived: Mutex::default(), wake })),
+            Err(e) => {
+                log::error!("aio: no eventfd for the draining thread ({e})");
+                None
+            }
+        }
     }
 
     /// Gives `ring` to the draining thread (started if none runs). If there can be none, the
@@ -755,6 +760,9 @@ mod drainer {
         let mut rings: Vec<Box<dyn Draining>> = Vec::new();
         let mut fds: Vec<libc::pollfd> = Vec::new();
         loop {
+            // Before the look at what arrived: a ring handed over after it writes the eventfd
+            // again, and the poll below sees it.
+            let _ = d.wake.read();
             {
                 let mut arrived = d.arrived.lock().unwrap_or_else(|p| p.into_inner());
                 rings.append(&mut arrived.rings);
@@ -763,11 +771,26 @@ mod drainer {
                     return;
                 }
             }
-            let _ = d.wake.read();
-            let before = rings.len();
-            rings.retain_mut(|r| r.step() > 0);
-            if rings.len() < before {
-                log::info!("aio: {} ring(s) left in the kernel are done", before - rings.len());
+            // A panic in a payload's end (a device's bug) must not stop the draining for
+            // every ring after: that ring is kept for good instead (its memory stays pinned).
+            let (mut i, mut done) = (0, 0);
+            while i < rings.len() {
+                match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rings[i].step())) {
+                    Ok(0) => {
+                        rings.swap_remove(i);
+                        done += 1;
+                    }
+                    Ok(_) => i += 1,
+                    Err(_) => {
+                        log::error!(
+                            "aio: ending a transfer left in the kernel panicked; its ring is kept for good"
+                        );
+                        std::mem::forget(rings.swap_remove(i));
+                    }
+                }
+            }
+            if done > 0 {
+                log::info!("aio: {done} ring(s) left in the kernel are done");
             }
             if rings.is_empty() {
                 continue;
@@ -776,7 +799,12 @@ mod drainer {
             fds.extend(rings.iter().map(|r| libc::pollfd { fd: r.fd(), events: libc::POLLIN, revents: 0 }));
             fds.push(libc::pollfd { fd: d.wake.as_raw_fd(), events: libc::POLLIN, revents: 0 });
             // SAFETY: `fds` is a valid array of `fds.len()` pollfds for the call's duration.
-            unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, LOOK_AGAIN_MS) };
+            let polled = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, LOOK_AGAIN_MS) };
+            if polled < 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+                // Not a spin when poll cannot be had (too many fds for the limit, no memory):
+                // the rings are looked at once per LOOK_AGAIN_MS instead.
+                std::thread::sleep(std::time::Duration::from_millis(LOOK_AGAIN_MS as u64));
+            }
         }
     }
 }

@@ -335,7 +335,7 @@ fn threads_named(name: &str) -> usize {
 /// for everything left. Once the backing answers, what it held lands, every pin goes and the
 /// namespace serves again.
 #[test]
-fn a_backing_that_stops_answering_holds_at_most_max_held_then_its_commands_fail_at_once() {
+fn a_backing_that_stops_answering_holds_up_to_max_held_then_its_commands_fail_at_once() {
     let Some(fuse) = mounted(1 << 20) else { return };
     let mut d = on_with(&fuse, NvmeConfig { max_held: 2, ..NvmeConfig::default() });
     let data = pattern(BLOCK as usize, 11);

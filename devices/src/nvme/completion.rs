@@ -197,8 +197,8 @@ impl Completer {
         } else {
             0
         };
-        match self.ctrl.post(ctx, &self.sq.cq, cqe, queued) {
-            Ok(()) => Ok(()),
+        match self.ctrl.post(ctx, &self.sq, cqe, queued) {
+            Ok(()) | Err(PostError::Retired) => Ok(()),
             Err(PostError::Full) => Err(Some(Drained::Full)),
             Err(PostError::Ring(RingError::Guest(GuestError::BusMasterOff))) => {
                 Err(Some(Drained::BusMasterOff))

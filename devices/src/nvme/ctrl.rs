@@ -793,7 +793,7 @@ impl Ctrl {
         let Some(sq) = self.queues().sqs[0].as_ref().map(|e| e.sq.clone()) else { return };
         while let Some((cid, dw0)) = admin.next_delivery() {
             let cqe = super::queue::completion(&sq, cid, Status::SUCCESS, dw0);
-            match sq.cq.post(ctx, cqe, || self.cq_head(0), 0) {
+            match sq.cq.post(ctx, &sq, cqe, || self.cq_head(0), 0) {
                 Ok(_) => {
                     self.interrupt(&sq.cq);
                     admin.delivered(cid, dw0);
@@ -803,10 +803,11 @@ impl Ctrl {
         }
     }
 
-    /// Posts `cqe` on `cq` for a worker whose SQ has `queued` more commands waiting, raising
-    /// the interrupt it calls for.
-    pub(crate) fn post(&self, ctx: &DeviceContext, cq: &Cq, cqe: Cqe, queued: u32) -> Result<(), PostError> {
-        let signal = cq.post(ctx, cqe, || self.cq_head(cq.id), queued)?;
+    /// Posts `cqe` on `sq`'s CQ for its worker, which has `queued` more commands waiting,
+    /// raising the interrupt it calls for.
+    pub(crate) fn post(&self, ctx: &DeviceContext, sq: &Sq, cqe: Cqe, queued: u32) -> Result<(), PostError> {
+        let cq = &sq.cq;
+        let signal = cq.post(ctx, sq, cqe, || self.cq_head(cq.id), queued)?;
         // A level-triggered line (INTx) drops when the host consumed every entry: with shadow
         // doorbells it must write the CQ head register when it passes the last one posted.
         // Armed before the line is raised (whose handler consumes the entries), and the

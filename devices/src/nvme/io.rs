@@ -224,7 +224,8 @@ pub fn finish((mut permit, t): (Permit<Command>, Started), result: std::io::Resu
     let unmapped = permit.release_pins();
     let (ctrl, qid, nsid) = (permit.shared().ctrl().clone(), permit.shared().sq().id, t.nsid);
     let status = match result {
-        Ok(_) if poisoned || unmapped => Status::DATA_TRANSFER_ERROR,
+        // Whatever the host made of the memory's loss, as in the synchronous path.
+        _ if poisoned || unmapped => Status::DATA_TRANSFER_ERROR,
         Ok(_) => {
             if let Some(stats) = t.stats {
                 ctrl.stats(qid).transfer(Transfer { fixed, ..stats });

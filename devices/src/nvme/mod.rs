@@ -298,8 +298,9 @@ impl NvmeConfig {
                 ValueSyntax::Integer { min: 1, max: MAX_HELD as u64 },
                 Some("1024"),
                 "how much a file backing that stops answering may hold (transfers left in the kernel by \
-                 stopped queues per namespace; queue workers left blocked in it with aio=sync) before the \
-                 namespace's new commands fail at once with Namespace Not Ready, until it answers again",
+                 stopped queues per namespace; queue workers left blocked in a synchronous call to it, per \
+                 controller) before the namespace's new commands fail at once with Namespace Not Ready, until \
+                 it answers again (a threshold: what live queues had in flight then still joins)",
             ),
         ]
     }

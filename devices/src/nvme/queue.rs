@@ -360,9 +360,12 @@ impl Sq {
     }
 
     /// The queue is deleted: nothing more of it is posted or counted (see
-    /// [`super::completion::Completer::retire`]).
+    /// [`super::completion::Completer::retire`]). Once this returns no entry of it is being
+    /// posted either: [`Cq::post`] looks at the flag under the CQ's lock, which this takes
+    /// once after setting it.
     pub fn retire(&self) {
         self.retired.store(true, Ordering::Release);
+        drop(self.cq.state.lock());
     }
 
     /// Whether the queue was deleted.
@@ -503,6 +506,8 @@ pub struct Cq {
 /// Why a completion could not be posted.
 #[derive(Debug)]
 pub enum PostError {
+    /// The entry's SQ was deleted ([`Sq::retire`]): it is not posted.
+    Retired,
     /// The queue is full: the host has not consumed the entries before.
     Full,
     /// The ring cannot be reached.
@@ -550,11 +555,15 @@ impl Cq {
     pub fn post(
         &self,
         ctx: &DeviceContext,
+        sq: &Sq,
         mut cqe: Cqe,
         head: impl FnOnce() -> u32,
         queued: u32,
     ) -> Result<Signal, PostError> {
         let mut st = self.state.lock_claiming();
+        if sq.retired() {
+            return Err(PostError::Retired);
+        }
         let next = (st.tail + 1) % self.entries;
         if next == st.known_head {
             // A head past the queue's end (a mapped or shadow doorbell can hold one; a written
@@ -677,7 +686,8 @@ pub struct ShadowDoorbells {
     bus_master: BusMaster,
     /// By queue: its SQ tail and CQ head as last read or written here, which is what the
     /// controller knows of them while it may not read the page (a line of its own per queue:
-    /// each is written by its queue's worker).
+    /// its SQ tail is written by its worker, its CQ head by the workers of the SQs completing
+    /// on it, one with Linux's driver; each only when the value changed).
     last: Box<[CachePadded<[AtomicU32; 2]>]>,
 }
 
@@ -742,7 +752,7 @@ impl ShadowDoorbells {
             }
         }
         let value = u32::from_le(self.slot(self.shadow, index).load(Ordering::Acquire));
-        if let Some(last) = last {
+        if let Some(last) = last.filter(|l| l.load(Ordering::Relaxed) != value) {
             last.store(value, Ordering::Relaxed);
         }
         value

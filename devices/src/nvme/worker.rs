@@ -129,7 +129,10 @@ fn leave(ctrl: &Ctrl, ring: Ring<(Permit<Command>, Transfer)>) {
             );
         }
     }
-    ring.detach(move |(_permit, t)| {
+    ring.detach(move |(permit, t)| {
+        // Ended without a report: a queue that stopped posts nothing more (a deleted one is
+        // retired only after its worker aborted what it still had queued).
+        let _ = permit.into_inner();
         if let Some(tally) = held.transfers.get(t.nsid.wrapping_sub(1) as usize) {
             tally.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
         }
