@@ -758,7 +758,13 @@ pub fn modify(dirs: &Dirs, args: ModifyArgs) -> Out {
     Definitions::new(&dirs.state)
         .update(&uuid, |def| change(def).map_err(LifecycleError::Failed))
         .map_err(|e| e.to_string())?;
-    let running: Option<Vec<InstanceSummary>> = ask_if_running(dirs, &ControlRequest::List).unwrap_or(None);
+    // The change is made; whether it waits for a restart is only told, so a daemon that
+    // cannot be asked (or a bad UMDEV_CONTROL_TIMEOUT_MS) is a warning, not a failure.
+    let running: Option<Vec<InstanceSummary>> =
+        ask_if_running(dirs, &ControlRequest::List).unwrap_or_else(|e| {
+            log::warn!("the change is made, but whether {uuid} runs could not be asked: {e}");
+            None
+        });
     if running.is_some_and(|r| r.iter().any(|i| i.uuid == uuid)) {
         log::info!(target: STATUS, "{uuid} runs as it started; stop and start it to apply the change");
     }

@@ -214,6 +214,18 @@ fn modify_and_mdevctls_json() {
     assert!(env.fails(&["list", "-t", "bogus"]).contains("unknown device type"));
     env.ok(&["modify", "-u", A, "--auto"]);
     assert_eq!(state(A)["start"], "auto");
+    // A change is made even where the daemon cannot be asked whether the device runs (here a
+    // bad UMDEV_CONTROL_TIMEOUT_MS): the command says so, and succeeds.
+    let out = env
+        .command()
+        .args(["modify", "-u", A, "--manual"])
+        .env("UMDEV_CONTROL_TIMEOUT_MS", "soon")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    assert!(stderr_of(&out).contains("UMDEV_CONTROL_TIMEOUT_MS"), "{}", stderr_of(&out));
+    assert_eq!(state(A)["start"], "manual");
+    env.ok(&["modify", "-u", A, "--auto"]);
     env.ok(&["modify", "-u", A, "--manual", "--opt", "lba=4096", "--pin-mode", "lock"]);
     let row = state(A);
     assert_eq!(
