@@ -321,12 +321,7 @@ fn bad_commands_get_the_specified_status() {
     // Nothing of guest memory outside the mappings was touched, the device goes on.
     assert_eq!(d.rw(1, true, 1, 0, 8, 512, &[DATA], 0).unwrap(), Status::SUCCESS);
     // The failures are in the error log, newest first.
-    let mut log = Sqe::new(admin_op::GET_LOG_PAGE, 0);
-    log.set_dw(10, u32::from(log_page::ERROR) | (64 / 4 - 1) << 16);
-    log.prp1 = (DATA + 0x9000).into();
-    d.admin_ok(log).unwrap();
-    let mut entry = ErrorLogEntry::default();
-    d.t.get(DATA + 0x9000, vm_memory::ByteValued::as_mut_slice(&mut entry)).unwrap();
+    let entry = d.error_log(1).unwrap()[0];
     assert_eq!(u16::from(entry.sqid), 1);
     assert_eq!(u16::from(entry.status) >> 1, Status::INVALID_FIELD.dnr().0);
     assert!(u64::from(entry.error_count) >= 12);
@@ -760,12 +755,7 @@ fn compare_matches_the_blocks_and_the_effects_log_is_served() {
     d.t.put(DATA + 0x1000 + 77, &[data[0x1000 + 77] ^ 1]).unwrap();
     assert_eq!(compare(&mut d, DATA, DATA + 0x1000), Status::COMPARE_FAILURE);
     // The failure is in the error log with its LBA, as a Read's would be.
-    let mut log = Sqe::new(admin_op::GET_LOG_PAGE, 0);
-    log.set_dw(10, u32::from(log_page::ERROR) | (64 / 4 - 1) << 16);
-    log.prp1 = (DATA + 0x9000).into();
-    d.admin_ok(log).unwrap();
-    let mut entry = ErrorLogEntry::default();
-    d.t.get(DATA + 0x9000, vm_memory::ByteValued::as_mut_slice(&mut entry)).unwrap();
+    let entry = d.error_log(1).unwrap()[0];
     assert_eq!((u16::from(entry.status) >> 1, u64::from(entry.lba)), (Status::COMPARE_FAILURE.0, 40));
     assert_eq!(compare(&mut d, 1 << 40, 0), Status::DATA_TRANSFER_ERROR);
     // Get Log Page 05h: Read is supported, Write changes logical block content.
@@ -937,12 +927,7 @@ fn a_backing_file_truncated_under_the_guest_fails_the_reads_past_its_end_and_not
     assert_eq!(d.rw(1, true, 1, past, 8, 512, &[DATA + 0x1000], 0).unwrap(), Status::UNRECOVERED_READ_ERROR);
     // The failure is in the error log with its LBA; the blocks before the cut still read,
     // and every command got exactly one completion.
-    let mut log = Sqe::new(admin_op::GET_LOG_PAGE, 0);
-    log.set_dw(10, u32::from(log_page::ERROR) | (64 / 4 - 1) << 16);
-    log.prp1 = (DATA + 0x9000).into();
-    d.admin_ok(log).unwrap();
-    let mut entry = ErrorLogEntry::default();
-    d.t.get(DATA + 0x9000, vm_memory::ByteValued::as_mut_slice(&mut entry)).unwrap();
+    let entry = d.error_log(1).unwrap()[0];
     assert_eq!(
         (u16::from(entry.status) >> 1, u64::from(entry.lba)),
         (Status::UNRECOVERED_READ_ERROR.0, past)
@@ -1005,12 +990,7 @@ fn a_sparse_file_on_a_full_filesystem_fails_writes_with_capacity_exceeded_and_no
     let mut back = vec![0u8; 4096];
     d.t.get(DATA + 0x40_0000, &mut back).unwrap();
     assert!(back == pattern(64 << 10, 4)[..4096]);
-    let mut log = Sqe::new(admin_op::GET_LOG_PAGE, 0);
-    log.set_dw(10, u32::from(log_page::ERROR) | (64 / 4 - 1) << 16);
-    log.prp1 = (DATA + 0x9000).into();
-    d.admin_ok(log).unwrap();
-    let mut entry = ErrorLogEntry::default();
-    d.t.get(DATA + 0x9000, vm_memory::ByteValued::as_mut_slice(&mut entry)).unwrap();
+    let entry = d.error_log(1).unwrap()[0];
     assert_eq!(u16::from(entry.status) >> 1, Status::CAPACITY_EXCEEDED.0);
 }
 

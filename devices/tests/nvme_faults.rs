@@ -29,12 +29,7 @@ fn mounted(bytes: u64) -> Option<FuseFile> {
 }
 
 fn on(fuse: &FuseFile) -> Driver<Rig> {
-    let config = NvmeConfig {
-        namespaces: vec![Some(Backing::File(fuse.path().to_path_buf(), Cache::Writeback))],
-        lba_shift: 12,
-        ..NvmeConfig::default()
-    };
-    up(Rig::with(config, true), 1)
+    on_with(fuse, NvmeConfig::default())
 }
 
 /// A Read or Write of one block at `lba` into or from the guest page `page`, with `cid`.
@@ -77,9 +72,14 @@ fn answer_and_see_it_land(
 
 /// Waits (up to the hang guard) until `pinned` says nothing is pinned any more.
 fn until_let_go(pinned: impl Fn() -> bool) {
+    until_not(pinned, "the held read's pins were never let go");
+}
+
+/// Waits (up to the hang guard) until `busy` is false; `never` says what did not happen.
+fn until_not(busy: impl Fn() -> bool, never: &str) {
     let deadline = Instant::now() + GUARD;
-    while pinned() {
-        assert!(Instant::now() < deadline, "the held read's pins were never let go");
+    while busy() {
+        assert!(Instant::now() < deadline, "{never}");
         std::thread::sleep(Duration::from_millis(1));
     }
 }
@@ -131,21 +131,12 @@ fn a_backing_that_fails_completes_its_commands_with_the_spec_status_and_the_rest
     assert!(d.poll_one(1).unwrap().is_none(), "no completion posted twice");
     assert_eq!(d.t.dev.function().totals().commands, before + 5);
     // Both failures are in the error log, with their queue, command and LBA.
-    let mut log = Sqe::new(admin_op::GET_LOG_PAGE, 0);
-    log.set_dw(10, u32::from(log_page::ERROR) | (2 * 64 / 4 - 1) << 16);
-    log.prp1 = (DATA + 0x9000).into();
-    d.admin_ok(log).unwrap();
-    let mut logged = Vec::new();
-    for i in 0..2 {
-        let mut entry = ErrorLogEntry::default();
-        d.t.get(DATA + 0x9000 + i * 64, vm_memory::ByteValued::as_mut_slice(&mut entry)).unwrap();
-        logged.push((
-            u16::from(entry.sqid),
-            u16::from(entry.cid),
-            u16::from(entry.status) >> 1,
-            u64::from(entry.lba),
-        ));
-    }
+    let mut logged: Vec<_> = d
+        .error_log(2)
+        .unwrap()
+        .iter()
+        .map(|e| (u16::from(e.sqid), u16::from(e.cid), u16::from(e.status) >> 1, u64::from(e.lba)))
+        .collect();
     logged.sort();
     assert_eq!(logged, [(1, 102, Status::UNRECOVERED_READ_ERROR.0, 16), (1, 103, Status::WRITE_FAULT.0, 32)]);
 }
@@ -368,11 +359,7 @@ fn a_backing_that_stops_answering_holds_up_to_max_held_then_its_commands_fail_at
     for h in fuse.wait_held(2, GUARD) {
         fuse.answer(h.unique, None);
     }
-    let deadline = Instant::now() + GUARD;
-    while d.t.ctrl().held_by_backing(1).0 > 0 {
-        assert!(Instant::now() < deadline, "the held reads were never counted done");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    until_not(|| d.t.ctrl().held_by_backing(1).0 > 0, "the held reads were never counted done");
     for page in [HELD_PAGE, HELD_PAGE + 0x1000] {
         let mut back = vec![0u8; BLOCK as usize];
         d.t.get(page, &mut back).unwrap();
@@ -407,11 +394,7 @@ fn workers_left_blocked_in_a_synchronous_backing_count_against_max_held() {
 
     // The backing answers: the worker ends, uncounted, and the namespace serves again.
     fuse.answer(held[0].unique, None);
-    let deadline = Instant::now() + GUARD;
-    while d.t.ctrl().held_by_backing(1).1 > 0 {
-        assert!(Instant::now() < deadline, "the blocked worker was never counted done");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    until_not(|| d.t.ctrl().held_by_backing(1).1 > 0, "the blocked worker was never counted done");
     fuse.set_policy(|_| Action::Serve);
     assert_eq!(d.rw(1, true, 1, 8, 1, BLOCK, &[DATA + 0x8000], 0).unwrap(), Status::SUCCESS);
     let mut back = vec![0u8; BLOCK as usize];
@@ -435,11 +418,7 @@ fn a_queue_deleted_while_its_worker_is_blocked_in_the_backing_posts_nothing_afte
 
     // The backing answers: the worker ends (uncounted) and nothing reaches the CQ.
     fuse.answer(held[0].unique, None);
-    let deadline = Instant::now() + GUARD;
-    while d.t.ctrl().held_by_backing(1).1 > 0 {
-        assert!(Instant::now() < deadline, "the blocked worker never ended");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    until_not(|| d.t.ctrl().held_by_backing(1).1 > 0, "the blocked worker never ended");
     until_let_go(|| d.t.dma.pin_count(HELD_PAGE) > 0);
     assert!(d.poll_one(1).unwrap().is_none(), "no completion for a command of a deleted SQ");
 }

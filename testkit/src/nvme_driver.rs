@@ -323,6 +323,20 @@ impl<T: Transport> Driver<T> {
         Ok(page)
     }
 
+    /// The newest `n` entries of the Error Information log (at most 64), newest first.
+    pub fn error_log(&mut self, n: usize) -> Result<Vec<ErrorLogEntry>, Error> {
+        let n = n.clamp(1, 64);
+        let mut sqe = Sqe::new(admin_op::GET_LOG_PAGE, 0);
+        sqe.set_dw(10, u32::from(log_page::ERROR) | ((n * 64 / 4 - 1) as u32) << 16);
+        sqe.prp1 = IDENTIFY_BUF.into();
+        self.admin_ok(sqe)?;
+        let mut entries = vec![ErrorLogEntry::default(); n];
+        for (i, entry) in entries.iter_mut().enumerate() {
+            self.t.get(IDENTIFY_BUF + 64 * i as u64, entry.as_mut_slice())?;
+        }
+        Ok(entries)
+    }
+
     /// Identify Controller.
     pub fn identify_controller(&mut self) -> Result<IdentifyController, Error> {
         let page = self.identify(cns::CONTROLLER, 0)?;
