@@ -147,7 +147,8 @@ pub struct ControllerConfig {
     pub fixed_buffers: FixedBuffers,
     /// How much a backing that does not answer may hold before the namespace's new commands
     /// fail at once (Namespace Not Ready): transfers its stopped queues left in the kernel,
-    /// per namespace, and queue workers left blocked in it (`aio=sync`), per controller.
+    /// per namespace, and queue workers left blocked in a synchronous call to it, per
+    /// controller.
     pub max_held: usize,
 }
 
@@ -247,9 +248,16 @@ const ENDED: u8 = 2;
 #[derive(Debug)]
 pub(crate) struct Held {
     /// Per namespace (NSID - 1): transfers of stopped queues still in the kernel.
-    pub(crate) transfers: Box<[AtomicUsize]>,
+    transfers: Box<[AtomicUsize]>,
     /// Queue workers that did not end when stopped (blocked in a synchronous transfer).
     workers: AtomicUsize,
+}
+
+impl Held {
+    /// Namespace `nsid`'s count of transfers, if it has one.
+    pub(crate) fn transfers_of(&self, nsid: u32) -> Option<&AtomicUsize> {
+        self.transfers.get(nsid.wrapping_sub(1) as usize)
+    }
 }
 
 /// The live queues, by identifier.
@@ -646,16 +654,15 @@ impl Ctrl {
     /// its new commands then fail at once.
     pub fn backing_held(&self, nsid: u32) -> bool {
         let max = self.config.max_held;
-        let transfers = self.held.transfers.get(nsid.wrapping_sub(1) as usize);
-        transfers.is_some_and(|t| t.load(Ordering::Relaxed) >= max)
+        self.held.transfers_of(nsid).is_some_and(|t| t.load(Ordering::Relaxed) >= max)
             || self.held.workers.load(Ordering::Relaxed) >= max
     }
 
     /// Transfers of namespace `nsid` that stopped queues left in the kernel, and queue
     /// workers left blocked (the controller's).
     pub fn held_by_backing(&self, nsid: u32) -> (usize, usize) {
-        let transfers = self.held.transfers.get(nsid.wrapping_sub(1) as usize);
-        (transfers.map_or(0, |t| t.load(Ordering::Acquire)), self.held.workers.load(Ordering::Acquire))
+        let transfers = self.held.transfers_of(nsid).map_or(0, |t| t.load(Ordering::Acquire));
+        (transfers, self.held.workers.load(Ordering::Acquire))
     }
 
     /// The count a stopped queue's transfers left in the kernel go into.

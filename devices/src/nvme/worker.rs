@@ -110,22 +110,15 @@ pub fn spawn(
 /// Leaves what `ring` still has in the kernel to the draining thread, counted against each
 /// transfer's namespace until the kernel finishes it ([`Ctrl::backing_held`]).
 fn leave(ctrl: &Ctrl, ring: Ring<(Permit<Command>, Transfer)>) {
+    use std::sync::atomic::Ordering;
     let held = ctrl.held().clone();
-    let mut per_ns: SmallVec<[(u32, usize); 4]> = SmallVec::new();
+    let max = ctrl.config().max_held;
     for (_, t) in ring.in_flight_payloads() {
-        match per_ns.iter_mut().find(|(n, _)| *n == t.nsid) {
-            Some((_, count)) => *count += 1,
-            None => per_ns.push((t.nsid, 1)),
-        }
-    }
-    for (nsid, count) in per_ns {
-        let Some(tally) = held.transfers.get(nsid.wrapping_sub(1) as usize) else { continue };
-        let now = tally.fetch_add(count, std::sync::atomic::Ordering::AcqRel) + count;
-        if now >= ctrl.config().max_held {
+        if held.transfers_of(t.nsid).is_some_and(|tally| tally.fetch_add(1, Ordering::AcqRel) + 1 == max) {
             log::warn!(
-                "nvme: ns{nsid}: its backing holds {now} transfer(s) of stopped queues (max_held {}): new \
-                 commands to it fail with Namespace Not Ready until it answers",
-                ctrl.config().max_held
+                "nvme: ns{}: its backing holds {max} transfers of stopped queues (max_held): new commands \
+                 to it fail with Namespace Not Ready until it answers",
+                t.nsid
             );
         }
     }
@@ -133,8 +126,8 @@ fn leave(ctrl: &Ctrl, ring: Ring<(Permit<Command>, Transfer)>) {
         // Ended without a report: a queue that stopped posts nothing more (a deleted one is
         // retired only after its worker aborted what it still had queued).
         let _ = permit.into_inner();
-        if let Some(tally) = held.transfers.get(t.nsid.wrapping_sub(1) as usize) {
-            tally.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        if let Some(tally) = held.transfers_of(t.nsid) {
+            tally.fetch_sub(1, Ordering::AcqRel);
         }
     });
 }
