@@ -1158,3 +1158,125 @@ fn the_statistics_show_what_applies() {
     d.t.dev.client_version(&umdev_mdev::ClientHello { minor: 0, capabilities: true });
     assert_eq!(d.t.dev.describe()["doorbells_now"], "message");
 }
+
+/// The client cuts its memory (shrinks the memfd) under a file namespace: the host's own read
+/// into the lost pages, or its write from them, fails with EFAULT, and that is the guest's
+/// memory failing, not the backing: Data Transfer Error, in either aio mode and either cache
+/// mode, with nothing written to the file. No signal comes of it (the kernel's own copy
+/// faulted, not this process), so the engine's poisoned flag does not see it: the status
+/// rests on the errno alone. Once the memory is back the controller goes on.
+#[test]
+fn file_transfers_with_memory_the_client_cut_end_as_data_transfer_errors() {
+    use umdev_devices::store::Cache;
+    for aio in [AioMode::Sync, AioMode::IoUring] {
+        for cache in [Cache::Writeback, Cache::None] {
+            let what = format!("aio {aio:?}, cache {cache:?}");
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("disk.img");
+            File::create(&path).unwrap().set_len(1 << 20).unwrap();
+            let config = NvmeConfig {
+                namespaces: vec![Some(Backing::File(path.clone(), cache))],
+                lba_shift: 12,
+                aio,
+                ..NvmeConfig::default()
+            };
+            let mut d = up(Rig::with(config, true), 1);
+            d.t.put(DATA, &pattern(4096, 7)).unwrap();
+            assert_eq!(d.rw(1, false, 1, 0, 1, 4096, &[DATA], 0).unwrap(), Status::SUCCESS, "{what}");
+            // The rings stay below the cut; the data pages are past it.
+            d.t.ram.set_len(DATA).unwrap();
+            assert_eq!(
+                d.rw(1, true, 1, 0, 1, 4096, &[DATA + 0x1000], 0).unwrap(),
+                Status::DATA_TRANSFER_ERROR,
+                "{what}: read"
+            );
+            assert_eq!(
+                d.rw(1, false, 1, 1, 1, 4096, &[DATA + 0x1000], 0).unwrap(),
+                Status::DATA_TRANSFER_ERROR,
+                "{what}: write"
+            );
+            assert_eq!(d.t.dma.stats().poisoned_mappings, 0, "{what}: no fault of this process's own");
+            assert!(std::fs::read(&path).unwrap()[4096..8192].iter().all(|&b| b == 0), "{what}");
+            d.t.ram.set_len(RAM_SIZE).unwrap();
+            assert_eq!(d.rw(1, true, 1, 0, 1, 4096, &[DATA + 0x2000], 0).unwrap(), Status::SUCCESS, "{what}");
+            let mut back = vec![0u8; 4096];
+            d.t.get(DATA + 0x2000, &mut back).unwrap();
+            assert!(back == pattern(4096, 7), "{what}");
+            assert!(d.poll_one(1).unwrap().is_none(), "{what}: no completion posted twice");
+        }
+    }
+}
+
+/// Makes io_uring_setup(2) fail with ENOSYS on this thread and the threads it starts from
+/// now on, as a kernel without io_uring or a container's seccomp filter would; the rest of
+/// the process keeps it (no `SECCOMP_FILTER_FLAG_TSYNC`). False where the filter cannot be
+/// installed.
+fn deny_io_uring_on_this_thread() -> bool {
+    use libc::{sock_filter, sock_fprog, BPF_ABS, BPF_JEQ, BPF_JMP, BPF_K, BPF_LD, BPF_RET, BPF_W};
+    let stmt = |code: u32, k: u32| sock_filter { code: code as u16, jt: 0, jf: 0, k };
+    let filter = [
+        // The syscall's number (offset 0 of struct seccomp_data); io_uring_setup is 425 on
+        // every architecture.
+        stmt(BPF_LD | BPF_W | BPF_ABS, 0),
+        sock_filter {
+            code: (BPF_JMP | BPF_JEQ | BPF_K) as u16,
+            jt: 0,
+            jf: 1,
+            k: libc::SYS_io_uring_setup as u32,
+        },
+        stmt(BPF_RET | BPF_K, libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32),
+        stmt(BPF_RET | BPF_K, libc::SECCOMP_RET_ALLOW),
+    ];
+    let prog = sock_fprog { len: filter.len() as u16, filter: filter.as_ptr().cast_mut() };
+    // SAFETY: both calls take plain integers and, for the second, a pointer to `prog`, which
+    // with the `filter` it points to outlives the call (the kernel copies the program); they
+    // change this thread's own attributes only.
+    unsafe {
+        libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0
+            && libc::prctl(libc::PR_SET_SECCOMP, libc::SECCOMP_MODE_FILTER, &prog as *const sock_fprog) == 0
+    }
+}
+
+/// Where io_uring cannot be had, a controller asked for it serves its file namespaces
+/// synchronously, says so in its statistics, and moves no transfer as a fixed buffer (they
+/// are io_uring's).
+#[test]
+fn without_io_uring_file_namespaces_are_served_synchronously_and_nothing_goes_fixed() {
+    std::thread::spawn(|| {
+        if !deny_io_uring_on_this_thread() {
+            return eprintln!("SKIPPED: no seccomp filter can be installed here");
+        }
+        assert!(umdev_devices::aio::available().is_err(), "the filter holds");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disk.img");
+        File::create(&path).unwrap().set_len(1 << 20).unwrap();
+        let config = NvmeConfig {
+            namespaces: vec![Some(Backing::File(path.clone(), umdev_devices::store::Cache::None))],
+            lba_shift: 12,
+            aio: AioMode::IoUring,
+            fixed_buffers: FixedBuffers::Always,
+            ..NvmeConfig::default()
+        };
+        let mut d = up(Rig::with(config, true), 1);
+        let stats = d.t.dev.describe();
+        assert_eq!(
+            (stats["aio"].as_str(), stats["fixed_buffers"].as_str()),
+            (Some("sync"), Some("off")),
+            "{stats}"
+        );
+        let data = pattern(2 * 4096, 9);
+        d.t.put(DATA, &data).unwrap();
+        assert_eq!(d.rw(1, false, 1, 4, 2, 4096, &[DATA, DATA + 0x1000], 0).unwrap(), Status::SUCCESS);
+        assert_eq!(
+            d.rw(1, true, 1, 4, 2, 4096, &[DATA + 0x8000, DATA + 0x9000], 0).unwrap(),
+            Status::SUCCESS
+        );
+        let mut back = vec![0u8; 2 * 4096];
+        d.t.get(DATA + 0x8000, &mut back).unwrap();
+        assert!(back == data);
+        assert_eq!(std::fs::read(&path).unwrap()[4 * 4096..6 * 4096], data[..]);
+        assert_eq!(d.t.dev.function().totals().fixed_transfers, 0);
+    })
+    .join()
+    .unwrap();
+}
