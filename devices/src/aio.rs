@@ -811,8 +811,20 @@ mod drainer {
 
 /// Whether io_uring can be used here (a kernel with it, not disabled by
 /// `kernel.io_uring_disabled` or a seccomp filter): `Err` says why not.
+///
+/// The probe's ring is set up on a thread of its own, which then ends: the kernel ties a ring
+/// to the thread that set it up, and closing it makes that thread's next wait that a signal
+/// ends with EINTR rather than restarting (a socket read with `SO_RCVTIMEO`, `epoll_wait`)
+/// fail with EINTR, no signal sent. The caller (whoever creates a device) may be serving a
+/// socket next.
 pub fn available() -> io::Result<()> {
-    IoUring::new(2).map(drop)
+    std::thread::scope(|s| {
+        std::thread::Builder::new()
+            .name("umdev-uring-probe".into())
+            .spawn_scoped(s, || IoUring::new(2).map(drop))?
+            .join()
+            .unwrap_or_else(|_| Err(io::Error::other("the io_uring probe's thread panicked")))
+    })
 }
 
 #[cfg(test)]
@@ -820,6 +832,20 @@ mod tests {
     use super::*;
     use std::os::fd::AsFd;
     use std::os::unix::fs::FileExt;
+
+    #[test]
+    fn the_probe_leaves_the_callers_timed_waits_alone() {
+        // Closing a ring makes the thread that set it up fail its next timed socket read with
+        // EINTR (see `available`).
+        use std::io::Read;
+        if let Err(e) = available() {
+            return eprintln!("SKIPPED: no io_uring here: {e}");
+        }
+        let (mut a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+        a.set_read_timeout(Some(std::time::Duration::from_millis(200))).unwrap();
+        let err = a.read(&mut [0u8; 1]).unwrap_err();
+        assert_ne!(err.kind(), io::ErrorKind::Interrupted, "the read timed out as asked");
+    }
 
     fn file(len: u64) -> (tempfile::TempDir, std::fs::File) {
         let dir = tempfile::tempdir().unwrap();

@@ -97,6 +97,22 @@ pub fn kernel_pins_available() -> Result<(), KernelPinsUnavailable> {
     KernelTable::new(1).map(drop)
 }
 
+/// A one-entry ring, set up on a thread that then ends. The kernel ties a ring to the thread
+/// that set it up: when the ring is closed, whoever closes it, its teardown queues work for
+/// that thread (`task_work_add(TWA_SIGNAL)`), and that thread's next wait that a signal ends
+/// with EINTR rather than restarting (a read from a socket with `SO_RCVTIMEO`, `epoll_wait`)
+/// fails with EINTR, no signal sent. A space is made on its caller's thread (the one serving
+/// an application's control socket, say), which must not get that.
+fn ring_of_its_own_thread() -> io::Result<io_uring::IoUring> {
+    std::thread::scope(|s| {
+        std::thread::Builder::new()
+            .name("umdev-ring-setup".into())
+            .spawn_scoped(s, || io_uring::IoUring::new(1))?
+            .join()
+            .unwrap_or_else(|_| Err(io::Error::other("the thread setting up the ring panicked")))
+    })
+}
+
 /// A space's ring and its table of registered buffers (see the module documentation).
 pub(crate) struct KernelTable {
     ring: io_uring::IoUring,
@@ -247,7 +263,7 @@ impl KernelTable {
     /// A ring with a sparse table of `size` slots (at most [`MAX_KERNEL_BUFFERS`]).
     pub(crate) fn new(size: u32) -> Result<Self, KernelPinsUnavailable> {
         let size = size.clamp(1, MAX_KERNEL_BUFFERS);
-        let ring = io_uring::IoUring::new(1).map_err(|e| KernelPinsUnavailable::new("io_uring_setup", &e))?;
+        let ring = ring_of_its_own_thread().map_err(|e| KernelPinsUnavailable::new("io_uring_setup", &e))?;
         ring.submitter()
             .register_buffers_sparse(size)
             .map_err(|e| KernelPinsUnavailable::new("registering a sparse buffer table", &e))?;

@@ -70,13 +70,17 @@ impl RawClient {
         let mut sent = 0;
         while sent < bytes.len() {
             let c = if sent == 0 { cmsgs } else { &[] };
-            sent += sendmsg::<()>(
+            sent += match sendmsg::<()>(
                 self.stream.as_raw_fd(),
                 &[IoSlice::new(&bytes[sent..])],
                 c,
                 MsgFlags::MSG_NOSIGNAL,
                 None,
-            )?;
+            ) {
+                // Nothing was sent: again, fds and all.
+                Err(nix::errno::Errno::EINTR) => continue,
+                sent => sent?,
+            };
         }
         Ok(())
     }
@@ -95,12 +99,19 @@ impl RawClient {
         let mut cmsg = nix::cmsg_space!([RawFd; 16]);
         let (n, mut fds) = {
             let mut iov = [IoSliceMut::new(&mut head)];
-            let msg = recvmsg::<()>(
-                self.stream.as_raw_fd(),
-                &mut iov,
-                Some(&mut cmsg),
-                MsgFlags::MSG_CMSG_CLOEXEC,
-            )?;
+            let msg = loop {
+                // A socket with a read timeout is not restarted after a signal's handler (or
+                // io_uring's task work) interrupted the wait: nothing was read, so again.
+                match recvmsg::<()>(
+                    self.stream.as_raw_fd(),
+                    &mut iov,
+                    Some(&mut cmsg),
+                    MsgFlags::MSG_CMSG_CLOEXEC,
+                ) {
+                    Err(nix::errno::Errno::EINTR) => continue,
+                    msg => break msg?,
+                }
+            };
             let mut fds = Vec::new();
             for c in msg.cmsgs()? {
                 if let ControlMessageOwned::ScmRights(raw) = c {

@@ -233,3 +233,17 @@ fn a_pin_asking_for_no_access_is_refused_before_the_kernel_is_asked() {
     assert_eq!(held(&space), (0, 0), "no buffer registered");
     assert_eq!((space.stats().pins_held, space.stats().pin_failures), (0, 2));
 }
+
+/// A space's ring is set up on a thread of its own: closing a ring makes the thread that set
+/// it up fail its next timed socket read with EINTR (see `kernel::ring_of_its_own_thread`),
+/// and a space is made and dropped on its caller's thread.
+#[test]
+#[cfg_attr(miri, ignore = "Miri: io_uring")]
+fn a_space_made_and_dropped_leaves_the_threads_timed_waits_alone() {
+    use std::io::Read;
+    drop(kernel_space(4));
+    let (mut a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+    a.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+    let err = a.read(&mut [0u8; 1]).unwrap_err();
+    assert_ne!(err.kind(), std::io::ErrorKind::Interrupted, "the read timed out as asked");
+}
