@@ -168,7 +168,8 @@ pub fn negotiate(client: ClientCaps, limits: &Limits) -> Negotiated {
         ("max_data_xfer_size", Value::from(limits.max_data_xfer_size)),
         ("pgsizes", Value::from(PAGE_SIZE)),
         ("max_dma_maps", Value::from(limits.max_dma_maps)),
-        ("migration", serde_json::json!({ "pgsize": PAGE_SIZE })),
+        // No `migration`: the specification reads its absence as "migration is not supported
+        // by the sender", which is the truth.
     ];
     if write_multiple {
         entries.insert(2, ("write_multiple", Value::Bool(true)));
@@ -241,7 +242,7 @@ mod tests {
         assert_eq!(caps["max_data_xfer_size"], 1 << 20);
         assert_eq!(caps["pgsizes"], 4096);
         assert_eq!(caps["max_dma_maps"], 4096);
-        assert_eq!(caps["migration"]["pgsize"], 4096);
+        assert!(caps.get("migration").is_none(), "no migration is served");
         assert_eq!(caps["write_multiple"], true);
         assert_eq!(*n.reply.last().unwrap(), 0);
         assert_eq!(&n.reply[..4], &[0, 0, 0, 0]);
