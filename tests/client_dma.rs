@@ -159,6 +159,38 @@ fn a_client_that_never_answers_does_not_wedge_the_device() {
     assert_eq!(read_reg(&mut next, DMA_STATUS), STATUS_IDLE, "the next client finds a reset device");
 }
 
+/// A client that stays connected but never answers: the server waits out its timeout for the
+/// chunk (`CLIENT_DMA_TIMEOUT`, 5 s), the device's transfer then fails, and the connection goes
+/// on serving the client's requests; the answer that comes after all is counted as a stray
+/// reply and dropped.
+#[test]
+fn a_client_that_stays_but_never_answers_fails_the_transfer_after_the_timeout() {
+    let h = Harness::new("testdev");
+    let mut c = RawClient::connect(&h.socket).unwrap();
+    c.negotiate().unwrap();
+    c.enable_bus_master().unwrap();
+    c.request(Command::DmaMap as u16, &dma_map_payload(3, 0, MSG_IOVA, 0x1000), &[]).unwrap();
+    write_reg(&mut c, DMA_ADDR_LO, MSG_IOVA as u32);
+    write_reg(&mut c, DMA_LEN, 16);
+    let start = Instant::now();
+    let req = ring(&mut c, CMD_CHECKSUM);
+    assert_eq!(req.header.command, Command::DmaRead as u16);
+    let status = loop {
+        let status = read_reg(&mut c, DMA_STATUS);
+        if status != STATUS_BUSY {
+            break status;
+        }
+        assert!(start.elapsed() < Duration::from_secs(120), "the transfer never ended");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(status, STATUS_ERROR);
+    // Not before the server's wait for the chunk ran out (it began after `start`).
+    assert!(start.elapsed() >= umdev_server::CLIENT_DMA_TIMEOUT, "{:?}", start.elapsed());
+    reply(&mut c, &req.header, &[&le64(MSG_IOVA)[..], &le64(16), &[0; 16]].concat());
+    assert_eq!(read_reg(&mut c, DMA_STATUS), STATUS_ERROR, "the late answer changed nothing");
+    assert_eq!(h.info().protocol.stray_replies, 1);
+}
+
 #[test]
 fn dma_reads_come_in_chunks_whose_replies_fit_what_the_server_accepts() {
     // A server that takes 4 KiB per transfer: its DMA_READs ask no more of a client that

@@ -482,6 +482,20 @@ mod tests {
         let mut write = vec![0u8; 20];
         write[12..16].copy_from_slice(&5u32.to_le_bytes());
         assert_eq!(errno_of(Command::RegionWrite, &write), libc::EINVAL, "count vs data");
+        // REGION_WRITE_MULTI: 1 to 200 writes of 24-byte entries (offset, region, count, 8
+        // data bytes).
+        let multi = |n: u64| {
+            let mut p = n.to_le_bytes().to_vec();
+            for _ in 0..n {
+                p.extend_from_slice(
+                    &[&0u64.to_le_bytes()[..], &0u32.to_le_bytes(), &4u32.to_le_bytes(), &[0; 8]].concat(),
+                );
+            }
+            p
+        };
+        assert_eq!(errno_of(Command::RegionWriteMulti, &multi(0)), libc::E2BIG, "no writes");
+        assert_eq!(errno_of(Command::RegionWriteMulti, &multi(201)), libc::E2BIG, "201 writes");
+        assert_eq!(errno_of(Command::RegionWriteMulti, &multi(200)), 0, "200 writes");
         assert_eq!(
             errno_of(Command::DeviceSetIrqs, &set_irqs(0x21 | 0x08, 0, &[])),
             libc::EINVAL,
