@@ -5,68 +5,21 @@
 //! of every kind add none: RAM reads and writes through PRP entries and through a PRP list, a
 //! batch behind one doorbell, and a file namespace's O_DIRECT reads, writes and Flush through
 //! the queue's io_uring; nor do the server's timed looks (the admin worker's) in the pauses
-//! between rounds. A test binary of its own, so that no other test's threads allocate
-//! meanwhile.
+//! between rounds. A test binary of its own (see `common/counting_alloc.rs`).
 
 mod common;
+#[path = "common/counting_alloc.rs"]
+mod counting_alloc;
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::Harness;
+use counting_alloc::{SERVER_ALLOCATIONS, TEST_THREAD};
 use umdev_devices::nvme::spec::{nvm_op, Sqe, Status};
 use umdev_mdev::types::InstanceOptions;
 use umdev_testkit::nvme_driver::Driver;
 use umdev_testkit::nvme_guest::NvmeGuest;
-
-/// Allocations (and reallocations) made by threads other than the test's.
-static SERVER_ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
-
-thread_local! {
-    /// Set on the test's thread, whose driver builds commands as it likes.
-    static TEST_THREAD: Cell<bool> = const { Cell::new(false) };
-}
-
-struct Counting;
-
-fn count() {
-    // `try_with`: a thread being torn down has no thread-locals left, and is not the test's.
-    if !TEST_THREAD.try_with(Cell::get).unwrap_or(false) {
-        SERVER_ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-// SAFETY: every call is passed to `System` unchanged, which upholds `GlobalAlloc`'s contract;
-// counting touches no memory the allocator hands out.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        count();
-        // SAFETY: the caller's guarantees for `alloc`, passed on.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        count();
-        // SAFETY: as for `alloc`.
-        unsafe { System.alloc_zeroed(layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        count();
-        // SAFETY: `ptr` came from this allocator, that is from `System`, with `layout`.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: as for `realloc`.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
-
-#[global_allocator]
-static ALLOCATOR: Counting = Counting;
 
 const RAM: u64 = 96 << 20;
 const DATA: u64 = Driver::<NvmeGuest>::DATA;
