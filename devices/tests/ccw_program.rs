@@ -367,3 +367,34 @@ fn a_ccw_and_an_idaw_list_may_end_at_the_top_of_the_address_space() {
     let s = run(&mut bus, u64::MAX - 31);
     assert_eq!((s.reason, s.bytes), (Reason::Ok, 0x2000), "{s:?}");
 }
+
+/// A subchannel's [`Scratch`], reused from one program to the next, gives every program the
+/// result a fresh one would, and keeps at most [`Scratch::KEPT`] entries of a long program's
+/// lists after it.
+#[test]
+fn a_scratch_reused_across_programs_changes_nothing_and_keeps_what_it_may() {
+    let mut bus = VecBus::new(24 << 20, 8 << 20);
+    bus.store.copy_from_slice(&pattern(8 << 20));
+    let mut scratch = Scratch::default();
+    // 8 MiB in 2 KiB IDAWs, each block in a 4 KiB slot, backwards: 4096 pieces.
+    let blocks = 4096u64;
+    let list = 0x10_0000u64;
+    for i in 0..blocks {
+        bus.put(list + 8 * i, &(0x40_0000 + (blocks - 1 - i) * 4096).to_le_bytes());
+    }
+    bus.ccw(0x100, cmd::READ, flags::IDA | flags::IDA_2K, 8 << 20, list);
+    normal(&run_with(&mut bus, 0x100, &mut scratch));
+    let p = pattern(8 << 20);
+    for i in 0..blocks as usize {
+        let at = 0x40_0000 + (blocks as usize - 1 - i) * 4096;
+        assert!(bus.mem[at..at + 2048] == p[i * 2048..(i + 1) * 2048], "block {i}");
+    }
+    assert!(scratch.capacity() <= 2 * Scratch::KEPT, "{} entries kept", scratch.capacity());
+    // Short programs after it, on the same scratch, as on a fresh one.
+    bus.ccw(0x100, cmd::READ, flags::CC, 16, 0x9000);
+    bus.ccw(0x110, cmd::READ, 0, 16, 0x9100);
+    let (mut a, b) = (run_with(&mut bus, 0x100, &mut scratch), run(&mut bus, 0x100));
+    a.cpa = b.cpa;
+    assert_eq!(a, b);
+    normal(&a);
+}

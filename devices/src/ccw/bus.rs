@@ -2,7 +2,6 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
-use smallvec::SmallVec;
 use umdev_pinning::{PinError, Prot, PAGE_SIZE};
 
 use umdev_mdev::guest::GuestError;
@@ -48,6 +47,31 @@ pub(crate) struct PinningBus<'a> {
     pub(crate) generation: &'a AtomicU64,
     pub(crate) started_in: u64,
     pub(crate) counters: &'a BusCounters,
+    /// The subchannel's lists for a CCW's pin call, kept from one program to the next.
+    pub(crate) lists: &'a mut PinLists,
+}
+
+/// The lists a CCW's pin call is built in: the page of every piece, in order, and where each
+/// piece's first page sits among them. A subchannel keeps them from one CCW and program to
+/// the next, so that moving data allocates nothing; they grow to the longest CCW seen, up to
+/// [`PinLists::KEPT`] entries, and longer ones are let go after their program.
+#[derive(Debug, Default)]
+pub(crate) struct PinLists {
+    pfns: Vec<u64>,
+    first_page: Vec<usize>,
+}
+
+impl PinLists {
+    /// Entries a list keeps: a 4 MiB CCW's pages.
+    pub(crate) const KEPT: usize = 1024;
+
+    /// Lets go of what a program's longest CCW grew past [`PinLists::KEPT`].
+    pub(crate) fn trim(&mut self) {
+        self.pfns.clear();
+        self.pfns.shrink_to(Self::KEPT);
+        self.first_page.clear();
+        self.first_page.shrink_to(Self::KEPT);
+    }
 }
 
 fn guest_error(e: &GuestError) -> BusError {
@@ -150,8 +174,9 @@ impl Bus for PinningBus<'_> {
     fn transfer(&mut self, dir: Direction, pieces: &[Piece], store_pos: u64) -> Result<(), Partial> {
         // The page of every piece, in order: ONE pin call for the whole CCW; the engine cuts
         // it into contiguous runs.
-        let mut pfns: SmallVec<[u64; 64]> = SmallVec::new();
-        let mut first_page: SmallVec<[usize; 64]> = SmallVec::new();
+        let PinLists { pfns, first_page } = &mut *self.lists;
+        pfns.clear();
+        first_page.clear();
         for p in pieces {
             first_page.push(pfns.len());
             let first = p.addr / PAGE_SIZE;
@@ -168,7 +193,7 @@ impl Bus for PinningBus<'_> {
         // Taken through the program's permit: an unmap arriving while the engine pins (a long
         // lock-mode call) or while the data moves cancels the program.
         self.counters.pin_calls.fetch_add(1, Ordering::Relaxed);
-        match self.permit.pin_pages(&pfns, prot) {
+        match self.permit.pin_pages(&self.lists.pfns, prot) {
             Ok(_) => {}
             Err(GuestError::Pin(PinError::NoHostMemory { .. })) => {
                 return self.through_client(dir, pieces, store_pos);
@@ -178,7 +203,7 @@ impl Bus for PinningBus<'_> {
         let pins = self.permit.pins().last().expect("pinned above");
         let mut moved = 0u64;
         let mut result = Ok(());
-        'copy: for (p, &page) in pieces.iter().zip(&first_page) {
+        'copy: for (p, &page) in pieces.iter().zip(&self.lists.first_page) {
             // The piece's pages sit consecutively in the guard from index `page`.
             let piece_page = (p.addr / PAGE_SIZE) * PAGE_SIZE;
             for (addr, len) in blocks(p) {

@@ -21,7 +21,7 @@ use umdev_mdev::request::{self, Completion, Lane, Permit, Requests};
 use umdev_mdev::worker::{Poll, Waiter, Wake, Worker};
 use umdev_pinning::PinMode;
 
-use self::bus::{BusCounters, PinningBus, StopFlag};
+use self::bus::{BusCounters, PinLists, PinningBus, StopFlag};
 use self::program::{Reason, Status};
 pub use crate::store::Store;
 use umdev_mdev::irq::IrqHandle;
@@ -330,6 +330,8 @@ impl std::fmt::Debug for Ccw {
 /// Subchannel `index`'s worker: runs each program put in its `next`, until the device goes.
 fn worker(shared: &Shared, index: usize, mut w: Waiter<Close>) {
     let sc = &shared.subchannels[index];
+    // Lists a program is interpreted and pinned in, kept from one to the next.
+    let (mut scratch, mut lists) = (program::Scratch::default(), PinLists::default());
     loop {
         let next = umdev_pinning::sync::lock(&sc.next).take();
         let Some(mut permit) = next else {
@@ -347,9 +349,11 @@ fn worker(shared: &Shared, index: usize, mut w: Waiter<Close>) {
                 generation: &shared.generation,
                 started_in,
                 counters: &shared.counters,
+                lists: &mut lists,
             };
-            program::run(&mut bus, cpa)
+            program::run_with(&mut bus, cpa, &mut scratch)
         });
+        lists.trim();
         match status {
             Some(status) => permit.complete(status),
             None => drop(permit), // fails the program: DeviceError

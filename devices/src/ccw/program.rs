@@ -6,7 +6,6 @@
 //! in a [`Status`] with a documented [`Reason`]; nothing panics and nothing loops forever
 //! (at most [`MAX_CCWS`] CCWs execute, and revisiting a CCW is a loop).
 
-use smallvec::SmallVec;
 use vm_memory::{ByteValued, Le16, Le32, Le64};
 
 /// Bytes of one CCW.
@@ -282,8 +281,32 @@ pub struct Piece {
     pub len: u32,
 }
 
-/// The pieces of one CCW's data, in order (one per IDAW, or one for a direct address).
-pub type Pieces = SmallVec<[Piece; 8]>;
+/// Lists the interpreter builds for each CCW (its data's pieces) and program (the CCWs it
+/// ran), kept by a subchannel from one program to the next so that a program allocates
+/// nothing: they grow to the longest seen, up to [`Scratch::KEPT`] entries, and longer ones
+/// are let go after their program.
+#[derive(Debug, Default)]
+pub struct Scratch {
+    pieces: Vec<Piece>,
+    visited: Vec<u64>,
+}
+
+impl Scratch {
+    /// Entries a list keeps between programs: a 4 MiB CCW's pieces in 4 KiB IDAWs.
+    pub const KEPT: usize = 1024;
+
+    /// Entries its lists have room for now, together.
+    pub fn capacity(&self) -> usize {
+        self.pieces.capacity() + self.visited.capacity()
+    }
+
+    fn trim(&mut self) {
+        self.pieces.clear();
+        self.pieces.shrink_to(Self::KEPT);
+        self.visited.clear();
+        self.visited.shrink_to(Self::KEPT);
+    }
+}
 
 /// A transfer that stopped partway: why, and how many bytes reached the store or the guest
 /// before it stopped (the residual is the count minus these).
@@ -441,17 +464,26 @@ fn fetch_error(e: BusError, unmapped: Reason) -> Reason {
     }
 }
 
-/// Pieces of `count` bytes at `addr` (direct addressing): one piece, or an error if it wraps.
-fn direct_pieces(addr: u64, count: u32) -> Result<Pieces, Reason> {
+/// Puts in `pieces` the piece of `count` bytes at `addr` (direct addressing), or fails if it
+/// wraps.
+fn direct_pieces(addr: u64, count: u32, pieces: &mut Vec<Piece>) -> Result<(), Reason> {
     addr.checked_add(u64::from(count) - 1).ok_or(Reason::DataUnmapped)?;
-    Ok(smallvec::smallvec![Piece { addr, len: count }])
+    pieces.clear();
+    pieces.push(Piece { addr, len: count });
+    Ok(())
 }
 
 /// Reads and checks the IDAW list at `idal` for `count` bytes in blocks of `block` bytes.
 ///
 /// Reads exactly the IDAWs the count needs (never past the list's end), in slices of up to
 /// 512: one bus call for the list of a 2 MiB transfer after the first IDAW.
-fn idaw_pieces(bus: &mut dyn Bus, idal: u64, count: u32, block: u64) -> Result<Pieces, Reason> {
+fn idaw_pieces(
+    bus: &mut dyn Bus,
+    idal: u64,
+    count: u32,
+    block: u64,
+    pieces: &mut Vec<Piece>,
+) -> Result<(), Reason> {
     if !idal.is_multiple_of(8) {
         return Err(Reason::IdalMisaligned);
     }
@@ -460,7 +492,8 @@ fn idaw_pieces(bus: &mut dyn Bus, idal: u64, count: u32, block: u64) -> Result<P
     let idaw0 = u64::from(first);
     let len0 = (block - idaw0 % block).min(u64::from(count));
     idaw0.checked_add(len0 - 1).ok_or(Reason::DataUnmapped)?;
-    let mut pieces: Pieces = smallvec::smallvec![Piece { addr: idaw0, len: len0 as u32 }];
+    pieces.clear();
+    pieces.push(Piece { addr: idaw0, len: len0 as u32 });
     let mut left = u64::from(count) - len0;
     // The next IDAW's address; none past the top of the address space (a list may end there).
     let mut at = idal.checked_add(8);
@@ -484,13 +517,25 @@ fn idaw_pieces(bus: &mut dyn Bus, idal: u64, count: u32, block: u64) -> Result<P
             left -= len;
         }
     }
-    Ok(pieces)
+    Ok(())
 }
 
 /// Runs the channel program at `cpa` to completion.
 pub fn run(bus: &mut dyn Bus, cpa: u64) -> Status {
+    run_with(bus, cpa, &mut Scratch::default())
+}
+
+/// [`run`] with the lists of `scratch`, a subchannel's from one program to the next.
+pub fn run_with(bus: &mut dyn Bus, cpa: u64, scratch: &mut Scratch) -> Status {
+    let status = interpret(bus, cpa, scratch);
+    scratch.trim();
+    status
+}
+
+fn interpret(bus: &mut dyn Bus, cpa: u64, scratch: &mut Scratch) -> Status {
     let mut status = Status { dstat: 0, cstat: 0, residual: 0, cpa, reason: Reason::Ok, ccws: 0, bytes: 0 };
-    let mut visited: SmallVec<[u64; 32]> = SmallVec::new();
+    let Scratch { pieces, visited } = scratch;
+    visited.clear();
     let mut pos = 0u64;
     let mut ccw_addr = cpa;
     let mut after_tic = false;
@@ -548,7 +593,7 @@ pub fn run(bus: &mut dyn Bus, cpa: u64) -> Status {
             continue;
         }
         after_tic = false;
-        if let Err(reason) = execute(bus, &ccw, &mut pos, &mut status) {
+        if let Err(reason) = execute(bus, &ccw, &mut pos, &mut status, pieces) {
             end(&mut status, reason);
             return status;
         }
@@ -574,7 +619,13 @@ fn end(status: &mut Status, reason: Reason) {
 }
 
 /// Executes one non-TIC CCW; `status.residual` holds its count (0 for a NOP).
-fn execute(bus: &mut dyn Bus, ccw: &Ccw, pos: &mut u64, status: &mut Status) -> Result<(), Reason> {
+fn execute(
+    bus: &mut dyn Bus,
+    ccw: &Ccw,
+    pos: &mut u64,
+    status: &mut Status,
+    pieces: &mut Vec<Piece>,
+) -> Result<(), Reason> {
     match ccw.cmd {
         cmd::NOP => return Ok(()),
         cmd::READ | cmd::WRITE | cmd::SENSE | cmd::SEEK => {}
@@ -583,12 +634,13 @@ fn execute(bus: &mut dyn Bus, ccw: &Ccw, pos: &mut u64, status: &mut Status) -> 
     if ccw.count == 0 || ccw.count > MAX_CCW_COUNT {
         return Err(Reason::BadCount);
     }
-    let pieces = if ccw.flags & flags::IDA != 0 {
+    if ccw.flags & flags::IDA != 0 {
         let block = if ccw.flags & flags::IDA_2K != 0 { 2048 } else { 4096 };
-        idaw_pieces(bus, ccw.addr, ccw.count, block)?
+        idaw_pieces(bus, ccw.addr, ccw.count, block, pieces)?;
     } else {
-        direct_pieces(ccw.addr, ccw.count)?
-    };
+        direct_pieces(ccw.addr, ccw.count, pieces)?;
+    }
+    let pieces = &pieces[..];
     let map_err = |e: BusError| match e {
         BusError::Unmapped => Reason::DataUnmapped,
         BusError::ReadOnly => Reason::DataReadOnly,
@@ -603,7 +655,7 @@ fn execute(bus: &mut dyn Bus, ccw: &Ccw, pos: &mut u64, status: &mut Status) -> 
                 return Err(Reason::EndOfStore);
             }
             let dir = if ccw.cmd == cmd::READ { Direction::ToGuest } else { Direction::FromGuest };
-            if let Err(partial) = bus.transfer(dir, &pieces, *pos) {
+            if let Err(partial) = bus.transfer(dir, pieces, *pos) {
                 // Byte-accurate: what reached the store or the guest counts, the rest is
                 // the residual.
                 let moved = partial.moved.min(u64::from(ccw.count));
@@ -620,7 +672,7 @@ fn execute(bus: &mut dyn Bus, ccw: &Ccw, pos: &mut u64, status: &mut Status) -> 
             // a position: it is read but does not move it. Either way BYTES counts no operand.
             let mut arg = [0u8; 8];
             let n = (ccw.count as usize).min(8);
-            gather(bus, &pieces, &mut arg[..n]).map_err(map_err)?;
+            gather(bus, pieces, &mut arg[..n]).map_err(map_err)?;
             if n == 8 {
                 let target = u64::from_le_bytes(arg);
                 if target > bus.store_size() {
@@ -636,7 +688,7 @@ fn execute(bus: &mut dyn Bus, ccw: &Ccw, pos: &mut u64, status: &mut Status) -> 
         _ => {
             // SENSE: this device keeps no sense state; it delivers zeros.
             let n = (ccw.count as usize).min(SENSE_SIZE);
-            if let Err(partial) = bus.deliver(&pieces, &[0u8; SENSE_SIZE][..n]) {
+            if let Err(partial) = bus.deliver(pieces, &[0u8; SENSE_SIZE][..n]) {
                 let moved = partial.moved.min(n as u64);
                 status.residual = ccw.count - moved as u32;
                 status.bytes += moved;
