@@ -813,17 +813,21 @@ mod drainer {
 /// `kernel.io_uring_disabled` or a seccomp filter): `Err` says why not.
 ///
 /// The probe's ring is set up on a thread of its own, which then ends: the kernel ties a ring
-/// to the thread that set it up, and closing it makes that thread's next wait that a signal
-/// ends with EINTR rather than restarting (a socket read with `SO_RCVTIMEO`, `epoll_wait`)
-/// fail with EINTR, no signal sent. The caller (whoever creates a device) may be serving a
-/// socket next.
+/// to the thread that set it up, and closing it makes the wait that thread is in soon after,
+/// or its next, fail with EINTR, no signal sent, if it is one a signal ends rather than
+/// restarts (a socket read with `SO_RCVTIMEO`, `epoll_wait`). The caller (whoever creates a
+/// device) may be serving a socket next.
 pub fn available() -> io::Result<()> {
+    let probe = || IoUring::new(2).map(drop);
     std::thread::scope(|s| {
-        std::thread::Builder::new()
-            .name("umdev-uring-probe".into())
-            .spawn_scoped(s, || IoUring::new(2).map(drop))?
-            .join()
-            .unwrap_or_else(|_| Err(io::Error::other("the io_uring probe's thread panicked")))
+        match std::thread::Builder::new().name("umdev-uring-probe".into()).spawn_scoped(s, probe) {
+            Ok(thread) => thread
+                .join()
+                .unwrap_or_else(|_| Err(io::Error::other("the io_uring probe's thread panicked"))),
+            // No thread to be had (a process or cgroup limit): probed here after all, rather than
+            // mistaken for a host without io_uring.
+            Err(_) => probe(),
+        }
     })
 }
 

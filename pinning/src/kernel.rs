@@ -99,17 +99,21 @@ pub fn kernel_pins_available() -> Result<(), KernelPinsUnavailable> {
 
 /// A one-entry ring, set up on a thread that then ends. The kernel ties a ring to the thread
 /// that set it up: when the ring is closed, whoever closes it, its teardown queues work for
-/// that thread (`task_work_add(TWA_SIGNAL)`), and that thread's next wait that a signal ends
-/// with EINTR rather than restarting (a read from a socket with `SO_RCVTIMEO`, `epoll_wait`)
-/// fails with EINTR, no signal sent. A space is made on its caller's thread (the one serving
+/// that thread (`task_work_add(TWA_SIGNAL)`, from a kernel worker soon after), and the wait
+/// that thread is in then, or its next, fails with EINTR, no signal sent, if it is one a signal
+/// ends rather than restarts (a read from a socket with `SO_RCVTIMEO`, `epoll_wait`). A space is made on its caller's thread (the one serving
 /// an application's control socket, say), which must not get that.
 fn ring_of_its_own_thread() -> io::Result<io_uring::IoUring> {
+    let setup = || io_uring::IoUring::new(1);
     std::thread::scope(|s| {
-        std::thread::Builder::new()
-            .name("umdev-ring-setup".into())
-            .spawn_scoped(s, || io_uring::IoUring::new(1))?
-            .join()
-            .unwrap_or_else(|_| Err(io::Error::other("the thread setting up the ring panicked")))
+        match std::thread::Builder::new().name("umdev-ring-setup".into()).spawn_scoped(s, setup) {
+            Ok(thread) => thread
+                .join()
+                .unwrap_or_else(|_| Err(io::Error::other("the thread setting up the ring panicked"))),
+            // No thread to be had (a process or cgroup limit): set up here after all, rather than
+            // reported as kernel pins being unavailable.
+            Err(_) => setup(),
+        }
     })
 }
 
