@@ -40,7 +40,11 @@ fn round(g: &mut CcwGuest) {
     ok(&g.run(0, &[scattered(cmd::READ)]).unwrap(), "2 MiB read through 512 IDAWs");
 }
 
-#[test]
+fn main() {
+    programs_allocate_nothing_once_each_kind_has_run();
+    println!("test programs_allocate_nothing_once_each_kind_has_run ... ok");
+}
+
 fn programs_allocate_nothing_once_each_kind_has_run() {
     TEST_THREAD.with(|t| t.set(true));
     let h = Harness::with("ccw", InstanceOptions::default(), |_| {});

@@ -373,28 +373,36 @@ fn a_ccw_and_an_idaw_list_may_end_at_the_top_of_the_address_space() {
 /// lists after it.
 #[test]
 fn a_scratch_reused_across_programs_changes_nothing_and_keeps_what_it_may() {
-    let mut bus = VecBus::new(24 << 20, 8 << 20);
-    bus.store.copy_from_slice(&pattern(8 << 20));
-    let mut scratch = Scratch::default();
-    // 8 MiB in 2 KiB IDAWs, each block in a 4 KiB slot, backwards: 4096 pieces.
+    // A long IDA CCW, then a shorter one chained to it, whose pieces must not include any of
+    // the first's: 8 MiB in 2 KiB IDAWs, each block in a 4 KiB slot, backwards (4096
+    // pieces), then 10000 bytes in three 4 KiB IDAWs.
     let blocks = 4096u64;
-    let list = 0x10_0000u64;
-    for i in 0..blocks {
-        bus.put(list + 8 * i, &(0x40_0000 + (blocks - 1 - i) * 4096).to_le_bytes());
+    let program = || {
+        let mut bus = VecBus::new(24 << 20, 9 << 20);
+        bus.store.copy_from_slice(&pattern(9 << 20));
+        for i in 0..blocks {
+            bus.put(0x10_0000 + 8 * i, &(0x40_0000 + (blocks - 1 - i) * 4096).to_le_bytes());
+        }
+        for (i, a) in [0x9000u64, 0x2000, 0x3_0000].iter().enumerate() {
+            bus.put(0x20_0000 + 8 * i as u64, &a.to_le_bytes());
+        }
+        bus.ccw(0x100, cmd::READ, flags::IDA | flags::IDA_2K | flags::CC, 8 << 20, 0x10_0000);
+        bus.ccw(0x110, cmd::READ, flags::IDA, 10000, 0x20_0000);
+        bus
+    };
+    let mut scratch = Scratch::default();
+    for round in 0..2 {
+        let (mut reused, mut fresh) = (program(), program());
+        let status = run_with(&mut reused, 0x100, &mut scratch);
+        normal(&status);
+        assert_eq!(status, run(&mut fresh, 0x100), "round {round}");
+        assert!(reused.mem == fresh.mem, "round {round}: guest memory differs");
+        let p = pattern(9 << 20);
+        for i in (0..blocks as usize).step_by(97) {
+            let at = 0x40_0000 + (blocks as usize - 1 - i) * 4096;
+            assert!(reused.mem[at..at + 2048] == p[i * 2048..(i + 1) * 2048], "block {i}");
+        }
+        assert!(reused.mem[0x9000..0xa000] == p[8 << 20..(8 << 20) + 4096], "the second CCW's data");
+        assert!(scratch.capacity() <= 2 * Scratch::KEPT, "{} entries kept", scratch.capacity());
     }
-    bus.ccw(0x100, cmd::READ, flags::IDA | flags::IDA_2K, 8 << 20, list);
-    normal(&run_with(&mut bus, 0x100, &mut scratch));
-    let p = pattern(8 << 20);
-    for i in 0..blocks as usize {
-        let at = 0x40_0000 + (blocks as usize - 1 - i) * 4096;
-        assert!(bus.mem[at..at + 2048] == p[i * 2048..(i + 1) * 2048], "block {i}");
-    }
-    assert!(scratch.capacity() <= 2 * Scratch::KEPT, "{} entries kept", scratch.capacity());
-    // Short programs after it, on the same scratch, as on a fresh one.
-    bus.ccw(0x100, cmd::READ, flags::CC, 16, 0x9000);
-    bus.ccw(0x110, cmd::READ, 0, 16, 0x9100);
-    let (mut a, b) = (run_with(&mut bus, 0x100, &mut scratch), run(&mut bus, 0x100));
-    a.cpa = b.cpa;
-    assert_eq!(a, b);
-    normal(&a);
 }

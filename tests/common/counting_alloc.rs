@@ -1,7 +1,8 @@
 //! A global allocator that counts the allocations of every thread but the test's own: in a
 //! test binary whose server runs in-process, those of the server (its acceptor, connection
 //! thread and device workers). Included by the allocation tests with `#[path]`, each a binary
-//! of its own, so that no other test's threads allocate meanwhile.
+//! of its own without libtest's harness (Cargo.toml), so that no other test's thread and no
+//! thread of the runner allocates meanwhile.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
