@@ -152,3 +152,63 @@ fn a_panicking_device_fails_the_request_and_goes_on() {
     assert!(next.alive(), "the server goes on");
     assert_eq!(h.info().protocol.errors, 1, "one failed request");
 }
+
+/// A device whose attach panics at its first connection and whose detach panics at its first
+/// two: BAR0's 0x0 reads how many times it was attached.
+struct Fragile {
+    attaches: u32,
+}
+
+impl SimpleFunction for Fragile {
+    fn bar_read(&mut self, _bar: u8, _offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
+        data.copy_from_slice(&self.attaches.to_le_bytes()[..data.len()]);
+        Ok(())
+    }
+
+    fn bar_write(&mut self, _bar: u8, _offset: u64, _data: &[u8]) -> Result<(), DeviceError> {
+        Ok(())
+    }
+
+    fn attach(&mut self, _ctx: &DeviceContext) {
+        self.attaches += 1;
+        if self.attaches == 1 {
+            panic!("an attach the device cannot handle, on purpose");
+        }
+    }
+
+    fn detach(&mut self) {
+        if self.attaches <= 2 {
+            panic!("a detach the device cannot handle, on purpose");
+        }
+    }
+}
+
+/// A panic in a device's attach or detach is the device's: the connection is served, the
+/// detach's cleanup runs, and the instance takes the next client (it was left taken by a
+/// client that had gone).
+#[test]
+fn a_device_that_panics_in_attach_or_detach_does_not_keep_its_instance() {
+    let ids = PciIds {
+        vendor_id: 0x1234,
+        device_id: 0xdeae,
+        subsystem_vendor_id: 0,
+        subsystem_id: 0,
+        revision: 0,
+        class: ClassCode { base: 0xff, sub: 0, prog_if: 0 },
+    };
+    let device = PciDevice::new(ConfigSpaceBuilder::new(ids).bar(0, Bar::mem32(4096)), |_| {
+        Mutex::new(Fragile { attaches: 0 })
+    })
+    .unwrap();
+    let h = Harness::with_device(Arc::new(device), |_| {});
+    for attaches in 1..=3u32 {
+        let mut c = RawClient::connect(&h.socket).unwrap();
+        c.negotiate().unwrap();
+        assert_eq!(read(&mut c, 0x0), attaches, "connection {attaches} is served");
+        drop(c);
+        h.wait_idle();
+    }
+    let mut c = RawClient::connect(&h.socket).unwrap();
+    c.negotiate().unwrap();
+    assert!(c.alive());
+}

@@ -11,7 +11,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use umdev_mdev::{DeviceContext, VfioDevice};
+use umdev_mdev::{request, DeviceContext, VfioDevice};
 use umdev_pinning::DmaSpace;
 
 use crate::link::{ClientDmaPort, Link};
@@ -66,20 +66,25 @@ pub fn serve(stream: UnixStream, served: &Served) -> Disconnect {
     let link = Arc::new(Link::new(writer, std::thread::current().id(), served.stats.clone()));
     let device = served.device.clone();
     let weak = Arc::downgrade(&device);
+    // A device's own panics in these calls are caught (logged by `request::serve`): the
+    // connection thread must always get to the cleanup below, or the instance would stay
+    // taken by a client that is gone.
     served.dma.set_unmap_notifier(Some(Arc::new(move |iova, len| {
         if let Some(device) = weak.upgrade() {
-            device.dma_unmap(iova, len);
+            request::serve("the device's dma_unmap", || device.dma_unmap(iova, len));
         }
     })));
-    device.attach(DeviceContext::new(served.dma.clone(), Arc::new(ClientDmaPort { link: link.clone() })));
-
-    let end = run(&stream, served, link.clone());
+    let ctx = DeviceContext::new(served.dma.clone(), Arc::new(ClientDmaPort { link: link.clone() }));
+    let end = match request::serve("the device's attach", || device.attach(ctx)) {
+        Some(()) => run(&stream, served, link.clone()),
+        None => Disconnect::Io(io::Error::other("the device's attach panicked")),
+    };
     if let Disconnect::Framing(_) = end {
         served.stats.fatal.fetch_add(1, Ordering::Relaxed);
     }
 
     link.close();
-    device.detach();
+    request::serve("the device's detach", || device.detach());
     served.dma.set_unmap_notifier(None);
     if let Err(e) = served.dma.unmap_all() {
         log::error!("the device kept pins after detach ({e}); abandoning its mappings");

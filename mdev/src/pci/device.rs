@@ -40,7 +40,10 @@ pub struct Host {
 ///
 /// BAR accesses arrive bounds-checked against the BAR's size and never for the MSI-X
 /// table or PBA, which the adapter emulates. All methods take `&self` and may be called
-/// while the function's own threads run.
+/// while the function's own threads run. They run on the instance's connection thread, the
+/// one that reads the client's messages: none may reach memory the client mapped without an
+/// fd (its reply would come through this thread; the copy fails with
+/// `ClientDmaError::WouldDeadlock`).
 pub trait PciFunction: Send + Sync + 'static {
     /// Reads `data.len()` bytes at `offset` in BAR `bar`.
     fn bar_read(&self, bar: u8, offset: u64, data: &mut [u8]) -> Result<(), DeviceError>;
@@ -90,9 +93,11 @@ pub trait PciFunction: Send + Sync + 'static {
     /// the requests to end, and a reset follows.
     fn detach(&self) {}
 
-    /// `[iova, iova + len)` is being unmapped. Requests holding pins in it are already
-    /// cancelled; this is for pins the device keeps outside requests (a ring it keeps
-    /// pinned, say): drop them promptly.
+    /// The mapping `[iova, iova + len)` is being unmapped while pins are held in it (called
+    /// only then, and with the whole mapping, which may be larger than the range the client
+    /// unmapped). Requests holding pins or claims in it are already cancelled; this is for
+    /// pins the device keeps outside requests (a ring it keeps pinned, say): drop them
+    /// promptly. Runs on the connection thread.
     fn dma_unmap(&self, iova: u64, len: u64) {
         let _ = (iova, len);
     }
@@ -499,7 +504,9 @@ impl<F: PciFunction> VfioDevice for PciDevice<F> {
         // Every guest access the function makes through this context follows COMMAND.BME.
         let context = context.with_bus_master(self.bus_master.clone());
         self.requests.attach(context.clone());
-        self.function.attach(&context);
+        // A function that panics here is logged, and the connection is served all the same:
+        // the framework's side of the attach is done.
+        crate::request::serve("the device's attach", || self.function.attach(&context));
     }
 
     fn detach(&self) {
@@ -507,7 +514,8 @@ impl<F: PciFunction> VfioDevice for PciDevice<F> {
         // connection's memory and eventfds are still there until the reset below.
         self.quiesce();
         self.requests.detach();
-        self.function.detach();
+        // A panic here must not skip the wait and the reset below.
+        crate::request::serve("the device's detach", || self.function.detach());
         // Cancelled requests end at their next block, and client DMA fails at once now that
         // the connection is closed: wait for them to let go of the client's context, so
         // nothing of the connection outlives it.
@@ -522,7 +530,8 @@ impl<F: PciFunction> VfioDevice for PciDevice<F> {
 
     fn dma_unmap(&self, iova: u64, len: u64) {
         self.requests.cancel_overlapping(iova, len);
-        self.function.dma_unmap(iova, len);
+        // Called from inside the engine's unmap: a panic must not unwind through it.
+        crate::request::serve("the device's dma_unmap", || self.function.dma_unmap(iova, len));
     }
 
     fn describe(&self) -> serde_json::Value {
