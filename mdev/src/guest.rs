@@ -223,7 +223,9 @@ impl DeviceContext {
         Ok(value)
     }
 
-    /// Writes a `T` at `iova`, whole or not at all, as [`write_either`](Self::write_either).
+    /// Writes a `T` at `iova`, as [`write_either`](Self::write_either): mapping and
+    /// permissions are checked for all of it first, but a failure during the copy (memory
+    /// the client truncated, a client refusing a later piece) can leave part of it written.
     pub fn write_obj<T: ByteValued>(&self, iova: u64, value: &T) -> Result<(), GuestError> {
         self.write_either(iova, value.as_slice())
     }

@@ -3,8 +3,9 @@
 //! Mediated devices emulated in user space: the boundary between a device and the vfio-user
 //! server ([`VfioDevice`], [`DeviceContext`]), and the shared machinery devices are built
 //! from: PCI config space and register maps ([`pci`]), interrupts ([`irq`]), typed guest
-//! access ([`guest`]), request permits ([`request`]), device types ([`types`]), host files
-//! and block devices as backings ([`backing`]) and, with the
+//! access ([`guest`]), request permits ([`request`]), device threads ([`worker`]), device
+//! types ([`types`]), host files and block devices as backings ([`backing`]),
+//! listening Unix sockets only their owner can reach ([`unix_socket`]) and, with the
 //! `contract` feature, the device contract as a test (`contract`). The devices themselves are
 //! in `umdev-devices`; which of them a binary serves is the binary's choice.
 //!

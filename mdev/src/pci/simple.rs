@@ -23,6 +23,11 @@ use crate::device::{DeviceError, RegionMmap};
 use crate::guest::DeviceContext;
 
 /// A PCI function whose every call gets `&mut self`: the framework serializes them.
+///
+/// Every method runs on the instance's connection thread, the one that reads the client's
+/// messages: none may reach memory the client mapped without an fd (its reply would come
+/// through this thread; the copy fails with `ClientDmaError::WouldDeadlock`), and a device
+/// thread must not hold the device's lock while it does client DMA.
 pub trait SimpleFunction: Send + 'static {
     /// Reads `data.len()` bytes at `offset` in BAR `bar` (inside the BAR; width and
     /// alignment are the function's to check).
@@ -53,9 +58,11 @@ pub trait SimpleFunction: Send + 'static {
     /// boundedly, for them to end). A reset follows.
     fn detach(&mut self) {}
 
-    /// `[iova, iova + len)` is being unmapped: drop the pins the device keeps in it outside
-    /// its requests (the framework has cancelled the requests holding pins there, and the
-    /// unmap waits for their pins).
+    /// The mapping `[iova, iova + len)` is being unmapped while pins are held in it (called
+    /// only then, and with the whole mapping, which may be larger than the range the client
+    /// unmapped): drop the pins the device keeps in it outside its requests (the framework
+    /// has cancelled the requests holding pins or claims there, and the unmap waits for their
+    /// pins). Runs on the connection thread.
     fn dma_unmap(&mut self, iova: u64, len: u64) {
         let _ = (iova, len);
     }
