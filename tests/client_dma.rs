@@ -191,6 +191,30 @@ fn a_client_that_stays_but_never_answers_fails_the_transfer_after_the_timeout() 
     assert_eq!(h.info().protocol.stray_replies, 1);
 }
 
+/// A DMA_UNMAP of memory the client mapped without an fd, while the device's transfer from it
+/// waits for the client's answer: no pin is held there (the device reaches it through the
+/// client), and the unmap still cancels the transfer (its claim), which ends with ECANCELED at
+/// its next chunk rather than going on to read memory that is gone.
+#[test]
+fn an_unmap_cancels_a_transfer_that_holds_no_pins() {
+    let h = Harness::new("testdev");
+    // Two chunks (64 KiB each): the first is answered after the unmap.
+    let (mut c, first) = checksumming(&h, 0x10000 + 16);
+    assert_eq!(first.header.command, Command::DmaRead as u16);
+    let r = c.request(Command::DmaUnmap as u16, &dma_unmap_payload(24, 0, MSG_IOVA, 0x20000), &[]).unwrap();
+    assert_eq!(r.errno(), 0, "nothing is pinned there: the unmap returns at once");
+    let count = u64::from_le_bytes(first.payload[8..16].try_into().unwrap());
+    reply(&mut c, &first.header, &[&le64(MSG_IOVA)[..], &le64(count), &vec![1; count as usize]].concat());
+    let status = loop {
+        let status = read_reg(&mut c, DMA_STATUS);
+        if status != STATUS_BUSY {
+            break status;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    assert_eq!((status, read_reg(&mut c, DMA_RESULT)), (STATUS_ERROR, libc::ECANCELED as u32));
+}
+
 #[test]
 fn dma_reads_come_in_chunks_whose_replies_fit_what_the_server_accepts() {
     // A server that takes 4 KiB per transfer: its DMA_READs ask no more of a client that

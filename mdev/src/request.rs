@@ -544,11 +544,10 @@ impl<C: Completion> Permit<C> {
     }
 
     /// The request will reach `[iova, iova + len)` through byte copies
-    /// ([`DeviceContext::read_either`] and the like, which pin briefly): an unmap of any of it
-    /// cancels the request, as for its own pins, if some pin is held in that mapping when it
-    /// is unmapped (the engine tells the device of an unmap only then). Otherwise the request
-    /// is not cancelled, and its next copy there fails with `NotMapped` or reaches what the
-    /// client mapped at that IOVA since. Until [`Permit::release_pins`] or the end.
+    /// ([`DeviceContext::read_either`] and the like, which pin briefly): a DMA_UNMAP of any of
+    /// it cancels the request, as for its own pins, before the unmap is made
+    /// ([`VfioDevice::dma_unmapping`](crate::VfioDevice::dma_unmapping)). Until
+    /// [`Permit::release_pins`] or the end.
     pub fn claim(&mut self, iova: u64, len: u64) {
         let end = iova.saturating_add(len);
         self.lane().core.state().slots[self.index as usize].ranges.push((iova, end));

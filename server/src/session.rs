@@ -207,8 +207,10 @@ impl Session {
             }
             Request::DmaUnmap { argsz, flags, iova, size } => {
                 let result = if flags & UNMAP_FLAG_ALL != 0 {
+                    self.device.dma_unmapping(0, u64::MAX);
                     self.dma.unmap_all()
                 } else {
+                    self.device.dma_unmapping(iova, size);
                     self.dma.unmap(iova, size)
                 };
                 match result {

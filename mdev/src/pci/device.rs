@@ -528,6 +528,11 @@ impl<F: PciFunction> VfioDevice for PciDevice<F> {
         self.reset_all();
     }
 
+    fn dma_unmapping(&self, iova: u64, len: u64) {
+        // Requests that only claimed the range hold no pins for the engine to report.
+        self.requests.cancel_overlapping(iova, len);
+    }
+
     fn dma_unmap(&self, iova: u64, len: u64) {
         self.requests.cancel_overlapping(iova, len);
         // Called from inside the engine's unmap: a panic must not unwind through it.
