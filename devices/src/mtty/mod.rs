@@ -652,9 +652,24 @@ impl MttyType {
             options.params.get(key).map(|v| Backend::parse(v).map_err(|e| bad(format!("{key}={v}: {e}"))))
         };
         let default = parse("backend").transpose()?.unwrap_or(Backend::Loopback);
-        (0..self.ports)
+        let backends: Vec<Backend> = (0..self.ports)
             .map(|p| Ok(parse(&format!("port{p}")).transpose()?.unwrap_or_else(|| default.clone())))
-            .collect()
+            .collect::<Result<_, TypeError>>()?;
+        // A socket serves one port: two on one path would find it taken by the other.
+        for (i, b) in backends.iter().enumerate() {
+            if let Backend::Socket(path) = b {
+                if let Some(j) =
+                    backends[..i].iter().position(|a| matches!(a, Backend::Socket(q) if q == path))
+                {
+                    return Err(bad(format!(
+                        "ports {j} and {i} would share the socket {}: each port needs its own (`backend` \
+                         gives every port the same line; set port{j}=socket:PATH and port{i}=socket:PATH)",
+                        path.display()
+                    )));
+                }
+            }
+        }
+        Ok(backends)
     }
 }
 

@@ -680,6 +680,22 @@ fn ports_come_from_one_pool_across_both_types() {
     assert!(matches!(one.create(&bad), Err(TypeError::BadOption { .. })), "mtty-1 has no port1");
     bad.params.insert("port1".into(), "serial".into());
     assert!(matches!(two.create(&bad), Err(TypeError::BadOption { .. })), "unknown backend");
+    // A socket serves one port: one path for both is refused by the options' check (define
+    // refuses it as start would), with what to do instead.
+    let mut shared = InstanceOptions::default();
+    shared.params.insert("backend".into(), "socket:/nonexistent-umdev/one.sock".into());
+    let why = two.check(&shared).unwrap_err().to_string();
+    assert!(
+        why.contains("ports 0 and 1 would share the socket") && why.contains("port1=socket:PATH"),
+        "{why}"
+    );
+    shared.params.insert("port1".into(), "socket:/nonexistent-umdev/one.sock".into());
+    assert!(matches!(two.create(&shared), Err(TypeError::BadOption { .. })), "the same path twice");
+    shared.params.insert("port1".into(), "pty".into());
+    two.check(&shared).expect("a socket and a pty");
+    assert!(one.check(&shared.clone()).is_err(), "mtty-1 has no port1");
+    shared.params.remove("port1");
+    one.check(&shared).expect("one port, one socket");
     assert_eq!(avail(), (24, 12), "a refused create reserves nothing");
 }
 
