@@ -150,8 +150,9 @@ pub fn private_dir(dir: &Path) -> Result<(), LifecycleError> {
 /// neither its group nor others can write to: definitions read from, or sockets put in, a
 /// directory another user controls would be that user's to swap (a shared `/tmp` fallback,
 /// say). A symbolic link is followed only if it is the user's own (one another user planted
-/// in `/tmp` is refused). A directory of the user's own that others may write to is made
-/// private, with a warning (an older umdev created them with the umask's mode).
+/// in `/tmp` is refused). A directory of the user's own that others may write to loses that
+/// write access, with a warning (an older umdev created them with the umask's mode); who
+/// may read it is left as it was.
 pub fn check_private_dir(dir: &Path) -> Result<(), LifecycleError> {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let me = nix::unistd::geteuid().as_raw();
@@ -180,7 +181,7 @@ pub fn check_private_dir(dir: &Path) -> Result<(), LifecycleError> {
             ))
         })?;
         log::warn!(
-            "{}: its group or others could write to it (mode {mode:o}); made {private:o}",
+            "{}: its group or others could write to it (mode {mode:o}); write access removed: mode {private:o}",
             dir.display()
         );
     }

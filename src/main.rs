@@ -549,6 +549,14 @@ fn main() {
     if let Some(why) = matches.subcommand_name().and_then(|c| unused_directory(&cli, c)) {
         cli_command().error(clap::error::ErrorKind::ArgumentConflict, why).exit();
     }
+    // clap's `requires` takes an unset flag's default for present: checked here.
+    #[cfg(feature = "bench")]
+    if let Command::Nvmebench { fixed_buffers: false, dir: Some(_), .. } = &cli.command {
+        let why =
+            "`umdev nvmebench --dir` places the file of --fixed-buffers' namespace: give --fixed-buffers \
+                   with it (--file names a namespace of your own)";
+        cli_command().error(clap::error::ErrorKind::ArgumentConflict, why).exit();
+    }
     logging::init(cli.log_format);
     let dirs = match cli.command {
         Command::Daemon { .. } => manage::Dirs::for_daemon(cli.run_dir, cli.state_dir),

@@ -722,8 +722,12 @@ pub struct ModifyArgs {
 pub fn modify(dirs: &Dirs, args: ModifyArgs) -> Out {
     let uuid = parse_uuid(&args.uuid)?;
     let config = args.jsonfile.as_deref().map(read_jsonfile).transpose()?;
+    // Whether what an instance runs as changed (its type or options; not its start policy,
+    // which only the daemon's next start reads).
+    let instance_changed = std::cell::Cell::new(false);
     // Read, changed and written under the definitions' lock: two modifies take turns.
     let change = |mut def: Definition| -> Result<Definition, String> {
+        let before = (def.mdev_type.clone(), def.options.clone());
         if let Some(config) = config {
             def = Definition {
                 uuid,
@@ -753,11 +757,15 @@ pub fn modify(dirs: &Dirs, args: ModifyArgs) -> Out {
         }
         def.options.params.extend(args.set.params);
         check(&def)?;
+        instance_changed.set(before != (def.mdev_type.clone(), def.options.clone()));
         Ok(def)
     };
     Definitions::new(&dirs.state)
         .update(&uuid, |def| change(def).map_err(LifecycleError::Failed))
         .map_err(|e| e.to_string())?;
+    if !instance_changed.get() {
+        return Ok(());
+    }
     // The change is made; whether it waits for a restart is only told, so a daemon that
     // cannot be asked (or a bad UMDEV_CONTROL_TIMEOUT_MS) is a warning, not a failure.
     let running: Option<Vec<InstanceSummary>> =

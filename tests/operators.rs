@@ -218,7 +218,7 @@ fn modify_and_mdevctls_json() {
     // bad UMDEV_CONTROL_TIMEOUT_MS): the command says so, and succeeds.
     let out = env
         .command()
-        .args(["modify", "-u", A, "--manual"])
+        .args(["modify", "-u", A, "--manual", "--opt", "lba=512"])
         .env("UMDEV_CONTROL_TIMEOUT_MS", "soon")
         .output()
         .unwrap();
@@ -303,6 +303,15 @@ fn a_defined_device_starts_as_defined_unless_overridden() {
     // A running instance's config keeps its definition's start policy.
     env.ok(&["modify", "-u", A, "--auto"]);
     assert_eq!(json(&env.ok(&["list", "--dumpjson", "-u", A]))["start"], "auto");
+    // A start policy is not what the instance runs as: no restart is asked for; an option is.
+    let policy = env.umdev(&["modify", "-u", A, "--manual"]);
+    assert!(
+        policy.status.success() && !stderr_of(&policy).contains("stop and start"),
+        "{}",
+        stderr_of(&policy)
+    );
+    let option = env.umdev(&["modify", "-u", A, "--auto", "--opt", "queues=3"]);
+    assert!(stderr_of(&option).contains("stop and start it to apply the change"), "{}", stderr_of(&option));
     // --override needs a definition to put options over.
     let none = env.fails(&["start", "-t", "ccw", "--override"]);
     assert!(none.contains("--override puts options over a device's definition"), "{none}");
@@ -573,6 +582,11 @@ mod benches {
         let both = env.fails(&["pinbench", "--threads", "1", "--svg", "/tmp/never.svg"]);
         assert!(both.contains("cannot be used with"), "{both}");
         // A directory named for the benchmark's files must exist: it is not made.
+        // --dir belongs to --fixed-buffers, also beside an option --fixed-buffers refuses.
+        let alone = env.fails(&["nvmebench", "--quick", "--dir", "/tmp"]);
+        assert!(alone.contains("--fixed-buffers"), "{alone}");
+        let beside = env.fails(&["nvmebench", "--quick", "--dir", "/tmp", "--only", "128k"]);
+        assert!(beside.contains("give --fixed-buffers with it"), "{beside}");
         let gone = env.fails(&["nvmebench", "--quick", "--fixed-buffers", "--dir", "/nonexistent-umdev/x"]);
         assert!(gone.contains("not a directory"), "{gone}");
         assert!(!std::path::Path::new("/nonexistent-umdev").exists());
