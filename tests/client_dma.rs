@@ -215,6 +215,34 @@ fn an_unmap_cancels_a_transfer_that_holds_no_pins() {
     assert_eq!((status, read_reg(&mut c, DMA_RESULT)), (STATUS_ERROR, libc::ECANCELED as u32));
 }
 
+/// A DMA_UNMAP that is refused (its range cuts the mapping) unmaps nothing and cancels
+/// nothing: the transfer from that memory goes on to the end.
+#[test]
+fn an_unmap_that_fails_cancels_nothing() {
+    let h = Harness::new("testdev");
+    let (mut c, first) = checksumming(&h, 0x10000 + 16);
+    let r = c.request(Command::DmaUnmap as u16, &dma_unmap_payload(24, 0, MSG_IOVA, 0x1000), &[]).unwrap();
+    assert_eq!(r.errno(), libc::EINVAL, "the range cuts the mapping");
+    let mut next = first;
+    for chunk in 0..2 {
+        assert_eq!(next.header.command, Command::DmaRead as u16, "chunk {chunk}");
+        let addr = u64::from_le_bytes(next.payload[0..8].try_into().unwrap());
+        let count = u64::from_le_bytes(next.payload[8..16].try_into().unwrap());
+        reply(&mut c, &next.header, &[&le64(addr)[..], &le64(count), &vec![1; count as usize]].concat());
+        if chunk == 0 {
+            next = c.recv().unwrap();
+        }
+    }
+    let status = loop {
+        let status = read_reg(&mut c, DMA_STATUS);
+        if status != STATUS_BUSY {
+            break status;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    assert_eq!((status, read_reg(&mut c, DMA_RESULT)), (STATUS_DONE, 0x10000 + 16));
+}
+
 #[test]
 fn dma_reads_come_in_chunks_whose_replies_fit_what_the_server_accepts() {
     // A server that takes 4 KiB per transfer: its DMA_READs ask no more of a client that

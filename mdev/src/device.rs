@@ -307,12 +307,13 @@ pub trait VfioDevice: Send + Sync {
     /// drop those pins promptly (the unmap waits a bounded time). Called with no engine lock
     /// held, on the connection thread.
     fn dma_unmap(&self, iova: u64, len: u64);
-    /// The client asks to unmap `[iova, iova + len)` (DMA_UNMAP; with its ALL flag, the whole
-    /// space): called on the connection thread before the unmap, whether or not pins are held
-    /// there and whether or not the unmap then succeeds, so that work reaching that memory
-    /// through brief pins only (a [`crate::request::Permit::claim`]) stops too.
-    /// [`VfioDevice::dma_unmap`] follows if pins are held. By default nothing.
-    fn dma_unmapping(&self, iova: u64, len: u64) {
+    /// The client unmapped `[iova, iova + len)` (a DMA_UNMAP that succeeded; with its ALL
+    /// flag, the whole space): called on the connection thread before the reply, whether or
+    /// not pins were held there (if they were, [`VfioDevice::dma_unmap`] came first), so that
+    /// work reaching that memory through brief pins only (a
+    /// [`crate::request::Permit::claim`]) stops too, before the client can map anything else
+    /// there. By default nothing.
+    fn dma_unmapped(&self, iova: u64, len: u64) {
         let _ = (iova, len);
     }
 

@@ -545,8 +545,8 @@ impl<C: Completion> Permit<C> {
 
     /// The request will reach `[iova, iova + len)` through byte copies
     /// ([`DeviceContext::read_either`] and the like, which pin briefly): a DMA_UNMAP of any of
-    /// it cancels the request, as for its own pins, before the unmap is made
-    /// ([`VfioDevice::dma_unmapping`](crate::VfioDevice::dma_unmapping)). Until
+    /// it cancels the request, as for its own pins, before the client hears that it is done
+    /// ([`VfioDevice::dma_unmapped`](crate::VfioDevice::dma_unmapped)). Until
     /// [`Permit::release_pins`] or the end.
     pub fn claim(&mut self, iova: u64, len: u64) {
         let end = iova.saturating_add(len);

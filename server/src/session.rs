@@ -206,15 +206,16 @@ impl Session {
                 })
             }
             Request::DmaUnmap { argsz, flags, iova, size } => {
-                let result = if flags & UNMAP_FLAG_ALL != 0 {
-                    self.device.dma_unmapping(0, u64::MAX);
-                    self.dma.unmap_all()
+                let (result, range) = if flags & UNMAP_FLAG_ALL != 0 {
+                    (self.dma.unmap_all(), (0, u64::MAX))
                 } else {
-                    self.device.dma_unmapping(iova, size);
-                    self.dma.unmap(iova, size)
+                    (self.dma.unmap(iova, size), (iova, size))
                 };
                 match result {
-                    Ok(_) => Ok(Reply::Payload(reply::dma_unmap(argsz, flags, iova, size))),
+                    Ok(_) => {
+                        self.device.dma_unmapped(range.0, range.1);
+                        Ok(Reply::Payload(reply::dma_unmap(argsz, flags, iova, size)))
+                    }
                     Err(e) => {
                         if matches!(e, UnmapError::Busy { .. }) {
                             log::warn!("DMA_UNMAP {iova:#x}+{size:#x}: {e}");

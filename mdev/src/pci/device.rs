@@ -528,7 +528,7 @@ impl<F: PciFunction> VfioDevice for PciDevice<F> {
         self.reset_all();
     }
 
-    fn dma_unmapping(&self, iova: u64, len: u64) {
+    fn dma_unmapped(&self, iova: u64, len: u64) {
         // Requests that only claimed the range hold no pins for the engine to report.
         self.requests.cancel_overlapping(iova, len);
     }
