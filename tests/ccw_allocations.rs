@@ -10,11 +10,9 @@ mod common;
 #[path = "common/counting_alloc.rs"]
 mod counting_alloc;
 
-use std::sync::atomic::Ordering;
-
 use common::ccw::*;
 use common::Harness;
-use counting_alloc::{SERVER_ALLOCATIONS, TEST_THREAD};
+use counting_alloc::{server_allocations_during, TEST_THREAD};
 use umdev_devices::ccw::program::{cmd, dstat, Reason, Status};
 use umdev_mdev::types::InstanceOptions;
 use umdev_testkit::ccw_driver::{idaws, Data, Op};
@@ -52,11 +50,11 @@ fn programs_allocate_nothing_once_each_kind_has_run() {
     // The first programs of each kind may set things up (a list grows to its size).
     round(&mut g);
     round(&mut g);
-    let before = SERVER_ALLOCATIONS.load(Ordering::Relaxed);
     const ROUNDS: u64 = 10;
-    for _ in 0..ROUNDS {
-        round(&mut g);
-    }
-    let made = SERVER_ALLOCATIONS.load(Ordering::Relaxed) - before;
+    let made = server_allocations_during(|| {
+        for _ in 0..ROUNDS {
+            round(&mut g);
+        }
+    });
     assert_eq!(made, 0, "the server allocated {made} times over {} programs", ROUNDS * PER_ROUND);
 }

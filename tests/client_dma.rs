@@ -166,14 +166,8 @@ fn a_client_that_never_answers_does_not_wedge_the_device() {
 #[test]
 fn a_client_that_stays_but_never_answers_fails_the_transfer_after_the_timeout() {
     let h = Harness::new("testdev");
-    let mut c = RawClient::connect(&h.socket).unwrap();
-    c.negotiate().unwrap();
-    c.enable_bus_master().unwrap();
-    c.request(Command::DmaMap as u16, &dma_map_payload(3, 0, MSG_IOVA, 0x1000), &[]).unwrap();
-    write_reg(&mut c, DMA_ADDR_LO, MSG_IOVA as u32);
-    write_reg(&mut c, DMA_LEN, 16);
     let start = Instant::now();
-    let req = ring(&mut c, CMD_CHECKSUM);
+    let (mut c, req) = checksumming(&h, 16);
     assert_eq!(req.header.command, Command::DmaRead as u16);
     let status = loop {
         let status = read_reg(&mut c, DMA_STATUS);

@@ -11,11 +11,10 @@ mod common;
 #[path = "common/counting_alloc.rs"]
 mod counting_alloc;
 
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::Harness;
-use counting_alloc::{SERVER_ALLOCATIONS, TEST_THREAD};
+use counting_alloc::{server_allocations_during, TEST_THREAD};
 use umdev_devices::nvme::spec::{nvm_op, Sqe, Status};
 use umdev_mdev::types::InstanceOptions;
 use umdev_testkit::nvme_driver::Driver;
@@ -81,14 +80,14 @@ fn commands_allocate_nothing_once_the_queues_are_up() {
     // The first commands of each kind may set things up (a statistics bucket, say).
     round(&mut d);
     round(&mut d);
-    let before = SERVER_ALLOCATIONS.load(Ordering::Relaxed);
     const ROUNDS: u64 = 10;
-    for _ in 0..ROUNDS {
-        round(&mut d);
-        // Time for the timed looks, which a slow machine only gives more of.
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let made = SERVER_ALLOCATIONS.load(Ordering::Relaxed) - before;
+    let made = server_allocations_during(|| {
+        for _ in 0..ROUNDS {
+            round(&mut d);
+            // Time for the timed looks, which a slow machine only gives more of.
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    });
     assert_eq!(made, 0, "the server allocated {made} times over {} commands", ROUNDS * PER_ROUND);
     let io = &h.info().device["io"];
     assert_eq!(io["commands"].as_u64(), Some((ROUNDS + 2) * PER_ROUND), "every command ran: {io}");

@@ -9,7 +9,7 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Allocations (and reallocations) made by threads other than the test's.
-pub static SERVER_ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+static SERVER_ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
     /// Set on the test's thread, whose driver builds commands as it likes.
@@ -54,3 +54,10 @@ unsafe impl GlobalAlloc for Counting {
 
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
+
+/// The allocations the server's threads make while `f` runs.
+pub fn server_allocations_during(f: impl FnOnce()) -> u64 {
+    let before = SERVER_ALLOCATIONS.load(Ordering::Relaxed);
+    f();
+    SERVER_ALLOCATIONS.load(Ordering::Relaxed) - before
+}
