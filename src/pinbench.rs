@@ -604,12 +604,20 @@ fn xor_entries(pfns: &[u64]) -> u64 {
     pfns.iter().fold(0, |acc, &p| acc ^ p)
 }
 
+/// [`xor_entries`] compiled for AVX-512.
+///
+/// # Safety
+/// The CPU has AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn xor_avx512(pfns: &[u64]) -> u64 {
     xor_entries(pfns)
 }
 
+/// [`xor_entries`] compiled for AVX2.
+///
+/// # Safety
+/// The CPU has AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn xor_avx2(pfns: &[u64]) -> u64 {

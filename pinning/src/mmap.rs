@@ -216,10 +216,10 @@ pub(crate) struct HostMemory {
     _reservation: BudgetReservation,
 }
 
-// SAFETY: (I13) HostMemory is a plain address range in this process's address space; the engine
+// SAFETY: (local) HostMemory is a plain address range in this process's address space; the engine
 // hands out access to it only through pins, and mlock/munlock/munmap are thread-safe.
 unsafe impl Send for HostMemory {}
-// SAFETY: (I13) as above, no interior state is mutated through &HostMemory.
+// SAFETY: (local) as above, no interior state is mutated through &HostMemory.
 unsafe impl Sync for HostMemory {}
 
 impl HostMemory {
@@ -257,7 +257,7 @@ impl HostMemory {
         let length = NonZeroUsize::new(len).ok_or(MmapError::TooLarge(size))?;
         let file_offset = libc::off_t::try_from(offset).map_err(|_| MmapError::TooLarge(offset))?;
         let reservation = BudgetReservation::reserve(size)?;
-        // SAFETY: (I13) a fresh mapping chosen by the kernel (no MAP_FIXED), so no existing memory is
+        // SAFETY: (local) a fresh mapping chosen by the kernel (no MAP_FIXED), so no existing memory is
         // replaced; the fd is a regular file checked above to cover [offset, offset + size).
         let addr =
             unsafe { mman::mmap(None, length, prot.mmap_flags(), MapFlags::MAP_SHARED, fd, file_offset) }
@@ -273,7 +273,7 @@ impl HostMemory {
         let length = NonZeroUsize::new(len).ok_or(MmapError::TooLarge(size))?;
         let reservation = BudgetReservation::reserve(size)?;
         let rw = nix::sys::mman::ProtFlags::PROT_READ | nix::sys::mman::ProtFlags::PROT_WRITE;
-        // SAFETY: (I13) a fresh private mapping chosen by the kernel replaces no memory.
+        // SAFETY: (local) a fresh private mapping chosen by the kernel replaces no memory.
         let addr = unsafe { mman::mmap_anonymous(None, length, rw, MapFlags::MAP_PRIVATE) }
             .map_err(|e| MmapError::Mmap(e.into()))?;
         let poisoned = sigbus::register(addr.as_ptr() as usize, len, Prot::READ_WRITE);
@@ -341,8 +341,8 @@ impl HostMemory {
             "lock range {offset:#x}+{len:#x} outside a mapping of {:#x} bytes",
             self.len
         );
-        // SAFETY: (I13) offset < len of a mapping that starts at a non-null address, so the sum is
-        // non-null and inside the mapping.
+        // SAFETY: (local) the assert above keeps offset <= len of a mapping that starts at a
+        // non-null address, so the sum is non-null and inside the mapping or one past its end.
         let addr = unsafe { NonNull::new_unchecked(self.addr.as_ptr().add(offset as usize)) };
         (addr.cast(), len as usize)
     }

@@ -123,7 +123,8 @@ impl SmallRecord {
     /// to it across the call and touches neither it nor its space afterwards.
     #[inline]
     pub(crate) unsafe fn release(entry: NonNull<SmallRecord>) {
-        // SAFETY: (I3, I5) the entry is allocated until this store (per the contract, it is live);
+        // SAFETY: (I4, I5) the entry is allocated until this store (it is live, per the
+        // contract, and a shard frees its array only with no entry live);
         // only the atomic flag is borrowed, and only for the store.
         unsafe { (*std::ptr::addr_of!((*entry.as_ptr()).live)).store(false, Ordering::Release) };
     }
@@ -183,7 +184,8 @@ impl RecordPtr {
     #[inline]
     pub(crate) unsafe fn view<'a>(self) -> RecordRef<'a> {
         match self {
-            // SAFETY: (I3) live records are valid and immutable until retired (the contract).
+            // SAFETY: (I3, I4) live records are allocated, valid and immutable until retired (the
+            // contract).
             RecordPtr::Boxed(r) => unsafe { r.as_ref() }.view(),
             // SAFETY: (I3) as above; a live entry is written only before it is published.
             RecordPtr::Small(r) => unsafe { r.as_ref() }.view(),

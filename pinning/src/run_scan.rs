@@ -37,6 +37,9 @@ fn continued_run_length(pfns: &[u64], limit: u64) -> u64 {
 
 /// [`long_run_length`] compiled for AVX-512: a cache line of entries per compare, so a
 /// 512-page run reads its array at about the speed of a plain pass over it.
+///
+/// # Safety
+/// The CPU has AVX-512F (I16).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn run_length_avx512(pfns: &[u64]) -> u64 {
@@ -44,6 +47,9 @@ pub(crate) unsafe fn run_length_avx512(pfns: &[u64]) -> u64 {
 }
 
 /// [`long_run_length`] compiled for AVX2: four entries per compare.
+///
+/// # Safety
+/// The CPU has AVX2 (I16).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 pub(crate) unsafe fn run_length_avx2(pfns: &[u64]) -> u64 {

@@ -267,7 +267,11 @@ impl Shard {
         }
     }
 
-    /// Retires a live boxed record of this shard (contract of [`Shard::retire`]).
+    /// Retires a live boxed record of this shard.
+    ///
+    /// # Safety
+    /// As [`Shard::retire`]'s: `record` is a live boxed record of this shard, whose guard has
+    /// let go of it and touches it no more.
     unsafe fn retire_boxed(&mut self, record: NonNull<Record>) {
         // SAFETY: (I3) per the contract, the record is live in this shard: a box it owns.
         let record = unsafe { Box::from_raw(record.as_ptr()) };
@@ -400,11 +404,11 @@ pub(crate) struct ShardTable {
     table: UnsafeCell<MappingTable>,
 }
 
-// SAFETY: (I2, I11) the table is reached only through `TableRead` (holding one shard lock: shared) and
+// SAFETY: (I2, I19) the table is reached only through `TableRead` (holding one shard lock: shared) and
 // `TableWrite` (holding every shard lock: exclusive), so its accesses are serialised by the
 // shard locks exactly as an RwLock's would be; its contents (Arc<Mapping>) are Send + Sync.
 unsafe impl Sync for ShardTable {}
-// SAFETY: (I2, I11) as above; moving the table between threads moves owned Arcs and shards (Send).
+// SAFETY: (I2, I19) as above; moving the table between threads moves owned Arcs and shards (Send).
 unsafe impl Send for ShardTable {}
 
 impl std::fmt::Debug for ShardTable {
@@ -471,8 +475,8 @@ impl ShardTable {
         // then on with plain stores (I19); a guard dropped elsewhere, an unmap's look or a
         // table write pays for both sides.
         let shard = self.shards[index].lock_claiming();
-        // SAFETY: (I2) we hold a shard lock, so no TableWrite (which holds them all) exists; other
-        // readers only read.
+        // SAFETY: (I2, I19) we hold a shard lock, which has one holder at a time, so no
+        // TableWrite (which holds them all) exists; other readers only read.
         let table = unsafe { &*self.table.get() };
         TableRead { shard, index, table }
     }
@@ -486,7 +490,8 @@ impl ShardTable {
         for shard in &mut shards {
             shard.hint = None;
         }
-        // SAFETY: (I2) we hold every shard lock: no TableRead or other TableWrite exists.
+        // SAFETY: (I2, I19) we hold every shard lock, each of which has one holder at a time:
+        // no TableRead or other TableWrite exists.
         let table = unsafe { &mut *self.table.get() };
         TableWrite { _shards: shards, table }
     }

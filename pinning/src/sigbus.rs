@@ -12,10 +12,11 @@
 //! the handler that was there before (Rust's stack-overflow guard) or kill the process as
 //! they always did.
 //!
-//! The handler takes the registry's read lock. That is sound because SIGBUS from a memory
-//! access is synchronous: the faulting thread is in the middle of a guest-memory copy, never
-//! inside this module holding the lock; another thread holding it finishes without waiting
-//! on the faulting one.
+//! The handler takes the registry's read lock, and only for the kernel's own fault on an
+//! access (`BUS_ADRERR`). That is sound because such a SIGBUS is synchronous: the faulting
+//! thread is in the middle of a guest-memory copy, never inside this module holding the lock;
+//! another thread holding it finishes without waiting on the faulting one. A SIGBUS sent by a
+//! process is not looked up (it names no address) and goes where it would without us.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -91,20 +92,28 @@ fn install() {
 }
 
 extern "C" fn on_sigbus(signal: libc::c_int, info: *mut libc::siginfo_t, context: *mut libc::c_void) {
-    // SAFETY: (I14) the kernel passes a valid siginfo for an SA_SIGINFO handler.
-    let addr = unsafe { (*info).si_addr() } as usize;
-    if recover(addr) {
+    // SAFETY: (local) the kernel passes a valid siginfo to an SA_SIGINFO handler.
+    let (code, addr) = unsafe { ((*info).si_code, (*info).si_addr() as usize) };
+    // Only the kernel's fault on an access past a file's end is recovered. A SIGBUS another
+    // process (or this one) sent carries no fault address (its `si_addr` bytes are a pid and
+    // a uid), and may come while this thread holds the registry's lock.
+    if code == libc::BUS_ADRERR && recover(addr) {
         return; // the access retries against zero pages
     }
     match PREVIOUS.get() {
         Some(SigHandler::SigAction(previous)) => previous(signal, info, context),
         Some(SigHandler::Handler(previous)) => previous(signal),
         _ => {
-            // Default disposition: restore it and return; the access faults again and the
-            // process dies of SIGBUS as it would have without us.
+            // Default disposition: restore it. A fault returns and faults again; a sent
+            // signal (`si_code` <= 0) is sent again, pending until this handler returns. Either
+            // way the process dies of SIGBUS as it would have without us.
             let default = SigAction::new(SigHandler::SigDfl, SaFlags::empty(), SigSet::empty());
-            // SAFETY: (I14) restoring the default disposition is always sound.
+            // SAFETY: (local) restoring the default disposition is always sound.
             let _ = unsafe { sigaction(Signal::SIGBUS, &default) };
+            if code <= 0 {
+                // SAFETY: (local) raise(3) is async-signal-safe and takes no pointer.
+                unsafe { libc::raise(libc::SIGBUS) };
+            }
         }
     }
 }

@@ -9,7 +9,7 @@
 //! claim and the revocation under the gate. Each `#[should_panic]` test leaves one step out
 //! ([`Break`]) and the model must see two holders at once.
 
-use shuttle::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use shuttle::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use shuttle::sync::Arc;
 use shuttle::thread;
 

@@ -20,7 +20,7 @@
 use std::cell::{Cell, UnsafeCell};
 use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 include!("raw.rs");
@@ -174,7 +174,15 @@ fn take_token() -> u64 {
             return token;
         }
     }
-    NEXT.fetch_add(1, Ordering::Relaxed)
+    let token = NEXT.fetch_add(1, Ordering::Relaxed);
+    // Tokens fit in 32 bits (`RawBiased::gate_holder`). A new one is taken only while no ended
+    // thread's is free, so this means 4 billion threads alive at once, or taking locks in
+    // thread-local destructors: no way on keeps tokens distinct.
+    if token >= u64::from(u32::MAX) {
+        log::error!("more than 2^32 thread tokens: aborting");
+        std::process::abort();
+    }
+    token
 }
 
 /// A thread's token goes back to [`FREE_TOKENS`] as the thread ends, so that the next thread

@@ -1,7 +1,7 @@
 // The biased lock's protocol, with no data and no policy (I19 in DESIGN.md). Not a module of
 // its own: `biased/mod.rs` includes this text with std's atomics, and tests/biased_model.rs
 // includes it with shuttle's, so the model checks this very code. The including scope
-// provides `AtomicBool`, `AtomicU64`, `Ordering`, and:
+// provides `AtomicBool`, `AtomicU32`, `AtomicU64`, `Ordering`, and:
 //
 // - `light_fence()`: the owner's side of the fence pair (a compiler fence; the other side's
 //   `heavy_fence` makes it a full one for as long as it matters);
@@ -29,7 +29,9 @@ const REVOKED: u64 = u64::MAX;
 
 /// The lock word set. The owner takes the lock with plain stores and loads (`held`, then a
 /// look at `foreign`); everyone else takes `gate`, a spin lock, and, while the lock has an
-/// owner, raises `foreign`, fences every thread and waits for `held` to drop.
+/// owner, raises `foreign`, fences every thread and waits for `held` to drop. A thread that
+/// holds the lock and takes it again is refused (a panic; `None` from a try), whichever way
+/// it holds it: `held` and `gate_holder` say so.
 struct RawBiased {
     /// The owning thread's token, [`UNOWNED`] or [`REVOKED`]. Changed only by a gate holder.
     owner: AtomicU64,
@@ -38,6 +40,11 @@ struct RawBiased {
     /// A gate holder excludes the owner: written by the gate holder only.
     foreign: AtomicBool,
     gate: AtomicBool,
+    /// The gate holder's token, 0 when nobody holds the gate: written by the gate holder
+    /// only, read to refuse its own second take (only a thread's own store can ever show it
+    /// its own token). 32 bits, so that a shard and its lock keep to two cache lines: tokens
+    /// are below 2^32 (`biased::take_token`).
+    gate_holder: AtomicU32,
 }
 
 /// How a hold was taken, so that it is given back the same way.
@@ -58,15 +65,31 @@ impl RawBiased {
             held: AtomicBool::new(false),
             foreign: AtomicBool::new(false),
             gate: AtomicBool::new(false),
+            gate_holder: AtomicU32::new(0),
         }
+    }
+
+    /// Whether `me` holds the lock now, as its owner or through the gate. `held` is written
+    /// by the owner only, so the owner reading it true holds the lock (or took it and let
+    /// its guard leak, which must not let it in again either).
+    #[inline]
+    fn held_by(&self, me: u64) -> bool {
+        (self.owner.load(Ordering::Relaxed) == me && self.held.load(Ordering::Relaxed))
+            || u64::from(self.gate_holder.load(Ordering::Relaxed)) == me
     }
 
     /// Takes the lock for thread `me` (never [`UNOWNED`] or [`REVOKED`]); with `claim`, an
     /// unowned lock becomes `me`'s.
+    /// Panics if `me` holds it already: a second hold would be a second guard to one value.
     #[inline]
     fn lock(&self, me: u64, claim: bool) -> Hold {
-        if self.owner.load(Ordering::Relaxed) == me && self.try_owner(me) {
-            return Hold::Owner;
+        if self.owner.load(Ordering::Relaxed) == me {
+            if self.held.load(Ordering::Relaxed) {
+                reentered();
+            }
+            if self.try_owner(me) {
+                return Hold::Owner;
+            }
         }
         self.lock_gate(me, claim)
     }
@@ -87,14 +110,19 @@ impl RawBiased {
         false
     }
 
+    /// The gate's take (a revocation's too); panics if `me` holds the lock already.
     #[inline(never)]
     fn lock_gate(&self, me: u64, claim: bool) -> Hold {
+        if self.held_by(me) {
+            reentered();
+        }
         let mut tries = 0u32;
         while self.gate.swap(true, Ordering::Acquire) {
             while self.gate.load(Ordering::Relaxed) {
                 backoff(&mut tries);
             }
         }
+        self.gate_holder.store(me as u32, Ordering::Relaxed);
         self.exclude_owner(me, claim, true).unwrap_or(Hold::Gate)
     }
 
@@ -125,16 +153,21 @@ impl RawBiased {
         Some(Hold::Fenced)
     }
 
-    /// Takes the lock for `me` if nobody holds it, without claiming it.
+    /// Takes the lock for `me` if nobody holds it, `me` included, without claiming it.
     fn try_lock(&self, me: u64) -> Option<Hold> {
+        if self.held_by(me) {
+            return None;
+        }
         if self.owner.load(Ordering::Relaxed) == me {
             return self.try_owner(me).then_some(Hold::Owner);
         }
         if self.gate.load(Ordering::Relaxed) || self.gate.swap(true, Ordering::Acquire) {
             return None;
         }
+        self.gate_holder.store(me as u32, Ordering::Relaxed);
         let hold = self.exclude_owner(me, false, false);
         if hold.is_none() {
+            self.gate_holder.store(0, Ordering::Relaxed);
             self.gate.store(false, Ordering::Release);
         }
         hold
@@ -146,9 +179,13 @@ impl RawBiased {
     fn unlock(&self, hold: Hold) {
         match hold {
             Hold::Owner => self.held.store(false, Ordering::Release),
-            Hold::Gate => self.gate.store(false, Ordering::Release),
+            Hold::Gate => {
+                self.gate_holder.store(0, Ordering::Relaxed);
+                self.gate.store(false, Ordering::Release);
+            }
             Hold::Fenced => {
                 self.foreign.store(false, Ordering::Release);
+                self.gate_holder.store(0, Ordering::Relaxed);
                 self.gate.store(false, Ordering::Release);
             }
         }
@@ -164,4 +201,12 @@ impl RawBiased {
     fn owned_by(&self, me: u64) -> bool {
         self.owner.load(Ordering::Relaxed) == me
     }
+}
+
+/// A thread took a lock it holds. Refused: a second guard would alias the first's `&mut`,
+/// and through the gate the thread would wait for itself.
+#[cold]
+#[inline(never)]
+fn reentered() -> ! {
+    panic!("a biased lock was taken again by the thread that holds it");
 }

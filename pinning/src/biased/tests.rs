@@ -151,3 +151,48 @@ fn live_threads_have_distinct_tokens_never_the_reserved_values() {
     assert_eq!(all.len(), 5);
     assert!(all.iter().all(|&t| t != UNOWNED && t != REVOKED));
 }
+
+/// A thread that takes a lock it holds is refused, however it holds it (as the owner,
+/// through the gate with another thread's bias fenced out, through the gate of a revoked
+/// lock) and however it takes it again (a take, a claiming take, a revocation, a try): a
+/// second guard would alias the first's `&mut`. The first hold stays good, and others get
+/// the lock once it is given back.
+#[test]
+fn a_holder_taking_its_lock_again_is_refused() {
+    fn refused(lock: &BiasedLock<u32>, how: &str) {
+        let panics = |take: &dyn Fn()| std::panic::catch_unwind(std::panic::AssertUnwindSafe(take)).is_err();
+        assert!(panics(&|| drop(lock.lock())), "{how}: a take went in");
+        assert!(panics(&|| drop(lock.lock_claiming())), "{how}: a claiming take went in");
+        assert!(panics(&|| lock.revoke()), "{how}: a revocation went in");
+        assert!(lock.try_lock().is_none(), "{how}: a try went in");
+    }
+    let mine = Arc::new(BiasedLock::new(0u32));
+    drop(mine.lock_claiming());
+    {
+        let mut guard = mine.lock();
+        assert_eq!(guard.hold, if asymmetric() { Hold::Owner } else { Hold::Gate });
+        refused(&mine, "the owner");
+        *guard += 1;
+    }
+    let theirs = Arc::new(BiasedLock::new(0u32));
+    let claimer = theirs.clone();
+    std::thread::spawn(move || drop(claimer.lock_claiming())).join().unwrap();
+    {
+        let mut guard = theirs.lock();
+        assert_eq!(guard.hold, if asymmetric() { Hold::Fenced } else { Hold::Gate });
+        refused(&theirs, "a gate holder");
+        *guard += 1;
+    }
+    mine.revoke();
+    {
+        let mut guard = mine.lock();
+        assert_eq!(guard.hold, Hold::Gate);
+        refused(&mine, "the holder of a revoked lock");
+        *guard += 1;
+    }
+    for lock in [&mine, &theirs] {
+        let other = lock.clone();
+        std::thread::spawn(move || *other.lock() += 1).join().unwrap();
+    }
+    assert_eq!((*mine.lock(), *theirs.lock()), (3, 2));
+}

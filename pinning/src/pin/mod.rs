@@ -111,8 +111,9 @@ impl DmaSpace {
     /// knowledge that no unmap happens: this is plain translation as an unsafe translator
     /// (libvfio-user's `vfu_addr_to_sgl`) does it, the floor pinbench measures pins against.
     ///
-    /// `f` runs under the table's read lock (this thread's shard): it must not call into this
-    /// space (pin, unpin, drop a guard of it, map, look up); it should only record the runs.
+    /// `f` runs under the table's read lock (this thread's shard): it should only record the
+    /// runs. A call into this space that takes the shard's lock (a pin, an unpin, a map, the
+    /// drop of a guard that retires its record there) panics: the lock refuses the thread that holds it (I19).
     pub fn translate_pages(
         &self,
         pfns: &[u64],

@@ -166,6 +166,27 @@ fn a_pin_asking_for_no_access_is_refused_in_every_path() {
     }
 }
 
+/// `translate_pages` runs its callback under this thread's shard lock, which a pin of the
+/// same space takes too: a callback that pins is refused with a panic (a second guard of
+/// the shard would alias the first), and the space works on afterwards.
+#[test]
+fn a_translation_callback_that_pins_its_space_is_refused() {
+    for mode in [PinMode::Track, PinMode::Lock] {
+        let (space, _f) = space_with(DmaSpaceConfig { mode, ..Default::default() });
+        drop(space.pin_pages(&[1], Prot::READ).unwrap());
+        let reentered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _ = space.translate_pages(&[1, 2], Prot::READ, |_, _, _| {
+                drop(space.pin_pages(&[3], Prot::READ));
+            });
+        }));
+        assert!(reentered.is_err(), "{mode}: a pin inside the callback went in");
+        let pins = space.pin_pages(&[1, 5, 6, 7, 9], Prot::READ).unwrap();
+        assert_eq!(counts(&space, [1, 3, 5]), vec![1, 0, 1], "{mode}");
+        drop(pins);
+        assert_eq!(space.stats().pins_held, 0, "{mode}");
+    }
+}
+
 #[test]
 #[cfg_attr(miri, ignore = "Miri: 70000 calls: too slow")]
 fn track_mode_guards_count_past_the_per_page_limit_up_to_the_space_limit() {
@@ -504,7 +525,7 @@ fn finishes_within(secs: u64, f: impl FnOnce() + Send + 'static) -> bool {
 }
 
 fn is_mapped(addr: usize) -> bool {
-    // SAFETY: msync only asks the kernel about the range; it fails with ENOMEM if unmapped.
+    // SAFETY: (local) msync only asks the kernel about the range; it fails with ENOMEM if unmapped.
     unsafe { libc::msync(addr as *mut libc::c_void, P as usize, libc::MS_ASYNC) == 0 }
 }
 
@@ -636,14 +657,14 @@ fn volatile_copies_cross_runs() {
     let (space, _f) = space_with(Default::default());
     let pins = space.pin_pages(&[3, 9, 10], Prot::READ_WRITE).unwrap();
     let mut buf = vec![0u8; 3 * P as usize];
-    // SAFETY: buf outlives the slice and nothing else touches it meanwhile.
+    // SAFETY: (local) buf outlives the slice and nothing else touches it meanwhile.
     let store = unsafe { VolatileSlice::new(buf.as_mut_ptr(), buf.len()) };
     store.subslice(100, 8200).unwrap().copy_from(&[7u8; 8200]);
     pins.write_volatile(100, &store.subslice(100, 8200).unwrap()).unwrap();
     let mut back = vec![0u8; 8200];
     pins.read(100, &mut back).unwrap();
     assert_eq!(back, vec![7u8; 8200]);
-    // SAFETY: as above.
+    // SAFETY: (local) as above.
     let out = unsafe { VolatileSlice::new(buf.as_mut_ptr(), 16) };
     pins.read_volatile(P - 8, &out).unwrap();
     assert_eq!(&buf[..16], &[7u8; 16]);

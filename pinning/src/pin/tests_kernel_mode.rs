@@ -96,7 +96,7 @@ fn a_fixed_buffer_read_lands_in_the_pinned_pages() {
                 .offset(k)
                 .build()
                 .user_data(u64::from(slot));
-        // SAFETY: the buffer is the guard's pinned memory, which lives until after the
+        // SAFETY: (I13, I17) the buffer is the guard's pinned memory, which lives until after the
         // completion is reaped below.
         unsafe { ring.submission().push(&read).unwrap() };
         ring.submit_and_wait(1).unwrap();
