@@ -68,12 +68,14 @@ pub struct PortStats {
     pub breaks: u64,
 }
 
-/// A received character and whether it is a break (LSR.BI while it is at the top of the
-/// FIFO, until an LSR read reports it).
+/// A received character, whether it is a break (LSR.BI while it is at the top of the
+/// FIFO, until an LSR read reports it), and whether a host line sent it (see
+/// [`Uart::clear_rx`]).
 #[derive(Clone, Copy, Debug)]
 struct RxChar {
     byte: u8,
     brk: bool,
+    from_host: bool,
 }
 
 /// One 16550A.
@@ -353,6 +355,10 @@ impl Uart {
                 if was_loop && !self.loopback() {
                     self.feed_rx(now);
                 }
+                if !was_loop && self.loopback() {
+                    // Bytes a host that did not read had stalled go to the receiver now.
+                    self.drain_tx(now);
+                }
             }
             LSR | MSR => log::debug!("mtty: write of {value:#04x} to read-only register {reg} ignored"),
             _ => self.scr = value,
@@ -364,21 +370,47 @@ impl Uart {
         if value & FCR_ENABLE == 0 {
             // Leaving FIFO mode empties both FIFOs; the other bits are not programmed.
             if was_enabled {
-                self.rx.clear();
-                self.tx.clear();
+                self.clear_rx();
+                self.clear_tx();
             }
             self.fcr = 0;
         } else {
             if !was_enabled || value & FCR_CLEAR_RX != 0 {
-                self.rx.clear();
+                self.clear_rx();
             }
             if !was_enabled || value & FCR_CLEAR_TX != 0 {
-                self.tx.clear();
+                self.clear_tx();
             }
             self.fcr = value & (FCR_ENABLE | FCR_DMA_SELECT | FCR_TRIGGER_MASK);
         }
         self.rx_activity(now);
         self.feed_rx(now);
+    }
+
+    /// Empties the receiver (an FCR clear, or FIFO mode turned on or off). What a host line
+    /// sent that the guest has not read goes back to the front of the line's queue, in
+    /// order: the guest paces a host line (nothing is lost while it reads), and a driver
+    /// resets its FIFOs when it sets a port up (Linux's does at every open), which must not
+    /// throw away what the host sent before. Loopback's characters and breaks are discarded,
+    /// as on a 16550A.
+    fn clear_rx(&mut self) {
+        if let Line::Host(host) = &mut self.line {
+            for c in self.rx.iter().rev().filter(|c| c.from_host) {
+                host.to_guest.push_front(c.byte);
+                self.stats.rx -= 1;
+            }
+        }
+        self.rx.clear();
+    }
+
+    /// Empties the transmitter (an FCR clear, or FIFO mode turned on or off): its bytes are
+    /// lost, and THRE rises, as on a 16550A, with its interrupt if THRI is enabled.
+    fn clear_tx(&mut self) {
+        if !self.tx.is_empty() {
+            self.tx.clear();
+            self.thre = true;
+            self.thre_rearmed = true;
+        }
     }
 
     /// A THR write: the byte enters the TX FIFO (lost if it is full, as on a 16550A) and the
@@ -420,7 +452,7 @@ impl Uart {
             self.tx.pop_front();
             self.stats.tx += 1;
             if internal || (!on_break && matches!(self.line, Line::Loopback)) {
-                self.receive(RxChar { byte, brk: false }, now);
+                self.receive(RxChar { byte, brk: false, from_host: false }, now);
             }
         }
         if self.tx.is_empty() {
@@ -434,7 +466,7 @@ impl Uart {
     fn send_break(&mut self, now: Instant) {
         if self.loopback() || matches!(self.line, Line::Loopback) {
             self.stats.breaks += 1;
-            self.receive(RxChar { byte: 0, brk: true }, now);
+            self.receive(RxChar { byte: 0, brk: true, from_host: false }, now);
         }
     }
 
@@ -493,7 +525,7 @@ impl Uart {
         let mut moved = false;
         while let Some(&byte) = host.to_guest.front() {
             if self.rx.len() < depth {
-                self.rx.push_back(RxChar { byte, brk: false });
+                self.rx.push_back(RxChar { byte, brk: false, from_host: true });
                 self.stats.rx += 1;
             } else if arrived > 0 {
                 arrived -= 1;
@@ -505,7 +537,7 @@ impl Uart {
                 self.stats.dropped += 1;
                 if depth == 1 {
                     self.rx.clear();
-                    self.rx.push_back(RxChar { byte, brk: false });
+                    self.rx.push_back(RxChar { byte, brk: false, from_host: true });
                 }
             } else {
                 break;
