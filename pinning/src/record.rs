@@ -180,7 +180,8 @@ impl RecordPtr {
     /// The record.
     ///
     /// # Safety
-    /// The record is live (published and not retired) for as long as the view is used.
+    /// The record is live (published and not retired) for all of `'a`, which the caller
+    /// chooses: it ends the view's use before it retires the record (I3, I4).
     #[inline]
     pub(crate) unsafe fn view<'a>(self) -> RecordRef<'a> {
         match self {

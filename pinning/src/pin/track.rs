@@ -28,8 +28,10 @@ use crate::space::{keepalive, DmaSpace, SpaceInner};
 /// The space a record's owner names.
 ///
 /// # Safety
-/// The record is live (I4: its shard keeps the space allocated until it retires), and the
-/// owner was made by [`owner`] (its pointer is a `SpaceInner`).
+/// The record is live (I4: its shard keeps the space allocated until it retires) for all of
+/// `'a`, which the caller chooses: it ends the borrow before it retires the record or lets
+/// go of a keepalive (a shard guard is dropped before the `Arc` it took out of the shard).
+/// The owner was made by [`owner`] (its pointer is a `SpaceInner`).
 #[inline(always)]
 unsafe fn space_of<'a>(owner: &Owner) -> &'a SpaceInner {
     // SAFETY: (I4) per the contract.
