@@ -17,12 +17,13 @@ type Harness = fn(&[u8]);
 type Seeds = fn() -> Vec<(&'static str, Vec<u8>)>;
 
 /// The fuzz targets: name (as in `fuzz/Cargo.toml`), harness, seeds.
-const TARGETS: [(&str, Harness, Seeds); 5] = [
+const TARGETS: [(&str, Harness, Seeds); 6] = [
     ("dispatch", umdev_testkit::server_fuzz::dispatch, umdev_testkit::server_fuzz::seeds),
     ("session", umdev_testkit::server_fuzz::session::run, umdev_testkit::server_fuzz::session::seeds),
     ("pinning", umdev_pinning::fuzzing::ops, umdev_pinning::fuzzing::seeds),
     ("ccw", umdev_testkit::ccw_fuzz::ccw, umdev_testkit::ccw_fuzz::seeds),
     ("nvme", umdev_testkit::nvme_fuzz::run, umdev_testkit::nvme_fuzz::seeds),
+    ("mtty", umdev_testkit::mtty_fuzz::run, umdev_testkit::mtty_fuzz::seeds),
 ];
 
 fn corpus_dir(target: &str) -> PathBuf {
@@ -82,6 +83,11 @@ fn ccw_corpus() {
 #[test]
 fn nvme_corpus() {
     replay("nvme");
+}
+
+#[test]
+fn mtty_corpus() {
+    replay("mtty");
 }
 
 /// Writes the harnesses' seeds into the corpus directories.

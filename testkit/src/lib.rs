@@ -14,6 +14,7 @@
 //! - [`loop_device`]: a loop device over a sparse file, a block-device backing;
 //! - [`ccw_fuzz`]: the channel-program interpreter's fuzz harness and model;
 //! - [`nvme_fuzz`]: the nvme controller's fuzz harness and seeds;
+//! - [`mtty_fuzz`]: the mtty card's fuzz harness and seeds;
 //! - [`server_fuzz`]: the vfio-user server's fuzz harnesses (the dispatcher and a real
 //!   connection), their input format and seeds.
 //!
@@ -28,6 +29,7 @@ pub mod ccw_guest;
 pub mod client;
 pub mod fuse;
 pub mod loop_device;
+pub mod mtty_fuzz;
 pub mod nvme_driver;
 pub mod nvme_fuzz;
 pub mod nvme_guest;

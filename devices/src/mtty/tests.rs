@@ -407,7 +407,7 @@ fn an_ignored_receiver_overruns_like_a_real_line() {
 
 /// Linux clears both FIFOs at every open of a port (FCR 0x01, 0x07, then 0, then its own
 /// setting), after the host may have sent bytes that the receiver took: they go back to the
-/// queue and the guest reads every one, in order.
+/// queue and the guest reads every one, in order. A device reset gives them back as well.
 #[test]
 fn fifo_resets_give_host_bytes_back_to_the_queue() {
     let now = Instant::now();
@@ -418,6 +418,11 @@ fn fifo_resets_give_host_bytes_back_to_the_queue() {
     for fcr in [FCR_ENABLE, FCR_ENABLE | FCR_CLEAR_RX | FCR_CLEAR_TX, 0, FCR_ENABLE | FCR_TRIGGER_8] {
         uart.write(FCR, fcr, now);
     }
+    // A device reset (a guest rebooting) gives them back too.
+    assert_eq!(uart.read(LSR, now) & LSR_DR, LSR_DR);
+    uart.reset(now);
+    host_send(&mut uart, &[], now);
+    uart.write(FCR, FCR_ENABLE, now);
     uart.write(LCR, LCR_8N1, now);
     let mut got = Vec::new();
     while uart.read(LSR, now) & LSR_DR != 0 {

@@ -153,6 +153,9 @@ impl Uart {
 
     /// Back to the power-on state; the line, its queues and the counters stay.
     pub(super) fn reset(&mut self, now: Instant) {
+        // What a host line sent and the guest has not read goes back to its queue, which a
+        // reset keeps.
+        self.clear_rx();
         let line = std::mem::replace(&mut self.line, Line::Null);
         let stats = self.stats;
         *self = Uart::new(line, now);
@@ -397,7 +400,7 @@ impl Uart {
         if let Line::Host(host) = &mut self.line {
             for c in self.rx.iter().rev().filter(|c| c.from_host) {
                 host.to_guest.push_front(c.byte);
-                self.stats.rx -= 1;
+                self.stats.rx = self.stats.rx.saturating_sub(1);
             }
         }
         self.rx.clear();
