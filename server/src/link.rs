@@ -165,14 +165,21 @@ fn check(reply: &ClientReply, iova: u64, count: usize, data: bool) -> Result<(),
         return Ok(());
     }
     let fixed = size_of::<DmaTransfer>();
-    if p.len() != if data { fixed + count } else { fixed } {
-        return Err(ClientDmaError::BadReply);
-    }
-    let t: DmaTransfer = read_struct(p).ok_or(ClientDmaError::BadReply)?;
-    let addr = t.addr.to_native();
-    // QEMU puts a u32 count and 4 bytes of padding where the specification has a u64: only
-    // the low 32 bits are the count.
-    let n = t.count.to_native() as u32;
+    let (addr, n) = match p.len() {
+        // The specification's DMA_WRITE reply: address and a 4-byte count.
+        12 if !data => {
+            let addr = p[..8].try_into().map(u64::from_le_bytes).map_err(|_| ClientDmaError::BadReply)?;
+            let n = p[8..].try_into().map(u32::from_le_bytes).map_err(|_| ClientDmaError::BadReply)?;
+            (addr, n)
+        }
+        len if len == if data { fixed + count } else { fixed } => {
+            let t: DmaTransfer = read_struct(p).ok_or(ClientDmaError::BadReply)?;
+            // QEMU puts a u32 count and 4 bytes of padding where the specification has a
+            // u64: only the low 32 bits are the count.
+            (t.addr.to_native(), t.count.to_native() as u32)
+        }
+        _ => return Err(ClientDmaError::BadReply),
+    };
     if addr != iova || n as usize != count {
         return Err(ClientDmaError::BadReply);
     }
@@ -217,5 +224,36 @@ mod tests {
         assert!(matches!(check(&reply(0), 0, 8, true), Err(ClientDmaError::Refused(libc::EIO))));
         assert!(matches!(check(&reply(14), 0, 8, true), Err(ClientDmaError::Refused(libc::EFAULT))));
         assert!(matches!(check(&reply(u32::MAX), 0, 8, true), Err(ClientDmaError::Refused(libc::EIO))));
+    }
+
+    /// A DMA_WRITE reply may be a bare header, the specification's address and 4-byte count
+    /// (12 bytes), or QEMU's and libvfio-user's 16 bytes; a DMA_READ reply has the 16 bytes
+    /// and the data. Any other size, address or count fails the transfer.
+    #[test]
+    fn dma_reply_forms() {
+        let reply = |payload: Vec<u8>| ClientReply {
+            header: Header {
+                id: 1,
+                command: 12,
+                size: 16 + payload.len() as u32,
+                flags: flags::TYPE_REPLY,
+                error: 0,
+            },
+            payload,
+        };
+        let spec = |addr: u64, n: u32| [addr.to_le_bytes().as_slice(), &n.to_le_bytes()].concat();
+        let padded = |addr: u64, n: u64| [addr.to_le_bytes(), n.to_le_bytes()].concat();
+        let ok = |r: Result<(), ClientDmaError>| r.is_ok();
+        assert!(ok(check(&reply(Vec::new()), 0x1000, 8, false)));
+        assert!(ok(check(&reply(spec(0x1000, 8)), 0x1000, 8, false)));
+        assert!(ok(check(&reply(padded(0x1000, 8)), 0x1000, 8, false)));
+        for bad in [spec(0x2000, 8), spec(0x1000, 4), [spec(0x1000, 8), vec![0]].concat(), vec![0; 8]] {
+            assert!(matches!(check(&reply(bad), 0x1000, 8, false), Err(ClientDmaError::BadReply)));
+        }
+        let read = [padded(0x1000, 4), vec![7; 4]].concat();
+        assert!(ok(check(&reply(read), 0x1000, 4, true)));
+        let short = [spec(0x1000, 4), vec![7; 4]].concat();
+        assert!(matches!(check(&reply(short), 0x1000, 4, true), Err(ClientDmaError::BadReply)));
+        assert!(matches!(check(&reply(spec(0x1000, 0)), 0x1000, 0, true), Err(ClientDmaError::BadReply)));
     }
 }
