@@ -73,15 +73,9 @@ fn install() {
         return;
     }
     PREVIOUS.get_or_init(|| {
-        let ours = SigAction::new(
-            SigHandler::SigAction(on_sigbus),
-            // On the alternate stack if the thread has one; no SA_RESETHAND, we stay.
-            SaFlags::SA_SIGINFO | SaFlags::SA_ONSTACK,
-            SigSet::empty(),
-        );
-        // SAFETY: (I14) the handler only reads the registry (see the module docs for why a lock is
-        // sound here), calls mmap, and stores to atomics; it chains to the old handler.
-        match unsafe { sigaction(Signal::SIGBUS, &ours) } {
+        // SAFETY: (I14) the handler changes only registered guest mappings, in place (see the
+        // module docs for why its lock is sound), and chains to the old handler otherwise.
+        match unsafe { sigaction(Signal::SIGBUS, &ours()) } {
             Ok(old) => old.handler(),
             Err(e) => {
                 log::error!("cannot install the SIGBUS handler ({e}): a client truncating its memory can crash the server");
@@ -89,6 +83,16 @@ fn install() {
             }
         }
     });
+}
+
+/// The engine's disposition: on the alternate stack if the thread has one; no SA_RESETHAND,
+/// it stays.
+fn ours() -> SigAction {
+    SigAction::new(
+        SigHandler::SigAction(on_sigbus),
+        SaFlags::SA_SIGINFO | SaFlags::SA_ONSTACK,
+        SigSet::empty(),
+    )
 }
 
 extern "C" fn on_sigbus(signal: libc::c_int, info: *mut libc::siginfo_t, context: *mut libc::c_void) {
@@ -100,21 +104,33 @@ extern "C" fn on_sigbus(signal: libc::c_int, info: *mut libc::siginfo_t, context
     if code == libc::BUS_ADRERR && recover(addr) {
         return; // the access retries against zero pages
     }
+    let sent = code <= 0;
     match PREVIOUS.get() {
         Some(SigHandler::SigAction(previous)) => previous(signal, info, context),
         Some(SigHandler::Handler(previous)) => previous(signal),
+        Some(SigHandler::SigIgn) if sent => return,
         _ => {
             // Default disposition: restore it. A fault returns and faults again; a sent
-            // signal (`si_code` <= 0) is sent again, pending until this handler returns. Either
-            // way the process dies of SIGBUS as it would have without us.
+            // signal is sent again, pending until this handler returns. Either way the
+            // process dies of SIGBUS as it would have without us.
             let default = SigAction::new(SigHandler::SigDfl, SaFlags::empty(), SigSet::empty());
             // SAFETY: (local) restoring the default disposition is always sound.
             let _ = unsafe { sigaction(Signal::SIGBUS, &default) };
-            if code <= 0 {
+            if sent {
                 // SAFETY: (local) raise(3) is async-signal-safe and takes no pointer.
                 unsafe { libc::raise(libc::SIGBUS) };
             }
+            return;
         }
+    }
+    if sent {
+        // The previous handler let a sent signal be. Rust's stack-overflow guard does so
+        // after restoring the default disposition (it expects a fault, which comes again):
+        // the engine's handler goes back in, or the next truncation would kill the process.
+        // (Not after a fault: it must come again to the disposition the previous handler
+        // chose.)
+        // SAFETY: (I14) as at installation; sigaction(2) is async-signal-safe.
+        let _ = unsafe { sigaction(Signal::SIGBUS, &ours()) };
     }
 }
 

@@ -426,11 +426,9 @@ impl Mtty {
 
     fn host_state(&self, port: usize) -> HostState {
         match self.uarts.get(port).map(|u| (&u.line, u.host_waiting())) {
-            Some((Line::Host(h), waiting)) => HostState {
-                room: HOST_QUEUE.saturating_sub(h.to_guest.len()),
-                to_host: h.to_host.len(),
-                waiting,
-            },
+            Some((Line::Host(h), waiting)) => {
+                HostState { room: self.uarts[port].host_room(), to_host: h.to_host.len(), waiting }
+            }
             _ => HostState { room: 0, to_host: 0, waiting: false },
         }
     }
@@ -438,8 +436,8 @@ impl Mtty {
     /// Queues what the host sent toward the guest, as much as fits; returns how much.
     fn host_send(&mut self, port: usize, bytes: &[u8]) -> usize {
         self.with_host(port, |uart, now| {
+            let n = bytes.len().min(uart.host_room());
             let Line::Host(h) = &mut uart.line else { return 0 };
-            let n = bytes.len().min(HOST_QUEUE.saturating_sub(h.to_guest.len()));
             h.to_guest.extend(&bytes[..n]);
             uart.feed_rx(now);
             n
@@ -525,8 +523,8 @@ impl HostPort {
             .then(|| HostPort { mtty: function.weak(), port })
     }
 
-    /// Sends bytes toward the guest, as many as the port's queue takes (at most
-    /// [`HOST_QUEUE`] queued); returns how many.
+    /// Sends bytes toward the guest, as many as the port takes (at most [`HOST_QUEUE`] the
+    /// guest has not read, queued or in its receiver); returns how many.
     pub fn send(&self, bytes: &[u8]) -> usize {
         self.mtty.with(|m| m.host_send(self.port, bytes)).unwrap_or(0)
     }

@@ -558,6 +558,16 @@ impl Uart {
         }
     }
 
+    /// Room for more bytes from a host line: [`HOST_QUEUE`] less those queued and those in
+    /// the receiver, which an RX clear or a reset gives back to the queue. So the queue never
+    /// holds more than `HOST_QUEUE`, and the room a host thread saw never shrinks before it
+    /// sends (only a send takes room).
+    pub(super) fn host_room(&self) -> usize {
+        let Line::Host(h) = &self.line else { return 0 };
+        let in_receiver = self.rx.iter().filter(|c| c.from_host).count();
+        HOST_QUEUE.saturating_sub(h.to_guest.len() + in_receiver)
+    }
+
     /// Whether host bytes wait for the receiver (the host thread then ticks the port so an
     /// ignored receiver overruns in time).
     pub(super) fn host_waiting(&self) -> bool {

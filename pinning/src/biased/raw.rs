@@ -84,7 +84,9 @@ impl RawBiased {
     #[inline]
     fn lock(&self, me: u64, claim: bool) -> Hold {
         if self.owner.load(Ordering::Relaxed) == me {
-            if self.held.load(Ordering::Relaxed) {
+            // The owner may hold it as the owner, or through the gate (its first, claiming
+            // take, or a take after a gate holder kept it out).
+            if self.held.load(Ordering::Relaxed) || u64::from(self.gate_holder.load(Ordering::Relaxed)) == me {
                 reentered();
             }
             if self.try_owner(me) {

@@ -166,6 +166,14 @@ fn a_holder_taking_its_lock_again_is_refused() {
         assert!(panics(&|| lock.revoke()), "{how}: a revocation went in");
         assert!(lock.try_lock().is_none(), "{how}: a try went in");
     }
+    // The first, claiming take goes through the gate and makes this thread the owner.
+    let fresh = BiasedLock::new(0u32);
+    {
+        let guard = fresh.lock_claiming();
+        assert_eq!(guard.hold, Hold::Gate);
+        refused(&fresh, "the claiming first holder");
+    }
+    assert_eq!(fresh.owned_here(), asymmetric());
     let mine = Arc::new(BiasedLock::new(0u32));
     drop(mine.lock_claiming());
     {
