@@ -4,7 +4,7 @@
 use std::num::NonZeroUsize;
 use std::os::fd::AsFd;
 use std::os::unix::process::ExitStatusExt;
-use std::process::Command;
+use std::process::{Command, Output};
 
 use nix::sys::mman::{mmap, MapFlags, ProtFlags};
 use umdev_pinning::{DmaSpace, Prot, PAGE_SIZE};
@@ -17,6 +17,15 @@ fn memfd(size: u64) -> std::fs::File {
 }
 
 const CHILD: &str = "UMDEV_SIGBUS_CHILD";
+
+/// Runs test `name` of this binary in a child process, which takes the child's branch.
+fn in_child(name: &str) -> Output {
+    Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--nocapture"])
+        .env(CHILD, "1")
+        .output()
+        .unwrap()
+}
 
 #[test]
 fn a_sigbus_outside_guest_memory_still_kills_the_process() {
@@ -45,11 +54,7 @@ fn a_sigbus_outside_guest_memory_still_kills_the_process() {
         println!("survived reading {byte}");
         std::process::exit(0);
     }
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "a_sigbus_outside_guest_memory_still_kills_the_process", "--nocapture"])
-        .env(CHILD, "1")
-        .output()
-        .unwrap();
+    let out = in_child("a_sigbus_outside_guest_memory_still_kills_the_process");
     assert_eq!(out.status.signal(), Some(libc::SIGBUS), "{out:?}");
 }
 
@@ -106,11 +111,7 @@ fn a_sent_sigbus_naming_guest_memory_changes_nothing() {
         println!("then truncated: poisoned {} byte {byte:#x}", pins.poisoned());
         std::process::exit(0);
     }
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "a_sent_sigbus_naming_guest_memory_changes_nothing", "--nocapture"])
-        .env(CHILD, "1")
-        .output()
-        .unwrap();
+    let out = in_child("a_sent_sigbus_naming_guest_memory_changes_nothing");
     let stdout = String::from_utf8_lossy(&out.stdout);
     if stdout.contains("before: default") {
         assert_eq!(out.status.signal(), Some(libc::SIGBUS), "{out:?}");

@@ -209,26 +209,18 @@ impl Harness {
         match op {
             Op::Write { region, offset, len, c } => {
                 let data: Vec<u8> = (0..len).map(|i| c.wrapping_add(59u8.wrapping_mul(i as u8))).collect();
-                let result = self.dev.region_write(region, offset, &data);
-                if valid(region, offset, len) {
-                    result.unwrap_or_else(|e| panic!("{op:?} refused: {e}"));
+                if accepted(op, region, offset, len, self.dev.region_write(region, offset, &data)) {
                     for (i, &v) in data.iter().enumerate() {
                         self.wrote(region as usize, offset + i as u64, v);
                     }
-                } else {
-                    assert!(result.is_err(), "{op:?} accepted");
                 }
             }
             Op::Read { region, offset, len } => {
                 let mut data = vec![0u8; len];
-                let result = self.dev.region_read(region, offset, &mut data);
-                if valid(region, offset, len) {
-                    result.unwrap_or_else(|e| panic!("{op:?} refused: {e}"));
+                if accepted(op, region, offset, len, self.dev.region_read(region, offset, &mut data)) {
                     for (i, &v) in data.iter().enumerate() {
                         self.read(region as usize, offset + i as u64, v);
                     }
-                } else {
-                    assert!(result.is_err(), "{op:?} accepted");
                 }
             }
             Op::Drain { port, max } => {
@@ -331,6 +323,24 @@ impl Harness {
 /// Whether a BAR access of `len` bytes at `offset` of `region` is one the doc accepts.
 fn valid(region: u32, offset: u64, len: usize) -> bool {
     region < 2 && (1..=8).contains(&len) && offset + len as u64 <= PORT_BYTES
+}
+
+/// Checks the outcome of `op`, an access of `len` bytes at `offset` of `region`: done if the
+/// doc accepts it (then true), refused otherwise (then false).
+fn accepted<E: std::fmt::Display>(
+    op: Op,
+    region: u32,
+    offset: u64,
+    len: usize,
+    result: Result<(), E>,
+) -> bool {
+    if valid(region, offset, len) {
+        result.unwrap_or_else(|e| panic!("{op:?} refused: {e}"));
+        true
+    } else {
+        assert!(result.is_err(), "{op:?} accepted");
+        false
+    }
 }
 
 /// Runs one input (see the module documentation).

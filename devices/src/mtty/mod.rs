@@ -425,9 +425,9 @@ impl Mtty {
     }
 
     fn host_state(&self, port: usize) -> HostState {
-        match self.uarts.get(port).map(|u| (&u.line, u.host_waiting())) {
-            Some((Line::Host(h), waiting)) => {
-                HostState { room: self.uarts[port].host_room(), to_host: h.to_host.len(), waiting }
+        match self.uarts.get(port).map(|u| (u, &u.line)) {
+            Some((u, Line::Host(h))) => {
+                HostState { room: u.host_room(), to_host: h.to_host.len(), waiting: u.host_waiting() }
             }
             _ => HostState { room: 0, to_host: 0, waiting: false },
         }

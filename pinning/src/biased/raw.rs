@@ -74,8 +74,13 @@ impl RawBiased {
     /// its guard leak, which must not let it in again either).
     #[inline]
     fn held_by(&self, me: u64) -> bool {
-        (self.owner.load(Ordering::Relaxed) == me && self.held.load(Ordering::Relaxed))
-            || u64::from(self.gate_holder.load(Ordering::Relaxed)) == me
+        (self.owner.load(Ordering::Relaxed) == me && self.held.load(Ordering::Relaxed)) || self.gate_held_by(me)
+    }
+
+    /// Whether `me` holds the gate now.
+    #[inline]
+    fn gate_held_by(&self, me: u64) -> bool {
+        u64::from(self.gate_holder.load(Ordering::Relaxed)) == me
     }
 
     /// Takes the lock for thread `me` (never [`UNOWNED`] or [`REVOKED`]); with `claim`, an
@@ -86,7 +91,7 @@ impl RawBiased {
         if self.owner.load(Ordering::Relaxed) == me {
             // The owner may hold it as the owner, or through the gate (its first, claiming
             // take, or a take after a gate holder kept it out).
-            if self.held.load(Ordering::Relaxed) || u64::from(self.gate_holder.load(Ordering::Relaxed)) == me {
+            if self.held.load(Ordering::Relaxed) || self.gate_held_by(me) {
                 reentered();
             }
             if self.try_owner(me) {
