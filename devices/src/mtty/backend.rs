@@ -75,9 +75,8 @@ impl Backend {
 
 /// An opened host endpoint, before its thread starts.
 pub(super) enum Endpoint {
-    /// The pty's master side; the slave is held open so the master never sees a hang-up
-    /// while no host program has the terminal open.
-    Pty { master: OwnedFd, _slave: OwnedFd, path: PathBuf },
+    /// The pty's master side, and umdev's own hold on the slave side.
+    Pty { master: OwnedFd, slave: SlaveHold },
     /// The listening socket.
     Socket { listener: UnixListener, path: PathBuf },
 }
@@ -110,21 +109,77 @@ impl Endpoint {
     /// The host path a user attaches to.
     pub(super) fn path(&self) -> &Path {
         match self {
-            Endpoint::Pty { path, .. } | Endpoint::Socket { path, .. } => path,
+            Endpoint::Pty { slave, .. } => &slave.path,
+            Endpoint::Socket { path, .. } => path,
         }
     }
 }
 
 fn open_pty() -> Result<Endpoint, String> {
-    use nix::sys::termios::{cfmakeraw, tcgetattr, tcsetattr, SetArg};
+    use nix::sys::termios::tcgetattr;
     let pty = nix::pty::openpty(None, None).map_err(|e| format!("openpty: {e}"))?;
-    // Raw, so bytes cross unchanged until a program (screen, minicom) sets its own modes.
-    let mut modes = tcgetattr(&pty.slave).map_err(|e| format!("pty modes: {e}"))?;
-    cfmakeraw(&mut modes);
-    tcsetattr(&pty.slave, SetArg::TCSANOW, &modes).map_err(|e| format!("pty modes: {e}"))?;
+    let defaults = tcgetattr(&pty.slave).map_err(|e| format!("pty modes: {e}"))?;
+    make_raw(&pty.slave, &defaults).map_err(|e| format!("pty modes: {e}"))?;
     let path = nix::unistd::ttyname(&pty.slave).map_err(|e| format!("pty name: {e}"))?;
     set_nonblocking(pty.master.as_fd()).map_err(|e| format!("pty: {e}"))?;
-    Ok(Endpoint::Pty { master: pty.master, _slave: pty.slave, path })
+    Ok(Endpoint::Pty {
+        master: pty.master,
+        slave: SlaveHold { fd: pty.slave, path, defaults, retry_at: None },
+    })
+}
+
+/// Raw, so bytes cross unchanged until a program (screen, minicom) sets its own modes.
+fn make_raw(slave: &OwnedFd, modes: &nix::sys::termios::Termios) -> nix::Result<()> {
+    use nix::sys::termios::{cfmakeraw, tcsetattr, SetArg};
+    let mut raw = modes.clone();
+    cfmakeraw(&mut raw);
+    tcsetattr(slave, SetArg::TCSANOW, &raw)
+}
+
+/// umdev's own open of a pty's slave side. While it is open the master never sees a hang-up
+/// when no host program has the terminal open. A hang-up (`vhangup`, or the exit of a
+/// session leader whose controlling terminal it was) kills this open too and resets the
+/// terminal's modes to the kernel's cooked defaults (echo, CR/LF mapping); the port's thread
+/// then opens the slave again and, if the modes are still those defaults (no program has set
+/// its own since), makes it raw again.
+pub(super) struct SlaveHold {
+    fd: OwnedFd,
+    path: PathBuf,
+    /// The modes a new pty has (what a hang-up resets it to).
+    defaults: nix::sys::termios::Termios,
+    /// A renewal that failed is tried again from then.
+    retry_at: Option<std::time::Instant>,
+}
+
+impl SlaveHold {
+    /// After a hang-up: holds a fresh open of the slave, raw again unless a program has set
+    /// its own modes.
+    fn renew(&mut self, port: usize) {
+        use nix::fcntl::{open, OFlag};
+        use nix::sys::termios::tcgetattr;
+        let flags = OFlag::O_RDWR | OFlag::O_NOCTTY | OFlag::O_CLOEXEC | OFlag::O_NONBLOCK;
+        let renewed = open(&self.path, flags, nix::sys::stat::Mode::empty()).and_then(|fd| {
+            let modes = tcgetattr(&fd)?;
+            let flags = |m: &nix::sys::termios::Termios| {
+                (m.input_flags, m.output_flags, m.control_flags, m.local_flags)
+            };
+            if flags(&modes) == flags(&self.defaults) {
+                make_raw(&fd, &modes)?;
+            }
+            Ok(fd)
+        });
+        match renewed {
+            Ok(fd) => {
+                log::info!("mtty port {port}: pty {} was hung up; held again", self.path.display());
+                self.fd = fd;
+                self.retry_at = None;
+            }
+            Err(e) => {
+                log::debug!("mtty port {port}: pty {} hung up, reopening: {e}", self.path.display());
+                self.retry_at = Some(std::time::Instant::now() + TICK);
+            }
+        }
+    }
 }
 
 fn set_nonblocking(fd: BorrowedFd<'_>) -> io::Result<()> {
@@ -231,16 +286,22 @@ impl Peer {
 impl Worker {
     fn run(self, endpoint: Endpoint) {
         // The endpoint (pty slave held open, socket file) lives until the thread ends.
-        match &endpoint {
-            Endpoint::Pty { master, .. } => match master.try_clone() {
-                Ok(master) => self.serve(None, Some(Peer::new(master, false))),
+        let mut endpoint = endpoint;
+        match &mut endpoint {
+            Endpoint::Pty { master, slave } => match master.try_clone() {
+                Ok(master) => self.serve(None, Some(slave), Some(Peer::new(master, false))),
                 Err(e) => log::error!("mtty port {}: pty: {e}", self.port),
             },
-            Endpoint::Socket { listener, .. } => self.serve(Some(listener), None),
+            Endpoint::Socket { listener, .. } => self.serve(Some(listener), None, None),
         }
     }
 
-    fn serve(&self, listener: Option<&UnixListener>, mut peer: Option<Peer>) {
+    fn serve(
+        &self,
+        listener: Option<&UnixListener>,
+        mut slave: Option<&mut SlaveHold>,
+        mut peer: Option<Peer>,
+    ) {
         let mut out = [0u8; super::HOST_QUEUE];
         let mut input = [0u8; super::HOST_QUEUE];
         while !self.mtty.closed() {
@@ -253,6 +314,20 @@ impl Worker {
                 fds.len() - 1
             });
             let mut timeout = if state.waiting { Some(TICK) } else { None };
+            // With no events, poll reports the held slave's hang-up (POLLHUP).
+            let slave_at = match slave.as_deref() {
+                Some(hold) => match hold.retry_at.filter(|&at| at > now) {
+                    Some(at) => {
+                        timeout = Some(timeout.map_or(at - now, |t| t.min(at - now)));
+                        None
+                    }
+                    None => {
+                        fds.push(PollFd::new(hold.fd.as_fd(), PollFlags::empty()));
+                        Some(fds.len() - 1)
+                    }
+                },
+                None => None,
+            };
             let peer_at = match peer.as_mut() {
                 Some(p) => {
                     if p.parked && state.room > 0 {
@@ -292,7 +367,11 @@ impl Worker {
             }
             let ready = |i: Option<usize>| i.and_then(|i| fds[i].revents()).unwrap_or(PollFlags::empty());
             let (wake, listen, peer_events) = (ready(Some(0)), ready(listen_at), ready(peer_at));
+            let slave_hung_up = !ready(slave_at).is_empty();
             drop(fds);
+            if let Some(hold) = slave.as_deref_mut().filter(|_| slave_hung_up) {
+                hold.renew(self.port);
+            }
             if wake.contains(PollFlags::POLLIN) {
                 let _ = self.wake.read();
             }

@@ -412,6 +412,28 @@ fn an_ignored_receiver_overruns_like_a_real_line() {
     assert_eq!(uart.stats.dropped, 48, "{:?}", uart.stats);
 }
 
+/// A backlog waiting when the receiver becomes ignored is paced from that moment, one byte
+/// lost per character time, not lost at once for the time before it.
+#[test]
+fn an_ignored_receivers_backlog_is_paced_from_when_it_is_ignored() {
+    let reset = Instant::now();
+    let at = |us: u64| reset + Duration::from_micros(us);
+    let mut uart = Uart::new(Line::Host(HostLine::new(None)), reset);
+    // 115200 baud 8N1 (a character every 86.8 µs), FIFO on, receive interrupts off.
+    uart.write(LCR, LCR_DLAB | LCR_8N1, at(0));
+    uart.write(DLL, 1, at(0));
+    uart.write(LCR, LCR_8N1, at(0));
+    uart.write(FCR, FCR_ENABLE, at(0));
+    let grace = IGNORED_AFTER.as_micros() as u64;
+    // The host's last feed came 90 ms before the receiver became ignored; 116 bytes wait
+    // (16 enter the FIFO).
+    host_send(&mut uart, &[5u8; 116], at(grace - 90_000));
+    assert_eq!(uart.stats.dropped, 0);
+    // Ten character times after it became ignored: ten lost, not the backlog.
+    host_send(&mut uart, &[], at(grace + 10 * 87));
+    assert_eq!(uart.stats.dropped, 10, "{:?}", uart.stats);
+}
+
 /// Linux clears both FIFOs at every open of a port (FCR 0x01, 0x07, then 0, then its own
 /// setting), after the host may have sent bytes that the receiver took: they go back to the
 /// queue and the guest reads every one, in order. A device reset gives them back as well.
@@ -918,6 +940,57 @@ fn a_pty_backend_is_a_host_terminal() {
     writer.join().unwrap();
     assert!(got == data, "host to guest: {} of {} bytes intact", got.len(), data.len());
     assert_eq!(rig.stats(0).dropped, 0);
+}
+
+#[test]
+fn a_hung_up_pty_is_held_again_and_raw_again() {
+    use nix::sys::termios::{tcgetattr, LocalFlags};
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let rig = rig_with(&[Backend::Pty]);
+    let path = rig.dev.function().lock().host_path(0).unwrap().to_path_buf();
+    open_port(&rig, 0);
+    let open = || {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOCTTY | libc::O_NONBLOCK)
+            .open(&path)
+            .unwrap()
+    };
+    // A program hangs the terminal up (as agetty does, or a session leader's exit): the
+    // kernel resets its modes to cooked ones (ICANON, ECHO) and kills every open of it,
+    // umdev's own too.
+    let tty = open();
+    // SAFETY: TIOCVHANGUP takes no argument; `tty` is an open terminal.
+    assert_eq!(unsafe { libc::ioctl(tty.as_raw_fd(), libc::TIOCVHANGUP) }, 0);
+    drop(tty);
+    // umdev opens it again and makes it raw: a wait for that event (bounded), not a timing.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut tty = loop {
+        let tty = open();
+        let modes = tcgetattr(&tty).unwrap();
+        if !modes.local_flags.intersects(LocalFlags::ICANON | LocalFlags::ECHO) {
+            break tty;
+        }
+        assert!(Instant::now() < deadline, "still cooked after a hang-up: {:?}", modes.local_flags);
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    for &b in b"a\n" {
+        rig.outb(0, THR, b);
+    }
+    assert_eq!(read_n(&mut tty, 2, ARRIVES), b"a\n", "raw again: no CR added");
+    tty.write_all(b"b\n").unwrap();
+    assert_eq!(
+        guest_read_n(&rig, 0, 2, ARRIVES),
+        b"b\n",
+        "and no echo: the guest gets only the host's bytes"
+    );
+    drop(tty);
+    // Nothing sent while no program has it open is lost: umdev holds it again.
+    rig.outb(0, THR, b'c');
+    assert_eq!(read_n(&mut open(), 1, ARRIVES), b"c");
 }
 
 #[test]

@@ -511,12 +511,14 @@ impl Uart {
         let ignored = self.touched
             && self.ier & IER_RDI == 0
             && now.saturating_duration_since(self.last_read) >= IGNORED_AFTER;
-        // Characters the line could have carried since the clock last moved (at most a
-        // queue's worth): as many an ignored receiver loses now.
+        // Characters the line could have carried since the clock last moved, and not before
+        // the receiver became ignored (at most a queue's worth): as many an ignored receiver
+        // loses now. A backlog is paced from that moment, not dropped at once.
         let char_time = (self.char_timeout() / 4).max(Duration::from_micros(1));
         let mut arrived = 0usize;
         if ignored {
-            let elapsed = now.saturating_duration_since(self.line_clock);
+            let since = self.line_clock.max(self.last_read + IGNORED_AFTER);
+            let elapsed = now.saturating_duration_since(since);
             arrived = (elapsed.as_nanos() / char_time.as_nanos()).min(HOST_QUEUE as u128) as usize;
         }
         if !ignored || arrived > 0 {
