@@ -758,6 +758,18 @@ fn compare_matches_the_blocks_and_the_effects_log_is_served() {
     let entry = d.error_log(1).unwrap()[0];
     assert_eq!((u16::from(entry.status) >> 1, u64::from(entry.lba)), (Status::COMPARE_FAILURE.0, 40));
     assert_eq!(compare(&mut d, 1 << 40, 0), Status::DATA_TRANSFER_ERROR);
+    // The two that read their data count as host reads in SMART (NVMe 1.3 §5.14.1.2), as
+    // compares in the statistics; the one that reached no data counts in neither.
+    let totals = d.t.dev.function().totals();
+    assert_eq!((totals.compares, totals.bytes_compared, totals.reads), (2, 2 * 8192, 0));
+    let mut log = Sqe::new(admin_op::GET_LOG_PAGE, 0);
+    log.set_dw(10, u32::from(log_page::SMART) | (512 / 4 - 1) << 16);
+    log.prp1 = (DATA + 0x9000).into();
+    d.admin_ok(log).unwrap();
+    let mut smart = [0u8; 512];
+    d.t.get(DATA + 0x9000, &mut smart).unwrap();
+    let u128_at = |at: usize| u128::from_le_bytes(smart[at..at + 16].try_into().unwrap());
+    assert_eq!((u128_at(32), u128_at(64)), (1, 2), "data units read (32 blocks, rounded up), host reads");
     // Get Log Page 05h: Read is supported, Write changes logical block content.
     let mut log = Sqe::new(admin_op::GET_LOG_PAGE, 0);
     log.set_dw(10, u32::from(log_page::COMMAND_EFFECTS) | (4096 / 4 - 1) << 16);

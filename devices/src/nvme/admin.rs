@@ -492,10 +492,12 @@ pub fn smart_log(ctrl: &Ctrl) -> SmartLog {
     log.temperature = TEMPERATURE.to_le_bytes();
     log.available_spare = 100;
     log.available_spare_threshold = 10;
-    // Data units are thousands of 512-byte units, rounded up.
-    log.data_units_read = u128_le((totals.bytes_read / 512).div_ceil(1000));
+    // Data units are thousands of 512-byte units, rounded up. Compares count as reads, their
+    // blocks as data read (§5.14.1.2).
+    let bytes_read = totals.bytes_read + totals.bytes_compared;
+    log.data_units_read = u128_le((bytes_read / 512).div_ceil(1000));
     log.data_units_written = u128_le((totals.bytes_written / 512).div_ceil(1000));
-    log.host_reads = u128_le(totals.reads);
+    log.host_reads = u128_le(totals.reads + totals.compares);
     log.host_writes = u128_le(totals.writes);
     log.power_cycles = u128_le(1);
     log.power_on_hours = u128_le(ctrl.born().elapsed().as_secs() / 3600);

@@ -280,6 +280,7 @@ fn compare(cx: &CommandCx, ns: &Namespace, c: ReadWrite) -> Outcome {
     if !status.ok() {
         return status.into();
     }
+    cx.ctrl().stats(cx.sq().id).compare(len as u64);
     if stored != given {
         return Status::COMPARE_FAILURE.into();
     }

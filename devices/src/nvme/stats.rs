@@ -36,6 +36,8 @@ pub struct QueueStats {
     errors: AtomicU64,
     bytes_read: AtomicU64,
     bytes_written: AtomicU64,
+    compares: AtomicU64,
+    bytes_compared: AtomicU64,
     pages: AtomicU64,
     runs: AtomicU64,
     list_pages: AtomicU64,
@@ -75,6 +77,12 @@ impl QueueStats {
         }
     }
 
+    /// A Compare read its blocks and the host's data (whether they matched or not).
+    pub fn compare(&self, bytes: u64) {
+        add(&self.compares, 1);
+        add(&self.bytes_compared, bytes);
+    }
+
     /// A read or write moved its data with one pin call.
     pub fn transfer(&self, t: Transfer) {
         add(if t.read { &self.reads } else { &self.writes }, 1);
@@ -105,6 +113,10 @@ pub struct Totals {
     pub bytes_read: u64,
     /// Bytes written (guest to device).
     pub bytes_written: u64,
+    /// Compares that read their blocks and the host's data.
+    pub compares: u64,
+    /// Bytes those compared.
+    pub bytes_compared: u64,
     /// Guest pages named by the commands' PRPs.
     pub pages: u64,
     /// Contiguous runs the engine pinned them in.
@@ -133,6 +145,8 @@ impl Totals {
             t.errors += get(&q.errors);
             t.bytes_read += get(&q.bytes_read);
             t.bytes_written += get(&q.bytes_written);
+            t.compares += get(&q.compares);
+            t.bytes_compared += get(&q.bytes_compared);
             t.pages += get(&q.pages);
             t.runs += get(&q.runs);
             t.list_pages += get(&q.list_pages);
@@ -160,6 +174,8 @@ impl Totals {
             "errors": self.errors,
             "bytes_read": self.bytes_read,
             "bytes_written": self.bytes_written,
+            "compares": self.compares,
+            "bytes_compared": self.bytes_compared,
             "pages": self.pages,
             "runs": self.runs,
             "pin_calls": self.pin_calls,
