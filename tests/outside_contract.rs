@@ -10,6 +10,8 @@
 //!   checks.
 //! - `tests/outside/mtty_contract.py`: docs/mtty.md, a 16550A driver and host-side peers
 //!   (sockets, ptys), about 890 checks.
+//! - `tests/outside/ccw_contract.py`: docs/ccw.md, a channel-program driver (CCW chains,
+//!   scattered IDAW lists, halts, unmaps and truncation in every pin mode), about 580 checks.
 //!
 //! Skipped, saying so, where `python3` is not installed.
 
@@ -47,4 +49,9 @@ fn an_nvme_driver_written_from_the_docs_alone_passes_every_check() {
 #[test]
 fn an_mtty_driver_written_from_the_docs_alone_passes_every_check() {
     passes("mtty_contract.py");
+}
+
+#[test]
+fn a_ccw_driver_written_from_the_docs_alone_passes_every_check() {
+    passes("ccw_contract.py");
 }
