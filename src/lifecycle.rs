@@ -94,6 +94,19 @@ pub enum LifecycleError {
         /// Whose it is, or its mode.
         why: String,
     },
+    /// A shared directory (sticky, and others may write to it, as `/tmp`): umdev neither
+    /// keeps its state there nor takes others' access to it away.
+    #[error(
+        "{}: mode {mode:o}, a shared directory (sticky, and others may write to it): it cannot hold \
+         umdev's definitions or sockets; use a directory of its own (--run-dir, --state-dir, \
+         $UMDEV_RUN_DIR, $UMDEV_STATE_DIR), which umdev creates mode 0700", path.display()
+    )]
+    Shared {
+        /// The directory.
+        path: PathBuf,
+        /// Its mode.
+        mode: u32,
+    },
     /// Reading or writing definitions failed.
     #[error("{what} {}: {source}", path.display())]
     Io {
@@ -119,7 +132,7 @@ impl LifecycleError {
             LifecycleError::Busy(_) => libc::EBUSY,
             LifecycleError::TooManyInstances(_) => libc::ENOSPC,
             LifecycleError::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
-            LifecycleError::NotPrivate { .. } => libc::EACCES,
+            LifecycleError::NotPrivate { .. } | LifecycleError::Shared { .. } => libc::EACCES,
             _ => libc::EINVAL,
         }
     }
@@ -134,27 +147,61 @@ impl LifecycleError {
     }
 }
 
-/// Creates `dir` (and its missing parents) mode 0700 if it is missing, then
-/// [`check_private_dir`].
+/// Creates `dir` (and its missing parents) mode 0700 if it is missing, then checks it as
+/// [`check_private_dir`] does, for a command that writes there: a directory of the user's own
+/// that its group or others may write to (not a shared, sticky one) loses that write access,
+/// with a warning (an older umdev created them with the umask's mode); who may read it is
+/// left as it was.
 pub fn private_dir(dir: &Path) -> Result<(), LifecycleError> {
-    use std::os::unix::fs::DirBuilderExt;
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(dir)
         .map_err(|source| LifecycleError::Io { what: "creating", path: dir.to_path_buf(), source })?;
-    check_private_dir(dir)
+    let Some(mode) = inspect_dir(dir)? else { return Ok(()) };
+    let private = mode & !0o022;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(private)).map_err(|e| {
+        LifecycleError::NotPrivate {
+            path: dir.to_path_buf(),
+            why: format!(
+                "mode {mode:o}: its group or others may write to it, and it cannot be changed ({e})"
+            ),
+        }
+    })?;
+    log::warn!(
+        "{}: its group or others could write to it (mode {mode:o}); write access removed: mode {private:o}",
+        dir.display()
+    );
+    Ok(())
 }
 
 /// Refuses `dir` unless it is a directory of this process's effective user (or root's) that
 /// neither its group nor others can write to: definitions read from, or sockets put in, a
 /// directory another user controls would be that user's to swap (a shared `/tmp` fallback,
 /// say). A symbolic link is followed only if it is the user's own (one another user planted
-/// in `/tmp` is refused). A directory of the user's own that others may write to loses that
-/// write access, with a warning (an older umdev created them with the umask's mode); who
-/// may read it is left as it was.
+/// in `/tmp` is refused). A shared directory (sticky and writable by others, as `/tmp`) is
+/// refused whoever owns it: taking others' write access away would break it for them.
+///
+/// Only looks: a directory of the user's own that others may write to is used with a
+/// warning, and left as it is (a command that only reads has no business changing a
+/// directory's mode; [`private_dir`], for the commands that write there, takes that access
+/// away).
 pub fn check_private_dir(dir: &Path) -> Result<(), LifecycleError> {
-    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    if let Some(mode) = inspect_dir(dir)? {
+        log::warn!(
+            "{}: its group or others may write to it (mode {mode:o}); umdev reads it as it is (`chmod go-w` \
+             it, or let a command that writes there, such as define or daemon, take that access away)",
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
+/// [`check_private_dir`]'s refusals; `Some(mode)` for a directory of the user's own that
+/// its group or others may write to (not a shared one), `None` for a private one.
+fn inspect_dir(dir: &Path) -> Result<Option<u32>, LifecycleError> {
+    use std::os::unix::fs::MetadataExt;
     let me = nix::unistd::geteuid().as_raw();
     let io = |what| move |source| LifecycleError::Io { what, path: dir.to_path_buf(), source };
     let not_private = |why: String| LifecycleError::NotPrivate { path: dir.to_path_buf(), why };
@@ -166,26 +213,20 @@ pub fn check_private_dir(dir: &Path) -> Result<(), LifecycleError> {
     if !meta.is_dir() {
         return Err(not_private("not a directory".into()));
     }
+    let mode = meta.mode() & 0o7777;
+    if mode & 0o022 != 0 && mode & 0o1000 != 0 {
+        return Err(LifecycleError::Shared { path: dir.to_path_buf(), mode });
+    }
     if meta.uid() != me && meta.uid() != 0 {
         return Err(not_private(format!("owned by uid {}, not {me}", meta.uid())));
     }
-    let mode = meta.mode() & 0o7777;
-    if mode & 0o022 != 0 {
-        if meta.uid() != me {
-            return Err(not_private(format!("mode {mode:o}: its group or others may write to it")));
-        }
-        let private = mode & !0o022;
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(private)).map_err(|e| {
-            not_private(format!(
-                "mode {mode:o}: its group or others may write to it, and it cannot be changed ({e})"
-            ))
-        })?;
-        log::warn!(
-            "{}: its group or others could write to it (mode {mode:o}); write access removed: mode {private:o}",
-            dir.display()
-        );
+    if mode & 0o022 == 0 {
+        return Ok(None);
     }
-    Ok(())
+    if meta.uid() != me {
+        return Err(not_private(format!("mode {mode:o}: its group or others may write to it")));
+    }
+    Ok(Some(mode))
 }
 
 /// A definition file's UUID (its name), and its definition or why it cannot be read.
@@ -277,7 +318,7 @@ impl Definitions {
         change: impl FnOnce(Definition) -> Result<Definition, LifecycleError>,
     ) -> Result<(), LifecycleError> {
         let _lock = self.lock()?;
-        let def = change(self.get(uuid)?)?;
+        let def = change(self.read(uuid)?)?;
         if def.uuid != *uuid {
             return Err(LifecycleError::Failed(format!(
                 "a change of {uuid} cannot rename it to {}",
@@ -317,6 +358,11 @@ impl Definitions {
         if self.dir.exists() {
             check_private_dir(&self.dir)?;
         }
+        self.read(uuid)
+    }
+
+    /// [`Definitions::get`], the directory checked by the caller.
+    fn read(&self, uuid: &Uuid) -> Result<Definition, LifecycleError> {
         let path = self.path(uuid);
         let text = match std::fs::read_to_string(&path) {
             Ok(t) => t,
@@ -348,7 +394,7 @@ impl Definitions {
             .filter_map(|e| {
                 let name = e.file_name().to_string_lossy().to_string();
                 let uuid = Uuid::parse_str(name.strip_suffix(".json")?).ok()?;
-                Some((uuid, self.get(&uuid)))
+                Some((uuid, self.read(&uuid)))
             })
             .collect();
         all.sort_by_key(|(uuid, _)| *uuid);
@@ -1131,6 +1177,35 @@ mod tests {
         std::fs::set_permissions(&fresh, std::fs::Permissions::from_mode(0o777)).unwrap();
         private_dir(&fresh).unwrap();
         assert_eq!(mode(&fresh), 0o755);
+        // Reading leaves the mode alone (a warning says what writing would do).
+        std::fs::set_permissions(&fresh, std::fs::Permissions::from_mode(0o775)).unwrap();
+        check_private_dir(&fresh).unwrap();
+        Definitions::new(&fresh).entries().unwrap();
+        assert!(matches!(
+            Definitions::new(&fresh).get(&Uuid::from_u128(1)),
+            Err(LifecycleError::NotDefined(_))
+        ));
+        assert_eq!(mode(&fresh), 0o775);
+        // A shared directory (sticky, others may write, as /tmp) is refused, read or written,
+        // and never changed.
+        let shared = dir.path().join("shared");
+        std::fs::create_dir(&shared).unwrap();
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let full_mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+        for err in [
+            private_dir(&shared).unwrap_err(),
+            check_private_dir(&shared).unwrap_err(),
+            Definitions::new(&shared).entries().unwrap_err(),
+            Definitions::new(&shared).define(&def(1, StartPolicy::Auto)).unwrap_err(),
+        ] {
+            assert!(matches!(err, LifecycleError::Shared { mode: 0o1777, .. }), "{err}");
+            assert!(err.to_string().contains("use a directory of its own"), "{err}");
+        }
+        assert_eq!(full_mode(&shared), 0o1777);
+        // A sticky directory nobody else may write to is a private one.
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1700)).unwrap();
+        private_dir(&shared).unwrap();
+        assert_eq!(full_mode(&shared), 0o1700);
         let file = dir.path().join("f");
         std::fs::write(&file, "").unwrap();
         assert!(matches!(

@@ -448,6 +448,60 @@ fn a_directory_option_a_command_does_not_use_is_refused() {
     env.ok(&["undefine", "-u", A]);
 }
 
+/// A shared directory (sticky and writable by others, as /tmp) is refused by every command
+/// and never changed; one of the user's own that others may write to is changed only by a
+/// command that writes there, and read as it is by one that only reads.
+#[test]
+fn a_query_never_changes_a_directorys_mode_and_a_shared_one_is_refused() {
+    let env = Dirs::new();
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+    let shared = env.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let at = |flag: &str, dir: &std::path::Path, args: &[&str]| {
+        let mut all = vec![flag.to_string(), dir.to_str().unwrap().to_string()];
+        all.extend(args.iter().map(|a| a.to_string()));
+        umdev().args(&all).stdin(Stdio::null()).output().unwrap()
+    };
+    for (flag, args) in [
+        ("--state-dir", &["list", "-d"][..]),
+        ("--state-dir", &["list", "-d", "--json"]),
+        ("--state-dir", &["define", "-t", "testdev"]),
+        ("--run-dir", &["daemon"]),
+        ("--run-dir", &["list"]),
+    ] {
+        let mut args = args.to_vec();
+        let state = env.state.to_str().unwrap();
+        if flag == "--run-dir" && args[0] == "daemon" {
+            args.extend(["--state-dir", state]);
+        }
+        let out = at(flag, &shared, &args);
+        let err = stderr_of(&out);
+        assert_eq!(mode(&shared), 0o1777, "{args:?} changed the shared directory: {err}");
+        // `list` only connects to the run directory's control socket (none there).
+        if args[0] != "list" || flag == "--state-dir" {
+            assert!(!out.status.success(), "{args:?}");
+            assert!(
+                err.contains("a shared directory") && err.contains("use a directory of its own"),
+                "{args:?}: {err}"
+            );
+        }
+    }
+    // One's own directory others may write to: a listing reads it as it is, with a warning;
+    // a definition written there takes that write access away.
+    let open = env.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let listed = at("--state-dir", &open, &["list", "-d"]);
+    assert!(listed.status.success(), "{}", stderr_of(&listed));
+    assert!(stderr_of(&listed).contains("reads it as it is"), "{}", stderr_of(&listed));
+    assert_eq!(mode(&open), 0o777);
+    let defined = at("--state-dir", &open, &["define", "-t", "testdev"]);
+    assert!(defined.status.success(), "{}", stderr_of(&defined));
+    assert!(stderr_of(&defined).contains("write access removed"), "{}", stderr_of(&defined));
+    assert_eq!(mode(&open), 0o755);
+}
+
 /// A daemon that takes the request and never answers: the command gives up after the wait
 /// `UMDEV_CONTROL_TIMEOUT_MS` sets (60 s by default), naming the socket; a value outside
 /// 1..=3600000 ms is refused before anything is sent.
