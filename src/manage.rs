@@ -10,7 +10,7 @@ use std::time::Duration;
 use sd_notify::NotifyState;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
-use umdev::control::{request, ControlRequest, ControlResponse, ControlServer};
+use umdev::control::{request, ControlError, ControlRequest, ControlResponse, ControlServer};
 use umdev::lifecycle::{
     check_definition, sync_status, DaemonStatus, Definition, DefinitionEntry, Definitions, InstanceSummary,
     LifecycleError, Manager, ReloadReport, StartPolicy, TypeSummary,
@@ -93,7 +93,20 @@ impl Dirs {
 }
 
 fn ask(dirs: &Dirs, req: ControlRequest) -> Result<serde_json::Value, String> {
-    let answer: ControlResponse = request(&dirs.control(), &req).map_err(|e| e.to_string())?;
+    result_of(request(&dirs.control(), &req).map_err(|e| e.to_string())?)
+}
+
+/// As [`ask`], for a request that changes what the daemon runs: one the daemon took but did
+/// not answer in time may still be carried out, and the message says so (`pending`, as
+/// "the device UUID may still start").
+fn ask_to_change(dirs: &Dirs, req: ControlRequest, pending: &str) -> Result<serde_json::Value, String> {
+    match request(&dirs.control(), &req) {
+        Err(e @ ControlError::NoAnswer(..)) => Err(format!("{e}; {pending}: see `umdev list`")),
+        answer => result_of(answer.map_err(|e| e.to_string())?),
+    }
+}
+
+fn result_of(answer: ControlResponse) -> Result<serde_json::Value, String> {
     if answer.ok {
         Ok(answer.result.unwrap_or(serde_json::Value::Null))
     } else {
@@ -507,9 +520,20 @@ pub fn start(dirs: &Dirs, args: StartArgs) -> Out {
             ty.check(&options).map_err(|e| e.to_string())?;
         }
     }
-    let result = ask(
+    // A new instance's UUID is chosen here, not by the daemon: a start that outlives the
+    // wait for its answer can still be named. (An --override start needs a definition's.)
+    let uuid = match uuid {
+        None if mdev_type.is_some() && !args.override_definition => Some(Uuid::new_v4()),
+        uuid => uuid,
+    };
+    let pending = match uuid {
+        Some(uuid) => format!("the device {uuid} may still start"),
+        None => "the device may still start".into(),
+    };
+    let result = ask_to_change(
         dirs,
         ControlRequest::Start { mdev_type, uuid, options, override_definition: args.override_definition },
+        &pending,
     )?;
     let started: InstanceSummary = serde_json::from_value(result).map_err(|e| e.to_string())?;
     out!("{} {}", started.uuid, started.socket.display())?;
@@ -544,7 +568,8 @@ fn pin_mode_name(m: PinModeName) -> &'static str {
 
 /// `umdev stop`.
 pub fn stop(dirs: &Dirs, uuid: &str, force: bool) -> Out {
-    ask(dirs, ControlRequest::Stop { uuid: parse_uuid(uuid)?, force }).map(drop)
+    let uuid = parse_uuid(uuid)?;
+    ask_to_change(dirs, ControlRequest::Stop { uuid, force }, &format!("{uuid} may still stop")).map(drop)
 }
 
 /// `umdev stats`.

@@ -548,6 +548,51 @@ fn a_daemon_that_does_not_answer_is_named_after_the_wait_the_environment_sets() 
     );
 }
 
+/// A start or stop the daemon took but did not answer in time may still happen: the message
+/// says so and names the device, whose UUID a start chooses before it asks (so one started
+/// without -u can be found).
+#[test]
+fn a_start_or_stop_that_is_not_answered_in_time_names_its_device() {
+    use std::io::BufRead;
+    let env = Dirs::new();
+    std::fs::create_dir_all(&env.run).unwrap();
+    let control = env.run.join("control.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&control).unwrap();
+    // The fake daemon: reads each request, answers none, until the test is done with it.
+    let (done, wait) = std::sync::mpsc::channel::<()>();
+    let (requests, received) = std::sync::mpsc::channel::<serde_json::Value>();
+    let fake = std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            let (conn, _) = listener.accept().unwrap();
+            let mut line = String::new();
+            std::io::BufReader::new(&conn).read_line(&mut line).unwrap();
+            requests.send(json(&line)).unwrap();
+            held.push(conn);
+        }
+        let _ = wait.recv();
+    });
+    let ask = |args: &[&str]| {
+        let out = env.command().args(args).env("UMDEV_CONTROL_TIMEOUT_MS", "200").output().unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        let request = received.recv_timeout(std::time::Duration::from_secs(60)).unwrap();
+        (stderr_of(&out), request)
+    };
+    let (err, request) = ask(&["start", "-t", "testdev"]);
+    let uuid = request["uuid"].as_str().expect("a UUID chosen by the client").to_string();
+    assert!(uuid::Uuid::parse_str(&uuid).is_ok(), "{request}");
+    assert!(err.contains("did not answer within 200ms"), "{err}");
+    assert!(err.contains(&format!("the device {uuid} may still start: see `umdev list`")), "{err}");
+    let (err, request) = ask(&["start", "-t", "testdev", "-u", A]);
+    assert_eq!(request["uuid"], A);
+    assert!(err.contains(&format!("the device {A} may still start")), "{err}");
+    let (err, request) = ask(&["stop", "-u", A]);
+    assert_eq!((request["op"].as_str(), request["uuid"].as_str()), (Some("stop"), Some(A)));
+    assert!(err.contains(&format!("{A} may still stop: see `umdev list`")), "{err}");
+    done.send(()).unwrap();
+    fake.join().unwrap();
+}
+
 /// `umdev <args>` writing into a pipe nobody reads any more (`umdev ... | head -0`): it must
 /// end quietly with status 0.
 fn into_a_closed_pipe(env: &Dirs, args: &[&str]) {
