@@ -268,6 +268,11 @@ impl Definitions {
         Definitions { dir: dir.into() }
     }
 
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     fn path(&self, uuid: &Uuid) -> PathBuf {
         self.dir.join(format!("{uuid}.json"))
     }
@@ -630,6 +635,10 @@ pub struct DaemonStatus {
     /// Why a definition's last start failed, by UUID (cleared when it starts).
     #[serde(default)]
     pub errors: BTreeMap<Uuid, String>,
+    /// The directory the daemon reads its definitions from (a client reading another one
+    /// would compare them with what it does not run).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub definitions: Option<PathBuf>,
 }
 
 /// A definition file as `umdev list --defined` sees it.
@@ -981,6 +990,7 @@ impl Manager {
             instances: self.list(),
             stopped: umdev_pinning::sync::lock(&self.stopped).iter().copied().collect(),
             errors: umdev_pinning::sync::lock(&self.errors).clone(),
+            definitions: Some(self.definitions.dir().to_path_buf()),
         }
     }
 
@@ -1282,6 +1292,7 @@ mod tests {
             instances,
             stopped: vec![held.uuid],
             errors: [(auto_down.uuid, "no room".to_string())].into(),
+            definitions: None,
         };
         let mut entries: Vec<DefinitionEntry> =
             [up, auto_down, manual_down, changed, held].into_iter().map(DefinitionEntry::valid).collect();

@@ -30,6 +30,8 @@ pub struct Dirs {
     pub run: PathBuf,
     /// Persistent definitions.
     pub state: PathBuf,
+    /// Whether `state` was named (`--state-dir`, `$UMDEV_STATE_DIR`) rather than a default.
+    pub state_named: bool,
 }
 
 /// Root's run directory: the service's `RuntimeDirectory=umdev`.
@@ -55,7 +57,9 @@ impl Dirs {
                     .unwrap_or_else(|| PathBuf::from(format!("/tmp/umdev-{}", nix::unistd::geteuid())))
             }
         });
-        let state = state.or_else(|| env("UMDEV_STATE_DIR")).unwrap_or_else(|| {
+        let state = state.or_else(|| env("UMDEV_STATE_DIR"));
+        let state_named = state.is_some();
+        let state = state.unwrap_or_else(|| {
             if root {
                 PathBuf::from(ROOT_STATE_DIR)
             } else {
@@ -67,7 +71,7 @@ impl Dirs {
         });
         // Paths the daemon reports back (sockets) must mean the same from any directory.
         let absolute = |p: PathBuf| std::path::absolute(&p).unwrap_or(p);
-        Dirs { run: absolute(run), state: absolute(state) }
+        Dirs { run: absolute(run), state: absolute(state), state_named }
     }
 
     /// As [`Dirs::resolve`], but the directories systemd made for the service come before the
@@ -89,6 +93,25 @@ impl Dirs {
 
     fn control(&self) -> PathBuf {
         self.run.join("control.sock")
+    }
+
+    /// Refuses a command whose definitions directory is not the one the daemon `status`
+    /// came from reads: it would show or start definitions the daemon does not have.
+    fn check_daemon_definitions(&self, status: &DaemonStatus) -> Result<(), String> {
+        let Some(theirs) = &status.definitions else { return Ok(()) };
+        let canonical = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+        if canonical(theirs) == canonical(&self.state) {
+            return Ok(());
+        }
+        let ours = if self.state_named { "named here" } else { "this command's default" };
+        Err(format!(
+            "the daemon on {} reads the definitions in {}, not {} ({ours}): give --state-dir {} (or \
+             $UMDEV_STATE_DIR), or run a daemon of their own on another --run-dir",
+            self.run.display(),
+            theirs.display(),
+            self.state.display(),
+            theirs.display()
+        ))
     }
 }
 
@@ -520,6 +543,12 @@ pub fn start(dirs: &Dirs, args: StartArgs) -> Out {
             ty.check(&options).map_err(|e| e.to_string())?;
         }
     }
+    // Definitions named here that the daemon does not read would go unused.
+    if dirs.state_named {
+        if let Some(status) = ask_if_running::<DaemonStatus>(dirs, &ControlRequest::Status)? {
+            dirs.check_daemon_definitions(&status)?;
+        }
+    }
     // A new instance's UUID is chosen here, not by the daemon: a start that outlives the
     // wait for its answer can still be named. (An --override start needs a definition's.)
     let uuid = match uuid {
@@ -608,6 +637,9 @@ pub fn list(dirs: &Dirs, view: &ListView) -> Out {
             DefinitionEntry::all(&Definitions::new(&dirs.state), &registry).map_err(|e| e.to_string())?;
         // Definitions need no daemon; without one their state is unknown.
         let daemon: Option<DaemonStatus> = ask_if_running(dirs, &ControlRequest::Status)?;
+        if let Some(status) = &daemon {
+            dirs.check_daemon_definitions(status)?;
+        }
         let rows: Vec<_> = sync_status(&entries, daemon.as_ref())
             .into_iter()
             .filter(|r| wanted(&r.uuid, &r.mdev_type))
@@ -643,8 +675,15 @@ pub fn list(dirs: &Dirs, view: &ListView) -> Out {
         }
         return Ok(());
     }
-    let result = ask(dirs, ControlRequest::List)?;
-    let list: Vec<InstanceSummary> = serde_json::from_value(result).map_err(|e| e.to_string())?;
+    let list: Vec<InstanceSummary> = if view.dumpjson {
+        // Its start policies come from the definitions: they must be the daemon's.
+        let status: DaemonStatus =
+            serde_json::from_value(ask(dirs, ControlRequest::Status)?).map_err(|e| e.to_string())?;
+        dirs.check_daemon_definitions(&status)?;
+        status.instances
+    } else {
+        serde_json::from_value(ask(dirs, ControlRequest::List)?).map_err(|e| e.to_string())?
+    };
     let list: Vec<InstanceSummary> = list.into_iter().filter(|i| wanted(&i.uuid, &i.mdev_type)).collect();
     if view.dumpjson {
         // An instance of a definition starts as it does (a config re-defined from this keeps

@@ -502,6 +502,54 @@ fn a_query_never_changes_a_directorys_mode_and_a_shared_one_is_refused() {
     assert_eq!(mode(&open), 0o755);
 }
 
+/// A definitions directory that is not the running daemon's is refused where it would be
+/// used (`start` naming one, `list --defined`, `list --dumpjson`), naming both; the daemon's
+/// under another spelling is the daemon's.
+#[test]
+fn definitions_the_daemon_does_not_read_are_refused() {
+    let env = Dirs::new();
+    let daemon = env.daemon(&[]);
+    let other = env.path().join("other-state");
+    let (run, theirs) = (env.run.to_str().unwrap(), env.state.to_str().unwrap());
+    let with_state = |state: &str, args: &[&str]| {
+        umdev()
+            .args(["--run-dir", run, "--state-dir", state])
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
+    for args in [&["start", "-t", "testdev"][..], &["list", "-d"], &["list", "--dumpjson"]] {
+        let out = with_state(other.to_str().unwrap(), args);
+        assert!(!out.status.success(), "{args:?}");
+        let err = stderr_of(&out);
+        let want =
+            format!("reads the definitions in {}, not {} (named here)", env.state.display(), other.display());
+        assert!(err.contains(&want) && err.contains(&format!("--state-dir {theirs}")), "{args:?}: {err}");
+    }
+    assert_eq!(env.ok(&["list"]), "", "nothing was started");
+    // The variable names a directory as the option does; a default that is not the daemon's
+    // is refused by the listing of definitions.
+    let out = env.command().args(["list", "-d"]).env("UMDEV_STATE_DIR", &other).output().unwrap();
+    assert!(stderr_of(&out).contains("(named here)"), "{}", stderr_of(&out));
+    let config = env.path().join("config");
+    let out = umdev()
+        .args(["--run-dir", run, "list", "-d"])
+        .env_remove("UMDEV_STATE_DIR")
+        .env("XDG_CONFIG_HOME", &config)
+        .env("HOME", &config)
+        .output()
+        .unwrap();
+    let err = stderr_of(&out);
+    assert!(err.contains("(this command's default)") && err.contains(theirs), "{err}");
+    // The same directory by another path is the same.
+    let again = format!("{theirs}/../state/.");
+    let started = with_state(&again, &["start", "-t", "testdev", "-u", A]);
+    assert!(started.status.success(), "{}", stderr_of(&started));
+    assert!(with_state(&again, &["list", "-d"]).status.success());
+    stop(daemon);
+}
+
 /// A daemon that takes the request and never answers: the command gives up after the wait
 /// `UMDEV_CONTROL_TIMEOUT_MS` sets (60 s by default), naming the socket; a value outside
 /// 1..=3600000 ms is refused before anything is sent.
