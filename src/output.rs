@@ -67,6 +67,21 @@ pub fn write_file(path: &Path, data: &[u8]) -> Out {
         .map_err(|e| format!("chmod {}: {e}", path.display()))
 }
 
+/// Opens a file the user asked for, to be written later: a path that cannot be written
+/// fails before the work whose result it is to hold. A regular file is emptied, and made
+/// mode 0644; something else (`/dev/stdout`, a pipe) is left as it is. Also says whether the
+/// file is new.
+pub fn create_file(path: &Path) -> Result<(std::fs::File, bool), String> {
+    let new = std::fs::symlink_metadata(path).is_err();
+    let file = std::fs::File::create(path).map_err(|e| format!("creating {}: {e}", path.display()))?;
+    let regular = file.metadata().map_err(|e| format!("{}: {e}", path.display()))?.is_file();
+    if regular {
+        file.set_permissions(std::fs::Permissions::from_mode(0o644))
+            .map_err(|e| format!("chmod {}: {e}", path.display()))?;
+    }
+    Ok((file, new && regular))
+}
+
 /// Creates a directory the user asked for (and its missing parents), mode 0755. One that
 /// exists is left as it is.
 pub fn create_dir(path: &Path) -> Out {

@@ -1005,6 +1005,9 @@ pub fn command(o: &Options) -> Result<(), String> {
         }
         return Ok(());
     }
+    // The picture's file is made first: a path it cannot have fails before minutes of
+    // measuring, not after.
+    let mut picture = o.svg.as_deref().map(Picture::create).transpose()?;
     let effort = Effort { rounds: o.rounds, batch: Duration::from_micros(o.batch_us) };
     let rows = run(effort, o.only, |row| {
         if o.json {
@@ -1012,12 +1015,6 @@ pub fn command(o: &Options) -> Result<(), String> {
         }
         Ok(())
     })?;
-    if let Some(path) = &o.svg {
-        plot::draw(&rows, &caption(o.rounds), path)?;
-        // Drawn through the process's umask (077); a picture is for everyone to read.
-        std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o644))
-            .map_err(|e| format!("chmod {}: {e}", path.display()))?;
-    }
     let memory = memory_report()?;
     if o.json {
         out!("{}", serde_json::to_string(&memory).expect("report serializes"))?;
@@ -1036,7 +1033,45 @@ pub fn command(o: &Options) -> Result<(), String> {
             memory.map_unmap_64g_ns / 1000.0
         )?;
     }
+    // Drawn after the table is printed: a picture that fails loses no figure.
+    if let Some(picture) = picture.as_mut() {
+        picture
+            .write(&rows, o.rounds)
+            .map_err(|e| format!("{e} (the figures above are complete; only the picture is missing)"))?;
+    }
     Ok(())
+}
+
+/// `--svg`'s file, opened before the benchmark runs; a new one is removed unless the
+/// picture was written into it (a failed run leaves no empty picture behind).
+struct Picture {
+    path: std::path::PathBuf,
+    file: std::fs::File,
+    /// Removed on drop: made here and not written.
+    remove: bool,
+}
+
+impl Picture {
+    fn create(path: &std::path::Path) -> Result<Picture, String> {
+        let (file, new) = crate::output::create_file(path)?;
+        Ok(Picture { path: path.to_path_buf(), file, remove: new })
+    }
+
+    fn write(&mut self, rows: &[Row], rounds: usize) -> Result<(), String> {
+        let svg = plot::draw(rows, &caption(rounds), &self.path)?;
+        std::io::Write::write_all(&mut self.file, svg.as_bytes())
+            .map_err(|e| format!("writing {}: {e}", self.path.display()))?;
+        self.remove = false;
+        Ok(())
+    }
+}
+
+impl Drop for Picture {
+    fn drop(&mut self) {
+        if self.remove {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
 }
 
 #[cfg(test)]

@@ -869,6 +869,34 @@ mod benches {
         assert!(!seen.contains("umdev ccwbench: [1/"), "lines are for logs, not terminals: {seen:?}");
     }
 
+    /// `--svg` names a file the picture cannot go to: refused before anything is measured
+    /// (with --json each row is printed as it is measured: none is); a picture that fails
+    /// to be written loses none of the figures, which are printed first.
+    #[test]
+    fn pinbench_checks_its_picture_first_and_prints_its_figures_whatever_becomes_of_it() {
+        let env = Dirs::new();
+        let out =
+            env.umdev(&["pinbench", "--json", "--rounds", "1", "--svg", "/nonexistent-umdev/dir/x.svg"]);
+        assert!(!out.status.success());
+        assert!(
+            stderr_of(&out).contains("creating /nonexistent-umdev/dir/x.svg: No such file"),
+            "{}",
+            stderr_of(&out)
+        );
+        assert!(out.stdout.is_empty() && !stderr_of(&out).contains("[1/"), "it ran: {}", stderr_of(&out));
+        let full = std::path::Path::new("/dev/full");
+        if !full.exists() {
+            return eprintln!("SKIPPED the rest: no /dev/full to fail a write");
+        }
+        let mode = std::fs::metadata(full).unwrap().permissions().mode();
+        let out = env.umdev(&["pinbench", "--rounds", "1", "--batch-us", "1", "--svg", "/dev/full"]);
+        assert!(!out.status.success());
+        let err = stderr_of(&out);
+        assert!(err.contains("writing /dev/full") && err.contains("only the picture is missing"), "{err}");
+        assert!(String::from_utf8_lossy(&out.stdout).contains("bookkeeping:"), "no table printed");
+        assert!(full.exists() && std::fs::metadata(full).unwrap().permissions().mode() == mode);
+    }
+
     #[test]
     fn pinbench_writes_a_picture_everyone_can_read_and_stops_at_a_closed_pipe() {
         let env = Dirs::new();

@@ -47,8 +47,8 @@ pub struct Caption {
     pub rounds: usize,
 }
 
-/// Draws `rows` into `path`.
-pub fn draw(rows: &[Row], caption: &Caption, path: &Path) -> Result<(), String> {
+/// Draws `rows` as an SVG document (for `path`, which errors name).
+pub fn draw(rows: &[Row], caption: &Caption, path: &Path) -> Result<String, String> {
     let of = |backing: &str, mode: &str, per_page: bool| -> Vec<(f64, f64)> {
         let mut points: Vec<(f64, f64)> = rows
             .iter()
@@ -61,7 +61,7 @@ pub fn draw(rows: &[Row], caption: &Caption, path: &Path) -> Result<(), String> 
     let blue = RGBColor(31, 90, 200);
     let red = RGBColor(200, 40, 40);
     let green = RGBColor(20, 140, 60);
-    let purple = RGBColor(140, 60, 170);
+    let purple = PURPLE;
     let mut series = Vec::new();
     let mut add = |label: &str, points: Vec<(f64, f64)>, color, stroke| {
         if !points.is_empty() {
@@ -91,8 +91,23 @@ pub fn draw(rows: &[Row], caption: &Caption, path: &Path) -> Result<(), String> 
         return Err("no rows of the 4 KiB memfd's contiguous pattern to draw".into());
     }
 
+    let mut svg = String::new();
+    paint(SVGBackend::with_string(&mut svg, (1280, 760)).into_drawing_area(), &series, caption, path)?;
+    Ok(svg)
+}
+
+/// The THP lines' and points' colour.
+const PURPLE: RGBColor = RGBColor(140, 60, 170);
+
+/// Paints `series` and the seeds' points on `root`.
+fn paint(
+    root: DrawingArea<SVGBackend<'_>, plotters::coord::Shift>,
+    series: &[Series],
+    caption: &Caption,
+    path: &Path,
+) -> Result<(), String> {
+    let purple = PURPLE;
     let err = |e: &dyn std::fmt::Display| format!("drawing {}: {e}", path.display());
-    let root = SVGBackend::new(path, (1280, 760)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let (top, bottom) = root.split_vertically(56);
     top.draw_text(
@@ -135,7 +150,7 @@ pub fn draw(rows: &[Row], caption: &Caption, path: &Path) -> Result<(), String> 
         .light_line_style(RGBColor(235, 235, 235))
         .draw()
         .map_err(|e| err(&e))?;
-    for s in &series {
+    for s in series {
         match s.stroke {
             Stroke::Solid(w) => {
                 chart
@@ -177,7 +192,7 @@ pub fn draw(rows: &[Row], caption: &Caption, path: &Path) -> Result<(), String> 
     legend
         .draw_text("Lines (this machine):", &("sans-serif", 16).into_font().color(&BLACK), (8, 6))
         .map_err(|e| err(&e))?;
-    for s in &series {
+    for s in series {
         let (x0, x1) = (10, 62);
         match s.stroke {
             Stroke::Solid(w) => legend
