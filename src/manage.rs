@@ -820,8 +820,14 @@ pub fn modify(dirs: &Dirs, args: ModifyArgs) -> Out {
             }
         }
         def.options.params.extend(args.set.params);
-        check(&def)?;
-        instance_changed.set(before != (def.mdev_type.clone(), def.options.clone()));
+        let changed = before != (def.mdev_type.clone(), def.options.clone());
+        // Only the start policy changed: the type and options were checked when they were
+        // set, and a backing file gone since must not keep a definition from being switched
+        // to --manual (a broken --auto one, say).
+        if changed {
+            check(&def)?;
+        }
+        instance_changed.set(changed);
         Ok(def)
     };
     Definitions::new(&dirs.state)

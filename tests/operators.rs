@@ -276,6 +276,27 @@ fn modify_and_mdevctls_json() {
     assert_eq!(state(B)["mdev_type"], "ccw");
 }
 
+/// A modify that changes only the start policy does not check the options again: a
+/// definition whose file has gone can still be switched off (or on); one that changes an
+/// option is checked as define checks.
+#[test]
+fn the_start_policy_of_a_definition_whose_file_has_gone_can_be_changed() {
+    let env = Dirs::new();
+    let image = env.path().join("img3");
+    std::fs::File::create(&image).unwrap().set_len(1 << 20).unwrap();
+    env.ok(&["define", "-t", "nvme", "-u", A, "--auto", "--opt", &format!("ns1=file:{}", image.display())]);
+    std::fs::remove_file(&image).unwrap();
+    env.ok(&["modify", "-u", A, "--manual"]);
+    env.ok(&["modify", "-u", A, "--auto"]);
+    env.ok(&["modify", "-u", A, "--manual"]);
+    let rows = json(&env.ok(&["list", "-d", "--json", "-u", A]));
+    assert_eq!((rows[0]["start"].as_str(), rows[0]["state"].as_str()), (Some("manual"), Some("invalid")));
+    let gone = format!("{}: No such file", image.display());
+    assert!(env.fails(&["modify", "-u", A, "--opt", "lba=4096"]).contains(&gone));
+    assert!(env.fails(&["modify", "-u", A, "--auto", "--pin-mode", "lock"]).contains(&gone));
+    assert_eq!(json(&env.ok(&["list", "-d", "--json", "-u", A]))[0]["start"], "manual", "nothing written");
+}
+
 #[test]
 fn a_defined_device_starts_as_defined_unless_overridden() {
     let env = Dirs::new();
