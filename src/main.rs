@@ -414,7 +414,8 @@ enum Command {
     /// Print the umdev(1) man page, or with --dir write one page per command (umdev.1,
     /// umdev-daemon.1, ...).
     Man {
-        /// Write every page into this directory instead.
+        /// Write every page into this directory instead (made, mode 0755, if it is missing;
+        /// its parent must exist).
         #[arg(long)]
         dir: Option<PathBuf>,
     },
@@ -495,10 +496,8 @@ fn unused_directory(cli: &Cli, command: &str) -> Option<String> {
 /// The CLI, with every type's options in the help of the commands that take them (and so in
 /// their man pages).
 fn cli_command() -> clap::Command {
-    let registry = umdev::builtin_registry();
     let mut text = String::from("Device types and their options:\n");
-    for ty in registry.types() {
-        let summary = umdev::lifecycle::TypeSummary::of(ty.as_ref(), usize::MAX);
+    for summary in type_summaries() {
         text.push_str(&format!("\n{}: {}\n", summary.name, summary.description));
         for line in manage::option_lines(&summary) {
             text.push_str(&line);
@@ -520,21 +519,64 @@ fn cli_command() -> clap::Command {
                 and_list(&STATE_DIR_USERS)
             ))
         });
-    for name in ["start", "define", "modify", "run", "types"] {
+    for name in TYPE_OPTION_USERS {
         cli = cli.mut_subcommand(name, |c| c.after_long_help(text.clone()));
+    }
+    // A global option reaches every subcommand's help and page; one that refuses it gets a
+    // hidden copy instead (clap propagates a global option only where the subcommand has none
+    // of that name), which still parses, for `unused_directory` to refuse it.
+    for (id, users) in [("run_dir", &RUN_DIR_USERS[..]), ("state_dir", &STATE_DIR_USERS[..])] {
+        let Some(arg) = cli.get_arguments().find(|a| a.get_id() == id).cloned() else { continue };
+        let others: Vec<String> = cli
+            .get_subcommands()
+            .map(|c| c.get_name().to_string())
+            .filter(|name| !users.contains(&name.as_str()))
+            .collect();
+        for name in others {
+            let hidden = arg.clone().hide(true);
+            cli = cli.mut_subcommand(name, |c| c.arg(hidden));
+        }
     }
     cli
 }
 
-/// The environment variables umdev reads, as `umdev --help` and umdev(1) list them.
-fn environment_help() -> String {
+/// The commands whose help (and page) lists every type's options.
+const TYPE_OPTION_USERS: [&str; 5] = ["start", "define", "modify", "run", "types"];
+
+/// Every built-in type, with its options.
+fn type_summaries() -> Vec<umdev::lifecycle::TypeSummary> {
+    let registry = umdev::builtin_registry();
+    registry.types().iter().map(|ty| umdev::lifecycle::TypeSummary::of(ty.as_ref(), usize::MAX)).collect()
+}
+
+/// The environment variables umdev reads, and what each does.
+fn environment() -> Vec<(String, String)> {
     use umdev::control::{DEFAULT_TIMEOUT, MAX_TIMEOUT_MS, MIN_TIMEOUT_MS, TIMEOUT_ENV};
-    format!(
-        "Environment:\n  UMDEV_RUN_DIR, UMDEV_STATE_DIR  the directories, for every command (--run-dir and \
-         --state-dir, where a command takes them, come first)\n  {TIMEOUT_ENV}  how long a command waits for the daemon's answer, \
-         {MIN_TIMEOUT_MS} to {MAX_TIMEOUT_MS} ms ({} by default)",
-        DEFAULT_TIMEOUT.as_millis()
-    )
+    vec![
+        (
+            "UMDEV_RUN_DIR, UMDEV_STATE_DIR".into(),
+            "the directories, for every command (--run-dir and --state-dir, where a command takes them, \
+             come first)"
+                .into(),
+        ),
+        (
+            TIMEOUT_ENV.into(),
+            format!(
+                "how long a command waits for the daemon's answer, {MIN_TIMEOUT_MS} to {MAX_TIMEOUT_MS} ms \
+                 ({} by default)",
+                DEFAULT_TIMEOUT.as_millis()
+            ),
+        ),
+    ]
+}
+
+/// The environment variables, as `umdev --help` lists them.
+fn environment_help() -> String {
+    let mut text = String::from("Environment:");
+    for (name, what) in environment() {
+        text.push_str(&format!("\n  {name}  {what}"));
+    }
+    text
 }
 
 fn main() {
@@ -723,38 +765,97 @@ fn dispatch(command: Command, dirs: &manage::Dirs) -> output::Out {
     }
 }
 
-/// `umdev completions SHELL`: from the same CLI definition as the parser.
+/// `umdev completions SHELL`: from the same CLI definition as the parser, with the type
+/// names offered for each type argument.
 fn completions(shell: clap_complete::Shell) -> output::Out {
+    // Only for completion: the parser takes any name and refuses an unknown one itself,
+    // with its own message.
+    let names: Vec<String> = type_summaries().into_iter().map(|t| t.name).collect();
+    let mut cli = cli_command();
+    let takers: Vec<String> = cli
+        .get_subcommands()
+        .filter(|c| c.get_arguments().any(|a| a.get_id() == "type_name"))
+        .map(|c| c.get_name().to_string())
+        .collect();
+    for name in takers {
+        let names = names.clone();
+        cli = cli.mut_subcommand(name, |c| {
+            c.mut_arg("type_name", |a| a.value_parser(clap::builder::PossibleValuesParser::new(names)))
+        });
+    }
     // Into a buffer first: clap_complete panics on a failed write (a closed pipe, say).
     let mut script = Vec::new();
-    clap_complete::generate(shell, &mut cli_command(), "umdev", &mut script);
+    clap_complete::generate(shell, &mut cli, "umdev", &mut script);
     output::bytes(&script)
 }
 
 /// `umdev man [--dir DIR]`: umdev(1) to stdout, or a page per command into DIR (0644, and
-/// DIR 0755 if it is made).
+/// DIR 0755 if it is made; its parent must exist).
 fn man(dir: Option<&Path>) -> output::Out {
-    let mut cli = cli_command();
+    // No page for clap's `help` subcommand, and so no mention of one (as clap_mangen's own
+    // generate_to); `umdev help` still works.
+    let mut cli = cli_command().disable_help_subcommand(true);
     // Built, the subcommands know their full names (umdev-daemon) and the global options.
     cli.build();
     let Some(dir) = dir else {
-        let mut page = Vec::new();
-        clap_mangen::Man::new(cli).render(&mut page).map_err(|e| format!("rendering umdev(1): {e}"))?;
-        return output::bytes(&page);
+        return output::bytes(&man_page(cli)?);
     };
     output::create_dir(dir)?;
     let subcommands: Vec<clap::Command> =
-        cli.get_subcommands().filter(|c| c.get_name() != "help" && !c.is_hide_set()).cloned().collect();
+        cli.get_subcommands().filter(|c| !c.is_hide_set()).cloned().collect();
     for command in std::iter::once(cli).chain(subcommands) {
-        // Subcommands have no version of their own: every page names umdev's.
-        let page = clap_mangen::Man::new(command).source(concat!("umdev ", env!("CARGO_PKG_VERSION")));
-        let path = dir.join(page.get_filename());
-        let mut text = Vec::new();
-        page.render(&mut text).map_err(|e| format!("rendering {}: {e}", path.display()))?;
-        output::write_file(&path, &text)?;
+        let path =
+            dir.join(format!("{}.1", command.get_display_name().unwrap_or_else(|| command.get_name())));
+        output::write_file(&path, &man_page(command)?)?;
         out!("{}", path.display())?;
     }
     Ok(())
+}
+
+/// A command's page: clap_mangen's sections, with what `--help` shows after the options
+/// under a heading of its own (clap_mangen's is EXTRA, its text roff reflows): ENVIRONMENT
+/// on umdev(1), DEVICE TYPES on the pages of the commands that take options.
+fn man_page(command: clap::Command) -> Result<Vec<u8>, String> {
+    use roff::{bold, roman, Roff};
+    let name = command.get_display_name().unwrap_or_else(|| command.get_name()).to_string();
+    let mut extra = Roff::new();
+    if command.get_after_help().is_some() || command.get_after_long_help().is_some() {
+        if name == "umdev" {
+            extra.control("SH", ["ENVIRONMENT"]);
+            for (variable, what) in environment() {
+                extra.control("TP", []).text([bold(variable)]).text([roman(what)]);
+            }
+        } else {
+            extra.control("SH", ["DEVICE TYPES"]);
+            extra.text([roman(
+                "Each type's options, given as --opt KEY=VALUE (each key once), and --pin-mode \
+                 track|lock|kernel:",
+            )]);
+            for t in type_summaries() {
+                extra.control("SS", [t.name.as_str()]).text([roman(t.description.clone())]);
+                if t.options.is_empty() {
+                    extra.control("PP", []).text([roman("No options.")]);
+                }
+                for o in &t.options {
+                    let default = o.default.as_deref().map(|d| format!(" (default {d})")).unwrap_or_default();
+                    extra
+                        .control("TP", [])
+                        .text([bold(format!("{}={}", o.key, o.syntax)), roman(default)])
+                        .text([roman(o.help.clone())]);
+                }
+            }
+        }
+    }
+    let command = command.after_help(None::<&str>).after_long_help(None::<&str>);
+    // Subcommands have no version of their own: every page names umdev's.
+    let page = clap_mangen::Man::new(command).source(concat!("umdev ", env!("CARGO_PKG_VERSION")));
+    let mut text = Vec::new();
+    page.render(&mut text).map_err(|e| format!("rendering {name}(1): {e}"))?;
+    let mut text = String::from_utf8(text).map_err(|e| format!("rendering {name}(1): {e}"))?;
+    // Before the VERSION section, where the help's own text stood.
+    let at = text.find("\n.SH VERSION\n").map_or(text.len(), |i| i + 1);
+    text.insert_str(at, &extra.render());
+    Ok(text.into_bytes())
 }
 
 /// The documents' commands, as tests/docs.rs reads them.

@@ -82,19 +82,24 @@ pub fn create_file(path: &Path) -> Result<(std::fs::File, bool), String> {
     Ok((file, new && regular))
 }
 
-/// Creates a directory the user asked for (and its missing parents), mode 0755. One that
-/// exists is left as it is.
+/// Creates a directory the user asked for, mode 0755; its parent must exist (a mistyped
+/// path is an error, not a tree of directories). One that exists is left as it is.
 pub fn create_dir(path: &Path) -> Out {
     if path.is_dir() {
         return Ok(());
-    }
-    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-        create_dir(parent)?;
     }
     match std::fs::create_dir(path) {
         Ok(()) => std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))
             .map_err(|e| format!("chmod {}: {e}", path.display())),
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && path.is_dir() => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+            Err(format!(
+                "creating {}: its parent {} does not exist (only the last directory is made)",
+                path.display(),
+                parent.display()
+            ))
+        }
         Err(e) => Err(format!("creating {}: {e}", path.display())),
     }
 }

@@ -135,7 +135,15 @@ fn every_option_can_be_found_from_the_cli() {
     let env = Dirs::new();
     let types = json(&env.ok(&["types", "--json"]));
     let verbose = env.ok(&["types", "-v"]);
+    // Only the last directory is made: a mistyped path is an error, and makes nothing.
     let dir = env.path().join("man/man1");
+    let missing = env.fails(&["man", "--dir", dir.to_str().unwrap()]);
+    assert!(
+        missing.contains(&format!("its parent {} does not exist", dir.parent().unwrap().display())),
+        "{missing}"
+    );
+    assert!(!dir.parent().unwrap().exists());
+    std::fs::create_dir(dir.parent().unwrap()).unwrap();
     env.ok(&["man", "--dir", dir.to_str().unwrap()]);
     let define_page = std::fs::read_to_string(dir.join("umdev-define.1")).unwrap();
     let mut keys = 0;
@@ -155,15 +163,8 @@ fn every_option_can_be_found_from_the_cli() {
     assert!(
         verbose.contains("ns1..ns16=ram:SIZE|file:/PATH") && verbose.contains("store=ram:SIZE|file:/PATH")
     );
-    // Files asked for are readable by all; the directories made for them too.
-    for path in [dir.as_path(), dir.parent().unwrap()] {
-        assert_eq!(
-            std::fs::metadata(path).unwrap().permissions().mode() & 0o777,
-            0o755,
-            "{}",
-            path.display()
-        );
-    }
+    // Files asked for are readable by all; the directory made for them too.
+    assert_eq!(std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777, 0o755);
     for page in std::fs::read_dir(&dir).unwrap() {
         let page = page.unwrap().path();
         assert_eq!(

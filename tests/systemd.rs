@@ -376,11 +376,21 @@ fn completions_and_man_pages_come_from_the_cli() {
         }
     }
     assert!(!umdev().args(["completions", "tcsh"]).output().unwrap().status.success());
+    // A type argument is completed with the type names, not file names.
+    let bash = String::from_utf8(umdev().args(["completions", "bash"]).output().unwrap().stdout).unwrap();
+    let start = &bash[bash.find("umdev__subcmd__start)").expect("start's completions")..];
+    let types = start.find("--type)").expect("--type's completion");
+    let line = start[types..].lines().nth(1).unwrap_or_default();
+    assert!(line.contains("compgen -W \"testdev mtty-1 mtty-2 ccw nvme\""), "{line}");
 
     let out = umdev().arg("man").output().unwrap();
     assert!(out.status.success());
     let page = String::from_utf8(out.stdout).unwrap();
     assert!(page.contains(".TH umdev 1"), "{page}");
+    // The environment under its own heading, each variable an entry; no page is named that
+    // is not written (clap's `help`).
+    assert!(page.contains(".SH ENVIRONMENT\n.TP\n\\fBUMDEV_RUN_DIR, UMDEV_STATE_DIR\\fR"), "{page}");
+    assert!(!page.contains(".SH EXTRA") && !page.contains("umdev\\-help(1)"), "{page}");
     for verb in verbs {
         assert!(page.contains(&format!("umdev\\-{verb}(1)")) || page.contains(verb), "umdev(1) lacks {verb}");
     }
@@ -400,6 +410,15 @@ fn completions_and_man_pages_come_from_the_cli() {
     assert!(daemon.contains("SIGHUP") && daemon.contains("\\-\\-max\\-instances"), "{daemon}");
     assert!(dir.path().join("umdev.1").exists());
     assert!(!dir.path().join("umdev-help.1").exists(), "no page for clap's help");
+    // Options' pages list the types' options under their own heading; a page lists only the
+    // directory options its command takes.
+    let start = std::fs::read_to_string(dir.path().join("umdev-start.1")).unwrap();
+    assert!(start.contains(".SH \"DEVICE TYPES\"") && start.contains(".SS nvme"), "{start}");
+    assert!(!start.contains(".SH EXTRA"), "{start}");
+    let define = std::fs::read_to_string(dir.path().join("umdev-define.1")).unwrap();
+    assert!(define.contains("\\-\\-state\\-dir") && !define.contains("\\-\\-run\\-dir"), "{define}");
+    let stats = std::fs::read_to_string(dir.path().join("umdev-stats.1")).unwrap();
+    assert!(stats.contains("\\-\\-run\\-dir") && !stats.contains("\\-\\-state\\-dir"), "{stats}");
 }
 
 #[test]
