@@ -23,6 +23,7 @@
 //! buffer can hold). Medians over the rounds, and the median of each round's on/off ratio.
 
 use crate::output::out;
+use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -537,6 +538,42 @@ fn absolute(file: &Path) -> Result<PathBuf, String> {
     std::fs::canonicalize(file).map_err(|e| format!("{}: {e}", file.display()))
 }
 
+/// The nvme options of the server under test: the benchmark's own (two queues of
+/// [`QUEUE_ENTRIES`], namespace 1 in RAM or on `file`, `cache1=none` for a file), each
+/// overridden by the one of `opts` with its key. Refused: what the workloads cannot run
+/// with (fewer queues or entries), and `ns1` beside `file`, which sets it.
+fn server_options(opts: &[String], file: Option<&Path>) -> Result<BTreeMap<String, String>, String> {
+    let given = crate::parse_params(opts)?;
+    if file.is_some() && given.contains_key("ns1") {
+        return Err("--opt ns1 and --file both name namespace 1: give one".into());
+    }
+    for (key, least) in [("queues", 2), ("entries", QUEUE_ENTRIES)] {
+        // A value that is no number is the server's to refuse, in its words.
+        if let Some(n) = given.get(key).and_then(|v| v.parse::<u32>().ok()).filter(|n| *n < least) {
+            return Err(format!("--opt {key}={n}: the benchmark's workloads need {key}={least} at least"));
+        }
+    }
+    let mut params = BTreeMap::from([
+        ("queues".to_string(), "2".to_string()),
+        ("entries".to_string(), QUEUE_ENTRIES.to_string()),
+        (
+            "ns1".to_string(),
+            match file {
+                Some(file) => {
+                    check_size(file)?;
+                    format!("file:{}", file.display())
+                }
+                None => format!("ram:{}M", NS_BYTES >> 20),
+            },
+        ),
+    ]);
+    if file.is_some() {
+        params.insert("cache1".into(), "none".into());
+    }
+    params.extend(given);
+    Ok(params)
+}
+
 /// Runs the benchmark: the workloads whose name starts with `only` (refused if none does), on
 /// a RAM namespace or, with `file`, on that file (`cache1=none` unless `opts` set `cache1`).
 pub fn run(
@@ -563,21 +600,13 @@ pub fn run(
     let dir = crate::protobench::tempfile_dir_for("nvmebench")?;
     let duration = if quick { Duration::from_millis(400) } else { Duration::from_secs(2) };
     let file = file.map(absolute).transpose()?;
-    let mut ns = vec![match file.as_deref() {
-        Some(file) => {
-            check_size(file)?;
-            format!("ns1=file:{}", file.display())
-        }
-        None => format!("ns1=ram:{}M", NS_BYTES >> 20),
-    }];
-    if file.is_some() && !opts.iter().any(|o| o.starts_with("cache1=")) {
-        ns.push("cache1=none".into());
-    }
-    let entries = format!("entries={QUEUE_ENTRIES}");
-    let mut args: Vec<&str> = vec!["--type", "nvme", "--opt", "queues=2", "--opt", &entries];
-    for o in ns.iter().chain(opts) {
-        args.extend(["--opt", o.as_str()]);
-    }
+    let params = server_options(opts, file.as_deref())?;
+    let args: Vec<String> = ["--type", "nvme"]
+        .into_iter()
+        .map(String::from)
+        .chain(params.iter().flat_map(|(k, v)| ["--opt".to_string(), format!("{k}={v}")]))
+        .collect();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     progress.step("starting the servers");
     let server = Server::start(dir.path(), "nvme", &args)?;
     let floor_server = Server::start(dir.path(), "testdev", &["--type", "testdev"])?;
@@ -613,7 +642,10 @@ pub fn run(
     let stats = server.stop();
     drop(floor_server);
     Ok(Report {
-        namespace: ns.join(" ").replacen("ns1=", "", 1),
+        namespace: std::iter::once(params["ns1"].clone())
+            .chain(params.get("cache1").map(|c| format!("cache1={c}")))
+            .collect::<Vec<_>>()
+            .join(" "),
         shadow_doorbells,
         floors: Floors {
             memcpy_2m_gb_per_sec: (m2 + m2b) / 2.0,
@@ -924,4 +956,38 @@ pub fn print_fixed(r: &FixedReport) -> crate::output::Out {
         r.fixed_transfers_off
     )?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(list: &[&str]) -> Vec<String> {
+        list.iter().map(|o| o.to_string()).collect()
+    }
+
+    #[test]
+    fn a_users_option_overrides_the_benchmarks_own_within_what_the_workloads_need() {
+        let base = server_options(&[], None).unwrap();
+        assert_eq!(base["queues"], "2");
+        assert_eq!(base["ns1"], "ram:256M");
+        let over = server_options(&opts(&["queues=4", "poll_us=0", "ns1=ram:1G"]), None).unwrap();
+        assert_eq!((over["queues"].as_str(), over["poll_us"].as_str()), ("4", "0"));
+        assert_eq!((over["ns1"].as_str(), over["entries"].as_str()), ("ram:1G", "256"));
+        let file = tempfile::NamedTempFile::new().unwrap();
+        file.as_file().set_len(NS_BYTES).unwrap();
+        let on_file = server_options(&opts(&["cache1=writeback"]), Some(file.path())).unwrap();
+        assert_eq!(on_file["cache1"], "writeback");
+        assert_eq!(server_options(&[], Some(file.path())).unwrap()["cache1"], "none");
+        for (bad, why) in [
+            (&["queues=1"][..], "need queues=2 at least"),
+            (&["entries=64"], "need entries=256 at least"),
+            (&["queues=4", "queues=5"], "option queues given twice"),
+        ] {
+            let e = server_options(&opts(bad), None).unwrap_err();
+            assert!(e.contains(why), "{bad:?}: {e}");
+        }
+        let e = server_options(&opts(&["ns1=ram:1G"]), Some(file.path())).unwrap_err();
+        assert!(e.contains("--opt ns1 and --file both name namespace 1"), "{e}");
+    }
 }

@@ -767,6 +767,9 @@ mod benches {
         // The server under test refuses its options: its own words come through.
         let refused = env.fails(&["nvmebench", "--quick", "--opt", "lba=3"]);
         assert!(refused.contains("bad option for type nvme: lba=3: one of 512, 4096"), "{refused}");
+        // An option overrides the benchmark's own, but not below what its workloads use.
+        let few = env.fails(&["nvmebench", "--quick", "--opt", "queues=1"]);
+        assert!(few.contains("the benchmark's workloads need queues=2 at least"), "{few}");
     }
 
     /// `nvmebench --file` with a path relative to the caller's directory (the server takes
