@@ -110,12 +110,19 @@ pub enum ControlError {
          and its log say more; {TIMEOUT_ENV} sets how long to wait)", .0.display(), duration_text(.1)
     )]
     NoAnswer(PathBuf, Duration),
+    /// Something else than a socket is where the control socket would be (the path, what it
+    /// is): no daemon can listen there until it is removed.
+    #[error(
+        "the umdev daemon is not running: {path} is {kind}, not a socket; remove it (`umdev daemon` does \
+         not, and cannot listen there while it is there)", path = .0.display(), kind = .1
+    )]
+    NotASocket(PathBuf, &'static str),
     /// [`TIMEOUT_ENV`] does not hold a timeout.
     #[error("{0}")]
     BadTimeout(String),
-    /// The exchange failed.
-    #[error("talking to the daemon: {0}")]
-    Io(#[from] io::Error),
+    /// The exchange failed (the control socket's path, the error).
+    #[error("talking to the umdev daemon at {path}: {error}", path = .0.display(), error = .1)]
+    Io(PathBuf, io::Error),
     /// The daemon's answer was not understood.
     #[error("bad answer from the daemon: {0}")]
     Protocol(String),
@@ -124,7 +131,7 @@ pub enum ControlError {
 impl ControlError {
     /// True when no daemon answers (the control socket is missing or stale).
     pub fn not_running(&self) -> bool {
-        matches!(self, ControlError::NotRunning(_) | ControlError::Stale(_))
+        matches!(self, ControlError::NotRunning(_) | ControlError::Stale(_) | ControlError::NotASocket(..))
     }
 }
 
@@ -288,6 +295,20 @@ fn duration_text(d: &Duration) -> String {
     }
 }
 
+/// What is at `path`, if it is there and not a socket: "a directory", "a regular file", ...
+fn not_a_socket(path: &Path) -> Option<&'static str> {
+    use std::os::unix::fs::FileTypeExt;
+    let kind = std::fs::symlink_metadata(path).ok()?.file_type();
+    Some(match kind {
+        k if k.is_socket() => return None,
+        k if k.is_dir() => "a directory",
+        k if k.is_file() => "a regular file",
+        k if k.is_symlink() => "a symbolic link to no socket",
+        k if k.is_fifo() => "a FIFO",
+        _ => "a device",
+    })
+}
+
 /// Sends one request to the daemon listening on `path` and returns its answer, waiting for
 /// it as long as [`TIMEOUT_ENV`] says ([`DEFAULT_TIMEOUT`] by default).
 pub fn request(path: &Path, request: &ControlRequest) -> Result<ControlResponse, ControlError> {
@@ -297,18 +318,23 @@ pub fn request(path: &Path, request: &ControlRequest) -> Result<ControlResponse,
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             return Err(ControlError::NotRunning(path.to_path_buf()))
         }
+        // Refused: a socket nothing listens on, or no socket at all (connect(2) says the same).
         Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
-            return Err(ControlError::Stale(path.to_path_buf()))
+            return Err(match not_a_socket(path) {
+                Some(kind) => ControlError::NotASocket(path.to_path_buf(), kind),
+                None => ControlError::Stale(path.to_path_buf()),
+            })
         }
-        Err(e) => return Err(e.into()),
+        Err(e) => return Err(ControlError::Io(path.to_path_buf(), e)),
     };
-    stream.set_read_timeout(Some(timeout))?;
-    stream.set_write_timeout(Some(timeout))?;
+    let io = |e| ControlError::Io(path.to_path_buf(), e);
+    stream.set_read_timeout(Some(timeout)).map_err(io)?;
+    stream.set_write_timeout(Some(timeout)).map_err(io)?;
     let timed_out = |e: io::Error| match e.kind() {
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
             ControlError::NoAnswer(path.to_path_buf(), timeout)
         }
-        _ => ControlError::Io(e),
+        _ => ControlError::Io(path.to_path_buf(), e),
     };
     let line = serde_json::to_string(request).map_err(|e| ControlError::Protocol(e.to_string()))?;
     writeln!(stream, "{line}").map_err(timed_out)?;

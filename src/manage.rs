@@ -182,6 +182,14 @@ pub fn read_jsonfile(path: &Path) -> Result<DeviceConfig, String> {
 /// where the definitions are read-only to the daemon (systemd's ConfigurationDirectory=).
 struct DirLocks {
     _locks: Vec<nix::fcntl::Flock<std::fs::File>>,
+    /// The daemon's pid file, removed with the locks: on any way out, a failed start too.
+    pid_file: PathBuf,
+}
+
+impl Drop for DirLocks {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.pid_file);
+    }
 }
 
 impl DirLocks {
@@ -197,16 +205,20 @@ impl DirLocks {
             }
             let file = std::fs::File::open(dir).map_err(|e| format!("opening {}: {e}", dir.display()))?;
             let lock = Flock::lock(file, FlockArg::LockExclusiveNonblock).map_err(|(_, e)| {
+                if e != nix::errno::Errno::EWOULDBLOCK {
+                    return format!("locking {}: {e}", dir.display());
+                }
                 let pid = std::fs::read_to_string(dirs.run.join(PID_FILE)).unwrap_or_default();
                 let pid = pid.trim();
                 let holder = if pid.is_empty() { String::new() } else { format!(" (pid {pid})") };
-                format!("another umdev daemon{holder} already uses {what} {}: {e}", dir.display())
+                format!("another umdev daemon{holder} already uses {what} {}", dir.display())
             })?;
             locks.push(lock);
             held.push(canonical);
         }
-        let _ = std::fs::write(dirs.run.join(PID_FILE), format!("{}\n", std::process::id()));
-        Ok(DirLocks { _locks: locks })
+        let pid_file = dirs.run.join(PID_FILE);
+        let _ = std::fs::write(&pid_file, format!("{}\n", std::process::id()));
+        Ok(DirLocks { _locks: locks, pid_file })
     }
 }
 
@@ -303,7 +315,6 @@ pub fn daemon(dirs: &Dirs, template: InstanceConfig, max_instances: usize) -> Re
     notify(&[NotifyState::Stopping, NotifyState::Status("stopping every instance")]);
     drop(control);
     manager.shutdown();
-    let _ = std::fs::remove_file(dirs.run.join(PID_FILE));
     drop(locks);
     Ok(())
 }
@@ -649,7 +660,7 @@ pub fn list(dirs: &Dirs, view: &ListView) -> Out {
                 .iter()
                 .filter_map(|r| Some((r.uuid, DeviceConfig::of(&r.mdev_type, r.start?, &r.options))))
                 .collect();
-            return dump(&configs, uuid.is_some());
+            return dump(&configs, uuid, true);
         }
         if view.json {
             return out!("{}", serde_json::to_string_pretty(&rows).map_err(|e| e.to_string())?);
@@ -695,7 +706,7 @@ pub fn list(dirs: &Dirs, view: &ListView) -> Out {
         };
         let configs: Vec<(Uuid, DeviceConfig)> =
             list.iter().map(|i| (i.uuid, DeviceConfig::of(&i.mdev_type, start(i), &i.options))).collect();
-        return dump(&configs, uuid.is_some());
+        return dump(&configs, uuid, false);
     }
     if view.json {
         return out!("{}", serde_json::to_string_pretty(&list).map_err(|e| e.to_string())?);
@@ -712,10 +723,11 @@ pub fn list(dirs: &Dirs, view: &ListView) -> Out {
 
 /// `--dumpjson`: one device's config when a UUID was asked for (as mdevctl, whose output then
 /// is a config file), else the listing.
-fn dump(configs: &[(Uuid, DeviceConfig)], one: bool) -> Out {
-    let value = match configs {
-        [(_, config)] if one => serde_json::to_value(config).map_err(|e| e.to_string())?,
-        [] if one => return Err("no such device".into()),
+fn dump(configs: &[(Uuid, DeviceConfig)], one: Option<Uuid>, defined: bool) -> Out {
+    let value = match (configs, one) {
+        ([(_, config)], Some(_)) => serde_json::to_value(config).map_err(|e| e.to_string())?,
+        ([], Some(uuid)) if defined => return Err(LifecycleError::NotDefined(uuid).to_string()),
+        ([], Some(uuid)) => return Err(LifecycleError::UnknownUuid(uuid).to_string()),
         _ => mdevctl::listing(configs),
     };
     out!("{}", serde_json::to_string_pretty(&value).map_err(|e| e.to_string())?)
@@ -785,6 +797,7 @@ pub struct ModifyArgs {
 /// keeps what it started with until it is stopped and started (as with mdevctl).
 pub fn modify(dirs: &Dirs, args: ModifyArgs) -> Out {
     let uuid = parse_uuid(&args.uuid)?;
+    conflicting_changes(&args)?;
     let config = args.jsonfile.as_deref().map(read_jsonfile).transpose()?;
     // Whether what an instance runs as changed (its type or options; not its start policy,
     // which only the daemon's next start reads).
@@ -845,6 +858,22 @@ pub fn modify(dirs: &Dirs, args: ModifyArgs) -> Out {
         });
     if running.is_some_and(|r| r.iter().any(|i| i.uuid == uuid)) {
         log::info!(target: STATUS, "{uuid} runs as it started; stop and start it to apply the change");
+    }
+    Ok(())
+}
+
+/// A key removed twice, or both set and removed: which was meant?
+fn conflicting_changes(args: &ModifyArgs) -> Result<(), String> {
+    for (i, key) in args.remove.iter().enumerate() {
+        if args.remove[..i].contains(key) {
+            return Err(format!("--delopt {key} given twice"));
+        }
+        if let Some(value) = args.set.params.get(key) {
+            return Err(format!("--opt {key}={value} and --delopt {key} conflict: give one"));
+        }
+        if key == "pin_mode" && args.set.pin_mode.is_some() {
+            return Err("--pin-mode and --delopt pin_mode conflict: give one".into());
+        }
     }
     Ok(())
 }

@@ -408,6 +408,7 @@ fn a_dead_daemons_sockets_are_named_and_removed_and_one_daemon_holds_its_directo
         "{}",
         stderr_of(&second)
     );
+    assert!(!stderr_of(&second).contains("EAGAIN"), "no errno for a lock held: {}", stderr_of(&second));
     let other_run = env.path().join("run2");
     let other = umdev()
         .args([
@@ -431,6 +432,47 @@ fn a_dead_daemons_sockets_are_named_and_removed_and_one_daemon_holds_its_directo
     let log = std::fs::read_to_string(env.log()).unwrap();
     assert!(log.contains("removed 2 stale socket(s)"), "{log}");
     assert_eq!(env.ok(&["list"]), "");
+    stop(daemon);
+}
+
+/// Each failure names what it is about: the UUID nothing has, the control socket that
+/// cannot be reached, what is where the control socket should be, the option given twice.
+#[test]
+fn errors_name_what_they_are_about() {
+    let env = Dirs::new();
+    env.ok(&["define", "-t", "ccw", "-u", A, "--opt", "subchannels=2"]);
+    let unknown = env.fails(&["list", "-d", "--dumpjson", "-u", B]);
+    assert!(unknown.contains(&format!("no device with UUID {B} is defined")), "{unknown}");
+    // A change that removes a key twice, or sets and removes it, is refused as such.
+    let twice = env.fails(&["modify", "-u", A, "--delopt", "subchannels", "--delopt", "subchannels"]);
+    assert!(twice.contains("--delopt subchannels given twice"), "{twice}");
+    let both = env.fails(&["modify", "-u", A, "--opt", "subchannels=3", "--delopt", "subchannels"]);
+    assert!(both.contains("--opt subchannels=3 and --delopt subchannels conflict"), "{both}");
+    let mode = env.fails(&["modify", "-u", A, "--pin-mode", "lock", "--delopt", "pin_mode"]);
+    assert!(mode.contains("--pin-mode and --delopt pin_mode conflict"), "{mode}");
+    assert_eq!(json(&env.ok(&["list", "-d", "--json"]))[0]["options"]["params"]["subchannels"], "2");
+    // A control socket that cannot be reached is named (here its directory is a file).
+    let file = env.path().join("not-a-dir");
+    std::fs::write(&file, "").unwrap();
+    let out = umdev().args(["--run-dir", file.to_str().unwrap(), "list"]).output().unwrap();
+    let err = stderr_of(&out);
+    assert!(
+        err.contains(&format!("talking to the umdev daemon at {}/control.sock", file.display())),
+        "{err}"
+    );
+    // A directory where the control socket goes: the daemon cannot start, and leaves nothing;
+    // a client says what is there.
+    std::fs::create_dir_all(env.run.join("control.sock")).unwrap();
+    let daemon = env.fails(&["daemon"]);
+    assert!(daemon.contains("not a socket"), "{daemon}");
+    assert!(!env.run.join("daemon.pid").exists(), "a daemon that did not start left its pid file");
+    let list = env.fails(&["list"]);
+    assert!(list.contains("control.sock is a directory, not a socket; remove it"), "{list}");
+    assert!(!list.contains("stale"), "{list}");
+    std::fs::remove_dir(env.run.join("control.sock")).unwrap();
+    let daemon = env.daemon(&[]);
+    let unknown = env.fails(&["list", "--dumpjson", "-u", B]);
+    assert!(unknown.contains(&format!("no running instance has UUID {B}")), "{unknown}");
     stop(daemon);
 }
 
@@ -642,8 +684,16 @@ fn a_start_or_stop_that_is_not_answered_in_time_names_its_device() {
         }
         let _ = wait.recv();
     });
+    // No definitions directory named: a start would first ask whether it is the daemon's.
     let ask = |args: &[&str]| {
-        let out = env.command().args(args).env("UMDEV_CONTROL_TIMEOUT_MS", "200").output().unwrap();
+        let out = umdev()
+            .arg("--run-dir")
+            .arg(&env.run)
+            .args(args)
+            .env_remove("UMDEV_STATE_DIR")
+            .env("UMDEV_CONTROL_TIMEOUT_MS", "200")
+            .output()
+            .unwrap();
         assert!(!out.status.success(), "{args:?}");
         let request = received.recv_timeout(std::time::Duration::from_secs(60)).unwrap();
         (stderr_of(&out), request)
