@@ -682,16 +682,17 @@ impl DefinitionEntry {
 pub struct DefinitionStatus {
     /// The device's UUID.
     pub uuid: Uuid,
-    /// The defined type (of an undefined instance: its running type; `-` when unreadable).
-    pub mdev_type: String,
+    /// The defined type (of an undefined instance: its running type; `None` when the
+    /// definition is unreadable).
+    pub mdev_type: Option<String>,
     /// The definition's start policy; `None` for an instance whose definition is gone.
     pub start: Option<StartPolicy>,
     /// The defined options (of an undefined instance: its running options).
     pub options: InstanceOptions,
     /// How it stands.
     pub state: SyncState,
-    /// [`SyncState::in_sync`].
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// [`SyncState::in_sync`] (always in the JSON: `null` when it cannot be told).
+    #[serde(default)]
     pub in_sync: Option<bool>,
     /// Why: an invalid definition's fault, or why a not-started one's last start failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -721,7 +722,7 @@ pub fn sync_status(definitions: &[DefinitionEntry], daemon: Option<&DaemonStatus
                 let d = entry.definition.as_ref();
                 return DefinitionStatus {
                     uuid,
-                    mdev_type: d.map_or("-".into(), |d| d.mdev_type.clone()),
+                    mdev_type: d.map(|d| d.mdev_type.clone()),
                     start: d.map(|d| d.start),
                     options: d.map(|d| d.options.clone()).unwrap_or_default(),
                     state: SyncState::Invalid,
@@ -753,7 +754,7 @@ pub fn sync_status(definitions: &[DefinitionEntry], daemon: Option<&DaemonStatus
             };
             DefinitionStatus {
                 uuid,
-                mdev_type: d.mdev_type.clone(),
+                mdev_type: Some(d.mdev_type.clone()),
                 start: Some(d.start),
                 options: d.options.clone(),
                 state,
@@ -773,7 +774,7 @@ pub fn sync_status(definitions: &[DefinitionEntry], daemon: Option<&DaemonStatus
     for i in running.iter().filter(|i| i.from_definition && !defined.contains(&i.uuid)) {
         rows.push(DefinitionStatus {
             uuid: i.uuid,
-            mdev_type: i.mdev_type.clone(),
+            mdev_type: Some(i.mdev_type.clone()),
             start: None,
             options: i.options.clone(),
             state: SyncState::Undefined,

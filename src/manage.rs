@@ -641,8 +641,9 @@ pub fn list(dirs: &Dirs, view: &ListView) -> Out {
     if let Some(t) = view.mdev_type.as_deref() {
         registry.find(t).map_err(|e| e.to_string())?;
     }
-    let wanted =
-        |u: &Uuid, t: &str| uuid.is_none_or(|w| w == *u) && view.mdev_type.as_deref().is_none_or(|w| w == t);
+    let wanted = |u: &Uuid, t: Option<&str>| {
+        uuid.is_none_or(|w| w == *u) && view.mdev_type.as_deref().is_none_or(|w| Some(w) == t)
+    };
     if view.defined {
         let entries =
             DefinitionEntry::all(&Definitions::new(&dirs.state), &registry).map_err(|e| e.to_string())?;
@@ -653,12 +654,12 @@ pub fn list(dirs: &Dirs, view: &ListView) -> Out {
         }
         let rows: Vec<_> = sync_status(&entries, daemon.as_ref())
             .into_iter()
-            .filter(|r| wanted(&r.uuid, &r.mdev_type))
+            .filter(|r| wanted(&r.uuid, r.mdev_type.as_deref()))
             .collect();
         if view.dumpjson {
             let configs: Vec<(Uuid, DeviceConfig)> = rows
                 .iter()
-                .filter_map(|r| Some((r.uuid, DeviceConfig::of(&r.mdev_type, r.start?, &r.options))))
+                .filter_map(|r| Some((r.uuid, DeviceConfig::of(r.mdev_type.as_ref()?, r.start?, &r.options))))
                 .collect();
             return dump(&configs, uuid, true);
         }
@@ -682,7 +683,8 @@ pub fn list(dirs: &Dirs, view: &ListView) -> Out {
             } else {
                 format!("  (started with {} over its definition)", describe_options(&r.overrides))
             };
-            out!("{} {} {start} {}{why}{overrides}", r.uuid, r.mdev_type, r.state.name())?;
+            let mdev_type = r.mdev_type.as_deref().unwrap_or("-");
+            out!("{} {mdev_type} {start} {}{why}{overrides}", r.uuid, r.state.name())?;
         }
         return Ok(());
     }
@@ -695,7 +697,8 @@ pub fn list(dirs: &Dirs, view: &ListView) -> Out {
     } else {
         serde_json::from_value(ask(dirs, ControlRequest::List)?).map_err(|e| e.to_string())?
     };
-    let list: Vec<InstanceSummary> = list.into_iter().filter(|i| wanted(&i.uuid, &i.mdev_type)).collect();
+    let list: Vec<InstanceSummary> =
+        list.into_iter().filter(|i| wanted(&i.uuid, Some(i.mdev_type.as_str()))).collect();
     if view.dumpjson {
         // An instance of a definition starts as it does (a config re-defined from this keeps
         // its `auto`); any other was started by hand.

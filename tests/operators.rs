@@ -382,6 +382,15 @@ fn an_unusable_definition_is_listed_as_invalid_and_can_be_undefined() {
     let b = rows.as_array().unwrap().iter().find(|r| r["uuid"] == B).unwrap();
     assert_eq!(b["state"], "invalid");
     assert!(b["error"].as_str().unwrap().contains(&format!("it holds UUID {A}")), "{b}");
+    // What cannot be read is null, not a placeholder; in_sync is there whatever the state,
+    // null when it cannot be told (no daemon).
+    assert_eq!(
+        (&b["mdev_type"], &b["start"], &b["in_sync"]),
+        (&json("null"), &json("null"), &json("false")),
+        "{b}"
+    );
+    let a = rows.as_array().unwrap().iter().find(|r| r["uuid"] == A).unwrap();
+    assert_eq!((a["state"].as_str(), a.get("in_sync")), (Some("unknown"), Some(&json("null"))), "{a}");
     let daemon = env.daemon(&[]);
     assert!(env.fails(&["start", "-u", B]).contains("holds UUID"));
     let text = env.ok(&["list", "-d"]);
