@@ -325,8 +325,10 @@ enum Command {
         #[arg(long, short = 'u')]
         uuid: String,
     },
-    /// Serve one device instance in the foreground on a UNIX socket (for QEMU's
-    /// `-device vfio-user-pci,socket=...`).
+    /// Serve one device instance in the foreground on a UNIX socket, until SIGINT, SIGTERM or
+    /// SIGHUP (for QEMU's `-device '{"driver":"vfio-user-pci","socket":{"type":"unix","path":...}}'`).
+    ///
+    /// It prints that -device argument, with the socket's absolute path.
     Run {
         /// Device type (see `umdev types`).
         #[arg(short = 't', long = "type")]

@@ -20,7 +20,8 @@ fn types_lists_the_test_device() {
 
 #[test]
 fn run_serves_until_sigterm_then_removes_its_socket() {
-    for signal in [libc::SIGTERM, libc::SIGINT] {
+    // SIGHUP: the terminal it ran in was closed.
+    for signal in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("dev.sock");
         let mut child = run(&socket, &["--type", "testdev"]);
@@ -48,6 +49,35 @@ fn run_serves_until_sigterm_then_removes_its_socket() {
         assert!(!socket.exists(), "socket removed on exit");
         assert!(c.is_closed());
     }
+}
+
+/// The QEMU argument `umdev run` prints names its socket by an absolute path, however
+/// `--socket` gave it: QEMU runs from another directory.
+#[test]
+fn run_prints_the_qemu_argument_with_the_absolute_socket_path() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = common::process::ChildGuard(
+        umdev()
+            .current_dir(dir.path())
+            .args(["run", "--type", "testdev", "--socket", "dev.sock"])
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let device = lines
+        .by_ref()
+        .map_while(Result::ok)
+        .find(|l| l.contains("vfio-user-pci"))
+        .expect("the QEMU argument");
+    let absolute = dir.path().join("dev.sock");
+    let want = format!(r#""socket":{{"type":"unix","path":"{}"}}"#, absolute.display());
+    assert!(device.contains(&want), "{device}");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM)
+        .unwrap();
+    assert!(child.wait().unwrap().success());
+    assert!(!absolute.exists());
 }
 
 #[test]
