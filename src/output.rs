@@ -71,6 +71,7 @@ pub fn write_file(path: &Path, data: &[u8]) -> Out {
 /// fails before the work whose result it is to hold. A regular file is emptied, and made
 /// mode 0644; something else (`/dev/stdout`, a pipe) is left as it is. Also says whether the
 /// file is new.
+#[cfg(feature = "bench")]
 pub fn create_file(path: &Path) -> Result<(std::fs::File, bool), String> {
     let new = std::fs::symlink_metadata(path).is_err();
     let file = std::fs::File::create(path).map_err(|e| format!("creating {}: {e}", path.display()))?;
