@@ -153,15 +153,17 @@ impl PinningBus<'_> {
 
 /// The blocks of a piece: at most [`DATA_BLOCK`] bytes each, never across a page boundary.
 fn blocks(p: &Piece) -> impl Iterator<Item = (u64, usize)> {
-    let end = p.addr + u64::from(p.len);
+    // Counted by what is left, not by an end address: a piece may end exactly at 2^64.
     let mut at = p.addr;
+    let mut left = u64::from(p.len);
     std::iter::from_fn(move || {
-        if at >= end {
+        if left == 0 {
             return None;
         }
-        let len = (DATA_BLOCK as u64 - at % DATA_BLOCK as u64).min(end - at);
+        let len = (DATA_BLOCK as u64 - at % DATA_BLOCK as u64).min(left);
         let block = (at, len as usize);
-        at += len;
+        at = at.wrapping_add(len);
+        left -= len;
         Some(block)
     })
 }
@@ -180,7 +182,8 @@ impl Bus for PinningBus<'_> {
         for p in pieces {
             first_page.push(pfns.len());
             let first = p.addr / PAGE_SIZE;
-            let last = (p.addr + u64::from(p.len) - 1) / PAGE_SIZE;
+            // The last byte, not the end: a piece may end exactly at 2^64.
+            let last = (p.addr + u64::from(p.len).saturating_sub(1)) / PAGE_SIZE;
             pfns.extend(first..=last);
         }
         let prot = match dir {
@@ -264,5 +267,21 @@ impl Bus for PinningBus<'_> {
 
     fn stopped(&self) -> Option<Reason> {
         self.stop_reason()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_piece_that_ends_at_the_top_of_the_address_space_is_cut_whole() {
+        let top = u64::MAX - (DATA_BLOCK as u64 - 1);
+        assert_eq!(
+            blocks(&Piece { addr: top, len: DATA_BLOCK as u32 }).collect::<Vec<_>>(),
+            [(top, DATA_BLOCK)]
+        );
+        let got: Vec<_> = blocks(&Piece { addr: top - 100, len: DATA_BLOCK as u32 + 100 }).collect();
+        assert_eq!(got, [(top - 100, 100), (top, DATA_BLOCK)]);
     }
 }
