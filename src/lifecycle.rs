@@ -107,6 +107,20 @@ pub enum LifecycleError {
         /// Its mode.
         mode: u32,
     },
+    /// A directory of the user's own that its group or others may write to, met by a command
+    /// that only reads it (a query changes no mode): what is in it may have been put there by
+    /// someone else.
+    #[error(
+        "{}: mode {mode:o}: its group or others may write to it, so what is in it may not be its \
+         user's; remove that write access (`chmod go-w {}`), or run `umdev daemon` or `umdev define`, \
+         which take it away from a directory of the user's own", path.display(), path.display()
+    )]
+    Writable {
+        /// The directory.
+        path: PathBuf,
+        /// Its mode.
+        mode: u32,
+    },
     /// Reading or writing definitions failed.
     #[error("{what} {}: {source}", path.display())]
     Io {
@@ -132,7 +146,9 @@ impl LifecycleError {
             LifecycleError::Busy(_) => libc::EBUSY,
             LifecycleError::TooManyInstances(_) => libc::ENOSPC,
             LifecycleError::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
-            LifecycleError::NotPrivate { .. } | LifecycleError::Shared { .. } => libc::EACCES,
+            LifecycleError::NotPrivate { .. }
+            | LifecycleError::Shared { .. }
+            | LifecycleError::Writable { .. } => libc::EACCES,
             _ => libc::EINVAL,
         }
     }
@@ -179,27 +195,25 @@ pub fn private_dir(dir: &Path) -> Result<(), LifecycleError> {
 /// Refuses `dir` unless it is a directory of this process's effective user (or root's) that
 /// neither its group nor others can write to: definitions read from, or sockets put in, a
 /// directory another user controls would be that user's to swap (a shared `/tmp` fallback,
-/// say). A symbolic link is followed only if it is the user's own (one another user planted
-/// in `/tmp` is refused). A shared directory (sticky and writable by others, as `/tmp`) is
+/// say; a group member planting an `auto` definition in a `chmod g+w` /etc/umdev.d). A
+/// symbolic link is followed only if it is the user's own (one another user planted in
+/// `/tmp` is refused). A shared directory (sticky and writable by others, as `/tmp`) is
 /// refused whoever owns it: taking others' write access away would break it for them.
 ///
-/// Only looks: a directory of the user's own that others may write to is used with a
-/// warning, and left as it is (a command that only reads has no business changing a
-/// directory's mode; [`private_dir`], for the commands that write there, takes that access
-/// away).
+/// Only looks: a directory of the user's own that others may write to is refused
+/// ([`LifecycleError::Writable`]) and left as it is (a command that only reads has no
+/// business changing a directory's mode; [`private_dir`], for the commands that write
+/// there, takes that access away).
 pub fn check_private_dir(dir: &Path) -> Result<(), LifecycleError> {
-    if let Some(mode) = inspect_dir(dir)? {
-        log::warn!(
-            "{}: its group or others may write to it (mode {mode:o}); umdev reads it as it is (`chmod go-w` \
-             it, or let a command that writes there, such as define or daemon, take that access away)",
-            dir.display()
-        );
+    match inspect_dir(dir)? {
+        Some(mode) => Err(LifecycleError::Writable { path: dir.to_path_buf(), mode }),
+        None => Ok(()),
     }
-    Ok(())
 }
 
-/// [`check_private_dir`]'s refusals; `Some(mode)` for a directory of the user's own that
-/// its group or others may write to (not a shared one), `None` for a private one.
+/// What [`private_dir`] and [`check_private_dir`] both refuse; `Some(mode)` for a directory
+/// of the user's own that its group or others may write to (not a shared one), which the
+/// one fixes and the other refuses; `None` for a private one.
 fn inspect_dir(dir: &Path) -> Result<Option<u32>, LifecycleError> {
     use std::os::unix::fs::MetadataExt;
     let me = nix::unistd::geteuid().as_raw();
@@ -1188,15 +1202,25 @@ mod tests {
         std::fs::set_permissions(&fresh, std::fs::Permissions::from_mode(0o777)).unwrap();
         private_dir(&fresh).unwrap();
         assert_eq!(mode(&fresh), 0o755);
-        // Reading leaves the mode alone (a warning says what writing would do).
+        // Reading refuses it (a group member could have put a definition there) and leaves
+        // the mode alone; the message says how to fix it.
         std::fs::set_permissions(&fresh, std::fs::Permissions::from_mode(0o775)).unwrap();
-        check_private_dir(&fresh).unwrap();
-        Definitions::new(&fresh).entries().unwrap();
-        assert!(matches!(
-            Definitions::new(&fresh).get(&Uuid::from_u128(1)),
-            Err(LifecycleError::NotDefined(_))
-        ));
+        for err in [
+            check_private_dir(&fresh).unwrap_err(),
+            Definitions::new(&fresh).entries().unwrap_err(),
+            Definitions::new(&fresh).get(&Uuid::from_u128(1)).unwrap_err(),
+        ] {
+            assert!(matches!(err, LifecycleError::Writable { mode: 0o775, .. }), "{err}");
+            assert!(err.to_string().contains(&format!("chmod go-w {}", fresh.display())), "{err}");
+            assert_eq!(err.errno(), libc::EACCES);
+        }
+        assert!(Definitions::new(&fresh).list().is_empty());
         assert_eq!(mode(&fresh), 0o775);
+        // Writing a definition there takes the write access away; then it reads.
+        Definitions::new(&fresh).define(&def(1, StartPolicy::Manual)).unwrap();
+        assert_eq!(mode(&fresh), 0o755);
+        assert_eq!(Definitions::new(&fresh).entries().unwrap().len(), 1);
+        Definitions::new(&fresh).undefine(&Uuid::from_u128(1)).unwrap();
         // A shared directory (sticky, others may write, as /tmp) is refused, read or written,
         // and never changed.
         let shared = dir.path().join("shared");
@@ -1372,5 +1396,32 @@ mod tests {
         manager.shutdown();
         assert_eq!(std::fs::read_dir(&run).unwrap().count(), 0, "every socket removed");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A definitions directory its group may write to (a `chmod g+w` /etc/umdev.d) is read by
+    /// neither a reload nor a start of a definition: a group member could have planted an
+    /// auto definition there. Nothing running is stopped, and the mode is left as it is.
+    #[test]
+    fn a_reload_or_start_refuses_definitions_its_group_may_write() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let (run, state) = (dir.path().join("run"), dir.path().join("state"));
+        std::fs::create_dir_all(&run).unwrap();
+        let registry =
+            Registry::with_types(vec![std::sync::Arc::new(umdev_devices::testdev::TestDevType::new(8))]);
+        let manager = Manager::new(registry, &run, Definitions::new(&state), InstanceConfig::new("", ""));
+        let (a, b) = (def(0xa, StartPolicy::Auto), def(0xb, StartPolicy::Auto));
+        manager.definitions().define(&a).unwrap();
+        assert!(manager.autostart().is_empty());
+        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o770)).unwrap();
+        let planted = serde_json::to_string(&b).unwrap();
+        std::fs::write(state.join(format!("{}.json", b.uuid)), planted).unwrap();
+        let report = manager.reload();
+        assert!(report.started.is_empty() && report.failed.is_empty() && report.undefined.is_empty());
+        assert_eq!(manager.list().iter().map(|i| i.uuid).collect::<Vec<_>>(), vec![a.uuid]);
+        let err = manager.start(None, Some(b.uuid), InstanceOptions::default(), false).unwrap_err();
+        assert!(matches!(err, LifecycleError::Writable { mode: 0o770, .. }), "{err}");
+        assert_eq!(std::fs::metadata(&state).unwrap().permissions().mode() & 0o7777, 0o770);
+        manager.shutdown();
     }
 }

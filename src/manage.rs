@@ -547,7 +547,12 @@ pub fn start(dirs: &Dirs, args: StartArgs) -> Out {
     // Checked here too, for the same message as `define` without a round trip.
     if let Some(t) = &mdev_type {
         let registry = umdev::builtin_registry();
-        let defined = uuid.is_some_and(|u| Definitions::new(&dirs.state).get(&u).is_ok());
+        // A directory that cannot be read is refused here, as the daemon refuses it.
+        let defined = match uuid.map(|u| Definitions::new(&dirs.state).get(&u)) {
+            None | Some(Err(LifecycleError::NotDefined(_))) => false,
+            Some(Ok(_)) => true,
+            Some(Err(e)) => return Err(e.to_string()),
+        };
         if !defined {
             let ty =
                 registry.find(t).map_err(|_| format!("unknown device type {t:?} (see `umdev types`)"))?;
@@ -704,11 +709,17 @@ pub fn list(dirs: &Dirs, view: &ListView) -> Out {
         // its `auto`); any other was started by hand.
         let definitions = Definitions::new(&dirs.state);
         let start = |i: &InstanceSummary| match i.from_definition {
-            true => definitions.get(&i.uuid).map_or(StartPolicy::Manual, |d| d.start),
-            false => StartPolicy::Manual,
+            true => match definitions.get(&i.uuid) {
+                Ok(d) => Ok(d.start),
+                Err(LifecycleError::NotDefined(_)) => Ok(StartPolicy::Manual),
+                Err(e) => Err(e.to_string()),
+            },
+            false => Ok(StartPolicy::Manual),
         };
-        let configs: Vec<(Uuid, DeviceConfig)> =
-            list.iter().map(|i| (i.uuid, DeviceConfig::of(&i.mdev_type, start(i), &i.options))).collect();
+        let configs = list
+            .iter()
+            .map(|i| Ok((i.uuid, DeviceConfig::of(&i.mdev_type, start(i)?, &i.options))))
+            .collect::<Result<Vec<(Uuid, DeviceConfig)>, String>>()?;
         return dump(&configs, uuid, false);
     }
     if view.json {

@@ -523,7 +523,7 @@ fn a_directory_option_a_command_does_not_use_is_refused() {
 
 /// A shared directory (sticky and writable by others, as /tmp) is refused by every command
 /// and never changed; one of the user's own that others may write to is changed only by a
-/// command that writes there, and read as it is by one that only reads.
+/// command that writes there, and refused, unchanged, by one that only reads.
 #[test]
 fn a_query_never_changes_a_directorys_mode_and_a_shared_one_is_refused() {
     let env = Dirs::new();
@@ -560,19 +560,73 @@ fn a_query_never_changes_a_directorys_mode_and_a_shared_one_is_refused() {
             );
         }
     }
-    // One's own directory others may write to: a listing reads it as it is, with a warning;
-    // a definition written there takes that write access away.
+    // One's own directory others may write to: a listing refuses it (anyone could have put
+    // a definition there) and leaves its mode; a definition written there takes that write
+    // access away, and then it is listed.
     let open = env.path().join("open");
     std::fs::create_dir(&open).unwrap();
     std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
-    let listed = at("--state-dir", &open, &["list", "-d"]);
-    assert!(listed.status.success(), "{}", stderr_of(&listed));
-    assert!(stderr_of(&listed).contains("reads it as it is"), "{}", stderr_of(&listed));
-    assert_eq!(mode(&open), 0o777);
+    for args in [&["list", "-d"][..], &["start", "-t", "testdev", "-u", A]] {
+        let refused = at("--state-dir", &open, args);
+        assert!(!refused.status.success(), "{args:?}");
+        let err = stderr_of(&refused);
+        assert!(err.contains("its group or others may write to it"), "{args:?}: {err}");
+        assert!(err.contains(&format!("chmod go-w {}", open.display())), "{args:?}: {err}");
+        assert_eq!(mode(&open), 0o777);
+    }
     let defined = at("--state-dir", &open, &["define", "-t", "testdev"]);
     assert!(defined.status.success(), "{}", stderr_of(&defined));
     assert!(stderr_of(&defined).contains("write access removed"), "{}", stderr_of(&defined));
     assert_eq!(mode(&open), 0o755);
+    assert!(at("--state-dir", &open, &["list", "-d"]).status.success());
+}
+
+/// The daemon's reload (SIGHUP) and its start of a definition refuse a definitions directory
+/// its group may write to (a group member could plant an auto definition, `ns1=file:` any
+/// path), and change nothing; once a command that writes there has taken that access away,
+/// a reload reads it again.
+#[test]
+fn a_daemon_refuses_definitions_its_group_may_write() {
+    let env = Dirs::new();
+    let daemon = env.daemon(&[]);
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+    std::fs::set_permissions(&env.state, std::fs::Permissions::from_mode(0o770)).unwrap();
+    let planted = serde_json::json!({"uuid": B, "mdev_type": "testdev", "start": "auto"});
+    std::fs::write(env.state.join(format!("{B}.json")), planted.to_string()).unwrap();
+    let hup = || {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(daemon.id() as i32),
+            nix::sys::signal::Signal::SIGHUP,
+        )
+        .unwrap()
+    };
+    let log_shows = |what: &str| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let log = std::fs::read_to_string(env.log()).unwrap_or_default();
+            if log.contains(what) {
+                return;
+            }
+            assert!(std::time::Instant::now() < deadline, "the daemon never logged {what:?}: {log}");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    };
+    hup();
+    log_shows("reloading definitions");
+    let log = std::fs::read_to_string(env.log()).unwrap();
+    assert!(log.contains(&format!("chmod go-w {}", env.state.display())), "{log}");
+    assert_eq!(env.ok(&["list"]), "", "the planted definition did not start");
+    let start = env.fails(&["start", "-u", B]);
+    assert!(start.contains("its group or others may write to it"), "{start}");
+    assert_eq!(mode(&env.state), 0o770);
+    assert_eq!(env.ok(&["list"]), "");
+    // A definition written there takes the group's write access away; the next reload reads.
+    env.ok(&["define", "-t", "testdev", "-u", A]);
+    assert_eq!(mode(&env.state), 0o750);
+    hup();
+    log_shows(&format!("started defined device {B}"));
+    assert!(env.ok(&["list"]).contains(B));
+    stop(daemon);
 }
 
 /// A definitions directory that is not the running daemon's is refused where it would be
