@@ -21,7 +21,7 @@ use umdev_mdev::types::InstanceOptions;
 use umdev_mdev::unix_socket::{bind_private, BindError};
 use uuid::Uuid;
 
-use crate::lifecycle::{LifecycleError, Manager};
+use crate::lifecycle::{check_private_dir, LifecycleError, Manager};
 
 /// Longest request line accepted.
 pub const MAX_REQUEST: u64 = 64 << 10;
@@ -117,6 +117,30 @@ pub enum ControlError {
          not, and cannot listen there while it is there)", path = .0.display(), kind = .1
     )]
     NotASocket(PathBuf, &'static str),
+    /// The run directory is not the user's alone (another user's, shared, or writable by
+    /// its group or others): a control socket there may not be its daemon's.
+    #[error("not asking a daemon through {}: {source}", path.display())]
+    RunDir {
+        /// The control socket.
+        path: PathBuf,
+        /// What is wrong with its directory.
+        source: LifecycleError,
+    },
+    /// The control socket, or the process listening on it, is another user's: it could read
+    /// the requests (a start's options) and forge the answers (an instance socket of its own,
+    /// to which QEMU would hand the guest's memory).
+    #[error(
+        "not asking a daemon through {}: {why}, not {me} (this user's); only a daemon of the user's own \
+         is asked: remove it, or give another --run-dir", path.display()
+    )]
+    Foreign {
+        /// The control socket.
+        path: PathBuf,
+        /// Whose it is.
+        why: String,
+        /// This process's effective user.
+        me: u32,
+    },
     /// [`TIMEOUT_ENV`] does not hold a timeout.
     #[error("{0}")]
     BadTimeout(String),
@@ -309,10 +333,50 @@ fn not_a_socket(path: &Path) -> Option<&'static str> {
     })
 }
 
+/// Refuses a control socket that may not be this user's daemon's, before anything is sent
+/// to it: its directory, if there is one, must be private as the daemon makes it
+/// ([`check_private_dir`]: a /tmp/umdev-$UID another user made first is not), and the socket
+/// (followed, if a link) this user's own (root's only when the user is root).
+fn check_control_socket(path: &Path) -> Result<(), ControlError> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if std::fs::symlink_metadata(dir).is_ok() {
+        check_private_dir(dir).map_err(|source| ControlError::RunDir { path: path.to_path_buf(), source })?;
+    }
+    let me = nix::unistd::geteuid().as_raw();
+    // What is missing, or no socket, is for connect(2) and its message.
+    match std::fs::metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() && meta.uid() != me => Err(ControlError::Foreign {
+            path: path.to_path_buf(),
+            why: format!("the socket belongs to uid {}", meta.uid()),
+            me,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Refuses a connection whose listener runs as another user than `me`: the path was
+/// checked before connecting, but what it named may have been swapped since.
+fn check_peer(stream: &UnixStream, path: &Path, me: u32) -> Result<(), ControlError> {
+    let peer = nix::sys::socket::getsockopt(stream, nix::sys::socket::sockopt::PeerCredentials)
+        .map_err(|e| ControlError::Io(path.to_path_buf(), e.into()))?;
+    if peer.uid() == me {
+        return Ok(());
+    }
+    Err(ControlError::Foreign {
+        path: path.to_path_buf(),
+        why: format!("the process listening on it (pid {}) runs as uid {}", peer.pid(), peer.uid()),
+        me,
+    })
+}
+
 /// Sends one request to the daemon listening on `path` and returns its answer, waiting for
-/// it as long as [`TIMEOUT_ENV`] says ([`DEFAULT_TIMEOUT`] by default).
+/// it as long as [`TIMEOUT_ENV`] says ([`DEFAULT_TIMEOUT`] by default). A socket that may
+/// be another user's is refused first ([`ControlError::RunDir`], [`ControlError::Foreign`]):
+/// nothing is sent to it.
 pub fn request(path: &Path, request: &ControlRequest) -> Result<ControlResponse, ControlError> {
     let timeout = answer_timeout()?;
+    check_control_socket(path)?;
     let mut stream = match UnixStream::connect(path) {
         Ok(s) => s,
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -327,6 +391,7 @@ pub fn request(path: &Path, request: &ControlRequest) -> Result<ControlResponse,
         }
         Err(e) => return Err(ControlError::Io(path.to_path_buf(), e)),
     };
+    check_peer(&stream, path, nix::unistd::geteuid().as_raw())?;
     let io = |e| ControlError::Io(path.to_path_buf(), e);
     stream.set_read_timeout(Some(timeout)).map_err(io)?;
     stream.set_write_timeout(Some(timeout)).map_err(io)?;
@@ -361,6 +426,58 @@ mod tests {
             let e = parse_timeout(Some(OsStr::new(bad))).unwrap_err();
             assert!(e.contains(TIMEOUT_ENV) && e.contains("from 1 to 3600000"), "{bad}: {e}");
         }
+    }
+
+    /// A control socket that may be another user's is refused before anything is sent: in a
+    /// run directory its group or others may write to, or a shared one, or (as root, who can
+    /// make them) one of another user's, or whose listener runs as another user.
+    #[test]
+    fn a_control_socket_that_may_be_another_users_is_not_asked() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        std::fs::create_dir(&run).unwrap();
+        let path = run.join("control.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let nothing_sent = |listener: &UnixListener| {
+            let accepted = listener.accept();
+            assert!(
+                matches!(&accepted, Err(e) if e.kind() == io::ErrorKind::WouldBlock),
+                "a connection was made: {accepted:?}"
+            );
+        };
+        for (mode, want) in [(0o770, "chmod go-w"), (0o1777, "a shared directory")] {
+            std::fs::set_permissions(&run, std::fs::Permissions::from_mode(mode)).unwrap();
+            let err = request(&path, &ControlRequest::List).unwrap_err();
+            assert!(matches!(err, ControlError::RunDir { .. }), "{err}");
+            assert!(!err.not_running(), "{err}");
+            let text = err.to_string();
+            assert!(text.contains(&format!("not asking a daemon through {}", path.display())), "{text}");
+            assert!(text.contains(want), "{text}");
+            nothing_sent(&listener);
+        }
+        std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o700)).unwrap();
+        // The listener's user is checked once connected (the path may have been swapped).
+        let (ours, _theirs) = UnixStream::pair().unwrap();
+        let me = nix::unistd::geteuid().as_raw();
+        assert!(check_peer(&ours, &path, me).is_ok());
+        let err = check_peer(&ours, &path, me + 1).unwrap_err().to_string();
+        assert!(err.contains(&format!("runs as uid {me}, not {}", me + 1)), "{err}");
+        if !nix::unistd::geteuid().is_root() {
+            return eprintln!("SKIPPED the rest: another user's socket or directory needs root to make");
+        }
+        let theirs = nix::unistd::Uid::from_raw(65534);
+        nix::unistd::chown(&path, Some(theirs), None).unwrap();
+        let err = request(&path, &ControlRequest::List).unwrap_err();
+        assert!(matches!(err, ControlError::Foreign { .. }), "{err}");
+        assert!(err.to_string().contains("the socket belongs to uid 65534, not 0"), "{err}");
+        nothing_sent(&listener);
+        nix::unistd::chown(&path, Some(nix::unistd::Uid::from_raw(0)), None).unwrap();
+        nix::unistd::chown(&run, Some(theirs), None).unwrap();
+        let err = request(&path, &ControlRequest::List).unwrap_err();
+        assert!(err.to_string().contains("owned by uid 65534, not 0"), "{err}");
+        nothing_sent(&listener);
     }
 
     #[test]

@@ -108,12 +108,13 @@ pub enum LifecycleError {
         mode: u32,
     },
     /// A directory of the user's own that its group or others may write to, met by a command
-    /// that only reads it (a query changes no mode): what is in it may have been put there by
-    /// someone else.
+    /// that only reads it or connects there (a query changes no mode): what is in it may have
+    /// been put there by someone else.
     #[error(
         "{}: mode {mode:o}: its group or others may write to it, so what is in it may not be its \
-         user's; remove that write access (`chmod go-w {}`), or run `umdev daemon` or `umdev define`, \
-         which take it away from a directory of the user's own", path.display(), path.display()
+         user's; remove that write access (`chmod go-w {}`; `umdev daemon`, and `umdev define` for a \
+         definitions directory, take it away from a directory of the user's own)", path.display(),
+        path.display()
     )]
     Writable {
         /// The directory.
