@@ -45,6 +45,11 @@ pub enum ControlRequest {
         /// Put `options` over a definition's for this start.
         #[serde(default)]
         override_definition: bool,
+        /// `uuid` is new, chosen by the client for an instance of `mdev_type` (so that a start
+        /// the daemon does not answer in time can be named): no definition is looked up for
+        /// it. A daemon that does not know the field looks one up, as for any UUID.
+        #[serde(default)]
+        generated: bool,
     },
     /// Stop an instance.
     Stop {
@@ -163,7 +168,14 @@ fn handle(manager: &Manager, request: ControlRequest) -> ControlResponse {
     let fail = |e: LifecycleError| ControlResponse::failure(e.to_string(), e.errno());
     match request {
         ControlRequest::Types => ControlResponse::success(manager.types()),
-        ControlRequest::Start { mdev_type, uuid, options, override_definition } => manager
+        ControlRequest::Start {
+            mdev_type: Some(mdev_type),
+            uuid: Some(uuid),
+            options,
+            override_definition: false,
+            generated: true,
+        } => manager.start_new(&mdev_type, uuid, options).map(ControlResponse::success).unwrap_or_else(fail),
+        ControlRequest::Start { mdev_type, uuid, options, override_definition, .. } => manager
             .start(mdev_type.as_deref(), uuid, options, override_definition)
             .map(ControlResponse::success)
             .unwrap_or_else(fail),
@@ -478,6 +490,50 @@ mod tests {
         let err = request(&path, &ControlRequest::List).unwrap_err();
         assert!(err.to_string().contains("owned by uid 65534, not 0"), "{err}");
         nothing_sent(&listener);
+    }
+
+    /// A start under a UUID the client chose for a new instance looks up no definition: a
+    /// definitions directory that cannot be read (here a file) keeps it from nothing. Any
+    /// other UUID is looked up, as an older client's request (no `generated`) is.
+    #[test]
+    fn a_start_under_a_uuid_the_client_chose_looks_up_no_definition() {
+        use umdev_mdev::types::Registry;
+        use umdev_server::InstanceConfig;
+        let dir = tempfile::tempdir().unwrap();
+        let (run, state) = (dir.path().join("run"), dir.path().join("state"));
+        std::fs::create_dir(&run).unwrap();
+        std::fs::write(&state, "").unwrap();
+        let registry = Registry::with_types(vec![Arc::new(umdev_devices::testdev::TestDevType::new(8))]);
+        let manager = Manager::new(
+            registry,
+            &run,
+            crate::lifecycle::Definitions::new(&state),
+            InstanceConfig::new("", ""),
+        );
+        let start = |uuid: u128, generated| {
+            handle(
+                &manager,
+                ControlRequest::Start {
+                    mdev_type: Some("testdev".into()),
+                    uuid: Some(Uuid::from_u128(uuid)),
+                    options: InstanceOptions::default(),
+                    override_definition: false,
+                    generated,
+                },
+            )
+        };
+        let refused = start(1, false);
+        assert!(!refused.ok && refused.error.as_deref().is_some_and(|e| e.contains("not a directory")));
+        let started = start(2, true);
+        assert!(started.ok, "{:?}", started.error);
+        assert_eq!(manager.list().len(), 1);
+        let older: ControlRequest = serde_json::from_str(
+            r#"{"op":"start","mdev_type":"testdev","uuid":"00000000-0000-0000-0000-000000000003"}"#,
+        )
+        .unwrap();
+        assert!(matches!(older, ControlRequest::Start { generated: false, .. }));
+        assert!(!handle(&manager, older).ok);
+        manager.shutdown();
     }
 
     #[test]

@@ -929,6 +929,18 @@ impl Manager {
         self.start_instance(&mdev_type, uuid, options, false, overrides)
     }
 
+    /// Starts an instance of `mdev_type` with `options` under `uuid`, a new UUID (chosen by
+    /// the client), not a definition's: no definition is looked up, so a definitions
+    /// directory that cannot be read keeps no ad hoc start from starting.
+    pub fn start_new(
+        &self,
+        mdev_type: &str,
+        uuid: Uuid,
+        options: InstanceOptions,
+    ) -> Result<InstanceSummary, LifecycleError> {
+        self.start_instance(mdev_type, uuid, options, false, InstanceOptions::default())
+    }
+
     fn start_instance(
         &self,
         mdev_type: &str,

@@ -567,17 +567,21 @@ pub fn start(dirs: &Dirs, args: StartArgs) -> Out {
     }
     // A new instance's UUID is chosen here, not by the daemon: a start that outlives the
     // wait for its answer can still be named. (An --override start needs a definition's.)
-    let uuid = match uuid {
-        None if mdev_type.is_some() && !args.override_definition => Some(Uuid::new_v4()),
-        uuid => uuid,
-    };
+    let generated = uuid.is_none() && mdev_type.is_some() && !args.override_definition;
+    let uuid = if generated { Some(Uuid::new_v4()) } else { uuid };
     let pending = match uuid {
         Some(uuid) => format!("the device {uuid} may still start"),
         None => "the device may still start".into(),
     };
     let result = ask_to_change(
         dirs,
-        ControlRequest::Start { mdev_type, uuid, options, override_definition: args.override_definition },
+        ControlRequest::Start {
+            mdev_type,
+            uuid,
+            options,
+            override_definition: args.override_definition,
+            generated,
+        },
         &pending,
     )?;
     let started: InstanceSummary = serde_json::from_value(result).map_err(|e| e.to_string())?;

@@ -581,8 +581,8 @@ fn a_query_never_changes_a_directorys_mode_and_a_shared_one_is_refused() {
 
 /// The daemon's reload (SIGHUP) and its start of a definition refuse a definitions directory
 /// its group may write to (a group member could plant an auto definition, `ns1=file:` any
-/// path), and change nothing; once a command that writes there has taken that access away,
-/// a reload reads it again.
+/// path), and change nothing; a start of a type, which needs no definition, is not refused.
+/// Once a command that writes there has taken that access away, a reload reads it again.
 #[test]
 fn a_daemon_refuses_definitions_its_group_may_write() {
     let env = Dirs::new();
@@ -617,7 +617,12 @@ fn a_daemon_refuses_definitions_its_group_may_write() {
     let start = env.fails(&["start", "-u", B]);
     assert!(start.contains("its group or others may write to it"), "{start}");
     assert_eq!(mode(&env.state), 0o770);
-    assert_eq!(env.ok(&["list"]), "");
+    // A start of a type under a UUID the client chose needs no definition, and reads none.
+    let ad_hoc = env.ok(&["start", "-t", "testdev"]);
+    let ad_hoc = ad_hoc.split_whitespace().next().unwrap().to_string();
+    assert_eq!(env.ok(&["list"]).lines().filter(|l| !l.starts_with(' ')).count(), 1);
+    env.ok(&["stop", "-u", &ad_hoc]);
+    assert_eq!(mode(&env.state), 0o770);
     // A definition written there takes the group's write access away; the next reload reads.
     env.ok(&["define", "-t", "testdev", "-u", A]);
     assert_eq!(mode(&env.state), 0o750);
@@ -817,10 +822,11 @@ fn a_start_or_stop_that_is_not_answered_in_time_names_its_device() {
     let (err, request) = ask(&["start", "-t", "testdev"]);
     let uuid = request["uuid"].as_str().expect("a UUID chosen by the client").to_string();
     assert!(uuid::Uuid::parse_str(&uuid).is_ok(), "{request}");
+    assert_eq!(request["generated"], true, "the daemon is told to look up no definition: {request}");
     assert!(err.contains("did not answer within 200ms"), "{err}");
     assert!(err.contains(&format!("the device {uuid} may still start: see `umdev list`")), "{err}");
     let (err, request) = ask(&["start", "-t", "testdev", "-u", A]);
-    assert_eq!(request["uuid"], A);
+    assert_eq!((&request["uuid"], &request["generated"]), (&serde_json::json!(A), &serde_json::json!(false)));
     assert!(err.contains(&format!("the device {A} may still start")), "{err}");
     let (err, request) = ask(&["stop", "-u", A]);
     assert_eq!((request["op"].as_str(), request["uuid"].as_str()), (Some("stop"), Some(A)));
