@@ -99,8 +99,7 @@ impl Dirs {
     /// came from reads: it would show or start definitions the daemon does not have.
     fn check_daemon_definitions(&self, status: &DaemonStatus) -> Result<(), String> {
         let Some(theirs) = &status.definitions else { return Ok(()) };
-        let canonical = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
-        if canonical(theirs) == canonical(&self.state) {
+        if same_directory(theirs, &self.state) {
             return Ok(());
         }
         let ours = if self.state_named { "named here" } else { "this command's default" };
@@ -112,6 +111,20 @@ impl Dirs {
             self.state.display(),
             theirs.display()
         ))
+    }
+}
+
+/// Whether `a` and `b` are one directory: by device and inode where both exist (a bind
+/// mount, as a service's read-only /etc, shows it at the same path under another mount, and
+/// a symbolic link or `..` at another path), else by their canonical paths.
+fn same_directory(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+        _ => {
+            let canonical = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+            canonical(a) == canonical(b)
+        }
     }
 }
 
@@ -544,6 +557,13 @@ pub fn start(dirs: &Dirs, args: StartArgs) -> Out {
         }
         None => (args.mdev_type, args.options),
     };
+    // A definition named here (-u) that the daemon does not read would go unused (asked
+    // before one is read there); a start of a type without -u reads no definition.
+    if dirs.state_named && uuid.is_some() {
+        if let Some(status) = ask_if_running::<DaemonStatus>(dirs, &ControlRequest::Status)? {
+            dirs.check_daemon_definitions(&status)?;
+        }
+    }
     // Checked here too, for the same message as `define` without a round trip.
     if let Some(t) = &mdev_type {
         let registry = umdev::builtin_registry();
@@ -557,12 +577,6 @@ pub fn start(dirs: &Dirs, args: StartArgs) -> Out {
             let ty =
                 registry.find(t).map_err(|_| format!("unknown device type {t:?} (see `umdev types`)"))?;
             ty.check(&options).map_err(|e| e.to_string())?;
-        }
-    }
-    // Definitions named here that the daemon does not read would go unused.
-    if dirs.state_named {
-        if let Some(status) = ask_if_running::<DaemonStatus>(dirs, &ControlRequest::Status)? {
-            dirs.check_daemon_definitions(&status)?;
         }
     }
     // A new instance's UUID is chosen here, not by the daemon: a start that outlives the
@@ -654,13 +668,14 @@ pub fn list(dirs: &Dirs, view: &ListView) -> Out {
         uuid.is_none_or(|w| w == *u) && view.mdev_type.as_deref().is_none_or(|w| Some(w) == t)
     };
     if view.defined {
-        let entries =
-            DefinitionEntry::all(&Definitions::new(&dirs.state), &registry).map_err(|e| e.to_string())?;
-        // Definitions need no daemon; without one their state is unknown.
+        // Definitions need no daemon; without one their state is unknown. With one, they must
+        // be its own (checked before any is read).
         let daemon: Option<DaemonStatus> = ask_if_running(dirs, &ControlRequest::Status)?;
         if let Some(status) = &daemon {
             dirs.check_daemon_definitions(status)?;
         }
+        let entries =
+            DefinitionEntry::all(&Definitions::new(&dirs.state), &registry).map_err(|e| e.to_string())?;
         let rows: Vec<_> = sync_status(&entries, daemon.as_ref())
             .into_iter()
             .filter(|r| wanted(&r.uuid, r.mdev_type.as_deref()))

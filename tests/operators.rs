@@ -704,7 +704,7 @@ fn definitions_the_daemon_does_not_read_are_refused() {
             .output()
             .unwrap()
     };
-    for args in [&["start", "-t", "testdev"][..], &["list", "-d"], &["list", "--dumpjson"]] {
+    for args in [&["start", "-t", "testdev", "-u", B][..], &["list", "-d"], &["list", "--dumpjson"]] {
         let out = with_state(other.to_str().unwrap(), args);
         assert!(!out.status.success(), "{args:?}");
         let err = stderr_of(&out);
@@ -713,6 +713,11 @@ fn definitions_the_daemon_does_not_read_are_refused() {
         assert!(err.contains(&want) && err.contains(&format!("--state-dir {theirs}")), "{args:?}: {err}");
     }
     assert_eq!(env.ok(&["list"]), "", "nothing was started");
+    // A start of a type without -u reads no definition, wherever they are.
+    let ad_hoc = with_state(other.to_str().unwrap(), &["start", "-t", "testdev"]);
+    assert!(ad_hoc.status.success(), "{}", stderr_of(&ad_hoc));
+    let ad_hoc = String::from_utf8_lossy(&ad_hoc.stdout).split_whitespace().next().unwrap().to_string();
+    env.ok(&["stop", "-u", &ad_hoc]);
     // The variable names a directory as the option does; a default that is not the daemon's
     // is refused by the listing of definitions.
     let out = env.command().args(["list", "-d"]).env("UMDEV_STATE_DIR", &other).output().unwrap();
@@ -732,6 +737,10 @@ fn definitions_the_daemon_does_not_read_are_refused() {
     let started = with_state(&again, &["start", "-t", "testdev", "-u", A]);
     assert!(started.status.success(), "{}", stderr_of(&started));
     assert!(with_state(&again, &["list", "-d"]).status.success());
+    let link = env.path().join("link");
+    std::os::unix::fs::symlink(&env.state, &link).unwrap();
+    let listed = with_state(link.to_str().unwrap(), &["list", "-d"]);
+    assert!(listed.status.success(), "{}", stderr_of(&listed));
     stop(daemon);
 }
 
@@ -783,55 +792,72 @@ fn a_daemon_that_does_not_answer_is_named_after_the_wait_the_environment_sets() 
 
 /// A start or stop the daemon took but did not answer in time may still happen: the message
 /// says so and names the device, whose UUID a start chooses before it asks (so one started
-/// without -u can be found).
+/// without -u can be found). A start of a type asks nothing before (its UUID needs no
+/// definition); a start -u asks the daemon's definitions directory first. Hermetic: every
+/// directory is the test's, and the fake daemon answers the status a start asks for.
 #[test]
 fn a_start_or_stop_that_is_not_answered_in_time_names_its_device() {
-    use std::io::BufRead;
+    use std::io::{BufRead, Write};
     let env = Dirs::new();
     std::fs::create_dir_all(&env.run).unwrap();
     let control = env.run.join("control.sock");
     let listener = std::os::unix::net::UnixListener::bind(&control).unwrap();
-    // The fake daemon: reads each request, answers none, until the test is done with it.
+    // The fake daemon: answers each status (its definitions are the test's), reads every
+    // other request and answers none, until the test is done with it.
     let (done, wait) = std::sync::mpsc::channel::<()>();
     let (requests, received) = std::sync::mpsc::channel::<serde_json::Value>();
+    let state = env.state.clone();
     let fake = std::thread::spawn(move || {
         let mut held = Vec::new();
-        for _ in 0..3 {
-            let (conn, _) = listener.accept().unwrap();
+        loop {
+            let (mut conn, _) = listener.accept().unwrap();
+            if wait.try_recv().is_ok() {
+                return;
+            }
             let mut line = String::new();
             std::io::BufReader::new(&conn).read_line(&mut line).unwrap();
-            requests.send(json(&line)).unwrap();
-            held.push(conn);
+            let request = json(&line);
+            if request["op"] == "status" {
+                let status = serde_json::json!({"instances": [], "definitions": state});
+                writeln!(conn, "{}", serde_json::json!({"ok": true, "result": status})).unwrap();
+            } else {
+                held.push(conn);
+            }
+            requests.send(request).unwrap();
         }
-        let _ = wait.recv();
     });
-    // No definitions directory named: a start would first ask whether it is the daemon's.
+    // What a command asked before its change, and the change.
     let ask = |args: &[&str]| {
-        let out = umdev()
-            .arg("--run-dir")
-            .arg(&env.run)
-            .args(args)
-            .env_remove("UMDEV_STATE_DIR")
-            .env("UMDEV_CONTROL_TIMEOUT_MS", "200")
-            .output()
-            .unwrap();
+        let out = env.command().args(args).env("UMDEV_CONTROL_TIMEOUT_MS", "200").output().unwrap();
         assert!(!out.status.success(), "{args:?}");
-        let request = received.recv_timeout(std::time::Duration::from_secs(60)).unwrap();
-        (stderr_of(&out), request)
+        let mut before = Vec::new();
+        loop {
+            let request = received.recv_timeout(std::time::Duration::from_secs(60)).unwrap();
+            if request["op"] != "status" {
+                return (stderr_of(&out), before, request);
+            }
+            before.push(request);
+        }
     };
-    let (err, request) = ask(&["start", "-t", "testdev"]);
+    let (err, before, request) = ask(&["start", "-t", "testdev"]);
+    assert!(before.is_empty(), "{before:?}");
     let uuid = request["uuid"].as_str().expect("a UUID chosen by the client").to_string();
     assert!(uuid::Uuid::parse_str(&uuid).is_ok(), "{request}");
     assert_eq!(request["generated"], true, "the daemon is told to look up no definition: {request}");
     assert!(err.contains("did not answer within 200ms"), "{err}");
     assert!(err.contains(&format!("the device {uuid} may still start: see `umdev list`")), "{err}");
-    let (err, request) = ask(&["start", "-t", "testdev", "-u", A]);
+    let (err, before, request) = ask(&["start", "-t", "testdev", "-u", A]);
+    assert_eq!(before.len(), 1, "the daemon's definitions directory asked first: {before:?}");
     assert_eq!((&request["uuid"], &request["generated"]), (&serde_json::json!(A), &serde_json::json!(false)));
     assert!(err.contains(&format!("the device {A} may still start")), "{err}");
-    let (err, request) = ask(&["stop", "-u", A]);
+    let (err, before, request) = ask(&["stop", "-u", A]);
+    assert!(before.is_empty(), "{before:?}");
     assert_eq!((request["op"].as_str(), request["uuid"].as_str()), (Some("stop"), Some(A)));
     assert!(err.contains(&format!("{A} may still stop: see `umdev list`")), "{err}");
+    assert!(!env.state.exists(), "no definition was written");
     done.send(()).unwrap();
+    // The fake's accept returns, and it ends.
+    let _ = std::os::unix::net::UnixStream::connect(&control);
     fake.join().unwrap();
 }
 
