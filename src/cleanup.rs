@@ -1,7 +1,8 @@
 //! What a benchmark (or the demo) would leave behind if it were stopped: its temporary
-//! directories and the `umdev run` servers it started. Each is registered while it exists;
-//! on SIGINT, SIGTERM or SIGHUP (Ctrl-C, `kill`, `timeout`) a thread stops the servers,
-//! removes the directories and exits 128 + the signal. A server also gets SIGTERM from the
+//! directories and files and the `umdev run` servers it started. Each is registered while it
+//! exists; on SIGINT, SIGTERM or SIGHUP (Ctrl-C, `kill`, `timeout`) a thread stops the
+//! servers, removes the directories and files and exits 128 + the signal (no destructor
+//! runs). A server also gets SIGTERM from the
 //! kernel if the benchmark dies any other way (`PR_SET_PDEATHSIG`).
 
 use std::os::unix::process::CommandExt;
@@ -19,10 +20,12 @@ use signal_hook::iterator::Signals;
 #[derive(Default)]
 struct Leftovers {
     dirs: Vec<PathBuf>,
+    files: Vec<PathBuf>,
     children: Vec<u32>,
 }
 
-static LEFTOVERS: Mutex<Leftovers> = Mutex::new(Leftovers { dirs: Vec::new(), children: Vec::new() });
+static LEFTOVERS: Mutex<Leftovers> =
+    Mutex::new(Leftovers { dirs: Vec::new(), files: Vec::new(), children: Vec::new() });
 
 /// A signal came: the cleanup thread is stopping the process.
 static STOPPING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -55,10 +58,15 @@ pub fn install() -> Result<(), String> {
                 for dir in &what.dirs {
                     let _ = std::fs::remove_dir_all(dir);
                 }
+                for file in &what.files {
+                    let _ = std::fs::remove_file(file);
+                }
                 eprintln!(
-                    "umdev: signal {signal}: stopped {} server(s), removed {} temporary director(ies)",
+                    "umdev: signal {signal}: stopped {} server(s), removed {} temporary director(ies) and {} \
+                     temporary file(s)",
                     what.children.len(),
-                    what.dirs.len()
+                    what.dirs.len(),
+                    what.files.len()
                 );
                 std::process::exit(128 + signal);
             }
@@ -95,6 +103,16 @@ pub fn dir(path: &Path) {
 /// The directory is gone (or kept on purpose).
 pub fn forget_dir(path: &Path) {
     leftovers().dirs.retain(|d| d != path);
+}
+
+/// Registers a temporary file to remove on a signal.
+pub fn file(path: &Path) {
+    leftovers().files.push(path.to_path_buf());
+}
+
+/// The file is gone, or is temporary no more (renamed to what it was for).
+pub fn forget_file(path: &Path) {
+    leftovers().files.retain(|f| f != path);
 }
 
 /// Registers a child process to stop on a signal.

@@ -442,7 +442,9 @@ enum Command {
               conflicts_with_all = ["svg", "mode", "batch_us"])]
         threads: Option<Vec<u64>>,
         /// Also draw ns per call against pages (kernel, lock and track modes, per run and per
-        /// page, the kernel's floor and the seeds' figures; log-log) into this SVG file.
+        /// page, the kernel's floor and the seeds' figures; log-log) into this SVG file. It is
+        /// checked before the run and replaced only at its end, by a whole picture (a run that
+        /// fails or is stopped leaves what was there).
         #[arg(long)]
         svg: Option<std::path::PathBuf>,
         /// Only this pin mode's rows; all three by default.

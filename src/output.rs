@@ -67,20 +67,92 @@ pub fn write_file(path: &Path, data: &[u8]) -> Out {
         .map_err(|e| format!("chmod {}: {e}", path.display()))
 }
 
-/// Opens a file the user asked for, to be written later: a path that cannot be written
-/// fails before the work whose result it is to hold. A regular file is emptied, and made
-/// mode 0644; something else (`/dev/stdout`, a pipe) is left as it is. Also says whether the
-/// file is new.
+/// A file the user asked for, to be written once the work whose result it holds is done
+/// (`pinbench --svg`). [`PendingFile::open`] checks now that it can be written, so a path
+/// that cannot fails before the work, and truncates nothing: a regular file (or a path with
+/// none yet) gets a temporary file beside it, renamed over it by [`PendingFile::finish`], so
+/// that a failed or interrupted run leaves what was there whole (on a signal the cleanup
+/// module removes the temporary file, as drop does otherwise). A device or a pipe
+/// (`/dev/stdout`) is written to directly, its mode left alone.
 #[cfg(feature = "bench")]
-pub fn create_file(path: &Path) -> Result<(std::fs::File, bool), String> {
-    let new = std::fs::symlink_metadata(path).is_err();
-    let file = std::fs::File::create(path).map_err(|e| format!("creating {}: {e}", path.display()))?;
-    let regular = file.metadata().map_err(|e| format!("{}: {e}", path.display()))?.is_file();
-    if regular {
-        file.set_permissions(std::fs::Permissions::from_mode(0o644))
+pub struct PendingFile {
+    /// The path the user gave (for messages).
+    path: std::path::PathBuf,
+    /// The temporary file and the file it replaces, until it has.
+    replace: Option<(std::path::PathBuf, std::path::PathBuf)>,
+    /// What is written to: the temporary file, or the device or pipe.
+    file: std::fs::File,
+}
+
+#[cfg(feature = "bench")]
+impl PendingFile {
+    /// Checks that `path` can be written, without changing it.
+    pub fn open(path: &Path) -> Result<PendingFile, String> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let opening = |e: std::io::Error| format!("opening {}: {e}", path.display());
+        let target = match std::fs::metadata(path) {
+            Ok(meta) if meta.is_dir() => return Err(format!("{}: a directory, not a file", path.display())),
+            Ok(meta) if !meta.is_file() => {
+                let file = std::fs::OpenOptions::new().write(true).open(path).map_err(opening)?;
+                return Ok(PendingFile { path: path.to_path_buf(), replace: None, file });
+            }
+            // Its user's leave to write it is asked now (opened without truncating); what
+            // replaces it is the file a symbolic link names, not the link.
+            Ok(_) => {
+                std::fs::OpenOptions::new().write(true).open(path).map_err(opening)?;
+                std::fs::canonicalize(path).map_err(opening)?
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => path.to_path_buf(),
+            Err(e) => return Err(format!("{}: {e}", path.display())),
+        };
+        let dir = target.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let name = target.file_name().ok_or_else(|| format!("{}: names no file", path.display()))?;
+        let temp = dir.join(format!(".{}.{}.tmp", name.to_string_lossy(), std::process::id()));
+        // Never one that is there: it could be another user's link.
+        let file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o644).open(&temp).map_err(
+            |e| match e.kind() {
+                std::io::ErrorKind::AlreadyExists => format!("creating {}: {e}", temp.display()),
+                _ => format!("creating {}: {e}", path.display()),
+            },
+        )?;
+        crate::cleanup::file(&temp);
+        let pending = PendingFile { path: path.to_path_buf(), replace: Some((temp, target)), file };
+        // Made through the process's umask (077); a file the user asked for is for everyone.
+        pending
+            .file
+            .set_permissions(std::fs::Permissions::from_mode(0o644))
             .map_err(|e| format!("chmod {}: {e}", path.display()))?;
+        Ok(pending)
     }
-    Ok((file, new && regular))
+
+    /// The path the user gave.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Writes `data`, the whole file, and puts it in place.
+    pub fn finish(mut self, data: &[u8]) -> Out {
+        let writing = |e: std::io::Error| format!("writing {}: {e}", self.path.display());
+        (&self.file).write_all(data).map_err(writing)?;
+        let Some((temp, target)) = &self.replace else { return Ok(()) };
+        // On disk before the rename: a crash never leaves an empty file in the old one's place.
+        self.file.sync_all().map_err(writing)?;
+        std::fs::rename(temp, target)
+            .map_err(|e| format!("renaming {} to {}: {e}", temp.display(), target.display()))?;
+        crate::cleanup::forget_file(temp);
+        self.replace = None;
+        Ok(())
+    }
+}
+
+#[cfg(feature = "bench")]
+impl Drop for PendingFile {
+    fn drop(&mut self) {
+        if let Some((temp, _)) = self.replace.take() {
+            let _ = std::fs::remove_file(&temp);
+            crate::cleanup::forget_file(&temp);
+        }
+    }
 }
 
 /// Creates a directory the user asked for, mode 0755; its parent must exist (a mistyped

@@ -1005,9 +1005,9 @@ pub fn command(o: &Options) -> Result<(), String> {
         }
         return Ok(());
     }
-    // The picture's file is made first: a path it cannot have fails before minutes of
+    // The picture's file is checked first: a path it cannot have fails before minutes of
     // measuring, not after.
-    let mut picture = o.svg.as_deref().map(Picture::create).transpose()?;
+    let picture = o.svg.as_deref().map(Picture::create).transpose()?;
     let effort = Effort { rounds: o.rounds, batch: Duration::from_micros(o.batch_us) };
     let rows = run(effort, o.only, |row| {
         if o.json {
@@ -1034,7 +1034,7 @@ pub fn command(o: &Options) -> Result<(), String> {
         )?;
     }
     // Drawn after the table is printed: a picture that fails loses no figure.
-    if let Some(picture) = picture.as_mut() {
+    if let Some(picture) = picture {
         picture
             .write(&rows, o.rounds)
             .map_err(|e| format!("{e} (the figures above are complete; only the picture is missing)"))?;
@@ -1042,35 +1042,18 @@ pub fn command(o: &Options) -> Result<(), String> {
     Ok(())
 }
 
-/// `--svg`'s file, opened before the benchmark runs; a new one is removed unless the
-/// picture was written into it (a failed run leaves no empty picture behind).
-struct Picture {
-    path: std::path::PathBuf,
-    file: std::fs::File,
-    /// Removed on drop: made here and not written.
-    remove: bool,
-}
+/// `--svg`'s file, checked before the benchmark runs and written once it has: a picture
+/// that was there stays whole until a new one replaces it.
+struct Picture(crate::output::PendingFile);
 
 impl Picture {
     fn create(path: &std::path::Path) -> Result<Picture, String> {
-        let (file, new) = crate::output::create_file(path)?;
-        Ok(Picture { path: path.to_path_buf(), file, remove: new })
+        crate::output::PendingFile::open(path).map(Picture)
     }
 
-    fn write(&mut self, rows: &[Row], rounds: usize) -> Result<(), String> {
-        let svg = plot::draw(rows, &caption(rounds), &self.path)?;
-        std::io::Write::write_all(&mut self.file, svg.as_bytes())
-            .map_err(|e| format!("writing {}: {e}", self.path.display()))?;
-        self.remove = false;
-        Ok(())
-    }
-}
-
-impl Drop for Picture {
-    fn drop(&mut self) {
-        if self.remove {
-            let _ = std::fs::remove_file(&self.path);
-        }
+    fn write(self, rows: &[Row], rounds: usize) -> Result<(), String> {
+        let svg = plot::draw(rows, &caption(rounds), self.0.path())?;
+        self.0.finish(svg.as_bytes())
     }
 }
 

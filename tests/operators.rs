@@ -1120,6 +1120,72 @@ mod benches {
         assert!(full.exists() && std::fs::metadata(full).unwrap().permissions().mode() == mode);
     }
 
+    /// `--svg` replaces a picture only with a whole one: a run that fails (its output closed
+    /// after the first row) or is stopped (SIGINT while it waits to print, so no destructor
+    /// runs) leaves the file that was there as it was, and no temporary file beside it; a run
+    /// that ends replaces it, readable by everyone.
+    #[test]
+    fn pinbench_replaces_a_picture_only_with_a_whole_one() {
+        use std::io::Write;
+        let env = Dirs::new();
+        let svg = env.path().join("old.svg");
+        std::fs::write(&svg, "the old picture").unwrap();
+        let temporary = || -> Vec<String> {
+            std::fs::read_dir(env.path())
+                .unwrap()
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().to_string())
+                .filter(|n| n.starts_with(".old.svg."))
+                .collect()
+        };
+        let args = ["pinbench", "--json", "--rounds", "1", "--batch-us", "1", "--svg", svg.to_str().unwrap()];
+        into_a_closed_pipe(&env, &args);
+        assert_eq!(std::fs::read_to_string(&svg).unwrap(), "the old picture");
+        assert!(temporary().is_empty(), "{:?}", temporary());
+        // Its output a full pipe: it blocks printing its first row, the picture's file made.
+        let flags = nix::fcntl::OFlag::O_CLOEXEC | nix::fcntl::OFlag::O_NONBLOCK;
+        let (read, write) = nix::unistd::pipe2(flags).unwrap();
+        let mut filling = std::fs::File::from(write.try_clone().unwrap());
+        loop {
+            match filling.write(&[b'x'; 4096]) {
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => panic!("filling the pipe: {e}"),
+            }
+        }
+        nix::fcntl::fcntl(&write, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::empty())).unwrap();
+        let log = env.path().join("pinbench.log");
+        let mut child = ChildGuard(
+            env.command()
+                .args(args)
+                .stdout(Stdio::from(write))
+                .stderr(std::fs::File::create(&log).unwrap())
+                .spawn()
+                .unwrap(),
+        );
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while temporary().is_empty() {
+            assert!(Instant::now() < deadline, "no temporary picture was made");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            nix::sys::signal::Signal::SIGINT,
+        )
+        .unwrap();
+        assert_eq!(child.wait().unwrap().code(), Some(128 + libc::SIGINT));
+        drop((read, filling));
+        let said = std::fs::read_to_string(&log).unwrap();
+        assert!(said.contains("and 1 temporary file(s)"), "{said}");
+        assert_eq!(std::fs::read_to_string(&svg).unwrap(), "the old picture");
+        assert!(temporary().is_empty(), "{:?}", temporary());
+        // A run that ends replaces it.
+        env.ok(&args);
+        assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
+        assert_eq!(std::fs::metadata(&svg).unwrap().permissions().mode() & 0o777, 0o644);
+        assert!(temporary().is_empty(), "{:?}", temporary());
+    }
+
     #[test]
     fn pinbench_writes_a_picture_everyone_can_read_and_stops_at_a_closed_pipe() {
         let env = Dirs::new();
