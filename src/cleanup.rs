@@ -1,9 +1,9 @@
 //! What a benchmark (or the demo) would leave behind if it were stopped: its temporary
 //! directories and files and the `umdev run` servers it started. Each is registered while it
-//! exists; on SIGINT, SIGTERM or SIGHUP (Ctrl-C, `kill`, `timeout`) a thread stops the
-//! servers, removes the directories and files and exits 128 + the signal (no destructor
-//! runs). A server also gets SIGTERM from the
-//! kernel if the benchmark dies any other way (`PR_SET_PDEATHSIG`).
+//! exists; on SIGINT, SIGTERM or SIGHUP (Ctrl-C, `kill`, `timeout`, a closed terminal unless
+//! under `nohup`) a thread stops the servers, removes the directories and files and exits
+//! 128 + the signal (no destructor runs). A server also gets SIGTERM from the kernel if the
+//! benchmark dies any other way (`PR_SET_PDEATHSIG`).
 
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{kill, Signal};
 use nix::sys::wait::{waitpid, WaitPidFlag};
 use nix::unistd::Pid;
-use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
 #[derive(Default)]
@@ -42,10 +41,11 @@ fn leftovers() -> std::sync::MutexGuard<'static, Leftovers> {
     LEFTOVERS.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// Cleans up on SIGINT, SIGTERM and SIGHUP from now on (call once, before anything is made).
+/// Cleans up on SIGINT, SIGTERM and SIGHUP from now on (call once, before anything is made);
+/// SIGHUP stays ignored if it was (`nohup umdev pinbench &` outlives its terminal).
 pub fn install() -> Result<(), String> {
     let mut signals =
-        Signals::new([SIGINT, SIGTERM, SIGHUP]).map_err(|e| format!("installing signal handlers: {e}"))?;
+        Signals::new(crate::run::stop_signals()).map_err(|e| format!("installing signal handlers: {e}"))?;
     std::thread::Builder::new()
         .name("umdev-cleanup".into())
         .spawn(move || {

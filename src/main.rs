@@ -328,7 +328,8 @@ enum Command {
     /// Serve one device instance in the foreground on a UNIX socket, until SIGINT, SIGTERM or
     /// SIGHUP (for QEMU's `-device '{"driver":"vfio-user-pci","socket":{"type":"unix","path":...}}'`).
     ///
-    /// It prints that -device argument, with the socket's absolute path.
+    /// It prints that -device argument, with the socket's absolute path. SIGHUP stays ignored
+    /// if it was when it started (`nohup umdev run ... &` outlives its terminal).
     Run {
         /// Device type (see `umdev types`).
         #[arg(short = 't', long = "type")]

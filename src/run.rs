@@ -8,8 +8,33 @@ use umdev_server::{Daemon, InstanceConfig};
 
 use crate::logging::STATUS;
 
+/// Whether `signal` was ignored (SIG_IGN) when the process started: `nohup` ignores SIGHUP
+/// so that a closed terminal stops nothing, and a handler installed over it would undo that.
+pub fn ignored(signal: libc::c_int) -> bool {
+    // SAFETY: an all-zero sigaction is a valid value of the C struct (no handler, empty
+    // mask), and is only written to below.
+    let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+    // SAFETY: with a null new action sigaction(2) changes nothing; it only writes the current
+    // disposition into `old`, which lives through the call.
+    let rc = unsafe { libc::sigaction(signal, std::ptr::null(), &mut old) };
+    rc == 0 && old.sa_sigaction == libc::SIG_IGN
+}
+
+/// The signals that stop a foreground command: SIGINT, SIGTERM, and SIGHUP (its terminal
+/// closed) unless it was ignored, as under `nohup`.
+pub fn stop_signals() -> Vec<libc::c_int> {
+    let mut signals = vec![SIGINT, SIGTERM];
+    if ignored(SIGHUP) {
+        log::debug!("SIGHUP is ignored (nohup): a closed terminal does not stop this process");
+    } else {
+        signals.push(SIGHUP);
+    }
+    signals
+}
+
 /// Serves one instance of `type_name` with `config` until SIGINT, SIGTERM or SIGHUP (its
-/// terminal closed: the server stops as cleanly, its socket removed).
+/// terminal closed: the server stops as cleanly, its socket removed); SIGHUP stays ignored
+/// if it was (`nohup umdev run ... &`).
 pub fn run(
     registry: &Registry,
     type_name: &str,
@@ -18,8 +43,7 @@ pub fn run(
 ) -> Result<(), String> {
     let ty = registry.find(type_name).map_err(|e| e.to_string())?;
     let device = ty.create(options).map_err(|e| e.to_string())?;
-    let mut signals =
-        Signals::new([SIGINT, SIGTERM, SIGHUP]).map_err(|e| format!("installing signal handlers: {e}"))?;
+    let mut signals = Signals::new(stop_signals()).map_err(|e| format!("installing signal handlers: {e}"))?;
     let daemon = Daemon::new();
     // QEMU may run from another directory: it is told the absolute path.
     let socket = std::path::absolute(&config.socket).unwrap_or_else(|_| config.socket.clone());

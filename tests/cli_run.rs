@@ -51,6 +51,59 @@ fn run_serves_until_sigterm_then_removes_its_socket() {
     }
 }
 
+/// Whether /proc says `pid` ignores `signal` (its SigIgn mask).
+fn ignores(pid: u32, signal: libc::c_int) -> bool {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let mask = status.lines().find_map(|l| l.strip_prefix("SigIgn:")).expect("a SigIgn line").trim();
+    u64::from_str_radix(mask, 16).unwrap() & (1 << (signal - 1)) != 0
+}
+
+/// `nohup umdev run ... &`: started with SIGHUP ignored, it leaves it ignored (a closed
+/// terminal stops nothing), serves on through one, and still stops on SIGTERM.
+#[test]
+fn run_started_with_sighup_ignored_serves_through_one() {
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("dev.sock");
+    let mut command = umdev();
+    command
+        .arg("run")
+        .arg("--socket")
+        .arg(&socket)
+        .args(["--type", "testdev"])
+        .stderr(std::process::Stdio::null());
+    // SAFETY: signal(2) is async-signal-safe and touches no memory of the parent, as a
+    // pre_exec closure must; SIG_IGN is kept across exec, as nohup relies on.
+    unsafe {
+        command.pre_exec(|| {
+            nix::sys::signal::signal(nix::sys::signal::Signal::SIGHUP, nix::sys::signal::SigHandler::SigIgn)
+                .map(drop)
+                .map_err(std::io::Error::from)
+        });
+    }
+    let mut child = common::process::ChildGuard(command.spawn().unwrap());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut c = loop {
+        if let Ok(c) = RawClient::connect(&socket) {
+            break c;
+        }
+        assert!(Instant::now() < deadline, "umdev run never listened");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    c.negotiate().unwrap();
+    // Its handlers are in place once it listens: SIGHUP is still ignored, so the kernel
+    // drops one sent now.
+    assert!(ignores(child.id(), libc::SIGHUP), "umdev run handles SIGHUP over nohup's SIG_IGN");
+    assert!(!ignores(child.id(), libc::SIGTERM));
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGHUP).unwrap();
+    assert!(c.alive(), "it stopped serving on SIGHUP");
+    assert!(child.try_wait().unwrap().is_none());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    assert!(child.wait().unwrap().success());
+    assert!(!socket.exists(), "socket removed on exit");
+}
+
 /// The QEMU argument `umdev run` prints names its socket by an absolute path, however
 /// `--socket` gave it: QEMU runs from another directory.
 #[test]
