@@ -388,7 +388,8 @@ enum Command {
         /// An nvme option for the server under test, key=value (repeatable, each key once),
         /// e.g. `poll_us=0` or `doorbells=mmap`. One of the benchmark's own (queues=2,
         /// entries=256, ns1=ram:256M, with --file cache1=none) is overridden by it, within
-        /// what the workloads need: queues and entries no fewer, ns1 only without --file.
+        /// what the workloads need: queues and entries no fewer, ns1 only without --file and
+        /// of 256 MiB at least (the workloads use its first 256 MiB).
         #[arg(long = "opt")]
         opts: Vec<String>,
         /// Instead: a cache1=none file namespace in kernel pin mode, fixed_buffers=always

@@ -94,7 +94,8 @@ pub struct Floors {
 /// The whole report.
 #[derive(Debug, Serialize)]
 pub struct Report {
-    /// What namespace 1 was (`ram:256M`, or the file's `--opt`s).
+    /// What namespace 1 was (`ram:256M`, or the file's `--opt`s), and how much of it the
+    /// workloads used when not all.
     pub namespace: String,
     /// I/O queue doorbells went through shadow doorbells (`--shadow-doorbells`).
     pub shadow_doorbells: bool,
@@ -523,14 +524,51 @@ fn workloads() -> Vec<(Kind, bool, u16, usize)> {
 
 /// Refuses a backing file (or block device) smaller than the benchmark's namespace.
 fn check_size(file: &Path) -> Result<(), String> {
-    // The end's offset: a block device's size too, where metadata says 0.
-    let len = std::fs::File::open(file)
-        .and_then(|mut f| std::io::Seek::seek(&mut f, std::io::SeekFrom::End(0)))
-        .map_err(|e| format!("{}: {e}", file.display()))?;
+    let len = file_bytes(file)?;
     if len < NS_BYTES {
         return Err(format!("{}: {len} bytes; the benchmark needs {NS_BYTES}", file.display()));
     }
     Ok(())
+}
+
+/// The size of a namespace as `--opt ns1=` names it (`ram:SIZE`, `file:PATH`), refused when it
+/// is smaller than the [`NS_BYTES`] the workloads fill and address (they would fail mid-run);
+/// `None` for a value that is neither, the server's to refuse in its words.
+fn namespace_bytes(value: &str) -> Result<Option<u64>, String> {
+    let bytes = match value.split_once(':') {
+        Some(("ram", size)) => umdev_mdev::types::parse_size(size),
+        Some(("file", path)) => {
+            Some(file_bytes(Path::new(path)).map_err(|e| format!("--opt ns1={value}: {e}"))?)
+        }
+        _ => None,
+    };
+    match bytes {
+        Some(bytes) if bytes < NS_BYTES => Err(format!(
+            "--opt ns1={value}: {bytes} bytes; the benchmark's workloads need a namespace of {} MiB at least",
+            NS_BYTES >> 20
+        )),
+        bytes => Ok(bytes),
+    }
+}
+
+/// A file's (or block device's) size: its end's offset, where metadata says 0 for a device.
+fn file_bytes(file: &Path) -> Result<u64, String> {
+    std::fs::File::open(file)
+        .and_then(|mut f| std::io::Seek::seek(&mut f, std::io::SeekFrom::End(0)))
+        .map_err(|e| format!("{}: {e}", file.display()))
+}
+
+/// What namespace 1 is, for the report: its `ns1` (and `cache1`) options, and how much of it
+/// the workloads use when that is not all of it.
+fn describe_namespace(params: &BTreeMap<String, String>) -> Result<String, String> {
+    let mut text = std::iter::once(params["ns1"].clone())
+        .chain(params.get("cache1").map(|c| format!("cache1={c}")))
+        .collect::<Vec<_>>()
+        .join(" ");
+    if namespace_bytes(&params["ns1"])?.is_some_and(|b| b > NS_BYTES) {
+        text.push_str(&format!(" (the workloads use its first {} MiB)", NS_BYTES >> 20));
+    }
+    Ok(text)
 }
 
 /// `file` as the server takes it: absolute (a daemon's directory is not the caller's).
@@ -570,6 +608,9 @@ fn server_options(opts: &[String], file: Option<&Path>) -> Result<BTreeMap<Strin
     if file.is_some() {
         params.insert("cache1".into(), "none".into());
     }
+    if let Some(ns1) = given.get("ns1") {
+        namespace_bytes(ns1)?;
+    }
     params.extend(given);
     Ok(params)
 }
@@ -601,6 +642,7 @@ pub fn run(
     let duration = if quick { Duration::from_millis(400) } else { Duration::from_secs(2) };
     let file = file.map(absolute).transpose()?;
     let params = server_options(opts, file.as_deref())?;
+    let namespace = describe_namespace(&params)?;
     let args: Vec<String> = ["--type", "nvme"]
         .into_iter()
         .map(String::from)
@@ -642,10 +684,7 @@ pub fn run(
     let stats = server.stop();
     drop(floor_server);
     Ok(Report {
-        namespace: std::iter::once(params["ns1"].clone())
-            .chain(params.get("cache1").map(|c| format!("cache1={c}")))
-            .collect::<Vec<_>>()
-            .join(" "),
+        namespace,
         shadow_doorbells,
         floors: Floors {
             memcpy_2m_gb_per_sec: (m2 + m2b) / 2.0,
@@ -989,5 +1028,35 @@ mod tests {
         }
         let e = server_options(&opts(&["ns1=ram:1G"]), Some(file.path())).unwrap_err();
         assert!(e.contains("--opt ns1 and --file both name namespace 1"), "{e}");
+    }
+
+    /// An ns1 smaller than the namespace the workloads fill and address is refused before
+    /// anything runs, RAM or file; a larger one is used, and the report says how much of it.
+    #[test]
+    fn a_namespace_smaller_than_the_workloads_need_is_refused() {
+        let small = tempfile::NamedTempFile::new().unwrap();
+        small.as_file().set_len(NS_BYTES - 4096).unwrap();
+        let small_file = format!("ns1=file:{}", small.path().display());
+        for bad in ["ns1=ram:64M", "ns1=ram:255M", small_file.as_str()] {
+            let e = server_options(&opts(&[bad]), None).unwrap_err();
+            assert!(
+                e.contains(&format!("--opt {bad}")) && e.contains("need a namespace of 256 MiB at least"),
+                "{e}"
+            );
+        }
+        let e = server_options(&opts(&["ns1=file:/nonexistent/img"]), None).unwrap_err();
+        assert!(e.contains("/nonexistent/img: No such file"), "{e}");
+        // Not a size: the server refuses it, in its words.
+        assert!(server_options(&opts(&["ns1=ram:lots"]), None).is_ok());
+        let exact = server_options(&opts(&["ns1=ram:256M"]), None).unwrap();
+        assert_eq!(describe_namespace(&exact).unwrap(), "ram:256M");
+        let big = server_options(&opts(&["ns1=ram:1G"]), None).unwrap();
+        assert_eq!(describe_namespace(&big).unwrap(), "ram:1G (the workloads use its first 256 MiB)");
+        let file = tempfile::NamedTempFile::new().unwrap();
+        file.as_file().set_len(NS_BYTES * 2).unwrap();
+        let on_file = server_options(&[], Some(file.path())).unwrap();
+        let want =
+            format!("file:{} cache1=none (the workloads use its first 256 MiB)", file.path().display());
+        assert_eq!(describe_namespace(&on_file).unwrap(), want);
     }
 }

@@ -968,6 +968,14 @@ mod benches {
         // An option overrides the benchmark's own, but not below what its workloads use.
         let few = env.fails(&["nvmebench", "--quick", "--opt", "queues=1"]);
         assert!(few.contains("the benchmark's workloads need queues=2 at least"), "{few}");
+        let small_ram = env.fails(&["nvmebench", "--quick", "--opt", "ns1=ram:64M"]);
+        assert!(small_ram.contains("need a namespace of 256 MiB at least"), "{small_ram}");
+        let small_file = env.fails(&["nvmebench", "--quick", "--opt", &format!("ns1=file:{path}")]);
+        assert!(small_file.contains("need a namespace of 256 MiB at least"), "{small_file}");
+        assert!(
+            !small_file.contains("[1/") && !small_ram.contains("[1/"),
+            "it ran: {small_ram} {small_file}"
+        );
     }
 
     /// `nvmebench --file` with a path relative to the caller's directory (the server takes
