@@ -282,8 +282,9 @@ enum Command {
     /// Change a definition: its type, start policy, options or pin mode.
     ///
     /// Checked as `define` checks one, when its type or options change (a change of the start
-    /// policy alone is not: a definition whose file has gone can still be made --manual). A
-    /// running instance keeps what it started with until it is stopped and started.
+    /// policy alone is not: a definition whose file has gone can still be made --manual, and
+    /// made --auto with a warning that it cannot start). A running instance keeps what it
+    /// started with until it is stopped and started.
     Modify {
         /// The device's UUID.
         #[arg(long, short = 'u')]

@@ -835,6 +835,8 @@ pub fn modify(dirs: &Dirs, args: ModifyArgs) -> Out {
     // Whether what an instance runs as changed (its type or options; not its start policy,
     // which only the daemon's next start reads).
     let instance_changed = std::cell::Cell::new(false);
+    // Why a definition made --auto here cannot start as it stands, to warn of once written.
+    let cannot_start = std::cell::RefCell::new(None);
     // Read, changed and written under the definitions' lock: two modifies take turns.
     let change = |mut def: Definition| -> Result<Definition, String> {
         let before = (def.mdev_type.clone(), def.options.clone());
@@ -872,6 +874,9 @@ pub fn modify(dirs: &Dirs, args: ModifyArgs) -> Out {
         // to --manual (a broken --auto one, say).
         if changed {
             check(&def)?;
+        } else if args.start == Some(StartPolicy::Auto) {
+            // Made --auto as it is: the daemon will try it, and fail, at its next start.
+            *cannot_start.borrow_mut() = check(&def).err();
         }
         instance_changed.set(changed);
         Ok(def)
@@ -879,6 +884,13 @@ pub fn modify(dirs: &Dirs, args: ModifyArgs) -> Out {
     Definitions::new(&dirs.state)
         .update(&uuid, |def| change(def).map_err(LifecycleError::Failed))
         .map_err(|e| e.to_string())?;
+    if let Some(why) = cannot_start.take() {
+        log::warn!(
+            target: STATUS,
+            "{uuid} is --auto now, but it cannot start as defined: {why}; the daemon will fail to start it \
+             (`umdev list --defined` shows it invalid) until its options are fixed with `umdev modify`"
+        );
+    }
     if !instance_changed.get() {
         return Ok(());
     }

@@ -278,8 +278,8 @@ fn modify_and_mdevctls_json() {
 }
 
 /// A modify that changes only the start policy does not check the options again: a
-/// definition whose file has gone can still be switched off (or on); one that changes an
-/// option is checked as define checks.
+/// definition whose file has gone can still be switched off (or on, with a warning that it
+/// cannot start); one that changes an option is checked as define checks.
 #[test]
 fn the_start_policy_of_a_definition_whose_file_has_gone_can_be_changed() {
     let env = Dirs::new();
@@ -287,12 +287,23 @@ fn the_start_policy_of_a_definition_whose_file_has_gone_can_be_changed() {
     std::fs::File::create(&image).unwrap().set_len(1 << 20).unwrap();
     env.ok(&["define", "-t", "nvme", "-u", A, "--auto", "--opt", &format!("ns1=file:{}", image.display())]);
     std::fs::remove_file(&image).unwrap();
-    env.ok(&["modify", "-u", A, "--manual"]);
-    env.ok(&["modify", "-u", A, "--auto"]);
+    let gone = format!("{}: No such file", image.display());
+    let manual = env.umdev(&["modify", "-u", A, "--manual"]);
+    assert!(
+        manual.status.success() && !stderr_of(&manual).contains("cannot start"),
+        "{}",
+        stderr_of(&manual)
+    );
+    // Made --auto as it is, with a warning that it cannot start.
+    let auto = env.umdev(&["modify", "-u", A, "--auto"]);
+    assert!(auto.status.success(), "{}", stderr_of(&auto));
+    let warned = stderr_of(&auto);
+    assert!(warned.contains(&format!("{A} is --auto now, but it cannot start as defined")), "{warned}");
+    assert!(warned.contains(&gone), "{warned}");
+    assert_eq!(json(&env.ok(&["list", "-d", "--json", "-u", A]))[0]["start"], "auto");
     env.ok(&["modify", "-u", A, "--manual"]);
     let rows = json(&env.ok(&["list", "-d", "--json", "-u", A]));
     assert_eq!((rows[0]["start"].as_str(), rows[0]["state"].as_str()), (Some("manual"), Some("invalid")));
-    let gone = format!("{}: No such file", image.display());
     assert!(env.fails(&["modify", "-u", A, "--opt", "lba=4096"]).contains(&gone));
     assert!(env.fails(&["modify", "-u", A, "--auto", "--pin-mode", "lock"]).contains(&gone));
     assert_eq!(json(&env.ok(&["list", "-d", "--json", "-u", A]))[0]["start"], "manual", "nothing written");
