@@ -121,7 +121,7 @@ pub enum ControlError {
         "the umdev daemon is not running: {path} is {kind}, not a socket; remove it (`umdev daemon` does \
          not, and cannot listen there while it is there)", path = .0.display(), kind = .1
     )]
-    NotASocket(PathBuf, &'static str),
+    NotASocket(PathBuf, String),
     /// The run directory is not the user's alone (another user's, shared, or writable by
     /// its group or others): a control socket there may not be its daemon's.
     #[error("not asking a daemon through {}: {source}", path.display())]
@@ -331,18 +331,22 @@ fn duration_text(d: &Duration) -> String {
     }
 }
 
-/// What is at `path`, if it is there and not a socket: "a directory", "a regular file", ...
-fn not_a_socket(path: &Path) -> Option<&'static str> {
+/// What is at `path`, if it is there and not a socket: "a directory", "a regular file", "a
+/// symbolic link to a stale socket" (which the daemon, binding there, does not replace as
+/// it replaces a stale socket), ...
+fn not_a_socket(path: &Path) -> Option<String> {
     use std::os::unix::fs::FileTypeExt;
-    let kind = std::fs::symlink_metadata(path).ok()?.file_type();
-    Some(match kind {
-        k if k.is_socket() => return None,
+    let link = std::fs::symlink_metadata(path).ok()?.file_type().is_symlink();
+    let Ok(target) = std::fs::metadata(path) else { return Some("a symbolic link to nothing".into()) };
+    let kind = match target.file_type() {
+        k if k.is_socket() && !link => return None,
+        k if k.is_socket() => "a stale socket",
         k if k.is_dir() => "a directory",
         k if k.is_file() => "a regular file",
-        k if k.is_symlink() => "a symbolic link to no socket",
         k if k.is_fifo() => "a FIFO",
         _ => "a device",
-    })
+    };
+    Some(if link { format!("a symbolic link to {kind}") } else { kind.to_string() })
 }
 
 /// Refuses a control socket that may not be this user's daemon's, before anything is sent
@@ -534,6 +538,38 @@ mod tests {
         assert!(matches!(older, ControlRequest::Start { generated: false, .. }));
         assert!(!handle(&manager, older).ok);
         manager.shutdown();
+    }
+
+    /// A control socket nothing listens on is stale; a symbolic link there is named as one,
+    /// with what it leads to (the daemon does not replace a link as it does a stale socket).
+    #[test]
+    fn what_is_where_the_control_socket_goes_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        std::fs::create_dir(&run).unwrap();
+        let stale = dir.path().join("stale.sock");
+        drop(UnixListener::bind(&stale).unwrap());
+        let path = run.join("control.sock");
+        let ask = || request(&path, &ControlRequest::List).unwrap_err();
+        std::os::unix::fs::symlink(&stale, &path).unwrap();
+        let err = ask();
+        assert!(
+            matches!(&err, ControlError::NotASocket(_, kind) if kind == "a symbolic link to a stale socket")
+        );
+        assert!(
+            err.to_string().contains("is a symbolic link to a stale socket, not a socket; remove it"),
+            "{err}"
+        );
+        std::fs::remove_file(&path).unwrap();
+        std::fs::rename(&stale, &path).unwrap();
+        assert!(matches!(ask(), ControlError::Stale(_)), "{}", ask());
+        std::fs::remove_file(&path).unwrap();
+        std::os::unix::fs::symlink(dir.path(), &path).unwrap();
+        assert!(ask().to_string().contains("is a symbolic link to a directory, not a socket"), "{}", ask());
+        std::fs::remove_file(&path).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        assert!(ask().to_string().contains("is a directory, not a socket"), "{}", ask());
+        assert!(ask().not_running());
     }
 
     #[test]

@@ -47,13 +47,14 @@ pub fn run(
     let daemon = Daemon::new();
     // QEMU may run from another directory: it is told the absolute path.
     let socket = std::path::absolute(&config.socket).unwrap_or_else(|_| config.socket.clone());
+    let qemu_argument = shell_quote(&qemu_device(&socket)?);
     let endpoints = crate::manage::host_endpoints(&device.describe());
     daemon.start(device.clone(), config).map_err(|e| e.to_string())?;
     // Every line through the status log: under the journal each carries its priority.
     let mut started = format!(
-        "serving a {type_name} device on {} (Ctrl-C to stop)\n  qemu-system-x86_64 ... -device '{{\"driver\":\"vfio-user-pci\",\"socket\":{{\"type\":\"unix\",\"path\":\"{}\"}}}}'",
+        "serving a {type_name} device on {} (Ctrl-C to stop)\n  qemu-system-x86_64 ... -device {}",
         socket.display(),
-        socket.display()
+        qemu_argument
     );
     for line in endpoints {
         started.push_str(&format!("\n  {line}"));
@@ -69,4 +70,49 @@ pub fn run(
         log::info!(target: STATUS, "{type_name} on exit: {state}");
     }
     Ok(())
+}
+
+/// QEMU's `-device` JSON for a vfio-user-pci device on `socket`, its members in the order
+/// the documents show (a struct keeps them; a JSON map would sort them), the path escaped as
+/// JSON escapes it (a path with `"` or `\`). A path that is not UTF-8, which JSON cannot
+/// hold, is shown with U+FFFD in place of what it cannot.
+fn qemu_device(socket: &std::path::Path) -> Result<String, String> {
+    #[derive(serde::Serialize)]
+    struct Device<'a> {
+        driver: &'static str,
+        socket: Socket<'a>,
+    }
+    #[derive(serde::Serialize)]
+    struct Socket<'a> {
+        r#type: &'static str,
+        path: &'a str,
+    }
+    let path = socket.to_string_lossy();
+    let device = Device { driver: "vfio-user-pci", socket: Socket { r#type: "unix", path: &path } };
+    serde_json::to_string(&device).map_err(|e| format!("writing QEMU's -device argument: {e}"))
+}
+
+/// `text` as one POSIX shell word: in single quotes, each `'` closed, escaped and reopened
+/// (within single quotes nothing else is special).
+fn shell_quote(text: &str) -> String {
+    format!("'{}'", text.replace('\'', r"'\''"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_qemu_argument_is_one_shell_word_of_json_for_any_path() {
+        let path = std::path::Path::new(r#"/tmp/it's "a" \dir/dev.sock"#);
+        let json = qemu_device(path).unwrap();
+        assert_eq!(
+            json,
+            r#"{"driver":"vfio-user-pci","socket":{"type":"unix","path":"/tmp/it's \"a\" \\dir/dev.sock"}}"#
+        );
+        let parsed: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert_eq!(parsed["socket"]["path"], path.to_str().unwrap());
+        assert_eq!(shell_quote("plain"), "'plain'");
+        assert_eq!(shell_quote("it's"), r"'it'\''s'");
+    }
 }

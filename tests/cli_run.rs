@@ -105,15 +105,18 @@ fn run_started_with_sighup_ignored_serves_through_one() {
 }
 
 /// The QEMU argument `umdev run` prints names its socket by an absolute path, however
-/// `--socket` gave it: QEMU runs from another directory.
+/// `--socket` gave it (QEMU runs from another directory), and is one shell word of JSON
+/// whatever the path holds (`'`, `"`, `\`): a shell reads it back as the path.
 #[test]
 fn run_prints_the_qemu_argument_with_the_absolute_socket_path() {
     use std::io::BufRead;
     let dir = tempfile::tempdir().unwrap();
+    let odd = r#"it's "q" \d"#;
+    std::fs::create_dir(dir.path().join(odd)).unwrap();
     let mut child = common::process::ChildGuard(
         umdev()
             .current_dir(dir.path())
-            .args(["run", "--type", "testdev", "--socket", "dev.sock"])
+            .args(["run", "--type", "testdev", "--socket", &format!("{odd}/dev.sock")])
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap(),
@@ -124,9 +127,19 @@ fn run_prints_the_qemu_argument_with_the_absolute_socket_path() {
         .map_while(Result::ok)
         .find(|l| l.contains("vfio-user-pci"))
         .expect("the QEMU argument");
-    let absolute = dir.path().join("dev.sock");
-    let want = format!(r#""socket":{{"type":"unix","path":"{}"}}"#, absolute.display());
-    assert!(device.contains(&want), "{device}");
+    let absolute = dir.path().join(odd).join("dev.sock");
+    let word = device.split_once("-device ").expect("-device ARG").1;
+    let read = std::process::Command::new("sh").arg("-c").arg(format!("printf %s {word}")).output().unwrap();
+    assert!(read.status.success(), "{device}");
+    let json: serde_json::Value = serde_json::from_slice(&read.stdout).unwrap();
+    assert_eq!(
+        json,
+        serde_json::json!({"driver": "vfio-user-pci", "socket": {"type": "unix", "path": absolute.to_str().unwrap()}}),
+        "{device}"
+    );
+    // In the order the documents show it.
+    assert!(String::from_utf8_lossy(&read.stdout)
+        .starts_with(r#"{"driver":"vfio-user-pci","socket":{"type":"unix","path":"/"#));
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM)
         .unwrap();
     assert!(child.wait().unwrap().success());
