@@ -187,7 +187,10 @@ pub fn private_dir(dir: &Path) -> Result<(), LifecycleError> {
         }
     })?;
     log::warn!(
-        "{}: its group or others could write to it (mode {mode:o}); write access removed: mode {private:o}",
+        "{}: its group or others could write to it (mode {mode:o}); write access removed: mode \
+         {private:o}. Files already in it may have been put there by others: each is checked as it is \
+         read, and one that is not this user's or root's, or that its group or others may write to, is \
+         not used",
         dir.display()
     );
     Ok(())
@@ -350,11 +353,26 @@ impl Definitions {
 
     /// Writes `def` (the caller holds the lock).
     fn write(&self, def: &Definition) -> Result<(), LifecycleError> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
         let path = self.path(&def.uuid);
         let text = serde_json::to_string_pretty(def).map_err(|e| LifecycleError::Failed(e.to_string()))?;
         // Write then rename: a crash never leaves a half-written definition.
         let tmp = self.dir.join(format!(".{}.tmp", def.uuid));
-        std::fs::write(&tmp, text + "\n").map_err(Self::io("writing", &tmp))?;
+        // Created afresh, never group- or world-writable whatever the umask: reading refuses
+        // such a file (a leftover temporary file would keep its own mode).
+        match std::fs::remove_file(&tmp) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(Self::io("removing", &tmp)(e)),
+            _ => {}
+        }
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .open(&tmp)
+            .map_err(Self::io("creating", &tmp))?;
+        file.write_all((text + "\n").as_bytes()).map_err(Self::io("writing", &tmp))?;
+        drop(file);
         std::fs::rename(&tmp, &path).map_err(Self::io("renaming", &path))
     }
 
@@ -382,14 +400,54 @@ impl Definitions {
     }
 
     /// [`Definitions::get`], the directory checked by the caller.
+    ///
+    /// The file itself must be as private as the directory: a regular file (not followed if a
+    /// symbolic link) of this user's or root's that neither its group nor others may write to.
+    /// A private directory says nothing of files put there while it was not (a group member's
+    /// `auto` definition in a `chmod g+w` /etc/umdev.d, still there once the mode is fixed).
     fn read(&self, uuid: &Uuid) -> Result<Definition, LifecycleError> {
+        use std::io::Read;
+        use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
         let path = self.path(uuid);
-        let text = match std::fs::read_to_string(&path) {
-            Ok(t) => t,
+        let invalid = |why: String| LifecycleError::Invalid { path: path.clone(), why };
+        let remedy = format!("check it, then `chmod go-w` it, or `umdev undefine -u {uuid}`");
+        // O_NONBLOCK: a FIFO there would otherwise block the open until something writes.
+        let opened = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(&path);
+        let mut file = match opened {
+            Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(LifecycleError::NotDefined(*uuid)),
+            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+                return Err(invalid(format!(
+                    "a symbolic link; a definition is read only from a regular file in the directory \
+                     (put the file there instead, or `umdev undefine -u {uuid}`)"
+                )))
+            }
             Err(e) => return Err(Self::io("reading", &path)(e)),
         };
-        let invalid = |why: String| LifecycleError::Invalid { path: path.clone(), why };
+        let meta = file.metadata().map_err(Self::io("reading", &path))?;
+        if !meta.is_file() {
+            return Err(invalid(format!("not a regular file (`umdev undefine -u {uuid}` removes it)")));
+        }
+        let me = nix::unistd::geteuid().as_raw();
+        if meta.uid() != me && meta.uid() != 0 {
+            return Err(invalid(format!(
+                "owned by uid {}, not {me} or root, so it may have been put there by someone else; it \
+                 is not used ({remedy})",
+                meta.uid()
+            )));
+        }
+        let mode = meta.mode() & 0o7777;
+        if mode & 0o022 != 0 {
+            return Err(invalid(format!(
+                "mode {mode:o}: its group or others may write to it, so it may not be its user's; it \
+                 is not used ({remedy})"
+            )));
+        }
+        let mut text = String::new();
+        file.read_to_string(&mut text).map_err(Self::io("reading", &path))?;
         let def: Definition = serde_json::from_str(&text).map_err(|e| invalid(e.to_string()))?;
         if def.uuid != *uuid {
             return Err(invalid(format!(
@@ -1436,5 +1494,52 @@ mod tests {
         assert!(matches!(err, LifecycleError::Writable { mode: 0o770, .. }), "{err}");
         assert_eq!(std::fs::metadata(&state).unwrap().permissions().mode() & 0o7777, 0o770);
         manager.shutdown();
+    }
+
+    /// A definition file is used only if it is as private as its directory must be: a group
+    /// member's file planted while the directory was writable stays after its mode is fixed.
+    #[test]
+    fn a_definition_file_others_may_have_written_is_not_used() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("state");
+        let defs = Definitions::new(&state);
+        defs.define(&def(1, StartPolicy::Auto)).unwrap();
+        let one = state.join(format!("{}.json", Uuid::from_u128(1)));
+        // A leftover temporary file's mode is not kept: what define writes, it reads back.
+        let stale = state.join(format!(".{}.tmp", Uuid::from_u128(2)));
+        std::fs::write(&stale, "").unwrap();
+        std::fs::set_permissions(&stale, std::fs::Permissions::from_mode(0o666)).unwrap();
+        defs.define(&def(2, StartPolicy::Auto)).unwrap();
+        let two = state.join(format!("{}.json", Uuid::from_u128(2)));
+        assert_eq!(std::fs::metadata(&two).unwrap().permissions().mode() & 0o022, 0);
+        assert_eq!(defs.list().len(), 2);
+        for mode in [0o664, 0o646] {
+            std::fs::set_permissions(&one, std::fs::Permissions::from_mode(mode)).unwrap();
+            let err = defs.get(&Uuid::from_u128(1)).unwrap_err();
+            assert!(matches!(&err, LifecycleError::Invalid { path, .. } if *path == one), "{err}");
+            let text = err.to_string();
+            assert!(text.contains(&format!("mode {mode:o}: its group or others may write to it")), "{text}");
+            assert!(text.contains(&one.display().to_string()), "{text}");
+            assert_eq!(defs.list().iter().map(|d| d.uuid).collect::<Vec<_>>(), vec![Uuid::from_u128(2)]);
+        }
+        // A symbolic link is not followed, even to a good definition of the user's own.
+        std::fs::remove_file(&one).unwrap();
+        std::fs::copy(&two, dir.path().join("elsewhere")).unwrap();
+        std::os::unix::fs::symlink(dir.path().join("elsewhere"), &one).unwrap();
+        let err = defs.get(&Uuid::from_u128(1)).unwrap_err();
+        assert!(
+            matches!(&err, LifecycleError::Invalid { .. }) && err.to_string().contains("a symbolic link"),
+            "{err}"
+        );
+        std::fs::remove_file(&one).unwrap();
+        // Another user's file (only root can make one here).
+        if nix::unistd::geteuid().is_root() {
+            std::fs::write(&one, serde_json::to_string(&def(1, StartPolicy::Auto)).unwrap()).unwrap();
+            std::fs::set_permissions(&one, std::fs::Permissions::from_mode(0o644)).unwrap();
+            nix::unistd::chown(&one, Some(nix::unistd::Uid::from_raw(12345)), None).unwrap();
+            let err = defs.get(&Uuid::from_u128(1)).unwrap_err();
+            assert!(err.to_string().contains("owned by uid 12345"), "{err}");
+        }
     }
 }

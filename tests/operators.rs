@@ -600,8 +600,12 @@ fn a_daemon_refuses_definitions_its_group_may_write() {
     let daemon = env.daemon(&[]);
     let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
     std::fs::set_permissions(&env.state, std::fs::Permissions::from_mode(0o770)).unwrap();
+    // A group member's file would be theirs; the test, which cannot give one away, plants one
+    // its group may write to, which is refused the same way.
     let planted = serde_json::json!({"uuid": B, "mdev_type": "testdev", "start": "auto"});
-    std::fs::write(env.state.join(format!("{B}.json")), planted.to_string()).unwrap();
+    let planted_path = env.state.join(format!("{B}.json"));
+    std::fs::write(&planted_path, planted.to_string()).unwrap();
+    std::fs::set_permissions(&planted_path, std::fs::Permissions::from_mode(0o664)).unwrap();
     let hup = || {
         nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(daemon.id() as i32),
@@ -634,12 +638,28 @@ fn a_daemon_refuses_definitions_its_group_may_write() {
     assert_eq!(env.ok(&["list"]).lines().filter(|l| !l.starts_with(' ')).count(), 1);
     env.ok(&["stop", "-u", &ad_hoc]);
     assert_eq!(mode(&env.state), 0o770);
-    // A definition written there takes the group's write access away; the next reload reads.
-    env.ok(&["define", "-t", "testdev", "-u", A]);
+    // A definition written there takes the group's write access away; the next reload reads
+    // the directory, starts the definition made by `umdev define`, and refuses the planted
+    // one: the directory's mode says nothing of files put there before it was fixed.
+    env.ok(&["define", "-t", "testdev", "-u", A, "--auto"]);
     assert_eq!(mode(&env.state), 0o750);
+    assert_eq!(mode(&env.state.join(format!("{A}.json"))) & 0o022, 0, "a definition's file is private");
     hup();
-    log_shows(&format!("started defined device {B}"));
-    assert!(env.ok(&["list"]).contains(B));
+    log_shows(&format!("started defined device {A}"));
+    log_shows(&format!("could not start defined device {B}"));
+    let log = std::fs::read_to_string(env.log()).unwrap();
+    assert!(
+        log.contains(&format!("{}: mode 664: its group or others may write to it", planted_path.display())),
+        "{log}"
+    );
+    let running = env.ok(&["list"]);
+    assert!(running.contains(A) && !running.contains(B), "{running}");
+    let defined = env.ok(&["list", "--defined"]);
+    let b_row = defined.lines().find(|l| l.starts_with(B)).unwrap_or_else(|| panic!("{defined}"));
+    assert!(b_row.contains("mode 664: its group or others may write to it"), "{defined}");
+    let start = env.fails(&["start", "-u", B]);
+    assert!(start.contains(&planted_path.display().to_string()) && start.contains("mode 664"), "{start}");
+    assert!(!env.ok(&["list"]).contains(B));
     stop(daemon);
 }
 
