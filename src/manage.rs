@@ -12,8 +12,8 @@ use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use umdev::control::{request, ControlError, ControlRequest, ControlResponse, ControlServer};
 use umdev::lifecycle::{
-    check_definition, sync_status, DaemonStatus, Definition, DefinitionEntry, Definitions, InstanceSummary,
-    LifecycleError, Manager, ReloadReport, StartPolicy, TypeSummary,
+    check_definition, check_private_dir, sync_status, DaemonStatus, Definition, DefinitionEntry, Definitions,
+    InstanceSummary, LifecycleError, Manager, ReloadReport, StartPolicy, TypeSummary,
 };
 use umdev::mdevctl::{self, DeviceConfig, PARENT};
 use umdev_mdev::types::{InstanceOptions, PinModeName};
@@ -726,19 +726,27 @@ pub fn list(dirs: &Dirs, view: &ListView) -> Out {
     if view.dumpjson {
         // An instance of a definition starts as it does (a config re-defined from this keeps
         // its `auto`); any other was started by hand.
+        // A directory that may hold others' files fails the listing (its definitions cannot be
+        // told from planted ones); one file that cannot be used only costs its instance its
+        // policy: mdevctl's users (libvirt) list every device this way, and one bad file must
+        // not hide the others.
         let definitions = Definitions::new(&dirs.state);
+        if dirs.state.exists() {
+            check_private_dir(&dirs.state).map_err(|e| e.to_string())?;
+        }
         let start = |i: &InstanceSummary| match i.from_definition {
             true => match definitions.get(&i.uuid) {
-                Ok(d) => Ok(d.start),
-                Err(LifecycleError::NotDefined(_)) => Ok(StartPolicy::Manual),
-                Err(e) => Err(e.to_string()),
+                Ok(d) => d.start,
+                Err(LifecycleError::NotDefined(_)) => StartPolicy::Manual,
+                Err(e) => {
+                    log::warn!("{}: its start policy is shown as manual: {e}", i.uuid);
+                    StartPolicy::Manual
+                }
             },
-            false => Ok(StartPolicy::Manual),
+            false => StartPolicy::Manual,
         };
-        let configs = list
-            .iter()
-            .map(|i| Ok((i.uuid, DeviceConfig::of(&i.mdev_type, start(i)?, &i.options))))
-            .collect::<Result<Vec<(Uuid, DeviceConfig)>, String>>()?;
+        let configs: Vec<(Uuid, DeviceConfig)> =
+            list.iter().map(|i| (i.uuid, DeviceConfig::of(&i.mdev_type, start(i), &i.options))).collect();
         return dump(&configs, uuid, false);
     }
     if view.json {

@@ -663,6 +663,46 @@ fn a_daemon_refuses_definitions_its_group_may_write() {
     stop(daemon);
 }
 
+/// `list --dumpjson` (which mdevctl's users, as libvirt, run to see every device) shows an
+/// instance whose definition file cannot be used as manual, with a warning, rather than
+/// failing the whole listing; a definitions directory that may hold others' files fails it.
+#[test]
+fn one_bad_definition_file_does_not_fail_the_mdevctl_listing() {
+    let env = Dirs::new();
+    let daemon = env.daemon(&[]);
+    env.ok(&["define", "-t", "testdev", "-u", A, "--auto"]);
+    env.ok(&["start", "-u", A]);
+    env.ok(&["start", "-t", "testdev", "-u", B]);
+    let file = env.state.join(format!("{A}.json"));
+    std::fs::write(&file, "{ not json").unwrap();
+    let out = env.umdev(&["list", "--dumpjson"]);
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    let listing = json(&String::from_utf8_lossy(&out.stdout));
+    let text = listing.to_string();
+    assert!(text.contains(A) && text.contains(B), "{text}");
+    assert!(!text.contains("auto"), "{text}");
+    let err = stderr_of(&out);
+    assert!(err.contains(A) && err.contains(&file.display().to_string()), "{err}");
+    // A file its group may write to is refused as one, not as the directory.
+    let good = serde_json::json!({"uuid": A, "mdev_type": "testdev", "start": "auto"});
+    std::fs::write(&file, good.to_string()).unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o664)).unwrap();
+    let out = env.umdev(&["list", "--dumpjson"]);
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).contains("auto"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(stderr_of(&out).contains("mode 664"), "{}", stderr_of(&out));
+    // The directory is checked once, and fails the listing.
+    std::fs::set_permissions(&env.state, std::fs::Permissions::from_mode(0o770)).unwrap();
+    let err = env.fails(&["list", "--dumpjson"]);
+    assert!(err.contains(&format!("chmod go-w {}", env.state.display())), "{err}");
+    std::fs::set_permissions(&env.state, std::fs::Permissions::from_mode(0o700)).unwrap();
+    stop(daemon);
+}
+
 /// A command asks no daemon through a control socket that may be another user's (in a run
 /// directory others may write to, as a /tmp/umdev-$UID another user made first; one that is
 /// another user's; a socket of another user's): it would read a start's options and could
