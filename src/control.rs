@@ -452,7 +452,8 @@ mod tests {
         use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().unwrap();
         let run = dir.path().join("run");
-        std::fs::create_dir(&run).unwrap();
+        // 0700 whatever the umask (002 would make it 0775, which a client refuses).
+        crate::lifecycle::private_dir(&run).unwrap();
         let path = run.join("control.sock");
         let listener = UnixListener::bind(&path).unwrap();
         listener.set_nonblocking(true).unwrap();
@@ -505,7 +506,8 @@ mod tests {
         use umdev_server::InstanceConfig;
         let dir = tempfile::tempdir().unwrap();
         let (run, state) = (dir.path().join("run"), dir.path().join("state"));
-        std::fs::create_dir(&run).unwrap();
+        // 0700 whatever the umask (002 would make it 0775, which a client refuses).
+        crate::lifecycle::private_dir(&run).unwrap();
         std::fs::write(&state, "").unwrap();
         let registry = Registry::with_types(vec![Arc::new(umdev_devices::testdev::TestDevType::new(8))]);
         let manager = Manager::new(
@@ -546,7 +548,8 @@ mod tests {
     fn what_is_where_the_control_socket_goes_is_named() {
         let dir = tempfile::tempdir().unwrap();
         let run = dir.path().join("run");
-        std::fs::create_dir(&run).unwrap();
+        // 0700 whatever the umask (002 would make it 0775, which a client refuses).
+        crate::lifecycle::private_dir(&run).unwrap();
         let stale = dir.path().join("stale.sock");
         drop(UnixListener::bind(&stale).unwrap());
         let path = run.join("control.sock");

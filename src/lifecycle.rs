@@ -1435,7 +1435,7 @@ mod tests {
     fn reload_starts_new_auto_definitions_and_leaves_running_ones_alone() {
         let dir = std::env::temp_dir().join(format!("umdev-reload-{}", std::process::id()));
         let (run, state) = (dir.join("run"), dir.join("state"));
-        std::fs::create_dir_all(&run).unwrap();
+        private_dir(&run).unwrap();
         let registry =
             Registry::with_types(vec![std::sync::Arc::new(umdev_devices::testdev::TestDevType::new(8))]);
         let manager = Manager::new(registry, &run, Definitions::new(&state), InstanceConfig::new("", ""));
@@ -1477,7 +1477,7 @@ mod tests {
         use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().unwrap();
         let (run, state) = (dir.path().join("run"), dir.path().join("state"));
-        std::fs::create_dir_all(&run).unwrap();
+        private_dir(&run).unwrap();
         let registry =
             Registry::with_types(vec![std::sync::Arc::new(umdev_devices::testdev::TestDevType::new(8))]);
         let manager = Manager::new(registry, &run, Definitions::new(&state), InstanceConfig::new("", ""));

@@ -21,6 +21,13 @@ fn json(text: &str) -> serde_json::Value {
     serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"))
 }
 
+/// Creates `dir` (and its missing parents) mode 0700 whatever the umask, as umdev makes its
+/// directories: under a umask of 002 `create_dir_all` makes them 0775, which a client refuses.
+fn private_dir(dir: &std::path::Path) {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).unwrap();
+}
+
 fn stop(mut daemon: ChildGuard) {
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(daemon.id() as i32), nix::sys::signal::Signal::SIGTERM)
         .unwrap();
@@ -483,7 +490,8 @@ fn errors_name_what_they_are_about() {
     );
     // A directory where the control socket goes: the daemon cannot start, and leaves nothing;
     // a client says what is there.
-    std::fs::create_dir_all(env.run.join("control.sock")).unwrap();
+    private_dir(&env.run);
+    std::fs::create_dir(env.run.join("control.sock")).unwrap();
     let daemon = env.fails(&["daemon"]);
     assert!(daemon.contains("not a socket"), "{daemon}");
     assert!(!env.run.join("daemon.pid").exists(), "a daemon that did not start left its pid file");
@@ -711,7 +719,7 @@ fn one_bad_definition_file_does_not_fail_the_mdevctl_listing() {
 fn no_daemon_is_asked_through_a_socket_that_may_be_another_users() {
     let env = Dirs::new();
     let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
-    std::fs::create_dir_all(&env.run).unwrap();
+    private_dir(&env.run);
     let control = env.run.join("control.sock");
     let listener = std::os::unix::net::UnixListener::bind(&control).unwrap();
     listener.set_nonblocking(true).unwrap();
@@ -821,7 +829,7 @@ fn definitions_the_daemon_does_not_read_are_refused() {
 #[test]
 fn a_daemon_that_does_not_answer_is_named_after_the_wait_the_environment_sets() {
     let env = Dirs::new();
-    std::fs::create_dir_all(&env.run).unwrap();
+    private_dir(&env.run);
     let control = env.run.join("control.sock");
     let listener = std::os::unix::net::UnixListener::bind(&control).unwrap();
     let list = |timeout: &str| {
@@ -870,7 +878,7 @@ fn a_daemon_that_does_not_answer_is_named_after_the_wait_the_environment_sets() 
 fn a_start_or_stop_that_is_not_answered_in_time_names_its_device() {
     use std::io::{BufRead, Write};
     let env = Dirs::new();
-    std::fs::create_dir_all(&env.run).unwrap();
+    private_dir(&env.run);
     let control = env.run.join("control.sock");
     let listener = std::os::unix::net::UnixListener::bind(&control).unwrap();
     // The fake daemon: answers each status (its definitions are the test's), reads every
