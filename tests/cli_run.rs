@@ -10,8 +10,11 @@ use common::raw::RawClient;
 
 #[test]
 fn types_lists_the_test_device() {
-    let out = umdev().args(["types", "--json"]).output().unwrap();
-    assert!(out.status.success());
+    // A run directory with no daemon: one at the machine's default would be asked instead.
+    let dir = tempfile::tempdir().unwrap();
+    let out =
+        umdev().args(["types", "--json"]).env("UMDEV_RUN_DIR", dir.path().join("run")).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let types: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let testdev = types.as_array().unwrap().iter().find(|t| t["name"] == "testdev").expect("testdev listed");
     assert_eq!(testdev["device_api"], "vfio-pci");

@@ -554,7 +554,9 @@ fn a_query_never_changes_a_directorys_mode_and_a_shared_one_is_refused() {
     let at = |flag: &str, dir: &std::path::Path, args: &[&str]| {
         let mut all = vec![flag.to_string(), dir.to_str().unwrap().to_string()];
         all.extend(args.iter().map(|a| a.to_string()));
-        umdev().args(&all).stdin(Stdio::null()).output().unwrap()
+        // The test's own run directory unless a flag names another: a daemon at the machine's
+        // default one would otherwise be asked.
+        umdev().args(&all).env("UMDEV_RUN_DIR", &env.run).stdin(Stdio::null()).output().unwrap()
     };
     for (flag, args) in [
         ("--state-dir", &["list", "-d"][..]),

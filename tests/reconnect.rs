@@ -24,8 +24,11 @@ const CHILD_ENV: &str = "UMDEV_RECONNECT_CHILD_SOCKET";
 
 /// Every type the binary serves.
 fn device_types() -> Vec<String> {
-    let out = umdev().args(["types", "--json"]).output().unwrap();
-    assert!(out.status.success());
+    // A run directory with no daemon: one at the machine's default would be asked instead.
+    let dir = tempfile::tempdir().unwrap();
+    let out =
+        umdev().args(["types", "--json"]).env("UMDEV_RUN_DIR", dir.path().join("run")).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let types: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     types.as_array().unwrap().iter().map(|t| t["name"].as_str().unwrap().to_string()).collect()
 }
