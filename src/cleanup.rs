@@ -51,7 +51,10 @@ pub fn install() -> Result<(), String> {
         .spawn(move || {
             if let Some(signal) = signals.forever().next() {
                 STOPPING.store(true, std::sync::atomic::Ordering::Release);
-                let what = std::mem::take(&mut *leftovers());
+                // Held until the process exits: nothing is registered, or made through
+                // `create_file`, after what is there has been taken to remove.
+                let mut held = leftovers();
+                let what = std::mem::take(&mut *held);
                 for &pid in &what.children {
                     stop_child(pid);
                 }
@@ -105,9 +108,15 @@ pub fn forget_dir(path: &Path) {
     leftovers().dirs.retain(|d| d != path);
 }
 
-/// Registers a temporary file to remove on a signal.
-pub fn file(path: &Path) {
-    leftovers().files.push(path.to_path_buf());
+/// Creates a temporary file with `create` and registers it to remove on a signal, as one
+/// step: the registry is held meanwhile, so a signal between the two cannot leave the file
+/// behind (the cleanup thread takes the registry after it, or keeps it from then on). A file
+/// `create` fails to make (one already there may be another's) is not registered.
+pub fn create_file<T>(path: &Path, create: impl FnOnce() -> std::io::Result<T>) -> std::io::Result<T> {
+    let mut registry = leftovers();
+    let made = create()?;
+    registry.files.push(path.to_path_buf());
+    Ok(made)
 }
 
 /// The file is gone, or is temporary no more (renamed to what it was for).
@@ -131,5 +140,32 @@ pub fn die_with_parent(command: &mut Command) {
     // parent, as a pre_exec closure must.
     unsafe {
         command.pre_exec(|| nix::sys::prctl::set_pdeathsig(Signal::SIGTERM).map_err(std::io::Error::from));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A file is made and registered under the registry's lock (which the cleanup thread
+    /// takes to remove what is registered); one that could not be made is not registered.
+    #[test]
+    fn a_temporary_file_is_registered_as_it_is_made() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("made");
+        let made = create_file(&path, || {
+            assert!(
+                matches!(LEFTOVERS.try_lock(), Err(std::sync::TryLockError::WouldBlock)),
+                "a signal could come between making the file and registering it"
+            );
+            std::fs::File::create_new(&path)
+        });
+        assert!(made.is_ok(), "{made:?}");
+        assert!(leftovers().files.contains(&path));
+        let again = create_file(&path, || std::fs::File::create_new(&path));
+        assert!(again.is_err());
+        assert_eq!(leftovers().files.iter().filter(|f| **f == path).count(), 1, "registered once, when made");
+        forget_file(&path);
+        assert!(!leftovers().files.contains(&path));
     }
 }

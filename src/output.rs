@@ -109,13 +109,14 @@ impl PendingFile {
         let name = target.file_name().ok_or_else(|| format!("{}: names no file", path.display()))?;
         let temp = dir.join(format!(".{}.{}.tmp", name.to_string_lossy(), std::process::id()));
         // Never one that is there: it could be another user's link.
-        let file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o644).open(&temp).map_err(
-            |e| match e.kind() {
-                std::io::ErrorKind::AlreadyExists => format!("creating {}: {e}", temp.display()),
-                _ => format!("creating {}: {e}", path.display()),
-            },
-        )?;
-        crate::cleanup::file(&temp);
+        // Registered as it is made: a signal in between would leave it behind.
+        let file = crate::cleanup::create_file(&temp, || {
+            std::fs::OpenOptions::new().write(true).create_new(true).mode(0o644).open(&temp)
+        })
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::AlreadyExists => format!("creating {}: {e}", temp.display()),
+            _ => format!("creating {}: {e}", path.display()),
+        })?;
         let pending = PendingFile { path: path.to_path_buf(), replace: Some((temp, target)), file };
         // Made through the process's umask (077); a file the user asked for is for everyone.
         pending
