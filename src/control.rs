@@ -395,8 +395,13 @@ pub fn request(path: &Path, request: &ControlRequest) -> Result<ControlResponse,
     check_control_socket(path)?;
     let mut stream = match UnixStream::connect(path) {
         Ok(s) => s,
+        // Missing, or a symbolic link to nothing: the daemon would not bind over the link, so
+        // it is named rather than taken for a daemon not started.
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            return Err(ControlError::NotRunning(path.to_path_buf()))
+            return Err(match not_a_socket(path) {
+                Some(kind) => ControlError::NotASocket(path.to_path_buf(), kind),
+                None => ControlError::NotRunning(path.to_path_buf()),
+            })
         }
         // Refused: a socket nothing listens on, or no socket at all (connect(2) says the same).
         Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
@@ -543,7 +548,7 @@ mod tests {
     }
 
     /// A control socket nothing listens on is stale; a symbolic link there is named as one,
-    /// with what it leads to (the daemon does not replace a link as it does a stale socket).
+    /// with what it leads to, nothing included (the daemon does not replace a link as it does a stale socket).
     #[test]
     fn what_is_where_the_control_socket_goes_is_named() {
         let dir = tempfile::tempdir().unwrap();
@@ -569,6 +574,15 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         std::os::unix::fs::symlink(dir.path(), &path).unwrap();
         assert!(ask().to_string().contains("is a symbolic link to a directory, not a socket"), "{}", ask());
+        std::fs::remove_file(&path).unwrap();
+        std::os::unix::fs::symlink(dir.path().join("missing"), &path).unwrap();
+        let err = ask();
+        assert!(
+            matches!(&err, ControlError::NotASocket(_, kind) if kind == "a symbolic link to nothing"),
+            "{err}"
+        );
+        assert!(err.to_string().contains("is a symbolic link to nothing, not a socket; remove it"), "{err}");
+        assert!(!err.to_string().contains("start it with"), "{err}");
         std::fs::remove_file(&path).unwrap();
         std::fs::create_dir(&path).unwrap();
         assert!(ask().to_string().contains("is a directory, not a socket"), "{}", ask());
