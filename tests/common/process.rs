@@ -32,9 +32,22 @@ impl Drop for ChildGuard {
     }
 }
 
-/// The `umdev` binary under test.
+/// The `umdev` binary under test, with SIGHUP at its default disposition as in a terminal:
+/// a test run started under `nohup` (a CI runner may be) would otherwise hand its SIG_IGN
+/// down, and `umdev run` keeps an inherited SIG_IGN.
 pub fn umdev() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_umdev"))
+    use std::os::unix::process::CommandExt;
+    let mut command = Command::new(env!("CARGO_BIN_EXE_umdev"));
+    // SAFETY: signal(2) is async-signal-safe and touches no memory of the parent, as a
+    // pre_exec closure must.
+    unsafe {
+        command.pre_exec(|| {
+            nix::sys::signal::signal(nix::sys::signal::Signal::SIGHUP, nix::sys::signal::SigHandler::SigDfl)
+                .map(drop)
+                .map_err(std::io::Error::from)
+        });
+    }
+    command
 }
 
 /// Starts `umdev run --socket <socket> <args>` (stderr discarded) and waits until the socket
