@@ -45,7 +45,7 @@ pub trait SimpleFunction: Send + 'static {
     /// DEVICE_RESET (also run on detach): back to the power-on state. The framework has
     /// cancelled every request in flight ([`crate::request::Cancel::Reset`]) before this
     /// runs; the device stops its own workers here, and ignores what requests begun before
-    /// the reset still report (see the README's "Requests").
+    /// the reset still report (see the **Requests** item of the README's "Writing your own device").
     fn reset(&mut self) {}
 
     /// A client connected.
