@@ -61,7 +61,6 @@ How to run
     Exit status: 0 when every check passed; 1 when one failed; 2 when it could not start;
     130 when interrupted. Servers are stopped and files removed on every exit path.
 """
-import argparse
 import errno as E
 import fcntl
 import json
@@ -77,7 +76,6 @@ import sys
 import termios
 import threading
 import time
-import traceback
 import tty
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -2387,85 +2385,20 @@ GROUPS = [
 ]
 
 
-class Interrupted(BaseException):
-    pass
-
-
 def main():
-    ap = argparse.ArgumentParser(description='Contract test of umdev\'s mtty device, written from the docs alone (see the module docstring).')
-    ap.add_argument('--bin', default=os.environ.get('UMDEV_BIN', 'target/release/umdev'), help='the umdev binary')
-    ap.add_argument('--socket-dir', default=None, help='directory in which this run makes its own fresh directory')
-    ap.add_argument('--only', default='', help='comma-separated test groups (see --list)')
-    ap.add_argument('--list', action='store_true', help='list the test groups and exit')
-    ap.add_argument('--timeout', type=float, default=vu.WAIT, help='bound on every wait for an event, in seconds (default %(default)s)')
-    ap.add_argument('-q', '--quiet', action='store_true', help='print only FAIL and NOTE lines and the summary')
-    a = ap.parse_args()
-    if a.list:
-        for name, fns in GROUPS:
-            print('%-10s %s' % (name, ', '.join(f.__name__ for f in fns)))
-        return 0
-    vu.WAIT = a.timeout
-    R.quiet = a.quiet
-    binary = os.path.abspath(a.bin)
-    if not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
-        print('mtty_contract: %s is not an executable (use --bin)' % binary, file=sys.stderr)
-        return 2
-    only = set(filter(None, a.only.split(',')))
-    unknown = only - {n for n, _ in GROUPS}
-    if unknown:
-        print('mtty_contract: unknown group(s) %s (see --list)' % ', '.join(sorted(unknown)), file=sys.stderr)
-        return 2
-    if a.socket_dir:
-        os.makedirs(a.socket_dir, exist_ok=True)
+    def after_each(env, fn):
+        for key, (p, _, _) in list(env.servers.items()):
+            if p.poll() is not None:
+                raise SetupError('server %s exited (status %s) during %s' % (key, p.returncode, fn.__name__))
 
-    def on_signal(signum, frame):
-        raise Interrupted(signum)
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, on_signal)
-    t0 = time.monotonic()
-    env = None
-    status = None
-    try:
-        env = Env(binary, a.socket_dir)
-        if len(env.path('run')) + len('/%s.sock' % ('0' * 36)) >= 108:
-            raise SetupError('%s is too long a directory for UNIX socket paths; use a shorter --socket-dir' % env.dir)
-        print('umdev mtty contract: %s; sockets and logs in %s' % (binary, env.dir), flush=True)
-        for name, fns in GROUPS:
-            if only and name not in only:
-                continue
-            for fn in fns:
-                try:
-                    fn(env)
-                except SetupError:
-                    raise
-                except Exception:
-                    traceback.print_exc()
-                    R.check(False, 'harness', '%s aborted by an exception' % fn.__name__, traceback.format_exc().splitlines()[-1])
-                for key, (p, _, _) in list(env.servers.items()):
-                    if p.poll() is not None:
-                        raise SetupError('server %s exited (status %s) during %s' % (key, p.returncode, fn.__name__))
+    def at_end(env):
         t_whole_run(env)
         for key, (p, sock, _) in env.servers.items():
             rc = env.stop(p)
             R.check(rc == 0 and not os.path.exists(sock), RM('Serving devices to QEMU', 'Stopping'),
                     'server %s: SIGTERM stops it (status 0) and removes its socket' % key, 'rc %s' % rc)
-    except Interrupted:
-        print('\ninterrupted: stopping the servers and removing the run directory', flush=True)
-        status = 130
-    except SetupError as ex:
-        R.check(False, 'harness', 'setup', str(ex))
-        status = 2 if not R.count('PASS') else None
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if env:
-            if R.count('FAIL'):
-                env.dump_logs()
-            env.cleanup()
-    fails = R.summary(time.monotonic() - t0)
-    if status is not None:
-        return status
-    return 1 if fails else 0
+    return vu.contract_main('mtty', 'Contract test of umdev\'s mtty device, written from the docs alone (see the module docstring).',
+                            GROUPS, Env, after_each=after_each, at_end=at_end)
 
 
 if __name__ == '__main__':

@@ -80,7 +80,6 @@ How to run
     130 when interrupted. NOTE lines never fail a run. Servers are stopped and files removed
     on every exit path, Ctrl-C and SIGTERM included.
 """
-import argparse
 import errno as E
 import json
 import mmap
@@ -92,7 +91,6 @@ import struct
 import subprocess
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import testdev_contract as vu  # noqa: E402  (the docs-only vfio-user client; used, never modified)
@@ -3472,83 +3470,16 @@ GROUPS = [
 ]
 
 
-class Interrupted(BaseException):
-    pass
-
-
 def main():
-    ap = argparse.ArgumentParser(description='Contract test of `umdev run --type nvme`, written from the docs alone (see the module docstring).')
-    ap.add_argument('--bin', default=os.environ.get('UMDEV_BIN', 'target/release/umdev'), help='the umdev binary')
-    ap.add_argument('--socket-dir', default=None, help='directory in which this run makes its own fresh directory (default: the system temp dir)')
-    ap.add_argument('--only', default='', help='comma-separated test groups (see --list)')
-    ap.add_argument('--list', action='store_true', help='list the test groups and exit')
-    ap.add_argument('--timeout', type=float, default=vu.WAIT, help='bound on every wait for an event, in seconds (default %(default)s)')
-    ap.add_argument('-q', '--quiet', action='store_true', help='print only FAIL and NOTE lines and the summary')
-    a = ap.parse_args()
-    if a.list:
-        for name, fns in GROUPS:
-            print('%-10s %s' % (name, ', '.join(f.__name__ for f in fns)))
-        return 0
-    vu.WAIT = a.timeout
-    R.quiet = a.quiet
-    binary = os.path.abspath(a.bin)
-    if not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
-        print('nvme_contract: %s is not an executable (use --bin)' % binary, file=sys.stderr)
-        return 2
-    only = set(filter(None, a.only.split(',')))
-    unknown = only - {n for n, _ in GROUPS}
-    if unknown:
-        print('nvme_contract: unknown group(s) %s (see --list)' % ', '.join(sorted(unknown)), file=sys.stderr)
-        return 2
-    if a.socket_dir:
-        os.makedirs(a.socket_dir, exist_ok=True)
-
-    def on_signal(signum, frame):
-        raise Interrupted(signum)
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, on_signal)
-    t0 = time.monotonic()
-    h = None
-    status = None
     random.seed(0x75e0)
-    try:
-        h = vu.Harness(binary, a.socket_dir)
-        if len(h.path('run')) + len('/%s.sock' % ('0' * 36)) >= 108:
-            raise vu.SetupError('%s is too long a directory for UNIX socket paths; use a shorter --socket-dir' % h.dir)
-        print('umdev nvme contract: %s; sockets, logs and images in %s' % (binary, h.dir), flush=True)
-        env = Env(h)
-        for name, fns in GROUPS:
-            if only and name not in only:
-                continue
-            for fn in fns:
-                try:
-                    fn(env)
-                except vu.SetupError:
-                    raise
-                except Exception:
-                    traceback.print_exc()
-                    R.check(False, 'harness', '%s aborted by an exception' % fn.__name__, traceback.format_exc().splitlines()[-1])
+
+    def at_end(env):
         R.sec('Over the whole run (vfio-user.md § Commands)')
         R.check(not vu.BAD_REPLIES, VU('Commands', 'error replies'),
                 'every reply: the request\'s command, the reply type, an errno only with the error flag, error replies a bare header',
                 vu.BAD_REPLIES[:5])
-    except Interrupted:
-        print('\ninterrupted: stopping the servers and removing the run directory', flush=True)
-        status = 130
-    except vu.SetupError as ex:
-        R.check(False, 'harness', 'setup', str(ex))
-        status = 2 if not R.count('PASS') else None
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if h:
-            if R.count('FAIL'):
-                h.dump_logs()
-            h.cleanup()
-    fails = R.summary(time.monotonic() - t0)
-    if status is not None:
-        return status
-    return 1 if fails else 0
+    return vu.contract_main('nvme', 'Contract test of `umdev run --type nvme`, written from the docs alone (see the module docstring).',
+                            GROUPS, vu.Harness, Env, at_end=at_end, kept='sockets, logs and images')
 
 
 if __name__ == '__main__':

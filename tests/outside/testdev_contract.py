@@ -2826,10 +2826,18 @@ class Interrupted(BaseException):
     pass
 
 
-def main():
+def contract_main(name, description, groups, harness_of, env_of=lambda h: h, after_each=None, at_end=None,
+                  kept='sockets and logs', setup_errors_abort=True):
+    """The command line and run loop every contract script here shares: --bin, --socket-dir,
+    --only, --list, --timeout and -q; exit 0, 1, 2 or 130 (module docstring); servers stopped
+    and files removed on every exit path.
+
+    harness_of(binary, socket_dir) makes the run's directory (a Harness or one like it);
+    env_of(harness) is what each group function is given; after_each(env, fn) runs after each
+    group function, at_end(env) after the last. A SetupError aborts the run, unless
+    setup_errors_abort is False: then one raised by a group function only fails that function."""
     global WAIT
-    ap = argparse.ArgumentParser(description='Contract test of `umdev run --type testdev`, written from the docs alone '
-                                             '(see the module docstring).')
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument('--bin', default=os.environ.get('UMDEV_BIN', 'target/release/umdev'), help='the umdev binary')
     ap.add_argument('--socket-dir', default=None,
                     help='directory in which this run makes its own fresh directory (default: the system temp dir)')
@@ -2839,19 +2847,19 @@ def main():
     ap.add_argument('-q', '--quiet', action='store_true', help='print only FAIL and NOTE lines and the summary')
     a = ap.parse_args()
     if a.list:
-        for name, fns in GROUPS:
-            print('%-10s %s' % (name, ', '.join(f.__name__ for f in fns)))
+        for gname, fns in groups:
+            print('%-10s %s' % (gname, ', '.join(f.__name__ for f in fns)))
         return 0
     WAIT = a.timeout
     R.quiet = a.quiet
     binary = os.path.abspath(a.bin)
     if not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
-        print('testdev_contract: %s is not an executable (use --bin)' % binary, file=sys.stderr)
+        print('%s_contract: %s is not an executable (use --bin)' % (name, binary), file=sys.stderr)
         return 2
     only = set(filter(None, a.only.split(',')))
-    unknown = only - {n for n, _ in GROUPS}
+    unknown = only - {n for n, _ in groups}
     if unknown:
-        print('testdev_contract: unknown group(s) %s (see --list)' % ', '.join(sorted(unknown)), file=sys.stderr)
+        print('%s_contract: unknown group(s) %s (see --list)' % (name, ', '.join(sorted(unknown))), file=sys.stderr)
         return 2
     if a.socket_dir:
         os.makedirs(a.socket_dir, exist_ok=True)
@@ -2861,30 +2869,30 @@ def main():
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_signal)
     t0 = time.monotonic()
-    env = None
+    h = None
     status = None
     try:
-        env = Harness(binary, a.socket_dir)
+        h = harness_of(binary, a.socket_dir)
         # the daemon's instance sockets are <dir>/run/<uuid>.sock: within sun_path's 108 bytes?
-        if len(env.path('run')) + len('/%s.sock' % ('0' * 36)) >= 108:
-            raise SetupError('%s is too long a directory for UNIX socket paths; use a shorter --socket-dir' % env.dir)
-        print('umdev testdev contract: %s; sockets and logs in %s' % (binary, env.dir), flush=True)
-        main_srv = env.start_server(env.sock)
-        for name, fns in GROUPS:
-            if only and name not in only:
+        if len(h.path('run')) + len('/%s.sock' % ('0' * 36)) >= 108:
+            raise SetupError('%s is too long a directory for UNIX socket paths; use a shorter --socket-dir' % h.dir)
+        print('umdev %s contract: %s; %s in %s' % (name, binary, kept, h.dir), flush=True)
+        env = env_of(h)
+        for gname, fns in groups:
+            if only and gname not in only:
                 continue
             for fn in fns:
                 try:
                     fn(env)
-                except Exception:
+                except Exception as ex:
+                    if setup_errors_abort and isinstance(ex, SetupError):
+                        raise
                     traceback.print_exc()
                     R.check(False, 'harness', '%s aborted by an exception' % fn.__name__, traceback.format_exc().splitlines()[-1])
-                if main_srv.poll() is not None:
-                    raise SetupError('the server exited (status %s) during %s' % (main_srv.returncode, fn.__name__))
-        t_whole_run(env)
-        rc = env.stop(main_srv)
-        R.check(rc == 0 and not os.path.exists(env.sock), RM('Serving devices to QEMU', 'Stopping'),
-                'SIGTERM stops the server (status 0) and removes the socket', 'rc %s, socket exists %s' % (rc, os.path.exists(env.sock)))
+                if after_each:
+                    after_each(env, fn)
+        if at_end:
+            at_end(env)
     except Interrupted:
         print('\ninterrupted: stopping the servers and removing the run directory', flush=True)
         status = 130
@@ -2894,14 +2902,32 @@ def main():
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if env:
+        if h:
             if R.count('FAIL'):
-                env.dump_logs()
-            env.cleanup()
+                h.dump_logs()
+            h.cleanup()
     fails = R.summary(time.monotonic() - t0)
     if status is not None:
         return status
     return 1 if fails else 0
+
+
+def main():
+    def started(env):
+        env.main_srv = env.start_server(env.sock)
+        return env
+
+    def after_each(env, fn):
+        if env.main_srv.poll() is not None:
+            raise SetupError('the server exited (status %s) during %s' % (env.main_srv.returncode, fn.__name__))
+
+    def at_end(env):
+        t_whole_run(env)
+        rc = env.stop(env.main_srv)
+        R.check(rc == 0 and not os.path.exists(env.sock), RM('Serving devices to QEMU', 'Stopping'),
+                'SIGTERM stops the server (status 0) and removes the socket', 'rc %s, socket exists %s' % (rc, os.path.exists(env.sock)))
+    return contract_main('testdev', 'Contract test of `umdev run --type testdev`, written from the docs alone (see the module docstring).',
+                         GROUPS, Harness, started, after_each, at_end, setup_errors_abort=False)
 
 
 if __name__ == '__main__':
