@@ -1354,6 +1354,14 @@ mod tests {
         }
     }
 
+    /// A manager of testdev instances with its run directory made at `run`, definitions at `state`.
+    fn testdev_manager(run: &Path, state: &Path) -> Manager {
+        private_dir(run).unwrap();
+        let registry =
+            Registry::with_types(vec![std::sync::Arc::new(umdev_devices::testdev::TestDevType::new(8))]);
+        Manager::new(registry, run, Definitions::new(state), InstanceConfig::new("", ""))
+    }
+
     fn running(d: &Definition, from_definition: bool) -> InstanceSummary {
         InstanceSummary {
             uuid: d.uuid,
@@ -1435,10 +1443,7 @@ mod tests {
     fn reload_starts_new_auto_definitions_and_leaves_running_ones_alone() {
         let dir = std::env::temp_dir().join(format!("umdev-reload-{}", std::process::id()));
         let (run, state) = (dir.join("run"), dir.join("state"));
-        private_dir(&run).unwrap();
-        let registry =
-            Registry::with_types(vec![std::sync::Arc::new(umdev_devices::testdev::TestDevType::new(8))]);
-        let manager = Manager::new(registry, &run, Definitions::new(&state), InstanceConfig::new("", ""));
+        let manager = testdev_manager(&run, &state);
         let (a, b) = (def(0xa, StartPolicy::Auto), def(0xb, StartPolicy::Auto));
         manager.definitions().define(&a).unwrap();
         assert!(manager.autostart().is_empty());
@@ -1477,10 +1482,7 @@ mod tests {
         use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().unwrap();
         let (run, state) = (dir.path().join("run"), dir.path().join("state"));
-        private_dir(&run).unwrap();
-        let registry =
-            Registry::with_types(vec![std::sync::Arc::new(umdev_devices::testdev::TestDevType::new(8))]);
-        let manager = Manager::new(registry, &run, Definitions::new(&state), InstanceConfig::new("", ""));
+        let manager = testdev_manager(&run, &state);
         let (a, b) = (def(0xa, StartPolicy::Auto), def(0xb, StartPolicy::Auto));
         manager.definitions().define(&a).unwrap();
         assert!(manager.autostart().is_empty());

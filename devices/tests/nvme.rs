@@ -488,14 +488,9 @@ fn features_round_trip_and_a_temperature_event_reaches_an_aer() {
     assert_eq!((u16::from(done.cid), done.status()), (set_cid, Status::SUCCESS));
     // The SMART log shows the warning, the temperature and the I/O done.
     assert_eq!(d.rw(1, true, 1, 0, 8, 512, &[DATA], 0).unwrap(), Status::SUCCESS);
-    let mut log = Sqe::new(admin_op::GET_LOG_PAGE, 0);
-    log.set_dw(10, u32::from(log_page::SMART) | (512 / 4 - 1) << 16);
-    log.prp1 = (DATA + 0x9000).into();
-    d.admin_ok(log).unwrap();
-    let mut smart = [0u8; 512];
-    d.t.get(DATA + 0x9000, &mut smart).unwrap();
-    assert_eq!((smart[0], u16::from_le_bytes([smart[1], smart[2]])), (2, 313));
-    assert_eq!(smart[64], 1, "host read commands");
+    let smart = d.smart_log().unwrap();
+    assert_eq!((smart.critical_warning, u16::from_le_bytes(smart.temperature)), (2, 313));
+    assert_eq!(smart.host_reads[0], 1, "host read commands");
     // More AERs than AERL + 1 (4): the fifth is refused.
     for _ in 0..5 {
         let cid = d.cid();
@@ -762,14 +757,13 @@ fn compare_matches_the_blocks_and_the_effects_log_is_served() {
     // compares in the statistics; the one that reached no data counts in neither.
     let totals = d.t.dev.function().totals();
     assert_eq!((totals.compares, totals.bytes_compared, totals.reads), (2, 2 * 8192, 0));
-    let mut log = Sqe::new(admin_op::GET_LOG_PAGE, 0);
-    log.set_dw(10, u32::from(log_page::SMART) | (512 / 4 - 1) << 16);
-    log.prp1 = (DATA + 0x9000).into();
-    d.admin_ok(log).unwrap();
-    let mut smart = [0u8; 512];
-    d.t.get(DATA + 0x9000, &mut smart).unwrap();
-    let u128_at = |at: usize| u128::from_le_bytes(smart[at..at + 16].try_into().unwrap());
-    assert_eq!((u128_at(32), u128_at(64)), (1, 2), "data units read (32 blocks, rounded up), host reads");
+    let smart = d.smart_log().unwrap();
+    let count = u128::from_le_bytes;
+    assert_eq!(
+        (count(smart.data_units_read), count(smart.host_reads)),
+        (1, 2),
+        "data units read (32 blocks, rounded up), host reads"
+    );
     // Get Log Page 05h: Read is supported, Write changes logical block content.
     let mut log = Sqe::new(admin_op::GET_LOG_PAGE, 0);
     log.set_dw(10, u32::from(log_page::COMMAND_EFFECTS) | (4096 / 4 - 1) << 16);

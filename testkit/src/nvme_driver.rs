@@ -323,6 +323,17 @@ impl<T: Transport> Driver<T> {
         Ok(page)
     }
 
+    /// The SMART / Health Information log page.
+    pub fn smart_log(&mut self) -> Result<SmartLog, Error> {
+        let mut sqe = Sqe::new(admin_op::GET_LOG_PAGE, 0);
+        sqe.set_dw(10, u32::from(log_page::SMART) | ((size_of::<SmartLog>() / 4 - 1) as u32) << 16);
+        sqe.prp1 = IDENTIFY_BUF.into();
+        self.admin_ok(sqe)?;
+        let mut log = SmartLog::zeroed();
+        self.t.get(IDENTIFY_BUF, log.as_mut_slice())?;
+        Ok(log)
+    }
+
     /// The newest `n` entries of the Error Information log (at most 64), newest first.
     pub fn error_log(&mut self, n: usize) -> Result<Vec<ErrorLogEntry>, Error> {
         let n = n.clamp(1, 64);
