@@ -1,5 +1,9 @@
-//! The device contract, as a test any [`VfioDevice`] can be run through (feature
-//! `contract`): what `device.rs` asks of a device, checked rather than written down.
+//! The device contract, as a test any [`VfioDevice`] can be run through: what `device.rs`
+//! asks of a device, checked rather than written down.
+//!
+//! **Only with the `contract` feature** (this page is documented without it): a device's
+//! tests turn it on with `umdev-mdev = { path = "...", features = ["contract"] }` under
+//! `[dev-dependencies]`.
 //!
 //! [`check`] attaches the device to a DMA space with real guest RAM (a memfd) and a client
 //! that counts server-to-client DMA, wires eventfds to every interrupt, and checks:

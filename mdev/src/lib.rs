@@ -6,18 +6,24 @@
 //! access ([`guest`]), request permits ([`request`]), device threads ([`worker`]), device
 //! types ([`types`]), host files and block devices as backings ([`backing`]),
 //! listening Unix sockets only their owner can reach ([`unix_socket`]) and, with the
-//! `contract` feature, the device contract as a test (`contract`). The devices themselves are
+//! `contract` feature, the device contract as a test ([`contract`]). The devices themselves are
 //! in `umdev-devices`; which of them a binary serves is the binary's choice.
 //!
 //! What it is not: it speaks no protocol (the server crate turns vfio-user messages into
 //! calls on [`VfioDevice`]) and manages no memory (devices reach guest memory through the
-//! pinning engine's [`umdev_pinning::DmaSpace`]).
+//! pinning engine's [`DmaSpace`]).
+//!
+//! The engine's types that this crate's API takes or gives ([`DmaSpace`], [`PinMode`],
+//! [`PinnedPages`], [`Prot`], ...) are re-exported here, so a device needs no dependency on
+//! `umdev-pinning` of its own.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![deny(missing_docs)]
 
 pub mod backing;
-#[cfg(feature = "contract")]
+// Documented without the feature too, so that `cargo doc` shows what the feature gives; a
+// build uses it only with the feature.
+#[cfg(any(feature = "contract", doc))]
 pub mod contract;
 mod device;
 pub mod guest;
@@ -40,7 +46,14 @@ pub use device::{
 };
 pub use guest::{BusMaster, DeviceContext, GuestError};
 pub use umdev_pinning::sync;
-/// What [`request::Permit::pin_pages`] takes and gives: re-exported so that a device needs
-/// no dependency on the engine of its own.
-pub use umdev_pinning::{PinError, PinnedPages, Prot, PAGE_SIZE};
+/// The engine's types in this crate's API: what [`request::Permit::pin_pages`] takes and
+/// gives, a pinned buffer's errors ([`AccessError`]), the client's DMA space a
+/// [`DeviceContext`] is made over ([`DmaSpace`], with its [`DmaSpaceConfig`] and
+/// [`DmaStats`]; [`contract::Probe::dma`]) and how it pins ([`PinMode`],
+/// [`DeviceContext::pin_mode`]). Re-exported so that a device needs no dependency on the
+/// engine of its own.
+pub use umdev_pinning::{
+    AccessError, DmaSpace, DmaSpaceConfig, DmaStats, PinError, PinMode, PinnedPages, Prot, UnmapNotifier,
+    PAGE_SIZE,
+};
 pub use vmm_sys_util::eventfd::EventFd;
