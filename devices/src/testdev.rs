@@ -19,7 +19,8 @@ use umdev_mdev::guest::GuestError;
 use umdev_mdev::irq::IrqHandle;
 use umdev_mdev::pci::regmap::merge;
 use umdev_mdev::pci::{
-    Bar, ClassCode, ConfigSpaceBuilder, Host, PciDevice, PciDeviceError, PciFunction, PciIds, Reg, RegMap,
+    Bar, ClassCode, ConfigSpaceBuilder, Host, MsixCap, PciDevice, PciDeviceError, PciFunction, PciIds, Reg,
+    RegMap,
 };
 use umdev_mdev::request::{self, Completion, Lane, Permit};
 use umdev_mdev::worker::{Poll, Waiter, Wake, Worker};
@@ -129,7 +130,13 @@ pub fn config() -> ConfigSpaceBuilder {
         .interrupt_pin(1)
         .power_management()
         .msi(1, false, true)
-        .msix(MSIX_VECTORS, 0, MSIX_TABLE_OFFSET, 0, MSIX_PBA_OFFSET)
+        .msix(MsixCap {
+            vectors: MSIX_VECTORS,
+            table_bar: 0,
+            table_offset: MSIX_TABLE_OFFSET,
+            pba_bar: 0,
+            pba_offset: MSIX_PBA_OFFSET,
+        })
 }
 
 /// A new testdev, ready to attach.

@@ -26,6 +26,7 @@ use self::program::{Reason, Status};
 pub use crate::store::Store;
 use umdev_mdev::irq::IrqHandle;
 use umdev_mdev::pci::bar::Bar;
+use umdev_mdev::pci::caps::MsixCap;
 use umdev_mdev::pci::config::{ClassCode, ConfigSpaceBuilder, PciIds};
 use umdev_mdev::pci::device::{Host, PciDevice, PciFunction};
 use umdev_mdev::pci::regmap::{Reg, RegMap};
@@ -159,7 +160,13 @@ pub fn config(subchannels: u32) -> ConfigSpaceBuilder {
         .interrupt_pin(1)
         .power_management()
         .msi(1, false, true)
-        .msix(subchannels as u16, 0, MSIX_TABLE_OFFSET, 0, MSIX_PBA_OFFSET)
+        .msix(MsixCap {
+            vectors: subchannels as u16,
+            table_bar: 0,
+            table_offset: MSIX_TABLE_OFFSET,
+            pba_bar: 0,
+            pba_offset: MSIX_PBA_OFFSET,
+        })
 }
 
 /// Creates a ccw device.

@@ -61,7 +61,9 @@ use self::queue::DoorbellPage;
 use self::spec::reg;
 use self::stats::Totals;
 use crate::store::Cache;
-use umdev_mdev::pci::{Bar, ClassCode, ConfigSpaceBuilder, PciDevice, PciFunction, PciIds, Reg, RegMap};
+use umdev_mdev::pci::{
+    Bar, ClassCode, ConfigSpaceBuilder, MsixCap, PciDevice, PciFunction, PciIds, Reg, RegMap,
+};
 use umdev_mdev::types::{parse_options, OptionSpec, OptionValue, ParsedOptions, StoreSpec, ValueSyntax};
 use umdev_mdev::{DeviceError, RegionMmap, SparseArea};
 
@@ -612,7 +614,13 @@ pub fn config(io_queues: u16) -> ConfigSpaceBuilder {
         .interrupt_pin(1)
         .power_management()
         .msi(1, true, true)
-        .msix(io_queues + 1, 0, MSIX_TABLE_OFFSET, 0, MSIX_PBA_OFFSET)
+        .msix(MsixCap {
+            vectors: io_queues + 1,
+            table_bar: 0,
+            table_offset: MSIX_TABLE_OFFSET,
+            pba_bar: 0,
+            pba_offset: MSIX_PBA_OFFSET,
+        })
         .pcie()
 }
 

@@ -78,7 +78,8 @@ impl MsiCap {
     }
 }
 
-/// MSI-X as declared: table size and where the table and PBA live.
+/// MSI-X as declared: table size and where the table and PBA live (what
+/// [`ConfigSpaceBuilder::msix`](super::ConfigSpaceBuilder::msix) takes, each number named).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MsixCap {
     /// Table entries (1..=2048).

@@ -183,7 +183,7 @@ impl Capability {
 /// [`ConfigSpace`]. Capabilities are laid out from 0x40 in the order they are declared.
 ///
 /// ```
-/// use umdev_mdev::pci::{Bar, ClassCode, ConfigSpaceBuilder, PciIds};
+/// use umdev_mdev::pci::{Bar, ClassCode, ConfigSpaceBuilder, MsixCap, PciIds};
 ///
 /// let ids = PciIds {
 ///     vendor_id: 0x1234,
@@ -197,7 +197,7 @@ impl Capability {
 ///     .bar(0, Bar::mem32(4096))
 ///     .bar(2, Bar::mem64(1 << 20).prefetchable())
 ///     .interrupt_pin(1)
-///     .msix(4, 0, 0x800, 0, 0xc00)
+///     .msix(MsixCap { vectors: 4, table_bar: 0, table_offset: 0x800, pba_bar: 0, pba_offset: 0xc00 })
 ///     .build()
 ///     .unwrap();
 /// assert_eq!(config.size(), 256);
@@ -234,18 +234,19 @@ impl ConfigSpaceBuilder {
         self
     }
 
-    /// An MSI-X capability with a `vectors`-entry table at `table_offset` in BAR
-    /// `table_bar` and its PBA at `pba_offset` in BAR `pba_bar`. Both must be 8-byte
-    /// aligned, fit in their (memory) BAR and not overlap.
-    pub fn msix(
-        mut self,
-        vectors: u16,
-        table_bar: u8,
-        table_offset: u32,
-        pba_bar: u8,
-        pba_offset: u32,
-    ) -> Self {
-        self.caps.push(Capability::Msix(MsixCap { vectors, table_bar, table_offset, pba_bar, pba_offset }));
+    /// An MSI-X capability: a table of `layout.vectors` entries at `layout.table_offset` in
+    /// BAR `layout.table_bar`, its PBA at `layout.pba_offset` in BAR `layout.pba_bar`. Both
+    /// must be 8-byte aligned, fit in their (memory) BAR and not overlap.
+    ///
+    /// The framework answers every access to the table's and the PBA's bytes. The rest of
+    /// their BAR is the function's: an access elsewhere in it (registers beside the table,
+    /// or the unused part of a BAR that holds only the MSI-X structures) reaches its
+    /// `bar_read`/`bar_write` like any other, so a function answers those too (a
+    /// [`RegMap`](super::RegMap) over the whole BAR reads 0 and ignores writes where it has
+    /// no register). An access that straddles the table or the PBA and other bytes is
+    /// refused (EINVAL).
+    pub fn msix(mut self, layout: MsixCap) -> Self {
+        self.caps.push(Capability::Msix(layout));
         self
     }
 

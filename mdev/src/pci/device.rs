@@ -39,7 +39,8 @@ pub struct Host {
 /// The device-specific part of a PCI function: its BARs' registers and its work.
 ///
 /// BAR accesses arrive bounds-checked against the BAR's size and never for the MSI-X
-/// table or PBA, which the adapter emulates. All methods take `&self` and may be called
+/// table or PBA, which the adapter emulates; every other offset of the BAR that holds them
+/// does arrive (see [`ConfigSpaceBuilder::msix`]). All methods take `&self` and may be called
 /// while the function's own threads run. They run on the instance's connection thread, the
 /// one that reads the client's messages: none may reach memory the client mapped without an
 /// fd (its reply would come through this thread; the copy fails with

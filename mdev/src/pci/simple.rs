@@ -30,10 +30,13 @@ use crate::guest::DeviceContext;
 /// thread must not hold the device's lock while it does client DMA.
 pub trait SimpleFunction: Send + 'static {
     /// Reads `data.len()` bytes at `offset` in BAR `bar` (inside the BAR; width and
-    /// alignment are the function's to check).
+    /// alignment are the function's to check). Never for the bytes of the MSI-X table or
+    /// PBA, which the framework answers; the rest of their BAR does come here
+    /// ([`ConfigSpaceBuilder::msix`](super::ConfigSpaceBuilder::msix)).
     fn bar_read(&mut self, bar: u8, offset: u64, data: &mut [u8]) -> Result<(), DeviceError>;
 
-    /// Writes `data` at `offset` in BAR `bar`.
+    /// Writes `data` at `offset` in BAR `bar` (as [`SimpleFunction::bar_read`]: never to the
+    /// MSI-X table or PBA).
     fn bar_write(&mut self, bar: u8, offset: u64, data: &[u8]) -> Result<(), DeviceError>;
 
     /// How the client may mmap BAR `bar` (asked once, at construction).

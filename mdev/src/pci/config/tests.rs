@@ -13,6 +13,11 @@ fn ids() -> PciIds {
     }
 }
 
+/// An MSI-X layout: `vectors`, the table's (BAR, offset) and the PBA's.
+fn msix(vectors: u16, (table_bar, table_offset): (u8, u32), (pba_bar, pba_offset): (u8, u32)) -> MsixCap {
+    MsixCap { vectors, table_bar, table_offset, pba_bar, pba_offset }
+}
+
 fn read32(cs: &ConfigSpace, at: u64) -> u32 {
     let mut b = [0; 4];
     cs.read(at, &mut b).unwrap();
@@ -56,7 +61,7 @@ fn everything() -> ConfigSpace {
         .interrupt_pin(1)
         .power_management()
         .msi(4, true, true)
-        .msix(16, 0, 0x800, 0, 0xc00)
+        .msix(msix(16, (0, 0x800), (0, 0xc00)))
         .pcie()
         .build()
         .unwrap()
@@ -375,31 +380,37 @@ fn declarations_are_validated() {
     );
 
     let mem = || b().bar(0, Bar::mem32(4096)).bar(1, Bar::io(16));
-    assert_eq!(mem().msix(0, 0, 0, 0, 0x800).build().unwrap_err(), ConfigError::MsixVectors(0));
-    assert_eq!(mem().msix(2049, 0, 0, 0, 0x800).build().unwrap_err(), ConfigError::MsixVectors(2049));
+    assert_eq!(mem().msix(msix(0, (0, 0), (0, 0x800))).build().unwrap_err(), ConfigError::MsixVectors(0));
     assert_eq!(
-        mem().msix(2, 2, 0, 0, 0x800).build().unwrap_err(),
+        mem().msix(msix(2049, (0, 0), (0, 0x800))).build().unwrap_err(),
+        ConfigError::MsixVectors(2049)
+    );
+    assert_eq!(
+        mem().msix(msix(2, (2, 0), (0, 0x800))).build().unwrap_err(),
         ConfigError::MsixBar { what: "table", bar: 2 }
     );
     assert_eq!(
-        mem().msix(2, 0, 0, 1, 0).build().unwrap_err(),
+        mem().msix(msix(2, (0, 0), (1, 0))).build().unwrap_err(),
         ConfigError::MsixBar { what: "PBA", bar: 1 },
         "an I/O BAR cannot hold the PBA"
     );
     assert_eq!(
-        mem().msix(2, 0, 0x804, 0, 0xc00).build().unwrap_err(),
+        mem().msix(msix(2, (0, 0x804), (0, 0xc00))).build().unwrap_err(),
         ConfigError::MsixMisaligned { what: "table", offset: 0x804 }
     );
     assert!(matches!(
-        mem().msix(2, 0, 0xfe8, 0, 0x800).build(),
+        mem().msix(msix(2, (0, 0xfe8), (0, 0x800))).build(),
         Err(ConfigError::MsixOutsideBar { what: "table", .. })
     ));
     assert!(matches!(
-        mem().msix(2, 0, 0x800, 0, 0x1000).build(),
+        mem().msix(msix(2, (0, 0x800), (0, 0x1000))).build(),
         Err(ConfigError::MsixOutsideBar { what: "PBA", .. })
     ));
-    assert_eq!(mem().msix(4, 0, 0x800, 0, 0x830).build().unwrap_err(), ConfigError::MsixOverlap { bar: 0 });
+    assert_eq!(
+        mem().msix(msix(4, (0, 0x800), (0, 0x830))).build().unwrap_err(),
+        ConfigError::MsixOverlap { bar: 0 }
+    );
     // Table end meets PBA start exactly: fine.
-    assert!(mem().msix(4, 0, 0x800, 0, 0x840).build().is_ok());
-    assert!(mem().msix(2048, 0, 0, 0, 0x800).build().is_err(), "a 32 KiB table in a 4 KiB BAR");
+    assert!(mem().msix(msix(4, (0, 0x800), (0, 0x840))).build().is_ok());
+    assert!(mem().msix(msix(2048, (0, 0), (0, 0x800))).build().is_err(), "a 32 KiB table in a 4 KiB BAR");
 }

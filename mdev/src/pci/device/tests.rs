@@ -75,7 +75,7 @@ fn builder() -> ConfigSpaceBuilder {
         .bar(2, Bar::mem64(0x10000))
         .interrupt_pin(1)
         .msi(4, true, false)
-        .msix(4, 0, 0x2000, 0, 0x3000)
+        .msix(MsixCap { vectors: 4, table_bar: 0, table_offset: 0x2000, pba_bar: 0, pba_offset: 0x3000 })
 }
 
 fn device(mmap: Option<RegionMmap>) -> Result<PciDevice<Memory>, PciDeviceError> {
