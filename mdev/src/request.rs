@@ -10,8 +10,9 @@
 //!   unfinished (an early return, a forgotten path, a panic unwinding through the worker)
 //!   reports the completion's documented failure instead;
 //! - the client's context, for the request's guest accesses ([`Permit::ctx`]);
-//! - the request's pins, taken through the permit ([`Permit::pin_pages`]), so the framework
-//!   knows which IOVA ranges each request holds.
+//! - the request's pins, taken through the permit ([`Permit::pin_pages`] for page numbers,
+//!   [`Permit::pin_bytes`] for a byte range), so the framework knows which IOVA ranges each
+//!   request holds.
 //!
 //! A DMA_UNMAP over a range some requests hold pins in cancels them ([`Cancel::Unmapped`]);
 //! a reset or a detach cancels every request ([`Cancel::Reset`]). The device sees it at its
@@ -19,6 +20,47 @@
 //! the request with its documented status; its pins go with the permit, and the engine's
 //! unmap, which waits for them, returns. A detach also waits, boundedly, for every request
 //! to end, so nothing of the client's connection outlives it.
+//!
+//! **Looking while holding pins.** [`Permit::pin_pages`] returns a reference that borrows the
+//! permit mutably, so `permit.cancelled()` cannot be called while it lives: let it go and
+//! reach the pins through [`Permit::pins`] instead (a shared borrow, as `cancelled` is).
+//! [`Permit::pin_bytes`] returns a guard, [`PinnedBytes`], that answers
+//! [`PinnedBytes::cancelled`] itself and reaches the rest of the permit through
+//! [`PinnedBytes::permit`], so a transfer loop keeps it and looks between blocks:
+//!
+//! ```ignore
+//! let buf = permit.pin_bytes(iova, len, Prot::READ)?;
+//! for at in (0..len).step_by(BLOCK) {
+//!     if buf.cancelled().is_some() {
+//!         return Err(Stopped); // the documented status of a cancelled request
+//!     }
+//!     buf.read(at, &mut block[..n])?;
+//! }
+//! ```
+//!
+//! **A worker that waits learns of a cancellation from its lane's wake.** A look between
+//! blocks finds a cancellation, but a worker asleep with a request in hand (paused, waiting
+//! for more work or for the guest) finds nothing until it is woken. The `wake` given to
+//! [`Requests::lane`] is called for that whenever a request of the lane is cancelled: it
+//! rings the worker's [`Bell`](crate::worker::Bell), the worker's wait returns, and the
+//! worker looks at its permits. A device whose workers never sleep holding a permit still
+//! gives one (a ring costs nothing while the worker is awake).
+//!
+//! **What a request cancelled by a reset reports: nothing.** A reset (DEVICE_RESET, or the
+//! one that ends a detach) cancels every request with [`Cancel::Reset`] before the device's
+//! own reset runs, and holds the device's interrupts until the framework's reset of them
+//! that follows. The request still ends through its worker, exactly once: dropped, its
+//! completion's [`Completion::fail`] runs; completed, [`Completion::complete`]. By then the
+//! device's registers are back at their power-on values, and the guest that reset the device
+//! expects no status and no interrupt from what it asked before, so that completion must
+//! write no status, no result and raise nothing. Two things make sure, and a device does
+//! both: its worker ends a request it finds cancelled by a reset with
+//! [`Permit::into_inner`] (no report); and since a request may end just before its worker
+//! looks, each request carries the device's generation number as it began, which the
+//! device's reset bumps, and its completion reports only if the number is still current,
+//! comparing under the lock the reset bumps it under (testdev, ccw, nvme and the
+//! `checksum_device` example do so). A request cancelled by an unmap ([`Cancel::Unmapped`])
+//! does report, with the status the device documents for it.
 //!
 //! Each lane has its own lock, and workers of different queues share no lock or counter. A
 //! worker that both begins and ends its lane's requests on its own thread (nvme's queue
@@ -53,7 +95,7 @@ use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
 use umdev_pinning::sync::{self, BiasedGuard, BiasedLock};
-use umdev_pinning::{PinnedPages, Prot, PAGE_SIZE};
+use umdev_pinning::{AccessError, PinError, PinnedPages, Prot, PAGE_SIZE};
 
 use crate::guest::{DeviceContext, GuestError};
 
@@ -125,6 +167,13 @@ impl Requests {
     }
 
     /// A lane for one worker; `wake` wakes that worker when one of its requests is cancelled.
+    ///
+    /// This is how a worker asleep with a request in hand learns of the cancellation: a look
+    /// ([`Permit::cancelled`]) between blocks finds it, but a worker waiting (paused, or for
+    /// the guest) only looks once woken. So `wake` rings the worker's
+    /// [`Bell`](crate::worker::Bell), and the worker looks at its permits whenever its wait
+    /// returns.
+    ///
     /// It is called on the thread that cancels (the connection thread, in a DMA_UNMAP, a
     /// reset or a detach), with no lock of the lane's held but with whatever that thread
     /// holds (a reset may hold the device's lock): it should only ring the worker (a
@@ -295,6 +344,9 @@ impl std::fmt::Debug for Requests {
 
 /// One worker's requests: permits are taken here, under the lane's own lock. Clones share
 /// the lane.
+///
+/// A cancellation of one of its requests calls the lane's `wake` ([`Requests::lane`]): that
+/// is how its worker, if it sleeps with a request in hand, learns of it.
 pub struct Lane<S: Send + Sync + 'static = ()> {
     inner: Arc<LaneInner<S>>,
 }
@@ -505,36 +557,79 @@ impl<C: Completion> Permit<C> {
     /// Pins the guest pages `pfns` for `prot` with one call to the engine (see
     /// [`DeviceContext::pin_pages`]), as this request's: an unmap of any of them cancels the
     /// request. The pins are kept until [`Permit::release_pins`] or the permit's end.
+    ///
+    /// The reference returned borrows the permit mutably: to look at [`Permit::cancelled`]
+    /// while using the pins, let it go and reach them through [`Permit::pins`] (the last
+    /// entry), a shared borrow as `cancelled` is. [`Permit::pin_bytes`] gives a guard that
+    /// looks itself.
     pub fn pin_pages(&mut self, pfns: &[u64], prot: Prot) -> Result<&PinnedPages, GuestError> {
-        // Announced before the engine pins: an unmap that starts meanwhile (a long lock-mode
-        // call) or right after finds the ranges and cancels the request.
+        let index = self.pin_announced(
+            |ranges| {
+                // One range per stretch of consecutive page numbers (a PRP list's 32 pages of
+                // a 128 KiB transfer are usually one), found by a compare per page.
+                let mut rest = pfns;
+                while let Some((&first, tail)) = rest.split_first() {
+                    let stretch = tail
+                        .iter()
+                        .zip(rest)
+                        .take_while(|&(&next, &prev)| prev.checked_add(1) == Some(next))
+                        .count();
+                    let last = rest[stretch];
+                    ranges.push(page_span(first, last));
+                    rest = &rest[stretch + 1..];
+                }
+            },
+            |ctx| ctx.pin_pages(pfns, prot),
+        )?;
+        Ok(&self.pins[index])
+    }
+
+    /// Pins the pages that hold the guest bytes `[iova, iova + len)` for `prot` with one call
+    /// to the engine, as this request's (as [`Permit::pin_pages`]: an unmap of any of those
+    /// pages cancels the request, and the pins are kept until [`Permit::release_pins`] or the
+    /// permit's end). The range may end exactly at 2^64.
+    ///
+    /// Refused with [`PinError::Empty`] for `len` 0, and with [`GuestError::NotMapped`] for a
+    /// range that runs past 2^64; otherwise the errors are [`DeviceContext::pin_range`]'s.
+    ///
+    /// The guard returned addresses the bytes from `iova` (its offset 0), and looks at the
+    /// request's cancellation itself ([`PinnedBytes::cancelled`]), so a transfer keeps it
+    /// while it checks between blocks. Several ranges held at once: pin each, let its guard
+    /// go, and reach them through [`Permit::pins`] (in the order taken; a range's first byte
+    /// is at its `iova % PAGE_SIZE`).
+    pub fn pin_bytes(&mut self, iova: u64, len: u64, prot: Prot) -> Result<PinnedBytes<'_, C>, GuestError> {
+        // The last byte, not the end: a range may end exactly at 2^64.
+        let Some(to_last) = len.checked_sub(1) else { return Err(GuestError::Pin(PinError::Empty)) };
+        let last_byte = iova.checked_add(to_last).ok_or(GuestError::NotMapped { iova, len })?;
+        let (first, last) = (iova / PAGE_SIZE, last_byte / PAGE_SIZE);
+        let index = self.pin_announced(
+            |ranges| ranges.push(page_span(first, last)),
+            |ctx| ctx.pin_range(first * PAGE_SIZE, last - first + 1, prot),
+        )?;
+        Ok(PinnedBytes { permit: self, index, offset: iova % PAGE_SIZE, size: len })
+    }
+
+    /// Announces the ranges `announce` pushes as this request's, then pins with `pin`; the
+    /// pins' index in `self.pins`. The ranges go before the engine pins: an unmap that starts
+    /// meanwhile (a long lock-mode call) or right after finds them and cancels the request.
+    /// On failure they are withdrawn.
+    #[inline]
+    fn pin_announced(
+        &mut self,
+        announce: impl FnOnce(&mut SmallVec<[(u64, u64); 4]>),
+        pin: impl FnOnce(&DeviceContext) -> Result<PinnedPages, GuestError>,
+    ) -> Result<usize, GuestError> {
         let before = {
             let mut st = self.lane().core.state();
             let ranges = &mut st.slots[self.index as usize].ranges;
             let before = ranges.len();
-            // One range per stretch of consecutive page numbers (a PRP list's 32 pages of a
-            // 128 KiB transfer are usually one), found by a compare per page.
-            let mut rest = pfns;
-            while let Some((&first, tail)) = rest.split_first() {
-                let stretch = tail
-                    .iter()
-                    .zip(rest)
-                    .take_while(|&(&next, &prev)| prev.checked_add(1) == Some(next))
-                    .count();
-                let last = rest[stretch];
-                // Saturating: a guest names any page number, and the last page ends at 2^64.
-                ranges.push((
-                    first.saturating_mul(PAGE_SIZE),
-                    last.saturating_mul(PAGE_SIZE).saturating_add(PAGE_SIZE),
-                ));
-                rest = &rest[stretch + 1..];
-            }
+            announce(ranges);
             before
         };
-        match self.ctx().pin_pages(pfns, prot) {
+        match pin(self.ctx()) {
             Ok(pins) => {
                 self.pins.push(pins);
-                Ok(self.pins.last().expect("just pushed"))
+                Ok(self.pins.len() - 1)
             }
             Err(e) => {
                 self.lane().core.state().slots[self.index as usize].ranges.truncate(before);
@@ -640,6 +735,86 @@ impl<C: Completion> std::fmt::Debug for Permit<C> {
     }
 }
 
+/// The IOVA range `[start, end)` of the pages `first..=last`. Saturating: a guest names any
+/// page number, and the last page ends at 2^64.
+fn page_span(first: u64, last: u64) -> (u64, u64) {
+    (first.saturating_mul(PAGE_SIZE), last.saturating_mul(PAGE_SIZE).saturating_add(PAGE_SIZE))
+}
+
+/// Guest bytes pinned for a request ([`Permit::pin_bytes`]), addressed from the range's first
+/// byte. It borrows the permit, and answers what a transfer asks between blocks itself:
+/// whether the request was cancelled ([`PinnedBytes::cancelled`]), and the rest of the permit
+/// ([`PinnedBytes::permit`]: its context, its data). The pins stay the permit's: they go
+/// with it (or [`Permit::release_pins`]), not with this guard.
+pub struct PinnedBytes<'p, C: Completion> {
+    permit: &'p Permit<C>,
+    /// The pins' index in the permit's.
+    index: usize,
+    /// Where the range's first byte lies in them.
+    offset: u64,
+    size: u64,
+}
+
+impl<'p, C: Completion> PinnedBytes<'p, C> {
+    /// Copies `buf.len()` bytes at `at` of the range out (see [`PinnedPages::read`]: bytes
+    /// the client writes meanwhile may be torn). Refused beyond the range.
+    pub fn read(&self, at: u64, buf: &mut [u8]) -> Result<(), AccessError> {
+        self.within(at, buf.len())?;
+        self.pages().read(self.offset + at, buf)
+    }
+
+    /// Copies `data` into the range at `at` (pinned with [`Prot::WRITE`]). Refused beyond the
+    /// range.
+    pub fn write(&self, at: u64, data: &[u8]) -> Result<(), AccessError> {
+        self.within(at, data.len())?;
+        self.pages().write(self.offset + at, data)
+    }
+
+    /// Why the request was cancelled, if it was ([`Permit::cancelled`]).
+    pub fn cancelled(&self) -> Option<Cancel> {
+        self.permit.cancelled()
+    }
+
+    /// The request's permit, for the rest of what it holds ([`Permit::ctx`], [`Permit::get`]).
+    pub fn permit(&self) -> &'p Permit<C> {
+        self.permit
+    }
+
+    /// The pinned pages that hold the range, for what [`PinnedPages`] offers beyond copies
+    /// (slices, I/O vectors): the range starts at [`PinnedBytes::offset`] in them.
+    pub fn pages(&self) -> &'p PinnedPages {
+        &self.permit.pins[self.index]
+    }
+
+    /// Where the range's first byte lies in [`PinnedBytes::pages`]: `iova % PAGE_SIZE`.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// The range's length in bytes (never 0).
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn within(&self, at: u64, len: usize) -> Result<(), AccessError> {
+        let len = len as u64;
+        match at.checked_add(len) {
+            Some(end) if end <= self.size => Ok(()),
+            _ => Err(AccessError::OutOfRange { offset: at, len, size: self.size }),
+        }
+    }
+}
+
+impl<C: Completion> std::fmt::Debug for PinnedBytes<'_, C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedBytes")
+            .field("offset", &self.offset)
+            .field("size", &self.size)
+            .field("cancelled", &self.cancelled())
+            .finish()
+    }
+}
+
 /// Runs one request's handling, `what` naming it in the log (formatted only then). A panic
 /// in it is caught: the request's permit, dropped during the unwind, fails it, and the
 /// caller goes on.
@@ -661,6 +836,7 @@ pub fn serve<R>(what: impl std::fmt::Display, handle: impl FnOnce() -> R) -> Opt
 #[cfg(test)]
 mod tests {
     use std::os::fd::AsFd;
+    use std::os::unix::fs::FileExt;
     use std::sync::atomic::AtomicUsize;
 
     use umdev_pinning::DmaSpace;
@@ -891,6 +1067,80 @@ mod tests {
         assert_eq!(dma.pin_count(5 * PAGE_SIZE), 2);
         drop(p);
         assert_eq!(dma.pin_count(5 * PAGE_SIZE), 0);
+    }
+
+    #[test]
+    fn a_byte_range_pins_the_pages_that_hold_it_and_reads_from_its_first_byte() {
+        let (requests, dma, ram) = attached();
+        let lane = requests.lane(|| {});
+        let (tx, _rx) = std::sync::mpsc::channel();
+        let mut p = lane.begin(Report(tx)).unwrap();
+        // From 2 bytes before page 3 ends to the first byte of page 5: pages 3, 4 and 5.
+        let iova = 4 * PAGE_SIZE - 2;
+        let len = PAGE_SIZE + 3;
+        let bytes: Vec<u8> = (0..len).map(|i| i as u8 ^ 0x5a).collect();
+        ram.write_all_at(&bytes, iova).unwrap();
+        let pinned = p.pin_bytes(iova, len, Prot::READ_WRITE).unwrap();
+        assert_eq!((pinned.offset(), pinned.size(), pinned.pages().len()), (PAGE_SIZE - 2, len, 3));
+        let pins = |page: u64| dma.pin_count(page * PAGE_SIZE);
+        assert_eq!((pins(2), pins(3), pins(4), pins(5), pins(6)), (0, 1, 1, 1, 0));
+        let mut back = vec![0u8; len as usize];
+        pinned.read(0, &mut back).unwrap();
+        assert_eq!(back, bytes);
+        pinned.write(len - 1, &[0xee]).unwrap();
+        let mut last = [0u8];
+        ram.read_exact_at(&mut last, iova + len - 1).unwrap();
+        assert_eq!(last, [0xee]);
+        // Nothing outside the range, whatever the pages around it hold.
+        assert!(matches!(pinned.read(len, &mut [0u8; 1]), Err(AccessError::OutOfRange { .. })));
+        assert!(matches!(pinned.read(1, &mut back), Err(AccessError::OutOfRange { .. })));
+        assert!(matches!(pinned.write(u64::MAX, &[0u8; 2]), Err(AccessError::OutOfRange { .. })));
+        // Its pages are the request's: an unmap of the last one cancels it, and the guard,
+        // still held, says so.
+        assert_eq!(pinned.cancelled(), None);
+        requests.cancel_overlapping(5 * PAGE_SIZE, PAGE_SIZE);
+        assert_eq!(pinned.cancelled(), Some(Cancel::Unmapped));
+        assert_eq!(pinned.permit().pins().len(), 1);
+        drop(p);
+        assert_eq!(dma.stats().pins_held, 0, "the pins went with the permit");
+    }
+
+    #[test]
+    fn a_byte_range_that_is_empty_wraps_or_is_unmapped_pins_and_announces_nothing() {
+        let (requests, dma, _ram) = attached();
+        let lane = requests.lane(|| {});
+        let (tx, _rx) = std::sync::mpsc::channel();
+        let mut p = lane.begin(Report(tx)).unwrap();
+        assert!(matches!(p.pin_bytes(PAGE_SIZE, 0, Prot::READ), Err(GuestError::Pin(PinError::Empty))));
+        assert!(matches!(
+            p.pin_bytes(u64::MAX - 1, 3, Prot::READ),
+            Err(GuestError::NotMapped { iova, len: 3 }) if iova == u64::MAX - 1
+        ));
+        // Up to 2^64 exactly is a range (not mapped here), its last page computed without
+        // overflowing.
+        assert!(matches!(
+            p.pin_bytes(u64::MAX - 1, 2, Prot::READ),
+            Err(GuestError::Pin(PinError::NotMapped { .. }))
+        ));
+        assert!(
+            matches!(p.pin_bytes(15 * PAGE_SIZE, PAGE_SIZE + 1, Prot::READ), Err(GuestError::Pin(_))),
+            "past RAM"
+        );
+        // None of them left a range behind for an unmap to find.
+        requests.cancel_overlapping(0, u64::MAX);
+        assert_eq!(p.cancelled(), None);
+        assert_eq!((p.pins().len(), dma.stats().pins_held), (0, 0));
+        // With bus mastering off the engine is not asked.
+        let calls = dma.stats().pin_calls;
+        let off = DeviceContext::new(dma.clone(), Arc::new(NoClient))
+            .with_bus_master(crate::guest::BusMaster::new(false));
+        requests.attach(off);
+        let (tx, _rx) = std::sync::mpsc::channel();
+        let mut q = lane.begin(Report(tx)).unwrap();
+        assert!(matches!(q.pin_bytes(0, 1, Prot::READ), Err(GuestError::BusMasterOff)));
+        assert_eq!(dma.stats().pin_calls, calls);
+        requests.cancel_overlapping(0, PAGE_SIZE);
+        assert_eq!(q.cancelled(), None);
     }
 
     #[test]
