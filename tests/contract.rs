@@ -1,4 +1,4 @@
-//! Every built-in device and the author's example pass the device contract
+//! Every built-in device and the author's examples pass the device contract
 //! (`umdev_mdev::contract`): bounds and widths, reset to power-on values with interrupts off,
 //! no guest access with bus mastering off, DMA unmap while busy, nothing left after detach.
 //! One test, the devices one after another: the contract counts the process's fds and threads.
@@ -18,6 +18,10 @@ use umdev_testkit::nvme_driver::{Driver, Transport};
 #[path = "../examples/custom_device.rs"]
 #[allow(dead_code)]
 mod custom_device;
+
+#[path = "../examples/checksum_device.rs"]
+#[allow(dead_code)]
+mod checksum_device;
 
 const ANY: &[usize] = &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16];
 
@@ -160,7 +164,36 @@ fn every_device_keeps_the_contract() {
         },
     );
 
-    // The author's example.
+    // The author's examples: registers and MSI; a DMA engine with a worker, busy while paused
+    // holding its buffer.
     let e = Arc::new(custom_device::device().unwrap());
     check(e, &Contract { widths: vec![(0, &[4])], volatile: vec![], touch_guest: None, make_busy: None });
+    let d = Arc::new(checksum_device::device().unwrap());
+    check(
+        d,
+        &Contract {
+            widths: vec![(0, &[4])],
+            volatile: vec![],
+            touch_guest: Some(Box::new(|p: &Probe<'_>| checksum_job(p, 0x1000, 8192, false))),
+            make_busy: Some(Box::new(|p: &Probe<'_>| checksum_job(p, 0x20_0000, 16 << 20, true))),
+        },
+    );
+}
+
+/// checksum_device: a job over `[addr, addr + len)`, waited for; `paused`, it stops before its
+/// first block, holding the buffer's pins.
+fn checksum_job(p: &Probe<'_>, addr: u32, len: u32, paused: bool) {
+    use checksum_device::regs::*;
+    use checksum_device::status;
+    p.write32(0, CONTROL, if paused { PAUSE } else { 0 });
+    p.write32(0, ADDR_LO, addr);
+    p.write32(0, ADDR_HI, 0);
+    p.write32(0, LEN, len);
+    p.write32(0, DOORBELL, 1);
+    let state = || p.read32(0, STATUS);
+    if paused {
+        p.wait("the checksum job paused holding its buffer", || state() == status::PAUSED);
+    } else {
+        p.wait("the checksum job", || !matches!(state(), status::BUSY | status::PAUSED));
+    }
 }
