@@ -8,6 +8,24 @@
 //! when it sees one. [`Worker::join`] waits for the body to return for at most a bound, on an
 //! event the thread signals as it ends (a panic included), never by sleeping in a loop.
 //!
+//! **When to start one.**
+//!
+//! - *With the device, or when the guest sets up what the worker serves* (testdev and ccw at
+//!   creation; nvme a queue's worker when the guest creates the queue): a doorbell is then
+//!   only a ring, and a thread that cannot be spawned is found at the creation or the setup
+//!   command, where the device can report it. The thread sleeps while the device idles, and
+//!   a reset need not stop it: the worker compares each job's generation number with the
+//!   device's, which the reset bumps.
+//! - *At the first doorbell, again after each reset* (the `checksum_device` example): no
+//!   thread until the guest uses the device, and a reset that stops and joins the worker
+//!   leaves none, as at power-on. The price: the doorbell after each reset spawns a thread
+//!   on the connection thread (tens of microseconds), and a spawn that fails must be
+//!   reported through the device's status register. Keep the [`Bell`] in the device and
+//!   start each worker on it ([`Worker::spawn_on`]), so the lane's wake
+//!   ([`crate::request::Requests::lane`]) reaches whichever worker runs.
+//!
+//! Either way the device stops and joins its workers in its drop.
+//!
 //! **Polling.** A wake-up costs the waker a syscall and the worker a few microseconds, which at
 //! queue depth 1 is the whole latency. A worker given a [`Poll`] budget watches for work for
 //! up to that long before it sleeps, if a CPU is free for it: at most one worker per spare CPU

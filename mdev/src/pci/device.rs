@@ -79,8 +79,9 @@ pub trait PciFunction: Send + Sync + 'static {
     }
 
     /// DEVICE_RESET (also run on detach): stop work, back to the power-on state. Every
-    /// request in flight is already cancelled; the adapter resets config space and
-    /// interrupts right after.
+    /// request in flight is already cancelled, and reports nothing when it ends
+    /// ([`crate::request`], "What a request cancelled by a reset reports"); the adapter
+    /// resets config space and interrupts right after.
     fn reset(&self) {}
 
     /// A client connected. Its context is the framework's ([`Host::requests`] hands it to

@@ -7,6 +7,17 @@
 //! A [`Shared`] also hands the device's threads [`SharedRef`]s: the same state, a condition
 //! variable to sleep on, and a `closed` flag that tells them to exit when the device goes.
 //!
+//! A thread that takes the device's lock cannot be joined from a call that holds it (every
+//! call here does, `reset` included), and must not hold it across client DMA (the connection
+//! thread, which serves that DMA, would wait for the lock). So a device whose worker does
+//! DMA, and whose reset stops and joins that worker, serves itself as a `Mutex` and keeps
+//! what the worker and the registers share apart: a small mutex or atomics of their own,
+//! each hold a few loads and stores, never across a wait, a DMA or a join. Its reset bumps a
+//! generation number there (completions of requests begun before compare theirs and report
+//! nothing), then stops the worker and joins it, boundedly. The `checksum_device` example is
+//! that pattern; [`Shared`] suits threads that need the whole state and sleep only on its
+//! condition variable.
+//!
 //! A panic in a call leaves the lock poisoned; the framework takes it anyway and the device
 //! keeps serving, so a function's state must be consistent after any call that panics (plain
 //! fields and counters are; a multi-step update must be ordered so that stopping halfway
@@ -48,7 +59,10 @@ pub trait SimpleFunction: Send + 'static {
     /// DEVICE_RESET (also run on detach): back to the power-on state. The framework has
     /// cancelled every request in flight ([`crate::request::Cancel::Reset`]) before this
     /// runs; the device stops its own workers here, and ignores what requests begun before
-    /// the reset still report (see the **Requests** item of the README's "Writing your own device").
+    /// the reset still report: they report nothing ([`crate::request`], "What a request
+    /// cancelled by a reset reports"). This runs under the device's lock, so it may join a
+    /// worker only if that worker never waits for the lock (its state apart, as the
+    /// `checksum_device` example keeps it).
     fn reset(&mut self) {}
 
     /// A client connected.
