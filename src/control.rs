@@ -84,15 +84,31 @@ pub struct ControlResponse {
     /// The errno, on failure.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub errno: Option<i32>,
+    /// What the daemon warned of while it served the request (a device that starts, but with
+    /// a warning), also in its log: the command prints them ([`crate::warnings`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
 }
 
 impl ControlResponse {
     fn success(result: impl Serialize) -> Self {
-        ControlResponse { ok: true, result: serde_json::to_value(result).ok(), error: None, errno: None }
+        ControlResponse {
+            ok: true,
+            result: serde_json::to_value(result).ok(),
+            error: None,
+            errno: None,
+            warnings: Vec::new(),
+        }
     }
 
     fn failure(error: String, errno: i32) -> Self {
-        ControlResponse { ok: false, result: None, error: Some(error), errno: Some(errno) }
+        ControlResponse {
+            ok: false,
+            result: None,
+            error: Some(error),
+            errno: Some(errno),
+            warnings: Vec::new(),
+        }
     }
 }
 
@@ -208,7 +224,13 @@ fn serve_connection(manager: &Manager, stream: UnixStream) -> io::Result<()> {
             return Ok(());
         } else {
             match serde_json::from_str::<ControlRequest>(&line) {
-                Ok(request) => handle(manager, request),
+                Ok(request) => {
+                    // What the daemon warns of while it serves the request (a device made with a
+                    // warning) is the requester's to hear, not only the log's.
+                    let (mut response, warnings) = crate::warnings::collect(|| handle(manager, request));
+                    response.warnings = warnings;
+                    response
+                }
                 Err(e) => ControlResponse::failure(format!("malformed request: {e}"), libc::EINVAL),
             }
         };

@@ -1,12 +1,13 @@
 //! Support code of the `umdev` binary that tests and tools share: the device types it
-//! serves, the instance lifecycle and its definitions, the daemon's control socket, and
-//! mdevctl's JSON shapes.
+//! serves, the instance lifecycle and its definitions, the daemon's control socket (and the
+//! warnings its answers carry), and mdevctl's JSON shapes.
 
 #![deny(missing_docs)]
 
 pub mod control;
 pub mod lifecycle;
 pub mod mdevctl;
+pub mod warnings;
 
 use std::sync::Arc;
 

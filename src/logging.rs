@@ -40,7 +40,10 @@ pub fn init(format: LogFormat) {
     let inner = builder.build();
     // Status lines are info or above, whatever the filter lets through of the rest.
     let max = inner.filter().max(LevelFilter::Info);
-    if log::set_boxed_logger(Box::new(Logger { inner, journal })).is_ok() {
+    // Warnings the daemon logs while it serves a control request also go back to the command
+    // that made it (umdev::warnings); the maximum level below lets them all through.
+    let logger = umdev::warnings::Capturing(Logger { inner, journal });
+    if log::set_boxed_logger(Box::new(logger)).is_ok() {
         log::set_max_level(max);
     }
 }

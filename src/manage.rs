@@ -143,6 +143,7 @@ fn ask_to_change(dirs: &Dirs, req: ControlRequest, pending: &str) -> Result<serd
 }
 
 fn result_of(answer: ControlResponse) -> Result<serde_json::Value, String> {
+    tell_warnings(&answer);
     if answer.ok {
         Ok(answer.result.unwrap_or(serde_json::Value::Null))
     } else {
@@ -155,13 +156,21 @@ fn ask_if_running<T: serde::de::DeserializeOwned>(
     dirs: &Dirs,
     req: &ControlRequest,
 ) -> Result<Option<T>, String> {
-    match request(&dirs.control(), req) {
+    match request(&dirs.control(), req).inspect(tell_warnings) {
         Ok(answer) if answer.ok => {
             serde_json::from_value(answer.result.unwrap_or_default()).map(Some).map_err(|e| e.to_string())
         }
         Ok(answer) => Err(answer.error.unwrap_or_else(|| "the daemon refused the request".into())),
         Err(e) if e.not_running() => Ok(None),
         Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Prints what the daemon warned of while it served the request (a device that started with
+/// a warning): on stderr, as the command's own warnings, before its result.
+fn tell_warnings(answer: &ControlResponse) {
+    for warning in &answer.warnings {
+        log::warn!(target: STATUS, "{warning}");
     }
 }
 

@@ -390,6 +390,36 @@ fn a_definition_that_did_not_start_says_why_and_a_stopped_one_is_stopped() {
     stop(daemon);
 }
 
+/// What the daemon warns of while it starts a device reaches the user of `umdev start`, on
+/// stderr as the CLI's own warnings, and stays in the daemon's log: an nvme RAM namespace
+/// larger than the host's memory and swap starts (it is sparse), with a warning.
+#[test]
+fn a_starts_warnings_reach_its_user_and_the_daemons_log() {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();
+    let kib = |field: &str| -> u64 {
+        let line = meminfo.lines().find(|l| l.starts_with(field)).unwrap_or_else(|| panic!("{field}"));
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    };
+    if (kib("MemTotal:") + kib("SwapTotal:")) << 10 >= 1 << 40 {
+        return eprintln!("SKIPPED: the host has 1 TiB of memory and swap or more; ram:1T warns of nothing");
+    }
+    let env = Dirs::new();
+    let daemon = env.daemon(&[]);
+    let started = env.umdev(&["start", "-t", "nvme", "-u", A, "--opt", "ns1=ram:1T"]);
+    assert!(started.status.success(), "{}", stderr_of(&started));
+    let warning = "umdev: nvme: the RAM namespaces hold 1024.0 GiB and the host has";
+    assert!(stderr_of(&started).contains(warning), "{}", stderr_of(&started));
+    assert!(String::from_utf8_lossy(&started.stdout).starts_with(A), "the start's own output is unchanged");
+    let log = std::fs::read_to_string(env.log()).unwrap();
+    assert!(log.contains("nvme: the RAM namespaces hold 1024.0 GiB"), "{log}");
+    // A start without a warning prints none, and other requests carry none.
+    let quiet = env.umdev(&["start", "-t", "nvme", "-u", B, "--opt", "ns1=ram:16M"]);
+    assert!(quiet.status.success() && stderr_of(&quiet).is_empty(), "{}", stderr_of(&quiet));
+    let list = env.umdev(&["list"]);
+    assert!(list.status.success() && stderr_of(&list).is_empty(), "{}", stderr_of(&list));
+    stop(daemon);
+}
+
 #[test]
 fn an_unusable_definition_is_listed_as_invalid_and_can_be_undefined() {
     let env = Dirs::new();
