@@ -258,10 +258,12 @@ enum Command {
     /// Define a persistent device (it is not started; --auto starts it with the daemon).
     ///
     /// The definition is checked as starting it would be: an unknown type, key or bad value
-    /// fails now, with the message `start` would give.
+    /// fails now, with the message `start` would give. Without --type, --uuid names a running
+    /// instance, defined as it runs (its type and options, --opt and --pin-mode over them), as
+    /// mdevctl defines a running mdev.
     Define {
-        /// Device type.
-        #[arg(short = 't', long = "type", required_unless_present = "jsonfile")]
+        /// Device type (omit it to define the running instance --uuid names, as it runs).
+        #[arg(short = 't', long = "type")]
         type_name: Option<String>,
         /// The device's UUID (generated if omitted).
         #[arg(long, short = 'u')]
@@ -473,7 +475,7 @@ const NO_BENCH: &str =
 
 /// The commands that use the run directory (they talk to the daemon, or are it): the others
 /// refuse `--run-dir` rather than ignore it.
-const RUN_DIR_USERS: [&str; 7] = ["daemon", "types", "start", "stop", "list", "modify", "stats"];
+const RUN_DIR_USERS: [&str; 8] = ["daemon", "types", "start", "stop", "list", "define", "modify", "stats"];
 /// The commands that use the definitions directory: the others refuse `--state-dir`.
 const STATE_DIR_USERS: [&str; 6] = ["daemon", "start", "list", "define", "modify", "undefine"];
 

@@ -12,8 +12,8 @@ use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use umdev::control::{request, ControlError, ControlRequest, ControlResponse, ControlServer};
 use umdev::lifecycle::{
-    check_definition, check_private_dir, sync_status, DaemonStatus, Definition, DefinitionEntry, Definitions,
-    InstanceSummary, LifecycleError, Manager, ReloadReport, StartPolicy, TypeSummary,
+    check_definition, check_private_dir, overlay, sync_status, DaemonStatus, Definition, DefinitionEntry,
+    Definitions, InstanceSummary, LifecycleError, Manager, ReloadReport, StartPolicy, TypeSummary,
 };
 use umdev::mdevctl::{self, DeviceConfig, PARENT};
 use umdev_mdev::types::{InstanceOptions, PinModeName};
@@ -798,8 +798,10 @@ pub struct DefineArgs {
 }
 
 /// `umdev define`: checked as starting it would be, so a bad definition is refused now with
-/// the message `start` would give.
+/// the message `start` would give. Without a type, `-u` names a running instance, defined
+/// with its type and options (as mdevctl defines a running mdev).
 pub fn define(dirs: &Dirs, args: DefineArgs) -> Out {
+    let from_running = args.mdev_type.is_none() && args.jsonfile.is_none();
     let uuid = match &args.uuid {
         Some(u) => parse_uuid(u)?,
         None => Uuid::new_v4(),
@@ -811,13 +813,55 @@ pub fn define(dirs: &Dirs, args: DefineArgs) -> Out {
         }
         None => {
             let start = if args.auto { StartPolicy::Auto } else { StartPolicy::Manual };
-            let mdev_type = args.mdev_type.ok_or("give a type (-t TYPE) or --jsonfile")?;
-            Definition { uuid, mdev_type, start, options: args.options }
+            match args.mdev_type {
+                Some(mdev_type) => Definition { uuid, mdev_type, start, options: args.options },
+                None => {
+                    if args.uuid.is_none() {
+                        return Err("give a type (-t TYPE), --jsonfile, or the UUID of a running instance \
+                                    (-u UUID) to define it as it runs"
+                            .into());
+                    }
+                    let running = running_instance(dirs, uuid)?;
+                    // As mdevctl defines a running mdev: its type and what it runs with; options
+                    // given here go over them.
+                    let options = overlay(&running.options, &args.options);
+                    Definition { uuid, mdev_type: running.mdev_type, start, options }
+                }
+            }
         }
     };
     check(&def)?;
     Definitions::new(&dirs.state).define(&def).map_err(|e| e.to_string())?;
+    if from_running {
+        log::info!(
+            target: STATUS,
+            "defined {uuid} as it runs: {} {}",
+            def.mdev_type,
+            describe_options(&def.options)
+        );
+    }
     out!("{uuid}")
+}
+
+/// The running instance `uuid`, for `define -u UUID` without a type; an error that says to
+/// give one when no daemon runs it.
+fn running_instance(dirs: &Dirs, uuid: Uuid) -> Result<InstanceSummary, String> {
+    let no_type = "no type given (-t TYPE)";
+    let running: Vec<InstanceSummary> = match request(&dirs.control(), &ControlRequest::List) {
+        Ok(answer) => serde_json::from_value(result_of(answer)?).map_err(|e| e.to_string())?,
+        Err(e) => {
+            return Err(format!(
+                "{no_type}, and {uuid} cannot be defined from a running instance: {e}; give its type with -t"
+            ))
+        }
+    };
+    running.into_iter().find(|i| i.uuid == uuid).ok_or_else(|| {
+        format!(
+            "{no_type}, and no instance with UUID {uuid} runs on {} to define it from: give its type with -t \
+             (`umdev list` shows the running instances)",
+            dirs.run.display()
+        )
+    })
 }
 
 fn check(def: &Definition) -> Out {

@@ -358,6 +358,47 @@ fn a_defined_device_starts_as_defined_unless_overridden() {
     stop(daemon);
 }
 
+/// mdevctl's habit: `define -u UUID` without a type defines the instance running under that
+/// UUID as it runs (its type and options; options given go over them). A UUID nothing runs
+/// under, or no daemon to ask, is refused, asking for the type.
+#[test]
+fn define_without_a_type_defines_a_running_instance_as_it_runs() {
+    const C: &str = "5a1e4c36-0f8e-4a5e-9d2f-00000000e003";
+    let env = Dirs::new();
+    let daemon = env.daemon(&[]);
+    env.ok(&["start", "-t", "ccw", "-u", A, "--opt", "subchannels=2", "--pin-mode", "lock"]);
+    env.ok(&["start", "-t", "ccw", "-u", B, "--opt", "subchannels=2"]);
+    let defined = env.umdev(&["define", "-u", A]);
+    assert!(defined.status.success(), "{}", stderr_of(&defined));
+    assert_eq!(String::from_utf8_lossy(&defined.stdout).trim(), A);
+    assert!(
+        stderr_of(&defined).contains(&format!("defined {A} as it runs: ccw pin_mode=lock subchannels=2")),
+        "{}",
+        stderr_of(&defined)
+    );
+    let running = json(&env.ok(&["list", "--json", "-u", A]));
+    let rows = json(&env.ok(&["list", "-d", "--json"]));
+    let row = |uuid: &str| rows.as_array().unwrap().iter().find(|r| r["uuid"] == uuid).unwrap().clone();
+    assert_eq!((row(A)["mdev_type"].as_str(), row(A)["start"].as_str()), (Some("ccw"), Some("manual")));
+    assert_eq!(row(A)["options"], running[0]["options"], "defined with what it runs with");
+    assert_eq!(row(A)["state"], "running", "in sync with its instance");
+    // --auto as ever; options given go over the running ones.
+    env.ok(&["define", "-u", B, "--auto", "--opt", "subchannels=4"]);
+    let rows = json(&env.ok(&["list", "-d", "--json"]));
+    let b = rows.as_array().unwrap().iter().find(|r| r["uuid"] == B).unwrap();
+    assert_eq!((b["start"].as_str(), b["state"].as_str()), (Some("auto"), Some("changed")), "{b}");
+    assert_eq!(b["options"]["params"], json(r#"{"subchannels": "4"}"#), "{b}");
+    // Nothing runs under C: the type is asked for, and nothing is defined.
+    let err = env.fails(&["define", "-u", C]);
+    assert!(err.contains(&format!("no instance with UUID {C} runs on")) && err.contains("-t"), "{err}");
+    let err = env.fails(&["define"]);
+    assert!(err.contains("give a type (-t TYPE), --jsonfile, or the UUID of a running instance"), "{err}");
+    stop(daemon);
+    let err = env.fails(&["define", "-u", C]);
+    assert!(err.contains("daemon is not running") && err.contains("give its type with -t"), "{err}");
+    assert_eq!(json(&env.ok(&["list", "-d", "--json"])).as_array().unwrap().len(), 2);
+}
+
 #[test]
 fn a_definition_that_did_not_start_says_why_and_a_stopped_one_is_stopped() {
     let env = Dirs::new();
@@ -544,7 +585,7 @@ fn a_directory_option_a_command_does_not_use_is_refused() {
     let (run, state) = (env.run.to_str().unwrap(), env.state.to_str().unwrap());
     let socket = env.path().join("run.sock");
     let refused: [(&[&str], &str); 6] = [
-        (&["--run-dir", run, "define", "-t", "testdev", "-u", A], "`umdev define` does not use --run-dir"),
+        (&["--run-dir", run, "completions", "zsh"], "`umdev completions` does not use --run-dir"),
         (&["undefine", "-u", A, "--run-dir", run], "`umdev undefine` does not use --run-dir"),
         (&["--state-dir", state, "stats", "-u", A], "`umdev stats` does not use --state-dir"),
         (&["stop", "--state-dir", state, "-u", A], "`umdev stop` does not use --state-dir"),
@@ -561,7 +602,7 @@ fn a_directory_option_a_command_does_not_use_is_refused() {
         assert!(err.contains(message), "{args:?}: {err}");
     }
     let err = stderr_of(&umdev().args(["--run-dir", run, "man"]).output().unwrap());
-    assert!(err.contains("only daemon, types, start, stop, list, modify and stats do"), "{err}");
+    assert!(err.contains("only daemon, types, start, stop, list, define, modify and stats do"), "{err}");
     assert!(!env.state.exists() && !socket.exists(), "nothing was done");
     // The commands that use a directory take its option; the environment reaches them all.
     umdev().args(["--state-dir", state, "define", "-t", "testdev", "-u", A]).output().unwrap();
