@@ -229,17 +229,23 @@ enum Command {
         #[arg(long)]
         force: bool,
     },
-    /// List running instances, or with --defined the persistent definitions.
+    /// List running instances, or with --defined the persistent definitions, one line each.
     ///
-    /// With --defined each definition's state says whether the daemon agrees with it: running,
+    /// A running instance's line: UUID, type, socket, and `(connected)` while a client is. With
+    /// --defined each definition's state says whether the daemon agrees with it: running,
     /// stopped (manual, or stopped with `umdev stop`), or out of sync: not-started (--auto but
     /// not running; with its last start error), changed (its definition changed since it
     /// started), undefined (running, no longer defined), invalid (it cannot be started, and why).
+    /// --verbose adds indented lines under each, as mdevctl's `list -v`: its options, and a
+    /// running instance's host endpoints (an mtty port's pty or socket).
     List {
         /// The definitions instead of running instances.
         #[arg(short, long)]
         defined: bool,
-        /// JSON instead of text.
+        /// Each device's options, and its host endpoints (mtty ports), on indented lines under it.
+        #[arg(short, long, conflicts_with_all = ["json", "dumpjson"])]
+        verbose: bool,
+        /// JSON instead of text (with every detail).
         #[arg(long, conflicts_with = "dumpjson")]
         json: bool,
         /// mdevctl's JSON: one device's config with -u, else `[{"umdev": [{UUID: config}]}]`.
@@ -708,9 +714,12 @@ fn dispatch(command: Command, dirs: &manage::Dirs) -> output::Out {
             )
         }
         Command::Stop { uuid, force } => manage::stop(dirs, &uuid, force),
-        Command::List { defined, json, dumpjson, uuid, type_name, parent } => {
+        Command::List { defined, verbose, json, dumpjson, uuid, type_name, parent } => {
             manage::check_parent(parent.as_deref())?;
-            manage::list(dirs, &manage::ListView { defined, json, dumpjson, uuid, mdev_type: type_name })
+            manage::list(
+                dirs,
+                &manage::ListView { defined, verbose, json, dumpjson, uuid, mdev_type: type_name },
+            )
         }
         Command::Define { type_name, uuid, parent, auto, jsonfile, create } => {
             manage::check_parent(parent.as_deref())?;

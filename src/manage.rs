@@ -654,6 +654,8 @@ pub fn stats(dirs: &Dirs, uuid: &str) -> Out {
 pub struct ListView {
     /// The definitions instead of the instances.
     pub defined: bool,
+    /// Lines of detail under each device's (`-v`): its options, its host endpoints.
+    pub verbose: bool,
     /// umdev's JSON.
     pub json: bool,
     /// mdevctl's JSON: a listing, or one device's config when `-u` names one.
@@ -718,6 +720,9 @@ pub fn list(dirs: &Dirs, view: &ListView) -> Out {
             };
             let mdev_type = r.mdev_type.as_deref().unwrap_or("-");
             out!("{} {mdev_type} {start} {}{why}{overrides}", r.uuid, r.state.name())?;
+            if view.verbose && r.mdev_type.is_some() {
+                out!("  options: {}", describe_options(&r.options))?;
+            }
         }
         return Ok(());
     }
@@ -761,11 +766,16 @@ pub fn list(dirs: &Dirs, view: &ListView) -> Out {
     if view.json {
         return out!("{}", serde_json::to_string_pretty(&list).map_err(|e| e.to_string())?);
     }
+    // One line per device, as mdevctl's `list`, which scripts read a line at a time; the
+    // details (a port's pty can be several) only on the indented lines of --verbose.
     for i in list {
         let connected = if i.connected { " (connected)" } else { "" };
         out!("{} {} {}{connected}", i.uuid, i.mdev_type, i.socket.display())?;
-        for line in host_endpoints(&i.device) {
-            out!("  {line}")?;
+        if view.verbose {
+            out!("  options: {}", describe_options(&i.options))?;
+            for line in host_endpoints(&i.device) {
+                out!("  {line}")?;
+            }
         }
     }
     Ok(())

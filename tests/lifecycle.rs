@@ -240,8 +240,27 @@ fn mtty_port_backends_through_start_and_definitions() {
     assert_eq!(ports[1]["backend"], format!("socket:{}", tty_socket.display()));
     assert_eq!(ports[1]["host_connected"], false);
     assert!(tty_socket.exists());
-    // `umdev list` prints the endpoints, `umdev start` too.
-    assert!(env.ok(&["list"]).contains("port 0: pty /dev/pts/"));
+    // `umdev list` prints one line per instance, as mdevctl's (scripts read it a line at a
+    // time); -v adds its options and endpoints on indented lines under it.
+    let list = env.ok(&["list"]);
+    assert_eq!(list.lines().count(), listed.len(), "{list}");
+    assert!(list.lines().all(|l| !l.starts_with(' ') && !l.contains("/dev/pts/")), "{list}");
+    let verbose = env.ok(&["list", "-v", "-u", defined]);
+    let lines: Vec<&str> = verbose.lines().collect();
+    assert!(lines[0].starts_with(defined) && !lines[0].contains("port"), "{verbose}");
+    assert_eq!(lines[1], format!("  options: port0=pty port1=socket:{}", tty_socket.display()));
+    assert!(lines[2].starts_with("  port 0: pty /dev/pts/"), "{verbose}");
+    assert_eq!(lines[3], format!("  port 1: socket {}", tty_socket.display()), "{verbose}");
+    assert_eq!(lines.len(), 4, "{verbose}");
+    let both = env.fails(&["list", "-v", "--json"]);
+    assert!(both.contains("cannot be used with"), "{both}");
+    let defined_verbose = env.ok(&["list", "-d", "-v"]);
+    assert_eq!(
+        defined_verbose.lines().nth(1),
+        Some(format!("  options: port0=pty port1=socket:{}", tty_socket.display()).as_str()),
+        "{defined_verbose}"
+    );
+    // `umdev start` prints a new instance's endpoints under its line.
     let started = env.ok(&["start", "--type", "mtty-1", "--opt", "backend=pty"]);
     assert!(
         started.lines().nth(1).is_some_and(|l| l.trim().starts_with("port 0: pty /dev/pts/")),
