@@ -306,7 +306,7 @@ fn bench_mode(
     rounds: usize,
     progress: &mut crate::progress::Progress,
 ) -> Result<(ModeReport, f64, f64), String> {
-    let dir = crate::protobench::tempfile_dir_for(&format!("ccwbench-{mode}"))?;
+    let dir = crate::cleanup::scratch_dir(&format!("ccwbench-{mode}"))?;
     let dir = dir.path();
     let result = (|| {
         progress.step(format_args!("{mode}: 2 MiB scattered programs"));

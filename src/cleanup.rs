@@ -4,7 +4,14 @@
 //! under `nohup`) a thread stops the servers, removes the directories and files and exits
 //! 128 + the signal (no destructor runs). A server also gets SIGTERM from the kernel if the
 //! benchmark dies any other way (`PR_SET_PDEATHSIG`).
+//!
+//! A process killed with SIGKILL cleans up nothing: its temporary directory stays. So each is
+//! a [`ScratchDir`], named `umdev-scratch-WHAT-PID` and locked (`flock`) by its process while
+//! it exists, and the next run that makes one in the same parent first removes those of runs
+//! that are gone ([`remove_stale`]): the kernel lets a lock go with its process however the
+//! process ends.
 
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -98,14 +105,167 @@ fn stop_child(pid: u32) {
     }
 }
 
-/// Registers a temporary directory to remove on a signal.
-pub fn dir(path: &Path) {
-    leftovers().dirs.push(path.to_path_buf());
+/// The directory is gone (or kept on purpose).
+fn forget_dir(path: &Path) {
+    leftovers().dirs.retain(|d| d != path);
 }
 
-/// The directory is gone (or kept on purpose).
-pub fn forget_dir(path: &Path) {
-    leftovers().dirs.retain(|d| d != path);
+/// What a scratch directory's name starts with: `umdev-scratch-WHAT-PID`. Nothing else of
+/// umdev's is named so (a user's run and state directories in /tmp are `umdev-UID` and
+/// `umdev-state-UID`), so [`remove_stale`] never takes one of those for a run's leftovers.
+const SCRATCH_PREFIX: &str = "umdev-scratch-";
+
+/// A benchmark's (or the demo's) private temporary directory, mode 0700, removed on drop or
+/// on a signal; held locked while it exists, so that a later run can tell it from one whose
+/// process was killed ([`remove_stale`]).
+pub struct ScratchDir {
+    path: PathBuf,
+    /// The directory, opened and locked (`flock`, exclusive) until it is removed.
+    _lock: nix::fcntl::Flock<std::fs::File>,
+}
+
+impl ScratchDir {
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+        forget_dir(&self.path);
+    }
+}
+
+/// A fresh scratch directory in the temporary directory (`$TMPDIR`, else /tmp) for `what`
+/// (`protobench`, `ccwbench-lock`, ...), once those of earlier runs that are gone are removed.
+pub fn scratch_dir(what: &str) -> Result<ScratchDir, String> {
+    scratch_dir_in(&std::env::temp_dir(), what)
+}
+
+/// A fresh scratch directory `umdev-scratch-WHAT-PID` in `parent`, once the scratch
+/// directories of earlier runs there that are gone are removed ([`remove_stale`]; said on
+/// stderr). The directory is made, never taken over: one already at its path is refused
+/// (another user may have put it there), unless it is a stale one of this user's that an
+/// earlier process with this pid left.
+pub fn scratch_dir_in(parent: &Path, what: &str) -> Result<ScratchDir, String> {
+    let removed = remove_stale(parent);
+    if !removed.is_empty() {
+        let names: Vec<String> = removed.iter().map(|p| p.display().to_string()).collect();
+        log::info!(
+            target: crate::logging::STATUS,
+            "removed {} temporary director(ies) that killed runs left: {}",
+            names.len(),
+            names.join(", ")
+        );
+    }
+    let me = std::process::id();
+    let path = parent.join(format!("{SCRATCH_PREFIX}{what}-{me}"));
+    let creating = |e: std::io::Error| format!("creating {}: {e}", path.display());
+    // Made, locked and registered under the registry's lock: a signal meanwhile finds it
+    // registered or not made, and no other thread of this process can see it unlocked.
+    let mut registry = leftovers();
+    if registry.dirs.contains(&path) {
+        return Err(format!("{}: already in use by this run", path.display()));
+    }
+    let made = std::fs::DirBuilder::new().mode(0o700).create(&path);
+    let made = match made {
+        // An earlier process had this pid (pids are reused) and was killed; not this one's.
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && remove_if_stale(&path, None) => {
+            std::fs::DirBuilder::new().mode(0o700).create(&path)
+        }
+        made => made,
+    };
+    made.map_err(creating)?;
+    let lock = open_dir(&path)
+        .and_then(|dir| {
+            nix::fcntl::Flock::lock(dir, nix::fcntl::FlockArg::LockExclusiveNonblock)
+                .map_err(|(_, e)| std::io::Error::from(e))
+        })
+        .map_err(|e| {
+            let _ = std::fs::remove_dir(&path);
+            format!("locking {}: {e}", path.display())
+        })?;
+    registry.dirs.push(path.clone());
+    Ok(ScratchDir { path, _lock: lock })
+}
+
+/// Opens the directory `path` itself, never through a symbolic link.
+fn open_dir(path: &Path) -> std::io::Result<std::fs::File> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+}
+
+/// Whether process `pid` exists (another user's too: kill(2) says EPERM for it).
+fn process_exists(pid: i32) -> bool {
+    !matches!(kill(Pid::from_raw(pid), None), Err(nix::errno::Errno::ESRCH))
+}
+
+/// Removes the scratch directories in `parent` that runs now gone left behind (a run killed
+/// with SIGKILL removes nothing); returns their paths. One is removed only if it is a
+/// directory (a symbolic link is never followed) of this user's, mode 0700 as made, named
+/// `umdev-scratch-WHAT-PID` with a PID no process has now, and nobody holds its lock. What
+/// cannot be removed is left, with a warning: this run does not need it gone.
+pub fn remove_stale(parent: &Path) -> Vec<PathBuf> {
+    let me = std::process::id();
+    let Ok(entries) = std::fs::read_dir(parent) else { return Vec::new() };
+    let mut removed = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(SCRATCH_PREFIX))
+            .and_then(|rest| rest.rsplit_once('-'))
+            .and_then(|(_, pid)| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        // This process's own are in use (or about to be made, under their name).
+        if pid == me || pid == 0 || !entry.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        let Ok(pid) = i32::try_from(pid) else { continue };
+        let path = entry.path();
+        if remove_if_stale(&path, Some(pid)) {
+            removed.push(path);
+        }
+    }
+    removed
+}
+
+/// Removes `path` if it is a scratch directory whose run is gone (see [`remove_stale`]);
+/// `pid`, the process named in it, must not exist (`None`: this process's pid, which has
+/// not made it). Whether it was removed.
+fn remove_if_stale(path: &Path, pid: Option<i32>) -> bool {
+    let Ok(dir) = open_dir(path) else { return false };
+    let Ok(meta) = dir.metadata() else { return false };
+    let me = nix::unistd::geteuid().as_raw();
+    if meta.uid() != me || meta.mode() & 0o7777 != 0o700 || pid.is_some_and(process_exists) {
+        return false;
+    }
+    // Held by a run (a pid of another namespace, say): in use.
+    let Ok(lock) = nix::fcntl::Flock::lock(dir, nix::fcntl::FlockArg::LockExclusiveNonblock) else {
+        return false;
+    };
+    // Still the directory that was looked at, not one renamed there since.
+    let same = std::fs::symlink_metadata(path)
+        .is_ok_and(|now| now.is_dir() && (now.dev(), now.ino()) == (meta.dev(), meta.ino()));
+    if !same {
+        return false;
+    }
+    // remove_dir_all follows no symbolic link inside the directory either.
+    let result = std::fs::remove_dir_all(path);
+    drop(lock);
+    match result {
+        Ok(()) => true,
+        Err(e) => {
+            log::warn!("cannot remove {}, which a killed run left: {e}", path.display());
+            false
+        }
+    }
 }
 
 /// Creates a temporary file with `create` and registers it to remove on a signal, as one
@@ -167,5 +327,73 @@ mod tests {
         assert_eq!(leftovers().files.iter().filter(|f| **f == path).count(), 1, "registered once, when made");
         forget_file(&path);
         assert!(!leftovers().files.contains(&path));
+    }
+
+    /// A pid no process can have: past the kernel's `pid_max`.
+    fn gone() -> u32 {
+        let max: u32 = std::fs::read_to_string("/proc/sys/kernel/pid_max").unwrap().trim().parse().unwrap();
+        max + 1
+    }
+
+    /// Only what a run that is gone left is removed: a directory of this user's, as made
+    /// (0700), named for a pid no process has, that nobody holds locked. Not a symbolic link
+    /// by that name (nor what it or a link inside leads to), a file, another mode, a live
+    /// process's or a locked one, nor a user's `umdev-state-UID` in /tmp.
+    #[test]
+    fn only_the_directories_of_runs_that_are_gone_are_removed() {
+        use std::os::unix::fs::PermissionsExt;
+        let parent = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::write(outside.path().join("kept"), "").unwrap();
+        let dir = |name: String, mode: u32| {
+            let path = parent.path().join(name);
+            std::fs::create_dir(&path).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+            path
+        };
+        let dead = gone();
+        let stale = dir(format!("umdev-scratch-ccwbench-lock-{dead}"), 0o700);
+        std::fs::write(stale.join("ccw.sock"), "").unwrap();
+        std::os::unix::fs::symlink(outside.path(), stale.join("link")).unwrap();
+        let kept = [
+            dir(format!("umdev-scratch-demo-{}", nix::unistd::getppid()), 0o700),
+            dir(format!("umdev-scratch-protobench-{dead}"), 0o755),
+            dir(format!("umdev-state-{dead}"), 0o700),
+            dir(format!("umdev-scratch-nvmebench-{}", dead + 1), 0o700),
+        ];
+        // Locked: a run in another pid namespace, say.
+        let _held =
+            nix::fcntl::Flock::lock(open_dir(&kept[3]).unwrap(), nix::fcntl::FlockArg::LockExclusiveNonblock)
+                .unwrap();
+        let file = parent.path().join(format!("umdev-scratch-pinbench-{dead}"));
+        std::fs::write(&file, "").unwrap();
+        let link = parent.path().join(format!("umdev-scratch-demo-{dead}"));
+        std::os::unix::fs::symlink(outside.path(), &link).unwrap();
+        assert_eq!(remove_stale(parent.path()), vec![stale.clone()]);
+        assert!(!stale.exists());
+        assert!(kept.iter().chain([&file, &link]).all(|p| p.symlink_metadata().is_ok()), "{kept:?}");
+        assert!(outside.path().join("kept").exists(), "no link was followed");
+        // This run's own: made 0700 and locked, so no other run takes it for stale; removed
+        // on drop.
+        let mine = scratch_dir_in(parent.path(), "test").unwrap();
+        let name = format!("umdev-scratch-test-{}", std::process::id());
+        assert_eq!(mine.path(), parent.path().join(&name));
+        assert_eq!(std::fs::metadata(mine.path()).unwrap().permissions().mode() & 0o7777, 0o700);
+        assert!(!remove_if_stale(mine.path(), None), "locked while it exists");
+        assert!(scratch_dir_in(parent.path(), "test").is_err(), "one per name and run");
+        let path = mine.path().to_path_buf();
+        drop(mine);
+        assert!(!path.exists() && !leftovers().dirs.contains(&path));
+        // One an earlier process with this pid left is taken over; another's name is not.
+        std::fs::create_dir(&path).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o700)).unwrap();
+        std::fs::write(path.join("old"), "").unwrap();
+        let again = scratch_dir_in(parent.path(), "test").unwrap();
+        assert!(!again.path().join("old").exists());
+        drop(again);
+        std::os::unix::fs::symlink(outside.path(), &path).unwrap();
+        let err = scratch_dir_in(parent.path(), "test").err().unwrap();
+        assert!(err.contains(&format!("creating {}", path.display())), "{err}");
+        assert!(outside.path().join("kept").exists());
     }
 }

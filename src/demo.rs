@@ -69,7 +69,7 @@ fn gather(g: &CcwGuest, data: &Data, len: usize) -> Result<Vec<u8>, String> {
 }
 
 pub fn run() -> Result<(), String> {
-    let dir = crate::protobench::tempfile_dir_for("demo")?;
+    let dir = crate::cleanup::scratch_dir("demo")?;
     let socket = dir.path().join("ccw.sock");
     let mut options = InstanceOptions::default();
     options.params.insert("subchannels".into(), "4".into());

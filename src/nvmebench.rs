@@ -638,7 +638,7 @@ pub fn run(
         ));
     }
     let mut progress = crate::progress::Progress::new("nvmebench", chosen.len() + 4);
-    let dir = crate::protobench::tempfile_dir_for("nvmebench")?;
+    let dir = crate::cleanup::scratch_dir("nvmebench")?;
     let duration = if quick { Duration::from_millis(400) } else { Duration::from_secs(2) };
     let file = file.map(absolute).transpose()?;
     let params = server_options(opts, file.as_deref())?;
@@ -838,7 +838,7 @@ pub fn run_fixed(quick: bool, backing: Backing) -> Result<FixedReport, String> {
         (Kind::RandWrite, BIG, 8),
     ];
     let mut progress = crate::progress::Progress::new("nvmebench --fixed-buffers", chosen.len() + 1);
-    let tmp = crate::protobench::tempfile_dir_for("nvmebench-fixed")?;
+    let tmp = crate::cleanup::scratch_dir("nvmebench-fixed")?;
     if let Backing::Existing(file) = &backing {
         check_size(file)?;
     }
@@ -848,17 +848,14 @@ pub fn run_fixed(quick: bool, backing: Backing) -> Result<FixedReport, String> {
             if !dir.is_dir() {
                 return Err(format!("{}: not a directory", dir.display()));
             }
-            let place = dir.join(format!("umdev-nvmebench-{}", std::process::id()));
-            crate::cleanup::dir(&place);
-            std::fs::create_dir_all(&place).map_err(|e| format!("creating {}: {e}", place.display()))?;
-            Some(place)
+            Some(crate::cleanup::scratch_dir_in(dir, "nvmebench")?)
         }
         _ => None,
     };
     let file = match &backing {
         Backing::Existing(file) => file.clone(),
         _ => {
-            let file = place.as_deref().unwrap_or(tmp.path()).join("ns1.img");
+            let file = place.as_ref().map_or(tmp.path(), |p| p.path()).join("ns1.img");
             let made = std::fs::File::create(&file).and_then(|f| f.set_len(NS_BYTES));
             made.map_err(|e| format!("creating {}: {e}", file.display()))?;
             file
@@ -935,9 +932,6 @@ pub fn run_fixed(quick: bool, backing: Backing) -> Result<FixedReport, String> {
     let [fixed_on, fixed_off] = transfers;
     if !matches!(backing, Backing::Existing(_)) {
         let _ = std::fs::remove_file(&file);
-    }
-    if let Some(place) = place {
-        let _ = std::fs::remove_dir(place);
     }
     if fixed_on == 0 {
         return Err(

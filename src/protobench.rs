@@ -354,7 +354,7 @@ pub struct Report {
 }
 
 pub fn run(quick: bool) -> Result<Report, String> {
-    let dir = tempfile_dir()?;
+    let dir = crate::cleanup::scratch_dir("protobench")?;
     let cpus = crate::affinity::cpus();
     let mut progress = crate::progress::Progress::new("protobench", if cpus >= 2 { 6 } else { 3 });
     let (blocks, per_block) = if quick { (4, 500) } else { (10, 2000) };
@@ -376,33 +376,6 @@ pub fn run(quick: bool) -> Result<Report, String> {
     progress.step("64 instances, one flooded");
     let flood = flood(dir.path(), 64, Duration::from_millis(if quick { 300 } else { 1500 }))?;
     Ok(Report { latency: latency_rows, map, flood })
-}
-
-/// A private directory for the sockets, removed on drop.
-pub struct TempDir(std::path::PathBuf);
-impl TempDir {
-    /// The directory.
-    pub fn path(&self) -> &Path {
-        &self.0
-    }
-}
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-        crate::cleanup::forget_dir(&self.0);
-    }
-}
-/// A fresh private directory under the temp dir, named for this process and `what`; removed
-/// on drop, or on a signal (crate::cleanup).
-pub fn tempfile_dir_for(what: &str) -> Result<TempDir, String> {
-    let dir = std::env::temp_dir().join(format!("umdev-{what}-{}", std::process::id()));
-    crate::cleanup::dir(&dir);
-    std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
-    Ok(TempDir(dir))
-}
-
-fn tempfile_dir() -> Result<TempDir, String> {
-    tempfile_dir_for("protobench")
 }
 
 pub fn print(r: &Report) -> crate::output::Out {

@@ -1101,9 +1101,9 @@ mod benches {
             .unwrap()
             .flatten()
             .map(|e| e.file_name().to_string_lossy().to_string())
-            .filter(|n| n.starts_with("umdev-demo-"))
+            .filter(|n| n.starts_with("umdev-scratch-demo-"))
             .filter(|n| {
-                let pid: i32 = n.trim_start_matches("umdev-demo-").parse().unwrap_or(0);
+                let pid: i32 = n.trim_start_matches("umdev-scratch-demo-").parse().unwrap_or(0);
                 // Ours, or another's that is gone: a demo running now may hold its own.
                 !Path::new(&format!("/proc/{pid}")).exists()
             })
@@ -1226,7 +1226,7 @@ mod benches {
             assert!(seen[0].starts_with("umdev nvmebench: [1/"), "{seen:?}");
             let servers = children(pid);
             assert_eq!(servers.len(), 2, "two umdev run servers");
-            let dir = std::env::temp_dir().join(format!("umdev-nvmebench-{pid}"));
+            let dir = std::env::temp_dir().join(format!("umdev-scratch-nvmebench-{pid}"));
             assert!(dir.exists());
             nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal).unwrap();
             let rest: Vec<String> = lines.map_while(Result::ok).collect();
@@ -1245,6 +1245,65 @@ mod benches {
                 }
             }
         }
+    }
+
+    /// A pipe already full: a process writing to its write end blocks until the read end
+    /// (returned first) is read or closed.
+    fn full_pipe() -> (std::os::fd::OwnedFd, std::os::fd::OwnedFd) {
+        use std::io::Write;
+        let flags = nix::fcntl::OFlag::O_CLOEXEC | nix::fcntl::OFlag::O_NONBLOCK;
+        let (read, write) = nix::unistd::pipe2(flags).unwrap();
+        let mut filling = std::fs::File::from(write.try_clone().unwrap());
+        loop {
+            match filling.write(&[b'x'; 4096]) {
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => panic!("filling the pipe: {e}"),
+            }
+        }
+        nix::fcntl::fcntl(&write, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::empty())).unwrap();
+        (read, write)
+    }
+
+    /// A benchmark killed with SIGKILL cleans up nothing: its directory stays, and the next
+    /// run (any benchmark, or the demo) removes it, and says so; a live run's stays.
+    #[test]
+    fn the_directory_a_killed_benchmark_left_is_removed_by_the_next_run() {
+        let tmp = tempfile::tempdir().unwrap();
+        let protobench = || {
+            let mut command = umdev();
+            command.args(["protobench", "--quick"]).env("TMPDIR", tmp.path()).stdout(Stdio::null());
+            command
+        };
+        // Its stderr a full pipe: it blocks at its first progress line, its directory made.
+        let (read, write) = full_pipe();
+        let mut killed = ChildGuard(protobench().stderr(Stdio::from(write)).spawn().unwrap());
+        let left = tmp.path().join(format!("umdev-scratch-protobench-{}", killed.id()));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !left.exists() {
+            assert!(Instant::now() < deadline, "{} never made", left.display());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        killed.kill().unwrap();
+        killed.wait().unwrap();
+        drop(read);
+        assert!(left.exists(), "SIGKILL leaves the directory");
+        // A run in progress: this test's own pid, a live process's.
+        let live = tmp.path().join(format!("umdev-scratch-ccwbench-track-{}", std::process::id()));
+        std::fs::create_dir(&live).unwrap();
+        std::fs::set_permissions(&live, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let next = protobench().output().unwrap();
+        assert!(next.status.success(), "{}", stderr_of(&next));
+        let removed = format!("removed 1 temporary director(ies) that killed runs left: {}", left.display());
+        assert!(stderr_of(&next).contains(&removed), "{}", stderr_of(&next));
+        assert!(!left.exists(), "{} left behind", left.display());
+        assert!(live.exists(), "a live run's directory is not removed");
+        let names: Vec<String> = std::fs::read_dir(tmp.path())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into())
+            .collect();
+        assert_eq!(names, [live.file_name().unwrap().to_string_lossy()], "the run removed its own");
     }
 
     #[test]
@@ -1309,7 +1368,6 @@ mod benches {
     /// that ends replaces it, readable by everyone.
     #[test]
     fn pinbench_replaces_a_picture_only_with_a_whole_one() {
-        use std::io::Write;
         let env = Dirs::new();
         let svg = env.path().join("old.svg");
         std::fs::write(&svg, "the old picture").unwrap();
@@ -1326,17 +1384,7 @@ mod benches {
         assert_eq!(std::fs::read_to_string(&svg).unwrap(), "the old picture");
         assert!(temporary().is_empty(), "{:?}", temporary());
         // Its output a full pipe: it blocks printing its first row, the picture's file made.
-        let flags = nix::fcntl::OFlag::O_CLOEXEC | nix::fcntl::OFlag::O_NONBLOCK;
-        let (read, write) = nix::unistd::pipe2(flags).unwrap();
-        let mut filling = std::fs::File::from(write.try_clone().unwrap());
-        loop {
-            match filling.write(&[b'x'; 4096]) {
-                Ok(_) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                Err(e) => panic!("filling the pipe: {e}"),
-            }
-        }
-        nix::fcntl::fcntl(&write, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::empty())).unwrap();
+        let (read, write) = full_pipe();
         let log = env.path().join("pinbench.log");
         let mut child = ChildGuard(
             env.command()
@@ -1357,7 +1405,7 @@ mod benches {
         )
         .unwrap();
         assert_eq!(child.wait().unwrap().code(), Some(128 + libc::SIGINT));
-        drop((read, filling));
+        drop(read);
         let said = std::fs::read_to_string(&log).unwrap();
         assert!(said.contains("and 1 temporary file(s)"), "{said}");
         assert_eq!(std::fs::read_to_string(&svg).unwrap(), "the old picture");
