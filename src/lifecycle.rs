@@ -79,6 +79,10 @@ pub enum LifecycleError {
     /// A client is connected and the stop was not forced.
     #[error("instance {0} has a client connected; use --force to disconnect it")]
     Busy(Uuid),
+    /// Kernel pin mode asked for where this process cannot take kernel pins (no io_uring, or
+    /// io_uring refused to it): why, what to do, and that the other modes need no io_uring.
+    #[error("pin mode kernel: {0}; pin modes lock and track need no io_uring (--pin-mode lock)")]
+    KernelPins(#[source] umdev_pinning::KernelPinsUnavailable),
     /// A bad option for the type.
     #[error("{0}")]
     BadOption(String),
@@ -147,6 +151,7 @@ impl LifecycleError {
             LifecycleError::Busy(_) => libc::EBUSY,
             LifecycleError::TooManyInstances(_) => libc::ENOSPC,
             LifecycleError::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
+            LifecycleError::KernelPins(e) => e.errno,
             LifecycleError::NotPrivate { .. }
             | LifecycleError::Shared { .. }
             | LifecycleError::Writable { .. } => libc::EACCES,
@@ -1016,8 +1021,7 @@ impl Manager {
         }
         let ty = self.registry.find(mdev_type).map_err(LifecycleError::from_type)?;
         if options.pin_mode() == umdev_pinning::PinMode::Kernel {
-            umdev_pinning::kernel_pins_available()
-                .map_err(|e| LifecycleError::Failed(format!("pin mode kernel: {e}")))?;
+            umdev_pinning::kernel_pins_available().map_err(LifecycleError::KernelPins)?;
         }
         let device = ty.create(&options).map_err(LifecycleError::from_type)?;
         let socket = self.run_dir.join(format!("{uuid}.sock"));

@@ -759,7 +759,9 @@ fn dispatch(command: Command, dirs: &manage::Dirs) -> output::Out {
         Command::Run { type_name, socket, create, busy_poll_us, limits } => {
             let options = create.options()?;
             if options.pin_mode() == umdev_pinning::PinMode::Kernel {
-                umdev_pinning::kernel_pins_available().map_err(|e| format!("--pin-mode kernel: {e}"))?;
+                // Refused before anything is served, with the message a daemon's start gives.
+                umdev_pinning::kernel_pins_available()
+                    .map_err(|e| umdev::lifecycle::LifecycleError::KernelPins(e).to_string())?;
             }
             let mut config = umdev_server::InstanceConfig::new(type_name.clone(), &socket);
             config.busy_poll = std::time::Duration::from_micros(busy_poll_us);

@@ -8,7 +8,7 @@ mod common;
 use std::os::unix::fs::PermissionsExt;
 use std::process::Stdio;
 
-use common::process::{umdev, ChildGuard, Dirs};
+use common::process::{deny_io_uring, umdev, ChildGuard, Dirs};
 
 const A: &str = "5a1e4c36-0f8e-4a5e-9d2f-00000000e001";
 const B: &str = "5a1e4c36-0f8e-4a5e-9d2f-00000000e002";
@@ -458,6 +458,47 @@ fn a_starts_warnings_reach_its_user_and_the_daemons_log() {
     assert!(quiet.status.success() && stderr_of(&quiet).is_empty(), "{}", stderr_of(&quiet));
     let list = env.umdev(&["list"]);
     assert!(list.status.success() && stderr_of(&list).is_empty(), "{}", stderr_of(&list));
+    stop(daemon);
+}
+
+/// Where io_uring is refused (a seccomp filter here: `kernel.io_uring_disabled`, a global
+/// sysctl, is not for tests running side by side), `--pin-mode kernel` is refused with why,
+/// what to do, and that the other modes need no io_uring, by `umdev run` before it serves and
+/// by a daemon's start; the daemon starts other modes as ever.
+#[test]
+fn kernel_pin_mode_where_io_uring_is_refused_says_why_and_what_to_do() {
+    let sysctl = std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled").unwrap_or_default();
+    let says = |err: &str| {
+        assert!(
+            err.contains(
+                "pin mode kernel: kernel pins need io_uring buffer registration, and io_uring_setup failed: \
+                 Operation not permitted"
+            ),
+            "{err}"
+        );
+        assert!(err.contains("; pin modes lock and track need no io_uring (--pin-mode lock)"), "{err}");
+        // The filter's doing, unless the host's sysctl refuses io_uring too.
+        if matches!(sysctl.trim(), "" | "0") {
+            assert!(err.contains("(a seccomp filter or an LSM policy); allow io_uring_setup"), "{err}");
+        }
+    };
+    let env = Dirs::new();
+    let socket = env.path().join("kernel.sock");
+    let mut run = umdev();
+    run.args(["run", "-t", "testdev", "--pin-mode", "kernel", "--socket", socket.to_str().unwrap()]);
+    deny_io_uring(&mut run);
+    let out = run.output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", stderr_of(&out));
+    says(&stderr_of(&out));
+    assert!(!socket.exists(), "nothing served");
+    let mut command = env.daemon_command(&[]);
+    deny_io_uring(&mut command);
+    let daemon = env.daemon_from(command);
+    let err = env.fails(&["start", "-t", "testdev", "-u", A, "--pin-mode", "kernel"]);
+    says(&err);
+    assert!(!env.run.join(format!("{A}.sock")).exists());
+    env.ok(&["start", "-t", "testdev", "-u", A, "--pin-mode", "lock"]);
+    env.ok(&["start", "-t", "testdev", "-u", B, "--pin-mode", "track"]);
     stop(daemon);
 }
 

@@ -69,23 +69,36 @@ pub struct KernelPinsUnavailable {
 
 impl KernelPinsUnavailable {
     fn new(step: &'static str, error: &io::Error) -> Self {
+        // The sysctl only tells an EPERM's cause; it is read as the failure happens.
+        let disabled = std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled").unwrap_or_default();
+        Self::explained(step, error, disabled.trim())
+    }
+
+    /// `error` of `step` explained, `disabled` the value of `kernel.io_uring_disabled` (empty
+    /// where there is none): the cause, and what to do about it, for an operator.
+    fn explained(step: &'static str, error: &io::Error, disabled: &str) -> Self {
         let errno = error.raw_os_error().unwrap_or(0);
-        let disabled = std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled")
-            .map(|s| s.trim().to_string())
-            .unwrap_or_default();
         let why = match errno {
-            libc::ENOSYS => "this kernel has no io_uring, or a seccomp filter hides it".to_string(),
+            libc::ENOSYS => {
+                "this kernel has no io_uring, or a seccomp filter hides it (a kernel built with \
+                 CONFIG_IO_URING, or a filter that allows io_uring_setup and io_uring_register, gives it)"
+            }
             libc::EPERM | libc::EACCES if disabled == "2" => {
-                "io_uring is disabled (sysctl kernel.io_uring_disabled = 2)".to_string()
+                "io_uring is disabled (sysctl kernel.io_uring_disabled = 2); `sysctl -w \
+                 kernel.io_uring_disabled=0` enables it"
             }
             libc::EPERM | libc::EACCES if disabled == "1" => {
-                "io_uring is limited to CAP_SYS_ADMIN and the io_uring group (sysctl kernel.io_uring_disabled = 1)"
-                    .to_string()
+                "io_uring is limited to CAP_SYS_ADMIN and the io_uring group (sysctl \
+                 kernel.io_uring_disabled = 1); run as a member of the group kernel.io_uring_group \
+                 names, or set kernel.io_uring_disabled = 0"
             }
-            libc::EPERM | libc::EACCES => "refused to this process (a seccomp filter or an LSM policy)".to_string(),
-            libc::EINVAL => "the kernel is too old for sparse buffer tables (Linux 5.13 or later)".to_string(),
-            libc::ENOMEM => "out of memory, or over RLIMIT_MEMLOCK for the ring".to_string(),
-            _ => "unexpected".to_string(),
+            libc::EPERM | libc::EACCES => {
+                "refused to this process (a seccomp filter or an LSM policy); allow io_uring_setup and \
+                 io_uring_register to it"
+            }
+            libc::EINVAL => "the kernel is too old for sparse buffer tables (Linux 5.13 or later)",
+            libc::ENOMEM => "out of memory, or over RLIMIT_MEMLOCK for the ring (raise the limit)",
+            _ => "unexpected",
         };
         KernelPinsUnavailable { step, errno, reason: format!("{error}: {why}") }
     }
@@ -423,6 +436,38 @@ impl KernelTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Why kernel pins are refused, and what to do, by errno and `kernel.io_uring_disabled`:
+    /// the failure injected, no sysctl changed (tests run side by side).
+    #[test]
+    fn a_refusal_says_why_and_what_to_do() {
+        let refused = |errno: i32, disabled: &str| {
+            KernelPinsUnavailable::explained("io_uring_setup", &io::Error::from_raw_os_error(errno), disabled)
+        };
+        let off = refused(libc::EPERM, "2");
+        assert_eq!((off.step, off.errno), ("io_uring_setup", libc::EPERM));
+        let text = off.to_string();
+        assert!(
+            text.starts_with("kernel pins need io_uring buffer registration, and io_uring_setup failed: "),
+            "{text}"
+        );
+        assert!(text.contains("io_uring is disabled (sysctl kernel.io_uring_disabled = 2)"), "{text}");
+        assert!(text.contains("`sysctl -w kernel.io_uring_disabled=0` enables it"), "{text}");
+        let group = refused(libc::EPERM, "1").to_string();
+        assert!(group.contains("limited to CAP_SYS_ADMIN and the io_uring group"), "{group}");
+        assert!(group.contains("kernel.io_uring_group"), "{group}");
+        // EPERM with the sysctl at 0 (or none): not the sysctl's doing.
+        for disabled in ["0", ""] {
+            let filter = refused(libc::EPERM, disabled).to_string();
+            assert!(
+                filter.contains("a seccomp filter or an LSM policy") && filter.contains("allow"),
+                "{filter}"
+            );
+            assert!(!filter.contains("io_uring_disabled"), "{filter}");
+        }
+        assert!(refused(libc::ENOSYS, "0").to_string().contains("CONFIG_IO_URING"));
+        assert!(refused(libc::ENOMEM, "0").to_string().contains("RLIMIT_MEMLOCK"));
+    }
 
     #[test]
     fn slots_are_reserved_in_consecutive_ranges_and_given_back() {

@@ -113,18 +113,26 @@ impl Dirs {
     /// `umdev daemon` on these directories (with `args`), once its control socket answers;
     /// its stderr goes to [`Dirs::log`].
     pub fn daemon(&self, args: &[&str]) -> ChildGuard {
-        let child = ChildGuard(
-            umdev()
-                .arg("--run-dir")
-                .arg(&self.run)
-                .arg("--state-dir")
-                .arg(&self.state)
-                .arg("daemon")
-                .args(args)
-                .stderr(std::fs::OpenOptions::new().create(true).append(true).open(self.log()).unwrap())
-                .spawn()
-                .unwrap(),
-        );
+        self.daemon_from(self.daemon_command(args))
+    }
+
+    /// The command [`Dirs::daemon`] runs, for a test to change before [`Dirs::daemon_from`].
+    pub fn daemon_command(&self, args: &[&str]) -> Command {
+        let mut command = umdev();
+        command
+            .arg("--run-dir")
+            .arg(&self.run)
+            .arg("--state-dir")
+            .arg(&self.state)
+            .arg("daemon")
+            .args(args)
+            .stderr(std::fs::OpenOptions::new().create(true).append(true).open(self.log()).unwrap());
+        command
+    }
+
+    /// Spawns a [`Dirs::daemon_command`], and waits until its control socket answers.
+    pub fn daemon_from(&self, mut command: Command) -> ChildGuard {
+        let child = ChildGuard(command.spawn().unwrap());
         let control = self.run.join("control.sock");
         let deadline = Instant::now() + Duration::from_secs(20);
         while std::os::unix::net::UnixStream::connect(&control).is_err() {
@@ -176,4 +184,51 @@ pub fn status_kib(pid: u32, field: &str) -> u64 {
 /// fds open in process `pid`.
 pub fn fd_count(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count()
+}
+
+/// Makes `io_uring_setup` fail with EPERM in `command`'s process, as a container runtime's
+/// seccomp profile (or `kernel.io_uring_disabled`, which a test must not set: tests run side
+/// by side) refuses it: a filter installed between fork and exec, which exec keeps.
+pub fn deny_io_uring(command: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    const BPF_LD_W_ABS: u16 = 0x20;
+    const BPF_JMP_JEQ_K: u16 = 0x15;
+    const BPF_RET_K: u16 = 0x06;
+    const SECCOMP_RET_ERRNO: u32 = 0x0005_0000;
+    const SECCOMP_RET_ALLOW: u32 = 0x7fff_0000;
+    const SECCOMP_SET_MODE_FILTER: libc::c_ulong = 1;
+    // SAFETY: the closure allocates nothing (the filter is on its stack) and makes only
+    // prctl(2) and seccomp(2) calls, which touch no memory of the parent, as a pre_exec
+    // closure must.
+    unsafe {
+        command.pre_exec(|| {
+            // Offset 0 of seccomp_data: the system call's number (this target's numbering).
+            let filter = [
+                libc::sock_filter { code: BPF_LD_W_ABS, jt: 0, jf: 0, k: 0 },
+                libc::sock_filter { code: BPF_JMP_JEQ_K, jt: 0, jf: 1, k: libc::SYS_io_uring_setup as u32 },
+                libc::sock_filter {
+                    code: BPF_RET_K,
+                    jt: 0,
+                    jf: 0,
+                    k: SECCOMP_RET_ERRNO | libc::EPERM as u32,
+                },
+                libc::sock_filter { code: BPF_RET_K, jt: 0, jf: 0, k: SECCOMP_RET_ALLOW },
+            ];
+            let program = libc::sock_fprog {
+                len: filter.len() as u16,
+                filter: filter.as_ptr() as *mut libc::sock_filter,
+            };
+            if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+                || libc::syscall(
+                    libc::SYS_seccomp,
+                    SECCOMP_SET_MODE_FILTER,
+                    0,
+                    &program as *const libc::sock_fprog,
+                ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
 }
