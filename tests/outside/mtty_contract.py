@@ -2169,8 +2169,11 @@ def _daemon(env, d, pool):
     m = re.search(r'^  port 0: pty (/dev/pts/\d+)$', out, re.M)
     R.check(rc == 0 and m, MT(S_BE, 'pty'), '`umdev start` prints "  port 0: pty /dev/pts/N" on stdout', out.strip()[:200])
     if up:
+        rc, lout, _ = d.cli('list', '-v')
+        R.check(m and m.group(1) in lout, MT(S_BE, 'pty'), '`umdev list -v` shows the pty path', lout.strip()[:200])
         rc, lout, _ = d.cli('list')
-        R.check(m and m.group(1) in lout, MT(S_BE, 'pty'), '`umdev list` shows the pty path', lout.strip()[:200])
+        R.check(m and m.group(1) not in lout and up in lout and not any(line.startswith(' ') for line in lout.splitlines()),
+                MT(S_BE, 'pty'), '`umdev list` (without -v) keeps one line per device: no port lines', lout.strip()[:200])
         port = d.port(up, 0) or {}
         R.check(m and port.get('path') == m.group(1), MT(S_BE, 'pty'), '`umdev list --json`: device.ports[0].path', port)
         R.check('host_connected' not in port, MT(S_BE, 'socket:PATH'), 'host_connected is for sockets only (absent on a pty port)', port)
