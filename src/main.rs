@@ -480,8 +480,13 @@ const NO_BENCH: &str =
      `cargo install --path .` (feature `bench`, on by default)";
 
 /// The commands that use the run directory (they talk to the daemon, or are it): the others
-/// refuse `--run-dir` rather than ignore it.
+/// refuse `--run-dir` rather than ignore it. `define` asks the daemon only in one form
+/// (`define -u UUID` [`DEFINE_ASKS_DAEMON`]); its others refuse it too
+/// ([`define_ignores_run_dir`]).
 const RUN_DIR_USERS: [&str; 8] = ["daemon", "types", "start", "stop", "list", "define", "modify", "stats"];
+/// What makes `define -u UUID` the form that asks the daemon, and so takes `--run-dir`: the
+/// running instance it defines is looked up there.
+const DEFINE_ASKS_DAEMON: &str = "without -t or --jsonfile";
 /// The commands that use the definitions directory: the others refuse `--state-dir`.
 const STATE_DIR_USERS: [&str; 6] = ["daemon", "start", "list", "define", "modify", "undefine"];
 
@@ -494,20 +499,47 @@ fn and_list(names: &[&str]) -> String {
     }
 }
 
+/// [`RUN_DIR_USERS`] as the help and the refusals list them, `define` as the form that takes
+/// `--run-dir`.
+fn run_dir_users() -> String {
+    let define = format!("define -u UUID {DEFINE_ASKS_DAEMON}");
+    let names: Vec<&str> =
+        RUN_DIR_USERS.iter().map(|&name| if name == "define" { define.as_str() } else { name }).collect();
+    and_list(&names)
+}
+
+/// Whether `command` is a `define` that does not ask the daemon (given a type or a
+/// --jsonfile, or no UUID): it writes a definition from what it was given, so a `--run-dir`
+/// would be ignored.
+fn define_ignores_run_dir(command: &Command) -> bool {
+    matches!(command, Command::Define { type_name, jsonfile, uuid, .. }
+        if type_name.is_some() || jsonfile.is_some() || uuid.is_none())
+}
+
 /// `--run-dir` or `--state-dir` given to a command that does not use it (which would
 /// ignore it): what to say, as a usage error.
 fn unused_directory(cli: &Cli, command: &str) -> Option<String> {
+    const RUN_ENV: &str = "to set the directory for every command, use $UMDEV_RUN_DIR";
+    if cli.run_dir.is_some() && define_ignores_run_dir(&cli.command) {
+        // No hint of $UMDEV_RUN_DIR: this define needs no run directory at all.
+        return Some(format!(
+            "this `umdev define` does not use --run-dir: it asks no daemon (only `umdev define -u UUID` \
+             {DEFINE_ASKS_DAEMON} does, for the running instance it defines as it runs)"
+        ));
+    }
     let dirs = [
-        (cli.run_dir.is_some(), "--run-dir", &RUN_DIR_USERS[..], "UMDEV_RUN_DIR"),
-        (cli.state_dir.is_some(), "--state-dir", &STATE_DIR_USERS[..], "UMDEV_STATE_DIR"),
+        (cli.run_dir.is_some(), "--run-dir", &RUN_DIR_USERS[..], run_dir_users(), RUN_ENV.to_string()),
+        (
+            cli.state_dir.is_some(),
+            "--state-dir",
+            &STATE_DIR_USERS[..],
+            and_list(&STATE_DIR_USERS),
+            "to set the directory for every command, use $UMDEV_STATE_DIR".to_string(),
+        ),
     ];
-    let (_, flag, users, env) =
-        dirs.into_iter().find(|(given, _, users, _)| *given && !users.contains(&command))?;
-    Some(format!(
-        "`umdev {command}` does not use {flag}: only {} do (to set the directory for every command, use \
-         ${env})",
-        and_list(users)
-    ))
+    let (_, flag, _, users, env) =
+        dirs.into_iter().find(|(given, _, users, _, _)| *given && !users.contains(&command))?;
+    Some(format!("`umdev {command}` does not use {flag}: only {users} do ({env})"))
 }
 
 /// The CLI, with every type's options in the help of the commands that take them (and so in
@@ -527,7 +559,7 @@ fn cli_command() -> clap::Command {
             a.help(format!(
                 "Directory of the daemon's control socket and instance sockets, for {} (other commands \
                  refuse it)",
-                and_list(&RUN_DIR_USERS)
+                run_dir_users()
             ))
         })
         .mut_arg("state_dir", |a| {
@@ -553,6 +585,17 @@ fn cli_command() -> clap::Command {
             let hidden = arg.clone().hide(true);
             cli = cli.mut_subcommand(name, |c| c.arg(hidden));
         }
+    }
+    // `define` takes --run-dir in one form only: its help and page say which (a copy of its
+    // own, as above, so the others keep the global help).
+    let run_dir = cli.get_arguments().find(|a| a.get_id() == "run_dir").cloned();
+    if let Some(arg) = run_dir {
+        let own = arg.help(format!(
+            "Directory of the daemon's control socket, asked for the running instance --uuid names \
+             to define it as it runs: only for `umdev define -u UUID` {DEFINE_ASKS_DAEMON} (given \
+             --type or --jsonfile, or no --uuid, define asks no daemon and refuses --run-dir)"
+        ));
+        cli = cli.mut_subcommand("define", |c| c.arg(own));
     }
     cli
 }

@@ -625,8 +625,21 @@ fn a_directory_option_a_command_does_not_use_is_refused() {
     let env = Dirs::new();
     let (run, state) = (env.run.to_str().unwrap(), env.state.to_str().unwrap());
     let socket = env.path().join("run.sock");
-    let refused: [(&[&str], &str); 6] = [
+    let config = env.path().join("config.json");
+    std::fs::write(&config, r#"{"mdev_type": "testdev", "start": "manual"}"#).unwrap();
+    let refused: [(&[&str], &str); 9] = [
         (&["--run-dir", run, "completions", "zsh"], "`umdev completions` does not use --run-dir"),
+        // define asks the daemon only for the running instance it defines: given a type or a
+        // config, it would ignore the directory.
+        (
+            &["define", "-t", "testdev", "-u", A, "--run-dir", run],
+            "this `umdev define` does not use --run-dir",
+        ),
+        (
+            &["--run-dir", run, "define", "--jsonfile", config.to_str().unwrap()],
+            "it asks no daemon (only `umdev define -u UUID` without -t or --jsonfile does",
+        ),
+        (&["define", "--run-dir", run], "this `umdev define` does not use --run-dir"),
         (&["undefine", "-u", A, "--run-dir", run], "`umdev undefine` does not use --run-dir"),
         (&["--state-dir", state, "stats", "-u", A], "`umdev stats` does not use --state-dir"),
         (&["stop", "--state-dir", state, "-u", A], "`umdev stop` does not use --state-dir"),
@@ -637,14 +650,30 @@ fn a_directory_option_a_command_does_not_use_is_refused() {
         (&["completions", "bash", "--state-dir", state], "`umdev completions` does not use --state-dir"),
     ];
     for (args, message) in refused {
-        let out = umdev().args(args).stdin(Stdio::null()).output().unwrap();
+        // The variables name the test's directories: a command that took what it should
+        // refuse would change them (checked below), never the machine's.
+        let out = env.command().args(args).stdin(Stdio::null()).output().unwrap();
         let err = stderr_of(&out);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
         assert!(err.contains(message), "{args:?}: {err}");
     }
     let err = stderr_of(&umdev().args(["--run-dir", run, "man"]).output().unwrap());
-    assert!(err.contains("only daemon, types, start, stop, list, define, modify and stats do"), "{err}");
+    assert!(
+        err.contains(
+            "only daemon, types, start, stop, list, define -u UUID without -t or --jsonfile, modify and stats do"
+        ),
+        "{err}"
+    );
     assert!(!env.state.exists() && !socket.exists(), "nothing was done");
+    // The form that asks the daemon takes it (over the variable): with none running there,
+    // it says so.
+    let other = env.path().join("other-run");
+    let asked = env.command().args(["define", "-u", A, "--run-dir"]).arg(&other).output().unwrap();
+    let err = stderr_of(&asked);
+    assert_eq!(asked.status.code(), Some(1), "{err}");
+    assert!(err.contains("daemon is not running") && err.contains("give its type with -t"), "{err}");
+    assert!(err.contains(&other.join("control.sock").display().to_string()), "{err}");
+    assert!(!env.state.exists(), "nothing was defined");
     // The commands that use a directory take its option; the environment reaches them all.
     umdev().args(["--state-dir", state, "define", "-t", "testdev", "-u", A]).output().unwrap();
     assert!(env.ok(&["list", "-d"]).contains(A));

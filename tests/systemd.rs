@@ -415,9 +415,11 @@ fn completions_and_man_pages_come_from_the_cli() {
     let start = std::fs::read_to_string(dir.path().join("umdev-start.1")).unwrap();
     assert!(start.contains(".SH \"DEVICE TYPES\"") && start.contains(".SS nvme"), "{start}");
     assert!(!start.contains(".SH EXTRA"), "{start}");
-    // `define` asks the daemon for the instance it defines when given no type.
+    // `define` asks the daemon for the instance it defines when given no type, and only
+    // then takes --run-dir; its page says so.
     let define = std::fs::read_to_string(dir.path().join("umdev-define.1")).unwrap();
     assert!(define.contains("\\-\\-state\\-dir") && define.contains("\\-\\-run\\-dir"), "{define}");
+    assert!(define.contains("define asks no daemon and refuses"), "{define}");
     let undefine = std::fs::read_to_string(dir.path().join("umdev-undefine.1")).unwrap();
     assert!(undefine.contains("\\-\\-state\\-dir") && !undefine.contains("\\-\\-run\\-dir"), "{undefine}");
     let stats = std::fs::read_to_string(dir.path().join("umdev-stats.1")).unwrap();
