@@ -326,10 +326,19 @@ impl Definitions {
     /// Writes a new definition; fails if the UUID is already defined.
     pub fn define(&self, def: &Definition) -> Result<(), LifecycleError> {
         let _lock = self.lock()?;
-        if self.path(&def.uuid).exists() {
-            return Err(LifecycleError::AlreadyDefined(def.uuid));
-        }
+        self.check_undefined(&def.uuid)?;
         self.write(def)
+    }
+
+    /// [`LifecycleError::AlreadyDefined`] if `uuid` has a definition (a file by its name,
+    /// readable or not), as [`Definitions::define`] would fail: for a caller to find out
+    /// before it does other work (the check is made again under the lock when writing).
+    /// Nothing is created or changed.
+    pub fn check_undefined(&self, uuid: &Uuid) -> Result<(), LifecycleError> {
+        if self.path(uuid).exists() {
+            return Err(LifecycleError::AlreadyDefined(*uuid));
+        }
+        Ok(())
     }
 
     /// Replaces the definition of `def.uuid`; fails if it is not defined.
@@ -1217,8 +1226,10 @@ mod tests {
             start: StartPolicy::Auto,
             options: Default::default(),
         };
+        assert!(defs.check_undefined(&uuid).is_ok() && !dir.exists(), "a check creates nothing");
         defs.define(&def).unwrap();
         assert!(matches!(defs.define(&def), Err(LifecycleError::AlreadyDefined(_))));
+        assert!(matches!(defs.check_undefined(&uuid), Err(LifecycleError::AlreadyDefined(u)) if u == uuid));
         assert_eq!(defs.get(&uuid).unwrap(), def);
         assert_eq!(defs.list(), vec![def]);
         // A stray file is skipped, not fatal.

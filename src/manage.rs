@@ -831,6 +831,10 @@ pub fn define(dirs: &Dirs, args: DefineArgs) -> Out {
                                     (-u UUID) to define it as it runs"
                             .into());
                     }
+                    // A UUID already defined would be refused once asked for: say so now,
+                    // not that nothing runs under it (and that -t is wanted, which define
+                    // would refuse all the same).
+                    Definitions::new(&dirs.state).check_undefined(&uuid).map_err(|e| e.to_string())?;
                     let running = running_instance(dirs, uuid)?;
                     // As mdevctl defines a running mdev: its type and what it runs with; options
                     // given here go over them.

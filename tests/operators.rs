@@ -393,7 +393,18 @@ fn define_without_a_type_defines_a_running_instance_as_it_runs() {
     assert!(err.contains(&format!("no instance with UUID {C} runs on")) && err.contains("-t"), "{err}");
     let err = env.fails(&["define"]);
     assert!(err.contains("give a type (-t TYPE), --jsonfile, or the UUID of a running instance"), "{err}");
+    // A UUID already defined is refused as such, running or not: not sent to -t, which would
+    // be refused all the same.
+    let defined = |uuid: &str| {
+        let err = env.fails(&["define", "-u", uuid]);
+        assert!(err.contains(&format!("a device with UUID {uuid} is already defined")), "{err}");
+        assert!(!err.contains("give its type"), "{err}");
+    };
+    defined(A);
+    env.ok(&["stop", "-u", A]);
+    defined(A);
     stop(daemon);
+    defined(B);
     let err = env.fails(&["define", "-u", C]);
     assert!(err.contains("daemon is not running") && err.contains("give its type with -t"), "{err}");
     assert_eq!(json(&env.ok(&["list", "-d", "--json"])).as_array().unwrap().len(), 2);
