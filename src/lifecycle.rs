@@ -151,6 +151,8 @@ impl LifecycleError {
             LifecycleError::Busy(_) => libc::EBUSY,
             LifecycleError::TooManyInstances(_) => libc::ENOSPC,
             LifecycleError::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
+            // Its errno is public: one made with none (0, which reads as success) is EIO.
+            LifecycleError::KernelPins(e) if e.errno == 0 => libc::EIO,
             LifecycleError::KernelPins(e) => e.errno,
             LifecycleError::NotPrivate { .. }
             | LifecycleError::Shared { .. }
@@ -1214,6 +1216,21 @@ impl Manager {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Kernel pins refused with an errno answer with it; with none (0, a failure that was not
+    /// the kernel's), with EIO: an answer's errno 0 would read as success.
+    #[test]
+    fn a_kernel_pins_failure_answers_with_an_errno() {
+        let refused = |errno| {
+            LifecycleError::KernelPins(umdev_pinning::KernelPinsUnavailable {
+                step: "io_uring_setup",
+                errno,
+                reason: "why".into(),
+            })
+        };
+        assert_eq!(refused(libc::EPERM).errno(), libc::EPERM);
+        assert_eq!(refused(0).errno(), libc::EIO);
+    }
 
     #[test]
     fn definitions_round_trip_and_refuse_duplicates() {

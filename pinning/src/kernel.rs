@@ -61,7 +61,7 @@ struct RsrcUpdate2 {
 pub struct KernelPinsUnavailable {
     /// What failed: `io_uring_setup`, or registering the buffer table.
     pub step: &'static str,
-    /// The errno.
+    /// The errno (EIO for a failure that had none: the ring's setup thread panicked, say).
     pub errno: i32,
     /// What the errno means here.
     pub reason: String,
@@ -77,7 +77,9 @@ impl KernelPinsUnavailable {
     /// `error` of `step` explained, `disabled` the value of `kernel.io_uring_disabled` (empty
     /// where there is none): the cause, and what to do about it, for an operator.
     fn explained(step: &'static str, error: &io::Error, disabled: &str) -> Self {
-        let errno = error.raw_os_error().unwrap_or(0);
+        // A failure that is not the kernel's (the setup thread's panic) has no errno; it is
+        // reported as one all the same (an answer with errno 0 would read as success).
+        let errno = error.raw_os_error().unwrap_or(libc::EIO);
         let why = match errno {
             libc::ENOSYS => {
                 "this kernel has no io_uring, or a seccomp filter hides it (a kernel built with \
@@ -467,6 +469,16 @@ mod tests {
         }
         assert!(refused(libc::ENOSYS, "0").to_string().contains("CONFIG_IO_URING"));
         assert!(refused(libc::ENOMEM, "0").to_string().contains("RLIMIT_MEMLOCK"));
+    }
+
+    /// A failure with no errno (the ring's setup thread panicked) is reported as EIO, never
+    /// as errno 0.
+    #[test]
+    fn a_failure_without_an_errno_is_eio() {
+        let panicked = io::Error::other("the thread setting up the ring panicked");
+        let refused = KernelPinsUnavailable::explained("io_uring_setup", &panicked, "0");
+        assert_eq!(refused.errno, libc::EIO);
+        assert!(refused.to_string().contains("the thread setting up the ring panicked"), "{refused}");
     }
 
     #[test]
