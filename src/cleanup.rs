@@ -9,7 +9,9 @@
 //! a [`ScratchDir`], named `umdev-scratch-WHAT-PID` and locked (`flock`) by its process while
 //! it exists, and the next run that makes one in the same parent first removes those of runs
 //! that are gone ([`remove_stale`]): the kernel lets a lock go with its process however the
-//! process ends.
+//! process ends. It is made under a name of its own that the sweep leaves alone for a while
+//! (`.umdev-scratch-WHAT-PID.NONCE.new`), locked there, then renamed into place: under its
+//! sweepable name it is never unlocked (where its filesystem can lock at all).
 
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::os::unix::process::CommandExt;
@@ -115,13 +117,28 @@ fn forget_dir(path: &Path) {
 /// `umdev-state-UID`), so [`remove_stale`] never takes one of those for a run's leftovers.
 const SCRATCH_PREFIX: &str = "umdev-scratch-";
 
+/// What a scratch directory is made as before it is locked and renamed into place:
+/// `.umdev-scratch-WHAT-PID.NONCE.new`. A dot-name, so [`SCRATCH_PREFIX`] never matches it:
+/// between its making and its lock a run's directory is unlocked, and a sweeper that cannot
+/// see its pid (one in another pid namespace sharing the parent) would take it for a gone
+/// run's.
+const MAKING_PREFIX: &str = ".umdev-scratch-";
+const MAKING_SUFFIX: &str = ".new";
+
+/// How old a directory under the making name must be for [`remove_stale`] to take it for
+/// the leftover of a run killed while making it. A run holds that name only from its making
+/// to its rename, microseconds with no wait between; an hour keeps one of a run stopped
+/// there (SIGSTOP) in another pid namespace, whose pid the sweep cannot look at.
+const MAKING_LEFTOVER_AGE: Duration = Duration::from_secs(3600);
+
 /// A benchmark's (or the demo's) private temporary directory, mode 0700, removed on drop or
-/// on a signal; held locked while it exists, so that a later run can tell it from one whose
-/// process was killed ([`remove_stale`]).
+/// on a signal; held locked while it exists (where its filesystem can lock), so that a later
+/// run can tell it from one whose process was killed ([`remove_stale`]).
 pub struct ScratchDir {
     path: PathBuf,
-    /// The directory, opened and locked (`flock`, exclusive) until it is removed.
-    _lock: nix::fcntl::Flock<std::fs::File>,
+    /// The directory, opened and locked (`flock`, exclusive) until it is removed; `None`
+    /// where its filesystem cannot lock ([`lock_scratch`]).
+    _lock: Option<nix::fcntl::Flock<std::fs::File>>,
 }
 
 impl ScratchDir {
@@ -162,33 +179,88 @@ pub fn scratch_dir_in(parent: &Path, what: &str) -> Result<ScratchDir, String> {
     }
     let me = std::process::id();
     let path = parent.join(format!("{SCRATCH_PREFIX}{what}-{me}"));
+    // Made under a name the sweep leaves alone (see MAKING_PREFIX), locked, then renamed
+    // into place: the lock is the inode's and goes with it. A nonce, so that what a killed
+    // process with this pid left under that name is never in the way.
+    let nonce = uuid::Uuid::new_v4().as_u64_pair().0;
+    let making = parent.join(format!("{MAKING_PREFIX}{what}-{me}.{nonce:016x}{MAKING_SUFFIX}"));
     let creating = |e: std::io::Error| format!("creating {}: {e}", path.display());
     // Made, locked and registered under the registry's lock: a signal meanwhile finds it
-    // registered or not made, and no other thread of this process can see it unlocked.
+    // registered or not made (nor left under its making name), and no other thread of this
+    // process can see it unlocked.
     let mut registry = leftovers();
     if registry.dirs.contains(&path) {
         return Err(format!("{}: already in use by this run", path.display()));
     }
-    let made = std::fs::DirBuilder::new().mode(0o700).create(&path);
-    let made = match made {
-        // An earlier process had this pid (pids are reused) and was killed; not this one's.
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && remove_if_stale(&path, None) => {
-            std::fs::DirBuilder::new().mode(0o700).create(&path)
-        }
-        made => made,
-    };
-    made.map_err(creating)?;
-    let lock = open_dir(&path)
-        .and_then(|dir| {
-            nix::fcntl::Flock::lock(dir, nix::fcntl::FlockArg::LockExclusiveNonblock)
-                .map_err(|(_, e)| std::io::Error::from(e))
-        })
-        .map_err(|e| {
-            let _ = std::fs::remove_dir(&path);
-            format!("locking {}: {e}", path.display())
-        })?;
+    std::fs::DirBuilder::new().mode(0o700).create(&making).map_err(creating)?;
+    let placed = open_dir(&making)
+        .map_err(|e| format!("opening {}: {e}", making.display()))
+        .and_then(|dir| lock_scratch(dir, &path))
+        .and_then(|lock| {
+            let placed = match rename_into_place(&making, &path) {
+                // An earlier process had this pid (pids are reused) and was killed; not this
+                // one's.
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::AlreadyExists
+                        && remove_if_stale(&path, None, Duration::ZERO) =>
+                {
+                    rename_into_place(&making, &path)
+                }
+                placed => placed,
+            };
+            placed.map(|()| lock).map_err(creating)
+        });
+    let lock = placed.inspect_err(|_| {
+        let _ = std::fs::remove_dir(&making);
+    })?;
     registry.dirs.push(path.clone());
     Ok(ScratchDir { path, _lock: lock })
+}
+
+/// Locks a new scratch directory (`dir`, opened), to be `path`: `None` where its filesystem
+/// cannot lock (NFS mounted `nolock`: ENOLCK, EOPNOTSUPP), with a warning. It is used
+/// unlocked then: a later run's sweep that can see this process's pid (in this pid
+/// namespace) keeps it, and one whose lock fails there too removes nothing. Held by another
+/// (EWOULDBLOCK) is an error: another run has it.
+fn lock_scratch(dir: std::fs::File, path: &Path) -> Result<Option<nix::fcntl::Flock<std::fs::File>>, String> {
+    locked_or_not(nix::fcntl::Flock::lock(dir, nix::fcntl::FlockArg::LockExclusiveNonblock), path)
+}
+
+/// [`lock_scratch`]'s answer for what `flock` gave.
+fn locked_or_not(
+    locked: Result<nix::fcntl::Flock<std::fs::File>, (std::fs::File, nix::errno::Errno)>,
+    path: &Path,
+) -> Result<Option<nix::fcntl::Flock<std::fs::File>>, String> {
+    match locked {
+        Ok(lock) => Ok(Some(lock)),
+        // EWOULDBLOCK is EAGAIN.
+        Err((_, e @ nix::errno::Errno::EWOULDBLOCK)) => Err(format!("locking {}: {e}", path.display())),
+        Err((_, e)) => {
+            log::warn!(
+                "cannot lock {} ({e}): using it unlocked; a later run keeps it by its pid, which one \
+                 in another pid namespace cannot see",
+                path.display()
+            );
+            Ok(None)
+        }
+    }
+}
+
+/// Renames the made scratch directory `from` to `to`, never over anything at `to`
+/// (`RENAME_NOREPLACE`: a plain rename would replace an empty directory, a live run's of the
+/// same name in another pid namespace, say). A filesystem without that flag (EINVAL: NFS)
+/// gets a plain rename when nothing is at `to`, looked at first.
+fn rename_into_place(from: &Path, to: &Path) -> std::io::Result<()> {
+    use nix::fcntl::{renameat2, RenameFlags, AT_FDCWD};
+    match renameat2(AT_FDCWD, from, AT_FDCWD, to, RenameFlags::RENAME_NOREPLACE) {
+        Ok(()) => Ok(()),
+        Err(nix::errno::Errno::EINVAL) => match to.symlink_metadata() {
+            Ok(_) => Err(std::io::Error::from(std::io::ErrorKind::AlreadyExists)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => std::fs::rename(from, to),
+            Err(e) => Err(e),
+        },
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// Opens the directory `path` itself, never through a symbolic link.
@@ -207,7 +279,9 @@ fn process_exists(pid: i32) -> bool {
 /// Removes the scratch directories in `parent` that runs now gone left behind (a run killed
 /// with SIGKILL removes nothing); returns their paths. One is removed only if it is a
 /// directory (a symbolic link is never followed) of this user's, mode 0700 as made, named
-/// `umdev-scratch-WHAT-PID` with a PID no process has now, and nobody holds its lock. What
+/// `umdev-scratch-WHAT-PID` with a PID no process has now, and nobody holds its lock. So is
+/// one a run killed while making it left under the making name (see [`MAKING_PREFIX`]), once
+/// it is [`MAKING_LEFTOVER_AGE`] old: until then it may be a live run's, not locked yet. What
 /// cannot be removed is left, with a warning: this run does not need it gone.
 pub fn remove_stale(parent: &Path) -> Vec<PathBuf> {
     let me = std::process::id();
@@ -215,35 +289,47 @@ pub fn remove_stale(parent: &Path) -> Vec<PathBuf> {
     let mut removed = Vec::new();
     for entry in entries.flatten() {
         let name = entry.file_name();
-        let Some(pid) = name
-            .to_str()
-            .and_then(|n| n.strip_prefix(SCRATCH_PREFIX))
-            .and_then(|rest| rest.rsplit_once('-'))
-            .and_then(|(_, pid)| pid.parse::<u32>().ok())
-        else {
-            continue;
-        };
+        let Some((pid, min_age)) = name.to_str().and_then(scratch_name) else { continue };
         // This process's own are in use (or about to be made, under their name).
         if pid == me || pid == 0 || !entry.file_type().is_ok_and(|t| t.is_dir()) {
             continue;
         }
         let Ok(pid) = i32::try_from(pid) else { continue };
         let path = entry.path();
-        if remove_if_stale(&path, Some(pid)) {
+        if remove_if_stale(&path, Some(pid), min_age) {
             removed.push(path);
         }
     }
     removed
 }
 
+/// The pid a scratch directory's name holds, and how old it must be to be taken for a gone
+/// run's: `umdev-scratch-WHAT-PID` at any age, `.umdev-scratch-WHAT-PID.NONCE.new` (one being
+/// made) at [`MAKING_LEFTOVER_AGE`]. `None` for any other name.
+fn scratch_name(name: &str) -> Option<(u32, Duration)> {
+    let pid = |rest: &str| rest.rsplit_once('-').and_then(|(_, pid)| pid.parse::<u32>().ok());
+    if let Some(rest) = name.strip_prefix(SCRATCH_PREFIX) {
+        return Some((pid(rest)?, Duration::ZERO));
+    }
+    let (named, _nonce) = name.strip_prefix(MAKING_PREFIX)?.strip_suffix(MAKING_SUFFIX)?.rsplit_once('.')?;
+    Some((pid(named)?, MAKING_LEFTOVER_AGE))
+}
+
 /// Removes `path` if it is a scratch directory whose run is gone (see [`remove_stale`]);
 /// `pid`, the process named in it, must not exist (`None`: this process's pid, which has
-/// not made it). Whether it was removed.
-fn remove_if_stale(path: &Path, pid: Option<i32>) -> bool {
+/// not made it), and it must be `min_age` old at least (by its modification time: nothing
+/// is written in one before it is renamed into place). Whether it was removed.
+fn remove_if_stale(path: &Path, pid: Option<i32>, min_age: Duration) -> bool {
     let Ok(dir) = open_dir(path) else { return false };
     let Ok(meta) = dir.metadata() else { return false };
     let me = nix::unistd::geteuid().as_raw();
     if meta.uid() != me || meta.mode() & 0o7777 != 0o700 || pid.is_some_and(process_exists) {
+        return false;
+    }
+    // A time in the future (another machine's clock, over NFS) is young.
+    let old_enough =
+        min_age.is_zero() || meta.modified().is_ok_and(|t| t.elapsed().is_ok_and(|age| age >= min_age));
+    if !old_enough {
         return false;
     }
     // Held by a run (a pid of another namespace, say): in use.
@@ -379,7 +465,7 @@ mod tests {
         let name = format!("umdev-scratch-test-{}", std::process::id());
         assert_eq!(mine.path(), parent.path().join(&name));
         assert_eq!(std::fs::metadata(mine.path()).unwrap().permissions().mode() & 0o7777, 0o700);
-        assert!(!remove_if_stale(mine.path(), None), "locked while it exists");
+        assert!(!remove_if_stale(mine.path(), None, Duration::ZERO), "locked while it exists");
         assert!(scratch_dir_in(parent.path(), "test").is_err(), "one per name and run");
         let path = mine.path().to_path_buf();
         drop(mine);
@@ -395,5 +481,66 @@ mod tests {
         let err = scratch_dir_in(parent.path(), "test").err().unwrap();
         assert!(err.contains(&format!("creating {}", path.display())), "{err}");
         assert!(outside.path().join("kept").exists());
+        let names: Vec<_> =
+            std::fs::read_dir(parent.path()).unwrap().flatten().map(|e| e.file_name()).collect();
+        assert!(
+            !names.iter().any(|n| n.to_string_lossy().starts_with(MAKING_PREFIX)),
+            "a failed run leaves nothing under the making name: {names:?}"
+        );
+    }
+
+    /// A scratch directory is made under a name the sweep does not take for a run's
+    /// (unlocked there: a sweeper in another pid namespace cannot see its pid) and renamed
+    /// into place; one a run killed while making it left is removed once it is old, never
+    /// while it may be a live run's.
+    #[test]
+    fn a_directory_being_made_is_left_alone_until_it_is_old() {
+        use std::os::unix::fs::PermissionsExt;
+        let parent = tempfile::tempdir().unwrap();
+        let dead = gone();
+        let making = |nonce: &str| {
+            let path = parent.path().join(format!(".umdev-scratch-ccwbench-lock-{dead}.{nonce}.new"));
+            std::fs::create_dir(&path).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o700)).unwrap();
+            path
+        };
+        let fresh = making("0123456789abcdef");
+        let old = making("fedcba9876543210");
+        let age = std::time::SystemTime::now() - MAKING_LEFTOVER_AGE - Duration::from_secs(60);
+        open_dir(&old).unwrap().set_times(std::fs::FileTimes::new().set_modified(age)).unwrap();
+        // The final name's pattern never matches the making name, whatever follows.
+        assert_eq!(scratch_name(&format!("umdev-scratch-demo-{dead}")), Some((dead, Duration::ZERO)));
+        assert_eq!(scratch_name(&format!(".umdev-scratch-demo-{dead}")), None);
+        assert_eq!(
+            scratch_name(&format!(".umdev-scratch-demo-{dead}.1.new")),
+            Some((dead, MAKING_LEFTOVER_AGE))
+        );
+        assert_eq!(remove_stale(parent.path()), vec![old.clone()]);
+        assert!(fresh.exists() && !old.exists());
+        // This run's: made under the making name and renamed, locked, into place; nothing is
+        // left under the making name.
+        let mine = scratch_dir_in(parent.path(), "test").unwrap();
+        assert_eq!(mine.path(), parent.path().join(format!("umdev-scratch-test-{}", std::process::id())));
+        assert!(!remove_if_stale(mine.path(), None, Duration::ZERO), "locked under its name");
+        let mut names: Vec<_> =
+            std::fs::read_dir(parent.path()).unwrap().flatten().map(|e| e.path()).collect();
+        names.sort();
+        let mut expected = vec![fresh.clone(), mine.path().to_path_buf()];
+        expected.sort();
+        assert_eq!(names, expected);
+    }
+
+    /// A lock held by another fails the run; a filesystem that cannot lock (NFS `nolock`)
+    /// gives an unlocked directory instead.
+    #[test]
+    fn only_a_lock_held_by_another_is_fatal() {
+        use nix::errno::Errno;
+        let dir = tempfile::tempdir().unwrap();
+        let refused = |errno| locked_or_not(Err((open_dir(dir.path()).unwrap(), errno)), dir.path());
+        let held = refused(Errno::EWOULDBLOCK).err().unwrap();
+        assert!(held.contains(&format!("locking {}", dir.path().display())), "{held}");
+        for errno in [Errno::ENOLCK, Errno::EOPNOTSUPP, Errno::ENOTSUP] {
+            assert!(matches!(refused(errno), Ok(None)), "{errno}");
+        }
     }
 }
