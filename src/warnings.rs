@@ -63,8 +63,10 @@ fn keep(record: &Record) {
         return;
     }
     // A logger that logs while a warning is kept (none does) would find the cell borrowed:
-    // that record is only logged.
-    KEPT.with(|k| {
+    // that record is only logged. So is one logged while the thread ends, once the cell is
+    // destroyed (by another thread-local's destructor): `with` would panic there, and a
+    // panic in a thread-local's destructor aborts the process.
+    let _ = KEPT.try_with(|k| {
         let Ok(mut kept) = k.try_borrow_mut() else { return };
         let Some(kept) = kept.as_mut() else { return };
         if kept.warnings.len() >= MAX_WARNINGS {
@@ -171,5 +173,58 @@ mod tests {
             log(&logger, Level::Warn, "outer");
         });
         assert_eq!(outer, ["outer"]);
+    }
+
+    /// Set in the child process of [`a_warning_logged_as_a_thread_ends_is_only_logged`].
+    const AS_THREAD_ENDS: &str = "UMDEV_TEST_WARNING_AS_THREAD_ENDS";
+
+    /// What a thread-local's destructor logs goes through a [`Capturing`] logger.
+    static LATE_LOGGER: Capturing<Silent> = Capturing(Silent);
+
+    /// Logs a warning when dropped (as its thread ends).
+    struct WarnsOnDrop;
+
+    impl Drop for WarnsOnDrop {
+        fn drop(&mut self) {
+            log(&LATE_LOGGER, Level::Warn, "logged as the thread ends");
+        }
+    }
+
+    thread_local! {
+        static BEFORE: WarnsOnDrop = const { WarnsOnDrop };
+        static AFTER: WarnsOnDrop = const { WarnsOnDrop };
+    }
+
+    /// A warning logged by a thread-local's destructor after the thread's collection cell is
+    /// gone is only logged: keeping it must not panic (a panic there aborts the process). Run
+    /// in a child process of this test binary, whose abort fails the test instead of ending
+    /// the whole run.
+    #[test]
+    fn a_warning_logged_as_a_thread_ends_is_only_logged() {
+        if std::env::var_os(AS_THREAD_ENDS).is_some() {
+            // One destructor registered before the cell's and one after: whichever order the
+            // platform runs them in, one logs once the cell is destroyed.
+            std::thread::spawn(|| {
+                BEFORE.with(|_| ());
+                assert_eq!(collect(|| log(&LATE_LOGGER, Level::Warn, "kept")).1, ["kept"]);
+                AFTER.with(|_| ());
+            })
+            .join()
+            .unwrap();
+            return;
+        }
+        let name = "warnings::tests::a_warning_logged_as_a_thread_ends_is_only_logged";
+        let child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", name, "--test-threads=1"])
+            .env(AS_THREAD_ENDS, "1")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&child.stdout);
+        assert!(
+            child.status.success() && stdout.contains("1 passed"),
+            "{:?}\n{stdout}\n{}",
+            child.status,
+            String::from_utf8_lossy(&child.stderr)
+        );
     }
 }
