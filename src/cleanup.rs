@@ -354,6 +354,59 @@ fn remove_if_stale(path: &Path, pid: Option<i32>, min_age: Duration) -> bool {
     }
 }
 
+/// The name of the temporary file that stands in for the file `name` until it is whole
+/// (`.NAME.PID.tmp`, beside it; see [`crate::output::PendingFile`]).
+#[cfg(feature = "bench")]
+pub fn pending_name(name: &str, pid: u32) -> String {
+    format!(".{name}.{pid}.tmp")
+}
+
+/// Removes, in `dir`, the temporary files ([`pending_name`]) that runs now gone left while
+/// writing the file `name` (a run killed with SIGKILL removes nothing); returns their paths.
+/// One is removed only if it is a regular file (a symbolic link is never followed) of this
+/// user's, its pid names no process, and it was last written [`MAKING_LEFTOVER_AGE`] ago or
+/// more: a younger one may be a live run's in another pid namespace, which cannot be seen.
+#[cfg(feature = "bench")]
+pub fn remove_stale_pending(dir: &Path, name: &str) -> Vec<PathBuf> {
+    let me = std::process::id();
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    let uid = nix::unistd::geteuid().as_raw();
+    let mut removed = Vec::new();
+    for entry in entries.flatten() {
+        let file_name = entry.file_name();
+        let Some(pid) = file_name
+            .to_str()
+            .and_then(|n| n.strip_prefix('.'))
+            .and_then(|n| n.strip_prefix(name))
+            .and_then(|n| n.strip_prefix('.'))
+            .and_then(|n| n.strip_suffix(".tmp"))
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(pid_raw) = i32::try_from(pid) else { continue };
+        let path = entry.path();
+        // Looked at without following a link; DirEntry::metadata does not follow either.
+        let Ok(meta) = entry.metadata() else { continue };
+        let old_enough =
+            meta.modified().is_ok_and(|t| t.elapsed().is_ok_and(|age| age >= MAKING_LEFTOVER_AGE));
+        if pid == me
+            || pid == 0
+            || !meta.is_file()
+            || meta.uid() != uid
+            || !old_enough
+            || process_exists(pid_raw)
+        {
+            continue;
+        }
+        match std::fs::remove_file(&path) {
+            Ok(()) => removed.push(path),
+            Err(e) => log::warn!("cannot remove {}, which a killed run left: {e}", path.display()),
+        }
+    }
+    removed
+}
+
 /// Creates a temporary file with `create` and registers it to remove on a signal, as one
 /// step: the registry is held meanwhile, so a signal between the two cannot leave the file
 /// behind (the cleanup thread takes the registry after it, or keeps it from then on). A file
@@ -541,6 +594,36 @@ mod tests {
         assert!(held.contains(&format!("locking {}", dir.path().display())), "{held}");
         for errno in [Errno::ENOLCK, Errno::EOPNOTSUPP, Errno::ENOTSUP] {
             assert!(matches!(refused(errno), Ok(None)), "{errno}");
+        }
+    }
+
+    /// What `pinbench --svg` killed with SIGKILL leaves beside its picture goes once it is old
+    /// and its run is gone; nothing else does.
+    #[cfg(feature = "bench")]
+    #[test]
+    fn a_killed_runs_temporary_file_beside_the_picture_is_removed_when_old() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = std::time::SystemTime::now() - MAKING_LEFTOVER_AGE - Duration::from_secs(60);
+        let file = |name: String, aged: bool| {
+            let path = dir.path().join(name);
+            let f = std::fs::File::create(&path).unwrap();
+            if aged {
+                f.set_times(std::fs::FileTimes::new().set_modified(old)).unwrap();
+            }
+            path
+        };
+        let dead = gone();
+        let stale = file(pending_name("pins.svg", dead), true);
+        // Young: may be a live run's in another pid namespace.
+        let fresh_dead = file(pending_name("pins.svg", dead + 1), false);
+        let live = file(pending_name("pins.svg", 1), true); // init's
+        let other = file(pending_name("other.svg", dead), true);
+        let link = dir.path().join(pending_name("pins.svg", dead + 2));
+        std::os::unix::fs::symlink(&other, &link).unwrap();
+        assert_eq!(remove_stale_pending(dir.path(), "pins.svg"), vec![stale.clone()]);
+        assert!(!stale.exists());
+        for kept in [&fresh_dead, &live, &other, &link] {
+            assert!(kept.symlink_metadata().is_ok(), "{} was removed", kept.display());
         }
     }
 }
