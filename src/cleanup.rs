@@ -167,16 +167,7 @@ pub fn scratch_dir(what: &str) -> Result<ScratchDir, String> {
 /// (another user may have put it there), unless it is a stale one of this user's that an
 /// earlier process with this pid left.
 pub fn scratch_dir_in(parent: &Path, what: &str) -> Result<ScratchDir, String> {
-    let removed = remove_stale(parent);
-    if !removed.is_empty() {
-        let names: Vec<String> = removed.iter().map(|p| p.display().to_string()).collect();
-        log::info!(
-            target: crate::logging::STATUS,
-            "removed {} temporary director(ies) that killed runs left: {}",
-            names.len(),
-            names.join(", ")
-        );
-    }
+    say_removed("director(ies)", &remove_stale(parent));
     let me = std::process::id();
     let path = parent.join(format!("{SCRATCH_PREFIX}{what}-{me}"));
     // Made under a name the sweep leaves alone (see MAKING_PREFIX), locked, then renamed
@@ -351,6 +342,19 @@ fn remove_if_stale(path: &Path, pid: Option<i32>, min_age: Duration) -> bool {
             log::warn!("cannot remove {}, which a killed run left: {e}", path.display());
             false
         }
+    }
+}
+
+/// Says on stderr (the status log) which `what` (`file(s)`, `director(ies)`) a sweep removed.
+pub fn say_removed(what: &str, removed: &[PathBuf]) {
+    if !removed.is_empty() {
+        let names: Vec<String> = removed.iter().map(|p| p.display().to_string()).collect();
+        log::info!(
+            target: crate::logging::STATUS,
+            "removed {} temporary {what} that killed runs left: {}",
+            names.len(),
+            names.join(", ")
+        );
     }
 }
 

@@ -109,16 +109,7 @@ impl PendingFile {
         let name = target.file_name().ok_or_else(|| format!("{}: names no file", path.display()))?;
         let name = name.to_string_lossy();
         // What a run killed with SIGKILL left beside the same file goes first.
-        let removed = crate::cleanup::remove_stale_pending(dir, &name);
-        if !removed.is_empty() {
-            let names: Vec<String> = removed.iter().map(|p| p.display().to_string()).collect();
-            log::info!(
-                target: crate::logging::STATUS,
-                "removed {} temporary file(s) that killed runs left: {}",
-                names.len(),
-                names.join(", ")
-            );
-        }
+        crate::cleanup::say_removed("file(s)", &crate::cleanup::remove_stale_pending(dir, &name));
         let temp = dir.join(crate::cleanup::pending_name(&name, std::process::id()));
         // Never one that is there: it could be another user's link.
         // Registered as it is made: a signal in between would leave it behind.
