@@ -10,7 +10,7 @@ use std::process::Command;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use umdev_pinning::fuzzing::vm_pin_pages;
+use umdev_pinning::fuzzing::{deny_io_uring_setup, vm_pin_pages};
 use umdev_pinning::{
     kernel_pins_available, DmaSpace, DmaSpaceConfig, PinError, PinMode, Prot, KERNEL_BUFFER_BYTES, PAGE_SIZE,
 };
@@ -186,33 +186,6 @@ fn over_rlimit_memlock_the_kernel_refuses_a_call_whole() {
 
 const DENIED: &str = "UMDEV_KERNEL_PINS_DENIED";
 
-/// Makes `io_uring_setup` fail with `errno` in this process (a seccomp filter, as a
-/// container runtime's default profile does; x86-64 syscall numbers).
-fn deny_io_uring_setup(errno: u32) {
-    const BPF_LD_W_ABS: u16 = 0x20;
-    const BPF_JMP_JEQ_K: u16 = 0x15;
-    const BPF_RET_K: u16 = 0x06;
-    const SECCOMP_RET_ERRNO: u32 = 0x0005_0000;
-    const SECCOMP_RET_ALLOW: u32 = 0x7fff_0000;
-    const SECCOMP_SET_MODE_FILTER: libc::c_ulong = 1;
-    let filter = [
-        libc::sock_filter { code: BPF_LD_W_ABS, jt: 0, jf: 0, k: 0 },
-        libc::sock_filter { code: BPF_JMP_JEQ_K, jt: 0, jf: 1, k: libc::SYS_io_uring_setup as u32 },
-        libc::sock_filter { code: BPF_RET_K, jt: 0, jf: 0, k: SECCOMP_RET_ERRNO | errno },
-        libc::sock_filter { code: BPF_RET_K, jt: 0, jf: 0, k: SECCOMP_RET_ALLOW },
-    ];
-    let program =
-        libc::sock_fprog { len: filter.len() as u16, filter: filter.as_ptr() as *mut libc::sock_filter };
-    // SAFETY: no_new_privs, then a filter program that lives across the call.
-    unsafe {
-        assert_eq!(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), 0);
-        assert_eq!(
-            libc::syscall(libc::SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &program as *const libc::sock_fprog),
-            0
-        );
-    }
-}
-
 #[test]
 fn where_io_uring_is_refused_kernel_mode_says_why_and_the_other_modes_work() {
     if std::env::var_os(DENIED).is_none() {
@@ -227,7 +200,7 @@ fn where_io_uring_is_refused_kernel_mode_says_why_and_the_other_modes_work() {
     }
     assert_eq!(kernel_pins_available(), Ok(()), "io_uring works here before the filter");
     // ENOSYS: what a kernel without io_uring, or a filter hiding it, answers.
-    deny_io_uring_setup(libc::ENOSYS as u32);
+    deny_io_uring_setup(libc::ENOSYS).expect("a seccomp filter");
     let why = kernel_pins_available().unwrap_err();
     assert_eq!((why.step, why.errno), ("io_uring_setup", libc::ENOSYS));
     assert!(why.to_string().contains("no io_uring, or a seccomp filter hides it"), "{why}");

@@ -191,44 +191,9 @@ pub fn fd_count(pid: u32) -> usize {
 /// by side) refuses it: a filter installed between fork and exec, which exec keeps.
 pub fn deny_io_uring(command: &mut Command) {
     use std::os::unix::process::CommandExt;
-    const BPF_LD_W_ABS: u16 = 0x20;
-    const BPF_JMP_JEQ_K: u16 = 0x15;
-    const BPF_RET_K: u16 = 0x06;
-    const SECCOMP_RET_ERRNO: u32 = 0x0005_0000;
-    const SECCOMP_RET_ALLOW: u32 = 0x7fff_0000;
-    const SECCOMP_SET_MODE_FILTER: libc::c_ulong = 1;
-    // SAFETY: the closure allocates nothing (the filter is on its stack) and makes only
-    // prctl(2) and seccomp(2) calls, which touch no memory of the parent, as a pre_exec
-    // closure must.
+    // SAFETY: deny_io_uring_setup allocates nothing and makes only prctl(2) and seccomp(2)
+    // calls, which touch no memory of the parent, as a pre_exec closure must.
     unsafe {
-        command.pre_exec(|| {
-            // Offset 0 of seccomp_data: the system call's number (this target's numbering).
-            let filter = [
-                libc::sock_filter { code: BPF_LD_W_ABS, jt: 0, jf: 0, k: 0 },
-                libc::sock_filter { code: BPF_JMP_JEQ_K, jt: 0, jf: 1, k: libc::SYS_io_uring_setup as u32 },
-                libc::sock_filter {
-                    code: BPF_RET_K,
-                    jt: 0,
-                    jf: 0,
-                    k: SECCOMP_RET_ERRNO | libc::EPERM as u32,
-                },
-                libc::sock_filter { code: BPF_RET_K, jt: 0, jf: 0, k: SECCOMP_RET_ALLOW },
-            ];
-            let program = libc::sock_fprog {
-                len: filter.len() as u16,
-                filter: filter.as_ptr() as *mut libc::sock_filter,
-            };
-            if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
-                || libc::syscall(
-                    libc::SYS_seccomp,
-                    SECCOMP_SET_MODE_FILTER,
-                    0,
-                    &program as *const libc::sock_fprog,
-                ) != 0
-            {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
+        command.pre_exec(|| umdev_pinning::fuzzing::deny_io_uring_setup(libc::EPERM));
     }
 }

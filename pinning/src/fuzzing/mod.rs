@@ -32,6 +32,7 @@ use crate::{
 mod codec;
 mod model;
 mod op;
+mod seccomp;
 mod seeds;
 
 pub use codec::{byte_of, decode, encode, page_of};
@@ -41,6 +42,7 @@ pub use op::{
     Op, HIGH_BASE, HIGH_PAGES, LOCK_LIMIT_PAGES, LOW_PAGES, MAX_MAPPINGS, MAX_OPS, MAX_PAGES_PER_CALL,
     MAX_PINS, SPECIAL_PFNS,
 };
+pub use seccomp::deny_io_uring_setup;
 pub use seeds::seeds;
 
 /// Decodes `data` ([`decode`]) and runs it against the model ([`run`]). Panics on any
