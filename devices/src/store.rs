@@ -1,11 +1,13 @@
-//! Backing stores for block devices: bytes addressed by position, on a RAM disk (a sparse
-//! memfd) or on a host file or block device, moved with vectors of guest memory.
+//! Backing stores for block devices: bytes addressed by position, on a RAM disk (sparse
+//! memory of the process, or a hugetlb memfd) or on a host file or block device, moved with
+//! vectors of guest memory.
 //!
 //! A device pins the guest pages of a transfer and hands the store their host slices (one
 //! per contiguous run): a file or block device is read and written with one
 //! `preadv2`/`pwritev2` per call, straight between the page cache and guest memory, with no
-//! bounce buffer; a RAM disk is mmapped and each slice is one copy (writes with streaming
-//! stores that bypass the cache: written blocks are rarely read back soon). The ccw and nvme
+//! bounce buffer; a RAM disk is mapped and each slice is one copy (writes with streaming
+//! stores that bypass the cache, written blocks being rarely read back soon, except the
+//! first writes to memory the kernel has just zeroed: [`RamPages`]). The ccw and nvme
 //! devices use it.
 //!
 //! A file store has a cache mode ([`Cache`]): through the host's page cache, or O_DIRECT
@@ -21,6 +23,7 @@ use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::Path;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use vm_memory::mmap::MmapRegion;
 use vm_memory::{FileOffset, VolatileMemory, VolatileSlice};
@@ -34,12 +37,33 @@ const MAX_IOV: usize = 1024;
 /// What holds a store's bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StoreKind {
-    /// A sparse memfd, mmapped: gone when the store is.
+    /// Memory of the process (anonymous or a memfd), mapped: gone when the store is.
     Ram,
     /// A regular host file, read and written in place.
     File,
     /// A host block device.
     BlockDevice,
+}
+
+/// What pages a RAM disk is made of ([`Store::ram_with`]).
+///
+/// On sparse pages (transparent and small), the kernel zeroes a page at its first write, with
+/// cached stores; the first 2 MiB of writes to each 2 MiB of the disk are then copied plainly,
+/// over lines likely still in the cache, and later writes with streaming stores.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RamPages {
+    /// Anonymous memory on transparent huge pages where the host gives them
+    /// (`/sys/kernel/mm/transparent_hugepage/enabled` is `always` or `madvise`), 4 KiB pages
+    /// elsewhere: taken as written, 2 MiB at a time, each zeroed by the kernel at its first
+    /// write; the TLB holds the disk in up to 512 times fewer entries than with 4 KiB pages.
+    #[default]
+    Transparent,
+    /// A sparse memfd of 4 KiB pages: taken as written, 4 KiB at a time (a disk written
+    /// sparsely in small pieces takes no more than it holds), one page fault per 4 KiB.
+    Small,
+    /// 2 MiB pages from the host's hugetlb pool, all reserved and zeroed when the disk is
+    /// made (see [`Store::ram_huge`]).
+    Huge,
 }
 
 /// How a write reaches the store.
@@ -90,8 +114,9 @@ struct Direct {
 #[derive(Debug)]
 pub struct Store {
     /// Through the page cache (every file store has it: a transfer O_DIRECT cannot take
-    /// goes here, and `flush` syncs the file through it).
-    file: File,
+    /// goes here, and `flush` syncs the file through it); a memfd RAM disk's memfd; `None`
+    /// for an anonymous RAM disk.
+    file: Option<File>,
     /// `cache=none`: O_DIRECT.
     direct: Option<Direct>,
     kind: StoreKind,
@@ -100,10 +125,13 @@ pub struct Store {
     sector: u64,
     /// The RAM disk's mapping.
     ram: Option<MmapRegion>,
-    /// A RAM disk on huge pages: its pages were reserved from the pool when it was mapped and
-    /// are never given back while it lives (a hole punched in it would give them back, and a
-    /// write there could then find the pool empty: a SIGBUS, not an error).
-    huge: bool,
+    /// A RAM disk's pages. On huge pages, they were reserved from the pool when it was mapped
+    /// and are never given back while it lives (a hole punched in it would give them back,
+    /// and a write there could then find the pool empty: a SIGBUS, not an error).
+    pages: Option<RamPages>,
+    /// A sparse RAM disk's first writes ([`Store::first_writes`]): per 2 MiB of it, the bytes
+    /// written since it was last empty, counted up to 2 MiB (empty for other stores).
+    filling: Box<[AtomicU32]>,
     /// A file store's hold on its file ([`Store::open_with`]): an open file of its own that
     /// no io_uring is given, so that dropping the store lets go of the file at once (a
     /// ring's files are let go by the kernel later, after the ring is closed). A block
@@ -112,9 +140,10 @@ pub struct Store {
 }
 
 impl Store {
-    /// A zero-filled RAM disk of `size` bytes (sparse: memory is used as it is written).
+    /// A zero-filled RAM disk of `size` bytes on transparent huge pages where the host gives
+    /// them ([`RamPages::Transparent`]; sparse: memory is taken as it is written).
     pub fn ram(size: u64) -> io::Result<Store> {
-        Self::ram_in(size, false)
+        Self::ram_with(size, RamPages::Transparent)
     }
 
     /// As [`Store::ram`], on 2 MiB huge pages from the host's hugetlb pool (`size` a multiple
@@ -123,40 +152,45 @@ impl Store {
     /// when the disk is mapped (a shared hugetlb mapping reserves them), so this fails with
     /// ENOMEM when the pool is too small rather than a write faulting later.
     pub fn ram_huge(size: u64) -> io::Result<Store> {
-        if !size.is_multiple_of(HUGE_PAGE) {
-            return Err(invalid("a huge-page RAM disk must be a multiple of 2 MiB"));
-        }
-        Self::ram_in(size, true)
+        Self::ram_with(size, RamPages::Huge)
     }
 
-    fn ram_in(size: u64, huge: bool) -> io::Result<Store> {
-        use nix::sys::memfd::MFdFlags;
-        let flags = if huge {
-            MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_HUGETLB | MFdFlags::MFD_HUGE_2MB
-        } else {
-            MFdFlags::MFD_CLOEXEC
-        };
-        let fd = nix::sys::memfd::memfd_create(c"umdev-store", flags)?;
-        let file = File::from(fd);
-        file.set_len(size)?;
+    /// A zero-filled RAM disk of `size` bytes on `pages`.
+    pub fn ram_with(size: u64, pages: RamPages) -> io::Result<Store> {
         let len = usize::try_from(size).map_err(|_| invalid("store too large"))?;
         if len == 0 {
             return Err(invalid("a store of 0 bytes"));
         }
-        // A huge-page disk is mapped without MAP_NORESERVE (which `MmapRegion::from_file`
-        // sets): the mapping then reserves the pages from the pool, or fails with ENOMEM, where
-        // an unreserved one would raise SIGBUS at the first write the pool cannot serve. Its
-        // pages are all the disk's from the start, so they are faulted in (and zeroed) here,
-        // once, rather than by the first command to touch each: no command waits for a 2 MiB
-        // page to be zeroed.
-        let flags =
-            if huge { libc::MAP_SHARED | libc::MAP_POPULATE } else { libc::MAP_SHARED | libc::MAP_NORESERVE };
-        let offset = FileOffset::new(file.try_clone()?, 0);
-        let region = MmapRegion::build(Some(offset), len, libc::PROT_READ | libc::PROT_WRITE, flags)
-            .map_err(|e| match e {
-                vm_memory::mmap::MmapRegionError::Mmap(e) => e,
-                e => io::Error::other(e),
-            })?;
+        let (file, region) = match pages {
+            RamPages::Transparent => (None, Self::map_anonymous(len)?),
+            RamPages::Small => {
+                let file = Self::memfd(size, false)?;
+                // Sparse: the memfd takes no memory until a page is written.
+                let flags = libc::MAP_SHARED | libc::MAP_NORESERVE;
+                let region = Self::map_memfd(&file, len, flags)?;
+                (Some(file), region)
+            }
+            RamPages::Huge => {
+                if !size.is_multiple_of(HUGE_PAGE) {
+                    return Err(invalid("a huge-page RAM disk must be a multiple of 2 MiB"));
+                }
+                let file = Self::memfd(size, true)?;
+                // Mapped without MAP_NORESERVE (which `MmapRegion::from_file` sets): the
+                // mapping then reserves the pages from the pool, or fails with ENOMEM, where an
+                // unreserved one would raise SIGBUS at the first write the pool cannot serve.
+                // Its pages are all the disk's from the start, so they are faulted in (and
+                // zeroed) here, once, rather than by the first command to touch each: no
+                // command waits for a 2 MiB page to be zeroed.
+                let region = Self::map_memfd(&file, len, libc::MAP_SHARED | libc::MAP_POPULATE)?;
+                (Some(file), region)
+            }
+        };
+        let filling = match pages {
+            RamPages::Huge => Box::default(),
+            RamPages::Transparent | RamPages::Small => {
+                (0..size.div_ceil(HUGE_PAGE)).map(|_| AtomicU32::new(0)).collect()
+            }
+        };
         Ok(Store {
             file,
             direct: None,
@@ -164,9 +198,46 @@ impl Store {
             size,
             sector: 1,
             ram: Some(region),
-            huge,
+            pages: Some(pages),
+            filling,
             hold: None,
         })
+    }
+
+    fn memfd(size: u64, huge: bool) -> io::Result<File> {
+        use nix::sys::memfd::MFdFlags;
+        let flags = if huge {
+            MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_HUGETLB | MFdFlags::MFD_HUGE_2MB
+        } else {
+            MFdFlags::MFD_CLOEXEC
+        };
+        let file = File::from(nix::sys::memfd::memfd_create(c"umdev-store", flags)?);
+        file.set_len(size)?;
+        Ok(file)
+    }
+
+    fn map_memfd(file: &File, len: usize, flags: libc::c_int) -> io::Result<MmapRegion> {
+        let offset = FileOffset::new(file.try_clone()?, 0);
+        MmapRegion::build(Some(offset), len, libc::PROT_READ | libc::PROT_WRITE, flags).map_err(mmap_error)
+    }
+
+    /// Private anonymous memory, not reserved (`MAP_NORESERVE`: a disk may be larger than
+    /// the host's memory, as a sparse file may), asked for on huge pages and kept out of any
+    /// child the process forks (which would otherwise share it copy-on-write until it
+    /// execs, and make the disk's next writes copy their pages).
+    fn map_anonymous(len: usize) -> io::Result<MmapRegion> {
+        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+        let region =
+            MmapRegion::build(None, len, libc::PROT_READ | libc::PROT_WRITE, flags).map_err(mmap_error)?;
+        // Both are hints: a kernel without transparent huge pages refuses MADV_HUGEPAGE
+        // (EINVAL) and the disk is on 4 KiB pages; MADV_DONTFORK cannot fail on a private
+        // anonymous mapping.
+        for advice in [libc::MADV_HUGEPAGE, libc::MADV_DONTFORK] {
+            // SAFETY: advice on the whole of a mapping this region owns; neither changes what
+            // it holds nor unmaps any of it.
+            let _ = unsafe { libc::madvise(region.as_ptr().cast(), len, advice) };
+        }
+        Ok(region)
     }
 
     /// The regular file or block device at `path`, read and written in place through the
@@ -219,7 +290,17 @@ impl Store {
                 Some(direct)
             }
         };
-        Ok(Store { file, direct, kind, size, sector, ram: None, huge: false, hold: Some(hold) })
+        Ok(Store {
+            file: Some(file),
+            direct,
+            kind,
+            size,
+            sector,
+            ram: None,
+            pages: None,
+            filling: Box::default(),
+            hold: Some(hold),
+        })
     }
 
     /// The cache mode (RAM stores: [`Cache::Writeback`], which they behave like).
@@ -250,7 +331,7 @@ impl Store {
 
     /// A file store's descriptor through the page cache (`None` for RAM).
     pub fn buffered_fd(&self) -> Option<BorrowedFd<'_>> {
-        self.ram.is_none().then(|| self.file.as_fd())
+        self.ram.is_none().then_some(self.file.as_ref()).flatten().map(|f| f.as_fd())
     }
 
     /// A file store's O_DIRECT descriptor, with [`Cache::None`].
@@ -266,6 +347,16 @@ impl Store {
     /// What holds the bytes.
     pub fn kind(&self) -> StoreKind {
         self.kind
+    }
+
+    /// A RAM disk's pages (`None` for a file store).
+    pub fn ram_pages(&self) -> Option<RamPages> {
+        self.pages
+    }
+
+    /// A file store's file (through the page cache).
+    fn file(&self) -> io::Result<&File> {
+        self.file.as_ref().ok_or_else(|| invalid("not a file store"))
     }
 
     fn check(&self, pos: u64, len: u64) -> io::Result<()> {
@@ -342,7 +433,12 @@ impl Store {
             UNFENCED.set(true);
             let mut at = pos;
             for buf in bufs {
-                stream_copy(&Self::ram_slice(region, at, buf.len())?, buf);
+                let to = Self::ram_slice(region, at, buf.len())?;
+                if self.first_writes(at, buf.len() as u64) {
+                    buf.copy_to_volatile_slice(to);
+                } else {
+                    stream_copy(&to, buf);
+                }
                 at += buf.len() as u64;
             }
             return Ok(());
@@ -352,6 +448,35 @@ impl Store {
             Durability::Sync => libc::RWF_DSYNC,
         };
         self.file_vectored(pos, bufs, Direction::Write, flags)
+    }
+
+    /// Whether `[pos, pos + len)` of a sparse RAM disk lies in a 2 MiB piece that has taken
+    /// less than 2 MiB of writes since it was last empty, counting these: its pages were (or
+    /// are about to be) zeroed by the kernel at their first write, with cached stores, so
+    /// their lines are likely in the cache, where a plain copy overwrites them and streaming
+    /// stores would first have to push them out (a first fill of 1 GiB on transparent huge
+    /// pages: 7.3 GB/s plainly, 4.5 streamed; docs/benchmarks.md). Once a piece is full, its
+    /// writes stream. The count is a hint, updated without ordering: a race costs speed, never
+    /// bytes.
+    fn first_writes(&self, pos: u64, len: u64) -> bool {
+        let Some(first) = self.filling.get((pos / HUGE_PAGE) as usize) else { return false };
+        if first.load(Ordering::Relaxed) >= HUGE_PAGE as u32 {
+            return false;
+        }
+        let (mut at, end) = (pos, pos.saturating_add(len));
+        while at < end {
+            let piece_end = (at / HUGE_PAGE + 1) * HUGE_PAGE;
+            let n = piece_end.min(end) - at;
+            if let Some(count) = self.filling.get((at / HUGE_PAGE) as usize) {
+                // At most 2 MiB per call (n <= HUGE_PAGE), so the sum cannot wrap before the
+                // piece is counted full.
+                let _ = count.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
+                    (c < HUGE_PAGE as u32).then(|| c.saturating_add(n as u32).min(HUGE_PAGE as u32))
+                });
+            }
+            at += n;
+        }
+        true
     }
 
     /// A file's transfer: O_DIRECT if it fits ([`Store::direct_fits`]) and the kernel takes
@@ -372,7 +497,7 @@ impl Store {
                 }
             }
         }
-        vectored(&self.file, pos, bufs, dir, flags)
+        vectored(self.file()?, pos, bufs, dir, flags)
     }
 
     /// Reads `buf.len()` bytes at `pos` into a private buffer.
@@ -383,7 +508,7 @@ impl Store {
                 Self::ram_slice(region, pos, buf.len())?.copy_to(buf);
                 Ok(())
             }
-            None => self.file.read_exact_at(buf, pos),
+            None => self.file()?.read_exact_at(buf, pos),
         }
     }
 
@@ -395,7 +520,7 @@ impl Store {
                 Self::ram_slice(region, pos, data.len())?.copy_from(data);
                 Ok(())
             }
-            None => self.file.write_all_at(data, pos),
+            None => self.file()?.write_all_at(data, pos),
         }
     }
 
@@ -403,21 +528,24 @@ impl Store {
     pub fn flush(&self) -> io::Result<()> {
         match self.kind {
             StoreKind::Ram => Ok(()),
-            StoreKind::File | StoreKind::BlockDevice => self.file.sync_data(),
+            StoreKind::File | StoreKind::BlockDevice => self.file()?.sync_data(),
         }
     }
 
     /// Zeroes `[pos, pos + len)`, giving the space back where the host can (a hole in a
-    /// file or the memfd; on a block device a zero-out, which may unmap); reads return zeros
-    /// after. Where the host cannot (no hole punching, or a block device's range not
-    /// whole logical blocks of it), the zeros are written.
+    /// file or the memfd, whole 4 KiB pages of anonymous memory; on a block device a
+    /// zero-out, which may unmap); reads return zeros after. Where the host cannot (no hole
+    /// punching, huge pages, or a block device's range not whole logical blocks of it), the
+    /// zeros are written.
     pub fn write_zeroes(&self, pos: u64, len: u64) -> io::Result<()> {
         self.check(pos, len)?;
         if len == 0 {
             return Ok(());
         }
-        if self.huge {
-            return self.write_zeros_slowly(pos, len);
+        match (self.pages, &self.ram) {
+            (Some(RamPages::Huge), _) => return self.write_zeros_slowly(pos, len),
+            (Some(RamPages::Transparent), Some(region)) => return self.discard_anonymous(region, pos, len),
+            _ => {}
         }
         // A block device zeroes whole logical blocks of its own only (a 4 KiB-sector disk
         // under 512-byte namespace blocks): the rest, at either end, is written.
@@ -430,7 +558,10 @@ impl Store {
         // On a block device through the open file that claims it: the kernel drops the range
         // from the device's page cache only for the claimant, and for anyone else (with
         // dirty pages there) refuses with EBUSY.
-        let fd = self.hold.as_ref().filter(|_| self.kind == StoreKind::BlockDevice).unwrap_or(&self.file);
+        let fd = match self.hold.as_ref().filter(|_| self.kind == StoreKind::BlockDevice) {
+            Some(hold) => hold,
+            None => self.file()?,
+        };
         // SAFETY: fallocate on an fd this store owns, with an in-range offset and length;
         // it touches no memory of ours.
         let rc = unsafe {
@@ -444,8 +575,49 @@ impl Store {
                 _ => Err(err),
             };
         }
+        self.emptied(first, last);
         self.write_zeros_slowly(pos, first - pos)?;
         self.write_zeros_slowly(last, end - last)
+    }
+
+    /// An anonymous RAM disk's [`Store::write_zeroes`]: its whole 4 KiB pages in the range
+    /// are given back (`MADV_DONTNEED`: a private anonymous page reads as zeros after), the
+    /// rest at either end is written.
+    fn discard_anonymous(&self, region: &MmapRegion, pos: u64, len: u64) -> io::Result<()> {
+        const PAGE: u64 = 4096;
+        let end = pos + len;
+        let (first, last) = (pos.next_multiple_of(PAGE), end / PAGE * PAGE);
+        if first >= last {
+            return self.write_zeros_slowly(pos, len);
+        }
+        let base = region.as_ptr() as u64;
+        if !base.is_multiple_of(PAGE) {
+            return self.write_zeros_slowly(pos, len);
+        }
+        // SAFETY: `[first, last)` is inside the store (checked by the caller), so inside the
+        // mapping this region owns, and page-aligned (the mapping starts on a page).
+        // MADV_DONTNEED on private anonymous memory only replaces those pages with zero
+        // pages: every pointer into the mapping stays valid, and a copy racing with it reads
+        // or writes either the old page or a fresh zeroed one.
+        let rc = unsafe {
+            libc::madvise((base + first) as *mut libc::c_void, (last - first) as usize, libc::MADV_DONTNEED)
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        self.emptied(first, last);
+        self.write_zeros_slowly(pos, first - pos)?;
+        self.write_zeros_slowly(last, end - last)
+    }
+
+    /// `[first, last)` of a sparse RAM disk was given back: its whole 2 MiB pieces are empty
+    /// again, and their next writes first writes ([`Store::first_writes`]).
+    fn emptied(&self, first: u64, last: u64) {
+        for piece in first.div_ceil(HUGE_PAGE)..last / HUGE_PAGE {
+            if let Some(count) = self.filling.get(piece as usize) {
+                count.store(0, Ordering::Relaxed);
+            }
+        }
     }
 
     fn write_zeros_slowly(&self, pos: u64, len: u64) -> io::Result<()> {
@@ -639,6 +811,13 @@ enum Direction {
     Write,
 }
 
+fn mmap_error(e: vm_memory::mmap::MmapRegionError) -> io::Error {
+    match e {
+        vm_memory::mmap::MmapRegionError::Mmap(e) => e,
+        e => io::Error::other(e),
+    }
+}
+
 fn invalid(what: &str) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidInput, what.to_string())
 }
@@ -794,20 +973,25 @@ mod tests {
 
     /// KiB of huge pages this process has faulted in for the mapping holding `addr`
     /// (/proc/self/smaps: its Shared_Hugetlb and Private_Hugetlb).
-    fn hugetlb_kib_at(addr: usize) -> u64 {
+    /// The sum of `fields` (`Rss:`, ...) in /proc/self/smaps for the mapping holding `addr`.
+    fn smaps_at(addr: usize, fields: &[&str]) -> u64 {
         let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
         let mut inside = false;
-        let mut kib = 0;
+        let mut sum = 0;
         for line in smaps.lines() {
             let first = line.split_whitespace().next().unwrap_or("");
             if let Some((lo, hi)) = first.split_once('-').filter(|_| !first.ends_with(':')) {
                 let range = usize::from_str_radix(lo, 16).ok().zip(usize::from_str_radix(hi, 16).ok());
                 inside = range.is_some_and(|(lo, hi)| (lo..hi).contains(&addr));
-            } else if inside && (first == "Shared_Hugetlb:" || first == "Private_Hugetlb:") {
-                kib += line.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            } else if inside && fields.contains(&first) {
+                sum += line.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
             }
         }
-        kib
+        sum
+    }
+
+    fn hugetlb_kib_at(addr: usize) -> u64 {
+        smaps_at(addr, &["Shared_Hugetlb:", "Private_Hugetlb:"])
     }
 
     fn roundtrip(store: &Store) {
@@ -893,9 +1077,73 @@ mod tests {
 
     #[test]
     fn a_ram_store_moves_vectors() {
-        let store = Store::ram(1 << 20).unwrap();
-        assert_eq!(store.kind(), StoreKind::Ram);
-        roundtrip(&store);
+        for pages in [RamPages::Transparent, RamPages::Small] {
+            let store = Store::ram_with(1 << 20, pages).unwrap();
+            assert_eq!((store.kind(), store.ram_pages()), (StoreKind::Ram, Some(pages)));
+            roundtrip(&store);
+        }
+        assert_eq!(Store::ram(4096).unwrap().ram_pages(), Some(RamPages::Transparent), "the default");
+        assert!(Store::ram(0).is_err());
+    }
+
+    #[test]
+    fn a_sparse_ram_store_copies_plainly_until_each_2m_piece_has_taken_2m_of_writes() {
+        const M: u64 = 1 << 20;
+        for pages in [RamPages::Transparent, RamPages::Small] {
+            let store = Store::ram_with(5 * M, pages).unwrap();
+            assert!(store.first_writes(0, M) && store.first_writes(M, M - 4096), "{pages:?}");
+            // The piece's last 4 KiB, with 4 KiB of the next: both counted.
+            assert!(store.first_writes(2 * M - 4096, 8192));
+            assert!(!store.first_writes(0, 512), "piece 0 has taken 2 MiB");
+            assert!(store.first_writes(2 * M + 4096, 2 * M - 8192), "piece 1 has 4 KiB short of 2 MiB");
+            assert!(store.first_writes(4 * M - 4096, 4096));
+            assert!(!store.first_writes(2 * M, 1));
+            // The last piece is a short one (1 MiB): it counts as any.
+            assert!(
+                store.first_writes(4 * M, M)
+                    && store.first_writes(4 * M, M)
+                    && !store.first_writes(5 * M - 1, 1)
+            );
+            // Given back whole: empty again; a piece only partly given back stays counted.
+            store.write_zeroes(100, 4 * M).unwrap();
+            assert!(
+                !store.first_writes(0, 1) && store.first_writes(2 * M, 1) && !store.first_writes(M * 4, 1)
+            );
+            // Bytes land either way.
+            store.write(2 * M - 3, &[1, 2, 3, 4, 5, 6]).unwrap();
+            let mut back = [0u8; 6];
+            store.read(2 * M - 3, &mut back).unwrap();
+            assert_eq!(back, [1, 2, 3, 4, 5, 6]);
+        }
+        if let Ok(store) = Store::ram_huge(HUGE_PAGE) {
+            assert!(!store.first_writes(0, 4096), "huge pages are zeroed at creation: writes stream");
+        }
+    }
+
+    #[test]
+    fn a_transparent_ram_store_asks_for_huge_pages_and_gives_zeroed_pages_back() {
+        let store = Store::ram_with(8 * HUGE_PAGE, RamPages::Transparent).unwrap();
+        let at = store.ram.as_ref().unwrap().as_ptr() as usize;
+        let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+        if thp.contains("[always]") || thp.contains("[madvise]") {
+            // The mapping may take huge pages (whether a fault gets one depends on the host's
+            // free memory at the time, so only the eligibility is certain).
+            assert_eq!(smaps_at(at, &["THPeligible:"]), 1, "THP: {thp}");
+        }
+        let data = vec![0x5au8; 4 * HUGE_PAGE as usize];
+        store.write(0, &data).unwrap();
+        let rss = smaps_at(at, &["Rss:"]);
+        assert!(rss >= 4 * HUGE_PAGE / 1024, "written pages are in: {rss} KiB");
+        // Zeroing all but 100 bytes at either end gives the whole pages between back.
+        store.write_zeroes(100, 4 * HUGE_PAGE - 200).unwrap();
+        let after = smaps_at(at, &["Rss:"]);
+        assert!(after <= rss - (4 * HUGE_PAGE / 1024 - 8), "{rss} KiB before, {after} KiB after");
+        let mut back = vec![1u8; data.len()];
+        store.read(0, &mut back).unwrap();
+        assert!(
+            back[..100].iter().all(|&b| b == 0x5a) && back[back.len() - 100..].iter().all(|&b| b == 0x5a)
+        );
+        assert!(back[100..back.len() - 100].iter().all(|&b| b == 0));
     }
 
     #[test]

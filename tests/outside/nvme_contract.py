@@ -44,7 +44,7 @@ What it checks (one group per doc area; --list names them)
     reset      disable / DEVICE_RESET / disconnect with I/O in flight; SMART counters
     unmap      DMA_UNMAP under I/O, truncated memory, unmapped and fd-less rings (CFS), BME
     files      file namespaces (writeback, O_DIRECT, io_uring, sync), locks, persistence, identity,
-               pin modes and fixed buffers, ram_pages=2m, option refusals, umdev define
+               pin modes and fixed buffers, ram_pages, option refusals, umdev define
     stats      the describe JSON through a daemon instance (umdev stats, umdev list --json)
     stress     PRPs across adjacent mappings, repeated pages, list-in-data; 4095-entry bursts,
                64 queue pairs, two SQs on a 2-entry CQ
@@ -3068,7 +3068,7 @@ def t_files(env):
     core = out_run.split('umdev: ', 1)[-1].split(' | ')[0].strip()
     R.check(r and pdef.returncode != 0 and core and core.split(': ', 1)[-1] in pdef.stderr + pdef.stdout, opt + ' (umdev define)',
             '`umdev define` refuses cache1=none on a RAM namespace with the message `run` gives', (core, (pdef.stderr + pdef.stdout).strip()[:200]))
-    # RAM namespaces on 2 MiB pages
+    # RAM namespaces on each kind of page
     hp = NV('Instance options', 'ram_pages')
     free = 0
     try:
@@ -3076,35 +3076,44 @@ def t_files(env):
             free = int(re.search(r'HugePages_Free:\s+(\d+)', f.read()).group(1))
     except (OSError, AttributeError):
         pass
-    if free >= 4:
-        p = env.start(['ns1=ram:4M', 'ram_pages=2M'])
+    def ram_disk(pages, how):
+        # 4 MiB in any pages: 1 MiB across the middle 2 MiB boundary, then zeroes by Write
+        # Zeroes and by deallocation, which read back as zeroes with the rest intact
+        p = env.start(['ns1=ram:4M', 'ram_pages=' + pages])
         c, g, ctl = bring_up(p.sock)
         try:
             e, n1 = ctl.identify(0, nsid=1)
-            R.eq(struct.unpack_from('<Q', n1, 0)[0], 8192, hp, 'ram_pages=2M (any case), ram:4M: 8192 blocks')
+            R.eq(struct.unpack_from('<Q', n1, 0)[0], 8192, hp, 'ram_pages=%s, ram:4M: 8192 blocks' % pages)
             ctl.io_pair(1, 16)
             big = rand_bytes(1 << 20, 61)
             e, _ = xfer(ctl, g, 1, IO_WRITE, 4096, big, scattered_pages(g, 256))
             e2, back = xfer(ctl, g, 1, IO_READ, 4096, 1 << 20, scattered_pages(g, 256))
-            R.check(e.st == OK and e2.st == OK and back == big, hp, '1 MiB Write and Read across the 2 MiB page boundary', (e, e2))
-            st_check(ctl.cmd(1, sqe(IO_WZ, nsid=1, cdw10=4100, cdw12=99)), OK, hp, 'Write Zeroes (zeroes in place)')
+            R.check(e.st == OK and e2.st == OK and back == big, hp, 'ram_pages=%s: 1 MiB Write and Read across the 2 MiB boundary' % pages, (e, e2))
+            st_check(ctl.cmd(1, sqe(IO_WZ, nsid=1, cdw10=4100, cdw12=99)), OK, hp, 'ram_pages=%s: Write Zeroes (%s)' % (pages, how))
             rng = g.alloc(1)
             g.write(rng, struct.pack('<IIQ', 0, 100, 5000))
-            st_check(ctl.cmd(1, sqe(IO_DSM, nsid=1, prp1=rng, cdw11=4)), OK, hp, 'DSM deallocate (zeroes in place)')
+            st_check(ctl.cmd(1, sqe(IO_DSM, nsid=1, prp1=rng, cdw11=4)), OK, hp, 'ram_pages=%s: DSM deallocate (%s)' % (pages, how))
             e2, back = xfer(ctl, g, 1, IO_READ, 4096, 1 << 20, scattered_pages(g, 256))
             want = bytearray(big)
             want[4 * 512:104 * 512] = bytes(100 * 512)
             want[904 * 512:1004 * 512] = bytes(100 * 512)
-            R.check(e2.st == OK and back == bytes(want), hp, 'both ranges read as zeroes, the rest intact', e2)
+            R.check(e2.st == OK and back == bytes(want), hp, 'ram_pages=%s: both ranges read as zeroes, the rest intact' % pages, e2)
         finally:
             teardown(c, g)
             env.stop(p)
+    # the default, thp, and 4k take any host; upper case is accepted as for any choice
+    ram_disk('thp', 'whole pages given back')
+    ram_disk('4K', 'a hole punched')
+    if free >= 4:
+        ram_disk('2M', 'zeroes in place')
         r, out = env.refused(['ns1=ram:1T', 'ram_pages=2m'])
         R.check(r and '524288' in out and str(free) in out, hp, 'a pool too small is refused with the pages needed (524288) and free (%d)' % free, out)
     else:
         R.note(hp, 'ram_pages=2m not exercised: the host\'s pool has %d free 2 MiB pages' % free)
     r, out = env.refused(['ns1=ram:3M', 'ram_pages=2m'])
     R.check(r, hp, 'ram_pages=2m with a RAM namespace not a whole number of 2 MiB: refused', out)
+    r, out = env.refused(['ns1=ram:1M', 'ram_pages=1g'])
+    R.check(r and 'thp' in out and '4k' in out and '2m' in out, hp, 'ram_pages=1g refused, naming thp, 4k and 2m', out)
     # refusals
     small = os.path.join(d, 'small.img')
     with open(small, 'wb') as f:

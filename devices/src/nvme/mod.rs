@@ -278,10 +278,11 @@ impl NvmeConfig {
             ),
             OptionSpec::new(
                 "ram_pages",
-                ValueSyntax::Choice(&["4k", "2m"]),
-                Some("4k"),
-                "pages of the RAM namespaces: 4k (a sparse memfd, any host) or 2m (the host's hugetlb pool, which \
-                 must hold them: sizes in whole 2 MiB, first writes and the TLB cheaper)",
+                ValueSyntax::Choice(&["thp", "4k", "2m"]),
+                Some("thp"),
+                "pages of the RAM namespaces: thp (memory taken as written, 2 MiB at a time on transparent huge \
+                 pages where the host gives them), 4k (a sparse memfd, taken 4 KiB at a time) or 2m (the host's \
+                 hugetlb pool, which must hold them: sizes in whole 2 MiB, all reserved at creation)",
             ),
             OptionSpec::new(
                 "serial",
@@ -315,7 +316,7 @@ impl NvmeConfig {
         if let Some(v) = p.word("lba") {
             config.lba_shift = if v == "4096" { 12 } else { 9 };
         }
-        let huge = p.word("ram_pages") == Some("2m");
+        let (huge, small) = (p.word("ram_pages") == Some("2m"), p.word("ram_pages") == Some("4k"));
         for (key, value) in p.iter() {
             let (Some(n), OptionValue::Store(store)) = (key.strip_prefix("ns"), value) else { continue };
             // The schema let only ns1..ns16 through.
@@ -335,6 +336,7 @@ impl NvmeConfig {
                     })
                 }
                 StoreSpec::Ram(bytes) if huge => Backing::HugeRam(*bytes),
+                StoreSpec::Ram(bytes) if small => Backing::SmallRam(*bytes),
                 StoreSpec::Ram(bytes) => Backing::Ram(*bytes),
                 StoreSpec::File(path) => Backing::File(path.clone(), Cache::default()),
             };
@@ -353,10 +355,13 @@ impl NvmeConfig {
             }
         }
         if config.namespaces.is_empty() {
-            // The default namespace: 1 GiB of RAM, on huge pages if asked (a whole number of them).
+            // The default namespace: 1 GiB of RAM, on the pages asked for (a whole number of
+            // huge pages).
             config.namespaces = NvmeConfig::default().namespaces;
             if huge {
                 config.namespaces = vec![Some(Backing::HugeRam(1 << 30))];
+            } else if small {
+                config.namespaces = vec![Some(Backing::SmallRam(1 << 30))];
             }
         }
         if p.word("aio") == Some("sync") {
@@ -459,8 +464,7 @@ impl NvmeConfig {
                 return refuse("fixed_buffers", why);
             }
         }
-        let ram =
-            self.namespaces.iter().flatten().any(|b| matches!(b, Backing::Ram(_) | Backing::HugeRam(_)));
+        let ram = self.namespaces.iter().flatten().any(|b| !matches!(b, Backing::File(..)));
         if p.get("ram_pages").is_some() && !ram {
             return refuse("ram_pages", "no namespace is a RAM disk");
         }
@@ -521,7 +525,7 @@ fn canonical_file(b: &Backing) -> Option<std::path::PathBuf> {
             Some(p.clone())
         }
         Backing::File(p, _) => Some(std::fs::canonicalize(p).unwrap_or_else(|_| p.clone())),
-        Backing::Ram(_) | Backing::HugeRam(_) => None,
+        Backing::Ram(_) | Backing::SmallRam(_) | Backing::HugeRam(_) => None,
     }
 }
 
@@ -549,7 +553,7 @@ fn warn_if_ram_exceeds_host(config: &NvmeConfig) {
         .iter()
         .flatten()
         .map(|b| match b {
-            Backing::Ram(n) => *n,
+            Backing::Ram(n) | Backing::SmallRam(n) => *n,
             Backing::HugeRam(_) | Backing::File(..) => 0, // reserved up front, or on disk
         })
         .sum();
@@ -943,7 +947,13 @@ mod tests {
         };
         assert!(matches!(config(&[("ram_pages", "2m")])[..], [Some(Backing::HugeRam(0x4000_0000))]));
         assert!(matches!(config(&[])[..], [Some(Backing::Ram(0x4000_0000))]));
-        assert!(matches!(config(&[("ram_pages", "4k")])[..], [Some(Backing::Ram(0x4000_0000))]));
+        assert!(matches!(config(&[("ram_pages", "thp")])[..], [Some(Backing::Ram(0x4000_0000))]));
+        assert!(matches!(config(&[("ram_pages", "4k")])[..], [Some(Backing::SmallRam(0x4000_0000))]));
+        let two = [("ns1", "ram:4m"), ("ns2", "ram:2m"), ("ram_pages", "4k")];
+        assert!(matches!(
+            config(&two)[..],
+            [Some(Backing::SmallRam(0x40_0000)), Some(Backing::SmallRam(0x20_0000))]
+        ));
     }
 
     #[test]

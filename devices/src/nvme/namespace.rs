@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use thiserror::Error;
 
-use crate::store::{Cache, Store, StoreKind};
+use crate::store::{Cache, RamPages, Store, StoreKind};
 
 /// The most namespaces a controller has (NSIDs 1 to 16).
 pub const MAX_NAMESPACES: u32 = 16;
@@ -12,8 +12,11 @@ pub const MAX_NAMESPACES: u32 = 16;
 /// What a namespace is made of, as the options name it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Backing {
-    /// A RAM disk (a sparse memfd) of this many bytes.
+    /// A RAM disk of this many bytes, on transparent huge pages where the host gives them
+    /// (`ram_pages=thp`, the default).
     Ram(u64),
+    /// A RAM disk on 4 KiB pages only (a sparse memfd: `ram_pages=4k`) of this many bytes.
+    SmallRam(u64),
     /// A RAM disk on 2 MiB huge pages (a hugetlb memfd) of this many bytes.
     HugeRam(u64),
     /// A host file or block device, read and written in place, in a cache mode.
@@ -86,8 +89,13 @@ impl Namespace {
         nguid: [u8; 16],
     ) -> Result<Namespace, NamespaceError> {
         let (store, path) = match backing {
-            Backing::Ram(size) => {
-                (Store::ram(*size).map_err(|source| NamespaceError::Ram { id, source })?, None)
+            Backing::Ram(size) | Backing::SmallRam(size) => {
+                let pages = if matches!(backing, Backing::SmallRam(_)) {
+                    RamPages::Small
+                } else {
+                    RamPages::Transparent
+                };
+                (Store::ram_with(*size, pages).map_err(|source| NamespaceError::Ram { id, source })?, None)
             }
             Backing::HugeRam(size) => {
                 let store = Store::ram_huge(*size).map_err(|source| {
