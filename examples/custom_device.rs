@@ -21,7 +21,9 @@ use std::sync::{Arc, Mutex};
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use umdev_mdev::irq::IrqHandle;
-use umdev_mdev::pci::{Bar, ClassCode, ConfigSpaceBuilder, PciDevice, PciIds, Reg, RegMap, SimpleFunction};
+use umdev_mdev::pci::{
+    Bar, ClassCode, ConfigSpaceBuilder, MsiCap, PciDevice, PciIds, Reg, RegMap, SimpleFunction,
+};
 use umdev_mdev::DeviceError;
 use umdev_server::{Daemon, InstanceConfig};
 
@@ -47,7 +49,11 @@ fn config() -> ConfigSpaceBuilder {
         revision: 1,
         class,
     };
-    ConfigSpaceBuilder::new(ids).bar(0, Bar::mem32(4096)).msi(1, false, true)
+    ConfigSpaceBuilder::new(ids).bar(0, Bar::mem32(4096)).msi(MsiCap {
+        vectors: 1,
+        per_vector_mask: false,
+        addr64: true,
+    })
 }
 
 /// Step 2: the function: plain fields and `&mut self`, since the framework serializes calls.

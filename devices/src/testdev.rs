@@ -19,8 +19,8 @@ use umdev_mdev::guest::GuestError;
 use umdev_mdev::irq::IrqHandle;
 use umdev_mdev::pci::regmap::merge;
 use umdev_mdev::pci::{
-    Bar, ClassCode, ConfigSpaceBuilder, Host, MsixCap, PciDevice, PciDeviceError, PciFunction, PciIds, Reg,
-    RegMap,
+    Bar, ClassCode, ConfigSpaceBuilder, Host, MsiCap, MsixCap, PciDevice, PciDeviceError, PciFunction,
+    PciIds, Reg, RegMap,
 };
 use umdev_mdev::request::{self, Completion, Lane, Permit};
 use umdev_mdev::worker::{Poll, Waiter, Wake, Worker};
@@ -129,7 +129,7 @@ pub fn config() -> ConfigSpaceBuilder {
         .bar(2, Bar::io(BAR2_SIZE))
         .interrupt_pin(1)
         .power_management()
-        .msi(1, false, true)
+        .msi(MsiCap { vectors: 1, per_vector_mask: false, addr64: true })
         .msix(MsixCap {
             vectors: MSIX_VECTORS,
             table_bar: 0,

@@ -26,7 +26,7 @@ use self::program::{Reason, Status};
 pub use crate::store::Store;
 use umdev_mdev::irq::IrqHandle;
 use umdev_mdev::pci::bar::Bar;
-use umdev_mdev::pci::caps::MsixCap;
+use umdev_mdev::pci::caps::{MsiCap, MsixCap};
 use umdev_mdev::pci::config::{ClassCode, ConfigSpaceBuilder, PciIds};
 use umdev_mdev::pci::device::{Host, PciDevice, PciFunction};
 use umdev_mdev::pci::regmap::{Reg, RegMap};
@@ -159,7 +159,7 @@ pub fn config(subchannels: u32) -> ConfigSpaceBuilder {
         .bar(0, Bar::mem32(BAR0_SIZE))
         .interrupt_pin(1)
         .power_management()
-        .msi(1, false, true)
+        .msi(MsiCap { vectors: 1, per_vector_mask: false, addr64: true })
         .msix(MsixCap {
             vectors: subchannels as u16,
             table_bar: 0,

@@ -39,8 +39,8 @@ use uart::{HostLine, Line, Uart};
 
 use umdev_mdev::irq::{IrqHandle, IrqMode};
 use umdev_mdev::pci::{
-    Bar, ClassCode, ConfigSpaceBuilder, PciDevice, PciDeviceError, PciIds, Reg, RegMap, Shared, SharedRef,
-    SimpleFunction, Waker, WeakShared,
+    Bar, ClassCode, ConfigSpaceBuilder, MsiCap, PciDevice, PciDeviceError, PciIds, Reg, RegMap, Shared,
+    SharedRef, SimpleFunction, Waker, WeakShared,
 };
 use umdev_mdev::types::{
     parse_options, DeviceType, InstanceOptions, OptionSpec, Pool, TypeError, ValueSyntax,
@@ -237,7 +237,7 @@ pub fn config(ports: usize) -> Result<ConfigSpaceBuilder, MttyError> {
     for bar in 0..ports {
         builder = builder.bar(bar, Bar::io(PORT_BAR_SIZE));
     }
-    Ok(builder.interrupt_pin(1).msi(1, false, true))
+    Ok(builder.interrupt_pin(1).msi(MsiCap { vectors: 1, per_vector_mask: false, addr64: true }))
 }
 
 /// An mtty card as the server serves it: the [`Mtty`] state, shared with its timer and

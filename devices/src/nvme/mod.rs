@@ -62,7 +62,7 @@ use self::spec::reg;
 use self::stats::Totals;
 use crate::store::Cache;
 use umdev_mdev::pci::{
-    Bar, ClassCode, ConfigSpaceBuilder, MsixCap, PciDevice, PciFunction, PciIds, Reg, RegMap,
+    Bar, ClassCode, ConfigSpaceBuilder, MsiCap, MsixCap, PciDevice, PciFunction, PciIds, Reg, RegMap,
 };
 use umdev_mdev::types::{parse_options, OptionSpec, OptionValue, ParsedOptions, StoreSpec, ValueSyntax};
 use umdev_mdev::{DeviceError, RegionMmap, SparseArea};
@@ -617,7 +617,7 @@ pub fn config(io_queues: u16) -> ConfigSpaceBuilder {
         .bar(0, Bar::mem64(BAR0_SIZE))
         .interrupt_pin(1)
         .power_management()
-        .msi(1, true, true)
+        .msi(MsiCap { vectors: 1, per_vector_mask: true, addr64: true })
         .msix(MsixCap {
             vectors: io_queues + 1,
             table_bar: 0,

@@ -228,9 +228,10 @@ impl ConfigSpaceBuilder {
         self
     }
 
-    /// An MSI capability with `vectors` (a power of two, 1..=32) vectors.
-    pub fn msi(mut self, vectors: u32, per_vector_mask: bool, addr64: bool) -> Self {
-        self.caps.push(Capability::Msi(MsiCap { vectors, per_vector_mask, addr64 }));
+    /// An MSI capability of `cap.vectors` (a power of two, 1..=32) vectors, with per-vector
+    /// masking and a 64-bit address if it says so.
+    pub fn msi(mut self, cap: MsiCap) -> Self {
+        self.caps.push(Capability::Msi(cap));
         self
     }
 

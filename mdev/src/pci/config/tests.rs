@@ -60,7 +60,7 @@ fn everything() -> ConfigSpace {
         .bar(0, Bar::mem32(4096))
         .interrupt_pin(1)
         .power_management()
-        .msi(4, true, true)
+        .msi(MsiCap { vectors: 4, per_vector_mask: true, addr64: true })
         .msix(msix(16, (0, 0x800), (0, 0xc00)))
         .pcie()
         .build()
@@ -372,8 +372,14 @@ fn declarations_are_validated() {
     assert_eq!(b().bar(5, Bar::mem64(4096)).build().unwrap_err(), ConfigError::Mem64NoUpperSlot { index: 5 });
     assert!(matches!(b().bar(0, Bar::mem32(3000)).build(), Err(ConfigError::BarSize { .. })));
     assert_eq!(b().interrupt_pin(5).build().unwrap_err(), ConfigError::InterruptPin(5));
-    assert_eq!(b().msi(3, false, false).build().unwrap_err(), ConfigError::MsiVectors(3));
-    assert_eq!(b().msi(64, false, false).build().unwrap_err(), ConfigError::MsiVectors(64));
+    assert_eq!(
+        b().msi(MsiCap { vectors: 3, per_vector_mask: false, addr64: false }).build().unwrap_err(),
+        ConfigError::MsiVectors(3)
+    );
+    assert_eq!(
+        b().msi(MsiCap { vectors: 64, per_vector_mask: false, addr64: false }).build().unwrap_err(),
+        ConfigError::MsiVectors(64)
+    );
     assert_eq!(
         b().power_management().power_management().build().unwrap_err(),
         ConfigError::DuplicateCapability("power management")

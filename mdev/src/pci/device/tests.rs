@@ -9,7 +9,7 @@ use super::*;
 use crate::device::{IrqAction, IrqData, SparseArea};
 use crate::irq::Delivery;
 use crate::pci::regs::{COMMAND, MSI_CTRL_ENABLE, STATUS, STATUS_INTERRUPT};
-use crate::pci::{Bar, ClassCode, PciIds};
+use crate::pci::{Bar, ClassCode, MsiCap, PciIds};
 use crate::{VFIO_PCI_MSI_IRQ_INDEX, VFIO_PCI_ROM_REGION_INDEX, VFIO_PCI_VGA_REGION_INDEX};
 
 /// BAR0: 16 KiB of memory the function stores, MSI-X table at 0x2000 and PBA at 0x3000.
@@ -74,7 +74,7 @@ fn builder() -> ConfigSpaceBuilder {
         .bar(0, Bar::mem32(0x4000))
         .bar(2, Bar::mem64(0x10000))
         .interrupt_pin(1)
-        .msi(4, true, false)
+        .msi(MsiCap { vectors: 4, per_vector_mask: true, addr64: false })
         .msix(MsixCap { vectors: 4, table_bar: 0, table_offset: 0x2000, pba_bar: 0, pba_offset: 0x3000 })
 }
 
