@@ -3,10 +3,11 @@
 //! Mediated devices emulated in user space: the boundary between a device and the vfio-user
 //! server ([`VfioDevice`], [`DeviceContext`]), and the shared machinery devices are built
 //! from: PCI config space and register maps ([`pci`]), interrupts ([`irq`]), typed guest
-//! access ([`guest`]), request permits ([`request`]), device threads ([`worker`]), device
-//! types ([`types`]), host files and block devices as backings ([`backing`]),
-//! listening Unix sockets only their owner can reach ([`unix_socket`]) and, with the
-//! `contract` feature, the device contract as a test ([`contract`]). The devices themselves are
+//! access ([`guest`]), request permits ([`request`]), device threads ([`worker`]) and their
+//! scheduling ([`sched`]), device types ([`types`]), host files and block devices as
+//! backings ([`backing`]), listening Unix sockets only their owner can reach
+//! ([`unix_socket`]) and, with the `contract` feature, the device contract as a test
+//! ([`contract`]). The devices themselves are
 //! in `umdev-devices`; which of them a binary serves is the binary's choice.
 //!
 //! What it is not: it speaks no protocol (the server crate turns vfio-user messages into
@@ -30,6 +31,7 @@ pub mod guest;
 pub mod irq;
 pub mod pci;
 pub mod request;
+pub mod sched;
 pub mod types;
 pub mod unix_socket;
 pub mod worker;

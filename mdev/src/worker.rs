@@ -467,6 +467,7 @@ impl<S: Copy + Send + 'static> Worker<S> {
         let control = waiter.control.clone();
         let thread = std::thread::Builder::new().name(name.clone()).spawn(move || {
             let _ended = Ended(waiter.control.clone());
+            crate::sched::short_slice();
             body(waiter);
         })?;
         *sync::lock(&bell.0.thread) = Some(thread.thread().clone());
