@@ -984,6 +984,12 @@ mod tests {
         assert_eq!((cut[2].stdout_to.as_deref(), cut[2].background), (Some("a b"), true));
         let quoted = docs::simple_commands(r#"qemu -device '{"a": "b c"}' ..."#);
         assert_eq!(quoted[0].words[2], r#"{"a": "b c"}"#);
+        // Assignments before the program are the environment's, as a shell takes them.
+        let env = &docs::simple_commands("UMDEV_SLICE_US=100 umdev nvmebench --only=4k")[0];
+        assert_eq!(
+            (env.program(), env.umdev_args("u")),
+            (Some("umdev"), Some(vec!["nvmebench".into(), "--only=4k".into()]))
+        );
         // A wrong command is caught: the one docs/nvme.md showed.
         let wrong = docs::simple_commands("umdev stats UUID")[0].umdev_args("u").unwrap();
         assert!(cli_command()

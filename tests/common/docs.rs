@@ -35,10 +35,16 @@ impl Simple {
         self.words.iter().map(String::as_str).find(|w| !w.contains('=') || w.starts_with('-'))
     }
 
-    /// The arguments of `umdev` (also spelled `cargo run --release --`), placeholders for a
-    /// UUID (`<uuid>`, `UUID`, `5a1e4c36-...`) replaced by `uuid`; `None` for other programs.
+    /// The arguments of `umdev` (also spelled `cargo run --release --`), past `VAR=value`
+    /// assignments, placeholders for a UUID (`<uuid>`, `UUID`, `5a1e4c36-...`) replaced by
+    /// `uuid`; `None` for other programs.
     pub fn umdev_args(&self, uuid: &str) -> Option<Vec<String>> {
-        let words: Vec<&str> = self.words.iter().map(String::as_str).collect();
+        let words: Vec<&str> = self
+            .words
+            .iter()
+            .map(String::as_str)
+            .skip_while(|w| w.contains('=') && !w.starts_with('-'))
+            .collect();
         let rest = match words.as_slice() {
             ["umdev", rest @ ..] => rest,
             ["cargo", "run", "--release", "--", rest @ ..] => rest,
