@@ -224,8 +224,12 @@ impl Store {
     /// Private anonymous memory, not reserved (`MAP_NORESERVE`: a disk may be larger than
     /// the host's memory, as a sparse file may), asked for on huge pages and kept out of any
     /// child the process forks (which would otherwise share it copy-on-write until it
-    /// execs, and make the disk's next writes copy their pages).
+    /// execs, and make the disk's next writes copy their pages). The mapping is a whole
+    /// number of 2 MiB, which Linux (6.7 and later) places on a 2 MiB boundary: each 2 MiB of
+    /// the disk is then one huge page, not parts of two. Its tail past `len` is never used.
     fn map_anonymous(len: usize) -> io::Result<MmapRegion> {
+        let len =
+            len.checked_next_multiple_of(HUGE_PAGE as usize).ok_or_else(|| invalid("store too large"))?;
         let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
         let region =
             MmapRegion::build(None, len, libc::PROT_READ | libc::PROT_WRITE, flags).map_err(mmap_error)?;
@@ -450,33 +454,35 @@ impl Store {
         self.file_vectored(pos, bufs, Direction::Write, flags)
     }
 
-    /// Whether `[pos, pos + len)` of a sparse RAM disk lies in a 2 MiB piece that has taken
-    /// less than 2 MiB of writes since it was last empty, counting these: its pages were (or
-    /// are about to be) zeroed by the kernel at their first write, with cached stores, so
-    /// their lines are likely in the cache, where a plain copy overwrites them and streaming
-    /// stores would first have to push them out (a first fill of 1 GiB on transparent huge
-    /// pages: 7.3 GB/s plainly, 4.5 streamed; docs/benchmarks.md). Once a piece is full, its
-    /// writes stream. The count is a hint, updated without ordering: a race costs speed, never
-    /// bytes.
+    /// Whether `[pos, pos + len)` of a sparse RAM disk starts in a 2 MiB piece that has taken
+    /// less than 2 MiB of writes since it was last empty, counting these bytes in each piece
+    /// they fall in (a copy is plain or streamed whole, as its first piece says). Such a
+    /// piece's pages were (or are about to be) zeroed by the kernel at their first write,
+    /// with cached stores, so their lines are likely in the cache, where a plain copy
+    /// overwrites them and streaming stores would first have to push them out (a first fill
+    /// of 1 GiB on transparent huge pages: 7.3 GB/s plainly, 4.5 streamed;
+    /// docs/benchmarks.md). Once a piece is full, its writes stream. The count is a hint,
+    /// updated without ordering: a race costs speed, never bytes.
     fn first_writes(&self, pos: u64, len: u64) -> bool {
-        let Some(first) = self.filling.get((pos / HUGE_PAGE) as usize) else { return false };
-        if first.load(Ordering::Relaxed) >= HUGE_PAGE as u32 {
-            return false;
-        }
+        const FULL: u32 = HUGE_PAGE as u32;
+        let mut first = None;
         let (mut at, end) = (pos, pos.saturating_add(len));
-        while at < end {
-            let piece_end = (at / HUGE_PAGE + 1) * HUGE_PAGE;
-            let n = piece_end.min(end) - at;
-            if let Some(count) = self.filling.get((at / HUGE_PAGE) as usize) {
-                // At most 2 MiB per call (n <= HUGE_PAGE), so the sum cannot wrap before the
-                // piece is counted full.
+        while let Some(count) = self.filling.get((at / HUGE_PAGE) as usize) {
+            // At most 2 MiB per piece (n <= HUGE_PAGE), so a count cannot wrap.
+            let n = ((at / HUGE_PAGE + 1) * HUGE_PAGE).min(end).saturating_sub(at);
+            let filling = count.load(Ordering::Relaxed) < FULL;
+            if filling {
                 let _ = count.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
-                    (c < HUGE_PAGE as u32).then(|| c.saturating_add(n as u32).min(HUGE_PAGE as u32))
+                    (c < FULL).then(|| c.saturating_add(n as u32).min(FULL))
                 });
             }
+            first.get_or_insert(filling);
             at += n;
+            if n == 0 || at >= end {
+                break;
+            }
         }
-        true
+        first.unwrap_or(false)
     }
 
     /// A file's transfer: O_DIRECT if it fits ([`Store::direct_fits`]) and the kernel takes
@@ -584,14 +590,18 @@ impl Store {
     /// are given back (`MADV_DONTNEED`: a private anonymous page reads as zeros after), the
     /// rest at either end is written.
     fn discard_anonymous(&self, region: &MmapRegion, pos: u64, len: u64) -> io::Result<()> {
-        const PAGE: u64 = 4096;
+        // SAFETY: sysconf has no preconditions.
+        let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+            n if n > 0 => n as u64,
+            _ => return self.write_zeros_slowly(pos, len),
+        };
         let end = pos + len;
-        let (first, last) = (pos.next_multiple_of(PAGE), end / PAGE * PAGE);
+        let (first, last) = (pos.next_multiple_of(page), end / page * page);
         if first >= last {
             return self.write_zeros_slowly(pos, len);
         }
         let base = region.as_ptr() as u64;
-        if !base.is_multiple_of(PAGE) {
+        if !base.is_multiple_of(page) {
             return self.write_zeros_slowly(pos, len);
         }
         // SAFETY: `[first, last)` is inside the store (checked by the caller), so inside the
@@ -613,10 +623,26 @@ impl Store {
     /// `[first, last)` of a sparse RAM disk was given back: its whole 2 MiB pieces are empty
     /// again, and their next writes first writes ([`Store::first_writes`]).
     fn emptied(&self, first: u64, last: u64) {
-        for piece in first.div_ceil(HUGE_PAGE)..last / HUGE_PAGE {
+        // A piece counts if all of it that is in the disk was given back (the last may be
+        // short).
+        let mut piece = first.div_ceil(HUGE_PAGE);
+        loop {
+            let start = piece.saturating_mul(HUGE_PAGE);
+            if start >= last || start.saturating_add(HUGE_PAGE).min(self.size) > last {
+                return;
+            }
             if let Some(count) = self.filling.get(piece as usize) {
                 count.store(0, Ordering::Relaxed);
             }
+            piece += 1;
+        }
+    }
+
+    /// Counts every piece full, as after a first fill: writes stream from now on.
+    #[cfg(test)]
+    fn mark_full(&self) {
+        for count in self.filling.iter() {
+            count.store(HUGE_PAGE as u32, Ordering::Relaxed);
         }
     }
 
@@ -990,6 +1016,17 @@ mod tests {
         sum
     }
 
+    /// 4 KiB pages of `[addr, addr + len)` in memory (`mincore`): exactly the range, where
+    /// smaps counts the whole mapping, which the kernel may have merged with a neighbour.
+    fn resident_pages(addr: usize, len: usize) -> usize {
+        let mut vec = vec![0u8; len.div_ceil(4096)];
+        // SAFETY: `[addr, addr + len)` is mapped (a live store's), page-aligned at `addr`, and
+        // `vec` has a byte per page of it for the kernel to write.
+        let rc = unsafe { libc::mincore(addr as *mut libc::c_void, len, vec.as_mut_ptr()) };
+        assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+        vec.iter().filter(|&&b| b & 1 != 0).count()
+    }
+
     fn hugetlb_kib_at(addr: usize) -> u64 {
         smaps_at(addr, &["Shared_Hugetlb:", "Private_Hugetlb:"])
     }
@@ -1020,8 +1057,19 @@ mod tests {
     #[test]
     fn a_ram_store_write_lands_exactly_at_every_alignment_and_length() {
         // Streaming stores cover the 16-byte-aligned middle of a write; the edges are copied
-        // plainly. Every split of head, body and tail, from either side's alignment.
-        let store = Store::ram(64 << 10).unwrap();
+        // plainly. Every split of head, body and tail, from either side's alignment, on a
+        // disk full (its writes stream) and on a new one (its first writes are plain copies).
+        for full in [true, false] {
+            let store = Store::ram(64 << 10).unwrap();
+            if full {
+                store.mark_full();
+                assert!(!store.first_writes(0, 1), "a full disk's writes stream");
+            }
+            writes_land_exactly(&store);
+        }
+    }
+
+    fn writes_land_exactly(store: &Store) {
         let mut src: Vec<u8> = (0..9000u32).map(|i| (i * 13 + 1) as u8).collect();
         for pos in [0u64, 1, 7, 15, 16, 17, 4095, 4096, 8191] {
             for src_off in [0usize, 1, 8, 15] {
@@ -1109,6 +1157,14 @@ mod tests {
             assert!(
                 !store.first_writes(0, 1) && store.first_writes(2 * M, 1) && !store.first_writes(M * 4, 1)
             );
+            // The short last piece given back whole, to the disk's end: empty again.
+            store.write_zeroes(4 * M, M).unwrap();
+            assert!(store.first_writes(4 * M, 1));
+            // A write from a full piece into the next streams, and still counts in the next.
+            let two = Store::ram_with(4 * M, pages).unwrap();
+            assert!(two.first_writes(0, 2 * M));
+            assert!(!two.first_writes(2 * M - 4096, 2 * M + 4096));
+            assert!(!two.first_writes(2 * M, 1), "piece 1 took its 2 MiB from the write across");
             // Bytes land either way.
             store.write(2 * M - 3, &[1, 2, 3, 4, 5, 6]).unwrap();
             let mut back = [0u8; 6];
@@ -1122,7 +1178,8 @@ mod tests {
 
     #[test]
     fn a_transparent_ram_store_asks_for_huge_pages_and_gives_zeroed_pages_back() {
-        let store = Store::ram_with(8 * HUGE_PAGE, RamPages::Transparent).unwrap();
+        // Not a whole number of 2 MiB: the mapping is, and starts on a 2 MiB boundary.
+        let store = Store::ram_with(8 * HUGE_PAGE - 4096, RamPages::Transparent).unwrap();
         let at = store.ram.as_ref().unwrap().as_ptr() as usize;
         let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
         if thp.contains("[always]") || thp.contains("[madvise]") {
@@ -1130,14 +1187,18 @@ mod tests {
             // free memory at the time, so only the eligibility is certain).
             assert_eq!(smaps_at(at, &["THPeligible:"]), 1, "THP: {thp}");
         }
+        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+        let mut version = release.trim().split(['.', '-']).map(|p| p.parse::<u32>().unwrap_or(0));
+        if (version.next().unwrap_or(0), version.next().unwrap_or(0)) >= (6, 7) {
+            assert_eq!(at % HUGE_PAGE as usize, 0, "Linux {release} places it on 2 MiB");
+        }
         let data = vec![0x5au8; 4 * HUGE_PAGE as usize];
         store.write(0, &data).unwrap();
-        let rss = smaps_at(at, &["Rss:"]);
-        assert!(rss >= 4 * HUGE_PAGE / 1024, "written pages are in: {rss} KiB");
+        let (whole, pages) = (4 * HUGE_PAGE as usize, 4 * HUGE_PAGE as usize / 4096);
+        assert_eq!(resident_pages(at, whole), pages, "written pages are in");
         // Zeroing all but 100 bytes at either end gives the whole pages between back.
         store.write_zeroes(100, 4 * HUGE_PAGE - 200).unwrap();
-        let after = smaps_at(at, &["Rss:"]);
-        assert!(after <= rss - (4 * HUGE_PAGE / 1024 - 8), "{rss} KiB before, {after} KiB after");
+        assert_eq!(resident_pages(at, whole), 2, "only the two edge pages stay");
         let mut back = vec![1u8; data.len()];
         store.read(0, &mut back).unwrap();
         assert!(

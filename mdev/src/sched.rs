@@ -56,7 +56,7 @@ fn from_env(value: Option<&str>) -> Option<Duration> {
     }
 }
 
-/// Gives the calling thread the wanted slice ([`wanted`]), if any, keeping its nice value.
+/// Gives the calling thread the wanted slice ([`wanted`]), if any (see `ask`).
 /// The framework's workers call it as they start; a thread of a device's own that waits for
 /// the client may call it too.
 pub fn short_slice() {
@@ -67,27 +67,30 @@ pub fn short_slice() {
     }
 }
 
-/// Asks the kernel for `slice` for the calling thread (SCHED_OTHER, its nice value kept).
+/// Asks the kernel for `slice` for the calling thread, if its policy is a fair one
+/// (SCHED_OTHER or SCHED_BATCH: a slice means nothing to the others, and a thread the
+/// administrator made real-time or idle stays so), its policy, nice value and
+/// reset-on-fork flag kept.
 fn ask(slice: Duration) -> std::io::Result<()> {
-    // SAFETY: getpriority only reads the calling thread's nice value (who 0: the caller).
-    // -1 is a valid nice value, so errno is cleared first and checked after.
-    let nice = unsafe {
-        *libc::__errno_location() = 0;
-        libc::getpriority(libc::PRIO_PROCESS, 0)
-    };
-    if nice == -1 && std::io::Error::last_os_error().raw_os_error().unwrap_or(0) != 0 {
+    const SCHED_FLAG_RESET_ON_FORK: u64 = 0x01;
+    let size = std::mem::size_of::<SchedAttr>() as u32;
+    let mut attr = SchedAttr::default();
+    // SAFETY: sched_getattr(0, &mut attr, size, 0) writes at most `size` bytes (the struct's
+    // own size) into a live local, about the calling thread.
+    let rc = unsafe { libc::syscall(libc::SYS_sched_getattr, 0, &mut attr as *mut SchedAttr, size, 0) };
+    if rc != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    let attr = SchedAttr {
-        size: std::mem::size_of::<SchedAttr>() as u32,
-        policy: libc::SCHED_OTHER as u32,
-        nice,
-        runtime: u64::try_from(slice.as_nanos()).unwrap_or(u64::MAX),
-        ..SchedAttr::default()
-    };
-    // SAFETY: sched_setattr(0, &attr, 0) reads `attr.size` bytes of a live local of that
-    // size and changes only the calling thread's scheduling.
-    let rc = unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0) };
+    if attr.policy != libc::SCHED_OTHER as u32 && attr.policy != libc::SCHED_BATCH as u32 {
+        return Ok(());
+    }
+    attr.size = size;
+    attr.flags &= SCHED_FLAG_RESET_ON_FORK;
+    attr.runtime = u64::try_from(slice.as_nanos()).unwrap_or(u64::MAX);
+    // SAFETY: sched_setattr(0, &mut attr, 0) reads `attr.size` bytes of a live local of that
+    // size (and, were the size refused with E2BIG, writes the kernel's size into it, which
+    // is why it is passed mutable) and changes only the calling thread's scheduling.
+    let rc = unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &mut attr as *mut SchedAttr, 0) };
     if rc != 0 {
         return Err(std::io::Error::last_os_error());
     }
@@ -126,6 +129,26 @@ mod tests {
     }
 
     #[test]
+    fn a_thread_of_another_policy_keeps_it() {
+        for policy in [libc::SCHED_BATCH, libc::SCHED_IDLE] {
+            std::thread::spawn(move || {
+                let param = libc::sched_param { sched_priority: 0 };
+                // SAFETY: sets the calling thread's policy (both are open to any thread).
+                assert_eq!(unsafe { libc::sched_setscheduler(0, policy, &param) }, 0);
+                ask(Duration::from_micros(300)).unwrap();
+                // SAFETY: reads the calling thread's policy.
+                assert_eq!(unsafe { libc::sched_getscheduler(0) }, policy);
+                let after = slice_of_this_thread();
+                if policy == libc::SCHED_BATCH && takes_slices() && after.is_some() {
+                    assert_eq!(after, Some(300_000), "a batch thread is a fair one: it takes the slice");
+                }
+            })
+            .join()
+            .unwrap();
+        }
+    }
+
+    #[test]
     fn a_thread_gets_the_slice_and_keeps_its_nice_value() {
         std::thread::spawn(|| {
             // SAFETY: setpriority/getpriority on the calling thread only.
@@ -137,6 +160,8 @@ mod tests {
             ask(Duration::from_micros(300)).unwrap();
             // SAFETY: as above.
             assert_eq!(unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) }, nice, "nice kept");
+            // SAFETY: sched_getscheduler on the calling thread only.
+            assert_eq!(unsafe { libc::sched_getscheduler(0) }, libc::SCHED_OTHER, "policy kept");
             let after = slice_of_this_thread();
             if takes_slices() && after.is_some() {
                 assert_eq!(after, Some(300_000), "from {before:?}");

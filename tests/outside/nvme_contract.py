@@ -3102,8 +3102,8 @@ def t_files(env):
             teardown(c, g)
             env.stop(p)
     # the default, thp, and 4k take any host; upper case is accepted as for any choice
-    ram_disk('thp', 'whole pages given back')
-    ram_disk('4K', 'a hole punched')
+    ram_disk('thp', 'deallocated')
+    ram_disk('4K', 'deallocated')
     if free >= 4:
         ram_disk('2M', 'zeroes in place')
         r, out = env.refused(['ns1=ram:1T', 'ram_pages=2m'])
