@@ -461,9 +461,28 @@ fn a_starts_warnings_reach_its_user_and_the_daemons_log() {
     assert!(started.status.success(), "{}", stderr_of(&started));
     let warning = "umdev: nvme: the RAM namespaces hold 1024.0 GiB and the host has";
     assert!(stderr_of(&started).contains(warning), "{}", stderr_of(&started));
+    assert!(stderr_of(&started).contains("where ram_pages=4k takes 4 KiB"), "{}", stderr_of(&started));
     assert!(String::from_utf8_lossy(&started.stdout).starts_with(A), "the start's own output is unchanged");
     let log = std::fs::read_to_string(env.log()).unwrap();
     assert!(log.contains("nvme: the RAM namespaces hold 1024.0 GiB"), "{log}");
+    // On 4 KiB pages the warning has no word about huge pages.
+    let small = env.umdev(&[
+        "start",
+        "-t",
+        "nvme",
+        "-u",
+        "5a1e4c36-0f8e-4a5e-9d2f-00000000e004",
+        "--opt",
+        "ns1=ram:1T",
+        "--opt",
+        "ram_pages=4k",
+    ]);
+    assert!(small.status.success(), "{}", stderr_of(&small));
+    assert!(
+        stderr_of(&small).contains(warning) && !stderr_of(&small).contains("ram_pages"),
+        "{}",
+        stderr_of(&small)
+    );
     // A start without a warning prints none, and other requests carry none.
     let quiet = env.umdev(&["start", "-t", "nvme", "-u", B, "--opt", "ns1=ram:16M"]);
     assert!(quiet.status.success() && stderr_of(&quiet).is_empty(), "{}", stderr_of(&quiet));

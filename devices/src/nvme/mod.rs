@@ -560,11 +560,20 @@ fn warn_if_ram_exceeds_host(config: &NvmeConfig) {
     let Ok(info) = nix::sys::sysinfo::sysinfo() else { return };
     let host = info.ram_total().saturating_add(info.swap_total());
     if ram > host {
+        // A disk that large is meant to be written sparsely, where 2 MiB pages take up to
+        // 512 times what is written.
+        let transparent = config.namespaces.iter().flatten().any(|b| matches!(b, Backing::Ram(_)));
         log::warn!(
             "nvme: the RAM namespaces hold {:.1} GiB and the host has {:.1} GiB of memory and swap: a guest \
-             that fills them exhausts it",
+             that fills them exhausts it{}",
             ram as f64 / f64::from(1 << 30),
-            host as f64 / f64::from(1 << 30)
+            host as f64 / f64::from(1 << 30),
+            if transparent {
+                "; on transparent huge pages (ram_pages=thp, the default) a first write takes 2 MiB of memory \
+                 however small it is, where ram_pages=4k takes 4 KiB"
+            } else {
+                ""
+            }
         );
     }
 }
