@@ -99,6 +99,13 @@ fn one_daemon_serves_many_instances_at_once() {
     assert_eq!(daemon.list().len(), 8);
     assert!(daemon.list().iter().all(|i| i.protocol.messages["region_read"] == 200));
     assert!(matches!(daemon.stop("nope", false), Err(umdev_server::DaemonError::NotFound(_))));
+    // The clients have closed their sockets; each connection thread notices in its own time,
+    // and until then an unforced stop is refused (Busy), as it should be.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while daemon.list().iter().any(|i| i.connected) {
+        assert!(std::time::Instant::now() < deadline, "a client still connected 60 s after closing");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
     daemon.stop("dev3", false).unwrap();
     assert_eq!(daemon.list().len(), 7);
 }
