@@ -18,7 +18,7 @@ use super::queue::{completion, PostError, RingError, Sq};
 use super::spec::{Cqe, Sqe, Status};
 use super::stats;
 use umdev_mdev::guest::GuestError;
-use umdev_mdev::request::Completion;
+use umdev_mdev::request::{Cancel, Completion, Permit};
 use umdev_mdev::DeviceContext;
 
 /// One queue's completion side: what its commands' [`Command`]s post through.
@@ -280,6 +280,18 @@ impl Command {
     pub fn sqe(&self) -> &Sqe {
         &self.sqe
     }
+}
+
+/// Completes `permit`'s command with `outcome`, unless the framework cancelled it for a reset
+/// or for the client's departure ([`Cancel::Reset`]): then its result no longer matters and
+/// nothing of it is reported, not even in the error log (a command failing because the
+/// client left is no device error), and the next client finds the log as it was.
+pub fn complete(permit: Permit<Command>, outcome: Outcome) {
+    if permit.cancelled() == Some(Cancel::Reset) {
+        permit.into_inner();
+        return;
+    }
+    permit.complete(outcome);
 }
 
 impl Completion for Command {

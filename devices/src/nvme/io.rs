@@ -256,7 +256,7 @@ pub fn finish((mut permit, t): (Permit<Command>, Started), result: std::io::Resu
             }
         },
     };
-    permit.complete(status.into());
+    super::completion::complete(permit, status.into());
 }
 
 /// Compare (§6.1): the blocks read from the store into a buffer of the controller's and

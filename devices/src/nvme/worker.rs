@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::cmds::{AdminCmd, NvmCmd};
-use super::completion::{Command, Completer, Drained, Outcome, Transfer};
+use super::completion::{self, Command, Completer, Drained, Outcome, Transfer};
 use super::ctrl::{Ctrl, DoorbellMode, Running, Stop};
 use super::cx::CommandCx;
 use super::queue::{RingError, Sq};
@@ -175,7 +175,7 @@ impl Aio {
     /// command.
     fn start(&mut self, permit: Permit<Command>, t: Transfer) {
         let Some(&Some((buffered, direct))) = self.files.get((t.nsid as usize).wrapping_sub(1)) else {
-            return permit.complete(Status::INTERNAL_ERROR.into());
+            return completion::complete(permit, Status::INTERNAL_ERROR.into());
         };
         let direct = direct.filter(|_| t.direct);
         let segments = t.segments.clone();
@@ -196,7 +196,7 @@ impl Aio {
         // gives it back when the host is done.
         if let Err(((permit, _), e)) = unsafe { self.ring.start((permit, t), &request) } {
             log::warn!("nvme: a transfer refused by the io_uring: {e}");
-            permit.complete(Status::DATA_TRANSFER_ERROR.into());
+            completion::complete(permit, Status::DATA_TRANSFER_ERROR.into());
             return;
         }
         if self.ring.queued() >= SUBMIT_BATCH {
@@ -424,7 +424,7 @@ impl QueueWorker {
     /// and never for a sleep.
     fn finish(&mut self, permit: Permit<Command>, outcome: Outcome) {
         if self.held.is_empty() && !crate::store::writes_unfenced() {
-            return permit.complete(outcome);
+            return completion::complete(permit, outcome);
         }
         self.held.push((permit, outcome));
     }
@@ -441,7 +441,7 @@ impl QueueWorker {
     #[inline(never)]
     fn flush_held(&mut self) {
         for (permit, outcome) in self.held.drain(..) {
-            permit.complete(outcome);
+            completion::complete(permit, outcome);
         }
     }
 
