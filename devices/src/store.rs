@@ -110,6 +110,70 @@ struct Direct {
     offset_align: u64,
 }
 
+/// A RAM disk's memory.
+#[derive(Debug)]
+struct Ram {
+    region: MmapRegion,
+    /// On huge pages, the pages were reserved from the pool when it was mapped and are never
+    /// given back while it lives (a hole punched in it would give them back, and a write
+    /// there could then find the pool empty: a SIGBUS, not an error).
+    pages: RamPages,
+    /// A sparse disk's first writes ([`Ram::first_writes`]): per 2 MiB of it, the bytes
+    /// written since it was last empty, counted up to 2 MiB (empty on huge pages).
+    filling: Box<[AtomicU32]>,
+}
+
+impl Ram {
+    /// Whether `[pos, pos + len)` of a sparse disk starts in a 2 MiB piece that has taken
+    /// less than 2 MiB of writes since it was last empty, counting these bytes in each piece
+    /// they fall in (a copy is plain or streamed whole, as its first piece says). Such a
+    /// piece's pages were (or are about to be) zeroed by the kernel at their first write,
+    /// with cached stores, so their lines are likely in the cache, where a plain copy
+    /// overwrites them and streaming stores would first have to push them out (a first fill
+    /// of 1 GiB on transparent huge pages: 7.3 GB/s plainly, 4.5 streamed;
+    /// docs/benchmarks.md). Once a piece is full, its writes stream. The count is a hint,
+    /// updated without ordering: a race costs speed, never bytes.
+    fn first_writes(&self, pos: u64, len: u64) -> bool {
+        const FULL: u32 = HUGE_PAGE as u32;
+        let mut first = None;
+        let (mut at, end) = (pos, pos.saturating_add(len));
+        while let Some(count) = self.filling.get((at / HUGE_PAGE) as usize) {
+            // At most 2 MiB per piece (n <= HUGE_PAGE), so a count cannot wrap.
+            let n = ((at / HUGE_PAGE + 1) * HUGE_PAGE).min(end).saturating_sub(at);
+            let filling = count.load(Ordering::Relaxed) < FULL;
+            if filling {
+                let _ = count.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
+                    (c < FULL).then(|| c.saturating_add(n as u32).min(FULL))
+                });
+            }
+            first.get_or_insert(filling);
+            at += n;
+            if n == 0 || at >= end {
+                break;
+            }
+        }
+        first.unwrap_or(false)
+    }
+
+    /// `[first, last)` of a sparse disk of `size` bytes was given back: its whole 2 MiB pieces
+    /// are empty again, and their next writes first writes ([`Ram::first_writes`]).
+    fn emptied(&self, first: u64, last: u64, size: u64) {
+        // A piece counts if all of it that is in the disk was given back (the last may be
+        // short).
+        let mut piece = first.div_ceil(HUGE_PAGE);
+        loop {
+            let start = piece.saturating_mul(HUGE_PAGE);
+            if start >= last || start.saturating_add(HUGE_PAGE).min(size) > last {
+                return;
+            }
+            if let Some(count) = self.filling.get(piece as usize) {
+                count.store(0, Ordering::Relaxed);
+            }
+            piece += 1;
+        }
+    }
+}
+
 /// Bytes of a store, addressed by position.
 #[derive(Debug)]
 pub struct Store {
@@ -123,15 +187,8 @@ pub struct Store {
     size: u64,
     /// The unit the host zeroes in: a block device's logical block (1 for anything else).
     sector: u64,
-    /// The RAM disk's mapping.
-    ram: Option<MmapRegion>,
-    /// A RAM disk's pages. On huge pages, they were reserved from the pool when it was mapped
-    /// and are never given back while it lives (a hole punched in it would give them back,
-    /// and a write there could then find the pool empty: a SIGBUS, not an error).
-    pages: Option<RamPages>,
-    /// A sparse RAM disk's first writes ([`Store::first_writes`]): per 2 MiB of it, the bytes
-    /// written since it was last empty, counted up to 2 MiB (empty for other stores).
-    filling: Box<[AtomicU32]>,
+    /// A RAM disk's memory.
+    ram: Option<Ram>,
     /// A file store's hold on its file ([`Store::open_with`]): an open file of its own that
     /// no io_uring is given, so that dropping the store lets go of the file at once (a
     /// ring's files are let go by the kernel later, after the ring is closed). A block
@@ -197,9 +254,7 @@ impl Store {
             kind: StoreKind::Ram,
             size,
             sector: 1,
-            ram: Some(region),
-            pages: Some(pages),
-            filling,
+            ram: Some(Ram { region, pages, filling }),
             hold: None,
         })
     }
@@ -294,17 +349,7 @@ impl Store {
                 Some(direct)
             }
         };
-        Ok(Store {
-            file: Some(file),
-            direct,
-            kind,
-            size,
-            sector,
-            ram: None,
-            pages: None,
-            filling: Box::default(),
-            hold: Some(hold),
-        })
+        Ok(Store { file: Some(file), direct, kind, size, sector, ram: None, hold: Some(hold) })
     }
 
     /// The cache mode (RAM stores: [`Cache::Writeback`], which they behave like).
@@ -335,7 +380,7 @@ impl Store {
 
     /// A file store's descriptor through the page cache (`None` for RAM).
     pub fn buffered_fd(&self) -> Option<BorrowedFd<'_>> {
-        self.ram.is_none().then_some(self.file.as_ref()).flatten().map(|f| f.as_fd())
+        self.file.as_ref().filter(|_| self.ram.is_none()).map(|f| f.as_fd())
     }
 
     /// A file store's O_DIRECT descriptor, with [`Cache::None`].
@@ -355,7 +400,7 @@ impl Store {
 
     /// A RAM disk's pages (`None` for a file store).
     pub fn ram_pages(&self) -> Option<RamPages> {
-        self.pages
+        self.ram.as_ref().map(|ram| ram.pages)
     }
 
     /// A file store's file (through the page cache).
@@ -379,10 +424,10 @@ impl Store {
     pub fn read_vectored(&self, pos: u64, bufs: &[VolatileSlice<'_>]) -> io::Result<()> {
         let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
         self.check(pos, total)?;
-        if let Some(region) = &self.ram {
+        if let Some(ram) = &self.ram {
             let mut at = pos;
             for buf in bufs {
-                prefetched_copy(&Self::ram_slice(region, at, buf.len())?, buf);
+                prefetched_copy(&Self::ram_slice(&ram.region, at, buf.len())?, buf);
                 at += buf.len() as u64;
             }
             return Ok(());
@@ -395,10 +440,10 @@ impl Store {
     /// Nothing is read or kept; a range past the store's end, or a store that is not RAM,
     /// gets nothing.
     pub fn prefetch(&self, pos: u64, len: usize) {
-        if let Some(region) = &self.ram {
+        if let Some(ram) = &self.ram {
             let len = len.min(PREFETCH_HEAD);
             if self.check(pos, len as u64).is_ok() {
-                if let Ok(slice) = Self::ram_slice(region, pos, len) {
+                if let Ok(slice) = Self::ram_slice(&ram.region, pos, len) {
                     prefetch_head(&slice, len);
                 }
             }
@@ -432,13 +477,13 @@ impl Store {
     ) -> io::Result<()> {
         let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
         self.check(pos, total)?;
-        if let Some(region) = &self.ram {
+        if let Some(ram) = &self.ram {
             // Before the copy: a slice that fails half-way leaves streamed bytes too.
             UNFENCED.set(true);
             let mut at = pos;
             for buf in bufs {
-                let to = Self::ram_slice(region, at, buf.len())?;
-                if self.first_writes(at, buf.len() as u64) {
+                let to = Self::ram_slice(&ram.region, at, buf.len())?;
+                if ram.first_writes(at, buf.len() as u64) {
                     buf.copy_to_volatile_slice(to);
                 } else {
                     stream_copy(&to, buf);
@@ -452,37 +497,6 @@ impl Store {
             Durability::Sync => libc::RWF_DSYNC,
         };
         self.file_vectored(pos, bufs, Direction::Write, flags)
-    }
-
-    /// Whether `[pos, pos + len)` of a sparse RAM disk starts in a 2 MiB piece that has taken
-    /// less than 2 MiB of writes since it was last empty, counting these bytes in each piece
-    /// they fall in (a copy is plain or streamed whole, as its first piece says). Such a
-    /// piece's pages were (or are about to be) zeroed by the kernel at their first write,
-    /// with cached stores, so their lines are likely in the cache, where a plain copy
-    /// overwrites them and streaming stores would first have to push them out (a first fill
-    /// of 1 GiB on transparent huge pages: 7.3 GB/s plainly, 4.5 streamed;
-    /// docs/benchmarks.md). Once a piece is full, its writes stream. The count is a hint,
-    /// updated without ordering: a race costs speed, never bytes.
-    fn first_writes(&self, pos: u64, len: u64) -> bool {
-        const FULL: u32 = HUGE_PAGE as u32;
-        let mut first = None;
-        let (mut at, end) = (pos, pos.saturating_add(len));
-        while let Some(count) = self.filling.get((at / HUGE_PAGE) as usize) {
-            // At most 2 MiB per piece (n <= HUGE_PAGE), so a count cannot wrap.
-            let n = ((at / HUGE_PAGE + 1) * HUGE_PAGE).min(end).saturating_sub(at);
-            let filling = count.load(Ordering::Relaxed) < FULL;
-            if filling {
-                let _ = count.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
-                    (c < FULL).then(|| c.saturating_add(n as u32).min(FULL))
-                });
-            }
-            first.get_or_insert(filling);
-            at += n;
-            if n == 0 || at >= end {
-                break;
-            }
-        }
-        first.unwrap_or(false)
     }
 
     /// A file's transfer: O_DIRECT if it fits ([`Store::direct_fits`]) and the kernel takes
@@ -510,8 +524,8 @@ impl Store {
     pub fn read(&self, pos: u64, buf: &mut [u8]) -> io::Result<()> {
         self.check(pos, buf.len() as u64)?;
         match &self.ram {
-            Some(region) => {
-                Self::ram_slice(region, pos, buf.len())?.copy_to(buf);
+            Some(ram) => {
+                Self::ram_slice(&ram.region, pos, buf.len())?.copy_to(buf);
                 Ok(())
             }
             None => self.file()?.read_exact_at(buf, pos),
@@ -522,8 +536,8 @@ impl Store {
     pub fn write(&self, pos: u64, data: &[u8]) -> io::Result<()> {
         self.check(pos, data.len() as u64)?;
         match &self.ram {
-            Some(region) => {
-                Self::ram_slice(region, pos, data.len())?.copy_from(data);
+            Some(ram) => {
+                Self::ram_slice(&ram.region, pos, data.len())?.copy_from(data);
                 Ok(())
             }
             None => self.file()?.write_all_at(data, pos),
@@ -548,9 +562,9 @@ impl Store {
         if len == 0 {
             return Ok(());
         }
-        match (self.pages, &self.ram) {
-            (Some(RamPages::Huge), _) => return self.write_zeros_slowly(pos, len),
-            (Some(RamPages::Transparent), Some(region)) => return self.discard_anonymous(region, pos, len),
+        match &self.ram {
+            Some(ram) if ram.pages == RamPages::Huge => return self.write_zeros_slowly(pos, len),
+            Some(ram) if ram.pages == RamPages::Transparent => return self.discard_anonymous(ram, pos, len),
             _ => {}
         }
         // A block device zeroes whole logical blocks of its own only (a 4 KiB-sector disk
@@ -581,7 +595,9 @@ impl Store {
                 _ => Err(err),
             };
         }
-        self.emptied(first, last);
+        if let Some(ram) = &self.ram {
+            ram.emptied(first, last, self.size);
+        }
         self.write_zeros_slowly(pos, first - pos)?;
         self.write_zeros_slowly(last, end - last)
     }
@@ -589,7 +605,7 @@ impl Store {
     /// An anonymous RAM disk's [`Store::write_zeroes`]: its whole 4 KiB pages in the range
     /// are given back (`MADV_DONTNEED`: a private anonymous page reads as zeros after), the
     /// rest at either end is written.
-    fn discard_anonymous(&self, region: &MmapRegion, pos: u64, len: u64) -> io::Result<()> {
+    fn discard_anonymous(&self, ram: &Ram, pos: u64, len: u64) -> io::Result<()> {
         // SAFETY: sysconf has no preconditions.
         let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
             n if n > 0 => n as u64,
@@ -600,7 +616,7 @@ impl Store {
         if first >= last {
             return self.write_zeros_slowly(pos, len);
         }
-        let base = region.as_ptr() as u64;
+        let base = ram.region.as_ptr() as u64;
         if !base.is_multiple_of(page) {
             return self.write_zeros_slowly(pos, len);
         }
@@ -615,33 +631,21 @@ impl Store {
         if rc != 0 {
             return Err(io::Error::last_os_error());
         }
-        self.emptied(first, last);
+        ram.emptied(first, last, self.size);
         self.write_zeros_slowly(pos, first - pos)?;
         self.write_zeros_slowly(last, end - last)
     }
 
-    /// `[first, last)` of a sparse RAM disk was given back: its whole 2 MiB pieces are empty
-    /// again, and their next writes first writes ([`Store::first_writes`]).
-    fn emptied(&self, first: u64, last: u64) {
-        // A piece counts if all of it that is in the disk was given back (the last may be
-        // short).
-        let mut piece = first.div_ceil(HUGE_PAGE);
-        loop {
-            let start = piece.saturating_mul(HUGE_PAGE);
-            if start >= last || start.saturating_add(HUGE_PAGE).min(self.size) > last {
-                return;
-            }
-            if let Some(count) = self.filling.get(piece as usize) {
-                count.store(0, Ordering::Relaxed);
-            }
-            piece += 1;
-        }
+    /// [`Ram::first_writes`] of a RAM store (false for a file store).
+    #[cfg(test)]
+    fn first_writes(&self, pos: u64, len: u64) -> bool {
+        self.ram.as_ref().is_some_and(|ram| ram.first_writes(pos, len))
     }
 
     /// Counts every piece full, as after a first fill: writes stream from now on.
     #[cfg(test)]
     fn mark_full(&self) {
-        for count in self.filling.iter() {
+        for count in self.ram.iter().flat_map(|ram| ram.filling.iter()) {
             count.store(HUGE_PAGE as u32, Ordering::Relaxed);
         }
     }
@@ -1180,7 +1184,7 @@ mod tests {
     fn a_transparent_ram_store_asks_for_huge_pages_and_gives_zeroed_pages_back() {
         // Not a whole number of 2 MiB: the mapping is, and starts on a 2 MiB boundary.
         let store = Store::ram_with(8 * HUGE_PAGE - 4096, RamPages::Transparent).unwrap();
-        let at = store.ram.as_ref().unwrap().as_ptr() as usize;
+        let at = store.ram.as_ref().unwrap().region.as_ptr() as usize;
         let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
         if thp.contains("[always]") || thp.contains("[madvise]") {
             // The mapping may take huge pages (whether a fault gets one depends on the host's
@@ -1287,7 +1291,7 @@ mod tests {
         match Store::ram_huge(2 * HUGE_PAGE) {
             Ok(store) => {
                 // Every page is in before the first write: no command waits for one.
-                let at = store.ram.as_ref().unwrap().as_ptr() as usize;
+                let at = store.ram.as_ref().unwrap().region.as_ptr() as usize;
                 assert_eq!(hugetlb_kib_at(at), 2 * HUGE_PAGE / 1024, "both pages faulted in at creation");
                 roundtrip(&store)
             }
