@@ -8,7 +8,7 @@ mod common;
 use std::os::unix::fs::PermissionsExt;
 use std::process::Stdio;
 
-use common::process::{deny_io_uring, umdev, ChildGuard, Dirs};
+use common::process::{deny_io_uring, run, status_kib, umdev, ChildGuard, Dirs};
 
 const A: &str = "5a1e4c36-0f8e-4a5e-9d2f-00000000e001";
 const B: &str = "5a1e4c36-0f8e-4a5e-9d2f-00000000e002";
@@ -489,6 +489,37 @@ fn a_starts_warnings_reach_its_user_and_the_daemons_log() {
     let list = env.umdev(&["list"]);
     assert!(list.status.success() && stderr_of(&list).is_empty(), "{}", stderr_of(&list));
     stop(daemon);
+}
+
+/// An nvme RAM namespace's memory is taken by the daemon in the background once the device
+/// is made, before any client comes (`ram_populate=background`, the default); with
+/// `ram_populate=off` only as the guest writes.
+#[test]
+fn a_ram_namespace_is_taken_ahead_of_its_writes_unless_asked_not_to() {
+    const MIB: u64 = 64;
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();
+    let available = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .map(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap() >> 10);
+    if available.is_none_or(|a| a < 4 * MIB + 512) {
+        return eprintln!("SKIPPED: {available:?} MiB available; the daemon would rightly take nothing");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let ns = format!("ns1=ram:{MIB}M");
+    let off =
+        run(&dir.path().join("off.sock"), &["--type", "nvme", "--opt", &ns, "--opt", "ram_populate=off"]);
+    let on = run(&dir.path().join("on.sock"), &["--type", "nvme", "--opt", &ns]);
+    let taken = |d: &ChildGuard| (status_kib(d.0.id(), "RssAnon:") + status_kib(d.0.id(), "RssShmem:")) >> 10;
+    // Counts memory, not time: the pass runs at idle priority, when the CPUs have nothing else.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
+    while taken(&on) < MIB {
+        assert!(std::time::Instant::now() < deadline, "{} MiB taken of {MIB}", taken(&on));
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(taken(&off) < MIB / 2, "ram_populate=off took {} MiB with no client", taken(&off));
+    stop(on);
+    stop(off);
 }
 
 /// Where io_uring is refused (a seccomp filter here: `kernel.io_uring_disabled`, a global

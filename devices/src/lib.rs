@@ -9,8 +9,9 @@
 //! - [`nvme`] (type `"nvme"`): an NVMe 1.3 controller; the ABI is in `docs/nvme.md`.
 //! - [`testdev`] (type `"testdev"`): registers, DMA, INTx/MSI/MSI-X, a sparse-mmap BAR and
 //!   an I/O BAR; the ABI is in `docs/testdev.md`.
-//! - [`store`]: the RAM or file block store behind ccw and nvme, and [`aio`], asynchronous
-//!   transfers to its files through io_uring.
+//! - [`store`]: the RAM or file block store behind ccw and nvme, [`aio`], asynchronous
+//!   transfers to its files through io_uring, and [`populate`], a RAM disk's memory taken
+//!   ahead of its writes.
 //!
 //! What it is not: it speaks no protocol and holds no plumbing of its own; the framework owns
 //! threads, request tracking and guest access, and a binary chooses which types to serve.
@@ -22,6 +23,7 @@ pub mod aio;
 pub mod ccw;
 pub mod mtty;
 pub mod nvme;
+pub mod populate;
 pub mod store;
 pub mod testdev;
 

@@ -24,9 +24,12 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
 
 use vm_memory::mmap::MmapRegion;
 use vm_memory::{FileOffset, VolatileMemory, VolatileSlice};
+
+use crate::populate::Populater;
 
 /// Bytes of a huge page ([`Store::ram_huge`]).
 pub const HUGE_PAGE: u64 = 2 << 20;
@@ -49,7 +52,8 @@ pub enum StoreKind {
 ///
 /// On sparse pages (transparent and small), the kernel zeroes a page at its first write, with
 /// cached stores; the first 2 MiB of writes to each 2 MiB of the disk are then copied plainly,
-/// over lines likely still in the cache, and later writes with streaming stores.
+/// over lines likely still in the cache, and later writes with streaming stores. A sparse
+/// disk's memory may also be taken ahead of its writes ([`Store::populate`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum RamPages {
     /// Anonymous memory on transparent huge pages where the host gives them
@@ -120,7 +124,17 @@ struct Ram {
     pages: RamPages,
     /// A sparse disk's first writes ([`Ram::first_writes`]): per 2 MiB of it, the bytes
     /// written since it was last empty, counted up to 2 MiB (empty on huge pages).
-    filling: Box<[AtomicU32]>,
+    filling: Arc<[AtomicU32]>,
+    /// The pass taking a sparse disk's memory ahead of its writes, if one was started
+    /// ([`Store::populate`]).
+    populater: Option<Populater>,
+}
+
+impl Drop for Ram {
+    fn drop(&mut self) {
+        // Before `region` is unmapped: the pass's thread faults pages of it in.
+        self.populater.take();
+    }
 }
 
 impl Ram {
@@ -242,8 +256,8 @@ impl Store {
                 (Some(file), region)
             }
         };
-        let filling = match pages {
-            RamPages::Huge => Box::default(),
+        let filling: Arc<[AtomicU32]> = match pages {
+            RamPages::Huge => Arc::new([]),
             RamPages::Transparent | RamPages::Small => {
                 (0..size.div_ceil(HUGE_PAGE)).map(|_| AtomicU32::new(0)).collect()
             }
@@ -254,7 +268,7 @@ impl Store {
             kind: StoreKind::Ram,
             size,
             sector: 1,
-            ram: Some(Ram { region, pages, filling }),
+            ram: Some(Ram { region, pages, filling, populater: None }),
             hold: None,
         })
     }
@@ -297,6 +311,37 @@ impl Store {
             let _ = unsafe { libc::madvise(region.as_ptr().cast(), len, advice) };
         }
         Ok(region)
+    }
+
+    /// Starts taking a sparse RAM disk's memory ahead of its writes, at idle priority
+    /// ([`crate::populate`]), so that its first writes find their pages there (and stream,
+    /// as later writes do). False where there is nothing to take: a file store, a disk on
+    /// huge pages (taken whole when it was made), or one already started.
+    pub fn populate(&mut self) -> io::Result<bool> {
+        let Some(ram) = self.ram.as_mut() else { return Ok(false) };
+        if ram.pages == RamPages::Huge || ram.populater.is_some() {
+            return Ok(false);
+        }
+        let filling = ram.filling.clone();
+        let taken = move |piece: usize| {
+            if let Some(count) = filling.get(piece) {
+                count.store(HUGE_PAGE as u32, Ordering::Relaxed);
+            }
+        };
+        let len = usize::try_from(self.size).map_err(|_| invalid("store too large"))?;
+        // SAFETY: `[as_ptr, as_ptr + size)` is this disk's mapping (private anonymous or a
+        // shared memfd), which stays mapped until the `Populater` is dropped: `Ram`'s drop
+        // drops it first.
+        let populater = unsafe {
+            Populater::start(ram.region.as_ptr() as usize, len, taken, crate::populate::available)?
+        };
+        ram.populater = Some(populater);
+        Ok(true)
+    }
+
+    /// The pass taking a sparse RAM disk's memory, if one was started ([`Store::populate`]).
+    pub fn populater(&self) -> Option<&Populater> {
+        self.ram.as_ref()?.populater.as_ref()
     }
 
     /// The regular file or block device at `path`, read and written in place through the
@@ -1209,6 +1254,53 @@ mod tests {
             back[..100].iter().all(|&b| b == 0x5a) && back[back.len() - 100..].iter().all(|&b| b == 0x5a)
         );
         assert!(back[100..back.len() - 100].iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn a_populated_ram_store_has_its_pages_in_and_keeps_what_was_written_before() {
+        for pages in [RamPages::Transparent, RamPages::Small] {
+            // Not a whole number of 2 MiB: the short last piece is taken too.
+            let size = 8 * HUGE_PAGE - 4096;
+            let mut store = Store::ram_with(size, pages).unwrap();
+            let at = store.ram.as_ref().unwrap().region.as_ptr() as usize;
+            let data = vec![0xa5u8; 3 * 4096];
+            store.write(HUGE_PAGE + 4096, &data).unwrap();
+            assert!(store.populate().unwrap(), "{pages:?}");
+            assert!(!store.populate().unwrap(), "one pass at a time");
+            // Counts events, not time: the pass ends when the host's CPUs are idle.
+            while !store.populater().unwrap().finished() {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            let available = crate::populate::available().unwrap_or(0);
+            if available < 4 * size + (256 << 20) {
+                eprintln!("{pages:?}: {available} bytes available: the pass may rightly stop; not checked");
+                continue;
+            }
+            assert_eq!(store.populater().unwrap().done(), size, "{pages:?}");
+            assert_eq!(resident_pages(at, size as usize), size as usize / 4096, "{pages:?}: all in");
+            let mut back = vec![0u8; size as usize];
+            store.read(0, &mut back).unwrap();
+            let written = (HUGE_PAGE + 4096) as usize..(HUGE_PAGE + 4096) as usize + data.len();
+            assert!(back[written.clone()].iter().all(|&b| b == 0xa5), "{pages:?}: the write kept");
+            assert!(back[..written.start].iter().chain(&back[written.end..]).all(|&b| b == 0));
+            // Every piece counted full: its writes stream.
+            assert!((0..8).all(|p| !store.first_writes(p * HUGE_PAGE, 4096)), "{pages:?}");
+        }
+    }
+
+    #[test]
+    fn a_huge_page_or_file_store_has_nothing_to_populate_and_a_dropped_pass_stops() {
+        if let Ok(mut huge) = Store::ram_huge(HUGE_PAGE) {
+            assert!(!huge.populate().unwrap(), "taken whole when made");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disk.img");
+        File::create(&path).unwrap().set_len(1 << 20).unwrap();
+        assert!(!Store::open(&path).unwrap().populate().unwrap());
+        // Dropped at once: the drop waits for the pass's thread, which stops within a step.
+        let mut big = Store::ram(256 << 20).unwrap();
+        assert!(big.populate().unwrap());
+        drop(big);
     }
 
     #[test]

@@ -130,7 +130,13 @@ fn admin_allowed(opcode: u8) -> bool {
 /// Runs one input (see the module's documentation).
 pub fn run(data: &[u8]) {
     let Input { shadow, commands, mem } = decode(data);
-    let config = NvmeConfig { namespaces: vec![Some(Backing::Ram(1 << 20))], ..NvmeConfig::default() };
+    // No background pass over the disk: a thread per input that races the commands would
+    // make runs differ (which copies are plain) and slow each input down.
+    let config = NvmeConfig {
+        namespaces: vec![Some(Backing::Ram(1 << 20))],
+        ram_populate: false,
+        ..NvmeConfig::default()
+    };
     let mut d = Driver::new(Rig::with(config, true));
     d.enable().unwrap_or_else(|e| panic!("enable: {e}"));
     d.create_io_queues(1, IO_ENTRIES, false).unwrap_or_else(|e| panic!("I/O queues: {e}"));

@@ -3110,6 +3110,32 @@ def t_files(env):
         R.check(r and '524288' in out and str(free) in out, hp, 'a pool too small is refused with the pages needed (524288) and free (%d)' % free, out)
     else:
         R.note(hp, 'ram_pages=2m not exercised: the host\'s pool has %d free 2 MiB pages' % free)
+    # ram_populate: by default the memory of a RAM namespace is taken with no client at all
+    # (when the host can afford it); with off, only as written
+    def taken_mib(p):
+        kib = 0
+        with open('/proc/%d/status' % p.pid) as f:
+            for line in f:
+                if line.startswith(('RssAnon:', 'RssShmem:')):
+                    kib += int(line.split()[1])
+        return kib >> 10
+    with open('/proc/meminfo') as f:
+        avail = int(re.search(r'MemAvailable:\s+(\d+)', f.read()).group(1)) >> 10
+    hpop = NV('Instance options', 'ram_populate')
+    if avail >= 4 * 64 + 512:
+        off = env.start(['ns1=ram:64M', 'ram_populate=off'])
+        on = env.start(['ns1=ram:64M'])
+        try:
+            got = wait_until(lambda: taken_mib(on) >= 64, timeout=max(vu.WAIT, 120))
+            R.check(got, hpop, 'ram_populate=background (the default): a 64 MiB RAM namespace taken with no client', '%d MiB' % taken_mib(on))
+            R.check(taken_mib(off) < 32, hpop, 'ram_populate=off: nothing taken with no client', '%d MiB' % taken_mib(off))
+        finally:
+            env.stop(on)
+            env.stop(off)
+    else:
+        R.note(hpop, 'ram_populate not exercised: %d MiB available, where the pass rightly takes nothing' % avail)
+    r, out = env.refused(['ns1=file:%s' % img2, 'ram_populate=off'])
+    R.check(r and 'ram_populate' in out, hpop, 'ram_populate without a thp or 4k RAM namespace: refused', out)
     r, out = env.refused(['ns1=ram:3M', 'ram_pages=2m'])
     R.check(r, hp, 'ram_pages=2m with a RAM namespace not a whole number of 2 MiB: refused', out)
     r, out = env.refused(['ns1=ram:1M', 'ram_pages=1g'])

@@ -192,6 +192,9 @@ pub struct NvmeConfig {
     /// How much a file backing that does not answer may hold before its namespace's new
     /// commands fail at once with Namespace Not Ready (`max_held`; docs/nvme.md).
     pub max_held: usize,
+    /// Whether sparse RAM namespaces' memory is taken ahead of the guest's writes, at idle
+    /// priority, where the host can afford it (`ram_populate`; [`crate::populate`]).
+    pub ram_populate: bool,
 }
 
 impl Default for NvmeConfig {
@@ -207,6 +210,7 @@ impl Default for NvmeConfig {
             aio: AioMode::default(),
             fixed_buffers: FixedBuffers::default(),
             max_held: DEFAULT_MAX_HELD,
+            ram_populate: true,
         }
     }
 }
@@ -283,6 +287,15 @@ impl NvmeConfig {
                 "pages of the RAM namespaces: thp (memory taken as written, 2 MiB at a time on transparent huge \
                  pages where the host gives them), 4k (a sparse memfd, taken 4 KiB at a time) or 2m (the host's \
                  hugetlb pool, which must hold them: sizes in whole 2 MiB, all reserved at creation)",
+            ),
+            OptionSpec::new(
+                "ram_populate",
+                ValueSyntax::Choice(&["background", "off"]),
+                Some("background"),
+                "memory of the RAM namespaces on thp or 4k pages: background (taken and zeroed by a thread at \
+                 idle priority once the device is made, 64 MiB at a time while what is left to take is at most \
+                 half the memory available beyond 256 MiB, so that the guest's first writes find it there) or off \
+                 (taken only as the guest writes)",
             ),
             OptionSpec::new(
                 "serial",
@@ -391,6 +404,9 @@ impl NvmeConfig {
         if let Some(n) = p.number("max_held") {
             config.max_held = n as usize;
         }
+        if p.word("ram_populate") == Some("off") {
+            config.ram_populate = false;
+        }
         if let Some(v) = p.text("serial") {
             config.serial = Some(v.to_string());
         }
@@ -467,6 +483,14 @@ impl NvmeConfig {
         let ram = self.namespaces.iter().flatten().any(|b| !matches!(b, Backing::File(..)));
         if p.get("ram_pages").is_some() && !ram {
             return refuse("ram_pages", "no namespace is a RAM disk");
+        }
+        let sparse =
+            self.namespaces.iter().flatten().any(|b| matches!(b, Backing::Ram(_) | Backing::SmallRam(_)));
+        if p.get("ram_populate").is_some() && !sparse {
+            return refuse(
+                "ram_populate",
+                "no namespace is a RAM disk on thp or 4k pages (ram_pages=2m takes all its memory when made)",
+            );
         }
         if p.get("poll_us").is_some() && self.doorbells == Doorbells::Mapped {
             return refuse(
@@ -650,7 +674,11 @@ pub fn create(config: NvmeConfig) -> Result<PciDevice<Nvme>, NvmeError> {
             b.as_ref()
                 .map(|b| {
                     let id = nguid(&serial, config.serial.as_deref(), i as u32 + 1, b);
-                    Namespace::new(i as u32 + 1, b, config.lba_shift, id)
+                    let mut ns = Namespace::new(i as u32 + 1, b, config.lba_shift, id)?;
+                    if config.ram_populate {
+                        ns.populate();
+                    }
+                    Ok::<_, namespace::NamespaceError>(ns)
                 })
                 .transpose()
         })
@@ -963,6 +991,30 @@ mod tests {
             config(&two)[..],
             [Some(Backing::SmallRam(0x40_0000)), Some(Backing::SmallRam(0x20_0000))]
         ));
+    }
+
+    #[test]
+    fn ram_populate_is_on_by_default_and_refused_where_no_ram_disk_is_sparse() {
+        let parse = |opts: &[(&str, &str)]| {
+            let mut options = umdev_mdev::types::InstanceOptions::default();
+            options.params.extend(opts.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+            NvmeConfig::from_options(&options).map(|c| c.ram_populate)
+        };
+        assert!(parse(&[]).unwrap());
+        assert!(parse(&[("ram_populate", "background")]).unwrap());
+        assert!(!parse(&[("ram_populate", "off")]).unwrap());
+        assert!(!parse(&[("ram_populate", "off"), ("ram_pages", "4k")]).unwrap());
+        let dir = tempfile::tempdir().unwrap();
+        let img = dir.path().join("disk.img");
+        std::fs::File::create(&img).unwrap().set_len(1 << 20).unwrap();
+        let file = format!("file:{}", img.display());
+        for refused in [
+            [("ram_pages", "2m"), ("ram_populate", "off")],
+            [("ns1", file.as_str()), ("ram_populate", "off")],
+        ] {
+            let e = parse(&refused).unwrap_err().to_string();
+            assert!(e.contains("ram_populate=off cannot apply"), "{e}");
+        }
     }
 
     #[test]

@@ -124,6 +124,14 @@ impl Namespace {
         Ok(Namespace { id, store, lba_shift, blocks, path, nguid })
     }
 
+    /// Starts taking a sparse RAM namespace's memory ahead of the guest's writes
+    /// ([`Store::populate`]); a namespace that cannot is served sparse, as said at debug.
+    pub fn populate(&mut self) {
+        if let Err(e) = self.store.populate() {
+            log::debug!("ns{}: RAM disk left sparse: {e}", self.id);
+        }
+    }
+
     /// Its NSID.
     pub fn id(&self) -> u32 {
         self.id
