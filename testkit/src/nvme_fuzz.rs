@@ -134,7 +134,7 @@ pub fn run(data: &[u8]) {
     // make runs differ (which copies are plain) and slow each input down.
     let config = NvmeConfig {
         namespaces: vec![Some(Backing::Ram(1 << 20))],
-        ram_populate: false,
+        ram_populate: Some(false),
         ..NvmeConfig::default()
     };
     let mut d = Driver::new(Rig::with(config, true));

@@ -192,9 +192,11 @@ pub struct NvmeConfig {
     /// How much a file backing that does not answer may hold before its namespace's new
     /// commands fail at once with Namespace Not Ready (`max_held`; docs/nvme.md).
     pub max_held: usize,
-    /// Whether sparse RAM namespaces' memory is taken ahead of the guest's writes, at idle
-    /// priority, where the host can afford it (`ram_populate`; [`crate::populate`]).
-    pub ram_populate: bool,
+    /// Whether sparse RAM namespaces' memory is taken ahead of the guest's writes, where the
+    /// host can afford it (`ram_populate`; [`crate::populate`]); `None`: on transparent huge
+    /// pages (`ram_pages=thp`), not on 4 KiB ones (`4k`, chosen to take no more than is
+    /// written).
+    pub ram_populate: Option<bool>,
 }
 
 impl Default for NvmeConfig {
@@ -210,7 +212,7 @@ impl Default for NvmeConfig {
             aio: AioMode::default(),
             fixed_buffers: FixedBuffers::default(),
             max_held: DEFAULT_MAX_HELD,
-            ram_populate: true,
+            ram_populate: None,
         }
     }
 }
@@ -291,11 +293,11 @@ impl NvmeConfig {
             OptionSpec::new(
                 "ram_populate",
                 ValueSyntax::Choice(&["background", "off"]),
-                Some("background"),
-                "memory of the RAM namespaces on thp or 4k pages: background (taken and zeroed by a thread at \
-                 idle priority once the device is made, 64 MiB at a time while what is left to take is at most \
-                 half the memory available beyond 256 MiB, so that the guest's first writes find it there) or off \
-                 (taken only as the guest writes)",
+                None,
+                "memory of the RAM namespaces: background (taken by a thread of the daemon right after the device \
+                 is made, so that the guest's first writes find it there, 64 MiB at a time while what is left to \
+                 take is at most half the memory available beyond 256 MiB) or off (taken only as the guest \
+                 writes). Default: background on ram_pages=thp, off on 4k"
             ),
             OptionSpec::new(
                 "serial",
@@ -404,9 +406,7 @@ impl NvmeConfig {
         if let Some(n) = p.number("max_held") {
             config.max_held = n as usize;
         }
-        if p.word("ram_populate") == Some("off") {
-            config.ram_populate = false;
-        }
+        config.ram_populate = p.word("ram_populate").map(|w| w == "background");
         if let Some(v) = p.text("serial") {
             config.serial = Some(v.to_string());
         }
@@ -484,9 +484,10 @@ impl NvmeConfig {
         if p.get("ram_pages").is_some() && !ram {
             return refuse("ram_pages", "no namespace is a RAM disk");
         }
+        // `off` asks for nothing, as above.
         let sparse =
             self.namespaces.iter().flatten().any(|b| matches!(b, Backing::Ram(_) | Backing::SmallRam(_)));
-        if p.get("ram_populate").is_some() && !sparse {
+        if p.word("ram_populate") == Some("background") && !sparse {
             return refuse(
                 "ram_populate",
                 "no namespace is a RAM disk on thp or 4k pages (ram_pages=2m takes all its memory when made)",
@@ -675,7 +676,7 @@ pub fn create(config: NvmeConfig) -> Result<PciDevice<Nvme>, NvmeError> {
                 .map(|b| {
                     let id = nguid(&serial, config.serial.as_deref(), i as u32 + 1, b);
                     let mut ns = Namespace::new(i as u32 + 1, b, config.lba_shift, id)?;
-                    if config.ram_populate {
+                    if config.ram_populate.unwrap_or(matches!(b, Backing::Ram(_))) {
                         ns.populate();
                     }
                     Ok::<_, namespace::NamespaceError>(ns)
@@ -870,6 +871,8 @@ impl PciFunction for Nvme {
                     "lba_size": ns.lba_size(),
                     // Transfers of stopped queues its backing has not finished (max_held).
                     "held_by_backing": ns.is_file().then(|| c.held_by_backing(ns.id()).0),
+                    // A RAM disk's memory taken ahead of the guest's writes (ram_populate).
+                    "taken_ahead": ns.store().populater().map(|p| json!({"bytes": p.done(), "state": p.state().name()})),
                 })
             })
             .collect();
@@ -994,26 +997,25 @@ mod tests {
     }
 
     #[test]
-    fn ram_populate_is_on_by_default_and_refused_where_no_ram_disk_is_sparse() {
+    fn ram_populate_is_the_pages_default_unless_given_and_background_is_refused_where_nothing_is_sparse() {
         let parse = |opts: &[(&str, &str)]| {
             let mut options = umdev_mdev::types::InstanceOptions::default();
             options.params.extend(opts.iter().map(|(k, v)| (k.to_string(), v.to_string())));
             NvmeConfig::from_options(&options).map(|c| c.ram_populate)
         };
-        assert!(parse(&[]).unwrap());
-        assert!(parse(&[("ram_populate", "background")]).unwrap());
-        assert!(!parse(&[("ram_populate", "off")]).unwrap());
-        assert!(!parse(&[("ram_populate", "off"), ("ram_pages", "4k")]).unwrap());
+        assert_eq!(parse(&[]).unwrap(), None);
+        assert_eq!(parse(&[("ram_populate", "background")]).unwrap(), Some(true));
+        assert_eq!(parse(&[("ram_populate", "off")]).unwrap(), Some(false));
+        assert_eq!(parse(&[("ram_populate", "background"), ("ram_pages", "4k")]).unwrap(), Some(true));
         let dir = tempfile::tempdir().unwrap();
         let img = dir.path().join("disk.img");
         std::fs::File::create(&img).unwrap().set_len(1 << 20).unwrap();
         let file = format!("file:{}", img.display());
-        for refused in [
-            [("ram_pages", "2m"), ("ram_populate", "off")],
-            [("ns1", file.as_str()), ("ram_populate", "off")],
-        ] {
-            let e = parse(&refused).unwrap_err().to_string();
-            assert!(e.contains("ram_populate=off cannot apply"), "{e}");
+        for nothing_sparse in [("ram_pages", "2m"), ("ns1", file.as_str())] {
+            let e = parse(&[nothing_sparse, ("ram_populate", "background")]).unwrap_err().to_string();
+            assert!(e.contains("ram_populate=background cannot apply"), "{e}");
+            // `off` asks for nothing, and may stay in a definition whatever else changes.
+            assert_eq!(parse(&[nothing_sparse, ("ram_populate", "off")]).unwrap(), Some(false));
         }
     }
 
