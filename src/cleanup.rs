@@ -306,6 +306,12 @@ fn scratch_name(name: &str) -> Option<(u32, Duration)> {
     Some((pid(named)?, MAKING_LEFTOVER_AGE))
 }
 
+/// Whether what `meta` describes was last written `age` ago or more; a time in the future
+/// (another machine's clock, over NFS) is young.
+fn written_before(meta: &std::fs::Metadata, age: Duration) -> bool {
+    meta.modified().is_ok_and(|t| t.elapsed().is_ok_and(|elapsed| elapsed >= age))
+}
+
 /// Removes `path` if it is a scratch directory whose run is gone (see [`remove_stale`]);
 /// `pid`, the process named in it, must not exist (`None`: this process's pid, which has
 /// not made it), and it must be `min_age` old at least (by its modification time: nothing
@@ -317,10 +323,7 @@ fn remove_if_stale(path: &Path, pid: Option<i32>, min_age: Duration) -> bool {
     if meta.uid() != me || meta.mode() & 0o7777 != 0o700 || pid.is_some_and(process_exists) {
         return false;
     }
-    // A time in the future (another machine's clock, over NFS) is young.
-    let old_enough =
-        min_age.is_zero() || meta.modified().is_ok_and(|t| t.elapsed().is_ok_and(|age| age >= min_age));
-    if !old_enough {
+    if !min_age.is_zero() && !written_before(&meta, min_age) {
         return false;
     }
     // Held by a run (a pid of another namespace, say): in use.
@@ -392,8 +395,7 @@ pub fn remove_stale_pending(dir: &Path, name: &str) -> Vec<PathBuf> {
         let path = entry.path();
         // Looked at without following a link; DirEntry::metadata does not follow either.
         let Ok(meta) = entry.metadata() else { continue };
-        let old_enough =
-            meta.modified().is_ok_and(|t| t.elapsed().is_ok_and(|age| age >= MAKING_LEFTOVER_AGE));
+        let old_enough = written_before(&meta, MAKING_LEFTOVER_AGE);
         if pid == me
             || pid == 0
             || !meta.is_file()
