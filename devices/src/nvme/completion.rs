@@ -286,7 +286,7 @@ impl Command {
 /// or for the client's departure ([`Cancel::Reset`]): then its result no longer matters and
 /// nothing of it is reported, not even in the error log (a command failing because the
 /// client left is no device error), and the next client finds the log as it was.
-pub fn complete(permit: Permit<Command>, outcome: Outcome) {
+pub fn complete<C: Completion>(permit: Permit<C>, outcome: C::Outcome) {
     if permit.cancelled() == Some(Cancel::Reset) {
         permit.into_inner();
         return;
@@ -311,5 +311,69 @@ impl Completion for Command {
     /// The handling of the command failed inside the controller: Internal Error.
     fn fail(self, ctx: &DeviceContext, completer: &Arc<Completer>) {
         completer.finish(ctx, &self.sqe, Status::INTERNAL_ERROR, 0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+    use umdev_mdev::request::Requests;
+    use umdev_pinning::{DmaSpace, Prot};
+
+    /// A request that says how it ended.
+    struct Report(std::sync::mpsc::Sender<Result<u32, ()>>);
+
+    impl Completion for Report {
+        type Outcome = u32;
+        type Shared = ();
+        fn complete(self, outcome: u32, _ctx: &DeviceContext, (): &()) {
+            let _ = self.0.send(Ok(outcome));
+        }
+        fn fail(self, _ctx: &DeviceContext, (): &()) {
+            let _ = self.0.send(Err(()));
+        }
+    }
+
+    /// A command the framework cancelled for a reset or a departure ends unreported, however
+    /// it ended (the error it met because the client left is no device error); one cancelled
+    /// for an unmap, or not at all, is reported.
+    #[test]
+    fn a_command_cancelled_for_a_reset_or_a_departure_ends_unreported() {
+        let ram = std::fs::File::from(
+            nix::sys::memfd::memfd_create(c"completion-test", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
+                .unwrap(),
+        );
+        ram.set_len(1 << 16).unwrap();
+        let dma = DmaSpace::default();
+        dma.map(0, 1 << 16, ram.as_fd(), 0, Prot::READ_WRITE).unwrap();
+        let requests = Requests::new();
+        requests.attach(DeviceContext::new(dma, Arc::new(crate::testutil::NoClient)));
+        let lane = requests.lane(|| {});
+        let (tx, rx) = std::sync::mpsc::channel();
+
+        complete(lane.begin(Report(tx.clone())).unwrap(), 1);
+        assert_eq!(rx.try_recv(), Ok(Ok(1)), "not cancelled: reported");
+
+        let mut permit = lane.begin(Report(tx.clone())).unwrap();
+        permit.pin_pages(&[0], Prot::READ_WRITE).unwrap();
+        requests.cancel_overlapping(0, 1 << 16);
+        assert_eq!(permit.cancelled(), Some(Cancel::Unmapped));
+        complete(permit, 2);
+        assert_eq!(rx.try_recv(), Ok(Ok(2)), "cancelled for an unmap: reported");
+
+        let permit = lane.begin(Report(tx.clone())).unwrap();
+        requests.cancel_all();
+        assert_eq!(permit.cancelled(), Some(Cancel::Reset));
+        complete(permit, 3);
+        let departed = lane.begin(Report(tx.clone())).unwrap();
+        requests.detach();
+        complete(departed, 4);
+        drop(tx);
+        assert_eq!(
+            rx.try_recv(),
+            Err(std::sync::mpsc::TryRecvError::Disconnected),
+            "neither reported nor failed"
+        );
     }
 }
