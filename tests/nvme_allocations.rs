@@ -72,8 +72,8 @@ fn commands_allocate_nothing_once_the_queues_are_up() {
     options.params.insert("ns1".into(), "ram:16M".into());
     options.params.insert("ns2".into(), format!("file:{}", path.display()));
     options.params.insert("cache2".into(), "none".into());
-    // The RAM disk's pass over its memory allocates as it starts and ends (reading what the
-    // host has free): not the command path, and it could run in the window counted here.
+    // The RAM disk's pass over its memory allocates (it reads what the host has free): not
+    // the command path, and it could run in the window counted here.
     options.params.insert("ram_populate".into(), "off".into());
     let h = Harness::with("nvme", options, |_| {});
     let g = NvmeGuest::connect(&h.socket, RAM, 3).unwrap();

@@ -100,17 +100,23 @@ fn cgroup_room() -> Option<u64> {
 }
 
 /// A cgroup's room: the lower of its `memory.max` and `memory.high`, less what it holds
-/// other than page cache (`memory.current` less `memory.stat`'s `file`, which the kernel
-/// reclaims first). `None` without a limit.
+/// other than page cache (`memory.current` less `memory.stat`'s `file` that is not `shmem`,
+/// which the kernel reclaims first). `None` without a limit.
 fn group_room(dir: &std::path::Path) -> Option<u64> {
     let read = |name: &str| std::fs::read_to_string(dir.join(name)).ok();
     let number = |name: &str| read(name)?.trim().parse::<u64>().ok(); // "max": none
     let limit = least(number("memory.max"), number("memory.high"))?;
     let current = number("memory.current")?;
-    let file = read("memory.stat")
-        .and_then(|stat| stat.lines().find_map(|l| l.strip_prefix("file ")?.trim().parse::<u64>().ok()))
-        .unwrap_or(0);
-    Some(limit.saturating_sub(current.saturating_sub(file)))
+    // Page cache the kernel can drop: `file` counts shared memory too (tmpfs, memfds: a `4k`
+    // RAM disk's), which only swap could take.
+    let stat = read("memory.stat").unwrap_or_default();
+    let field = |name: &str| {
+        stat.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let cache = field("file").saturating_sub(field("shmem"));
+    Some(limit.saturating_sub(current.saturating_sub(cache)))
 }
 
 /// Whether `pending` bytes (every pass's) may still be taken with `available` bytes
@@ -189,14 +195,25 @@ impl Populater {
         budget: Budget,
     ) -> io::Result<Populater> {
         let progress = Arc::new(Progress::default());
-        let p = progress.clone();
-        let pending = budget.pending.clone();
-        pending.fetch_add(len as u64, Ordering::Relaxed);
+        // Admitted here, all of it at once, or not at all: a disk too large must not count
+        // against the others while its own thread has yet to find it so.
+        let available = (budget.available)();
+        let admitted = budget.pending.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |pending| {
+            let with = pending.saturating_add(len as u64);
+            affordable(with, available).then_some(with)
+        });
+        if admitted.is_err() {
+            log::debug!("RAM disk: {} MiB left sparse: more than the host can afford", len >> 20);
+            progress.state.store(PassState::Unaffordable as u8, Ordering::Release);
+            return Ok(Populater { progress, thread: None });
+        }
+        let (p, pending) = (progress.clone(), budget.pending.clone());
         let thread = std::thread::Builder::new()
             .name("umdev-populate".into())
             .spawn(move || {
-                let state = run(addr, len, &p, taken, &budget);
-                p.state.store(state as u8, Ordering::Release);
+                // Unwinding (a panic in `taken`): stopped, the rest given back.
+                let mut end = Ending { progress: &p, budget: &budget, len, state: PassState::Stopped };
+                end.state = run(addr, len, &p, taken, &budget);
             })
             .inspect_err(|_| {
                 pending.fetch_sub(len as u64, Ordering::Relaxed);
@@ -229,7 +246,25 @@ impl Drop for Populater {
     }
 }
 
-/// The pass: returns where it ended, the bytes it did not take given back to its budget.
+/// How a pass's thread ends, however it does: the bytes it did not take given back to its
+/// budget, then its state published.
+struct Ending<'a> {
+    progress: &'a Progress,
+    budget: &'a Budget,
+    len: usize,
+    state: PassState,
+}
+
+impl Drop for Ending<'_> {
+    fn drop(&mut self) {
+        let left = (self.len as u64).saturating_sub(self.progress.done.load(Ordering::Relaxed));
+        self.budget.pending.fetch_sub(left, Ordering::Relaxed);
+        self.progress.state.store(self.state as u8, Ordering::Release);
+    }
+}
+
+/// The pass, admitted: returns where it ended (each step's bytes taken off its budget as it
+/// goes, the rest by [`Ending`]).
 fn run(addr: usize, len: usize, progress: &Progress, taken: impl Fn(usize), budget: &Budget) -> PassState {
     let started = Instant::now();
     let mut at = 0usize;
@@ -237,7 +272,7 @@ fn run(addr: usize, len: usize, progress: &Progress, taken: impl Fn(usize), budg
         if at >= len {
             break PassState::Done;
         }
-        if at.is_multiple_of(CHUNK) && !budget.affordable() {
+        if at > 0 && at.is_multiple_of(CHUNK) && !budget.affordable() {
             break PassState::Unaffordable;
         }
         if progress.stop.load(Ordering::Relaxed) {
@@ -260,7 +295,6 @@ fn run(addr: usize, len: usize, progress: &Progress, taken: impl Fn(usize), budg
         budget.pending.fetch_sub(n as u64, Ordering::Relaxed);
         progress.done.store(at as u64, Ordering::Relaxed);
     };
-    budget.pending.fetch_sub((len - at) as u64, Ordering::Relaxed);
     log::debug!(
         "RAM disk: {} MiB of {} taken ahead of its writes in {:.0?} ({})",
         at >> 20,
@@ -269,6 +303,14 @@ fn run(addr: usize, len: usize, progress: &Progress, taken: impl Fn(usize), budg
         state.name()
     );
     state
+}
+
+/// Whether this kernel has `MADV_POPULATE_WRITE` (Linux 5.14).
+#[cfg(test)]
+pub(crate) fn populating_faults() -> bool {
+    let mem = tests::Anon::new(4096);
+    // SAFETY: the page `mem` maps.
+    unsafe { libc::madvise(mem.0 as *mut libc::c_void, 4096, libc::MADV_POPULATE_WRITE) == 0 }
 }
 
 #[cfg(test)]
@@ -290,7 +332,7 @@ mod tests {
         assert_eq!(least(Some(5), None), Some(5));
         assert_eq!(least(None, Some(3)), Some(3));
         assert_eq!(least(None, None), None);
-        assert!(available().is_some_and(|a| a > 0), "/proc/meminfo");
+        assert!(available().is_some(), "/proc/meminfo");
     }
 
     #[test]
@@ -298,22 +340,23 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let put = |name: &str, text: &str| std::fs::write(dir.path().join(name), text).unwrap();
         put("memory.current", "1000\n");
-        put("memory.stat", "anon 600\nfile 300\nkernel 100\n");
+        // 300 of file, 100 of it shared memory: 200 the kernel can drop.
+        put("memory.stat", "anon 500\nfile 300\nkernel 100\nshmem 100\nfile_mapped 50\n");
         put("memory.max", "max\n");
         assert_eq!(group_room(dir.path()), None, "no limit");
         put("memory.high", "5000\n");
-        assert_eq!(group_room(dir.path()), Some(5000 - 700));
+        assert_eq!(group_room(dir.path()), Some(5000 - 800));
         put("memory.max", "2000\n");
-        assert_eq!(group_room(dir.path()), Some(2000 - 700));
+        assert_eq!(group_room(dir.path()), Some(2000 - 800));
         put("memory.current", "9000\n");
         assert_eq!(group_room(dir.path()), Some(0), "over its limit: none");
     }
 
     /// A private anonymous mapping of `len` bytes, unmapped on drop.
-    struct Anon(usize, usize);
+    pub(super) struct Anon(pub(super) usize, usize);
 
     impl Anon {
-        fn new(len: usize) -> Anon {
+        pub(super) fn new(len: usize) -> Anon {
             // SAFETY: a fresh private anonymous mapping, no address asked for.
             let p = unsafe {
                 libc::mmap(
@@ -345,13 +388,6 @@ mod tests {
                 ended => return ended,
             }
         }
-    }
-
-    /// Whether this kernel has `MADV_POPULATE_WRITE` (Linux 5.14).
-    fn populating_faults() -> bool {
-        let mem = Anon::new(4096);
-        // SAFETY: the page `mem` maps.
-        unsafe { libc::madvise(mem.0 as *mut libc::c_void, 4096, libc::MADV_POPULATE_WRITE) == 0 }
     }
 
     #[test]
@@ -413,7 +449,11 @@ mod tests {
         }
         // SAFETY: as above.
         let second = unsafe { Populater::start(b.0, len, |_| {}, budget.clone()) }.unwrap();
-        assert_eq!(wait(&second), PassState::Unaffordable, "7 pieces left of the first, 8 of the second");
+        assert_eq!(
+            wait(&second),
+            PassState::Unaffordable,
+            "8 pieces of the first still counted, 8 of the second"
+        );
         assert_eq!(second.done(), 0);
         // Stopped in its first step: it ends after it, one step taken.
         first.progress.stop.store(true, Ordering::Relaxed);
@@ -424,5 +464,47 @@ mod tests {
         assert_eq!(reached.load(Ordering::SeqCst), 1);
         assert_eq!(budget.pending.load(Ordering::Relaxed), 0, "both gave back what they did not take");
         drop((first, second));
+    }
+
+    /// What is available is looked at again every 64 MiB: a pass that finds it gone stops
+    /// there, the rest given back.
+    #[test]
+    fn a_pass_stops_where_the_memory_stops_being_affordable() {
+        if !populating_faults() {
+            return eprintln!("SKIPPED: no MADV_POPULATE_WRITE here");
+        }
+        static LOOKS: AtomicUsize = AtomicUsize::new(0);
+        // Plenty when the pass is admitted, nothing at its first look after that.
+        fn shrinking() -> Option<u64> {
+            (LOOKS.fetch_add(1, Ordering::SeqCst) == 0).then_some(u64::MAX)
+        }
+        let len = CHUNK + 2 * STEP;
+        let mem = Anon::new(len);
+        let budget = Budget::with(shrinking);
+        // SAFETY: `mem` outlives the populater (dropped before it, below).
+        let p = unsafe { Populater::start(mem.0, len, |_| {}, budget.clone()) }.unwrap();
+        assert_eq!(wait(&p), PassState::Unaffordable);
+        assert_eq!(p.done(), CHUNK as u64, "stopped at its first look");
+        assert_eq!(LOOKS.load(Ordering::SeqCst), 2);
+        assert_eq!(budget.pending.load(Ordering::Relaxed), 0, "the rest given back");
+        drop(p);
+    }
+
+    /// A pass whose callback panics ends stopped, what it did not take given back.
+    #[test]
+    fn a_pass_that_panics_ends_stopped_and_gives_back_the_rest() {
+        if !populating_faults() {
+            return eprintln!("SKIPPED: no MADV_POPULATE_WRITE here");
+        }
+        let len = 4 * STEP;
+        let mem = Anon::new(len);
+        let budget = Budget::with(|| Some(u64::MAX));
+        let panicking = |i| assert!(i < 1, "on purpose, at piece {i}");
+        // SAFETY: `mem` outlives the populater (dropped before it, below).
+        let p = unsafe { Populater::start(mem.0, len, panicking, budget.clone()) }.unwrap();
+        assert_eq!(wait(&p), PassState::Stopped);
+        assert_eq!(p.done(), STEP as u64);
+        assert_eq!(budget.pending.load(Ordering::Relaxed), 0);
+        drop(p);
     }
 }

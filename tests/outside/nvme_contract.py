@@ -3120,22 +3120,21 @@ def t_files(env):
                     kib += int(line.split()[1])
         return kib >> 10
     hpop = NV('Instance options', 'ram_populate')
-    off = env.start(['ns1=ram:64M', 'ram_populate=off'])
-    on = env.start(['ns1=ram:64M'])
-    try:
-        got = wait_until(lambda: taken_mib(on) >= 64, timeout=max(vu.WAIT, 120))
-        off_mib = taken_mib(off)
-    finally:
-        st_on, st_off = env.stop(on), env.stop(off)
-    ahead = lambda st: ((st or {}).get('namespaces') or [{}])[0].get('taken_ahead', 'absent')
-    if isinstance(ahead(st_on), dict) and ahead(st_on).get('state') == 'unaffordable':
-        R.note(hpop, 'ram_populate not exercised: the daemon found the memory unaffordable here: %s' % ahead(st_on))
+    # the pass, through a daemon's live statistics (taken_ahead) and its memory
+    env.dstart(['ns1=ram:4M'])  # the daemon up, and settled
+    before = taken_mib(env.daemon)
+    uuid_on, _ = env.dstart(['ns1=ram:64M'])
+    uuid_off, _ = env.dstart(['ns1=ram:64M', 'ram_populate=off'])
+    ahead = lambda uuid: ((env.stats(uuid) or {}).get('namespaces') or [{}])[0].get('taken_ahead', 'absent')
+    wait_until(lambda: not (isinstance(ahead(uuid_on), dict) and ahead(uuid_on).get('state') == 'taking'), timeout=max(vu.WAIT, 120))
+    on = ahead(uuid_on)
+    if isinstance(on, dict) and on.get('state') in ('unaffordable', 'stopped'):
+        R.note(hpop, 'ram_populate not exercised: the pass ended %s here (the host\'s memory, or its kernel)' % on)
     else:
-        R.check(got and ahead(st_on) == {'bytes': 64 << 20, 'state': 'done'}, hpop,
-                'ram_populate=background (the default on thp): a 64 MiB RAM namespace taken with no client, taken_ahead done',
-                ('%d MiB' % taken_mib(on) if on.poll() is None else '', ahead(st_on)))
-    R.check(off_mib < 32 and ahead(st_off) is None, hpop, 'ram_populate=off: nothing taken with no client, taken_ahead null',
-            ('%d MiB' % off_mib, ahead(st_off)))
+        R.check(on == {'bytes': 64 << 20, 'state': 'done'} and taken_mib(env.daemon) >= before + 64, hpop,
+                'ram_populate=background (the default on thp): a 64 MiB RAM namespace taken with no client (taken_ahead done, the daemon\'s memory)',
+                (on, taken_mib(env.daemon), before))
+    R.check(ahead(uuid_off) is None, hpop, 'ram_populate=off: no pass (taken_ahead null)', ahead(uuid_off))
     r, out = env.refused(['ns1=file:%s' % img2, 'ram_populate=background'])
     R.check(r and 'ram_populate' in out, hpop, 'ram_populate=background without a thp or 4k RAM namespace: refused', out)
     r, out = env.refused(['ns1=ram:3M', 'ram_pages=2m'])

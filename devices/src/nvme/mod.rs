@@ -294,10 +294,10 @@ impl NvmeConfig {
                 "ram_populate",
                 ValueSyntax::Choice(&["background", "off"]),
                 None,
-                "memory of the RAM namespaces: background (taken by a thread of the daemon right after the device \
-                 is made, so that the guest's first writes find it there, 64 MiB at a time while what is left to \
-                 take is at most half the memory available beyond 256 MiB) or off (taken only as the guest \
-                 writes). Default: background on ram_pages=thp, off on 4k"
+                "memory of the RAM namespaces on thp or 4k pages: background (taken by a thread of the daemon \
+                 right after the device is made, so that the guest's first writes find it there, 64 MiB at a time \
+                 while what every such pass of the daemon has left to take is at most half the memory available \
+                 beyond 256 MiB) or off (taken only as the guest writes) (default: background on thp, off on 4k)"
             ),
             OptionSpec::new(
                 "serial",
@@ -872,7 +872,11 @@ impl PciFunction for Nvme {
                     // Transfers of stopped queues its backing has not finished (max_held).
                     "held_by_backing": ns.is_file().then(|| c.held_by_backing(ns.id()).0),
                     // A RAM disk's memory taken ahead of the guest's writes (ram_populate).
-                    "taken_ahead": ns.store().populater().map(|p| json!({"bytes": p.done(), "state": p.state().name()})),
+                    // State first (Acquire): an ended pass's bytes are then its last.
+                    "taken_ahead": ns.store().populater().map(|p| {
+                        let state = p.state();
+                        json!({"bytes": p.done(), "state": state.name()})
+                    }),
                 })
             })
             .collect();
