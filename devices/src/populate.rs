@@ -308,9 +308,9 @@ fn run(addr: usize, len: usize, progress: &Progress, taken: impl Fn(usize), budg
 /// Whether this kernel has `MADV_POPULATE_WRITE` (Linux 5.14).
 #[cfg(test)]
 pub(crate) fn populating_faults() -> bool {
-    let mem = tests::Anon::new(4096);
+    let mem = vm_memory::mmap::MmapRegion::<()>::new(4096).expect("an anonymous page");
     // SAFETY: the page `mem` maps.
-    unsafe { libc::madvise(mem.0 as *mut libc::c_void, 4096, libc::MADV_POPULATE_WRITE) == 0 }
+    unsafe { libc::madvise(mem.as_ptr().cast(), 4096, libc::MADV_POPULATE_WRITE) == 0 }
 }
 
 #[cfg(test)]
@@ -352,32 +352,9 @@ mod tests {
         assert_eq!(group_room(dir.path()), Some(0), "over its limit: none");
     }
 
-    /// A private anonymous mapping of `len` bytes, unmapped on drop.
-    pub(super) struct Anon(pub(super) usize, usize);
-
-    impl Anon {
-        pub(super) fn new(len: usize) -> Anon {
-            // SAFETY: a fresh private anonymous mapping, no address asked for.
-            let p = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                    -1,
-                    0,
-                )
-            };
-            assert_ne!(p, libc::MAP_FAILED);
-            Anon(p as usize, len)
-        }
-    }
-
-    impl Drop for Anon {
-        fn drop(&mut self) {
-            // SAFETY: the mapping `new` made, no longer used (the populaters are dropped first).
-            unsafe { libc::munmap(self.0 as *mut libc::c_void, self.1) };
-        }
+    /// A private anonymous mapping of `len` bytes (not reserved), unmapped on drop.
+    fn anon(len: usize) -> vm_memory::mmap::MmapRegion {
+        vm_memory::mmap::MmapRegion::new(len).expect("an anonymous mapping")
     }
 
     fn wait(p: &Populater) -> PassState {
@@ -396,13 +373,15 @@ mod tests {
             return eprintln!("SKIPPED: no MADV_POPULATE_WRITE here");
         }
         let len = 3 * STEP + 4096;
-        let mem = Anon::new(len);
+        let mem = anon(len);
         let taken = Arc::new(std::sync::Mutex::new(Vec::new()));
         let t = taken.clone();
         let budget = Budget::with(|| Some(u64::MAX));
         // SAFETY: `mem` outlives the populater (dropped at the end of the test, after it).
-        let p = unsafe { Populater::start(mem.0, len, move |i| t.lock().unwrap().push(i), budget.clone()) }
-            .unwrap();
+        let p = unsafe {
+            Populater::start(mem.as_ptr() as usize, len, move |i| t.lock().unwrap().push(i), budget.clone())
+        }
+        .unwrap();
         assert_eq!(wait(&p), PassState::Done);
         assert_eq!(p.done(), len as u64);
         assert_eq!(*taken.lock().unwrap(), [0, 1, 2, 3]);
@@ -413,8 +392,10 @@ mod tests {
         let n = none.clone();
         let budget = Budget::with(|| None);
         // SAFETY: as above.
-        let p = unsafe { Populater::start(mem.0, len, move |i| n.lock().unwrap().push(i), budget.clone()) }
-            .unwrap();
+        let p = unsafe {
+            Populater::start(mem.as_ptr() as usize, len, move |i| n.lock().unwrap().push(i), budget.clone())
+        }
+        .unwrap();
         assert_eq!(wait(&p), PassState::Unaffordable, "memory that cannot be read is not taken");
         assert_eq!(p.done(), 0);
         assert!(none.lock().unwrap().is_empty());
@@ -430,7 +411,7 @@ mod tests {
             return eprintln!("SKIPPED: no MADV_POPULATE_WRITE here");
         }
         let len = 8 * STEP;
-        let (a, b) = (Anon::new(len), Anon::new(len));
+        let (a, b) = (anon(len), anon(len));
         // Room for one disk and a half.
         let budget = Budget::with(|| Some(3 * (8 * STEP as u64) + RESERVE));
         // The first pass holds in its first step's callback until the test lets it go on.
@@ -443,12 +424,12 @@ mod tests {
             }
         };
         // SAFETY: `a` and `b` outlive the populaters (dropped before them, below).
-        let mut first = unsafe { Populater::start(a.0, len, held, budget.clone()) }.unwrap();
+        let mut first = unsafe { Populater::start(a.as_ptr() as usize, len, held, budget.clone()) }.unwrap();
         while reached.load(Ordering::SeqCst) == 0 {
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
         // SAFETY: as above.
-        let second = unsafe { Populater::start(b.0, len, |_| {}, budget.clone()) }.unwrap();
+        let second = unsafe { Populater::start(b.as_ptr() as usize, len, |_| {}, budget.clone()) }.unwrap();
         assert_eq!(
             wait(&second),
             PassState::Unaffordable,
@@ -479,10 +460,10 @@ mod tests {
             (LOOKS.fetch_add(1, Ordering::SeqCst) == 0).then_some(u64::MAX)
         }
         let len = CHUNK + 2 * STEP;
-        let mem = Anon::new(len);
+        let mem = anon(len);
         let budget = Budget::with(shrinking);
         // SAFETY: `mem` outlives the populater (dropped before it, below).
-        let p = unsafe { Populater::start(mem.0, len, |_| {}, budget.clone()) }.unwrap();
+        let p = unsafe { Populater::start(mem.as_ptr() as usize, len, |_| {}, budget.clone()) }.unwrap();
         assert_eq!(wait(&p), PassState::Unaffordable);
         assert_eq!(p.done(), CHUNK as u64, "stopped at its first look");
         assert_eq!(LOOKS.load(Ordering::SeqCst), 2);
@@ -497,11 +478,11 @@ mod tests {
             return eprintln!("SKIPPED: no MADV_POPULATE_WRITE here");
         }
         let len = 4 * STEP;
-        let mem = Anon::new(len);
+        let mem = anon(len);
         let budget = Budget::with(|| Some(u64::MAX));
         let panicking = |i| assert!(i < 1, "on purpose, at piece {i}");
         // SAFETY: `mem` outlives the populater (dropped before it, below).
-        let p = unsafe { Populater::start(mem.0, len, panicking, budget.clone()) }.unwrap();
+        let p = unsafe { Populater::start(mem.as_ptr() as usize, len, panicking, budget.clone()) }.unwrap();
         assert_eq!(wait(&p), PassState::Stopped);
         assert_eq!(p.done(), STEP as u64);
         assert_eq!(budget.pending.load(Ordering::Relaxed), 0);
