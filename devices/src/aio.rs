@@ -15,6 +15,9 @@
 //!
 //! **Sleeping.** The ring is where its worker sleeps ([`KernelSleep`]): a poll of the worker
 //! bell's eventfd stays armed on it, so one wait ends on a doorbell, a stop or a completion.
+//! A transfer that ends while its worker runs does not interrupt the worker (an IPI in a VM is
+//! an exit on both sides): the kernel flags it (`COOP_TASKRUN`, `TASKRUN_FLAG`), and the
+//! worker's next look ([`Ring::reap`], [`KernelSleep::pending`]) or sleep posts it.
 //!
 //! **Fixed buffers.** A transfer whose memory is one buffer registered in another ring (the
 //! DMA space's table of kernel pins: `--pin-mode kernel`) moves as `READ_FIXED`/`WRITE_FIXED`
@@ -206,6 +209,8 @@ pub struct Ring<T: Send + 'static> {
     cancel_on_quiesce: bool,
     /// Clones of other rings' buffers, an entry per fixed transfer in flight.
     fixed: FixedTable,
+    /// Set up with `COOP_TASKRUN` and `TASKRUN_FLAG` (Linux 5.19 and later).
+    cooperative: bool,
 }
 
 // SAFETY: the raw pointers in the slots' iovecs address memory their payloads keep valid
@@ -220,7 +225,18 @@ impl<T: Send + 'static> Ring<T> {
         let capacity = capacity.max(1);
         // Room for every transfer, the eventfd poll and a cancellation.
         let entries = (capacity + 2).next_power_of_two();
-        let uring = IoUring::builder().setup_cqsize(2 * entries).build(entries)?;
+        // Completions the kernel finishes while the worker runs wait for its next look
+        // (the TASKRUN flag, [`Ring::run_task_work`]) instead of interrupting it with an IPI
+        // each; kernels before 5.19 refuse the flags, and interrupt.
+        let (uring, cooperative) = match IoUring::builder()
+            .setup_cqsize(2 * entries)
+            .setup_coop_taskrun()
+            .setup_taskrun_flag()
+            .build(entries)
+        {
+            Ok(uring) => (uring, true),
+            Err(_) => (IoUring::builder().setup_cqsize(2 * entries).build(entries)?, false),
+        };
         if !files.is_empty() {
             let fds: Vec<RawFd> = files.iter().map(|f| f.as_raw_fd()).collect();
             uring.submitter().register_files(&fds)?;
@@ -239,6 +255,7 @@ impl<T: Send + 'static> Ring<T> {
             cancelling: false,
             cancel_on_quiesce: true,
             fixed: FixedTable::default(),
+            cooperative,
         })
     }
 
@@ -457,6 +474,7 @@ impl<T: Send + 'static> Ring<T> {
     /// buffer)`. A part-done transfer is continued, a refused O_DIRECT one retried buffered,
     /// neither reported yet. Returns how many were reported.
     pub fn reap(&mut self, mut done: impl FnMut(T, io::Result<u64>, bool)) -> usize {
+        self.run_task_work();
         let mut reported = 0;
         loop {
             let Some(cqe) = self.uring().completion().next() else { break };
@@ -561,6 +579,17 @@ impl<T: Send + 'static> Ring<T> {
         }
     }
 
+    /// Has the kernel post the completions it finished while this thread ran (their work
+    /// waits for the thread's next entry into the kernel, which this is, where the flag says
+    /// there is some).
+    fn run_task_work(&mut self) {
+        let uring = self.uring();
+        if uring.submission().taskrun() {
+            // Whatever is queued goes too (the call submits it); a refusal leaves it queued.
+            let _ = uring.submit_and_wait(0);
+        }
+    }
+
     /// Cancels what is in flight and waits for the kernel to finish it, at most `bound`,
     /// reporting each as [`Ring::reap`] does. Returns how many are still in the kernel.
     pub fn quiesce(&mut self, bound: Duration, mut done: impl FnMut(T, io::Result<u64>, bool)) -> usize {
@@ -583,7 +612,8 @@ impl<T: Send + 'static> KernelSleep for Ring<T> {
     fn pending(&mut self) -> bool {
         // What was started goes to the kernel at the first look.
         let _ = self.submit();
-        !self.uring().completion().is_empty()
+        let uring = self.uring();
+        !uring.completion().is_empty() || uring.submission().taskrun()
     }
 
     fn block(&mut self, timeout: Option<Duration>) {
@@ -655,6 +685,7 @@ impl<T: Send + 'static> Ring<T> {
             cancelling: false,
             cancel_on_quiesce: false,
             fixed: std::mem::take(&mut self.fixed),
+            cooperative: self.cooperative,
         };
         self.in_flight = 0;
         left
@@ -849,6 +880,20 @@ mod tests {
         a.set_read_timeout(Some(std::time::Duration::from_millis(200))).unwrap();
         let err = a.read(&mut [0u8; 1]).unwrap_err();
         assert_ne!(err.kind(), io::ErrorKind::Interrupted, "the read timed out as asked");
+    }
+
+    #[test]
+    fn a_kernel_that_can_leaves_the_running_worker_uninterrupted() {
+        if let Err(e) = available() {
+            return eprintln!("SKIPPED: no io_uring here: {e}");
+        }
+        let release = nix::sys::utsname::uname().unwrap().release().to_string_lossy().into_owned();
+        let mut v = release.split(|c: char| !c.is_ascii_digit()).filter_map(|n| n.parse::<u32>().ok());
+        let (major, minor) = (v.next().unwrap_or(0), v.next().unwrap_or(0));
+        let ring = Ring::<()>::new(4, &[], None).unwrap();
+        if (major, minor) >= (5, 19) {
+            assert!(ring.cooperative, "Linux {release} has COOP_TASKRUN and TASKRUN_FLAG");
+        }
     }
 
     fn file(len: u64) -> (tempfile::TempDir, std::fs::File) {
