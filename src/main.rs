@@ -420,6 +420,11 @@ enum Command {
         /// without them).
         #[arg(long, conflicts_with = "fixed_buffers")]
         shadow_doorbells: bool,
+        /// Poll the I/O completion queues, created without interrupts, instead of sleeping
+        /// until an interrupt, as SPDK's initiator and Linux's poll queues do: what the server
+        /// serves without a wake-up of the client per completion (the client keeps a CPU busy).
+        #[arg(long, conflicts_with = "fixed_buffers")]
+        poll: bool,
     },
     /// Print a shell completion script (install it where your shell looks, see the README).
     Completions {
@@ -721,8 +726,8 @@ fn dispatch(command: Command, dirs: &manage::Dirs) -> output::Out {
             }
         }
         #[cfg(feature = "bench")]
-        Command::Nvmebench { json, quick, only, opts, file, shadow_doorbells, .. } => {
-            let r = nvmebench::run(quick, only.as_deref(), &opts, file.as_deref(), shadow_doorbells)?;
+        Command::Nvmebench { json, quick, only, opts, file, shadow_doorbells, poll, .. } => {
+            let r = nvmebench::run(quick, only.as_deref(), &opts, file.as_deref(), shadow_doorbells, poll)?;
             if json {
                 out!("{}", serde_json::to_string(&r).map_err(|e| e.to_string())?)
             } else {

@@ -70,6 +70,8 @@ pub struct Row {
     /// Doorbell register writes (vfio-user messages) per I/O: with `--shadow-doorbells`, those
     /// the controller's event indexes asked for.
     pub doorbell_messages_per_io: f64,
+    /// Interrupts the controller raised per I/O (the queues' eventfd counts): 0 with `--poll`.
+    pub interrupts_per_io: f64,
     /// 128 KiB rows: the median over rounds of this round's GB/s over a memcpy of 128 KiB
     /// blocks streamed over the namespace's size measured right before it (the rounds
     /// alternate the two). The row's other figures are medians over the same rounds.
@@ -99,6 +101,8 @@ pub struct Report {
     pub namespace: String,
     /// I/O queue doorbells went through shadow doorbells (`--shadow-doorbells`).
     pub shadow_doorbells: bool,
+    /// The client polled its completion queues, created without interrupts (`--poll`).
+    pub polled: bool,
     /// The floors.
     pub floors: Floors,
     /// The workloads.
@@ -254,6 +258,7 @@ fn workload(
     qd: usize,
     queues: u16,
     duration: Duration,
+    poll: bool,
 ) -> Result<Row, String> {
     let blocks = (len / 512) as u32;
     let ns_blocks = NS_BYTES / 512;
@@ -295,8 +300,11 @@ fn workload(
         }
         d.ring(q)?;
     }
+    // What earlier workloads left in the eventfds is not this one's.
+    let _ = drain_count(&d.t.irqs[1..=usize::from(queues)]);
     let cpu0 = server.cpu();
     let rung0 = d.doorbells.written;
+    let mut interrupts = 0u64;
     let start = Instant::now();
     let mut done = 0u64;
     let mut draining = false;
@@ -334,10 +342,15 @@ fn workload(
             draining = true;
         }
         if !got {
-            wait_any(&d.t.irqs[1..=usize::from(queues)], Duration::from_millis(100));
+            if poll {
+                std::hint::spin_loop();
+            } else {
+                interrupts += wait_any(&d.t.irqs[1..=usize::from(queues)], Duration::from_millis(100));
+            }
         }
     }
     let elapsed = start.elapsed();
+    interrupts += drain_count(&d.t.irqs[1..=usize::from(queues)]);
     let cpu = server.cpu().saturating_sub(cpu0);
     let mut lat_sorted = lat.clone();
     lat_sorted.sort_by(|a, b| a.total_cmp(b));
@@ -352,6 +365,7 @@ fn workload(
         latency_p99_us: pct(0.99),
         server_cpu_us_per_io: cpu.as_secs_f64() * 1e6 / done.max(1) as f64,
         doorbell_messages_per_io: (d.doorbells.written - rung0) as f64 / done.max(1) as f64,
+        interrupts_per_io: interrupts as f64 / done.max(1) as f64,
         vs_memcpy: None,
     })
 }
@@ -366,6 +380,7 @@ fn big_workload(
     queues: u16,
     duration: Duration,
     rounds: usize,
+    poll: bool,
 ) -> Result<Row, String> {
     let src = vec![7u8; NS_BYTES as usize];
     let mut dst = vec![0u8; 16 * BIG];
@@ -374,7 +389,7 @@ fn big_workload(
     let mut ratios = Vec::new();
     for _ in 0..rounds.max(1) {
         let floor = memcpy_stream(&src, &mut dst);
-        let row = workload(d, server, kind, BIG, false, 8, queues, duration / rounds.max(1) as u32)?;
+        let row = workload(d, server, kind, BIG, false, 8, queues, duration / rounds.max(1) as u32, poll)?;
         ratios.push(row.gb_per_sec / floor);
         rows.push(row);
     }
@@ -389,6 +404,7 @@ fn big_workload(
         latency_p99_us: mid(|r| r.latency_p99_us),
         server_cpu_us_per_io: mid(|r| r.server_cpu_us_per_io),
         doorbell_messages_per_io: mid(|r| r.doorbell_messages_per_io),
+        interrupts_per_io: mid(|r| r.interrupts_per_io),
         vs_memcpy: Some(median(&mut ratios)),
     })
 }
@@ -427,16 +443,22 @@ fn fill(d: &mut Driver<NvmeGuest>) -> Result<(), String> {
     Ok(())
 }
 
-fn wait_any(efds: &[EventFd], timeout: Duration) {
+/// Waits for an interrupt on any of `efds` (at most `timeout`): how many were raised.
+fn wait_any(efds: &[EventFd], timeout: Duration) -> u64 {
     // SAFETY: the eventfds outlive the borrows.
     let fds: Vec<BorrowedFd<'_>> =
         efds.iter().map(|e| unsafe { BorrowedFd::borrow_raw(e.as_raw_fd()) }).collect();
     let mut polls: Vec<PollFd<'_>> = fds.iter().map(|f| PollFd::new(*f, PollFlags::POLLIN)).collect();
     if poll(&mut polls, PollTimeout::try_from(timeout).unwrap_or(PollTimeout::MAX)).unwrap_or(0) > 0 {
-        for e in efds {
-            let _ = e.read();
-        }
+        drain_count(efds)
+    } else {
+        0
     }
+}
+
+/// The interrupts raised on `efds` (non-blocking eventfds) since they were last read.
+fn drain_count(efds: &[EventFd]) -> u64 {
+    efds.iter().map(|e| e.read().unwrap_or(0)).sum()
 }
 
 /// memcpy floors: 2 MiB warm, and 128 KiB blocks streamed through a namespace-sized region.
@@ -623,6 +645,7 @@ pub fn run(
     opts: &[String],
     file: Option<&Path>,
     shadow_doorbells: bool,
+    poll: bool,
 ) -> Result<Report, String> {
     let chosen: Vec<(Kind, bool, u16, usize)> = workloads()
         .into_iter()
@@ -656,7 +679,11 @@ pub fn run(
 
     let mut d = NvmeGuest::connect(&server.socket, RAM, 3)?.driver();
     d.enable()?;
-    d.create_io_queues(2, QUEUE_ENTRIES, false)?;
+    if poll {
+        d.create_polled_io_queues(2, QUEUE_ENTRIES)?;
+    } else {
+        d.create_io_queues(2, QUEUE_ENTRIES, false)?;
+    }
     if shadow_doorbells {
         d.enable_shadow_doorbells()?;
     }
@@ -671,9 +698,9 @@ pub fn run(
     for (kind, big, queues, qd) in chosen {
         progress.step(format_args!("{} qd{qd} on {queues} queue(s)", kind.name(size(big))));
         rows.push(if big {
-            big_workload(&mut d, &server, kind, queues, duration, if quick { 3 } else { 7 })?
+            big_workload(&mut d, &server, kind, queues, duration, if quick { 3 } else { 7 }, poll)?
         } else {
-            workload(&mut d, &server, kind, 4096, false, qd, queues, duration)?
+            workload(&mut d, &server, kind, 4096, false, qd, queues, duration, poll)?
         });
     }
     // The floors again, after: the median of both sittings is reported.
@@ -686,6 +713,7 @@ pub fn run(
     Ok(Report {
         namespace,
         shadow_doorbells,
+        polled: poll,
         floors: Floors {
             memcpy_2m_gb_per_sec: (m2 + m2b) / 2.0,
             memcpy_128k_stream_gb_per_sec: (m128 + m128b) / 2.0,
@@ -701,9 +729,10 @@ pub fn run(
 pub fn print(r: &Report) -> crate::output::Out {
     let f = &r.floors;
     out!(
-        "nvme over vfio-user: namespace {}, doorbells as posted REGION_WRITEs{}, MSI-X per queue.",
+        "nvme over vfio-user: namespace {}, doorbells as posted REGION_WRITEs{}, {}.",
         r.namespace,
-        if r.shadow_doorbells { " where the shadow doorbells' event indexes ask for them" } else { "" }
+        if r.shadow_doorbells { " where the shadow doorbells' event indexes ask for them" } else { "" },
+        if r.polled { "completion queues polled (no interrupts)" } else { "MSI-X per queue" }
     )?;
     out!("Floors, measured in this run (mean of before and after):")?;
     out!("  memcpy of 2 MiB (warm buffers):                        {:6.2} GB/s", f.memcpy_2m_gb_per_sec)?;
@@ -718,7 +747,7 @@ pub fn print(r: &Report) -> crate::output::Out {
     )?;
     out!("")?;
     out!(
-        "workload        qd queues       IOPS    GB/s  lat p50  lat p99  server CPU/IO  msgs/IO   vs floor"
+        "workload        qd queues       IOPS    GB/s  lat p50  lat p99  server CPU/IO  msgs/IO  irqs/IO   vs floor"
     )?;
     for row in &r.rows {
         let vs = if let Some(ratio) = row.vs_memcpy {
@@ -729,7 +758,7 @@ pub fn print(r: &Report) -> crate::output::Out {
             String::new()
         };
         out!(
-            "{:<14} {:>3} {:>6} {:>10.0} {:>7.2} {:>6.1}us {:>6.1}us {:>11.2}us {:>8.2}   {}",
+            "{:<14} {:>3} {:>6} {:>10.0} {:>7.2} {:>6.1}us {:>6.1}us {:>11.2}us {:>8.2} {:>8.2}   {}",
             row.workload,
             row.qd,
             row.queues,
@@ -739,6 +768,7 @@ pub fn print(r: &Report) -> crate::output::Out {
             row.latency_p99_us,
             row.server_cpu_us_per_io,
             row.doorbell_messages_per_io,
+            row.interrupts_per_io,
             vs
         )?;
     }
@@ -807,6 +837,7 @@ fn medians(rows: &[Row]) -> Row {
         latency_p99_us: mid(|r| r.latency_p99_us),
         server_cpu_us_per_io: mid(|r| r.server_cpu_us_per_io),
         doorbell_messages_per_io: mid(|r| r.doorbell_messages_per_io),
+        interrupts_per_io: mid(|r| r.interrupts_per_io),
         vs_memcpy: None,
     }
 }
@@ -911,7 +942,7 @@ pub fn run_fixed(quick: bool, backing: Backing) -> Result<FixedReport, String> {
             let order = if r % 2 == 0 { [0, 1] } else { [1, 0] };
             for side in order {
                 let (s, mut d) = connect(side)?;
-                let row = workload(&mut d, &s, kind, len, true, qd, 1, round)?;
+                let row = workload(&mut d, &s, kind, len, true, qd, 1, round, false)?;
                 drop(d);
                 transfers[side] += fixed(s.stop());
                 sides[side].push(row);

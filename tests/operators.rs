@@ -1297,12 +1297,13 @@ mod benches {
     /// `nvmebench --file` with a path relative to the caller's directory (the server takes
     /// absolute ones only) and shadow doorbells: at queue depth 1 a command costs at most
     /// one doorbell message (its SQ tail; the CQ heads go to the shadow page only), where
-    /// register doorbells cost two.
+    /// register doorbells cost two. Every completion at queue depth 1 interrupts, and with
+    /// `--poll` (CQs without interrupts) none does.
     #[test]
     fn nvmebench_takes_a_relative_file_and_shadow_doorbells_spare_messages() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::File::create(dir.path().join("ns.img")).unwrap().set_len(256 << 20).unwrap();
-        let run = |shadow: bool| {
+        let run = |shadow: bool, poll: bool| {
             let mut cmd = umdev();
             cmd.current_dir(dir.path()).args([
                 "nvmebench",
@@ -1319,21 +1320,38 @@ mod benches {
             if shadow {
                 cmd.arg("--shadow-doorbells");
             }
+            if poll {
+                cmd.arg("--poll");
+            }
             let out = cmd.output().unwrap();
             assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
             let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
             assert_eq!(report["shadow_doorbells"], shadow);
+            assert_eq!(report["polled"], poll);
             let rows = report["rows"].as_array().unwrap().clone();
             assert_eq!(rows.len(), 4, "{report}");
             assert!(rows.iter().all(|r| r["iops"].as_f64().unwrap() > 0.0), "{report}");
+            let interrupts: Vec<f64> =
+                rows.iter().map(|r| r["interrupts_per_io"].as_f64().unwrap()).collect();
+            if poll {
+                assert!(interrupts.iter().all(|&i| i == 0.0), "interrupts while polling: {report}");
+            } else {
+                // At queue depth 1 each completion is alone: its own interrupt (about: the
+                // run's end may catch one raised but not yet counted).
+                let mut qd1 =
+                    rows.iter().filter(|r| r["qd"] == 1).map(|r| r["interrupts_per_io"].as_f64().unwrap());
+                assert!(qd1.all(|i| i > 0.9), "{report}");
+            }
             let qd1 = rows.iter().find(|r| r["qd"] == 1 && r["queues"] == 1).unwrap();
             qd1["doorbell_messages_per_io"].as_f64().unwrap()
         };
         // Two per command but the last (its SQ tail message is not sent: the run ends).
-        let registers = run(false);
+        let registers = run(false, false);
         assert!(registers > 1.0, "{registers} messages per command with register doorbells");
-        let shadowed = run(true);
+        let shadowed = run(true, false);
         assert!(shadowed <= 1.0, "{shadowed} messages per command with shadow doorbells");
+        let polled = run(true, true);
+        assert!(polled <= 1.0, "{polled} messages per command with shadow doorbells, polled");
     }
 
     /// The pids of `pid`'s children.

@@ -81,6 +81,17 @@ const PRP_LISTS: u64 = 0x200_0000;
 const PRP_LIST_SPAN: u64 = 0x2000;
 const PRP_LIST_SLOTS: u64 = 64;
 
+/// Which interrupt vectors I/O CQs raise.
+#[derive(Clone, Copy)]
+enum Vectors {
+    /// Queue y's on vector y.
+    PerQueue,
+    /// All on vector 0.
+    One,
+    /// None: the driver polls.
+    None,
+}
+
 /// A driver of one controller.
 pub struct Driver<T: Transport> {
     /// The transport.
@@ -363,6 +374,16 @@ impl<T: Transport> Driver<T> {
     /// Number of Queues, then `n` I/O queue pairs of `entries` entries; queue y's CQ
     /// interrupts on vector y (or 0 with `one_vector`).
     pub fn create_io_queues(&mut self, n: u16, entries: u32, one_vector: bool) -> Result<(), Error> {
+        self.create_queues(n, entries, if one_vector { Vectors::One } else { Vectors::PerQueue })
+    }
+
+    /// As [`Driver::create_io_queues`], with CQs that raise no interrupt (Interrupts Enabled
+    /// clear): queues the driver polls, as Linux's poll queues and SPDK's initiator do.
+    pub fn create_polled_io_queues(&mut self, n: u16, entries: u32) -> Result<(), Error> {
+        self.create_queues(n, entries, Vectors::None)
+    }
+
+    fn create_queues(&mut self, n: u16, entries: u32, vectors: Vectors) -> Result<(), Error> {
         if entries > MAX_DRIVER_ENTRIES || n > 32 {
             return Err(format!("the driver's layout holds 32 queues of {MAX_DRIVER_ENTRIES} entries"));
         }
@@ -378,11 +399,15 @@ impl<T: Transport> Driver<T> {
             let sq_base = QUEUES + u64::from(qid - 1) * QUEUE_SPAN;
             let cq_base = sq_base + 0x3_0000;
             self.t.put(cq_base, &vec![0u8; (u64::from(entries) * CQE_SIZE) as usize])?;
-            let vector = if one_vector { 0 } else { qid };
+            let (vector, ien) = match vectors {
+                Vectors::PerQueue => (qid, 2),
+                Vectors::One => (0, 2),
+                Vectors::None => (0, 0),
+            };
             let mut cq = Sqe::new(admin_op::CREATE_CQ, 0);
             cq.prp1 = cq_base.into();
             cq.set_dw(10, u32::from(qid) | (entries - 1) << 16);
-            cq.set_dw(11, 1 | 2 | u32::from(vector) << 16);
+            cq.set_dw(11, 1 | ien | u32::from(vector) << 16);
             self.admin_ok(cq)?;
             let mut sq = Sqe::new(admin_op::CREATE_SQ, 0);
             sq.prp1 = sq_base.into();
