@@ -1,7 +1,8 @@
 //! The ccw device's program path allocates nothing per program. The allocator of
 //! `common/counting_alloc.rs` counts the allocations of every thread but the test's own (the
 //! server's acceptor, the connection thread that takes the doorbell writes, the subchannel
-//! workers); once each kind of program has run, more programs add none: 4 KiB direct
+//! workers); once each kind of program has run (on each request slot in use), more programs
+//! add none: 4 KiB direct
 //! transfers, a chain of 40 CCWs (more than the interpreter keeps on its stack for its loop
 //! check), and 2 MiB through 512 scattered 4 KiB IDAWs in one CCW, both ways. A test binary
 //! of its own, so that no other test's threads allocate meanwhile.
@@ -50,11 +51,25 @@ fn programs_allocate_nothing_once_each_kind_has_run() {
     // The first programs of each kind may set things up (a list grows to its size).
     round(&mut g);
     round(&mut g);
+    // A program is begun on the connection thread, and its request's slot is let go by the
+    // worker after the status is out: a client that starts the next program at once may find
+    // the last one's slot still held (a busy machine: the worker was preempted in between)
+    // and get another, whose lists grow once as the first one's did. So what programs
+    // allocate ends once each slot in use has served every kind (two for a client that waits
+    // for each status): a window of programs then allocates nothing. One allocation per
+    // program, or per few, would show in every window.
     const ROUNDS: u64 = 10;
-    let made = server_allocations_during(|| {
-        for _ in 0..ROUNDS {
-            round(&mut g);
+    const WINDOWS: usize = 8;
+    let mut made = Vec::new();
+    for _ in 0..WINDOWS {
+        made.push(server_allocations_during(|| {
+            for _ in 0..ROUNDS {
+                round(&mut g);
+            }
+        }));
+        if made.last() == Some(&0) {
+            return;
         }
-    });
-    assert_eq!(made, 0, "the server allocated {made} times over {} programs", ROUNDS * PER_ROUND);
+    }
+    panic!("the server allocated in every window of {} programs: {made:?}", ROUNDS * PER_ROUND);
 }
