@@ -12,7 +12,11 @@
 //! With `--shadow-doorbells`, the I/O queues' doorbells are written as Linux's driver writes
 //! them when the controller offers Doorbell Buffer Config: into the shadow page, and as a
 //! message only when the controller's event index asks for one. Each row counts the doorbell
-//! messages per I/O.
+//! messages per I/O, and the interrupts the controller raised per I/O (the eventfds' counts).
+//!
+//! With `--poll`, the I/O completion queues are created without interrupts and the client
+//! polls them, as SPDK's initiator and Linux's poll queues do: no wake-up of the client per
+//! completion, a CPU kept busy instead.
 //!
 //! With `--fixed-buffers`, instead: a file namespace with `cache1=none` (O_DIRECT) in kernel
 //! pin mode, served by `fixed_buffers=always` and by `off` on the same file in alternation,
@@ -102,7 +106,7 @@ pub struct Report {
     /// I/O queue doorbells went through shadow doorbells (`--shadow-doorbells`).
     pub shadow_doorbells: bool,
     /// The client polled its completion queues, created without interrupts (`--poll`).
-    pub polled: bool,
+    pub poll: bool,
     /// The floors.
     pub floors: Floors,
     /// The workloads.
@@ -284,6 +288,8 @@ fn workload(
         }
         prps.push(per_queue);
     }
+    // What earlier workloads left in the eventfds is not this one's.
+    let _ = drain_count(&d.t.irqs[1..=usize::from(queues)]);
     let mut submitted_at = vec![vec![Instant::now(); qd]; usize::from(queues)];
     let mut lat = Vec::with_capacity(1 << 16);
     let submit = |d: &mut Driver<NvmeGuest>, q: u16, slot: usize, lba: u64| -> Result<(), String> {
@@ -300,8 +306,6 @@ fn workload(
         }
         d.ring(q)?;
     }
-    // What earlier workloads left in the eventfds is not this one's.
-    let _ = drain_count(&d.t.irqs[1..=usize::from(queues)]);
     let cpu0 = server.cpu();
     let rung0 = d.doorbells.written;
     let mut interrupts = 0u64;
@@ -713,7 +717,7 @@ pub fn run(
     Ok(Report {
         namespace,
         shadow_doorbells,
-        polled: poll,
+        poll,
         floors: Floors {
             memcpy_2m_gb_per_sec: (m2 + m2b) / 2.0,
             memcpy_128k_stream_gb_per_sec: (m128 + m128b) / 2.0,
@@ -732,7 +736,7 @@ pub fn print(r: &Report) -> crate::output::Out {
         "nvme over vfio-user: namespace {}, doorbells as posted REGION_WRITEs{}, {}.",
         r.namespace,
         if r.shadow_doorbells { " where the shadow doorbells' event indexes ask for them" } else { "" },
-        if r.polled { "completion queues polled (no interrupts)" } else { "MSI-X per queue" }
+        if r.poll { "completion queues polled (no interrupts)" } else { "MSI-X per queue" }
     )?;
     out!("Floors, measured in this run (mean of before and after):")?;
     out!("  memcpy of 2 MiB (warm buffers):                        {:6.2} GB/s", f.memcpy_2m_gb_per_sec)?;

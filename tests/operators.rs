@@ -1327,7 +1327,7 @@ mod benches {
             assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
             let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
             assert_eq!(report["shadow_doorbells"], shadow);
-            assert_eq!(report["polled"], poll);
+            assert_eq!(report["poll"], poll);
             let rows = report["rows"].as_array().unwrap().clone();
             assert_eq!(rows.len(), 4, "{report}");
             assert!(rows.iter().all(|r| r["iops"].as_f64().unwrap() > 0.0), "{report}");

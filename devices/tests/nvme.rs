@@ -543,7 +543,7 @@ fn an_abort_finds_a_queued_command_and_sq_deletion_aborts_the_rest() {
         sq_tail: 0,
         cq_head: 0,
         phase: true,
-        vector: 1,
+        vector: Some(1),
     });
     d.io[0].entries = 8;
     for cid in [0x10u16, 0x11, 0x12, 0x13] {

@@ -52,12 +52,12 @@ pub struct QueuePair {
     pub cq_head: u32,
     /// The phase a new CQ entry carries.
     pub phase: bool,
-    /// Interrupt vector.
-    pub vector: u16,
+    /// Interrupt vector; `None` for a CQ without interrupts, which the driver polls.
+    pub vector: Option<u16>,
 }
 
 impl QueuePair {
-    fn new(id: u16, entries: u32, sq_base: u64, cq_base: u64, vector: u16) -> QueuePair {
+    fn new(id: u16, entries: u32, sq_base: u64, cq_base: u64, vector: Option<u16>) -> QueuePair {
         QueuePair { id, entries, sq_base, cq_base, sq_tail: 0, cq_head: 0, phase: true, vector }
     }
 }
@@ -133,7 +133,7 @@ impl<T: Transport> Driver<T> {
     pub fn new(t: T) -> Driver<T> {
         Driver {
             t,
-            admin: QueuePair::new(0, 32, ADMIN_SQ, ADMIN_CQ, 0),
+            admin: QueuePair::new(0, 32, ADMIN_SQ, ADMIN_CQ, Some(0)),
             io: Vec::new(),
             next_cid: 0,
             poll: false,
@@ -173,7 +173,7 @@ impl<T: Transport> Driver<T> {
         let cc = 6 << 16 | 4 << 20; // IOSQES 64 B, IOCQES 16 B, NVM, 4 KiB pages
         self.t.write32(reg::CC, cc)?;
         self.t.write32(reg::CC, cc | reg::CC_EN)?;
-        self.admin = QueuePair::new(0, entries, ADMIN_SQ, ADMIN_CQ, 0);
+        self.admin = QueuePair::new(0, entries, ADMIN_SQ, ADMIN_CQ, Some(0));
         self.io.clear();
         self.shadow = false;
         self.wait_csts(true).map(|_| ())
@@ -292,10 +292,10 @@ impl<T: Transport> Driver<T> {
             if now > deadline {
                 return Err(format!("no completion on queue {qid} within {timeout:?}"));
             }
-            let vector = self.queue(qid).vector;
-            if self.poll
-                || self.t.wait_interrupt(vector, (deadline - now).min(Duration::from_millis(50))).is_none()
-            {
+            let vector = self.queue(qid).vector.filter(|_| !self.poll);
+            if vector.is_none_or(|v| {
+                self.t.wait_interrupt(v, (deadline - now).min(Duration::from_millis(50))).is_none()
+            }) {
                 std::thread::yield_now();
             }
         }
@@ -399,10 +399,12 @@ impl<T: Transport> Driver<T> {
             let sq_base = QUEUES + u64::from(qid - 1) * QUEUE_SPAN;
             let cq_base = sq_base + 0x3_0000;
             self.t.put(cq_base, &vec![0u8; (u64::from(entries) * CQE_SIZE) as usize])?;
+            // A polled queue names its own vector all the same (the controller ignores it
+            // with interrupts off): an interrupt raised regardless shows there.
             let (vector, ien) = match vectors {
                 Vectors::PerQueue => (qid, 2),
                 Vectors::One => (0, 2),
-                Vectors::None => (0, 0),
+                Vectors::None => (qid, 0),
             };
             let mut cq = Sqe::new(admin_op::CREATE_CQ, 0);
             cq.prp1 = cq_base.into();
@@ -414,6 +416,7 @@ impl<T: Transport> Driver<T> {
             sq.set_dw(10, u32::from(qid) | (entries - 1) << 16);
             sq.set_dw(11, 1 | u32::from(qid) << 16);
             self.admin_ok(sq)?;
+            let vector = (ien != 0).then_some(vector);
             self.io.push(QueuePair::new(qid, entries, sq_base, cq_base, vector));
         }
         Ok(())
