@@ -1354,6 +1354,34 @@ mod benches {
         assert!(polled <= 1.0, "{polled} messages per command with shadow doorbells, polled");
     }
 
+    /// `bench/file-compare` runs both of its clients and the host's fio on one file and
+    /// prints a ratio per row (skipped where no fio can be had).
+    #[test]
+    fn file_compare_sets_nvmebench_beside_the_hosts_fio() {
+        // On disk: the file is read with O_DIRECT, which a tmpfs refuses.
+        let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        let img = dir.path().join("ns.img");
+        std::fs::File::create(&img).unwrap().set_len(256 << 20).unwrap();
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/file-compare");
+        let out = std::process::Command::new(script)
+            .args(["--rounds", "1", "--seconds", "1", "--umdev", env!("CARGO_BIN_EXE_umdev"), "--file"])
+            .arg(&img)
+            .output()
+            .unwrap();
+        if out.status.code() == Some(77) {
+            return eprintln!("SKIPPED: {}", stderr_of(&out));
+        }
+        assert!(out.status.success(), "{}", stderr_of(&out));
+        let text = String::from_utf8_lossy(&out.stdout);
+        let rows: Vec<&str> =
+            text.lines().filter(|l| l.starts_with("interrupts ") || l.starts_with("poll ")).collect();
+        assert_eq!(rows.len(), 8, "{text}");
+        for row in rows {
+            let ratio: f64 = row.split_whitespace().nth(4).and_then(|r| r.parse().ok()).unwrap_or(0.0);
+            assert!(ratio > 0.0, "{row}");
+        }
+    }
+
     /// The pids of `pid`'s children.
     fn children(pid: u32) -> Vec<u32> {
         std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
