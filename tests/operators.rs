@@ -1354,18 +1354,23 @@ mod benches {
         assert!(polled <= 1.0, "{polled} messages per command with shadow doorbells, polled");
     }
 
-    /// `bench/file-compare` runs both of its clients and the host's fio on one file and
-    /// prints a ratio per row (skipped where no fio can be had).
+    /// `bench/file-compare` runs both of its clients and the host's fio on one file, and
+    /// sets each row against the host's run with as many reads in flight, round by round
+    /// (skipped where no fio can be had).
     #[test]
     fn file_compare_sets_nvmebench_beside_the_hosts_fio() {
-        // On disk: the file is read with O_DIRECT, which a tmpfs refuses.
+        // On disk: the file is read with O_DIRECT.
         let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
         let img = dir.path().join("ns.img");
         std::fs::File::create(&img).unwrap().set_len(256 << 20).unwrap();
+        let report = dir.path().join("report.json");
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/file-compare");
         let out = std::process::Command::new(script)
-            .args(["--rounds", "1", "--seconds", "1", "--umdev", env!("CARGO_BIN_EXE_umdev"), "--file"])
+            .args(["--rounds", "1", "--seconds", "1", "--quick", "--umdev", env!("CARGO_BIN_EXE_umdev")])
+            .arg("--file")
             .arg(&img)
+            .arg("--json")
+            .arg(&report)
             .output()
             .unwrap();
         if out.status.code() == Some(77) {
@@ -1373,12 +1378,27 @@ mod benches {
         }
         assert!(out.status.success(), "{}", stderr_of(&out));
         let text = String::from_utf8_lossy(&out.stdout);
-        let rows: Vec<&str> =
-            text.lines().filter(|l| l.starts_with("interrupts ") || l.starts_with("poll ")).collect();
-        assert_eq!(rows.len(), 8, "{text}");
-        for row in rows {
-            let ratio: f64 = row.split_whitespace().nth(4).and_then(|r| r.parse().ok()).unwrap_or(0.0);
-            assert!(ratio > 0.0, "{row}");
+        let printed = text.lines().filter(|l| l.starts_with("interrupts ") || l.starts_with("poll ")).count();
+        assert_eq!(printed, 8, "{text}");
+        let r = json(&std::fs::read_to_string(&report).unwrap());
+        let table = r["table"].as_array().unwrap();
+        assert_eq!(table.len(), 8, "{r}");
+        let round = &r["rounds"][0];
+        for row in table {
+            let (side, q, qd) = (row["client"].as_str().unwrap(), &row["queues"], &row["qd"]);
+            let umdev = round[side][format!("q{q}-qd{qd}")]["iops"].as_f64().unwrap();
+            let host_qd = row["host_qd"].as_u64().unwrap();
+            let want = (q.as_u64().unwrap() * qd.as_u64().unwrap()).min(32);
+            assert_eq!(host_qd, want, "{row}");
+            let host = round["host"][format!("qd{host_qd}")].as_f64().unwrap();
+            assert!(umdev > 0.0 && host > 0.0, "{row}");
+            let ratio = row["vs_host"].as_f64().unwrap();
+            assert!((ratio - umdev / host).abs() < 1e-9, "{row}: {umdev} / {host}");
+            // One round: its ratio is the median and the range.
+            assert_eq!(
+                (row["vs_host_min"].as_f64(), row["vs_host_max"].as_f64()),
+                (Some(ratio), Some(ratio))
+            );
         }
     }
 
