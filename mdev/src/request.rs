@@ -47,9 +47,10 @@
 //! gives one (a ring costs nothing while the worker is awake).
 //!
 //! **What a request cancelled by a reset reports: nothing.** A reset (DEVICE_RESET, or the
-//! one that ends a detach) cancels every request with [`Cancel::Reset`] before the device's
-//! own reset runs, and holds the device's interrupts until the framework's reset of them
-//! that follows. The request still ends through its worker, exactly once: dropped, its
+//! one that ends a detach) cancels every request with [`Cancel::Reset`] before it turns the
+//! device's bus mastering off (so a guest access that fails for that is a cancelled
+//! request's) and before the device's own reset runs, and holds the device's interrupts
+//! until the framework's reset of them that follows. The request still ends through its worker, exactly once: dropped, its
 //! completion's [`Completion::fail`] runs; completed, [`Completion::complete`]. By then the
 //! device's registers are back at their power-on values, and the guest that reset the device
 //! expects no status and no interrupt from what it asked before, so that completion must

@@ -334,8 +334,11 @@ impl<F: PciFunction> PciDevice<F> {
     }
 
     fn reset_all(&self) {
-        self.quiesce();
+        // Cancelled before bus mastering goes off: a request whose guest access fails from
+        // then on is one the reset cancelled, which reports nothing (a Data Transfer Error
+        // in nvme's error log, say, for a command the guest reset away).
         self.requests.cancel_all();
+        self.quiesce();
         self.function.reset();
         self.irqs.reset();
         let mut config = self.config();
@@ -513,9 +516,11 @@ impl<F: PciFunction> VfioDevice for PciDevice<F> {
 
     fn detach(&self) {
         // What a cancelled request does before it ends must not reach the guest: the
-        // connection's memory and eventfds are still there until the reset below.
-        self.quiesce();
+        // connection's memory and eventfds are still there until the reset below. Cancelled
+        // first, as in a reset: what fails once they are cut off was cancelled, and reports
+        // nothing.
         self.requests.detach();
+        self.quiesce();
         // A panic here must not skip the wait and the reset below.
         crate::request::serve("the device's detach", || self.function.detach());
         // Cancelled requests end at their next block, and client DMA fails at once now that
