@@ -887,15 +887,7 @@ mod tests {
         let mut ring: Ring<()> = Ring::new(2, &[rx.as_fd()], None).unwrap();
         let mut buf = [0u8; 5];
         let segs = [(buf.as_mut_ptr() as usize, 5)];
-        let r = Request {
-            op: Op::Read,
-            file: 0,
-            fallback: None,
-            pos: 0,
-            segments: &segs,
-            dsync: false,
-            fixed: None,
-        };
+        let r = pipe_read(&segs);
         // SAFETY: `buf` outlives the transfer: it is reaped below, before `buf` is read (and a
         // ring dropped with it in flight waits for it).
         unsafe { ring.start((), &r) }.unwrap();
@@ -914,6 +906,11 @@ mod tests {
         assert_eq!(read, 5);
         writer.join().unwrap();
         assert_eq!(&buf, b"hello");
+    }
+
+    /// A read of the ring's file 0 (a pipe's read end, in these tests) into `segs`.
+    fn pipe_read(segs: &[(usize, usize)]) -> Request<'_> {
+        Request { op: Op::Read, file: 0, fallback: None, pos: 0, segments: segs, dsync: false, fixed: None }
     }
 
     fn file(len: u64) -> (tempfile::TempDir, std::fs::File) {
@@ -1037,15 +1034,7 @@ mod tests {
         let buf = std::sync::Arc::new(std::sync::Mutex::new(vec![0u8; 5]));
         let segs = [(buf.lock().unwrap().as_mut_ptr() as usize, 5)];
         let held = std::sync::Arc::new(());
-        let r = Request {
-            op: Op::Read,
-            file: 0,
-            fallback: None,
-            pos: 0,
-            segments: &segs,
-            dsync: false,
-            fixed: None,
-        };
+        let r = pipe_read(&segs);
         // SAFETY: `buf` outlives the transfer: the test waits for the payload's drop before
         // it reads or frees `buf`.
         unsafe { ring.start(held.clone(), &r) }.unwrap();
@@ -1102,15 +1091,7 @@ mod tests {
         let mut ring: Ring<u32> = Ring::new(4, &[rx.as_fd()], None).unwrap();
         let mut buf = [0u8; 5];
         let segs = [(buf.as_mut_ptr() as usize, 5)];
-        let r = Request {
-            op: Op::Read,
-            file: 0,
-            fallback: None,
-            pos: 0,
-            segments: &segs,
-            dsync: false,
-            fixed: None,
-        };
+        let r = pipe_read(&segs);
         // SAFETY: `buf` outlives the transfer (quiesced below).
         unsafe { ring.start(7, &r) }.unwrap();
         let mut got = Vec::new();
