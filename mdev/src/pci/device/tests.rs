@@ -250,3 +250,54 @@ fn lifecycle_is_forwarded() {
     dev.detach();
     assert_eq!(log(&dev), ["unmap 0x1000 0x2000", "detach", "reset"]);
 }
+
+/// A client whose guest memory reads as zeros and takes every write.
+struct Zeros;
+
+impl crate::ClientDma for Zeros {
+    fn read(&self, _iova: u64, buf: &mut [u8]) -> Result<(), crate::ClientDmaError> {
+        buf.fill(0);
+        Ok(())
+    }
+    fn write(&self, _iova: u64, _data: &[u8]) -> Result<(), crate::ClientDmaError> {
+        Ok(())
+    }
+}
+
+/// A request that reports nothing.
+struct Quiet;
+
+impl crate::request::Completion for Quiet {
+    type Outcome = ();
+    type Shared = ();
+    fn complete(self, (): (), _ctx: &DeviceContext, (): &()) {}
+    fn fail(self, _ctx: &DeviceContext, (): &()) {}
+}
+
+#[test]
+fn a_reset_cancels_every_request_while_bus_mastering_is_still_on() {
+    let mut requests = None;
+    let dev = PciDevice::new(builder(), |host| {
+        requests = Some(host.requests.clone());
+        Memory::default()
+    })
+    .unwrap();
+    let requests = requests.unwrap();
+    dev.attach(DeviceContext::new(umdev_pinning::DmaSpace::default(), Arc::new(Zeros)));
+    dev.region_write(VFIO_PCI_CONFIG_REGION_INDEX, COMMAND as u64, &4u16.to_le_bytes()).unwrap();
+    // The lane's wake runs as the reset cancels its request: it notes whether bus mastering
+    // was still on then. Off first, a guest access failing in between would be a request's
+    // that was not yet cancelled, and reported (nvme logged it as a Data Transfer Error).
+    let switch = requests.context().unwrap().bus_master_switch();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let lane = {
+        let seen = seen.clone();
+        requests.lane(move || seen.lock().unwrap().push(switch.enabled()))
+    };
+    let permit = lane.begin(Quiet).unwrap();
+    assert!(permit.ctx().bus_master());
+    dev.reset().unwrap();
+    assert_eq!(permit.cancelled(), Some(crate::request::Cancel::Reset));
+    assert_eq!(*seen.lock().unwrap(), [true], "cancelled while bus mastering was on");
+    assert!(!permit.ctx().bus_master(), "and off after the reset");
+}
