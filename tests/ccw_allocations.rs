@@ -2,10 +2,9 @@
 //! `common/counting_alloc.rs` counts the allocations of every thread but the test's own (the
 //! server's acceptor, the connection thread that takes the doorbell writes, the subchannel
 //! workers); once each kind of program has run (on each request slot in use), more programs
-//! add none: 4 KiB direct
-//! transfers, a chain of 40 CCWs (more than the interpreter keeps on its stack for its loop
-//! check), and 2 MiB through 512 scattered 4 KiB IDAWs in one CCW, both ways. A test binary
-//! of its own, so that no other test's threads allocate meanwhile.
+//! add none: 4 KiB direct transfers, a chain of 40 CCWs (more than the interpreter keeps on
+//! its stack for its loop check), and 2 MiB through 512 scattered 4 KiB IDAWs in one CCW,
+//! both ways. A test binary of its own, so that no other test's threads allocate meanwhile.
 
 mod common;
 #[path = "common/counting_alloc.rs"]
@@ -64,24 +63,26 @@ fn programs_allocate_nothing_once_each_kind_has_run() {
     const TRIES: usize = 4;
     let mut done: u64 = 2; // the rounds run so far
     let mut made = Vec::new();
-    let window = |g: &mut CcwGuest, rounds: u64, done: &mut u64| {
-        let n = server_allocations_during(|| {
-            for _ in 0..rounds {
-                round(g);
-            }
-        });
-        *done += rounds;
-        n
-    };
     for _ in 0..TRIES {
-        made.push(window(&mut g, ROUNDS, &mut done));
+        made.push(allocations_over(&mut g, ROUNDS));
+        done += ROUNDS;
         if made.last() != Some(&0) {
             continue;
         }
-        made.push(window(&mut g, done, &mut done));
+        made.push(allocations_over(&mut g, done));
+        done *= 2;
         if made.last() == Some(&0) {
             return;
         }
     }
     panic!("the server kept allocating over {} programs (by window: {made:?})", done * PER_ROUND);
+}
+
+/// What the server allocates over `rounds` more rounds.
+fn allocations_over(g: &mut CcwGuest, rounds: u64) -> u64 {
+    server_allocations_during(|| {
+        for _ in 0..rounds {
+            round(g);
+        }
+    })
 }

@@ -401,23 +401,23 @@ impl<T: Transport> Driver<T> {
             self.t.put(cq_base, &vec![0u8; (u64::from(entries) * CQE_SIZE) as usize])?;
             // A polled queue names its own vector all the same (the controller ignores it
             // with interrupts off): an interrupt raised regardless shows there.
-            let (vector, ien) = match vectors {
-                Vectors::PerQueue => (qid, 2),
-                Vectors::One => (0, 2),
-                Vectors::None => (qid, 0),
+            let (vector, interrupts) = match vectors {
+                Vectors::PerQueue => (qid, true),
+                Vectors::One => (0, true),
+                Vectors::None => (qid, false),
             };
             let mut cq = Sqe::new(admin_op::CREATE_CQ, 0);
             cq.prp1 = cq_base.into();
             cq.set_dw(10, u32::from(qid) | (entries - 1) << 16);
-            cq.set_dw(11, 1 | ien | u32::from(vector) << 16);
+            // PC, IEN, IV.
+            cq.set_dw(11, 1 | u32::from(interrupts) << 1 | u32::from(vector) << 16);
             self.admin_ok(cq)?;
             let mut sq = Sqe::new(admin_op::CREATE_SQ, 0);
             sq.prp1 = sq_base.into();
             sq.set_dw(10, u32::from(qid) | (entries - 1) << 16);
             sq.set_dw(11, 1 | u32::from(qid) << 16);
             self.admin_ok(sq)?;
-            let vector = (ien != 0).then_some(vector);
-            self.io.push(QueuePair::new(qid, entries, sq_base, cq_base, vector));
+            self.io.push(QueuePair::new(qid, entries, sq_base, cq_base, interrupts.then_some(vector)));
         }
         Ok(())
     }
