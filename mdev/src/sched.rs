@@ -1,5 +1,5 @@
-//! Short scheduler slices, asked for, for the threads that wait for a client: the framework's
-//! workers and the server's connection threads.
+//! Short scheduler slices for the threads that wait for a client (the framework's workers and
+//! the server's connection threads), asked for when they are seen to wait for a CPU.
 //!
 //! These threads sleep most of the time and run briefly when woken (a doorbell, a finished
 //! transfer, a message), and the client waits on them while they run. On a host whose CPUs
@@ -11,18 +11,29 @@
 //! with a short one a woken worker's deadline comes first and it preempts at once. Its share
 //! of the CPU is unchanged (that is its weight, its nice value, which stays).
 //!
-//! It is not the default, because it cuts both ways (docs/benchmarks.md): two fio jobs at
-//! QD1 in a TCG guest, one per vCPU, went from 0.77-0.83x QEMU's own nvme to 0.94-0.97x with
-//! a 100 µs slice, but a client that sleeps on its interrupt between commands beside the
-//! server on the same CPUs (`umdev nvmebench`) lost a fifth of its QD1 rate: there the woken
-//! worker preempts the thread that has just rung it, which the scheduler cannot tell from
-//! any other. `UMDEV_SLICE_US=N` asks for N microseconds (the kernel takes 100 to 100000);
-//! unset or `0`, the kernel's default. Older kernels accept the call and ignore the slice;
-//! where the call is refused (a seccomp filter), the threads keep the default, said once at
-//! debug.
+//! A short slice cuts both ways (docs/benchmarks.md): two fio jobs at QD1 in a TCG guest, one
+//! per vCPU, went from 0.77-0.83x QEMU's own nvme to 0.94-0.97x with a 100 µs slice, but a
+//! client that sleeps on its interrupt between commands beside the server on the same CPUs
+//! (`umdev nvmebench`) lost a fifth of its QD1 rate: there the woken worker preempts the
+//! thread that has just rung it, which the scheduler cannot tell from any other. What tells
+//! them apart is how long a woken thread waits for a CPU: behind a vCPU thread that does not
+//! sleep, the rest of its slice (72 µs a wake-up on average here, workers of a TCG guest's
+//! two QD1 jobs); behind a client that is about to sleep, the few microseconds until it does
+//! (17 µs, nvmebench's workers, on the same machine). So by default ([`Mode::Auto`]) each such
+//! thread reads what the kernel counts of its own waits (`/proc/thread-self/schedstat`: the
+//! time it was runnable but not running, and the times it was put on a CPU) every
+//! [`WINDOW_WAKES`] wake-ups, and when the mean wait per turn on a CPU exceeds [`HIGH_WAIT`]
+//! every such thread of the process asks for the short slice. After [`FIRST_HOLD`] they go
+//! back to the kernel's slice to see whether the waits are still there; each time they are,
+//! the slice is held twice as long, up to [`MAX_HOLD`]. `UMDEV_SLICE_US`:
+//! unset or `auto`, this; `0` or `off`, always the kernel's slice; N, always N microseconds
+//! (the kernel takes 100 to 100000). Older kernels accept the call and ignore the slice;
+//! where the call is refused (a seccomp filter) or the counts cannot be read, the threads keep
+//! the default, said once at debug.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// `struct sched_attr` (include/uapi/linux/sched/types.h), its first version's fields
 /// (`SCHED_ATTR_SIZE_VER0`, 48 bytes): the kernel reads `size` bytes.
@@ -39,35 +50,232 @@ struct SchedAttr {
     period: u64,
 }
 
-/// The slice threads ask for, `UMDEV_SLICE_US`'s; `None` for the kernel's.
-pub fn wanted() -> Option<Duration> {
-    static WANTED: OnceLock<Option<Duration>> = OnceLock::new();
-    *WANTED.get_or_init(|| from_env(std::env::var("UMDEV_SLICE_US").ok().as_deref()))
+/// The slice [`Mode::Auto`] asks for.
+const AUTO_SLICE: Duration = Duration::from_micros(100);
+/// Wake-ups a thread counts between two readings of its waits...
+pub const WINDOW_WAKES: u32 = 64;
+/// ...and at least this long between them (a bound on the readings: one `pread` each).
+const WINDOW_MIN: Duration = Duration::from_millis(20);
+/// The mean wait for a CPU per turn on one above which the short slice is asked for.
+pub const HIGH_WAIT: Duration = Duration::from_micros(40);
+/// How long the short slice is first kept before the threads try the kernel's again...
+pub const FIRST_HOLD: Duration = Duration::from_millis(100);
+/// ...twice as long each time the waits come back within [`RELAPSE`] of a try, up to this:
+/// a host that keeps its CPUs busy is tried seldom, a passing burst costs little.
+pub const MAX_HOLD: Duration = Duration::from_secs(2);
+/// See [`MAX_HOLD`].
+const RELAPSE: Duration = Duration::from_millis(250);
+
+/// How the threads that wait for a client choose their scheduler slice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// The kernel's slice, always.
+    Kernel,
+    /// This slice, always.
+    Fixed(Duration),
+    /// This slice while such threads are seen waiting for a CPU, else the kernel's.
+    Auto(Duration),
 }
 
-fn from_env(value: Option<&str>) -> Option<Duration> {
-    match value?.trim().parse::<u64>() {
-        Ok(0) => None,
-        Ok(us) => Some(Duration::from_micros(us)),
-        Err(_) => {
-            log::warn!("UMDEV_SLICE_US={value:?} is not a number of microseconds: the kernel's slice kept");
-            None
+/// The mode `UMDEV_SLICE_US` asks for.
+pub fn mode() -> Mode {
+    static MODE: OnceLock<Mode> = OnceLock::new();
+    *MODE.get_or_init(|| from_env(std::env::var("UMDEV_SLICE_US").ok().as_deref()))
+}
+
+fn from_env(value: Option<&str>) -> Mode {
+    let Some(value) = value.map(str::trim) else { return Mode::Auto(AUTO_SLICE) };
+    match value {
+        "" | "auto" => Mode::Auto(AUTO_SLICE),
+        "off" => Mode::Kernel,
+        _ => match value.parse::<u64>() {
+            Ok(0) => Mode::Kernel,
+            Ok(us) => Mode::Fixed(Duration::from_micros(us)),
+            Err(_) => {
+                log::warn!("UMDEV_SLICE_US={value:?} is not auto, off or a number of microseconds: auto");
+                Mode::Auto(AUTO_SLICE)
+            }
+        },
+    }
+}
+
+/// The process's choice in [`Mode::Auto`], which all such threads read after each wake-up
+/// and write only when it changes: when the short slice was asked for (ns since [`epoch`], at
+/// least 1; 0 while it is not), how long it is kept, and when it was last given up.
+static SHORT_SINCE: AtomicU64 = AtomicU64::new(0);
+static HOLD_NS: AtomicU64 = AtomicU64::new(0);
+static GIVEN_UP: AtomicU64 = AtomicU64::new(0);
+
+fn epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+fn since_epoch(now: Instant) -> u64 {
+    u64::try_from(now.saturating_duration_since(epoch()).as_nanos()).unwrap_or(u64::MAX).max(1)
+}
+
+fn at(ns: u64) -> Option<Instant> {
+    (ns != 0).then(|| epoch() + Duration::from_nanos(ns))
+}
+
+/// What one window's mean wait makes of the process's choice: `Some(new)` to change it.
+/// `short`: since when, and for how long, the short slice is held, if it is.
+fn decide(short: Option<(Instant, Duration)>, now: Instant, mean_wait: Duration) -> Option<bool> {
+    match short {
+        None => (mean_wait > HIGH_WAIT).then_some(true),
+        // While it is on the waits are short by its doing: only time tells when to try again.
+        Some((since, hold)) => (now.saturating_duration_since(since) >= hold).then_some(false),
+    }
+}
+
+/// How long to hold the short slice asked for now, `given_up` after it was last given up,
+/// held `last` then.
+fn next_hold(last: Duration, given_up: Option<Duration>) -> Duration {
+    match given_up {
+        Some(ago) if ago <= RELAPSE => (last * 2).clamp(FIRST_HOLD, MAX_HOLD),
+        _ => FIRST_HOLD,
+    }
+}
+
+/// What the kernel counts of a thread's turns on a CPU (`/proc/PID/task/TID/schedstat`):
+/// the time it waited, runnable, for one, and how many it had.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Waits {
+    waited_ns: u64,
+    turns: u64,
+}
+
+impl Waits {
+    /// Parses "CPU_NS WAIT_NS TURNS".
+    fn parse(text: &str) -> Option<Waits> {
+        let mut fields = text.split_ascii_whitespace().skip(1).map(str::parse::<u64>);
+        Some(Waits { waited_ns: fields.next()?.ok()?, turns: fields.next()?.ok()? })
+    }
+
+    /// The mean wait per turn since `before`, if there were turns.
+    fn mean_since(&self, before: &Waits) -> Option<Duration> {
+        let turns = self.turns.checked_sub(before.turns).filter(|&t| t > 0)?;
+        let waited = self.waited_ns.saturating_sub(before.waited_ns);
+        Some(Duration::from_nanos(waited / turns))
+    }
+}
+
+/// A thread's part in choosing its slice: made on the thread (it reads that thread's own
+/// counts), told of each wake-up with [`SliceChoice::woke`].
+pub struct SliceChoice {
+    mode: Mode,
+    /// The slice this thread last asked for (`None`: the kernel's).
+    asked: Option<Duration>,
+    /// With [`Mode::Auto`]: the thread's counts, and what they said at the window's start.
+    counts: Option<(std::fs::File, Waits, Instant)>,
+    wakes: u32,
+}
+
+impl SliceChoice {
+    /// The calling thread's, in the process's [`mode`].
+    pub fn for_this_thread() -> SliceChoice {
+        Self::in_mode(mode())
+    }
+
+    fn in_mode(mode: Mode) -> SliceChoice {
+        let mut slice = SliceChoice { mode, asked: None, counts: None, wakes: 0 };
+        match mode {
+            Mode::Kernel => {}
+            Mode::Fixed(wanted) => slice.ask(Some(wanted)),
+            Mode::Auto(_) => {
+                slice.counts = read_own().map(|(file, waits)| (file, waits, Instant::now()));
+                slice.follow();
+            }
+        }
+        slice
+    }
+
+    /// After the thread woke from a sleep: follows the process's choice, and every window
+    /// weighs in on it.
+    #[inline]
+    pub fn woke(&mut self) {
+        let Mode::Auto(_) = self.mode else { return };
+        self.follow();
+        self.wakes += 1;
+        if self.wakes >= WINDOW_WAKES {
+            self.weigh();
+        }
+    }
+
+    #[inline(never)]
+    fn weigh(&mut self) {
+        let Some((file, before, start)) = &mut self.counts else { return };
+        let now = Instant::now();
+        if now.saturating_duration_since(*start) < WINDOW_MIN {
+            return;
+        }
+        self.wakes = 0;
+        let Some(waits) = read_waits(file) else {
+            self.counts = None;
+            return;
+        };
+        let mean = waits.mean_since(before);
+        (*before, *start) = (waits, now);
+        let Some(mean) = mean else { return };
+        let hold = Duration::from_nanos(HOLD_NS.load(Ordering::Relaxed));
+        let short = at(SHORT_SINCE.load(Ordering::Relaxed)).map(|since| (since, hold));
+        match decide(short, now, mean) {
+            Some(true) => {
+                let given_up = at(GIVEN_UP.load(Ordering::Relaxed)).map(|t| now.saturating_duration_since(t));
+                let hold = next_hold(hold, given_up);
+                log::debug!(
+                    "threads waiting {mean:?} for a CPU per turn: short scheduler slices for {hold:?}"
+                );
+                HOLD_NS.store(u64::try_from(hold.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
+                SHORT_SINCE.store(since_epoch(now), Ordering::Relaxed);
+            }
+            Some(false) => {
+                GIVEN_UP.store(since_epoch(now), Ordering::Relaxed);
+                SHORT_SINCE.store(0, Ordering::Relaxed);
+            }
+            None => {}
+        }
+        self.follow();
+    }
+
+    /// Asks for what the process chose, if this thread has not yet.
+    #[inline]
+    fn follow(&mut self) {
+        let Mode::Auto(short) = self.mode else { return };
+        let wanted = (SHORT_SINCE.load(Ordering::Relaxed) != 0).then_some(short);
+        if wanted != self.asked {
+            self.ask(wanted);
+        }
+    }
+
+    fn ask(&mut self, slice: Option<Duration>) {
+        self.asked = slice;
+        if let Err(e) = ask(slice.unwrap_or(Duration::ZERO)) {
+            static SAID: OnceLock<()> = OnceLock::new();
+            SAID.get_or_init(|| log::debug!("the kernel's default scheduler slice kept: sched_setattr: {e}"));
+            // Not asked again: each call would fail the same way.
+            self.mode = Mode::Kernel;
         }
     }
 }
 
-/// Gives the calling thread the wanted slice ([`wanted`]), if any (see `ask`).
-/// The framework's workers call it as they start; a thread of a device's own that waits for
-/// the client may call it too.
-pub fn short_slice() {
-    let Some(slice) = wanted() else { return };
-    if let Err(e) = ask(slice) {
-        static SAID: OnceLock<()> = OnceLock::new();
-        SAID.get_or_init(|| log::debug!("the kernel's default scheduler slice kept: sched_setattr: {e}"));
-    }
+/// The calling thread's counts file and what it says now; `None` where the kernel does not
+/// count (or shows zeroes: no scheduler statistics).
+fn read_own() -> Option<(std::fs::File, Waits)> {
+    let file = std::fs::File::open("/proc/thread-self/schedstat").ok()?;
+    let waits = read_waits(&file).filter(|w| w.turns > 0)?;
+    Some((file, waits))
 }
 
-/// Asks the kernel for `slice` for the calling thread, if its policy is a fair one
+fn read_waits(file: &std::fs::File) -> Option<Waits> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = [0u8; 96];
+    let n = file.read_at(&mut buf, 0).ok()?;
+    Waits::parse(std::str::from_utf8(&buf[..n]).ok()?)
+}
+
+/// Asks the kernel for `slice` for the calling thread (zero: the kernel's), if its policy is a fair one
 /// (SCHED_OTHER or SCHED_BATCH: a slice means nothing to the others, and a thread the
 /// administrator made real-time or idle stays so), its policy, nice value and
 /// reset-on-fork flag kept.
@@ -102,12 +310,69 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_environment_picks_the_slice() {
-        assert_eq!(from_env(None), None);
-        assert_eq!(from_env(Some("0")), None);
-        assert_eq!(from_env(Some("250")), Some(Duration::from_micros(250)));
-        assert_eq!(from_env(Some(" 100 ")), Some(Duration::from_micros(100)));
-        assert_eq!(from_env(Some("soon")), None);
+    fn the_environment_picks_the_mode() {
+        let auto = Mode::Auto(AUTO_SLICE);
+        assert_eq!(from_env(None), auto);
+        assert_eq!(from_env(Some("auto")), auto);
+        assert_eq!(from_env(Some("0")), Mode::Kernel);
+        assert_eq!(from_env(Some("off")), Mode::Kernel);
+        assert_eq!(from_env(Some("250")), Mode::Fixed(Duration::from_micros(250)));
+        assert_eq!(from_env(Some(" 100 ")), Mode::Fixed(Duration::from_micros(100)));
+        assert_eq!(from_env(Some("soon")), auto);
+    }
+
+    #[test]
+    fn long_waits_ask_for_the_short_slice_and_time_takes_it_back() {
+        let t0 = Instant::now();
+        let wait = |us| Duration::from_micros(us);
+        assert_eq!(decide(None, t0, wait(17)), None, "short waits: the kernel's slice stays");
+        assert_eq!(decide(None, t0, HIGH_WAIT), None);
+        assert_eq!(decide(None, t0, wait(72)), Some(true));
+        // On, it stays on whatever the waits (they are short by its doing) until its hold ends.
+        let hold = FIRST_HOLD;
+        assert_eq!(decide(Some((t0, hold)), t0 + hold / 2, wait(1)), None);
+        assert_eq!(decide(Some((t0, hold)), t0 + hold / 2, wait(500)), None);
+        assert_eq!(decide(Some((t0, hold)), t0 + hold, wait(1)), Some(false));
+    }
+
+    #[test]
+    fn the_hold_doubles_while_the_waits_come_back_at_each_try() {
+        assert_eq!(next_hold(Duration::ZERO, None), FIRST_HOLD, "the first time");
+        let mut hold = FIRST_HOLD;
+        for want in [2, 4, 8, 16] {
+            hold = next_hold(hold, Some(Duration::from_millis(30)));
+            assert_eq!(hold, FIRST_HOLD * want);
+        }
+        assert_eq!(next_hold(MAX_HOLD, Some(Duration::ZERO)), MAX_HOLD, "bounded");
+        assert_eq!(next_hold(MAX_HOLD, Some(RELAPSE * 2)), FIRST_HOLD, "a passing burst starts over");
+    }
+
+    #[test]
+    fn the_counts_parse_and_give_the_mean_wait_per_turn() {
+        let before = Waits::parse("1258150 115822 2\n").unwrap();
+        assert_eq!(before, Waits { waited_ns: 115_822, turns: 2 });
+        let after = Waits::parse("9999999 1115822 12").unwrap();
+        assert_eq!(after.mean_since(&before), Some(Duration::from_micros(100)));
+        assert_eq!(before.mean_since(&before), None, "no turns: no mean");
+        assert_eq!(Waits::parse("12 34"), None);
+        assert_eq!(Waits::parse("a b c"), None);
+    }
+
+    #[test]
+    fn a_thread_reads_its_own_counts_as_they_grow() {
+        std::thread::spawn(|| {
+            let Some((file, first)) = read_own() else {
+                return eprintln!("this kernel shows no scheduler counts");
+            };
+            for _ in 0..3 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let later = read_waits(&file).unwrap();
+            assert!(later.turns >= first.turns + 3, "{first:?} -> {later:?}: each sleep ends in a turn");
+            assert!(later.waited_ns >= first.waited_ns);
+        })
+        .join()
+        .unwrap();
     }
 
     /// The slice the kernel holds for thread `tid` of this process, if it says (Linux 6.6
@@ -146,6 +411,25 @@ mod tests {
             .join()
             .unwrap();
         }
+    }
+
+    #[test]
+    fn asking_for_zero_gives_the_kernels_slice_back() {
+        std::thread::spawn(|| {
+            let before = slice_of_this_thread();
+            ask(Duration::from_micros(300)).unwrap();
+            let short = slice_of_this_thread();
+            ask(Duration::ZERO).unwrap();
+            let after = slice_of_this_thread();
+            if takes_slices() && before.is_some() {
+                assert_eq!(short, Some(300_000));
+                assert_eq!(after, before, "the kernel's slice is back");
+            } else {
+                eprintln!("this kernel takes no slices or does not show them ({before:?})");
+            }
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]

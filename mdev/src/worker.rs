@@ -239,6 +239,8 @@ pub struct Waiter<S> {
     lingering: bool,
     /// No polling before this ([`POLL_PAUSE`]).
     poll_paused_until: Option<Instant>,
+    /// The thread's scheduler slice, told of each sleep's end (set on the worker's thread).
+    slice: Option<crate::sched::SliceChoice>,
 }
 
 impl<S: Copy> Waiter<S> {
@@ -251,7 +253,15 @@ impl<S: Copy> Waiter<S> {
             ended: Condvar::new(),
         });
         let seen = bell.0.rings.load(Ordering::SeqCst);
-        Waiter { bell: bell.clone(), control, poll, seen, lingering: false, poll_paused_until: None }
+        Waiter {
+            bell: bell.clone(),
+            control,
+            poll,
+            seen,
+            lingering: false,
+            poll_paused_until: None,
+            slice: None,
+        }
     }
 
     /// The stop reason, once the device asked the thread to stop.
@@ -410,6 +420,9 @@ impl<S: Copy> Waiter<S> {
         let wake = self.look(ready);
         if wake.is_none() {
             sleep(left);
+            if let Some(slice) = &mut self.slice {
+                slice.woke();
+            }
         }
         self.bell.0.sleeping.store(AWAKE, Ordering::SeqCst);
         wake.or_else(|| self.look(ready)).unwrap_or(Wake::Timeout)
@@ -463,11 +476,11 @@ impl<S: Copy + Send + 'static> Worker<S> {
         body: impl FnOnce(Waiter<S>) + Send + 'static,
     ) -> std::io::Result<Worker<S>> {
         let name = name.into();
-        let waiter = Waiter::new(bell, poll);
+        let mut waiter = Waiter::new(bell, poll);
         let control = waiter.control.clone();
         let thread = std::thread::Builder::new().name(name.clone()).spawn(move || {
             let _ended = Ended(waiter.control.clone());
-            crate::sched::short_slice();
+            waiter.slice = Some(crate::sched::SliceChoice::for_this_thread());
             body(waiter);
         })?;
         *sync::lock(&bell.0.thread) = Some(thread.thread().clone());

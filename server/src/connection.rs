@@ -147,6 +147,8 @@ fn run(stream: &UnixStream, served: &Served, link: Arc<Link>) -> Disconnect {
     let mut framer = Framer::new(limits.max_version_size, limits.max_msg_fds as usize);
     let mut receiver = Receiver::new();
     let mut busy = BusyPoll::new(served.busy_poll);
+    // The client waits on this thread as on a device's workers: its slice is chosen alike.
+    let mut slice = umdev_mdev::sched::SliceChoice::for_this_thread();
     let mut session =
         Session::new(served.device.clone(), served.dma.clone(), limits.clone(), link, served.stats.clone());
     loop {
@@ -163,10 +165,11 @@ fn run(stream: &UnixStream, served: &Served, link: Arc<Link>) -> Disconnect {
                     framer.set_max_size(max);
                 }
             }
-            Ok(None) => match busy
-                .spin(&mut receiver, stream, &mut framer)
-                .unwrap_or_else(|| receiver.recv(stream, &mut framer, true))
-            {
+            Ok(None) => match busy.spin(&mut receiver, stream, &mut framer).unwrap_or_else(|| {
+                let got = receiver.recv(stream, &mut framer, true);
+                slice.woke();
+                got
+            }) {
                 Ok(0) => return Disconnect::Closed,
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::ConnectionReset => return Disconnect::Closed,

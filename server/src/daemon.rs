@@ -372,7 +372,6 @@ impl Instance {
         let me = self.clone();
         let spawned = std::thread::Builder::new().name(format!("umdev-conn-{id}")).spawn(move || {
             log::info!("instance {}: client connected", me.config.id);
-            umdev_mdev::sched::short_slice();
             let end = serve(stream, &me.served);
             log::info!("instance {}: client gone ({end})", me.config.id);
             *lock(&me.active) = None;
