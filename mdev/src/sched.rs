@@ -99,12 +99,25 @@ fn from_env(value: Option<&str>) -> Mode {
     }
 }
 
-/// The process's choice in [`Mode::Auto`], which all such threads read after each wake-up
-/// and write only when it changes: when the short slice was asked for (ns since [`epoch`], at
-/// least 1; 0 while it is not), how long it is kept, and when it was last given up.
-static SHORT_SINCE: AtomicU64 = AtomicU64::new(0);
-static HOLD_NS: AtomicU64 = AtomicU64::new(0);
-static GIVEN_UP: AtomicU64 = AtomicU64::new(0);
+/// The choice in [`Mode::Auto`] that a process's threads share, which each reads after
+/// each wake-up and writes only when it changes.
+struct Shared {
+    /// When the short slice was asked for (ns since [`epoch`], at least 1; 0 while it is not).
+    short_since: AtomicU64,
+    /// How long it is kept.
+    hold_ns: AtomicU64,
+    /// When it was last given up (as `short_since`).
+    given_up: AtomicU64,
+}
+
+impl Shared {
+    const fn new() -> Shared {
+        Shared { short_since: AtomicU64::new(0), hold_ns: AtomicU64::new(0), given_up: AtomicU64::new(0) }
+    }
+}
+
+/// The process's.
+static SHARED: Shared = Shared::new();
 
 fn epoch() -> Instant {
     static EPOCH: OnceLock<Instant> = OnceLock::new();
@@ -165,6 +178,7 @@ impl Waits {
 /// counts), told of each wake-up with [`SliceChoice::woke`].
 pub struct SliceChoice {
     mode: Mode,
+    shared: &'static Shared,
     /// The slice this thread last asked for (`None`: the kernel's).
     asked: Option<Duration>,
     /// With [`Mode::Auto`]: the thread's counts, and what they said at the window's start.
@@ -175,11 +189,11 @@ pub struct SliceChoice {
 impl SliceChoice {
     /// The calling thread's, in the process's [`mode`].
     pub fn for_this_thread() -> SliceChoice {
-        Self::in_mode(mode())
+        Self::in_mode(mode(), &SHARED)
     }
 
-    fn in_mode(mode: Mode) -> SliceChoice {
-        let mut slice = SliceChoice { mode, asked: None, counts: None, wakes: 0 };
+    fn in_mode(mode: Mode, shared: &'static Shared) -> SliceChoice {
+        let mut slice = SliceChoice { mode, shared, asked: None, counts: None, wakes: 0 };
         match mode {
             Mode::Kernel => {}
             Mode::Fixed(wanted) => slice.ask(Some(wanted)),
@@ -205,34 +219,41 @@ impl SliceChoice {
 
     #[inline(never)]
     fn weigh(&mut self) {
-        let Some((file, before, start)) = &mut self.counts else { return };
+        let Some((file, _, start)) = &self.counts else { return };
         let now = Instant::now();
         if now.saturating_duration_since(*start) < WINDOW_MIN {
             return;
         }
         self.wakes = 0;
-        let Some(waits) = read_waits(file) else {
-            self.counts = None;
-            return;
-        };
+        match read_waits(file) {
+            Some(waits) => self.judge(waits, now),
+            None => self.counts = None,
+        }
+    }
+
+    /// Weighs the window that ends `now` with `waits` in on the shared choice, and follows it.
+    fn judge(&mut self, waits: Waits, now: Instant) {
+        let Some((_, before, start)) = &mut self.counts else { return };
         let mean = waits.mean_since(before);
         (*before, *start) = (waits, now);
         let Some(mean) = mean else { return };
-        let hold = Duration::from_nanos(HOLD_NS.load(Ordering::Relaxed));
-        let short = at(SHORT_SINCE.load(Ordering::Relaxed)).map(|since| (since, hold));
+        let shared = self.shared;
+        let hold = Duration::from_nanos(shared.hold_ns.load(Ordering::Relaxed));
+        let short = at(shared.short_since.load(Ordering::Relaxed)).map(|since| (since, hold));
         match decide(short, now, mean) {
             Some(true) => {
-                let given_up = at(GIVEN_UP.load(Ordering::Relaxed)).map(|t| now.saturating_duration_since(t));
+                let given_up =
+                    at(shared.given_up.load(Ordering::Relaxed)).map(|t| now.saturating_duration_since(t));
                 let hold = next_hold(hold, given_up);
                 log::debug!(
                     "threads waiting {mean:?} for a CPU per turn: short scheduler slices for {hold:?}"
                 );
-                HOLD_NS.store(u64::try_from(hold.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
-                SHORT_SINCE.store(since_epoch(now), Ordering::Relaxed);
+                shared.hold_ns.store(u64::try_from(hold.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
+                shared.short_since.store(since_epoch(now), Ordering::Relaxed);
             }
             Some(false) => {
-                GIVEN_UP.store(since_epoch(now), Ordering::Relaxed);
-                SHORT_SINCE.store(0, Ordering::Relaxed);
+                shared.given_up.store(since_epoch(now), Ordering::Relaxed);
+                shared.short_since.store(0, Ordering::Relaxed);
             }
             None => {}
         }
@@ -243,7 +264,7 @@ impl SliceChoice {
     #[inline]
     fn follow(&mut self) {
         let Mode::Auto(short) = self.mode else { return };
-        let wanted = (SHORT_SINCE.load(Ordering::Relaxed) != 0).then_some(short);
+        let wanted = (self.shared.short_since.load(Ordering::Relaxed) != 0).then_some(short);
         if wanted != self.asked {
             self.ask(wanted);
         }
@@ -345,6 +366,65 @@ mod tests {
         }
         assert_eq!(next_hold(MAX_HOLD, Some(Duration::ZERO)), MAX_HOLD, "bounded");
         assert_eq!(next_hold(MAX_HOLD, Some(RELAPSE * 2)), FIRST_HOLD, "a passing burst starts over");
+    }
+
+    /// Each window a thread weighs in with turns their mean wait long: a long one makes
+    /// every thread of the choice ask for the short slice, kept for its hold whatever the
+    /// windows say, given up after it, and held twice as long when the waits come back at
+    /// once; a thread that only wakes follows.
+    #[test]
+    fn the_threads_ask_for_the_short_slice_while_their_waits_are_long() {
+        let shared: &'static Shared = Box::leak(Box::new(Shared::new()));
+        let short = Duration::from_micros(300);
+        let (tell, told) = std::sync::mpsc::channel::<Option<Duration>>();
+        let (heard, hear) = std::sync::mpsc::channel::<(Option<Duration>, Option<u64>)>();
+        // The other thread wakes when told to and says what it then asked for.
+        let follower = std::thread::spawn(move || {
+            let mut choice = SliceChoice::in_mode(Mode::Auto(short), shared);
+            choice.counts = None;
+            while told.recv().is_ok() {
+                choice.woke();
+                heard.send((choice.asked, slice_of_this_thread())).unwrap();
+            }
+        });
+        std::thread::spawn(move || {
+            let mut choice = SliceChoice::in_mode(Mode::Auto(short), shared);
+            let t0 = Instant::now();
+            let mut waits = Waits { waited_ns: 0, turns: 1 };
+            choice.counts = Some((std::fs::File::open("/dev/null").unwrap(), waits, t0));
+            let mut window = |choice: &mut SliceChoice, mean_us: u64, at: Duration| {
+                waits.turns += 64;
+                waits.waited_ns += 64 * mean_us * 1000;
+                choice.judge(waits, t0 + at);
+                choice.asked
+            };
+            let kernels = slice_of_this_thread();
+            let ms = Duration::from_millis;
+            assert_eq!(window(&mut choice, 17, ms(20)), None, "short waits: the kernel's slice");
+            assert_eq!(window(&mut choice, 72, ms(40)), Some(short), "long waits: the short slice");
+            if takes_slices() && kernels.is_some() {
+                assert_eq!(slice_of_this_thread(), Some(300_000));
+            }
+            tell.send(None).unwrap();
+            let (asked, theirs) = hear.recv().unwrap();
+            assert_eq!(asked, Some(short), "the other thread follows at its wake-up");
+            if takes_slices() && theirs.is_some() {
+                assert_eq!(theirs, Some(300_000));
+            }
+            assert_eq!(window(&mut choice, 1, ms(60)), Some(short), "kept while held");
+            let given_up = ms(40) + FIRST_HOLD;
+            assert_eq!(window(&mut choice, 1, given_up), None, "given up when the hold ends");
+            assert_eq!(slice_of_this_thread(), kernels);
+            tell.send(None).unwrap();
+            assert_eq!(hear.recv().unwrap().0, None, "the other thread follows");
+            let back = given_up + ms(20);
+            assert_eq!(window(&mut choice, 72, back), Some(short), "the waits came back");
+            assert_eq!(window(&mut choice, 1, back + FIRST_HOLD), Some(short), "held twice as long");
+            assert_eq!(window(&mut choice, 1, back + 2 * FIRST_HOLD), None);
+        })
+        .join()
+        .unwrap();
+        follower.join().unwrap();
     }
 
     #[test]
