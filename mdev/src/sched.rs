@@ -22,14 +22,17 @@
 //! (17 µs, nvmebench's workers, on the same machine). So by default ([`Mode::Auto`]) each such
 //! thread reads what the kernel counts of its own waits (`/proc/thread-self/schedstat`: the
 //! time it was runnable but not running, and the times it was put on a CPU) every
-//! [`WINDOW_WAKES`] wake-ups, and when the mean wait per turn on a CPU exceeds [`HIGH_WAIT`]
-//! every such thread of the process asks for the short slice. After [`FIRST_HOLD`] they go
-//! back to the kernel's slice to see whether the waits are still there; each time they are,
-//! the slice is held twice as long, up to [`MAX_HOLD`]. `UMDEV_SLICE_US`:
-//! unset or `auto`, this; `0` or `off`, always the kernel's slice; N, always N microseconds
-//! (the kernel takes 100 to 100000). Older kernels accept the call and ignore the slice;
-//! where the call is refused (a seccomp filter) or the counts cannot be read, the threads keep
-//! the default, said once at debug.
+//! [`WINDOW_WAKES`] wake-ups and at least [`WINDOW_MIN`] apart, and when the mean wait per turn
+//! on a CPU exceeds [`HIGH_WAIT`] every such thread of the process asks for the short slice.
+//! After [`FIRST_HOLD`] they go back to the kernel's slice to see whether the waits are still
+//! there; each time they come back within [`RELAPSE`], the slice is held twice as long, up to
+//! [`MAX_HOLD`]. Each such thread asks for the process's choice as it starts: the kernel copies
+//! a thread's slice to the threads it spawns, so a thread that does not choose (a device's
+//! helper spawned by a worker, say) keeps what its parent had then. `UMDEV_SLICE_US`: unset or
+//! `auto`, this; `0` or `off`, always the kernel's slice; N, always N microseconds (the kernel
+//! takes 100 to 100000). Older kernels accept the call and ignore the slice. Where the call is
+//! refused (a seccomp filter) the thread keeps the kernel's slice, said once at debug; where
+//! its counts cannot be read, it follows the others' choice without weighing in.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -100,19 +103,43 @@ fn from_env(value: Option<&str>) -> Mode {
 }
 
 /// The choice in [`Mode::Auto`] that a process's threads share, which each reads after
-/// each wake-up and writes only when it changes.
+/// each wake-up and changes only by a compare-and-swap from what it read, so that a thread
+/// acting on a stale view changes nothing.
 struct Shared {
-    /// When the short slice was asked for (ns since [`epoch`], at least 1; 0 while it is not).
-    short_since: AtomicU64,
-    /// How long it is kept.
-    hold_ns: AtomicU64,
-    /// When it was last given up (as `short_since`).
+    /// While the short slice is on: when it was asked for (µs since [`epoch`], at least 1)
+    /// above [`HOLD_BITS`], and how long it is held (ms) in them; 0 while it is off.
+    held: AtomicU64,
+    /// When it was last given up, and the hold it had then (packed as `held`; 0: never).
     given_up: AtomicU64,
+}
+
+/// Bits of [`Shared::held`] that hold the hold, in ms ([`MAX_HOLD`] fits).
+const HOLD_BITS: u32 = 12;
+
+/// The short slice on since a time, for a hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Held {
+    since: Instant,
+    hold: Duration,
+}
+
+impl Held {
+    fn pack(&self) -> u64 {
+        let hold_ms = u64::try_from(self.hold.as_millis()).unwrap_or(u64::MAX).min((1 << HOLD_BITS) - 1);
+        (micros_since_epoch(self.since) << HOLD_BITS) | hold_ms
+    }
+
+    fn unpack(word: u64) -> Option<Held> {
+        (word != 0).then(|| Held {
+            since: epoch() + Duration::from_micros(word >> HOLD_BITS),
+            hold: Duration::from_millis(word & ((1 << HOLD_BITS) - 1)),
+        })
+    }
 }
 
 impl Shared {
     const fn new() -> Shared {
-        Shared { short_since: AtomicU64::new(0), hold_ns: AtomicU64::new(0), given_up: AtomicU64::new(0) }
+        Shared { held: AtomicU64::new(0), given_up: AtomicU64::new(0) }
     }
 }
 
@@ -124,28 +151,25 @@ fn epoch() -> Instant {
     *EPOCH.get_or_init(Instant::now)
 }
 
-fn since_epoch(now: Instant) -> u64 {
-    u64::try_from(now.saturating_duration_since(epoch()).as_nanos()).unwrap_or(u64::MAX).max(1)
-}
-
-fn at(ns: u64) -> Option<Instant> {
-    (ns != 0).then(|| epoch() + Duration::from_nanos(ns))
+/// Microseconds from [`epoch`] to `t`, at least 1 (0 means none); 2^51 of them are 71 years.
+fn micros_since_epoch(t: Instant) -> u64 {
+    let us = u64::try_from(t.saturating_duration_since(epoch()).as_micros()).unwrap_or(u64::MAX);
+    us.clamp(1, u64::MAX >> HOLD_BITS)
 }
 
 /// What one window's mean wait makes of the process's choice: `Some(new)` to change it.
-/// `short`: since when, and for how long, the short slice is held, if it is.
-fn decide(short: Option<(Instant, Duration)>, now: Instant, mean_wait: Duration) -> Option<bool> {
-    match short {
+fn decide(held: Option<Held>, now: Instant, mean_wait: Duration) -> Option<bool> {
+    match held {
         None => (mean_wait > HIGH_WAIT).then_some(true),
         // While it is on the waits are short by its doing: only time tells when to try again.
-        Some((since, hold)) => (now.saturating_duration_since(since) >= hold).then_some(false),
+        Some(held) => (now.saturating_duration_since(held.since) >= held.hold).then_some(false),
     }
 }
 
-/// How long to hold the short slice asked for now, `given_up` after it was last given up,
-/// held `last` then.
-fn next_hold(last: Duration, given_up: Option<Duration>) -> Duration {
-    match given_up {
+/// How long to hold the short slice asked for now, `since_given_up` after it was last given
+/// up, held `last` then.
+fn next_hold(last: Duration, since_given_up: Option<Duration>) -> Duration {
+    match since_given_up {
         Some(ago) if ago <= RELAPSE => (last * 2).clamp(FIRST_HOLD, MAX_HOLD),
         _ => FIRST_HOLD,
     }
@@ -179,10 +203,11 @@ impl Waits {
 pub struct SliceChoice {
     mode: Mode,
     shared: &'static Shared,
-    /// The slice this thread last asked for (`None`: the kernel's).
-    asked: Option<Duration>,
-    /// With [`Mode::Auto`]: the thread's counts, and what they said at the window's start.
-    counts: Option<(std::fs::File, Waits, Instant)>,
+    /// The slice this thread last had granted (`None`: the kernel's).
+    granted: Option<Duration>,
+    /// With [`Mode::Auto`], where the thread's counts can be read: what they said at the
+    /// window's start, and when.
+    window: Option<(Waits, Instant)>,
     wakes: u32,
 }
 
@@ -193,16 +218,17 @@ impl SliceChoice {
     }
 
     fn in_mode(mode: Mode, shared: &'static Shared) -> SliceChoice {
-        let mut slice = SliceChoice { mode, shared, asked: None, counts: None, wakes: 0 };
+        let mut choice = SliceChoice { mode, shared, granted: None, window: None, wakes: 0 };
         match mode {
             Mode::Kernel => {}
-            Mode::Fixed(wanted) => slice.ask(Some(wanted)),
+            Mode::Fixed(slice) => choice.set(Some(slice)),
             Mode::Auto(_) => {
-                slice.counts = read_own().map(|(file, waits)| (file, waits, Instant::now()));
-                slice.follow();
+                choice.window = own_waits().map(|waits| (waits, Instant::now()));
+                // Asked whatever it was: the thread may have its spawner's slice.
+                choice.set(choice.wanted());
             }
         }
-        slice
+        choice
     }
 
     /// After the thread woke from a sleep: follows the process's choice, and every window
@@ -213,94 +239,106 @@ impl SliceChoice {
         self.follow();
         self.wakes += 1;
         if self.wakes >= WINDOW_WAKES {
+            self.wakes = 0;
             self.weigh();
         }
     }
 
     #[inline(never)]
     fn weigh(&mut self) {
-        let Some((file, _, start)) = &self.counts else { return };
+        let Some((_, start)) = self.window else { return };
         let now = Instant::now();
-        if now.saturating_duration_since(*start) < WINDOW_MIN {
+        if now.saturating_duration_since(start) < WINDOW_MIN {
             return;
         }
-        self.wakes = 0;
-        match read_waits(file) {
+        match own_waits() {
             Some(waits) => self.judge(waits, now),
-            None => self.counts = None,
+            None => self.window = None,
         }
     }
 
     /// Weighs the window that ends `now` with `waits` in on the shared choice, and follows it.
     fn judge(&mut self, waits: Waits, now: Instant) {
-        let Some((_, before, start)) = &mut self.counts else { return };
-        let mean = waits.mean_since(before);
-        (*before, *start) = (waits, now);
-        let Some(mean) = mean else { return };
-        let shared = self.shared;
-        let hold = Duration::from_nanos(shared.hold_ns.load(Ordering::Relaxed));
-        let short = at(shared.short_since.load(Ordering::Relaxed)).map(|since| (since, hold));
-        match decide(short, now, mean) {
+        let Some((before, _)) = self.window.replace((waits, now)) else { return };
+        let Some(mean) = waits.mean_since(&before) else { return };
+        let word = self.shared.held.load(Ordering::Relaxed);
+        let held = Held::unpack(word);
+        let new = match decide(held, now, mean) {
+            None => return,
             Some(true) => {
-                let given_up =
-                    at(shared.given_up.load(Ordering::Relaxed)).map(|t| now.saturating_duration_since(t));
-                let hold = next_hold(hold, given_up);
-                log::debug!(
-                    "threads waiting {mean:?} for a CPU per turn: short scheduler slices for {hold:?}"
-                );
-                shared.hold_ns.store(u64::try_from(hold.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
-                shared.short_since.store(since_epoch(now), Ordering::Relaxed);
+                let last = Held::unpack(self.shared.given_up.load(Ordering::Relaxed));
+                let hold = match last {
+                    Some(last) => next_hold(last.hold, Some(now.saturating_duration_since(last.since))),
+                    None => next_hold(Duration::ZERO, None),
+                };
+                Held { since: now, hold }.pack()
             }
-            Some(false) => {
-                shared.given_up.store(since_epoch(now), Ordering::Relaxed);
-                shared.short_since.store(0, Ordering::Relaxed);
+            Some(false) => 0,
+        };
+        // Another thread's change since the load wins: this window's view of it is stale.
+        if self.shared.held.compare_exchange(word, new, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
+            match (held, Held::unpack(new)) {
+                (Some(held), None) => {
+                    self.shared.given_up.store(Held { since: now, hold: held.hold }.pack(), Ordering::Relaxed)
+                }
+                (_, Some(on)) => {
+                    log::debug!(
+                        "threads waiting {mean:?} for a CPU per turn: short scheduler slices for {:?}",
+                        on.hold
+                    )
+                }
+                (None, None) => {}
             }
-            None => {}
         }
         self.follow();
     }
 
-    /// Asks for what the process chose, if this thread has not yet.
+    /// The slice the process's choice wants for this thread.
+    #[inline]
+    fn wanted(&self) -> Option<Duration> {
+        let Mode::Auto(slice) = self.mode else { return self.granted };
+        (self.shared.held.load(Ordering::Relaxed) != 0).then_some(slice)
+    }
+
+    /// Asks for what the process chose, if this thread does not have it.
     #[inline]
     fn follow(&mut self) {
-        let Mode::Auto(short) = self.mode else { return };
-        let wanted = (self.shared.short_since.load(Ordering::Relaxed) != 0).then_some(short);
-        if wanted != self.asked {
-            self.ask(wanted);
+        let wanted = self.wanted();
+        if wanted != self.granted {
+            self.set(wanted);
         }
     }
 
-    fn ask(&mut self, slice: Option<Duration>) {
-        self.asked = slice;
-        if let Err(e) = ask(slice.unwrap_or(Duration::ZERO)) {
-            static SAID: OnceLock<()> = OnceLock::new();
-            SAID.get_or_init(|| log::debug!("the kernel's default scheduler slice kept: sched_setattr: {e}"));
-            // Not asked again: each call would fail the same way.
-            self.mode = Mode::Kernel;
+    fn set(&mut self, slice: Option<Duration>) {
+        match set_own_slice(slice.unwrap_or(Duration::ZERO)) {
+            Ok(()) => self.granted = slice,
+            Err(e) => {
+                static SAID: OnceLock<()> = OnceLock::new();
+                SAID.get_or_init(|| {
+                    log::debug!("the kernel's default scheduler slice kept: sched_setattr: {e}")
+                });
+                // Not asked again: each call would fail the same way.
+                self.mode = Mode::Kernel;
+            }
         }
     }
 }
 
-/// The calling thread's counts file and what it says now; `None` where the kernel does not
-/// count (or shows zeroes: no scheduler statistics).
-fn read_own() -> Option<(std::fs::File, Waits)> {
-    let file = std::fs::File::open("/proc/thread-self/schedstat").ok()?;
-    let waits = read_waits(&file).filter(|w| w.turns > 0)?;
-    Some((file, waits))
-}
-
-fn read_waits(file: &std::fs::File) -> Option<Waits> {
-    use std::os::unix::fs::FileExt;
+/// What the calling thread's counts say now; `None` where the kernel does not count (or
+/// shows zeroes: no scheduler statistics). Opened for each reading: a thread that outlives its
+/// device's client holds no descriptor for it.
+fn own_waits() -> Option<Waits> {
     let mut buf = [0u8; 96];
-    let n = file.read_at(&mut buf, 0).ok()?;
-    Waits::parse(std::str::from_utf8(&buf[..n]).ok()?)
+    let mut file = std::fs::File::open("/proc/thread-self/schedstat").ok()?;
+    let n = std::io::Read::read(&mut file, &mut buf).ok()?;
+    Waits::parse(std::str::from_utf8(&buf[..n]).ok()?).filter(|w| w.turns > 0)
 }
 
-/// Asks the kernel for `slice` for the calling thread (zero: the kernel's), if its policy is a fair one
-/// (SCHED_OTHER or SCHED_BATCH: a slice means nothing to the others, and a thread the
-/// administrator made real-time or idle stays so), its policy, nice value and
+/// Asks the kernel for `slice` for the calling thread (zero: the kernel's), if its policy is
+/// a fair one (SCHED_OTHER or SCHED_BATCH: a slice means nothing to the others, and a thread
+/// the administrator made real-time or idle stays so), its policy, nice value and
 /// reset-on-fork flag kept.
-fn ask(slice: Duration) -> std::io::Result<()> {
+fn set_own_slice(slice: Duration) -> std::io::Result<()> {
     const SCHED_FLAG_RESET_ON_FORK: u64 = 0x01;
     let size = std::mem::size_of::<SchedAttr>() as u32;
     let mut attr = SchedAttr::default();
@@ -351,9 +389,10 @@ mod tests {
         assert_eq!(decide(None, t0, wait(72)), Some(true));
         // On, it stays on whatever the waits (they are short by its doing) until its hold ends.
         let hold = FIRST_HOLD;
-        assert_eq!(decide(Some((t0, hold)), t0 + hold / 2, wait(1)), None);
-        assert_eq!(decide(Some((t0, hold)), t0 + hold / 2, wait(500)), None);
-        assert_eq!(decide(Some((t0, hold)), t0 + hold, wait(1)), Some(false));
+        let held = Some(Held { since: t0, hold });
+        assert_eq!(decide(held, t0 + hold / 2, wait(1)), None);
+        assert_eq!(decide(held, t0 + hold / 2, wait(500)), None);
+        assert_eq!(decide(held, t0 + hold, wait(1)), Some(false));
     }
 
     #[test]
@@ -381,22 +420,22 @@ mod tests {
         // The other thread wakes when told to and says what it then asked for.
         let follower = std::thread::spawn(move || {
             let mut choice = SliceChoice::in_mode(Mode::Auto(short), shared);
-            choice.counts = None;
+            choice.window = None;
             while told.recv().is_ok() {
                 choice.woke();
-                heard.send((choice.asked, slice_of_this_thread())).unwrap();
+                heard.send((choice.granted, slice_of_this_thread())).unwrap();
             }
         });
         std::thread::spawn(move || {
             let mut choice = SliceChoice::in_mode(Mode::Auto(short), shared);
             let t0 = Instant::now();
             let mut waits = Waits { waited_ns: 0, turns: 1 };
-            choice.counts = Some((std::fs::File::open("/dev/null").unwrap(), waits, t0));
+            choice.window = Some((waits, t0));
             let mut window = |choice: &mut SliceChoice, mean_us: u64, at: Duration| {
                 waits.turns += 64;
                 waits.waited_ns += 64 * mean_us * 1000;
                 choice.judge(waits, t0 + at);
-                choice.asked
+                choice.granted
             };
             let kernels = slice_of_this_thread();
             let ms = Duration::from_millis;
@@ -427,6 +466,49 @@ mod tests {
         follower.join().unwrap();
     }
 
+    /// The kernel copies a thread's slice to the threads it spawns: a choosing thread asks
+    /// for the process's choice as it starts, whatever its spawner had.
+    #[test]
+    fn a_new_thread_does_not_keep_its_spawners_slice() {
+        std::thread::spawn(|| {
+            let kernels = slice_of_this_thread();
+            set_own_slice(Duration::from_micros(300)).unwrap();
+            let shared: &'static Shared = Box::leak(Box::new(Shared::new()));
+            let (inherited, chosen) = std::thread::spawn(move || {
+                let inherited = slice_of_this_thread();
+                let _choice = SliceChoice::in_mode(Mode::Auto(Duration::from_micros(300)), shared);
+                (inherited, slice_of_this_thread())
+            })
+            .join()
+            .unwrap();
+            if takes_slices() && kernels.is_some() {
+                assert_eq!(inherited, Some(300_000), "the kernel copies the slice");
+                assert_eq!(chosen, kernels, "the choice (off) asked for the kernel's");
+            } else {
+                eprintln!("this kernel takes no slices or does not show them ({kernels:?})");
+            }
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn a_hold_packs_with_its_start_to_the_millisecond() {
+        let since = epoch() + Duration::from_micros(123_456_789);
+        for hold in [FIRST_HOLD, MAX_HOLD, Duration::from_millis(1)] {
+            let word = Held { since, hold }.pack();
+            assert_ne!(word, 0);
+            assert_eq!(Held::unpack(word), Some(Held { since, hold }));
+        }
+        assert_eq!(Held::unpack(0), None);
+        let at_epoch = Held { since: epoch(), hold: FIRST_HOLD }.pack();
+        assert_eq!(
+            Held::unpack(at_epoch).map(|h| h.since),
+            Some(epoch() + Duration::from_micros(1)),
+            "never 0"
+        );
+    }
+
     #[test]
     fn the_counts_parse_and_give_the_mean_wait_per_turn() {
         let before = Waits::parse("1258150 115822 2\n").unwrap();
@@ -441,13 +523,13 @@ mod tests {
     #[test]
     fn a_thread_reads_its_own_counts_as_they_grow() {
         std::thread::spawn(|| {
-            let Some((file, first)) = read_own() else {
+            let Some(first) = own_waits() else {
                 return eprintln!("this kernel shows no scheduler counts");
             };
             for _ in 0..3 {
                 std::thread::sleep(Duration::from_millis(1));
             }
-            let later = read_waits(&file).unwrap();
+            let later = own_waits().unwrap();
             assert!(later.turns >= first.turns + 3, "{first:?} -> {later:?}: each sleep ends in a turn");
             assert!(later.waited_ns >= first.waited_ns);
         })
@@ -480,7 +562,7 @@ mod tests {
                 let param = libc::sched_param { sched_priority: 0 };
                 // SAFETY: sets the calling thread's policy (both are open to any thread).
                 assert_eq!(unsafe { libc::sched_setscheduler(0, policy, &param) }, 0);
-                ask(Duration::from_micros(300)).unwrap();
+                set_own_slice(Duration::from_micros(300)).unwrap();
                 // SAFETY: reads the calling thread's policy.
                 assert_eq!(unsafe { libc::sched_getscheduler(0) }, policy);
                 let after = slice_of_this_thread();
@@ -497,9 +579,9 @@ mod tests {
     fn asking_for_zero_gives_the_kernels_slice_back() {
         std::thread::spawn(|| {
             let before = slice_of_this_thread();
-            ask(Duration::from_micros(300)).unwrap();
+            set_own_slice(Duration::from_micros(300)).unwrap();
             let short = slice_of_this_thread();
-            ask(Duration::ZERO).unwrap();
+            set_own_slice(Duration::ZERO).unwrap();
             let after = slice_of_this_thread();
             if takes_slices() && before.is_some() {
                 assert_eq!(short, Some(300_000));
@@ -521,7 +603,7 @@ mod tests {
                 libc::getpriority(libc::PRIO_PROCESS, 0)
             };
             let before = slice_of_this_thread();
-            ask(Duration::from_micros(300)).unwrap();
+            set_own_slice(Duration::from_micros(300)).unwrap();
             // SAFETY: as above.
             assert_eq!(unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) }, nice, "nice kept");
             // SAFETY: sched_getscheduler on the calling thread only.
