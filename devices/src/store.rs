@@ -902,45 +902,21 @@ const PREFETCH_HEAD: usize = 4096;
 /// The longest copy [`prefetched_copy`] prefetches the head of.
 const PREFETCH_MAX_COPY: usize = 4 * PREFETCH_HEAD;
 
-/// The unit a long copy goes in ([`prefetched_copy`]): a page.
-const KICK_PAGE: usize = 4096;
-
 /// Copies `src`, a RAM store's bytes, into `dst`, a short copy's first page's lines asked for
 /// first. A read lands at a position of the store nobody touched lately, mostly not in any
-/// cache: a copy alone has only as many of its lines in flight as the CPU's prefetcher
+/// cache: a short copy alone has only as many of its lines in flight as the CPU's prefetcher
 /// guesses, while 64 prefetches at once keep the memory busy from the first line (4 KiB
-/// random reads by SPDK's initiator at QD32: 1.18x the plain copy). A long copy is a stream
-/// that the CPU's prefetcher follows after a few lines, but not across a 4 KiB page: it goes
-/// page by page, each page's copy after one prefetch of the first line two pages on, which
-/// starts the prefetcher on that page before the copy gets there (128 KiB sequential reads by
-/// SPDK's initiator 1.01x the single copy, never below it in 8 rounds; 64 prefetches per page
-/// were slower: docs/benchmarks.md).
+/// random reads by SPDK's initiator at QD32: 1.18x the plain copy on one machine, 1.06x on
+/// another). A long copy is one `memmove`, which streams at the machine's own best: on an
+/// AVX-512 machine whose memory copies at 25 GB/s, 128 KiB reads went 1.15x as fast as when
+/// copied page by page with a prefetch two pages on (which an older machine had level with a
+/// single copy), and a single copy with its head prefetched only 1.06-1.08x
+/// (docs/benchmarks.md).
 fn prefetched_copy(src: &VolatileSlice<'_>, dst: &VolatileSlice<'_>) {
     if src.len() <= PREFETCH_MAX_COPY {
         prefetch_head(src, PREFETCH_HEAD);
-        src.copy_to_volatile_slice(*dst);
-        return;
     }
-    // Page by page of the source, each copy after one prefetch of the first line two pages
-    // on: the CPU's prefetchers do not cross a 4 KiB page, so each page of a long stream
-    // would start with misses of its own.
-    let (len, base) = (src.len().min(dst.len()), src.ptr_guard().as_ptr() as usize);
-    let mut off = 0;
-    while off < len {
-        let n = (KICK_PAGE - (base + off) % KICK_PAGE).min(len - off);
-        // The first line of the page two on from this one.
-        if let Ok(ahead) = src.subslice(off + n + KICK_PAGE, 1) {
-            prefetch_head(&ahead, 1);
-        }
-        match (src.subslice(off, n), dst.subslice(off, n)) {
-            (Ok(s), Ok(d)) => s.copy_to_volatile_slice(d),
-            _ => {
-                debug_assert!(false, "off + n <= len, the shorter slice's length");
-                return;
-            }
-        };
-        off += n;
-    }
+    src.copy_to_volatile_slice(*dst);
 }
 
 /// Asks for the cache lines of the first `len` bytes of `slice` (all of it if shorter): a
