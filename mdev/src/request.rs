@@ -50,17 +50,17 @@
 //! one that ends a detach) cancels every request with [`Cancel::Reset`] before it turns the
 //! device's bus mastering off (so a guest access that fails for that is a cancelled
 //! request's) and before the device's own reset runs, and holds the device's interrupts
-//! until the framework's reset of them that follows. The request still ends through its worker, exactly once: dropped, its
-//! completion's [`Completion::fail`] runs; completed, [`Completion::complete`]. By then the
-//! device's registers are back at their power-on values, and the guest that reset the device
-//! expects no status and no interrupt from what it asked before, so that completion must
-//! write no status, no result and raise nothing. Two things make sure, and a device does
-//! both: its worker ends a request it finds cancelled by a reset with
-//! [`Permit::into_inner`] (no report); and since a request may end just before its worker
-//! looks, each request carries the device's generation number as it began, which the
-//! device's reset bumps, and its completion reports only if the number is still current,
-//! comparing under the lock the reset bumps it under (testdev, ccw, nvme and the
-//! `checksum_device` example do so). A request cancelled by an unmap ([`Cancel::Unmapped`])
+//! until the framework's reset of them that follows. The request still ends through its
+//! worker, exactly once: dropped, its completion's [`Completion::fail`] runs; completed,
+//! [`Completion::complete`]. By then the device's registers are back at their power-on
+//! values, and the guest that reset the device expects no status and no interrupt from what
+//! it asked before, so that completion must write no status, no result and raise nothing.
+//! Two things make sure, and a device does both: its worker ends a request it finds
+//! cancelled by a reset with [`Permit::into_inner`] (no report); and since a request may end
+//! just before its worker looks, each request carries the device's generation number as it
+//! began, which the device's reset bumps, and its completion reports only if the number is
+//! still current, comparing under the lock the reset bumps it under (testdev, ccw, nvme and
+//! the `checksum_device` example do so). A request cancelled by an unmap ([`Cancel::Unmapped`])
 //! does report, with the status the device documents for it.
 //!
 //! Each lane has its own lock, and workers of different queues share no lock or counter. A

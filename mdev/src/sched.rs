@@ -57,7 +57,8 @@ struct SchedAttr {
 const AUTO_SLICE: Duration = Duration::from_micros(100);
 /// Wake-ups a thread counts between two readings of its waits...
 pub const WINDOW_WAKES: u32 = 64;
-/// ...and at least this long between them (a bound on the readings: one `pread` each).
+/// ...and at least this long between them (a bound on the readings: an open, a read and a
+/// close each).
 const WINDOW_MIN: Duration = Duration::from_millis(20);
 /// The mean wait for a CPU per turn on one above which the short slice is asked for.
 pub const HIGH_WAIT: Duration = Duration::from_micros(40);
@@ -267,10 +268,8 @@ impl SliceChoice {
             None => return,
             Some(true) => {
                 let last = Held::unpack(self.shared.given_up.load(Ordering::Relaxed));
-                let hold = match last {
-                    Some(last) => next_hold(last.hold, Some(now.saturating_duration_since(last.since))),
-                    None => next_hold(Duration::ZERO, None),
-                };
+                let since_given_up = last.map(|last| now.saturating_duration_since(last.since));
+                let hold = next_hold(last.map_or(Duration::ZERO, |last| last.hold), since_given_up);
                 Held { since: now, hold }.pack()
             }
             Some(false) => 0,
@@ -441,13 +440,13 @@ mod tests {
             let ms = Duration::from_millis;
             assert_eq!(window(&mut choice, 17, ms(20)), None, "short waits: the kernel's slice");
             assert_eq!(window(&mut choice, 72, ms(40)), Some(short), "long waits: the short slice");
-            if takes_slices() && kernels.is_some() {
+            if slices_shown(kernels) {
                 assert_eq!(slice_of_this_thread(), Some(300_000));
             }
             tell.send(None).unwrap();
             let (asked, theirs) = hear.recv().unwrap();
             assert_eq!(asked, Some(short), "the other thread follows at its wake-up");
-            if takes_slices() && theirs.is_some() {
+            if slices_shown(theirs) {
                 assert_eq!(theirs, Some(300_000));
             }
             assert_eq!(window(&mut choice, 1, ms(60)), Some(short), "kept while held");
@@ -481,11 +480,9 @@ mod tests {
             })
             .join()
             .unwrap();
-            if takes_slices() && kernels.is_some() {
+            if slices_shown(kernels) {
                 assert_eq!(inherited, Some(300_000), "the kernel copies the slice");
                 assert_eq!(chosen, kernels, "the choice (off) asked for the kernel's");
-            } else {
-                eprintln!("this kernel takes no slices or does not show them ({kernels:?})");
             }
         })
         .join()
@@ -548,6 +545,16 @@ mod tests {
         line.split(':').nth(1)?.trim().parse().ok()
     }
 
+    /// Whether slices can be checked here: this kernel takes them and showed `seen`; says
+    /// so when not.
+    fn slices_shown(seen: Option<u64>) -> bool {
+        let shown = takes_slices() && seen.is_some();
+        if !shown {
+            eprintln!("this kernel takes no slices or does not show them ({seen:?})");
+        }
+        shown
+    }
+
     /// Linux 6.12 or later: `sched_runtime` sets a SCHED_OTHER thread's slice.
     fn takes_slices() -> bool {
         let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
@@ -583,11 +590,9 @@ mod tests {
             let short = slice_of_this_thread();
             set_own_slice(Duration::ZERO).unwrap();
             let after = slice_of_this_thread();
-            if takes_slices() && before.is_some() {
+            if slices_shown(before) {
                 assert_eq!(short, Some(300_000));
                 assert_eq!(after, before, "the kernel's slice is back");
-            } else {
-                eprintln!("this kernel takes no slices or does not show them ({before:?})");
             }
         })
         .join()
@@ -609,10 +614,8 @@ mod tests {
             // SAFETY: sched_getscheduler on the calling thread only.
             assert_eq!(unsafe { libc::sched_getscheduler(0) }, libc::SCHED_OTHER, "policy kept");
             let after = slice_of_this_thread();
-            if takes_slices() && after.is_some() {
+            if slices_shown(after) {
                 assert_eq!(after, Some(300_000), "from {before:?}");
-            } else {
-                eprintln!("this kernel takes no slices or does not show them ({before:?} -> {after:?})");
             }
         })
         .join()
