@@ -632,6 +632,13 @@ fn environment() -> Vec<(String, String)> {
                 DEFAULT_TIMEOUT.as_millis()
             ),
         ),
+        (
+            "UMDEV_SLICE_US".into(),
+            "the scheduler slice of the threads that wait for a client: unset or auto, 100 us while their \
+             waits for a CPU average more than 40 us per turn, else the kernel's; off or 0, the kernel's; N, \
+             N us always"
+                .into(),
+        ),
     ]
 }
 
