@@ -11,8 +11,9 @@
  * in turn, 4M copies per pass with glibc's memcpy, by prefetch kind: none; the next page's 64
  * lines asked for with prefetcht0, prefetcht1 or prefetchnta before the current page is
  * copied; and prefetcht1 two pages ahead. Each kind but the first also asks for the current
- * page's lines with prefetcht0 just before its copy, as umdev's copy does. It prints each
- * kind's million pages per second, three passes alternating the kinds.
+ * page's lines with prefetcht0 just before its copy, as umdev's copy does. It prints which
+ * pages the source got, then each kind's million pages per second, three passes alternating
+ * the kinds.
  */
 #define _GNU_SOURCE
 #include <immintrin.h>
@@ -67,8 +68,10 @@ static void *(*volatile copy)(void *, const void *, size_t) = memcpy;
 
 int main(void)
 {
+    const char *pages = "hugetlb 2 MiB pages";
     char *src = mmap(NULL, SOURCE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB, -1, 0);
     if (src == MAP_FAILED) {
+        pages = "transparent huge pages where the kernel gives them (the hugetlb pool is too small)";
         src = mmap(NULL, SOURCE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (src == MAP_FAILED) {
             perror("mmap");
@@ -84,6 +87,7 @@ int main(void)
         return 1;
     }
     memset(dst, 0, BUFFERS * PAGE);
+    printf("random 4 KiB pages of a 1 GiB source on %s into %d buffers; M pages/s per pass\n", pages, BUFFERS);
     srand(1);
     for (int i = 0; i < COPIES; i++)
         at[i] = (unsigned)rand() % (SOURCE / PAGE);

@@ -68,8 +68,8 @@ const BUSY_LOOK: Duration = Duration::from_millis(1);
 /// ([`QueueWorker::look_ahead`]): a copy long enough to hide trips between caches. Before
 /// every shorter command the look cost more than it hid (4 KiB random reads at QD32:
 /// 0.94x); before a shorter Read of a RAM namespace it pays, because the next command is
-/// likely one too, whose data it then asks for from memory (1.17x when that went to L1; see
-/// `Store::prefetch` for L2).
+/// likely one too, whose data it then asks for from memory, into L2 (1.17x when it went to
+/// L1, and the L2 hint 1.22x over that: `Near::L2` in crate::store, docs/benchmarks.md).
 const LOOK_AHEAD_MIN: u64 = 32 * 1024;
 /// Completions of RAM writes a worker holds while more commands wait, at most: their
 /// streaming stores are fenced once, before the first of their entries, rather than once
