@@ -65,6 +65,20 @@ impl DmaSpace {
         self.pin(prot, PageRange { pfn: iova >> PAGE_SHIFT, npages })
     }
 
+    /// Pins the page of `iova` for `prot` if track mode's fast path can: a live mapping with
+    /// host memory that permits `prot`, and room in the shard's small records and stock.
+    /// `None` otherwise, with nothing counted (no pin failure, no pin): for a caller that then
+    /// takes its general path, which reports the exact refusal (a copy of guest bytes within
+    /// one page, say). Always `None` in lock and kernel mode.
+    pub fn try_pin_page(&self, iova: u64, prot: Prot) -> Option<PinnedPages> {
+        if self.mode() != PinMode::Track {
+            return None;
+        }
+        let mut read = self.read_table();
+        track::pin_fast(self, &mut read, prot, PageRange { pfn: iova >> PAGE_SHIFT, npages: 1 })
+            .map(PinnedPages::recorded)
+    }
+
     #[inline(always)]
     fn pin(&self, prot: Prot, entries: impl Entries) -> Result<PinnedPages, PinError> {
         if self.mode() == PinMode::Track {

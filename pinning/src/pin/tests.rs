@@ -49,6 +49,34 @@ fn an_idaw_list_pins_as_its_contiguous_runs() {
 }
 
 #[test]
+fn a_page_tried_pins_as_a_pin_would_and_a_refusal_counts_nothing() {
+    let (space, _f) = space_with(Default::default());
+    space.map_message_only(128 * P, 4 * P, Prot::READ_WRITE).unwrap();
+    space.map(256 * P, P, memfd(1).as_fd(), 0, Prot::READ).unwrap();
+    let pins = space.try_pin_page(5 * P + 100, Prot::WRITE).expect("a mapped page");
+    assert_eq!((pins.iova(0), counts(&space, 4..7)), (Some(5 * P), vec![0, 1, 0]));
+    let stats = space.stats();
+    assert_eq!((stats.pin_calls, stats.pins_held), (1, 1));
+    // Unmapped, fd-less, read-only for a write: nothing, and nothing counted as failed.
+    for (iova, prot) in [(100 * P, Prot::READ), (129 * P, Prot::READ), (256 * P, Prot::WRITE)] {
+        assert!(space.try_pin_page(iova, prot).is_none(), "{iova:#x}");
+    }
+    let stats = space.stats();
+    assert_eq!((stats.pin_calls, stats.pin_failures, stats.pins_held), (1, 0, 1));
+    drop(pins);
+    assert_eq!(space.stats().pins_held, 0);
+    // Lock mode has no such path: always nothing.
+    let lock = DmaSpaceConfig {
+        mode: PinMode::Lock,
+        account: Arc::new(LockAccount::unlimited()),
+        ..Default::default()
+    };
+    let (space, _f) = space_with(lock);
+    assert!(space.try_pin_page(5 * P, Prot::READ).is_none());
+    assert_eq!(space.stats().pin_failures, 0);
+}
+
+#[test]
 fn a_prefetch_pins_nothing_and_is_quiet_wherever_it_points() {
     let (space, _f) = space_with(Default::default());
     space.map_message_only(128 * P, 4 * P, Prot::READ).unwrap();
