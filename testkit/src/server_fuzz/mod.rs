@@ -202,7 +202,7 @@ pub fn open_fds() -> usize {
 }
 
 /// This process's fds and what they are, for a panic message.
-fn fd_listing() -> String {
+pub(crate) fn fd_listing() -> String {
     let Ok(dir) = std::fs::read_dir("/proc/self/fd") else { return String::new() };
     let mut fds: Vec<String> = dir
         .flatten()

@@ -110,6 +110,8 @@ pub fn run(data: &[u8]) {
     let before = super::open_fds();
     let device = make_device(config & CONFIG_CCW != 0);
     let with_device = super::open_fds();
+    // For a failure's message: which fds the count with the device alone saw.
+    let listed_with_device = super::fd_listing();
     let mut tracker = Tracker::default();
     let ram = memfd(GUEST_SIZE).unwrap_or_else(|e| panic!("guest RAM: {e}"));
     tracker.track(&ram);
@@ -181,7 +183,11 @@ pub fn run(data: &[u8]) {
     settle_fds(
         with_device + tracker.len(),
         FD_GRACE,
-        "after the client left, fds are still open that were not open with the device alone",
+        &format!(
+            "after the client left, fds are still open that were not open with the device alone \
+             ({} of the harness's own expected; with the device alone: {listed_with_device})",
+            tracker.len()
+        ),
     );
     tracker.check_closed("after the client left");
     let start = Instant::now();
