@@ -910,11 +910,11 @@ const PREFETCH_MAX_COPY: usize = 4 * PREFETCH_HEAD;
 /// prefetches at once bring them all from the first line (4 KiB random reads by SPDK's
 /// initiator at QD32: 1.18x the plain copy on one machine, 1.06x on another; with the
 /// look-ahead into L2, 1.22x the build before against 1.17x with no head prefetch and 1.20x
-/// with one into L2, over 6 rounds). A long copy is one `memmove`, which streams at the machine's own best: on an
-/// AVX-512 machine whose memory copies at 25 GB/s, 128 KiB reads went 1.15x as fast as when
-/// copied page by page with a prefetch two pages on (which an older machine had level with a
-/// single copy), and a single copy with its head prefetched only 1.06-1.08x
-/// (docs/benchmarks.md).
+/// with one into L2, over 6 rounds). A long copy is one `memmove`, which streams at the
+/// machine's own best: on an AVX-512 machine whose memory copies at 25 GB/s, 128 KiB reads
+/// went 1.15x as fast as when copied page by page with a prefetch two pages on (which an
+/// older machine had level with a single copy), and a single copy with its head prefetched
+/// only 1.06-1.08x (docs/benchmarks.md).
 fn prefetched_copy(src: &VolatileSlice<'_>, dst: &VolatileSlice<'_>) {
     if src.len() <= PREFETCH_MAX_COPY {
         prefetch_head(src, PREFETCH_HEAD, Near::L1);

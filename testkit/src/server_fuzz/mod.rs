@@ -463,15 +463,15 @@ fn same_file(a: i32, b: i32) -> bool {
 /// Waits up to `grace` for the process's fd count to be `want` or fewer: a leak check, as
 /// tests/contract's is. Fewer is no leak: a device's own fd counted with it alone may be gone
 /// by the end (CI twice saw one fewer after a session, with nothing of the test's or the
-/// client's missing from the listing). Panics with `what` and a listing if more stay open.
-fn settle_fds(want: usize, grace: Duration, what: &str) {
+/// client's missing from the listing). Panics with `what()` and a listing if more stay open.
+fn settle_fds(want: usize, grace: Duration, what: impl Fn() -> String) {
     let start = Instant::now();
     loop {
         let now = open_fds();
         if now <= want {
             return;
         }
-        assert!(start.elapsed() < grace, "{what}: {now} fds open, {want} expected: {}", fd_listing());
+        assert!(start.elapsed() < grace, "{}: {now} fds open, {want} expected: {}", what(), fd_listing());
         std::thread::sleep(Duration::from_millis(1));
     }
 }

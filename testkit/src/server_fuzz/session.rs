@@ -180,15 +180,13 @@ pub fn run(data: &[u8]) {
     drop(dma);
     drop(client);
     drop(ram);
-    settle_fds(
-        with_device + tracker.len(),
-        FD_GRACE,
-        &format!(
+    let own = tracker.len();
+    settle_fds(with_device + own, FD_GRACE, || {
+        format!(
             "after the client left, fds are still open that were not open with the device alone \
-             ({} of the harness's own expected; with the device alone: {listed_with_device})",
-            tracker.len()
-        ),
-    );
+             ({own} of the harness's own expected; with the device alone: {listed_with_device})"
+        )
+    });
     tracker.check_closed("after the client left");
     let start = Instant::now();
     while Arc::strong_count(&device) > 1 {
@@ -196,7 +194,7 @@ pub fn run(data: &[u8]) {
         std::thread::sleep(Duration::from_millis(1));
     }
     drop(device);
-    settle_fds(before, FD_GRACE, "after the device was dropped");
+    settle_fds(before, FD_GRACE, || "after the device was dropped".into());
 }
 
 fn spawn<T: Send + 'static>(
