@@ -813,6 +813,87 @@ fn a_queue_deleted_with_its_cq_full_and_never_reaped_still_stops_its_worker() {
 }
 
 #[test]
+fn a_full_cq_raises_the_interrupt_of_the_entries_it_holds() {
+    let mut d = up(Rig::new(), 0);
+    // A CQ of 2 entries (one usable) on vector 1, behind an SQ of 8.
+    let mut cq = Sqe::new(admin_op::CREATE_CQ, 0);
+    cq.prp1 = DATA.into();
+    cq.set_dw(10, 1 | 1 << 16);
+    cq.set_dw(11, 3 | 1 << 16);
+    d.admin_ok(cq).unwrap();
+    let mut sq = Sqe::new(admin_op::CREATE_SQ, 0);
+    sq.prp1 = (DATA + 0x1000).into();
+    sq.set_dw(10, 1 | 7 << 16);
+    sq.set_dw(11, 1 | 1 << 16);
+    d.admin_ok(sq).unwrap();
+    // Three reads behind one doorbell: the first's entry is held to share an interrupt with
+    // the next two, which find the CQ full. The host reaps only what an interrupt tells it of.
+    for slot in 0..3u16 {
+        let mut sqe = Driver::<Rig>::rw_command(true, 1, 0, 1, DATA + 0x8000, 0);
+        sqe.cdw0 = ((u32::from(sqe.cdw0) & 0xffff) | u32::from(slot + 1) << 16).into();
+        d.t.put(DATA + 0x1000 + u64::from(slot) * 64, vm_memory::ByteValued::as_slice(&sqe)).unwrap();
+    }
+    d.t.write32(reg::DOORBELLS + 8, 3).unwrap();
+    let (mut head, mut phase, mut got) = (0u32, true, Vec::new());
+    while got.len() < 3 {
+        let fired = d.t.wait_interrupt(1, Duration::from_secs(30));
+        assert_eq!(fired, Some(true), "no interrupt after completions {got:?}");
+        let _ = d.t.irqs[1].read();
+        loop {
+            let mut cqe = Cqe::default();
+            d.t.get(DATA + u64::from(head) * 16, vm_memory::ByteValued::as_mut_slice(&mut cqe)).unwrap();
+            if cqe.phase() != phase {
+                break;
+            }
+            assert_eq!(cqe.status(), Status::SUCCESS);
+            got.push(u16::from(cqe.cid));
+            head = (head + 1) % 2;
+            phase ^= head == 0;
+        }
+        d.t.write32(reg::DOORBELLS + 12, head).unwrap();
+    }
+    assert_eq!(got, [1, 2, 3]);
+}
+
+/// The state of this process's thread named `name` (`R`, `S`, ...), if there is one.
+fn thread_state(name: &str) -> Option<char> {
+    std::fs::read_dir("/proc/self/task").ok()?.flatten().find_map(|task| {
+        let comm = std::fs::read_to_string(task.path().join("comm")).ok()?;
+        if comm.trim_end() != name {
+            return None;
+        }
+        let stat = std::fs::read_to_string(task.path().join("stat")).ok()?;
+        stat.rsplit_once(") ")?.1.chars().next()
+    })
+}
+
+#[test]
+fn a_shadow_sq_tail_past_the_end_aborts_nothing_and_the_worker_sleeps_until_it_changes() {
+    // Six queues: no other test here has a thread of this name (`umdev-nvme-q6`).
+    let config =
+        NvmeConfig { namespaces: vec![Some(Backing::Ram(1 << 20))], io_queues: 6, ..NvmeConfig::default() };
+    let mut d = up(Rig::with(config, true), 6);
+    d.enable_shadow_doorbells().unwrap();
+    // SQ 6's tail in the shadow page is past the queue's end; the register rings its worker.
+    d.t.put(driver::SHADOW + 6 * 8, &u32::MAX.to_le_bytes()).unwrap();
+    d.t.write32(reg::DOORBELLS + 6 * 8, 0).unwrap();
+    // An Abort for that queue finds nothing queued, and completes.
+    let mut abort = Sqe::new(admin_op::ABORT, 0);
+    abort.set_dw(10, 6 | 0x99 << 16);
+    assert_eq!(d.admin_ok(abort).unwrap() & 1, 1, "not aborted");
+    // The worker sleeps rather than read the same tail as news at every look: seen asleep at
+    // least once (a thread that never sleeps is never in state S).
+    let asleep = (0..2000).any(|_| {
+        std::thread::sleep(Duration::from_millis(1));
+        thread_state("umdev-nvme-q6") == Some('S')
+    });
+    assert!(asleep, "the worker of SQ 6 never slept: {:?}", thread_state("umdev-nvme-q6"));
+    // A valid tail again, and the queue works.
+    d.t.put(driver::SHADOW + 6 * 8, &0u32.to_le_bytes()).unwrap();
+    assert_eq!(d.rw(6, true, 1, 0, 8, 512, &[DATA], 0).unwrap(), Status::SUCCESS);
+}
+
+#[test]
 fn shadow_doorbells_carry_the_queues_and_the_registers_ring_only_when_asked() {
     let mut d = up(Rig::new(), 2);
     assert_eq!(

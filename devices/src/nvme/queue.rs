@@ -405,8 +405,12 @@ impl Sq {
 
     /// Abort: looks for `cid` among the entries not yet fetched (from the published head to
     /// `tail`); if there, it will complete with Command Abort Requested when fetched.
-    /// `Err` if too many aborts are already pending.
+    /// `Err` if too many aborts are already pending. A `tail` past the queue's end (a shadow
+    /// or mapped doorbell holds what the host wrote, unchecked) queues nothing.
     pub fn abort(&self, ctx: &DeviceContext, cid: u16, tail: u32) -> Result<bool, Status> {
+        if tail >= self.entries {
+            return Ok(false);
+        }
         let mut aborts = umdev_mdev::sync::lock(&self.aborts);
         if aborts.len() >= 4 {
             return Err(Status::ABORT_LIMIT);
@@ -415,6 +419,7 @@ impl Sq {
         asymmetric_heavy_fence();
         let mut at = self.head.load(Ordering::Acquire);
         let mut found = false;
+        // `at` and `tail` are both below `entries`: at most `entries - 1` steps.
         while at != tail && at < self.entries {
             if self.fetch(ctx, at).is_ok_and(|e| e.cid() == cid) {
                 found = true;
@@ -641,6 +646,21 @@ impl Cq {
             st.deadline = None;
         }
         due
+    }
+
+    /// Whether entries are held for their interrupt; the count reset if so, for the caller
+    /// to raise it now: a poster that finds the queue full (the host makes room only for
+    /// entries it is told of) or that posts no more.
+    pub fn take_held(&self) -> bool {
+        if !self.interrupts {
+            return false;
+        }
+        let mut st = self.state.lock();
+        let held = st.unsignalled > 0;
+        st.unsignalled = 0;
+        st.first_held = None;
+        st.deadline = None;
+        held
     }
 
     /// When held entries must interrupt by, if an aggregation time holds them.

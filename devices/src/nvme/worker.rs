@@ -292,7 +292,9 @@ impl QueueWorker {
                     bad_tail = Some(tail);
                     self.ctrl().event(event::TYPE_ERROR, event::INVALID_DOORBELL_VALUE, log_page::ERROR);
                 }
-                self.idle(&mut waiter, head, last_work, false);
+                // Until the host writes another value: this one would read as new work at
+                // every look.
+                self.idle(&mut waiter, head, tail, last_work, false);
                 continue;
             }
             if tail == head {
@@ -302,7 +304,7 @@ impl QueueWorker {
                     // When the queue ran dry, not at each fetch: one clock reading per run.
                     last_work = Instant::now();
                 }
-                self.idle(&mut waiter, head, last_work, lone);
+                self.idle(&mut waiter, head, tail, last_work, lone);
                 continue;
             }
             if let Some(aio) = self.aio.as_mut().filter(|a| !a.ring.has_room()) {
@@ -468,6 +470,11 @@ impl QueueWorker {
             Drained::Full => {
                 let cq = self.sq().cq.clone();
                 let ctrl = self.ctrl();
+                // The host makes room only for what it is told of: entries held for a shared
+                // interrupt or by coalescing are signalled now (both are bounds on a delay).
+                if cq.take_held() {
+                    ctrl.interrupt(&cq);
+                }
                 ctrl.cq_doorbell(cq.id).want_room(&waiter.bell());
                 ctrl.arm_cq(cq.id);
                 let room = || cq.has_room(ctrl.cq_head(cq.id));
@@ -483,15 +490,17 @@ impl QueueWorker {
     }
 
     /// Nothing to fetch: held interrupts go out, then sleep until a doorbell (or until
-    /// coalescing's aggregation time is up). `lone`: the work just done was a single
-    /// command, the only case where a message doorbell is watched for before sleeping.
-    fn idle(&mut self, waiter: &mut Waiter<Stop>, head: u32, last_work: Instant, lone: bool) {
+    /// coalescing's aggregation time is up). `tail`: the SQ tail last read (`head` when the
+    /// queue is empty, or a value past its end that a shadow or mapped doorbell held); any
+    /// other value in the doorbell is news. `lone`: the work just done was a single command,
+    /// the only case where a message doorbell is watched for before sleeping.
+    fn idle(&mut self, waiter: &mut Waiter<Stop>, head: u32, tail: u32, last_work: Instant, lone: bool) {
         self.flush();
         self.raise_due(true);
         let QueueWorker { completer, aio, .. } = self;
         let deadline = completer.sq().cq.deadline().map(|d| d.saturating_duration_since(Instant::now()));
         let (ctrl, id) = (completer.ctrl(), completer.sq().id);
-        let rung = || ctrl.sq_tail(id) != head;
+        let rung = || ctrl.sq_tail(id) != tail;
         // With shadow doorbells the host writes the register (which rings) only if asked.
         let arm = || ctrl.arm_sq(id, head);
         // With an io_uring the worker sleeps there: a completion ends the wait too.
@@ -594,6 +603,9 @@ impl QueueWorker {
             if left.is_zero() {
                 break;
             }
+            if cq.take_held() {
+                ctrl.interrupt(&cq);
+            }
             ctrl.cq_doorbell(cq.id).want_room(&waiter.bell());
             ctrl.arm_cq(cq.id);
             let look = match ctrl.doorbell_mode() {
@@ -601,6 +613,10 @@ impl QueueWorker {
                 DoorbellMode::Mapped => left.min(POLL_INTERVAL),
             };
             waiter.linger(|| cq.has_room(ctrl.cq_head(cq.id)), look);
+        }
+        // The queue's last entries: nothing more will come to share their interrupt.
+        if cq.take_held() {
+            ctrl.interrupt(&cq);
         }
         let dropped = self.completer.abandon();
         if dropped > 0 {
