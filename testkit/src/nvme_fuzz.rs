@@ -12,8 +12,9 @@
 //! - no completion carries Internal Error, which the controller posts only when a command's
 //!   handling panicked or the worker lost track of it;
 //! - no completion of a command the input submitted is posted twice;
-//! - the controller then still works: a reset (CC.EN cleared and set) completes, and after it
-//!   Identify and a write read back through a new I/O queue succeed;
+//! - the controller then still works: a reset (CC.EN cleared and set) completes, no worker
+//!   of before it is left running, and after it Identify and a write read back through a new
+//!   I/O queue succeed;
 //! - the read-only guest memory was never written.
 //!
 //! Commands that change the queues or how the host rings them (Create and Delete I/O
@@ -31,7 +32,8 @@
 //! from guest memory), then that many records of
 //! [`RECORD`] bytes (fewer if the input ends): `flags u8` (bit 0: the I/O queue, else the
 //! admin queue; bit 1: ring the doorbell after it; bit 2: PRPs as given, else each taken
-//! modulo [`WINDOW`] into the data window), then the 64-byte entry; then the rest of the
+//! modulo [`WINDOW`] into the data window; bit 3: not a command but a doorbell poke, see
+//! [`Submission::poke`]), then the 64-byte entry; then the rest of the
 //! input, up to [`WINDOW`] bytes, written at [`crate::nvme_rig::DATA`]. All queues are rung at
 //! the end.
 
@@ -40,7 +42,7 @@ use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
 use umdev_devices::nvme::namespace::Backing;
-use umdev_devices::nvme::spec::{admin_op, nvm_op, Cqe, Sqe, Status};
+use umdev_devices::nvme::spec::{self, admin_op, nvm_op, Cqe, Sqe, Status};
 use umdev_devices::nvme::NvmeConfig;
 use vm_memory::ByteValued;
 
@@ -69,6 +71,12 @@ pub struct Submission {
     pub ring: bool,
     /// PRPs as given (else steered into the data window).
     pub raw_prps: bool,
+    /// Not a command: the entry's dwords 0 and 1, raised to at least the I/O queue's size (a
+    /// valid value the harness cannot tell from its own), are the I/O queue's SQ tail and CQ
+    /// head as a guest may leave them: written into the shadow page with shadow doorbells on
+    /// (then the SQ's register is rung with the driver's own tail, so the worker reads the
+    /// page), else into the registers.
+    pub poke: bool,
     /// The submission entry.
     pub sqe: Sqe,
 }
@@ -94,7 +102,13 @@ pub fn decode(data: &[u8]) -> Input {
         .map(|r| {
             let mut sqe = Sqe::default();
             sqe.as_mut_slice().copy_from_slice(&r[1..]);
-            Submission { io: r[0] & 1 != 0, ring: r[0] & 2 != 0, raw_prps: r[0] & 4 != 0, sqe }
+            Submission {
+                io: r[0] & 1 != 0,
+                ring: r[0] & 2 != 0,
+                raw_prps: r[0] & 4 != 0,
+                poke: r[0] & 8 != 0,
+                sqe,
+            }
         })
         .collect();
     let mem = &rest[records * RECORD..];
@@ -106,7 +120,7 @@ pub fn encode(input: &Input) -> Vec<u8> {
     let Input { shadow, commands, mem } = input;
     let mut out = vec![commands.len().min(MAX_COMMANDS) as u8 | u8::from(*shadow) << 7];
     for c in commands {
-        out.push(u8::from(c.io) | u8::from(c.ring) << 1 | u8::from(c.raw_prps) << 2);
+        out.push(u8::from(c.io) | u8::from(c.ring) << 1 | u8::from(c.raw_prps) << 2 | u8::from(c.poke) << 3);
         out.extend_from_slice(c.sqe.as_slice());
     }
     out.extend_from_slice(mem);
@@ -150,6 +164,10 @@ pub fn run(data: &[u8]) {
     let mut seen: [HashSet<u16>; 2] = [HashSet::new(), HashSet::new()];
     let mut pending = [0u32; 2];
     for (i, c) in commands.iter().enumerate() {
+        if c.poke {
+            poke(&mut d, shadow, &c.sqe);
+            continue;
+        }
         let q = usize::from(c.io);
         if !c.io && !admin_allowed(c.sqe.opcode()) {
             continue;
@@ -183,6 +201,27 @@ pub fn run(data: &[u8]) {
     let mut ro = vec![0u8; 1 << 20];
     d.t.ro.read_exact_at(&mut ro, 0).unwrap_or_else(|e| panic!("read-only memory: {e}"));
     assert!(ro.iter().all(|&b| b == 0), "the device wrote read-only guest memory");
+}
+
+/// A [`Submission::poke`] of `sqe`'s values.
+fn poke(d: &mut Driver<Rig>, shadow: bool, sqe: &Sqe) {
+    let words = sqe.as_slice();
+    let value = |at: usize| u32::from_le_bytes([words[at], words[at + 1], words[at + 2], words[at + 3]]);
+    let (tail, head) = (value(0).max(IO_ENTRIES), value(4).max(IO_ENTRIES));
+    let put = if shadow {
+        let mut slot = [0u8; 8];
+        slot[..4].copy_from_slice(&tail.to_le_bytes());
+        slot[4..].copy_from_slice(&head.to_le_bytes());
+        d.t.put(crate::nvme_driver::SHADOW + 8, &slot)
+            .and_then(|()| d.t.write32(spec::reg::DOORBELLS + 8, d.io[0].sq_tail))
+    } else {
+        d.t.write32(spec::reg::DOORBELLS + 8, tail)
+            .and_then(|()| d.t.write32(spec::reg::DOORBELLS + 12, head))
+    };
+    // A register write of an invalid value is the device's to refuse; nothing else may fail.
+    if let Err(e) = put {
+        assert!(!shadow, "shadow page or doorbell: {e}");
+    }
 }
 
 /// Takes the completions of both queues until none comes for [`QUIET`] (at most [`SETTLE`]),
@@ -222,6 +261,9 @@ fn still_works(d: &mut Driver<Rig>) {
     d.enable().unwrap_or_else(|e| panic!("the controller does not come back from a reset: {e}"));
     d.identify_controller().unwrap_or_else(|e| panic!("Identify after the run: {e}"));
     d.create_io_queues(1, IO_ENTRIES, false).unwrap_or_else(|e| panic!("I/O queues after the run: {e}"));
+    // The admin queue's and the new I/O queue's: a worker the reset could not stop (one that
+    // never looks up from a command) would still be counted.
+    assert_eq!(d.t.ctrl().workers(), 2, "workers running after the reset");
     let ns = d.identify_namespace(1).unwrap_or_else(|e| panic!("Identify Namespace after the run: {e}"));
     let format = u32::from(ns.lbaf[usize::from(ns.flbas & 0xf)]);
     let block = 1usize << ((format >> 16) & 0xff).min(12);
@@ -247,8 +289,14 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
     let rw = |read: bool, slba: u64, nlb: u32, prp1: u64, prp2: u64| {
         Driver::<Rig>::rw_command(read, 1, slba, nlb, prp1, prp2)
     };
-    let io = |sqe: Sqe| Submission { io: true, ring: true, raw_prps: false, sqe };
-    let admin = |sqe: Sqe| Submission { io: false, ring: true, raw_prps: false, sqe };
+    let io = |sqe: Sqe| Submission { io: true, ring: true, raw_prps: false, poke: false, sqe };
+    let admin = |sqe: Sqe| Submission { io: false, ring: true, raw_prps: false, poke: false, sqe };
+    // An SQ tail and CQ head of u32::MAX, and an Abort of a command not queued on SQ 1.
+    let mut values = Sqe::default();
+    values.as_mut_slice()[..8].fill(0xff);
+    let poke = Submission { io: true, ring: false, raw_prps: false, poke: true, sqe: values };
+    let mut abort = Sqe::new(admin_op::ABORT, 0);
+    abort.cdw[0] = (1 | 0x1234 << 16).into();
     // A PRP list at window offset 0x3000 naming the pages at 0x4000 and 0x5000.
     let mut mem = vec![0u8; 0x6000];
     mem[0x3000..0x3008].copy_from_slice(&(DATA + 0x4000).to_le_bytes());
@@ -279,5 +327,7 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         ("dsm-compare", input(false, vec![io(dsm), io(compare)])),
         ("raw", input(false, vec![raw(rw(true, 0, 0, RO, 0)), raw(rw(true, 0, 0, 1 << 40, 0))])),
         ("shadow-rw", input(true, vec![io(rw(false, 0, 7, 0x1000, 0)), io(rw(true, 0, 7, 0x2000, 0))])),
+        ("shadow-poke-abort", input(true, vec![poke, admin(abort), io(rw(true, 0, 7, 0x2000, 0))])),
+        ("poke-abort", input(false, vec![poke, admin(abort), io(rw(true, 0, 7, 0x2000, 0))])),
     ]
 }
