@@ -362,6 +362,12 @@ fn worker(shared: &Shared, index: usize, mut w: Waiter<Close>) {
         });
         lists.trim();
         match status {
+            // Stopped by a reset or a disconnect (it reads as Halted to the program): the
+            // guest expects nothing of it, and the reset may not have bumped the generation
+            // yet, which would let `Shared::complete` report it (docs/ccw.md, Reset).
+            _ if permit.cancelled() == Some(request::Cancel::Reset) => {
+                let _ = permit.into_inner();
+            }
             Some(status) => permit.complete(status),
             None => drop(permit), // fails the program: DeviceError
         }
