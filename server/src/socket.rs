@@ -61,6 +61,7 @@ impl Receiver {
         // with the fd table full it installs some, truncates the rest (MSG_CTRUNC), and the
         // ones it did install must still be closed.
         let fds = installed_fds(&msg);
+        fds.iter().for_each(no_linger);
         if msg.msg_flags & libc::MSG_CTRUNC != 0 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
@@ -70,6 +71,26 @@ impl Receiver {
         framer.commit(bytes, fds);
         Ok(bytes)
     }
+}
+
+/// If `fd` is a socket, makes its last close return at once: a client may send a TCP socket
+/// with a full send buffer and SO_LINGER set for hours, whose close (ours, as the last holder)
+/// would otherwise block the connection thread that long. Not a socket: the call fails with
+/// ENOTSOCK without touching the file (no file system is asked, as an `fstat` would ask a FUSE
+/// server). vfio-user carries no sockets; what this one was sending goes on in the background.
+fn no_linger(fd: &OwnedFd) {
+    let off = libc::linger { l_onoff: 0, l_linger: 0 };
+    // SAFETY: setsockopt reads `size_of::<linger>()` bytes from a live local of that type;
+    // the fd is open (owned here).
+    unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&raw const off).cast(),
+            size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
 }
 
 /// The SCM_RIGHTS fds in `msg`'s control data, owned.
@@ -195,5 +216,54 @@ mod tests {
         send_with(3);
         assert!(small.recv(&server, &mut framer, true).is_err());
         assert_eq!(open_named(name), 1, "no fd of the truncated message stays open");
+    }
+
+    fn linger_of(fd: RawFd) -> (i32, i32) {
+        let mut l = libc::linger { l_onoff: 0, l_linger: 0 };
+        let mut len = size_of::<libc::linger>() as libc::socklen_t;
+        // SAFETY: getsockopt writes at most `len` bytes into a live local of that size.
+        let r =
+            unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_LINGER, (&raw mut l).cast(), &mut len) };
+        assert_eq!(r, 0, "getsockopt: {}", io::Error::last_os_error());
+        (l.l_onoff, l.l_linger)
+    }
+
+    #[test]
+    fn a_socket_that_arrives_lingers_no_more_and_other_fds_are_left_alone() {
+        // A TCP socket set to linger an hour on close: were it closed by us last with unsent
+        // data, the close would wait that long.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let tcp = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let on = libc::linger { l_onoff: 1, l_linger: 3600 };
+        // SAFETY: setsockopt reads a live local of the size given.
+        let r = unsafe {
+            libc::setsockopt(
+                tcp.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_LINGER,
+                (&raw const on).cast(),
+                size_of::<libc::linger>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(r, 0);
+        assert_eq!(linger_of(tcp.as_raw_fd()), (1, 3600));
+        let memfd =
+            nix::sys::memfd::memfd_create(c"umdev-socket-linger-test", nix::sys::memfd::MFdFlags::empty())
+                .unwrap();
+        let (client, server) = UnixStream::pair().unwrap();
+        sendmsg::<()>(
+            client.as_raw_fd(),
+            &[IoSlice::new(b"x")],
+            &[ControlMessage::ScmRights(&[tcp.as_raw_fd(), memfd.as_raw_fd()])],
+            MsgFlags::empty(),
+            None,
+        )
+        .unwrap();
+        let mut framer = Framer::new(1 << 16, 16);
+        assert_eq!(Receiver::new().recv(&server, &mut framer, true).unwrap(), 1);
+        // The same socket, seen through the client's own fd.
+        assert_eq!(linger_of(tcp.as_raw_fd()).0, 0, "the socket no longer lingers");
+        // The memfd is untouched and still held by the framer.
+        assert_eq!(open_named("umdev-socket-linger-test"), 2);
     }
 }
