@@ -15,7 +15,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU16, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::ThreadId;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam::channel::{bounded, Sender};
 use umdev_mdev::{ClientDma, ClientDmaError};
@@ -29,8 +29,19 @@ use crate::wire::{Command, Header};
 /// partial socket write as complete), so transfers go in pieces of at most this size.
 pub const CLIENT_DMA_CHUNK: usize = 64 << 10;
 
-/// How long a device thread waits for the client to answer a DMA request.
+/// How long a device thread waits for the client to answer a DMA request, and how long a
+/// transfer may take per [`CLIENT_DMA_CHUNK`] of it in all, whatever size of piece the client
+/// asked for ([`transfer_deadline`]).
 pub const CLIENT_DMA_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// When a transfer of `len` bytes starting now must be done by: [`CLIENT_DMA_TIMEOUT`] per
+/// [`CLIENT_DMA_CHUNK`]. A client that asks for small pieces (`max_data_xfer_size` of 1 byte:
+/// a million requests for 1 MiB, each answered just in time) gets no more time than one that
+/// takes 64 KiB ones.
+fn transfer_deadline(now: Instant, len: usize) -> Instant {
+    let chunks = u32::try_from(len.div_ceil(CLIENT_DMA_CHUNK).max(1)).unwrap_or(u32::MAX);
+    now + CLIENT_DMA_TIMEOUT.saturating_mul(chunks)
+}
 
 /// A reply from the client to one of the server's requests.
 #[derive(Debug)]
@@ -112,10 +123,20 @@ impl Link {
         umdev_pinning::sync::lock(&self.pending)
     }
 
-    /// Sends a request to the client and waits for its reply.
-    fn request(&self, command: Command, parts: &[&[u8]]) -> Result<ClientReply, ClientDmaError> {
+    /// Sends a request to the client and waits for its reply, for [`CLIENT_DMA_TIMEOUT`] at
+    /// most and not past `deadline` (past it, nothing is sent).
+    fn request(
+        &self,
+        command: Command,
+        parts: &[&[u8]],
+        deadline: Instant,
+    ) -> Result<ClientReply, ClientDmaError> {
         if std::thread::current().id() == self.reader {
             return Err(ClientDmaError::WouldDeadlock);
+        }
+        let wait = deadline.saturating_duration_since(Instant::now()).min(CLIENT_DMA_TIMEOUT);
+        if wait.is_zero() {
+            return Err(ClientDmaError::Disconnected("the client took too long over the transfer"));
         }
         let (tx, rx) = bounded(1);
         let id = {
@@ -137,7 +158,7 @@ impl Link {
             self.lock_pending().waiters.remove(&id);
             return Err(ClientDmaError::Disconnected("the request could not be sent"));
         }
-        let reply = rx.recv_timeout(CLIENT_DMA_TIMEOUT);
+        let reply = rx.recv_timeout(wait);
         self.lock_pending().waiters.remove(&id);
         reply.map_err(|_| ClientDmaError::Disconnected("no reply from the client"))
     }
@@ -189,9 +210,11 @@ fn check(reply: &ClientReply, iova: u64, count: usize, data: bool) -> Result<(),
 impl ClientDma for ClientDmaPort {
     fn read(&self, iova: u64, buf: &mut [u8]) -> Result<(), ClientDmaError> {
         let chunk = self.link.chunk();
+        let deadline = transfer_deadline(Instant::now(), buf.len());
         for (i, piece) in buf.chunks_mut(chunk).enumerate() {
             let at = iova.checked_add((i * chunk) as u64).ok_or(ClientDmaError::Refused(libc::EINVAL))?;
-            let reply = self.link.request(Command::DmaRead, &[&dma_transfer(at, piece.len() as u64)])?;
+            let reply =
+                self.link.request(Command::DmaRead, &[&dma_transfer(at, piece.len() as u64)], deadline)?;
             check(&reply, at, piece.len(), true)?;
             piece.copy_from_slice(&reply.payload[size_of::<DmaTransfer>()..]);
         }
@@ -200,10 +223,11 @@ impl ClientDma for ClientDmaPort {
 
     fn write(&self, iova: u64, data: &[u8]) -> Result<(), ClientDmaError> {
         let chunk = self.link.chunk();
+        let deadline = transfer_deadline(Instant::now(), data.len());
         for (i, piece) in data.chunks(chunk).enumerate() {
             let at = iova.checked_add((i * chunk) as u64).ok_or(ClientDmaError::Refused(libc::EINVAL))?;
-            let reply =
-                self.link.request(Command::DmaWrite, &[&dma_transfer(at, piece.len() as u64), piece])?;
+            let parts = [&dma_transfer(at, piece.len() as u64)[..], piece];
+            let reply = self.link.request(Command::DmaWrite, &parts, deadline)?;
             check(&reply, at, piece.len(), false)?;
         }
         Ok(())
@@ -214,6 +238,31 @@ impl ClientDma for ClientDmaPort {
 mod tests {
     use super::*;
     use crate::wire::flags;
+
+    #[test]
+    fn a_transfer_gets_its_time_by_64_kib_whatever_the_pieces() {
+        let now = Instant::now();
+        assert_eq!(transfer_deadline(now, 0), now + CLIENT_DMA_TIMEOUT);
+        assert_eq!(transfer_deadline(now, 1), now + CLIENT_DMA_TIMEOUT);
+        assert_eq!(transfer_deadline(now, CLIENT_DMA_CHUNK), now + CLIENT_DMA_TIMEOUT);
+        assert_eq!(transfer_deadline(now, CLIENT_DMA_CHUNK + 1), now + 2 * CLIENT_DMA_TIMEOUT);
+        assert_eq!(transfer_deadline(now, 1 << 20), now + 16 * CLIENT_DMA_TIMEOUT);
+    }
+
+    #[test]
+    fn a_request_past_its_transfers_deadline_is_not_sent() {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        theirs.set_nonblocking(true).unwrap();
+        // Read by another thread: this one may wait for replies.
+        let reader = std::thread::spawn(|| ()).thread().id();
+        let link = Link::new(ours, reader, Arc::default());
+        let past = Instant::now() - Duration::from_millis(1);
+        let r = link.request(Command::DmaRead, &[&dma_transfer(0, 8)], past);
+        assert!(matches!(r, Err(ClientDmaError::Disconnected(_))), "{r:?}");
+        let mut buf = [0u8; 64];
+        let unsent = std::io::Read::read(&mut &theirs, &mut buf).unwrap_err();
+        assert_eq!(unsent.kind(), io::ErrorKind::WouldBlock, "nothing reached the client");
+    }
 
     #[test]
     fn an_error_reply_without_an_errno_is_eio() {
