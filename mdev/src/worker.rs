@@ -480,12 +480,14 @@ impl<S: Copy + Send + 'static> Worker<S> {
         let control = waiter.control.clone();
         let thread = std::thread::Builder::new().name(name.clone()).spawn(move || {
             let _ended = Ended(waiter.control.clone());
+            // Registered by the thread itself before its first wait, so a ring that finds it
+            // parked unparks it (registered by the spawner after the spawn, a thread that
+            // parked first missed the rings before). Rung before this: seen at its first
+            // look, since `seen` was read before the spawn.
+            *sync::lock(&waiter.bell.0.thread) = Some(std::thread::current());
             waiter.slice = Some(crate::sched::SliceChoice::for_this_thread());
             body(waiter);
         })?;
-        *sync::lock(&bell.0.thread) = Some(thread.thread().clone());
-        // Rung meanwhile (before the thread was registered): seen at its first look, since
-        // `seen` was read before.
         Ok(Worker { bell: bell.clone(), control, thread: Some(thread), name })
     }
 

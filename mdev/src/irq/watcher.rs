@@ -6,13 +6,15 @@
 //! reset or dropped. Stopping joins the thread, so once [`UnmaskWatcher::stop`] returns no
 //! unmask from the old fd can land — replacing the fd has no window where both act.
 //!
-//! We are the only reader of an unmask eventfd (KVM or the client writes it), so the
-//! watcher sets `O_NONBLOCK` on it: a read that finds the counter already drained returns
-//! `EAGAIN` instead of blocking the thread where it cannot see the stop signal.
+//! A read must never block the thread where it cannot see the stop signal. The fd's
+//! `O_NONBLOCK` does not ensure it: the flag is the open file's, which the client shares and
+//! may clear, and the client may read the fd itself between the watcher's poll and its read.
+//! So each read asks for no wait itself ([`read_nowait`]: `RWF_NOWAIT`, which eventfds honour
+//! since Linux 5.11), and `O_NONBLOCK` is set as well for older kernels.
 
 use std::fs::File;
 use std::io::{self, ErrorKind, Read};
-use std::os::fd::{AsFd, FromRawFd, IntoRawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, IntoRawFd};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -73,6 +75,23 @@ impl Drop for UnmaskWatcher {
     }
 }
 
+/// Reads `fd`'s counter without waiting, whatever its `O_NONBLOCK` says: `WouldBlock` if it
+/// is 0. Where the kernel cannot (`RWF_NOWAIT` unsupported), a plain read.
+fn read_nowait(fd: &File) -> io::Result<usize> {
+    let mut counter = [0u8; 8];
+    let iov = libc::iovec { iov_base: counter.as_mut_ptr().cast(), iov_len: counter.len() };
+    // SAFETY: one iovec over a live local buffer of its stated length; offset -1 is the
+    // file's own position (an eventfd has none).
+    let n = unsafe { libc::preadv2(fd.as_raw_fd(), &iov, 1, -1, libc::RWF_NOWAIT) };
+    if n >= 0 {
+        return Ok(n as usize);
+    }
+    match io::Error::last_os_error() {
+        e if e.raw_os_error() == Some(libc::EOPNOTSUPP) => (&*fd).read(&mut counter),
+        e => Err(e),
+    }
+}
+
 fn watch(fd: &File, stop: &StopFd, on_signal: impl Fn()) {
     loop {
         let mut fds =
@@ -95,8 +114,7 @@ fn watch(fd: &File, stop: &StopFd, on_signal: impl Fn()) {
             return;
         }
         if events.contains(PollFlags::POLLIN) {
-            let mut counter = [0u8; 8];
-            match (&*fd).read(&mut counter) {
+            match read_nowait(fd) {
                 Ok(_) => on_signal(),
                 Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {}
                 Err(e) => {
@@ -105,5 +123,32 @@ fn watch(fd: &File, stop: &StopFd, on_signal: impl Fn()) {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use super::*;
+
+    #[test]
+    fn a_read_does_not_wait_even_when_the_client_cleared_o_nonblock() {
+        let efd = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        // SAFETY: the descriptor is the EventFd's, handed over whole.
+        let fd = unsafe { File::from_raw_fd(efd.into_raw_fd()) };
+        // The client's copy shares the open file: clearing the flag there clears it here.
+        fcntl(&fd, FcntlArg::F_SETFL(OFlag::empty())).unwrap();
+        // On another thread, so that a read that waits fails the test instead of hanging it.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let empty = read_nowait(&fd).map_err(|e| e.kind());
+            (&fd).write_all(&1u64.to_ne_bytes()).unwrap();
+            let one = read_nowait(&fd).map_err(|e| e.kind());
+            tx.send((empty, one)).unwrap();
+        });
+        let (empty, one) = rx.recv_timeout(std::time::Duration::from_secs(30)).expect("a read waited");
+        assert_eq!(empty, Err(ErrorKind::WouldBlock));
+        assert_eq!(one, Ok(8));
     }
 }
