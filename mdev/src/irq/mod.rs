@@ -18,13 +18,14 @@
 //! kernel's MSI-X layer programming a physical vector when vfio-pci wires it up, assigning
 //! a trigger eventfd to an MSI-X vector unmasks it and de-assigning masks it.
 //!
-//! All state sits behind one mutex, held for bookkeeping and the non-blocking eventfd
-//! writes only. Lock order: config space, then this.
+//! All state sits behind one mutex, held for bookkeeping and the eventfd writes only, which
+//! make room first so that they do not wait on the client ([`signal`]). Lock order: config space, then this.
 
 pub mod msix;
 mod validate;
 mod watcher;
 
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use vmm_sys_util::eventfd::EventFd;
@@ -693,10 +694,16 @@ impl State {
     }
 }
 
-/// Writes 1 to `fd`. Eventfd writes do not block short of a 2^64 - 1 counter.
+/// Writes 1 to `fd`. An eventfd write waits while the counter is full (2^64 - 2) unless the
+/// file is `O_NONBLOCK`, a flag the client shares and may clear; it may also fill the
+/// counter. A full counter is emptied first (a read that cannot wait: `RWF_NOWAIT`), so the
+/// write finds room: the interrupt is still seen (the count is 1), and no device thread waits
+/// on the client with the interrupt lock held. A write can still wait only if the client
+/// fills the counter again between that read and the write: a window of one system call,
+/// which a client thread blocked in its own write must be woken and scheduled to win.
 fn signal(fd: Option<&EventFd>) -> Delivery {
     match fd {
-        Some(fd) => match fd.write(1) {
+        Some(fd) => match make_room(fd).and_then(|()| fd.write(1)) {
             Ok(()) => Delivery::Signalled,
             Err(e) => {
                 log::warn!("signalling an interrupt eventfd failed: {e}");
@@ -705,6 +712,26 @@ fn signal(fd: Option<&EventFd>) -> Delivery {
         },
         None => Delivery::Lost,
     }
+}
+
+/// Empties `fd`'s counter if a write of 1 would wait for room (see [`signal`]).
+fn make_room(fd: &EventFd) -> std::io::Result<()> {
+    // SAFETY: the EventFd owns the descriptor and outlives this borrow.
+    let borrowed = unsafe { BorrowedFd::borrow_raw(fd.as_raw_fd()) };
+    let mut poll = [nix::poll::PollFd::new(borrowed, nix::poll::PollFlags::POLLOUT)];
+    if nix::poll::poll(&mut poll, nix::poll::PollTimeout::ZERO)? == 1 {
+        return Ok(());
+    }
+    let mut counter = [0u8; 8];
+    let iov = libc::iovec { iov_base: counter.as_mut_ptr().cast(), iov_len: counter.len() };
+    // SAFETY: one iovec over a live local buffer of its stated length; offset -1 is the
+    // file's own position (an eventfd has none).
+    let n = unsafe { libc::preadv2(fd.as_raw_fd(), &iov, 1, -1, libc::RWF_NOWAIT) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    log::debug!("an interrupt eventfd's counter was full: emptied before signalling");
+    Ok(())
 }
 
 /// The vectors of `range` that `data` selects (all for NONE; where true for BOOL).

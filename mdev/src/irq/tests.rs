@@ -611,3 +611,21 @@ fn device_threads_raise_while_the_client_unmasks() {
     drop(irqs); // stops the watcher; the handles stay usable
     dev.intx_assert();
 }
+
+#[test]
+fn a_full_eventfd_the_client_made_blocking_is_emptied_rather_than_waited_on() {
+    let irqs = full();
+    let dev = irqs.handle();
+    irqs.apply_control(msix_on(false));
+    let fd = assign(&irqs, MSIX, 0, 1).remove(0);
+    // The client clears O_NONBLOCK on its copy (the open file's flag: ours too) and fills the
+    // counter: a plain write of 1 would now wait until it reads.
+    // SAFETY: F_SETFL with no flags on an open descriptor the test owns.
+    assert_eq!(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, 0) }, 0);
+    fd.write(u64::MAX - 1).unwrap();
+    // On another thread, so that a raise that waits fails the test instead of hanging it.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(dev.raise(0)).unwrap());
+    assert_eq!(rx.recv_timeout(HANG_GUARD), Ok(Delivery::Signalled), "the raise waited on the client");
+    assert_eq!(fd.read().unwrap(), 1, "the interrupt is seen");
+}
