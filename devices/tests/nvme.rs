@@ -469,8 +469,8 @@ fn features_round_trip_and_a_temperature_event_reaches_an_aer() {
         Status::INVALID_FIELD.dnr()
     );
 
-    // An AER waits; enabling the temperature warning and dropping the over threshold
-    // below the composite temperature (313 K) completes it with a SMART event.
+    // An AER waits; enabling the temperature warning and dropping the over threshold to the
+    // composite temperature (313 K: at the threshold counts) completes it with a SMART event.
     let cid = d.cid();
     let mut aer = Sqe::new(admin_op::ASYNC_EVENT, cid);
     aer.cdw0 = (u32::from(admin_op::ASYNC_EVENT) | u32::from(cid) << 16).into();
@@ -478,7 +478,7 @@ fn features_round_trip_and_a_temperature_event_reaches_an_aer() {
     d.admin_ok(set(feature::ASYNC_EVENT_CONFIG, 0x2)).unwrap();
     // The event completes the AER while the Set Features runs: its completion comes first.
     let set_cid = d.cid();
-    let mut threshold = set(feature::TEMPERATURE_THRESHOLD, 300);
+    let mut threshold = set(feature::TEMPERATURE_THRESHOLD, 313);
     threshold.cdw0 = (u32::from(admin_op::SET_FEATURES) | u32::from(set_cid) << 16).into();
     d.submit(0, &threshold).unwrap();
     let event = d.wait(0, Duration::from_secs(5)).unwrap();

@@ -169,7 +169,9 @@ impl AdminState {
     pub fn update_temperature_warning(&mut self) -> bool {
         let [over, under] = self.thresholds;
         let was = self.critical_warning & 2 != 0;
-        let is = TEMPERATURE > over || TEMPERATURE < under;
+        // At a threshold counts (NVMe 1.4 §5.21.1.4: greater than or equal to the over
+        // threshold, less than or equal to the under one; QEMU's nvme reads it so too).
+        let is = TEMPERATURE >= over || TEMPERATURE <= under;
         if is {
             self.critical_warning |= 2;
         } else {
