@@ -19,7 +19,7 @@
 //! a trigger eventfd to an MSI-X vector unmasks it and de-assigning masks it.
 //!
 //! All state sits behind one mutex, held for bookkeeping and the eventfd writes only, which
-//! make room first so that they do not wait on the client ([`signal`]). Lock order: config space, then this.
+//! do not wait on the client ([`write_nowait`]). Lock order: config space, then this.
 
 pub mod msix;
 mod validate;
@@ -694,16 +694,10 @@ impl State {
     }
 }
 
-/// Writes 1 to `fd`. An eventfd write waits while the counter is full (2^64 - 2) unless the
-/// file is `O_NONBLOCK`, a flag the client shares and may clear; it may also fill the
-/// counter. A full counter is emptied first (a read that cannot wait: `RWF_NOWAIT`), so the
-/// write finds room: the interrupt is still seen (the count is 1), and no device thread waits
-/// on the client with the interrupt lock held. A write can still wait only if the client
-/// fills the counter again between that read and the write: a window of one system call,
-/// which a client thread blocked in its own write must be woken and scheduled to win.
+/// Writes 1 to `fd` ([`write_nowait`]).
 fn signal(fd: Option<&EventFd>) -> Delivery {
     match fd {
-        Some(fd) => match make_room(fd).and_then(|()| fd.write(1)) {
+        Some(fd) => match write_nowait(fd) {
             Ok(()) => Delivery::Signalled,
             Err(e) => {
                 log::warn!("signalling an interrupt eventfd failed: {e}");
@@ -714,8 +708,32 @@ fn signal(fd: Option<&EventFd>) -> Delivery {
     }
 }
 
-/// Empties `fd`'s counter if a write of 1 would wait for room (see [`signal`]).
-fn make_room(fd: &EventFd) -> std::io::Result<()> {
+/// Adds 1 to `fd`'s counter without waiting on the client. An eventfd write waits while the
+/// counter is full (2^64 - 2) unless the file is `O_NONBLOCK`, a flag the client shares and
+/// may clear, and the client may fill the counter. With the flag set (as `vet` left it) a
+/// full counter fails the write with `EAGAIN`, and the reader sees a count all the same.
+/// With the flag cleared, a full counter is emptied first (a read that cannot wait:
+/// `RWF_NOWAIT`; eventfd writes have no per-call no-wait), so the write finds room and the
+/// count is 1. Either way no device thread waits on the client holding the interrupt lock.
+/// One window is left: a client that clears the flag, or fills the counter again, between
+/// that look and the write (a system call's time) makes the write wait until it reads.
+fn write_nowait(fd: &EventFd) -> std::io::Result<()> {
+    // SAFETY: F_GETFL reads the flags of a descriptor the EventFd owns; no memory is passed.
+    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if flags & libc::O_NONBLOCK == 0 {
+        empty_if_full(fd)?;
+    }
+    match fd.write(1) {
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(()),
+        r => r,
+    }
+}
+
+/// Empties `fd`'s counter if a write of 1 would wait for room.
+fn empty_if_full(fd: &EventFd) -> std::io::Result<()> {
     // SAFETY: the EventFd owns the descriptor and outlives this borrow.
     let borrowed = unsafe { BorrowedFd::borrow_raw(fd.as_raw_fd()) };
     let mut poll = [nix::poll::PollFd::new(borrowed, nix::poll::PollFlags::POLLOUT)];
@@ -730,7 +748,7 @@ fn make_room(fd: &EventFd) -> std::io::Result<()> {
     if n < 0 {
         return Err(std::io::Error::last_os_error());
     }
-    log::debug!("an interrupt eventfd's counter was full: emptied before signalling");
+    log::debug!("an interrupt eventfd's counter was full, O_NONBLOCK cleared: emptied before signalling");
     Ok(())
 }
 

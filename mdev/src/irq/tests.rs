@@ -629,3 +629,15 @@ fn a_full_eventfd_the_client_made_blocking_is_emptied_rather_than_waited_on() {
     assert_eq!(rx.recv_timeout(HANG_GUARD), Ok(Delivery::Signalled), "the raise waited on the client");
     assert_eq!(fd.read().unwrap(), 1, "the interrupt is seen");
 }
+
+#[test]
+fn a_full_nonblocking_eventfd_still_counts_as_signalled() {
+    let irqs = full();
+    let dev = irqs.handle();
+    irqs.apply_control(msix_on(false));
+    let fd = assign(&irqs, MSIX, 0, 1).remove(0);
+    fd.write(u64::MAX - 1).unwrap();
+    // The write fails with EAGAIN; the client reads a count all the same.
+    assert_eq!(dev.raise(0), Delivery::Signalled);
+    assert_eq!(fd.read().unwrap(), u64::MAX - 1);
+}
