@@ -7,10 +7,13 @@
  * 1 GiB store into one of the (at QD8) eight buffers the client has in flight. This does the
  * same with nothing around it: 128 KiB blocks of a 1 GiB source, filled first (on 2 MiB pages
  * when the system has them free, as a namespace with `ram_pages=2m` is), into eight 128 KiB
- * buffers in turn, by five copy kinds: glibc's memcpy (what umdev and SPDK's target both
- * call), `rep movsb`, AVX2 and AVX-512 loops of four vectors, and AVX2 non-temporal stores.
- * It prints each kind's GB/s per pass, ROUNDS passes alternating the kinds, and the median;
- * with a KIND (`memcpy`, `movsb`, `avx2`, `avx512`, `stream`), only that kind's row.
+ * buffers in turn, by seven copy kinds: glibc's memcpy (what umdev and SPDK's target both
+ * call), `rep movsb`, AVX2 and AVX-512 loops of four vectors, AVX2 non-temporal stores, and
+ * two that ask for the source ahead of the copy: memcpy page by page, each 4 KiB page after
+ * `prefetcht0` of the next page's 64 lines (`pages`), and `rep movsb` 1 KiB at a time with
+ * the lines 4 KiB ahead asked for first (`ahead`). It prints each kind's GB/s per pass,
+ * ROUNDS passes alternating the kinds, and the median; with a KIND (`memcpy`, `movsb`,
+ * `avx2`, `avx512`, `stream`, `pages`, `ahead`), only that kind's row.
  * bench/spdk-compare runs `copy-ceiling memcpy` on the servers' CPU in each round and sets
  * each server's 128 KiB read GB/s against it: the share of the bare copy left after
  * everything else a command does.
@@ -81,6 +84,31 @@ __attribute__((target("avx2"))) static void copy_stream(char *dst, const char *s
     _mm_sfence();
 }
 
+#define PAGE 4096
+
+/* glibc's, called: with a constant size the compiler would inline a copy of its own. */
+static void *(*volatile page_copy)(void *, const void *, size_t) = memcpy;
+
+static void copy_pages(char *dst, const char *src, size_t n)
+{
+    for (size_t at = 0; at < n; at += PAGE) {
+        if (at + PAGE < n)
+            for (size_t line = 0; line < PAGE; line += 64)
+                _mm_prefetch(src + at + PAGE + line, _MM_HINT_T0);
+        page_copy(dst + at, src + at, PAGE);
+    }
+}
+
+static void copy_ahead(char *dst, const char *src, size_t n)
+{
+    for (size_t at = 0; at < n; at += 1024) {
+        /* Past the block's end too: a prefetch is a hint, and the source runs on. */
+        for (size_t line = 0; line < 1024; line += 64)
+            _mm_prefetch(src + at + PAGE + line, _MM_HINT_T0);
+        copy_movsb(dst + at, src + at, 1024);
+    }
+}
+
 static double seconds(void)
 {
     struct timespec t;
@@ -104,7 +132,8 @@ int main(int argc, char **argv)
     } kinds[] = {
         {"memcpy", "memcpy", copy_memcpy, 0}, {"rep movsb", "movsb", copy_movsb, 0},
         {"avx2", "avx2", copy_avx2, 0},       {"avx512", "avx512", copy_avx512, 1},
-        {"avx2 stream", "stream", copy_stream, 0},
+        {"avx2 stream", "stream", copy_stream, 0}, {"pages", "pages", copy_pages, 0},
+        {"ahead", "ahead", copy_ahead, 0},
     };
     enum { KINDS = sizeof(kinds) / sizeof(kinds[0]) };
     double gbps[KINDS][ROUNDS];
@@ -117,7 +146,7 @@ int main(int argc, char **argv)
         any |= wanted[k];
     }
     if (argc > 2 || !any) {
-        fprintf(stderr, "usage: copy-ceiling [memcpy|movsb|avx2|avx512|stream]\n");
+        fprintf(stderr, "usage: copy-ceiling [memcpy|movsb|avx2|avx512|stream|pages|ahead]\n");
         return 2;
     }
 
