@@ -2216,9 +2216,9 @@ def t_aer(env):
         ctl.setf(0x04, 343)
         ctl.setf(0x04, 0 | (1 << 20))
         ctl.setf(0x0b, 0)
-        cw = NV('Log pages', '02h: critical warning (bit 1: the composite temperature is above the over or below the under threshold)')
-        for what, cdw11, want in (('over threshold 313 (= the temperature)', 313, 0), ('over threshold 312', 312, 2),
-                                  ('under threshold 313 (= the temperature)', 313 | (1 << 20), 0), ('under threshold 314', 314 | (1 << 20), 2)):
+        cw = NV('Log pages', '02h: critical warning (bit 1: the composite temperature is at or above the over threshold, or at or below the under threshold)')
+        for what, cdw11, want in (('over threshold 314', 314, 0), ('over threshold 313 (= the temperature)', 313, 2),
+                                  ('under threshold 312', 312 | (1 << 20), 0), ('under threshold 313 (= the temperature)', 313 | (1 << 20), 2)):
             ctl.setf(0x04, cdw11)
             R.eq(smart(ctl)['raw'][0] & 2, want, cw, 'SMART critical warning bit 1 with the %s' % what)
             ctl.setf(0x04, 343)
