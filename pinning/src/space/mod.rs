@@ -436,7 +436,15 @@ impl DmaSpace {
             }
         }
         if !busy.is_empty() {
-            self.wait_for_pins(&busy).inspect_err(|_| Self::unclaim(&victims))?;
+            // A notifier that panics must not leave the victims claimed for good (I7: an
+            // unmap that fails removes nothing and its mappings are live again).
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.wait_for_pins(&busy))) {
+                Ok(waited) => waited.inspect_err(|_| Self::unclaim(&victims))?,
+                Err(panic) => {
+                    Self::unclaim(&victims);
+                    std::panic::resume_unwind(panic);
+                }
+            }
         }
         let mut table = self.write_table();
         let mut unmapped = Unmapped::default();

@@ -233,3 +233,20 @@ fn a_guard_keeps_memory_mapped_after_abandon() {
     std::os::unix::fs::FileExt::read_exact_at(&file, &mut b, PAGE_SIZE).unwrap();
     assert_eq!(&b, b"x");
 }
+
+#[test]
+fn an_unmap_whose_notifier_panics_leaves_the_mapping_live() {
+    let space = DmaSpace::new(DmaSpaceConfig::default());
+    let file = memfd(4);
+    space.map(0x100000, 4 * PAGE_SIZE, file.as_fd(), 0, RW).unwrap();
+    let pin = space.pin_range(0x100000, 1, Prot::READ).unwrap();
+    space.set_unmap_notifier(Some(Arc::new(|_, _| panic!("a notifier that panics"))));
+    let unmap =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| space.unmap(0x100000, 4 * PAGE_SIZE)));
+    assert!(unmap.is_err(), "the notifier's panic reaches the caller");
+    // Live again: pins are granted, and once the pins drop an unmap goes through.
+    drop(space.pin_range(0x101000, 1, Prot::READ).unwrap());
+    drop(pin);
+    space.set_unmap_notifier(None);
+    space.unmap(0x100000, 4 * PAGE_SIZE).unwrap();
+}
