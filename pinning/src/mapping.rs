@@ -358,8 +358,20 @@ impl Mapping {
         self.memory.as_ref().is_some_and(|m| m.backing().hugetlb)
     }
 
+    /// Whether an unmap is waiting for this mapping's lock ([`Mapping::lock_for_unmap`]).
+    pub(crate) fn claimed(&self) -> bool {
+        self.claims.load(Ordering::Acquire) != 0
+    }
+
+    /// Raises the claim an unmap waiting for the lock raises, for a test to stand in for one.
+    #[cfg(test)]
+    pub(crate) fn claim_for_test(&self) {
+        self.claims.fetch_add(1, Ordering::AcqRel);
+    }
+
     /// Takes the pin state for an unmap: a lock-mode pin call holding it gives way at its
-    /// next mlock piece instead of finishing a long run first.
+    /// next mlock piece instead of finishing a long run first (in this mapping or in any
+    /// other whose lock the call holds).
     pub(crate) fn lock_for_unmap(&self) -> SpinGuard<'_, MappingPins> {
         self.claims.fetch_add(1, Ordering::AcqRel);
         let pins = self.lock();
@@ -377,7 +389,15 @@ impl Mapping {
     /// Adds a pin to pages `[page, page + npages)`; in lock mode, locks and charges the
     /// pages going from 0 to 1 first. On failure nothing has changed.
     #[inline]
-    pub(crate) fn pin_run(&self, pins: &mut MappingPins, page: u64, npages: u64) -> Result<(), RunFailure> {
+    /// `claimed`: whether an unmap claims any mapping whose lock the call holds (not only
+    /// this one), at which a long lock-mode run gives way.
+    pub(crate) fn pin_run(
+        &self,
+        pins: &mut MappingPins,
+        page: u64,
+        npages: u64,
+        claimed: &dyn Fn() -> bool,
+    ) -> Result<(), RunFailure> {
         if self.policy.mode != PinMode::Lock {
             // The hot path: one pass over the counts.
             return pins
@@ -393,7 +413,7 @@ impl Mapping {
                 return Err(RunFailure::Overflow { page });
             }
             if count == 0 {
-                self.lock_fresh(&mut pins.counts, &[(page, 1)])?;
+                self.lock_fresh(&mut pins.counts, &[(page, 1)], claimed)?;
             }
             pins.page_counts.increment_one(page);
             return Ok(());
@@ -403,13 +423,18 @@ impl Mapping {
         }
         let mut fresh: Released = SmallVec::new();
         pins.page_counts.for_each_unpinned(page, npages, |s, l| fresh.push((s, l)));
-        self.lock_fresh(&mut pins.counts, &fresh)?;
+        self.lock_fresh(&mut pins.counts, &fresh, claimed)?;
         pins.page_counts.increment(page, npages);
         Ok(())
     }
 
     /// Charges and mlocks sub-runs that are about to get their first pin.
-    fn lock_fresh(&self, counts: &mut Counts, fresh: &[(u64, u64)]) -> Result<(), RunFailure> {
+    fn lock_fresh(
+        &self,
+        counts: &mut Counts,
+        fresh: &[(u64, u64)],
+        claimed: &dyn Fn() -> bool,
+    ) -> Result<(), RunFailure> {
         let Some(&(first, _)) = fresh.first() else {
             return Ok(());
         };
@@ -422,7 +447,7 @@ impl Mapping {
         for (k, &(start, len)) in fresh.iter().enumerate() {
             let mut page = start;
             while page < start + len {
-                let failure = if self.claims.load(Ordering::Acquire) != 0 {
+                let failure = if claimed() {
                     Some(RunFailure::Unmapping { page })
                 } else {
                     let n = MLOCK_PIECE.min(start + len - page);

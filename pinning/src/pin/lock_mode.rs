@@ -214,10 +214,13 @@ impl DmaSpace {
                 MappingState::Removed => return Err(PinError::NotMapped { index: run.index(), pfn }),
             }
         }
+        // An unmap of any of the call's mappings waits for all their locks: a long run gives
+        // way to it wherever it is (I6), not only to one of its own mapping.
+        let claimed = || plan.mappings.iter().any(|m| m.claimed());
         for (done, run) in plan.runs.iter().enumerate() {
             let mapping = &plan.mappings[run.mapping_index()];
             if let Err(failure) =
-                mapping.pin_run(held.get(run.mapping_index()), mapping.run_page(run), run.npages())
+                mapping.pin_run(held.get(run.mapping_index()), mapping.run_page(run), run.npages(), &claimed)
             {
                 // The call's reservation is returned whole by the caller.
                 unpin_runs(&plan.mappings, held, &plan.runs[..done]);

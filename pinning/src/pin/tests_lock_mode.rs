@@ -233,3 +233,25 @@ fn unpin_of_a_repeated_page_unlocks_once() {
     assert_eq!(space.account().locked(), 0);
     assert_eq!(locked_bytes_in(host, 64 * P as usize), 0);
 }
+
+/// A lock-mode call whose runs lie in two mappings gives way at its next mlock piece to an
+/// unmap claiming either of them, not only the one it is locking (I6): with the mapping of
+/// its last run claimed, its long first run in the other is not locked at all.
+#[test]
+#[cfg_attr(miri, ignore = "Miri: mlock")]
+fn a_long_run_gives_way_to_an_unmap_of_another_mapping_of_the_call() {
+    let space = DmaSpace::new(DmaSpaceConfig { mode: PinMode::Lock, ..Default::default() });
+    let (a, b) = (memfd(1), memfd(512));
+    space.map(0, P, a.as_fd(), 0, Prot::READ_WRITE).unwrap();
+    space.map(P, 512 * P, b.as_fd(), 0, Prot::READ_WRITE).unwrap();
+    // An unmap of A, waiting for its lock, as the call holds it.
+    let claimed = space.read_table().values().find(|m| m.iova() == 0).unwrap().clone();
+    claimed.claim_for_test();
+    // B's 512 pages first (two 256-page pieces), then A's page.
+    let pfns: Vec<u64> = (1..=512).chain([0]).collect();
+    let mlocks = space.stats().mlock_calls;
+    let err = space.pin_pages(&pfns, Prot::READ).unwrap_err();
+    assert!(matches!(err, PinError::Unmapping { index: 0, .. }), "{err}");
+    assert_eq!(space.stats().mlock_calls - mlocks, 0, "nothing of B's run was locked");
+    assert_eq!(space.account().locked(), 0);
+}
