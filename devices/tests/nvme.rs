@@ -525,16 +525,7 @@ fn an_abort_finds_a_queued_command_and_sq_deletion_aborts_the_rest() {
     let mut d = up(Rig::new(), 0);
     // A CQ of 2 entries holds one completion: with the head never released, the worker
     // stalls on the second and the rest wait in the SQ.
-    let mut cq = Sqe::new(admin_op::CREATE_CQ, 0);
-    cq.prp1 = DATA.into();
-    cq.set_dw(10, 1 | 1 << 16);
-    cq.set_dw(11, 3 | 1 << 16);
-    d.admin_ok(cq).unwrap();
-    let mut sq = Sqe::new(admin_op::CREATE_SQ, 0);
-    sq.prp1 = (DATA + 0x1000).into();
-    sq.set_dw(10, 1 | 7 << 16);
-    sq.set_dw(11, 1 | 1 << 16);
-    d.admin_ok(sq).unwrap();
+    small_cq_behind_a_larger_sq(&mut d);
     d.io.push(driver::QueuePair {
         id: 1,
         entries: 8,
@@ -778,10 +769,9 @@ fn compare_matches_the_blocks_and_the_effects_log_is_served() {
     assert_eq!(dword(256 + 0x7f), 0);
 }
 
-#[test]
-fn a_queue_deleted_with_its_cq_full_and_never_reaped_still_stops_its_worker() {
-    let mut d = up(Rig::new(), 0);
-    // A CQ of 2 entries the host never releases: one completion fits, the next waits.
+/// I/O queue pair 1: a CQ of 2 entries (one usable) at `DATA` on vector 1, behind an SQ of 8
+/// at `DATA + 0x1000`.
+fn small_cq_behind_a_larger_sq(d: &mut Driver<Rig>) {
     let mut cq = Sqe::new(admin_op::CREATE_CQ, 0);
     cq.prp1 = DATA.into();
     cq.set_dw(10, 1 | 1 << 16);
@@ -792,6 +782,13 @@ fn a_queue_deleted_with_its_cq_full_and_never_reaped_still_stops_its_worker() {
     sq.set_dw(10, 1 | 7 << 16);
     sq.set_dw(11, 1 | 1 << 16);
     d.admin_ok(sq).unwrap();
+}
+
+#[test]
+fn a_queue_deleted_with_its_cq_full_and_never_reaped_still_stops_its_worker() {
+    let mut d = up(Rig::new(), 0);
+    // A CQ of 2 entries the host never releases: one completion fits, the next waits.
+    small_cq_behind_a_larger_sq(&mut d);
     for slot in 0..4u64 {
         let sqe = Driver::<Rig>::rw_command(true, 1, 0, 1, DATA + 0x8000, 0);
         d.t.put(DATA + 0x1000 + slot * 64, vm_memory::ByteValued::as_slice(&sqe)).unwrap();
@@ -815,17 +812,7 @@ fn a_queue_deleted_with_its_cq_full_and_never_reaped_still_stops_its_worker() {
 #[test]
 fn a_full_cq_raises_the_interrupt_of_the_entries_it_holds() {
     let mut d = up(Rig::new(), 0);
-    // A CQ of 2 entries (one usable) on vector 1, behind an SQ of 8.
-    let mut cq = Sqe::new(admin_op::CREATE_CQ, 0);
-    cq.prp1 = DATA.into();
-    cq.set_dw(10, 1 | 1 << 16);
-    cq.set_dw(11, 3 | 1 << 16);
-    d.admin_ok(cq).unwrap();
-    let mut sq = Sqe::new(admin_op::CREATE_SQ, 0);
-    sq.prp1 = (DATA + 0x1000).into();
-    sq.set_dw(10, 1 | 7 << 16);
-    sq.set_dw(11, 1 | 1 << 16);
-    d.admin_ok(sq).unwrap();
+    small_cq_behind_a_larger_sq(&mut d);
     // Three reads behind one doorbell: the first's entry is held to share an interrupt with
     // the next two, which find the CQ full. The host reaps only what an interrupt tells it of.
     for slot in 0..3u16 {
