@@ -132,3 +132,37 @@ fn the_bar_memory_fd_a_client_receives_cannot_be_resized() {
     assert_eq!(bar.metadata().unwrap().len(), umdev_devices::testdev::BAR1_SIZE);
     assert!(c.alive());
 }
+
+/// A stop's cleanup outlives its listener, and once that is closed its socket file looks
+/// stale: an instance started on the same path meanwhile takes the path over. The stop must
+/// then leave the new instance's file alone.
+#[test]
+fn a_stop_leaves_the_socket_of_an_instance_started_on_its_path_meanwhile() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("x.sock");
+    let daemon = Arc::new(Daemon::new());
+    let testdev =
+        || umdev::builtin_registry().find("testdev").unwrap().create(&InstanceOptions::default()).unwrap();
+    for round in 0..20 {
+        daemon.start(testdev(), InstanceConfig::new("old", &socket)).unwrap();
+        // A client connected: the stop resets the device and waits for its connection.
+        let mut c = RawClient::connect(&socket).unwrap();
+        c.negotiate().unwrap();
+        let stopper = {
+            let daemon = daemon.clone();
+            std::thread::spawn(move || daemon.stop("old", true).unwrap())
+        };
+        // The new instance starts as soon as the old listener is gone (refused while it lives).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while let Err(e) = daemon.start(testdev(), InstanceConfig::new("new", &socket)) {
+            assert!(matches!(e, umdev_server::DaemonError::Bind(_)), "round {round}: {e}");
+            assert!(std::time::Instant::now() < deadline, "round {round}: the old listener never went");
+            std::thread::yield_now();
+        }
+        stopper.join().unwrap();
+        assert!(socket.exists(), "round {round}: the new instance's socket file was removed");
+        RawClient::connect(&socket).unwrap().negotiate().unwrap();
+        daemon.stop("new", true).unwrap();
+        drop(c);
+    }
+}

@@ -413,6 +413,16 @@ impl Instance {
         for t in threads {
             let _ = t.join();
         }
+    }
+
+    /// Removes its socket file, unless `instances` (the daemon's, locked by the caller) has
+    /// another instance on the same path: one started while this one's cleanup ran, which
+    /// took the path over (the file looked stale once this one's listener closed) and
+    /// whose file it is now. Starts bind under the same lock, so none slips in between.
+    fn remove_socket(&self, instances: &BTreeMap<String, Arc<Instance>>) {
+        if instances.values().any(|other| other.config.socket == self.config.socket) {
+            return;
+        }
         if let Err(e) = std::fs::remove_file(&self.config.socket) {
             if e.kind() != io::ErrorKind::NotFound {
                 log::warn!("removing {}: {e}", self.config.socket.display());
@@ -541,6 +551,7 @@ impl Daemon {
             instances.remove(id).expect("present: checked under the same lock")
         };
         instance.shut_down();
+        instance.remove_socket(&lock(&self.instances));
         Ok(())
     }
 
@@ -559,6 +570,7 @@ impl Daemon {
         let instances = std::mem::take(&mut *lock(&self.instances));
         for instance in instances.values() {
             instance.shut_down();
+            instance.remove_socket(&lock(&self.instances));
         }
     }
 }
