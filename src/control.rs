@@ -275,7 +275,20 @@ fn accept_loop(manager: &Arc<Manager>, listener: &UnixListener, stop: &std::os::
         if fds[1].any().unwrap_or(false) {
             return;
         }
-        let Ok((stream, _)) = listener.accept() else { continue };
+        let stream = match listener.accept() {
+            Ok((stream, _)) => stream,
+            // Out of fds, say: the listener stays readable, so wait before the next try
+            // rather than spin (as the instances' acceptor does).
+            Err(e)
+                if e.kind() != std::io::ErrorKind::WouldBlock
+                    && e.kind() != std::io::ErrorKind::Interrupted =>
+            {
+                log::warn!("control socket: accept failed: {e}");
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                continue;
+            }
+            Err(_) => continue,
+        };
         if active.load(Ordering::Acquire) >= MAX_CONNECTIONS {
             log::warn!("control socket: too many connections; closing one");
             continue;

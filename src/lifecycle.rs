@@ -388,8 +388,12 @@ impl Definitions {
             .open(&tmp)
             .map_err(Self::io("creating", &tmp))?;
         file.write_all((text + "\n").as_bytes()).map_err(Self::io("writing", &tmp))?;
+        // On disk before the rename, and the rename itself after: a power loss then leaves
+        // the old definition or the new one, never an empty file under the new name.
+        file.sync_all().map_err(Self::io("syncing", &tmp))?;
         drop(file);
-        std::fs::rename(&tmp, &path).map_err(Self::io("renaming", &path))
+        std::fs::rename(&tmp, &path).map_err(Self::io("renaming", &path))?;
+        std::fs::File::open(&self.dir).and_then(|d| d.sync_all()).map_err(Self::io("syncing", &self.dir))
     }
 
     /// Removes a definition (a file that cannot be read as one too: it is named by its UUID).
@@ -1102,8 +1106,10 @@ impl Manager {
         // the unmap timeout), so other control requests are not held up meanwhile.
         let record = self.lock().remove(&uuid).ok_or(LifecycleError::UnknownUuid(uuid))?;
         // Marked stopped before it stops: a reload meanwhile must not start it again. Only
-        // definitions are ever started by a reload, so only they are remembered.
-        let remember = record.from_definition;
+        // definitions are ever started by a reload, so only they are remembered: one it was
+        // started from, or one written for it while it ran (`umdev define -u UUID --auto`
+        // of a running device), which a reload would otherwise start again.
+        let remember = record.from_definition || self.definitions.get(&uuid).is_ok();
         if remember {
             umdev_pinning::sync::lock(&self.stopped).insert(uuid);
         }
@@ -1503,6 +1509,25 @@ mod tests {
         assert_eq!(manager.reload().changed, vec![b.uuid]);
         manager.shutdown();
         assert_eq!(std::fs::read_dir(&run).unwrap().count(), 0, "every socket removed");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A device started from its type and defined while it runs (`umdev define -u UUID --auto`,
+    /// the README's way to keep a device across restarts) stays stopped after `umdev stop`
+    /// through a reload, as one started from its definition does.
+    #[test]
+    fn a_device_defined_while_it_ran_stays_stopped_through_a_reload() {
+        let dir = std::env::temp_dir().join(format!("umdev-reload-defined-{}", std::process::id()));
+        let (run, state) = (dir.join("run"), dir.join("state"));
+        let manager = testdev_manager(&run, &state);
+        let c = def(0xc, StartPolicy::Auto);
+        manager.start(Some("testdev"), Some(c.uuid), InstanceOptions::default(), false).unwrap();
+        manager.definitions().define(&c).unwrap();
+        manager.stop(c.uuid, false).unwrap();
+        let report = manager.reload();
+        assert_eq!((report.started, report.held_back), (vec![], vec![c.uuid]));
+        assert!(manager.list().is_empty());
+        manager.shutdown();
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
