@@ -988,6 +988,8 @@ impl Manager {
                 let mut errors = umdev_pinning::sync::lock(&self.errors);
                 match &result {
                     Ok(_) => errors.remove(&def.uuid),
+                    // Already running: this start failed, the device did not.
+                    Err(LifecycleError::DuplicateUuid(_)) => None,
                     Err(e) => errors.insert(def.uuid, e.to_string()),
                 };
                 return result;
@@ -1527,6 +1529,24 @@ mod tests {
         let report = manager.reload();
         assert_eq!((report.started, report.held_back), (vec![], vec![c.uuid]));
         assert!(manager.list().is_empty());
+        manager.shutdown();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Starting a defined device that already runs fails that start, not the device: no
+    /// "last start failed" is kept for it.
+    #[test]
+    fn a_second_start_of_a_running_definition_records_no_failure() {
+        let dir = std::env::temp_dir().join(format!("umdev-second-start-{}", std::process::id()));
+        let (run, state) = (dir.join("run"), dir.join("state"));
+        let manager = testdev_manager(&run, &state);
+        let d = def(0xd, StartPolicy::Manual);
+        manager.definitions().define(&d).unwrap();
+        manager.start(None, Some(d.uuid), InstanceOptions::default(), false).unwrap();
+        let again = manager.start(None, Some(d.uuid), InstanceOptions::default(), false);
+        assert!(matches!(again, Err(LifecycleError::DuplicateUuid(_))));
+        manager.stop(d.uuid, false).unwrap();
+        assert!(manager.status().errors.is_empty(), "{:?}", manager.status().errors);
         manager.shutdown();
         std::fs::remove_dir_all(&dir).unwrap();
     }

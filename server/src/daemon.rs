@@ -500,7 +500,11 @@ impl Daemon {
             return Err(DaemonError::Exists(config.id));
         }
         let listener = bind_private(&config.socket)?;
-        let io_err = |source| DaemonError::Thread { path: config.socket.clone(), source };
+        // A start that fails from here on leaves no socket file behind.
+        let io_err = |source| {
+            let _ = std::fs::remove_file(&config.socket);
+            DaemonError::Thread { path: config.socket.clone(), source }
+        };
         let stop = EventFd::from_flags(EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)
             .map_err(|e| io_err(e.into()))?;
         let mut dma_config = config.dma.clone();
