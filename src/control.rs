@@ -291,6 +291,14 @@ fn accept_loop(manager: &Arc<Manager>, listener: &UnixListener, stop: &std::os::
         };
         if active.load(Ordering::Acquire) >= MAX_CONNECTIONS {
             log::warn!("control socket: too many connections; closing one");
+            // Told why, so that its command says so rather than that the answer was cut
+            // short. Without waiting: a peer that does not read is closed all the same.
+            let busy = ControlResponse::failure(
+                format!("the daemon is busy: {MAX_CONNECTIONS} control connections are open; try again"),
+                libc::EBUSY,
+            );
+            let _ = stream.set_nonblocking(true);
+            let _ = writeln!(&stream, "{}", serde_json::to_string(&busy).unwrap_or_default());
             continue;
         }
         let _ = stream.set_nonblocking(false);
@@ -458,9 +466,15 @@ pub fn request(path: &Path, request: &ControlRequest) -> Result<ControlResponse,
         _ => ControlError::Io(path.to_path_buf(), e),
     };
     let line = serde_json::to_string(request).map_err(|e| ControlError::Protocol(e.to_string()))?;
-    writeln!(stream, "{line}").map_err(timed_out)?;
+    let sent = writeln!(stream, "{line}");
+    // A daemon with too many connections answers "busy" and closes without reading: the
+    // request's write may then fail (EPIPE) with that answer waiting to be read.
     let mut answer = String::new();
-    BufReader::new(stream).take(16 << 20).read_line(&mut answer).map_err(timed_out)?;
+    let read = BufReader::new(&stream).take(16 << 20).read_line(&mut answer);
+    if answer.is_empty() {
+        sent.map_err(timed_out)?;
+        read.map_err(timed_out)?;
+    }
     serde_json::from_str(&answer).map_err(|e| ControlError::Protocol(e.to_string()))
 }
 

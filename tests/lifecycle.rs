@@ -275,3 +275,43 @@ fn mtty_port_backends_through_start_and_definitions() {
     assert!(!tty_socket.exists(), "the port's socket goes with the instance");
     daemon.stop();
 }
+
+/// A request over the control socket's connection limit gets an answer saying the daemon is
+/// busy, not a cut-short one.
+#[test]
+fn a_control_connection_over_the_limit_is_told_the_daemon_is_busy() {
+    let env = Env::new();
+    let daemon = env.daemon();
+    let control = env.run.join("control.sock");
+    // 16 connections held open, each waiting for its request line. One the daemon refused
+    // (while the probes of `env.daemon()` still counted) was answered and closed: replaced.
+    let alive = |s: &std::os::unix::net::UnixStream| {
+        use nix::sys::socket::{recv, MsgFlags};
+        use std::os::fd::AsRawFd;
+        let flags = MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT;
+        recv(s.as_raw_fd(), &mut [0u8; 1], flags) == Err(nix::errno::Errno::EAGAIN)
+    };
+    let mut held = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let busy = loop {
+        held.retain(|s| alive(s));
+        while held.len() < 16 {
+            held.push(std::os::unix::net::UnixStream::connect(&control).unwrap());
+        }
+        let out = env.umdev(&["list"]);
+        if !out.status.success() {
+            break String::from_utf8_lossy(&out.stderr).to_string();
+        }
+        assert!(Instant::now() < deadline, "never refused with 16 connections held");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert!(busy.contains("the daemon is busy"), "{busy}");
+    drop(held);
+    // Free again once those are gone.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !env.umdev(&["list"]).status.success() {
+        assert!(Instant::now() < deadline, "still refused after the connections closed");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    daemon.stop();
+}
