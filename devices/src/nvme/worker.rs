@@ -472,9 +472,7 @@ impl QueueWorker {
                 let ctrl = self.ctrl();
                 // The host makes room only for what it is told of: entries held for a shared
                 // interrupt or by coalescing are signalled now (both are bounds on a delay).
-                if cq.take_held() {
-                    ctrl.interrupt(&cq);
-                }
+                self.raise_held();
                 ctrl.cq_doorbell(cq.id).want_room(&waiter.bell());
                 ctrl.arm_cq(cq.id);
                 let room = || cq.has_room(ctrl.cq_head(cq.id));
@@ -567,6 +565,14 @@ impl QueueWorker {
         }
     }
 
+    /// Raises the CQ's vector for whatever completions it holds, due or not: the CQ is full
+    /// (the host makes room only for what it is told of) or gets no more from this queue.
+    fn raise_held(&self) {
+        if self.sq().cq.take_held() {
+            self.ctrl().interrupt(&self.sq().cq);
+        }
+    }
+
     /// Raises the CQ's vector if held completions are due (see [`super::queue::Cq::due`]).
     fn raise_due(&self, idle: bool) {
         if self.sq().cq.due(idle) {
@@ -603,9 +609,7 @@ impl QueueWorker {
             if left.is_zero() {
                 break;
             }
-            if cq.take_held() {
-                ctrl.interrupt(&cq);
-            }
+            self.raise_held();
             ctrl.cq_doorbell(cq.id).want_room(&waiter.bell());
             ctrl.arm_cq(cq.id);
             let look = match ctrl.doorbell_mode() {
@@ -615,9 +619,7 @@ impl QueueWorker {
             waiter.linger(|| cq.has_room(ctrl.cq_head(cq.id)), look);
         }
         // The queue's last entries: nothing more will come to share their interrupt.
-        if cq.take_held() {
-            ctrl.interrupt(&cq);
-        }
+        self.raise_held();
         let dropped = self.completer.abandon();
         if dropped > 0 {
             log::debug!("nvme: SQ {} deleted with its CQ full: {dropped} completion(s) dropped", sq.id);

@@ -740,14 +740,7 @@ fn empty_if_full(fd: &EventFd) -> std::io::Result<()> {
     if nix::poll::poll(&mut poll, nix::poll::PollTimeout::ZERO)? == 1 {
         return Ok(());
     }
-    let mut counter = [0u8; 8];
-    let iov = libc::iovec { iov_base: counter.as_mut_ptr().cast(), iov_len: counter.len() };
-    // SAFETY: one iovec over a live local buffer of its stated length; offset -1 is the
-    // file's own position (an eventfd has none).
-    let n = unsafe { libc::preadv2(fd.as_raw_fd(), &iov, 1, -1, libc::RWF_NOWAIT) };
-    if n < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
+    watcher::read_nowait(borrowed)?;
     log::debug!("an interrupt eventfd's counter was full, O_NONBLOCK cleared: emptied before signalling");
     Ok(())
 }

@@ -13,8 +13,8 @@
 //! since Linux 5.11), and `O_NONBLOCK` is set as well for older kernels.
 
 use std::fs::File;
-use std::io::{self, ErrorKind, Read};
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, IntoRawFd};
+use std::io::{self, ErrorKind};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, IntoRawFd};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -75,9 +75,10 @@ impl Drop for UnmaskWatcher {
     }
 }
 
-/// Reads `fd`'s counter without waiting, whatever its `O_NONBLOCK` says: `WouldBlock` if it
-/// is 0. Where the kernel cannot (`RWF_NOWAIT` unsupported), a plain read.
-fn read_nowait(fd: &File) -> io::Result<usize> {
+/// Reads eventfd `fd`'s counter without waiting, whatever its `O_NONBLOCK` says (a flag the
+/// client shares): `WouldBlock` if it is 0. Where the kernel cannot (`RWF_NOWAIT`
+/// unsupported), a plain read.
+pub(super) fn read_nowait(fd: BorrowedFd<'_>) -> io::Result<usize> {
     let mut counter = [0u8; 8];
     let iov = libc::iovec { iov_base: counter.as_mut_ptr().cast(), iov_len: counter.len() };
     // SAFETY: one iovec over a live local buffer of its stated length; offset -1 is the
@@ -87,7 +88,15 @@ fn read_nowait(fd: &File) -> io::Result<usize> {
         return Ok(n as usize);
     }
     match io::Error::last_os_error() {
-        e if e.raw_os_error() == Some(libc::EOPNOTSUPP) => (&*fd).read(&mut counter),
+        e if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
+            // SAFETY: read(2) writes at most `counter.len()` bytes into the live local.
+            let n = unsafe { libc::read(fd.as_raw_fd(), counter.as_mut_ptr().cast(), counter.len()) };
+            if n < 0 {
+                Err(io::Error::last_os_error())
+            } else {
+                Ok(n as usize)
+            }
+        }
         e => Err(e),
     }
 }
@@ -114,7 +123,7 @@ fn watch(fd: &File, stop: &StopFd, on_signal: impl Fn()) {
             return;
         }
         if events.contains(PollFlags::POLLIN) {
-            match read_nowait(fd) {
+            match read_nowait(fd.as_fd()) {
                 Ok(_) => on_signal(),
                 Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {}
                 Err(e) => {
@@ -142,9 +151,9 @@ mod tests {
         // On another thread, so that a read that waits fails the test instead of hanging it.
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
-            let empty = read_nowait(&fd).map_err(|e| e.kind());
+            let empty = read_nowait(fd.as_fd()).map_err(|e| e.kind());
             (&fd).write_all(&1u64.to_ne_bytes()).unwrap();
-            let one = read_nowait(&fd).map_err(|e| e.kind());
+            let one = read_nowait(fd.as_fd()).map_err(|e| e.kind());
             tx.send((empty, one)).unwrap();
         });
         let (empty, one) = rx.recv_timeout(std::time::Duration::from_secs(30)).expect("a read waited");
