@@ -49,7 +49,8 @@
 //! **What a request cancelled by a reset reports: nothing.** A reset (DEVICE_RESET, or the
 //! one that ends a detach) cancels every request with [`Cancel::Reset`] before it turns the
 //! device's bus mastering off (so a guest access that fails for that is a cancelled
-//! request's) and before the device's own reset runs, and holds the device's interrupts
+//! request's) and before the device's own reset runs (a request that begins before that reset
+//! has returned begins cancelled: [`Requests::resetting`]), and holds the device's interrupts
 //! until the framework's reset of them that follows. The request still ends through its
 //! worker, exactly once: dropped, its completion's [`Completion::fail`] runs; completed,
 //! [`Completion::complete`]. By then the device's registers are back at their power-on
@@ -158,6 +159,10 @@ struct Tracker {
     /// Bumped by every attach and detach: a lane refreshes its copy of the context when it
     /// has moved.
     attachment: AtomicU64,
+    /// Resets under way ([`Requests::resetting`]): while above zero a request begins
+    /// cancelled. Next to `attachment`, which every begin reads too, and written only by
+    /// resets.
+    resetting: AtomicUsize,
     lanes: Mutex<Vec<Weak<dyn AsCore>>>,
 }
 
@@ -230,6 +235,23 @@ impl Requests {
             st.attachment = attachment;
         });
         self.cancel_all();
+    }
+
+    /// A reset begins: cancels every request in flight ([`Cancel::Reset`]), and every request
+    /// that begins until the [`Resetting`] returned is dropped begins cancelled too.
+    ///
+    /// A worker may begin a request after the cancellation, before the device's own reset
+    /// makes its work stale (nvme's worker fetching the next command of a burst): without
+    /// this, that request would meet the bus mastering the reset turns off, fail, and report
+    /// the failure (a Data Transfer Error in nvme's error log) for a command the guest reset
+    /// away.
+    pub fn resetting(&self) -> Resetting<'_> {
+        // Release, before the lanes' locks `cancel_all` takes: a begin that takes a lane's
+        // lock after it finds the count raised (its Acquire load is made under that lock), and
+        // one that took it before is in flight and cancelled.
+        self.inner.resetting.fetch_add(1, Ordering::Release);
+        self.cancel_all();
+        Resetting { requests: self }
     }
 
     /// Cancels every request in flight ([`Cancel::Reset`]): a reset.
@@ -340,6 +362,25 @@ impl Requests {
 impl std::fmt::Debug for Requests {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Requests").field("in_flight", &self.in_flight()).finish_non_exhaustive()
+    }
+}
+
+/// A reset under way ([`Requests::resetting`]): requests begin cancelled until it is dropped,
+/// once the device's own reset has made the old work stale.
+#[must_use = "requests begin cancelled only while it is held"]
+pub struct Resetting<'a> {
+    requests: &'a Requests,
+}
+
+impl Drop for Resetting<'_> {
+    fn drop(&mut self) {
+        self.requests.inner.resetting.fetch_sub(1, Ordering::Release);
+    }
+}
+
+impl std::fmt::Debug for Resetting<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Resetting").finish_non_exhaustive()
     }
 }
 
@@ -470,7 +511,13 @@ impl<S: Send + Sync + 'static> Lane<S> {
             }
         };
         // A slot is freed with no ranges and no cancellation (`Permit::drop`).
-        st.slots[index as usize].live = true;
+        let slot = &mut st.slots[index as usize];
+        slot.live = true;
+        // Acquire, under the lane's lock: pairs with `Requests::resetting`.
+        if lane.tracker.resetting.load(Ordering::Acquire) > 0 {
+            slot.cancel = Some(Cancel::Reset);
+            lane.cancelled.fetch_add(1, Ordering::Release);
+        }
         st.open += 1;
         drop(st);
         let lane = NonNull::from(&*self.inner);
@@ -944,6 +991,31 @@ mod tests {
         );
         drop((a, b, c));
         assert_eq!(dma.stats().pinned_pages, 0);
+    }
+
+    /// A request a worker begins between a reset's cancellation and the end of the device's
+    /// own reset is cancelled as those in flight were; one begun after is not.
+    #[test]
+    fn a_request_begun_while_a_reset_runs_begins_cancelled() {
+        let (requests, _dma, _ram) = attached();
+        let lane = requests.lane(|| {});
+        let (tx, _rx) = std::sync::mpsc::channel();
+        let before = lane.begin(Report(tx.clone())).unwrap();
+        let resetting = requests.resetting();
+        let during = lane.begin(Report(tx.clone())).unwrap();
+        assert_eq!((before.cancelled(), during.cancelled()), (Some(Cancel::Reset), Some(Cancel::Reset)));
+        // Its cancellation is counted like any other: the slot it leaves is clean.
+        drop(during);
+        let again = lane.begin(Report(tx.clone())).unwrap();
+        assert_eq!(again.cancelled(), Some(Cancel::Reset));
+        drop(resetting);
+        let after = lane.begin(Report(tx)).unwrap();
+        assert_eq!((after.cancelled(), before.cancelled()), (None, Some(Cancel::Reset)));
+        drop((before, again));
+        // The slots the cancelled requests left are reused clean.
+        let (tx, _rx) = std::sync::mpsc::channel();
+        let reused = lane.begin(Report(tx)).unwrap();
+        assert_eq!((reused.cancelled(), after.cancelled()), (None, None));
     }
 
     #[test]

@@ -80,7 +80,8 @@ pub trait PciFunction: Send + Sync + 'static {
 
     /// DEVICE_RESET (also run on detach): stop work, back to the power-on state. Every
     /// request in flight is already cancelled, and reports nothing when it ends
-    /// ([`crate::request`], "What a request cancelled by a reset reports"); the adapter
+    /// ([`crate::request`], "What a request cancelled by a reset reports"); so is every
+    /// request a worker begins until this returns (make the old work stale here); the adapter
     /// resets config space and interrupts right after.
     fn reset(&self) {}
 
@@ -336,10 +337,13 @@ impl<F: PciFunction> PciDevice<F> {
     fn reset_all(&self) {
         // Cancelled before bus mastering goes off: a request whose guest access fails from
         // then on is one the reset cancelled, which reports nothing (a Data Transfer Error
-        // in nvme's error log, say, for a command the guest reset away).
-        self.requests.cancel_all();
+        // in nvme's error log, say, for a command the guest reset away). So is one a worker
+        // begins before the function's reset below makes its work stale.
+        let resetting = self.requests.resetting();
         self.quiesce();
+        // A panic here still ends the window (the guard's drop).
         self.function.reset();
+        drop(resetting);
         self.irqs.reset();
         let mut config = self.config();
         config.reset();

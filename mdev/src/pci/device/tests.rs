@@ -301,3 +301,43 @@ fn a_reset_cancels_every_request_while_bus_mastering_is_still_on() {
     assert_eq!(*seen.lock().unwrap(), [true], "cancelled while bus mastering was on");
     assert!(!permit.ctx().bus_master(), "and off after the reset");
 }
+
+/// A function that begins a request during its own reset, as a worker fetching the next
+/// command of a burst may between the framework's cancellation and the function's reset.
+struct BeginsInReset {
+    lane: crate::request::Lane,
+    seen: Mutex<Vec<Option<crate::request::Cancel>>>,
+}
+
+impl PciFunction for BeginsInReset {
+    fn bar_read(&self, _bar: u8, _offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
+        data.fill(0);
+        Ok(())
+    }
+
+    fn bar_write(&self, _bar: u8, _offset: u64, _data: &[u8]) -> Result<(), DeviceError> {
+        Ok(())
+    }
+
+    fn reset(&self) {
+        let permit = self.lane.begin(Quiet).unwrap();
+        self.seen.lock().unwrap().push(permit.cancelled());
+    }
+}
+
+#[test]
+fn a_request_begun_before_the_functions_reset_returns_is_cancelled_by_it() {
+    let mut requests = None;
+    let dev = PciDevice::new(builder(), |host| {
+        requests = Some(host.requests.clone());
+        BeginsInReset { lane: host.requests.lane(|| {}), seen: Mutex::new(Vec::new()) }
+    })
+    .unwrap();
+    let requests = requests.unwrap();
+    dev.attach(DeviceContext::new(umdev_pinning::DmaSpace::default(), Arc::new(Zeros)));
+    dev.reset().unwrap();
+    assert_eq!(*dev.function().seen.lock().unwrap(), [Some(crate::request::Cancel::Reset)]);
+    // After the reset, requests begin as usual.
+    let lane = requests.lane(|| {});
+    assert_eq!(lane.begin(Quiet).unwrap().cancelled(), None);
+}
