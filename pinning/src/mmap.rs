@@ -69,6 +69,15 @@ pub enum MmapError {
         /// `statfs`'s `f_type`.
         magic: u32,
     },
+    /// The file is on a mount this process's mount table (`/proc/self/mountinfo`) names
+    /// with a file system other than those above, or does not list at all (another mount
+    /// namespace's). Learned without asking the file system: an `fstat` or `fstatfs` of a
+    /// file on FUSE asks its server, which may never answer.
+    #[error("the file is on a mount of {fstype}, whose pages may come at another server's pace (FUSE, a network or stacked file system); map memory from a memfd, tmpfs, hugetlbfs, ramfs or a local disk file system (ext4, XFS, Btrfs, F2FS)")]
+    Mount {
+        /// The mount's file system type, as the mount table names it.
+        fstype: String,
+    },
     /// The process already holds its budget of guest mappings (see
     /// [`process_mapping_limit`]): every mapping is a VMA, and VMAs are a per-process kernel
     /// resource the whole server shares.
@@ -103,6 +112,62 @@ const MEMORY_FILESYSTEMS: [u32; 8] = [
     0xf2f5_2010, // F2FS
     0xca45_1a4e, // bcachefs
 ];
+
+/// The same file systems by the names `/proc/self/mountinfo` gives them.
+#[cfg(not(miri))]
+const MEMORY_FILESYSTEM_NAMES: [&str; 10] =
+    ["tmpfs", "hugetlbfs", "ramfs", "ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "bcachefs"];
+
+/// Refuses `fd` unless its file is on a file system of [`MEMORY_FILESYSTEM_NAMES`], learned
+/// without asking that file system: an `fstat` or `fstatfs` of a file on FUSE waits for its
+/// server (perhaps the client, which need never answer), and so would the thread mapping it.
+/// A memory file (a memfd, a tmpfs or hugetlbfs file) answers `F_GET_SEALS`, which only the
+/// kernel's shmem and hugetlbfs code serve. For any other the mount comes from the mount id
+/// `/proc/self/fdinfo` shows (procfs prints it from the open file) and its type from
+/// `/proc/self/mountinfo` (the kernel's record of the mount): neither asks the file system.
+#[cfg(not(miri))]
+fn check_local(fd: BorrowedFd<'_>) -> Result<(), MmapError> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    if nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_GET_SEALS).is_ok() {
+        return Ok(());
+    }
+    // A pipe, a socket or an anonymous inode (an eventfd) lives on a kernel-internal mount no
+    // table lists; its `fstat` asks nobody, and tells it is no regular file.
+    let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).map_err(MmapError::Inspect)?;
+    let link = link.as_os_str().as_bytes();
+    if [&b"pipe:"[..], b"socket:", b"anon_inode:"].iter().any(|kind| link.starts_with(kind)) {
+        return Ok(());
+    }
+    let fdinfo = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd()))
+        .map_err(MmapError::Inspect)?;
+    let mount = fdinfo
+        .lines()
+        .find_map(|line| line.strip_prefix("mnt_id:"))
+        .and_then(|id| id.trim().parse::<u64>().ok())
+        .ok_or_else(|| MmapError::Inspect(io::Error::other("no mnt_id in /proc/self/fdinfo")))?;
+    let table = std::fs::read_to_string("/proc/self/mountinfo").map_err(MmapError::Inspect)?;
+    match mount_fstype(&table, mount) {
+        Some(fstype) if MEMORY_FILESYSTEM_NAMES.contains(&fstype) => Ok(()),
+        Some(fstype) => Err(MmapError::Mount { fstype: fstype.to_string() }),
+        None => Err(MmapError::Mount { fstype: "a mount outside this process's mount table".into() }),
+    }
+}
+
+/// The file system type of mount `id` in a `/proc/PID/mountinfo` text: each line is
+/// `ID PARENT MAJ:MIN ROOT POINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPER_OPTIONS`.
+#[cfg(not(miri))]
+fn mount_fstype(table: &str, id: u64) -> Option<&str> {
+    table.lines().find_map(|line| {
+        let mut fields = line.split(' ');
+        if fields.next()?.parse::<u64>().ok()? != id {
+            return None;
+        }
+        // The optional fields end at a lone "-"; the type follows it.
+        fields.by_ref().find(|&f| f == "-")?;
+        fields.next()
+    })
+}
 
 /// Guest mappings alive in this process.
 static LIVE_MAPPINGS: AtomicU64 = AtomicU64::new(0);
@@ -239,6 +304,8 @@ impl HostMemory {
 
     #[cfg(not(miri))]
     fn map_file(fd: BorrowedFd<'_>, offset: u64, size: u64, prot: Prot) -> Result<Self, MmapError> {
+        // Before anything that asks the file's file system.
+        check_local(fd)?;
         let stat = fstat(fd).map_err(|e| MmapError::Inspect(e.into()))?;
         let kind = SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT;
         if kind != SFlag::S_IFREG {
@@ -391,6 +458,45 @@ mod tests {
         let (r, _w) = nix::unistd::pipe().unwrap();
         let err = HostMemory::map(r.as_fd(), 0, PAGE_SIZE, Prot::READ).unwrap_err();
         assert!(matches!(err, MmapError::NotRegularFile { .. }), "{err}");
+    }
+
+    /// A file on a file system outside the list is refused from the mount table, before any
+    /// `fstat` or `fstatfs` could ask that file system (procfs stands in for FUSE here: a
+    /// test cannot count on mounting FUSE).
+    #[test]
+    #[cfg(not(miri))]
+    fn a_file_on_another_file_system_is_refused_by_its_mount() {
+        let file = std::fs::File::open("/proc/self/status").unwrap();
+        let err = HostMemory::map(file.as_fd(), 0, PAGE_SIZE, Prot::READ).unwrap_err();
+        assert!(matches!(&err, MmapError::Mount { fstype } if fstype == "proc"), "{err}");
+        let null = std::fs::File::open("/dev/null").unwrap();
+        let err = HostMemory::map(null.as_fd(), 0, PAGE_SIZE, Prot::READ).unwrap_err();
+        assert!(matches!(&err, MmapError::Mount { fstype } if fstype == "devtmpfs"), "{err}");
+        // A file on a disk file system (the temporary directory's, if it is one) is mapped.
+        let path = std::env::temp_dir().join(format!("umdev-mmap-local-{}", std::process::id()));
+        std::fs::write(&path, vec![0u8; PAGE_SIZE as usize]).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        match HostMemory::map(file.as_fd(), 0, PAGE_SIZE, Prot::READ) {
+            Ok(_) => {}
+            Err(MmapError::Mount { fstype }) => {
+                assert!(!MEMORY_FILESYSTEM_NAMES.contains(&fstype.as_str()), "{fstype} is listed")
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    #[test]
+    #[cfg(not(miri))]
+    fn the_mount_table_gives_each_mount_its_type() {
+        let table = "22 1 0:21 / /proc rw,nosuid shared:5 - proc proc rw\n\
+                     1 0 252:0 / / rw,relatime shared:1 master:2 - ext4 /dev/vda rw\n\
+                     90 22 0:50 / /mnt/f rw - fuse.sshfs host:/ rw,user_id=0\n";
+        assert_eq!(mount_fstype(table, 22), Some("proc"));
+        assert_eq!(mount_fstype(table, 1), Some("ext4"));
+        assert_eq!(mount_fstype(table, 90), Some("fuse.sshfs"));
+        assert_eq!(mount_fstype(table, 2), None);
+        assert_eq!(mount_fstype("3 1 0:1 / / rw\n", 3), None, "a line without its separator");
     }
 
     #[test]

@@ -15,6 +15,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![deny(missing_docs)]
 
+pub mod client_fd;
 mod connection;
 pub mod daemon;
 mod eventfd;

@@ -15,6 +15,8 @@ use std::collections::VecDeque;
 use std::ops::Range;
 use std::os::fd::OwnedFd;
 
+use crate::client_fd::ClientFd;
+
 use thiserror::Error;
 
 use super::{Header, HEADER_SIZE};
@@ -50,7 +52,7 @@ pub struct Frame {
     /// Where its payload lies in the buffer ([`Framer::payload`]).
     payload: Range<usize>,
     /// The fds that came with it (at most `max_fds`).
-    pub fds: Vec<OwnedFd>,
+    pub fds: Vec<ClientFd>,
     /// How many further fds came with it and were closed on arrival.
     pub excess_fds: usize,
 }
@@ -67,7 +69,7 @@ pub struct Framer {
     /// Stream position of `buf[0]`.
     base: u64,
     /// fds by the stream position of the last byte of the read that brought them.
-    fds: VecDeque<(u64, Vec<OwnedFd>)>,
+    fds: VecDeque<(u64, Vec<ClientFd>)>,
     /// fds closed on arrival, by stream position of their read.
     excess: VecDeque<(u64, usize)>,
     max_size: u32,
@@ -120,7 +122,7 @@ impl Framer {
         let n = n.min(self.buf.len() - self.filled);
         let last = self.base + (self.filled + n.max(1) - 1) as u64;
         self.filled += n;
-        self.add_fds(last, fds);
+        self.add_fds(last, fds.into_iter().map(ClientFd::from).collect());
     }
 
     /// Appends bytes and fds as if received in one read (for tests and fuzzing).
@@ -139,7 +141,7 @@ impl Framer {
         self.commit(n, fds);
     }
 
-    fn add_fds(&mut self, pos: u64, mut fds: Vec<OwnedFd>) {
+    fn add_fds(&mut self, pos: u64, mut fds: Vec<ClientFd>) {
         if fds.is_empty() {
             return;
         }

@@ -5,8 +5,8 @@
 //! negotiated) are the dispatcher's. A [`ParseError`] always leaves the stream in sync: the
 //! framer has consumed the whole message, so the connection answers with the errno and goes on.
 
+use crate::client_fd::ClientFd;
 use std::mem::offset_of;
-use std::os::fd::OwnedFd;
 
 use smallvec::SmallVec;
 use thiserror::Error;
@@ -43,7 +43,7 @@ pub enum WireIrqData {
     /// `DATA_BOOL`: one flag per vector.
     Bool(Vec<bool>),
     /// `DATA_EVENTFD`: `count` fds, or none to de-assign.
-    Fds(Vec<OwnedFd>),
+    Fds(Vec<ClientFd>),
 }
 
 /// One entry of REGION_WRITE_MULTI.
@@ -73,7 +73,7 @@ pub enum Request<'a> {
         /// Access.
         prot: Prot,
         /// The backing fd.
-        fd: Option<OwnedFd>,
+        fd: Option<ClientFd>,
     },
     /// DMA_UNMAP; the fields are echoed in the reply.
     DmaUnmap {
@@ -200,7 +200,7 @@ fn query<T: Query>(payload: &[u8]) -> Result<(T, u32), String> {
 pub fn parse<'a>(
     header: &Header,
     payload: &'a [u8],
-    fds: Vec<OwnedFd>,
+    fds: Vec<ClientFd>,
     limits: &Limits,
 ) -> Result<Request<'a>, ParseError> {
     // Named only on failure: a request that parses allocates nothing here.
@@ -360,7 +360,7 @@ mod irq_flags {
 
 fn parse_set_irqs<'a>(
     payload: &[u8],
-    fds: Vec<OwnedFd>,
+    fds: Vec<ClientFd>,
     fail: &dyn Fn(i32, String) -> ParseError,
 ) -> Result<Request<'a>, ParseError> {
     use irq_flags::*;
@@ -445,7 +445,7 @@ mod tests {
         unmap[16..24].copy_from_slice(&0x1000u64.to_le_bytes());
         let (r, w) = nix::unistd::pipe().unwrap();
         let h = header(Command::DmaUnmap as u16, &unmap);
-        let parsed = parse(&h, &unmap, vec![w], &Limits::default()).unwrap();
+        let parsed = parse(&h, &unmap, vec![w.into()], &Limits::default()).unwrap();
         assert!(matches!(parsed, Request::DmaUnmap { iova: 0x1000, size: 0x1000, .. }));
         // The write end is closed: the read end sees end of file.
         let mut buf = [0u8; 1];
@@ -455,7 +455,7 @@ mod tests {
         let info = [16u8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
         let h = header(Command::DeviceGetInfo as u16, &info);
         assert_eq!(
-            parse(&h, &info, vec![w], &Limits::default()).map(|_| 0).unwrap_or_else(|e| e.errno),
+            parse(&h, &info, vec![w.into()], &Limits::default()).map(|_| 0).unwrap_or_else(|e| e.errno),
             libc::EINVAL
         );
     }
@@ -529,7 +529,7 @@ mod tests {
         let (r, w) = nix::unistd::pipe().unwrap();
         let h = header(Command::DeviceGetInfo as u16, &[16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
         let payload = [16u8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
-        let err = parse(&h, &payload, vec![w], &Limits::default()).unwrap_err();
+        let err = parse(&h, &payload, vec![w.into()], &Limits::default()).unwrap_err();
         assert_eq!(err.errno, libc::EINVAL);
         // The write end was closed by the refusal: reading the pipe sees end-of-file.
         let mut b = [0u8; 1];

@@ -428,6 +428,12 @@ impl Tracker {
         if self.dups.is_empty() {
             return;
         }
+        // Fds whose close could wait on someone (`/dev/null` here) are closed on the server's
+        // closer threads: done within moments, as nothing here waits.
+        assert!(
+            umdev_server::client_fd::wait_closed(Duration::from_secs(60)),
+            "the server's closers did not close the input's fds {when}"
+        );
         let ours: Vec<i32> = self.dups.iter().map(|(_, d)| d.as_raw_fd()).collect();
         let Ok(dir) = std::fs::read_dir("/proc/self/fd") else { return };
         for entry in dir.flatten() {
