@@ -888,6 +888,12 @@ pub struct Manager {
     run_dir: PathBuf,
     definitions: Definitions,
     instances: Mutex<BTreeMap<Uuid, Record>>,
+    /// UUIDs whose device is being made (outside the `instances` lock, which is taken first
+    /// when both are): counted against `max_instances`, refused to a second start.
+    starting: Mutex<BTreeSet<Uuid>>,
+    /// Set under the `instances` lock by `shutdown`: a start whose device was being made
+    /// meanwhile starts no instance after it.
+    shut_down: std::sync::atomic::AtomicBool,
     /// Instances `stop` stopped: a reload does not start their `auto` definitions again.
     stopped: Mutex<BTreeSet<Uuid>>,
     /// Why each definition's last start failed (until it starts).
@@ -913,6 +919,8 @@ impl Manager {
             run_dir: run_dir.into(),
             definitions,
             instances: Mutex::new(BTreeMap::new()),
+            starting: Mutex::new(BTreeSet::new()),
+            shut_down: std::sync::atomic::AtomicBool::new(false),
             stopped: Mutex::new(BTreeSet::new()),
             errors: Mutex::new(BTreeMap::new()),
             changes: (Mutex::new(0), Condvar::new()),
@@ -944,7 +952,11 @@ impl Manager {
     /// The types and their capacity now: a type's own, capped by the instances this daemon
     /// may still start (`--max-instances`).
     pub fn types(&self) -> Vec<TypeSummary> {
-        let room = self.max_instances.saturating_sub(self.lock().len());
+        let taken = {
+            let instances = self.lock();
+            instances.len() + umdev_pinning::sync::lock(&self.starting).len()
+        };
+        let room = self.max_instances.saturating_sub(taken);
         self.registry.types().iter().map(|t| TypeSummary::of(t.as_ref(), room)).collect()
     }
 
@@ -1029,18 +1041,32 @@ impl Manager {
         from_definition: bool,
         overrides: InstanceOptions,
     ) -> Result<InstanceSummary, LifecycleError> {
-        let mut instances = self.lock();
-        if instances.contains_key(&uuid) {
-            return Err(LifecycleError::DuplicateUuid(uuid));
-        }
-        if instances.len() >= self.max_instances {
-            return Err(LifecycleError::TooManyInstances(self.max_instances));
-        }
+        let reserved = {
+            let instances = self.lock();
+            let mut starting = umdev_pinning::sync::lock(&self.starting);
+            if instances.contains_key(&uuid) || starting.contains(&uuid) {
+                return Err(LifecycleError::DuplicateUuid(uuid));
+            }
+            if instances.len() + starting.len() >= self.max_instances {
+                return Err(LifecycleError::TooManyInstances(self.max_instances));
+            }
+            starting.insert(uuid);
+            Starting { starting: &self.starting, uuid }
+        };
+        // The device is made outside the table's lock: opening a backing file or setting up
+        // a large RAM namespace can take a while, and `list`, `stop` and other starts go on
+        // meanwhile. The UUID stays reserved until the instance is in the table or failed.
         let ty = self.registry.find(mdev_type).map_err(LifecycleError::from_type)?;
         if options.pin_mode() == umdev_pinning::PinMode::Kernel {
             umdev_pinning::kernel_pins_available().map_err(LifecycleError::KernelPins)?;
         }
         let device = ty.create(&options).map_err(LifecycleError::from_type)?;
+        let mut instances = self.lock();
+        if self.shut_down.load(std::sync::atomic::Ordering::Relaxed) {
+            // Read under the lock `shutdown` sets it under: no instance (and no socket) is
+            // started after the daemon stopped them all.
+            return Err(LifecycleError::Failed("the daemon is shutting down".into()));
+        }
         let socket = self.run_dir.join(format!("{uuid}.sock"));
         let mut config = self.template.clone();
         config.id = uuid.to_string();
@@ -1058,6 +1084,8 @@ impl Manager {
                 overrides: overrides.clone(),
             },
         );
+        // In the table now: counted there, not twice.
+        drop(reserved);
         drop(instances);
         umdev_pinning::sync::lock(&self.stopped).remove(&uuid);
         self.changed();
@@ -1214,10 +1242,26 @@ impl Manager {
         report
     }
 
-    /// Stops everything.
+    /// Stops everything; starts under way start nothing.
     pub fn shutdown(&self) {
+        {
+            let _instances = self.lock();
+            self.shut_down.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         self.daemon.shutdown();
         self.lock().clear();
+    }
+}
+
+/// A UUID reserved while its device is made ([`Manager::start`]); released on drop.
+struct Starting<'a> {
+    starting: &'a Mutex<BTreeSet<Uuid>>,
+    uuid: Uuid,
+}
+
+impl Drop for Starting<'_> {
+    fn drop(&mut self) {
+        umdev_pinning::sync::lock(self.starting).remove(&self.uuid);
     }
 }
 
@@ -1400,6 +1444,117 @@ mod tests {
         let registry =
             Registry::with_types(vec![std::sync::Arc::new(umdev_devices::testdev::TestDevType::new(8))]);
         Manager::new(registry, run, Definitions::new(state), InstanceConfig::new("", ""))
+    }
+
+    /// testdev, whose `create` waits until the test opens its gate.
+    struct Gated {
+        inner: umdev_devices::testdev::TestDevType,
+        /// (creates entered, gate open)
+        state: Mutex<(u32, bool)>,
+        changed: Condvar,
+    }
+
+    impl Gated {
+        fn new() -> std::sync::Arc<Gated> {
+            std::sync::Arc::new(Gated {
+                inner: umdev_devices::testdev::TestDevType::new(8),
+                state: Mutex::new((0, false)),
+                changed: Condvar::new(),
+            })
+        }
+
+        fn wait_entered(&self, n: u32) {
+            let st = self.state.lock().unwrap();
+            drop(self.changed.wait_while(st, |st| st.0 < n).unwrap());
+        }
+
+        fn open(&self) {
+            self.state.lock().unwrap().1 = true;
+            self.changed.notify_all();
+        }
+    }
+
+    impl DeviceType for Gated {
+        fn name(&self) -> &str {
+            self.inner.name()
+        }
+        fn description(&self) -> &str {
+            self.inner.description()
+        }
+        fn available_instances(&self) -> u32 {
+            self.inner.available_instances()
+        }
+        fn create(
+            &self,
+            options: &InstanceOptions,
+        ) -> Result<std::sync::Arc<dyn umdev_mdev::VfioDevice>, TypeError> {
+            let mut st = self.state.lock().unwrap();
+            st.0 += 1;
+            self.changed.notify_all();
+            drop(self.changed.wait_while(st, |st| !st.1).unwrap());
+            self.inner.create(options)
+        }
+    }
+
+    /// Runs `f` on a thread of its own; its result, or None if it has not returned in 60 s
+    /// (it waits for a lock a slow start holds).
+    fn answered<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        rx.recv_timeout(Duration::from_secs(60)).ok()
+    }
+
+    /// A start whose device takes long to make (a large backing file, say) holds up no other
+    /// control request, and one cut short by a shutdown starts nothing and leaves no socket.
+    #[test]
+    fn a_slow_start_holds_up_no_other_request_and_a_shutdown_ends_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (run, state) = (dir.path().join("run"), dir.path().join("state"));
+        private_dir(&run).unwrap();
+        let gated = Gated::new();
+        let registry = Registry::with_types(vec![gated.clone() as std::sync::Arc<dyn DeviceType>]);
+        let manager = std::sync::Arc::new(
+            Manager::new(registry, &run, Definitions::new(&state), InstanceConfig::new("", ""))
+                .with_max_instances(2),
+        );
+        let (first, second) = (Uuid::from_u128(1), Uuid::from_u128(2));
+        let starter = {
+            let m = manager.clone();
+            std::thread::spawn(move || m.start_new("testdev", first, InstanceOptions::default()))
+        };
+        gated.wait_entered(1);
+        let m = manager.clone();
+        let meanwhile = answered(move || {
+            let listed = m.list().len();
+            let again = m.start_new("testdev", first, InstanceOptions::default()).map(|_| ());
+            let room = m.types()[0].available_instances;
+            (listed, again, room)
+        });
+        let Some((listed, again, room)) = meanwhile else {
+            gated.open();
+            panic!("list and start waited for a start making its device");
+        };
+        assert_eq!(listed, 0, "not listed until it runs");
+        assert!(matches!(again, Err(LifecycleError::DuplicateUuid(u)) if u == first), "{again:?}");
+        assert_eq!(room, 1, "the start under way takes capacity");
+        // The daemon shuts down while both make their devices: neither starts.
+        let late = {
+            let m = manager.clone();
+            std::thread::spawn(move || m.start_new("testdev", second, InstanceOptions::default()))
+        };
+        gated.wait_entered(2);
+        let m = manager.clone();
+        assert!(answered(move || m.shutdown()).is_some(), "the shutdown waited for the starts");
+        gated.open();
+        for start in [starter, late] {
+            let err = start.join().unwrap().map(|_| ()).unwrap_err();
+            assert!(err.to_string().contains("shutting down"), "{err}");
+        }
+        assert!(manager.list().is_empty());
+        let left: Vec<_> = std::fs::read_dir(&run).unwrap().flatten().map(|e| e.file_name()).collect();
+        assert!(left.is_empty(), "sockets left after the shutdown: {left:?}");
     }
 
     fn running(d: &Definition, from_definition: bool) -> InstanceSummary {
