@@ -396,17 +396,35 @@ impl Definitions {
         std::fs::File::open(&self.dir).and_then(|d| d.sync_all()).map_err(Self::io("syncing", &self.dir))
     }
 
-    /// Removes a definition (a file that cannot be read as one too: it is named by its UUID).
+    /// Removes a definition (a file that cannot be read as one too: it is named by its UUID),
+    /// and any file named by another spelling of the UUID ([`Definitions::entries`] shows
+    /// those as invalid).
     pub fn undefine(&self, uuid: &Uuid) -> Result<(), LifecycleError> {
         let path = self.path(uuid);
         if !self.dir.exists() {
             return Err(LifecycleError::NotDefined(*uuid));
         }
         let _lock = self.lock()?;
-        match std::fs::remove_file(&path) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Err(LifecycleError::NotDefined(*uuid)),
-            Err(e) => Err(Self::io("removing", &path)(e)),
+        let mut removed = match std::fs::remove_file(&path) {
+            Ok(()) => true,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => false,
+            Err(e) => return Err(Self::io("removing", &path)(e)),
+        };
+        let entries = std::fs::read_dir(&self.dir).map_err(Self::io("reading", &self.dir))?;
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            if name.strip_suffix(".json").and_then(|u| Uuid::parse_str(u).ok()) == Some(*uuid) {
+                match std::fs::remove_file(e.path()) {
+                    Ok(()) => removed = true,
+                    Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+                    Err(err) => return Err(Self::io("removing", &e.path())(err)),
+                }
+            }
+        }
+        if removed {
+            Ok(())
+        } else {
+            Err(LifecycleError::NotDefined(*uuid))
         }
     }
 
@@ -487,14 +505,31 @@ impl Definitions {
         }
         check_private_dir(&self.dir)?;
         let entries = std::fs::read_dir(&self.dir).map_err(Self::io("reading", &self.dir))?;
-        let mut all: Vec<DefinitionFile> = entries
-            .flatten()
-            .filter_map(|e| {
-                let name = e.file_name().to_string_lossy().to_string();
-                let uuid = Uuid::parse_str(name.strip_suffix(".json")?).ok()?;
-                Some((uuid, self.read(&uuid)))
-            })
-            .collect();
+        let mut all: Vec<DefinitionFile> = Vec::new();
+        let mut strays: Vec<DefinitionFile> = Vec::new();
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            let Some(uuid) = name.strip_suffix(".json").and_then(|u| Uuid::parse_str(u).ok()) else {
+                continue;
+            };
+            if name == format!("{uuid}.json") {
+                all.push((uuid, self.read(&uuid)));
+            } else {
+                // Another spelling of a UUID (upper case, braces, no hyphens): shown, so that
+                // it can be renamed or removed, but never read as the definition.
+                let why = format!(
+                    "named as no definition is: a definition's file is its UUID in lower case \
+                     ({uuid}.json), so this one is not used (rename it, or `umdev undefine -u {uuid}` \
+                     removes it)"
+                );
+                strays.push((uuid, Err(LifecycleError::Invalid { path: self.dir.join(&name), why })));
+            }
+        }
+        // A stray beside the definition it spells differently is left out.
+        strays.retain(|(uuid, _)| all.iter().all(|(u, _)| u != uuid));
+        strays.sort_by_key(|(uuid, _)| *uuid);
+        strays.dedup_by_key(|(uuid, _)| *uuid);
+        all.extend(strays);
         all.sort_by_key(|(uuid, _)| *uuid);
         Ok(all)
     }
@@ -1307,6 +1342,47 @@ mod tests {
         defs.undefine(&uuid).unwrap();
         assert!(matches!(defs.undefine(&uuid), Err(LifecycleError::NotDefined(_))));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A file named by another spelling of a UUID (upper case, say, written by hand) is shown
+    /// as an invalid definition naming the file, not read as one, and `undefine` removes it.
+    #[test]
+    fn a_definition_file_spelt_otherwise_is_shown_invalid_and_can_be_undefined() {
+        let dir = tempfile::tempdir().unwrap();
+        let defs = Definitions::new(dir.path());
+        let d = def(0xabcd, StartPolicy::Auto);
+        let upper = format!("{}.json", d.uuid.to_string().to_uppercase());
+        let text = serde_json::to_string(&d).unwrap();
+        defs.define(&def(1, StartPolicy::Manual)).unwrap();
+        std::fs::write(dir.path().join(&upper), &text).unwrap();
+        let entries = defs.entries().unwrap();
+        assert_eq!(entries.len(), 2);
+        let (uuid, stray) = &entries[1];
+        assert_eq!(*uuid, d.uuid);
+        match stray {
+            Err(LifecycleError::Invalid { path, why }) => {
+                assert_eq!(path, &dir.path().join(&upper));
+                assert!(why.contains(&format!("{}.json", d.uuid)), "{why}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            matches!(defs.get(&d.uuid), Err(LifecycleError::NotDefined(_))),
+            "never read as the definition"
+        );
+        // Beside the definition it spells differently, it is left out.
+        defs.define(&d).unwrap();
+        let entries = defs.entries().unwrap();
+        assert_eq!(entries.iter().filter(|(u, _)| *u == d.uuid).count(), 1);
+        assert_eq!(entries[1].1.as_ref().unwrap(), &d);
+        // Undefined, both go; the other definition stays.
+        defs.undefine(&d.uuid).unwrap();
+        assert!(!dir.path().join(&upper).exists());
+        assert_eq!(defs.list(), vec![def(1, StartPolicy::Manual)]);
+        std::fs::write(dir.path().join(&upper), &text).unwrap();
+        defs.undefine(&d.uuid).unwrap();
+        assert!(matches!(defs.undefine(&d.uuid), Err(LifecycleError::NotDefined(_))));
+        assert_eq!(defs.entries().unwrap().len(), 1);
     }
 
     #[test]
