@@ -24,6 +24,7 @@ use umdev_pinning::PinMode;
 use self::bus::{BusCounters, PinLists, PinningBus, StopFlag};
 use self::program::{Reason, Status};
 pub use crate::store::Store;
+use umdev_mdev::guest::GuestError;
 use umdev_mdev::irq::IrqHandle;
 use umdev_mdev::pci::bar::Bar;
 use umdev_mdev::pci::caps::{MsiCap, MsixCap};
@@ -273,28 +274,58 @@ impl Shared {
     }
 
     /// A program ended: status block, registers, interrupt.
+    ///
+    /// The status block is written under the line lock, after the generation is checked
+    /// there: a reset bumps the generation under the same locks, so the block of a program
+    /// the reset ended never reaches memory the guest may have reused since (a copy through
+    /// a pin, which waits on nobody). Memory the client mapped without an fd is written
+    /// through the client instead, whose answer the connection thread reads, the thread a
+    /// reset runs on: that write is made before the lock, so there a reset may still come
+    /// between the check and the write.
     fn complete(&self, job: &Job, status: Status, ctx: &DeviceContext) {
-        let sc = &self.subchannels[job.index];
         if self.generation.load(Ordering::Acquire) != job.generation {
             return; // reset meanwhile: the program's subchannel state is gone
         }
-        if job.status_addr != 0 {
-            if let Err(e) = ctx.write_obj(job.status_addr, &status.block()) {
-                log::debug!("ccw: subchannel {}: status block at {:#x}: {e}", sc.index, job.status_addr);
-            }
-        }
-        let _line = self.line();
-        {
-            let mut r = sc.regs();
-            // Checked again under the registers' lock: a reset bumps the generation before
-            // it clears the registers, so it either sees this update or this sees its bump.
+        let block = status.encode();
+        let mut pinned = job.status_addr != 0;
+        if pinned {
+            let _line = self.line();
+            let _regs = self.subchannels[job.index].regs();
             if self.generation.load(Ordering::Acquire) != job.generation {
                 return;
             }
-            r.state = regs::STATE_PENDING;
-            r.last = Some(status);
-            r.programs = r.programs.wrapping_add(1);
+            match ctx.write_pinned(job.status_addr, &block) {
+                Ok(()) => return self.post(job, status, _line, _regs),
+                Err(GuestError::NoHostMemory { .. }) => pinned = false,
+                Err(e) => {
+                    log::debug!("ccw: subchannel {}: status block at {:#x}: {e}", job.index, job.status_addr);
+                    return self.post(job, status, _line, _regs);
+                }
+            }
         }
+        if job.status_addr != 0 && !pinned {
+            if let Err(e) = ctx.write_either(job.status_addr, &block) {
+                log::debug!("ccw: subchannel {}: status block at {:#x}: {e}", job.index, job.status_addr);
+            }
+        }
+        let line = self.line();
+        let regs = self.subchannels[job.index].regs();
+        // Checked again under the registers' lock: a reset bumps the generation before
+        // it clears the registers, so it either sees this update or this sees its bump.
+        if self.generation.load(Ordering::Acquire) != job.generation {
+            return;
+        }
+        self.post(job, status, line, regs);
+    }
+
+    /// The registers and the interrupt of a program that ended, under the line lock and the
+    /// subchannel's registers' lock (the generation checked under them).
+    fn post(&self, job: &Job, status: Status, _line: MutexGuard<'_, ()>, mut r: MutexGuard<'_, SubRegs>) {
+        let sc = &self.subchannels[job.index];
+        r.state = regs::STATE_PENDING;
+        r.last = Some(status);
+        r.programs = r.programs.wrapping_add(1);
+        drop(r);
         self.programs.fetch_add(1, Ordering::Relaxed);
         match self.irq.mode() {
             umdev_mdev::irq::IrqMode::Msix => {
