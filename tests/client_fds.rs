@@ -256,8 +256,8 @@ fn a_file_on_a_fuse_file_system_that_never_answers_stalls_nothing() {
         assert!(st.late.is_empty(), "a request was held {HOLD_AT_MOST:?}: {:?}", st.late);
     }
     // Answered, the closer's close returns and the closers' queue empties.
-    fuse.state.lock().unwrap().release = true;
     assert_eq!(umdev_server::client_fd::closes_pending(), 1, "the FLUSH's close still pending");
+    fuse.state.lock().unwrap().release = true;
     assert!(umdev_server::client_fd::wait_closed(Duration::from_secs(60)), "the closers never finished");
     drop(file);
     drop(next);

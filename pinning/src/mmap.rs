@@ -147,11 +147,50 @@ fn check_local(fd: BorrowedFd<'_>) -> Result<(), MmapError> {
         .and_then(|id| id.trim().parse::<u64>().ok())
         .ok_or_else(|| MmapError::Inspect(io::Error::other("no mnt_id in /proc/self/fdinfo")))?;
     let table = std::fs::read_to_string("/proc/self/mountinfo").map_err(MmapError::Inspect)?;
-    match mount_fstype(&table, mount) {
+    // A mount of another namespace (the client's, where this process runs in one of its own,
+    // as under systemd's `ProtectSystem=`) is not in the table by its id, but its file system
+    // is by its device, if this namespace mounts it too.
+    let fstype = mount_fstype(&table, mount)
+        .or_else(|| device_of(fd).ok().and_then(|(major, minor)| device_fstype(&table, major, minor)));
+    match fstype {
         Some(fstype) if MEMORY_FILESYSTEM_NAMES.contains(&fstype) => Ok(()),
         Some(fstype) => Err(MmapError::Mount { fstype: fstype.to_string() }),
         None => Err(MmapError::Mount { fstype: "a mount outside this process's mount table".into() }),
     }
+}
+
+/// The device (`st_dev`) of `fd`'s file, asked with `AT_STATX_DONT_SYNC` and nothing in
+/// the mask: FUSE and the network file systems then answer from what they hold, without
+/// asking their server.
+#[cfg(not(miri))]
+fn device_of(fd: BorrowedFd<'_>) -> io::Result<(u32, u32)> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: an all-zero statx is a valid value of the plain-data struct.
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: an empty NUL-terminated path with AT_EMPTY_PATH names the open fd; the kernel
+    // writes at most one statx into the live local.
+    let r = unsafe {
+        libc::statx(fd.as_raw_fd(), c"".as_ptr(), libc::AT_EMPTY_PATH | libc::AT_STATX_DONT_SYNC, 0, &mut stx)
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((stx.stx_dev_major, stx.stx_dev_minor))
+}
+
+/// The file system type of a mount of device `major:minor` in a `/proc/PID/mountinfo` text
+/// (its third field).
+#[cfg(not(miri))]
+fn device_fstype(table: &str, major: u32, minor: u32) -> Option<&str> {
+    let dev = format!("{major}:{minor}");
+    table.lines().find_map(|line| {
+        let mut fields = line.split(' ');
+        if fields.nth(2)? != dev {
+            return None;
+        }
+        fields.by_ref().find(|&f| f == "-")?;
+        fields.next()
+    })
 }
 
 /// The file system type of mount `id` in a `/proc/PID/mountinfo` text: each line is
@@ -430,7 +469,7 @@ impl Drop for HostMemory {
 mod tests {
     use super::*;
     use crate::testutil::memfd;
-    use std::os::fd::AsFd;
+    use std::os::fd::{AsFd, AsRawFd};
 
     #[test]
     #[cfg_attr(miri, ignore = "Miri: maps no file")]
@@ -469,9 +508,15 @@ mod tests {
         let file = std::fs::File::open("/proc/self/status").unwrap();
         let err = HostMemory::map(file.as_fd(), 0, PAGE_SIZE, Prot::READ).unwrap_err();
         assert!(matches!(&err, MmapError::Mount { fstype } if fstype == "proc"), "{err}");
+        // A device node: on devtmpfs, refused by its mount; where /dev is a tmpfs (a
+        // container's), for not being a regular file.
         let null = std::fs::File::open("/dev/null").unwrap();
         let err = HostMemory::map(null.as_fd(), 0, PAGE_SIZE, Prot::READ).unwrap_err();
-        assert!(matches!(&err, MmapError::Mount { fstype } if fstype == "devtmpfs"), "{err}");
+        assert!(
+            matches!(&err, MmapError::Mount { fstype } if fstype == "devtmpfs")
+                || matches!(err, MmapError::NotRegularFile { .. }),
+            "{err}"
+        );
         // A file on a disk file system (the temporary directory's, if it is one) is mapped.
         let path = std::env::temp_dir().join(format!("umdev-mmap-local-{}", std::process::id()));
         std::fs::write(&path, vec![0u8; PAGE_SIZE as usize]).unwrap();
@@ -482,6 +527,65 @@ mod tests {
             Err(MmapError::Mount { fstype }) => {
                 assert!(!MEMORY_FILESYSTEM_NAMES.contains(&fstype.as_str()), "{fstype} is listed")
             }
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// A file opened through another mount namespace's mount (the client's, where the server
+    /// runs in one of its own) is not in this process's table by its mount id, and is mapped
+    /// by its device's file system. Needs root and util-linux's `unshare`; says so otherwise.
+    #[test]
+    #[cfg(not(miri))]
+    fn a_file_of_another_mount_namespace_is_known_by_its_device() {
+        // The workspace's build directory: on the disk, where a temporary directory may be a
+        // tmpfs (a memory file, known without the table).
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target");
+        let path = dir.join(format!("umdev-mmap-ns-{}", std::process::id()));
+        std::fs::write(&path, vec![0u8; PAGE_SIZE as usize]).unwrap();
+        let child = std::process::Command::new("unshare")
+            .args([
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                "exec 3<\"$0\"; echo ready; exec sleep 60",
+            ])
+            .arg(&path)
+            .stdout(std::process::Stdio::piped())
+            .spawn();
+        let Ok(mut child) = child else {
+            std::fs::remove_file(&path).unwrap();
+            return eprintln!("skipped: no unshare");
+        };
+        let mut line = String::new();
+        let ready = std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+            &mut line,
+        );
+        let file = std::fs::File::open(format!("/proc/{}/fd/3", child.id()));
+        let ours = std::fs::File::open(&path).unwrap();
+        let _ = child.kill();
+        let _ = child.wait();
+        std::fs::remove_file(&path).unwrap();
+        let (Ok(_), true, Ok(file)) = (ready, line.trim() == "ready", file) else {
+            return eprintln!("skipped: no mount namespace (needs root)");
+        };
+        let table = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        let mount_of = |f: &std::fs::File| -> u64 {
+            let fdinfo = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", f.as_raw_fd())).unwrap();
+            fdinfo.lines().find_map(|l| l.strip_prefix("mnt_id:")).unwrap().trim().parse().unwrap()
+        };
+        assert_eq!(
+            mount_fstype(&table, mount_of(&file)),
+            None,
+            "the other namespace's mount is not in this table"
+        );
+        // What the same file is on through this namespace's mount.
+        let want = mount_fstype(&table, mount_of(&ours)).unwrap().to_string();
+        match HostMemory::map(file.as_fd(), 0, PAGE_SIZE, Prot::READ) {
+            Ok(_) => assert!(MEMORY_FILESYSTEM_NAMES.contains(&want.as_str()), "mapped from {want}"),
+            Err(MmapError::Mount { fstype }) => assert_eq!(fstype, want, "known by its device"),
             Err(e) => panic!("{e}"),
         }
     }
@@ -497,6 +601,10 @@ mod tests {
         assert_eq!(mount_fstype(table, 90), Some("fuse.sshfs"));
         assert_eq!(mount_fstype(table, 2), None);
         assert_eq!(mount_fstype("3 1 0:1 / / rw\n", 3), None, "a line without its separator");
+        // By device, for a mount of another namespace.
+        assert_eq!(device_fstype(table, 252, 0), Some("ext4"));
+        assert_eq!(device_fstype(table, 0, 50), Some("fuse.sshfs"));
+        assert_eq!(device_fstype(table, 0, 5), None);
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //!
 //! What closes at once, on the thread that drops it: memory files (memfds, tmpfs and
 //! hugetlbfs files, told by `F_GET_SEALS`, which only the kernel's shmem and hugetlbfs code
-//! serve), pipes, sockets (made non-lingering as they arrive) and anonymous inodes (eventfds).
+//! serve), pipes, sockets (made non-lingering as they arrive) and eventfds.
 //! Everything else goes to the closers: up to [`MAX_CLOSERS`] threads, started as needed and
 //! ending after [`CLOSER_IDLE`] without work, which take queued fds in order. If
 //! [`MAX_QUEUED`] fds already wait (the closers are all stuck on a server that does not
@@ -88,7 +88,9 @@ fn closes_at_once(fd: BorrowedFd<'_>) -> bool {
     // procfs names the file from the kernel's own record of it.
     let Ok(link) = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())) else { return false };
     let link = link.as_os_str().as_bytes();
-    [&b"pipe:"[..], b"socket:", b"anon_inode:"].iter().any(|kind| link.starts_with(kind))
+    // Of anonymous inodes only eventfds: the release of others may wait on their owner (a
+    // userfaultfd's takes the client's mmap lock).
+    link == b"anon_inode:[eventfd]" || [&b"pipe:"[..], b"socket:"].iter().any(|kind| link.starts_with(kind))
 }
 
 struct Closers {
@@ -120,12 +122,21 @@ fn close_elsewhere(fd: OwnedFd) {
         return drop(fd);
     }
     c.queue.push_back(fd);
-    if c.idle == 0 && c.threads < MAX_CLOSERS {
+    // A closer counted idle may have been woken for an fd queued before this one and not yet
+    // taken it: one thread more for each fd beyond the idle ones.
+    if c.queue.len() > c.idle && c.threads < MAX_CLOSERS {
         let spawned = std::thread::Builder::new().name("umdev-closer".into()).spawn(closer);
         match spawned {
             Ok(_) => c.threads += 1,
-            // No thread now: an existing closer takes it when it can, or the next drop tries again.
-            Err(e) => log::warn!("cannot start a closer thread: {e}"),
+            Err(e) if c.threads == 0 => {
+                // No closer at all to take it: closed here after all.
+                log::warn!("cannot start a closer thread ({e}); closing a client fd on this thread");
+                let fd = c.queue.pop_back();
+                drop(c);
+                return drop(fd);
+            }
+            // The running closers take it in turn.
+            Err(e) => log::warn!("cannot start another closer thread: {e}"),
         }
     }
     drop(c);
@@ -189,6 +200,9 @@ mod tests {
         for fd in [memfd.as_fd(), r.as_fd(), w.as_fd(), efd.as_fd(), s1.as_fd()] {
             assert!(closes_at_once(fd));
         }
+        // Of anonymous inodes, eventfds only.
+        let epoll = nix::sys::epoll::Epoll::new(nix::sys::epoll::EpollCreateFlags::empty()).unwrap();
+        assert!(!closes_at_once(epoll.0.as_fd()));
         let proc = std::fs::File::open("/proc/self/status").unwrap();
         let null = std::fs::File::open("/dev/null").unwrap();
         assert!(!closes_at_once(proc.as_fd()) && !closes_at_once(null.as_fd()));

@@ -10,6 +10,7 @@ use std::os::unix::net::UnixStream;
 
 use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
 
+use crate::client_fd::ClientFd;
 use crate::wire::framing::Framer;
 use crate::wire::Header;
 
@@ -62,6 +63,8 @@ impl Receiver {
         // ones it did install must still be closed.
         let fds = installed_fds(&msg);
         fds.iter().for_each(no_linger);
+        // Closed as any client fd is, also when they are dropped just below.
+        let fds: Vec<ClientFd> = fds.into_iter().map(ClientFd::from).collect();
         if msg.msg_flags & libc::MSG_CTRUNC != 0 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,

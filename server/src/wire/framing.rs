@@ -118,11 +118,11 @@ impl Framer {
     }
 
     /// Records that `n` bytes were received into [`Framer::spare`], with `fds`.
-    pub fn commit(&mut self, n: usize, fds: Vec<OwnedFd>) {
+    pub fn commit(&mut self, n: usize, fds: Vec<ClientFd>) {
         let n = n.min(self.buf.len() - self.filled);
         let last = self.base + (self.filled + n.max(1) - 1) as u64;
         self.filled += n;
-        self.add_fds(last, fds.into_iter().map(ClientFd::from).collect());
+        self.add_fds(last, fds);
     }
 
     /// Appends bytes and fds as if received in one read (for tests and fuzzing).
@@ -138,7 +138,7 @@ impl Framer {
         let spare = self.spare();
         let n = bytes.len() - done;
         spare[..n].copy_from_slice(&bytes[done..]);
-        self.commit(n, fds);
+        self.commit(n, fds.into_iter().map(ClientFd::from).collect());
     }
 
     fn add_fds(&mut self, pos: u64, mut fds: Vec<ClientFd>) {
