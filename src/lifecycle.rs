@@ -79,6 +79,9 @@ pub enum LifecycleError {
     /// A client is connected and the stop was not forced.
     #[error("instance {0} has a client connected; use --force to disconnect it")]
     Busy(Uuid),
+    /// Stopped while its device is still being made.
+    #[error("instance {0} is still starting (its device is being made); stop it once `umdev list` shows it")]
+    Starting(Uuid),
     /// Kernel pin mode asked for where this process cannot take kernel pins (no io_uring, or
     /// io_uring refused to it): why, what to do, and that the other modes need no io_uring.
     #[error("pin mode kernel: {0}; pin modes lock and track need no io_uring (--pin-mode lock)")]
@@ -148,7 +151,7 @@ impl LifecycleError {
             LifecycleError::Exhausted(_) => libc::EUSERS,
             LifecycleError::DuplicateUuid(_) | LifecycleError::AlreadyDefined(_) => libc::EEXIST,
             LifecycleError::Invalid { .. } => libc::EBADMSG,
-            LifecycleError::Busy(_) => libc::EBUSY,
+            LifecycleError::Busy(_) | LifecycleError::Starting(_) => libc::EBUSY,
             LifecycleError::TooManyInstances(_) => libc::ENOSPC,
             LifecycleError::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
             // Its errno is public: one made with none (0, which reads as success) is EIO.
@@ -1078,6 +1081,9 @@ impl Manager {
     ) -> Result<InstanceSummary, LifecycleError> {
         let reserved = {
             let instances = self.lock();
+            if self.shut_down.load(std::sync::atomic::Ordering::Relaxed) {
+                return Err(LifecycleError::Failed("the daemon is shutting down".into()));
+            }
             let mut starting = umdev_pinning::sync::lock(&self.starting);
             if instances.contains_key(&uuid) || starting.contains(&uuid) {
                 return Err(LifecycleError::DuplicateUuid(uuid));
@@ -1169,7 +1175,16 @@ impl Manager {
     pub fn stop(&self, uuid: Uuid, force: bool) -> Result<(), LifecycleError> {
         // Out of the table while it stops (cutting a client and joining its threads can take
         // the unmap timeout), so other control requests are not held up meanwhile.
-        let record = self.lock().remove(&uuid).ok_or(LifecycleError::UnknownUuid(uuid))?;
+        let record = {
+            let mut instances = self.lock();
+            match instances.remove(&uuid) {
+                Some(record) => record,
+                None if umdev_pinning::sync::lock(&self.starting).contains(&uuid) => {
+                    return Err(LifecycleError::Starting(uuid))
+                }
+                None => return Err(LifecycleError::UnknownUuid(uuid)),
+            }
+        };
         // Marked stopped before it stops: a reload meanwhile must not start it again. Only
         // definitions are ever started by a reload, so only they are remembered: one it was
         // started from, or one written for it while it ran (`umdev define -u UUID --auto`
@@ -1251,6 +1266,8 @@ impl Manager {
         {
             match row.state {
                 SyncState::Stopped if row.start == Some(StartPolicy::Auto) => report.held_back.push(row.uuid),
+                // Being started by a `umdev start` right now: not a failure to report.
+                SyncState::NotStarted if umdev_pinning::sync::lock(&self.starting).contains(&row.uuid) => {}
                 SyncState::NotStarted => {
                     match self.start(None, Some(row.uuid), InstanceOptions::default(), false) {
                         Ok(_) => report.started.push(row.uuid),
@@ -1606,15 +1623,17 @@ mod tests {
             let listed = m.list().len();
             let again = m.start_new("testdev", first, InstanceOptions::default()).map(|_| ());
             let room = m.types()[0].available_instances;
-            (listed, again, room)
+            let stop = m.stop(first, true);
+            (listed, again, room, stop)
         });
-        let Some((listed, again, room)) = meanwhile else {
+        let Some((listed, again, room, stop)) = meanwhile else {
             gated.open();
             panic!("list and start waited for a start making its device");
         };
         assert_eq!(listed, 0, "not listed until it runs");
         assert!(matches!(again, Err(LifecycleError::DuplicateUuid(u)) if u == first), "{again:?}");
         assert_eq!(room, 1, "the start under way takes capacity");
+        assert!(matches!(stop, Err(LifecycleError::Starting(u)) if u == first), "{stop:?}");
         // The daemon shuts down while both make their devices: neither starts.
         let late = {
             let m = manager.clone();
