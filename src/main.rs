@@ -55,6 +55,10 @@ struct LimitArgs {
     /// DMA mappings a client may hold (4096).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     max_dma_maps: Option<u32>,
+    /// Bytes of DMA mappings with an fd a client may hold (17592186044416: 16 TiB, a quarter of
+    /// the process's default budget, so that one client cannot take it all).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(4096..))]
+    max_dma_bytes: Option<u64>,
     /// DMA mappings all clients of this process may hold together: each is a VMA, a per-process kernel
     /// resource (half of vm.max_map_count: 32765 by default).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
@@ -82,6 +86,9 @@ impl LimitArgs {
         if let Some(n) = self.max_dma_maps {
             l.max_dma_maps = n;
             config.dma.max_mappings = n as usize;
+        }
+        if let Some(n) = self.max_dma_bytes {
+            config.dma.max_mapped_bytes = n;
         }
         if let Some(n) = self.max_process_mappings {
             umdev_pinning::set_process_mapping_limit(n);

@@ -44,6 +44,16 @@ fn each_limit_has_a_flag_and_a_clear_error() {
     // The capability advertised the limit.
     drop(c);
 
+    // Bytes of mappings per client.
+    let socket = dir.path().join("bytes.sock");
+    let _s = run(&socket, &["--type", "testdev", "--max-dma-bytes", "1048576"]);
+    let mut c = connect(&socket);
+    let r = c.request(Cmd::DmaMap as u16, &dma_map_payload(3, 0, 0, 1 << 20), &[ram.as_raw_fd()]).unwrap();
+    assert_eq!(r.errno(), 0, "1 MiB, the limit");
+    let r = c.request(Cmd::DmaMap as u16, &dma_map_payload(3, 0, 2 << 20, 4096), &[ram.as_raw_fd()]).unwrap();
+    assert_eq!(r.errno(), libc::ENOMEM, "a page more");
+    drop(c);
+
     // Data per access, and so the message size.
     let socket = dir.path().join("xfer.sock");
     let _s = run(&socket, &["--type", "testdev", "--max-data-xfer", "4096"]);

@@ -108,6 +108,7 @@ pub use sigbus::recovered_faults;
 pub use smallvec::SmallVec;
 pub use space::{
     DmaSpace, DmaSpaceConfig, DmaStats, MapError, MappingInfo, UnmapError, UnmapNotifier, Unmapped,
+    DEFAULT_MAX_MAPPED_BYTES,
 };
 pub use vm_memory::{ByteValued, VolatileSlice};
 

@@ -102,6 +102,7 @@ fn check(ops: &[Op], mode: PinMode, alone: bool) {
     let account = Arc::new(LockAccount::with_limit(LOCK_LIMIT_PAGES * P));
     let space = DmaSpace::try_new(DmaSpaceConfig {
         max_mappings: MAX_MAPPINGS,
+        max_mapped_bytes: crate::DEFAULT_MAX_MAPPED_BYTES,
         mode,
         account: account.clone(),
         unmap_timeout: Duration::ZERO,

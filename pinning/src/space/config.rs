@@ -21,12 +21,19 @@ use crate::page::Prot;
 /// `set_unmap_notifier(None)` when it is done).
 pub type UnmapNotifier = Arc<dyn Fn(u64, u64) + Send + Sync>;
 
+/// [`DmaSpaceConfig::max_mapped_bytes`] by default: 16 TiB.
+pub const DEFAULT_MAX_MAPPED_BYTES: u64 = 16 << 40;
+
 /// How a [`crate::DmaSpace`] behaves; `Default` gives the documented defaults.
 #[derive(Clone, Debug)]
 pub struct DmaSpaceConfig {
     /// Most mappings at once (default 4096; each is a VMA, counted against the process's
     /// `vm.max_map_count`).
     pub max_mappings: usize,
+    /// Most bytes of fd-backed mappings at once (default 16 TiB, a quarter of the process's
+    /// budget for all spaces, [`crate::process_mapped_bytes_limit`]): one client cannot
+    /// take the whole budget and leave the process's other clients none.
+    pub max_mapped_bytes: u64,
     /// How pins hold their pages (default [`PinMode::Track`]).
     pub mode: PinMode,
     /// The locked-memory budget lock-mode pins are charged to (default: a fresh account with
@@ -55,6 +62,7 @@ impl Default for DmaSpaceConfig {
     fn default() -> Self {
         DmaSpaceConfig {
             max_mappings: 4096,
+            max_mapped_bytes: DEFAULT_MAX_MAPPED_BYTES,
             mode: PinMode::Track,
             account: Arc::new(LockAccount::for_this_process()),
             unmap_timeout: Duration::from_secs(2),
@@ -118,6 +126,19 @@ pub enum MapError {
         /// The configured maximum.
         max: usize,
     },
+    /// The mapping would take the space's fd-backed mappings past
+    /// [`DmaSpaceConfig::max_mapped_bytes`].
+    #[error(
+        "{size:#x} more bytes of mappings would pass the space's limit of {max:#x} (it holds {held:#x})"
+    )]
+    TooManyBytes {
+        /// The mapping's size.
+        size: u64,
+        /// Bytes of fd-backed mappings the space holds.
+        held: u64,
+        /// The configured maximum.
+        max: u64,
+    },
     /// The fd cannot back the mapping: past its end, not a regular file, refused by mmap.
     #[error(transparent)]
     Backing(#[from] MmapError),
@@ -129,7 +150,8 @@ impl MapError {
         match self {
             MapError::Overlap { .. } => libc::EEXIST,
             MapError::TooManyMappings { .. } => libc::ENOSPC,
-            MapError::Backing(MmapError::ProcessLimit { .. } | MmapError::ProcessBytes { .. }) => {
+            MapError::TooManyBytes { .. }
+            | MapError::Backing(MmapError::ProcessLimit { .. } | MmapError::ProcessBytes { .. }) => {
                 libc::ENOMEM
             }
             MapError::Backing(MmapError::Inspect(_)) => libc::EBADF,

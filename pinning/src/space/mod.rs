@@ -22,7 +22,10 @@ mod config;
 #[cfg(test)]
 mod tests;
 
-pub use config::{DmaSpaceConfig, DmaStats, MapError, MappingInfo, UnmapError, UnmapNotifier, Unmapped};
+pub use config::{
+    DmaSpaceConfig, DmaStats, MapError, MappingInfo, UnmapError, UnmapNotifier, Unmapped,
+    DEFAULT_MAX_MAPPED_BYTES,
+};
 
 use crate::account::{LockAccount, PinMode};
 use crate::budget::PinPolicy;
@@ -260,7 +263,7 @@ impl DmaSpace {
         offset.checked_add(size).ok_or(MapError::OffsetWraps { offset, size })?;
         // Check overlap and the count before the (cheap, but not free) mmap, and again under
         // the write lock after it.
-        self.check_room(&self.read_table(), iova, size)?;
+        self.check_room(&self.read_table(), iova, size, true)?;
         let memory = HostMemory::map(fd, offset, size, prot)?;
         self.insert(iova, size, prot, Some(memory))
     }
@@ -289,7 +292,13 @@ impl DmaSpace {
         Ok(())
     }
 
-    fn check_room(&self, table: &MappingTable, iova: u64, size: u64) -> Result<(), MapError> {
+    fn check_room(
+        &self,
+        table: &MappingTable,
+        iova: u64,
+        size: u64,
+        with_memory: bool,
+    ) -> Result<(), MapError> {
         let first = pfn_of(iova);
         let last = pfn_of(iova + (size - 1));
         // The only candidates: the last mapping starting at or before `last`.
@@ -306,6 +315,14 @@ impl DmaSpace {
         if table.len() >= self.inner.config.max_mappings {
             return Err(MapError::TooManyMappings { max: self.inner.config.max_mappings });
         }
+        if with_memory {
+            // A walk of at most `max_mappings` entries, per DMA_MAP only.
+            let held: u64 = table.values().filter(|m| m.memory.is_some()).map(|m| m.size()).sum();
+            let max = self.inner.config.max_mapped_bytes;
+            if held.checked_add(size).is_none_or(|total| total > max) {
+                return Err(MapError::TooManyBytes { size, held, max });
+            }
+        }
         Ok(())
     }
 
@@ -313,7 +330,7 @@ impl DmaSpace {
         self.inner.prune_orphans();
         let mapping = Mapping::new(pfn_of(iova), size / PAGE_SIZE, prot, memory, self.inner.policy.clone());
         let mut table = self.write_table();
-        self.check_room(&table, iova, size)?;
+        self.check_room(&table, iova, size, mapping.memory.is_some())?;
         table.insert(mapping.first_pfn, Arc::new(mapping));
         Ok(())
     }

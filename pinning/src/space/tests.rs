@@ -250,3 +250,26 @@ fn an_unmap_whose_notifier_panics_leaves_the_mapping_live() {
     space.set_unmap_notifier(None);
     space.unmap(0x100000, 4 * PAGE_SIZE).unwrap();
 }
+
+/// A space holds at most `max_mapped_bytes` of fd-backed mappings; message-only ones take no
+/// address space and are not counted; an unmap gives the room back.
+#[test]
+#[cfg_attr(miri, ignore = "Miri: maps no file")]
+fn a_space_maps_at_most_its_bytes_with_an_fd() {
+    let p = PAGE_SIZE;
+    let space = DmaSpace::new(DmaSpaceConfig { max_mapped_bytes: 4 * p, ..Default::default() });
+    let file = memfd(8);
+    let fd = file.as_fd();
+    space.map(0, 3 * p, fd, 0, RW).unwrap();
+    let err = space.map(16 * p, 2 * p, fd, 0, RW).unwrap_err();
+    assert!(
+        matches!(err, MapError::TooManyBytes { size, held, max } if size == 2 * p && held == 3 * p && max == 4 * p),
+        "{err}"
+    );
+    assert_eq!(err.errno(), libc::ENOMEM);
+    space.map(16 * p, p, fd, 0, RW).unwrap();
+    space.map_message_only(32 * p, 64 * p, RW).unwrap();
+    space.unmap(0, 3 * p).unwrap();
+    space.map(16 * p + p, 3 * p, fd, 0, RW).unwrap();
+    assert_eq!(space.stats().mapped_bytes, 68 * p);
+}
