@@ -1171,7 +1171,8 @@ impl Manager {
     }
 
     /// Stops an instance; refused while a client is connected unless `force`, which
-    /// disconnects it and resets the device. Frees its socket and capacity.
+    /// disconnects it and resets the device, and while its start is still making its device
+    /// ([`LifecycleError::Starting`]). Frees its socket and capacity.
     pub fn stop(&self, uuid: Uuid, force: bool) -> Result<(), LifecycleError> {
         // Out of the table while it stops (cutting a client and joining its threads can take
         // the unmap timeout), so other control requests are not held up meanwhile.
@@ -1271,6 +1272,8 @@ impl Manager {
                 SyncState::NotStarted => {
                     match self.start(None, Some(row.uuid), InstanceOptions::default(), false) {
                         Ok(_) => report.started.push(row.uuid),
+                        // Started (or being started) by a `umdev start` since the status above.
+                        Err(LifecycleError::DuplicateUuid(_)) => {}
                         Err(e) => report.failed.push((row.uuid, e)),
                     }
                 }

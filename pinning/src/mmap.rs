@@ -125,8 +125,14 @@ const MEMORY_FILESYSTEM_NAMES: [&str; 10] =
 /// kernel's shmem and hugetlbfs code serve. For any other the mount comes from the mount id
 /// `/proc/self/fdinfo` shows (procfs prints it from the open file) and its type from
 /// `/proc/self/mountinfo` (the kernel's record of the mount): neither asks the file system.
+///
+/// A mount of another mount namespace (the client's, where this process runs in one of its
+/// own, as under systemd's `ProtectSystem=`) is not in this process's table. Mount ids are
+/// unique across namespaces, so it is looked up in the table of `client` (the process that
+/// sent the fd, if known), and last by the file's device in this process's table (where a
+/// file system shows its superblock's: not Btrfs, whose files show their subvolume's).
 #[cfg(not(miri))]
-fn check_local(fd: BorrowedFd<'_>) -> Result<(), MmapError> {
+fn check_local(fd: BorrowedFd<'_>, client: Option<i32>) -> Result<(), MmapError> {
     use std::os::fd::AsRawFd;
     use std::os::unix::ffi::OsStrExt;
     if nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_GET_SEALS).is_ok() {
@@ -147,10 +153,9 @@ fn check_local(fd: BorrowedFd<'_>) -> Result<(), MmapError> {
         .and_then(|id| id.trim().parse::<u64>().ok())
         .ok_or_else(|| MmapError::Inspect(io::Error::other("no mnt_id in /proc/self/fdinfo")))?;
     let table = std::fs::read_to_string("/proc/self/mountinfo").map_err(MmapError::Inspect)?;
-    // A mount of another namespace (the client's, where this process runs in one of its own,
-    // as under systemd's `ProtectSystem=`) is not in the table by its id, but its file system
-    // is by its device, if this namespace mounts it too.
+    let theirs = client.and_then(|pid| std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).ok());
     let fstype = mount_fstype(&table, mount)
+        .or_else(|| theirs.as_deref().and_then(|theirs| mount_fstype(theirs, mount)))
         .or_else(|| device_of(fd).ok().and_then(|(major, minor)| device_fstype(&table, major, minor)));
     match fstype {
         Some(fstype) if MEMORY_FILESYSTEM_NAMES.contains(&fstype) => Ok(()),
@@ -160,8 +165,8 @@ fn check_local(fd: BorrowedFd<'_>) -> Result<(), MmapError> {
 }
 
 /// The device (`st_dev`) of `fd`'s file, asked with `AT_STATX_DONT_SYNC` and nothing in
-/// the mask: FUSE and the network file systems then answer from what they hold, without
-/// asking their server.
+/// the mask: FUSE then answers from what it holds, without asking its server (9p and CIFS
+/// may still ask theirs, but a client cannot mount those without privilege).
 #[cfg(not(miri))]
 fn device_of(fd: BorrowedFd<'_>) -> io::Result<(u32, u32)> {
     use std::os::fd::AsRawFd;
@@ -330,21 +335,40 @@ impl HostMemory {
     /// Maps `size` bytes of `fd` from `offset` with access `prot`.
     ///
     /// Costs O(1) whatever the size: no MAP_POPULATE, nothing touched.
+    #[cfg(test)]
     pub(crate) fn map(fd: BorrowedFd<'_>, offset: u64, size: u64, prot: Prot) -> Result<Self, MmapError> {
+        Self::map_from(fd, offset, size, prot, None)
+    }
+
+    /// As [`HostMemory::map`], for an fd process `client` sent, if known: a mount of its
+    /// mount namespace is looked up in its mount table too ([`check_local`]).
+    pub(crate) fn map_from(
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        size: u64,
+        prot: Prot,
+        client: Option<i32>,
+    ) -> Result<Self, MmapError> {
         #[cfg(miri)]
         {
             // Miri cannot map a file: the unit tests it runs get private memory of the size.
-            let _ = (fd, offset, prot);
+            let _ = (fd, offset, prot, client);
             return Self::anonymous(size);
         }
         #[cfg(not(miri))]
-        Self::map_file(fd, offset, size, prot)
+        Self::map_file(fd, offset, size, prot, client)
     }
 
     #[cfg(not(miri))]
-    fn map_file(fd: BorrowedFd<'_>, offset: u64, size: u64, prot: Prot) -> Result<Self, MmapError> {
+    fn map_file(
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        size: u64,
+        prot: Prot,
+        client: Option<i32>,
+    ) -> Result<Self, MmapError> {
         // Before anything that asks the file's file system.
-        check_local(fd)?;
+        check_local(fd, client)?;
         let stat = fstat(fd).map_err(|e| MmapError::Inspect(e.into()))?;
         let kind = SFlag::from_bits_truncate(stat.st_mode) & SFlag::S_IFMT;
         if kind != SFlag::S_IFREG {
@@ -532,16 +556,21 @@ mod tests {
     }
 
     /// A file opened through another mount namespace's mount (the client's, where the server
-    /// runs in one of its own) is not in this process's table by its mount id, and is mapped
-    /// by its device's file system. Needs root and util-linux's `unshare`; says so otherwise.
+    /// runs in one of its own) is not in this process's table by its mount id: it is known by
+    /// the client's table, and else by its device's file system in this one. Needs root and
+    /// util-linux's `unshare`; says so otherwise.
     #[test]
     #[cfg(not(miri))]
-    fn a_file_of_another_mount_namespace_is_known_by_its_device() {
+    fn a_file_of_another_mount_namespace_is_known_by_the_clients_table_or_its_device() {
         // The workspace's build directory: on the disk, where a temporary directory may be a
-        // tmpfs (a memory file, known without the table).
+        // tmpfs (a memory file, known without any table).
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target");
         let path = dir.join(format!("umdev-mmap-ns-{}", std::process::id()));
-        std::fs::write(&path, vec![0u8; PAGE_SIZE as usize]).unwrap();
+        if let Err(e) =
+            std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&path, vec![0u8; PAGE_SIZE as usize]))
+        {
+            return eprintln!("skipped: cannot write {}: {e}", path.display());
+        }
         let child = std::process::Command::new("unshare")
             .args([
                 "--mount",
@@ -565,10 +594,10 @@ mod tests {
         );
         let file = std::fs::File::open(format!("/proc/{}/fd/3", child.id()));
         let ours = std::fs::File::open(&path).unwrap();
-        let _ = child.kill();
-        let _ = child.wait();
-        std::fs::remove_file(&path).unwrap();
         let (Ok(_), true, Ok(file)) = (ready, line.trim() == "ready", file) else {
+            let _ = child.kill();
+            let _ = child.wait();
+            std::fs::remove_file(&path).unwrap();
             return eprintln!("skipped: no mount namespace (needs root)");
         };
         let table = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
@@ -583,8 +612,26 @@ mod tests {
         );
         // What the same file is on through this namespace's mount.
         let want = mount_fstype(&table, mount_of(&ours)).unwrap().to_string();
-        match HostMemory::map(file.as_fd(), 0, PAGE_SIZE, Prot::READ) {
-            Ok(_) => assert!(MEMORY_FILESYSTEM_NAMES.contains(&want.as_str()), "mapped from {want}"),
+        let listed = MEMORY_FILESYSTEM_NAMES.contains(&want.as_str());
+        // By the client's table.
+        let pid = i32::try_from(child.id()).unwrap();
+        let by_table = HostMemory::map_from(file.as_fd(), 0, PAGE_SIZE, Prot::READ, Some(pid));
+        // By the device, without the client's table.
+        let by_device = HostMemory::map(file.as_fd(), 0, PAGE_SIZE, Prot::READ);
+        let _ = child.kill();
+        let _ = child.wait();
+        std::fs::remove_file(&path).unwrap();
+        match by_table {
+            Ok(_) => assert!(listed, "mapped from {want}"),
+            Err(MmapError::Mount { fstype }) => assert_eq!(fstype, want, "known by the client's table"),
+            Err(e) => panic!("{e}"),
+        }
+        match by_device {
+            Ok(_) => assert!(listed, "mapped from {want}"),
+            // Btrfs shows its files' subvolume device, not its superblock's.
+            Err(MmapError::Mount { fstype }) if want == "btrfs" => {
+                assert_eq!(fstype, "a mount outside this process's mount table")
+            }
             Err(MmapError::Mount { fstype }) => assert_eq!(fstype, want, "known by its device"),
             Err(e) => panic!("{e}"),
         }

@@ -13,7 +13,7 @@
 //! ending after [`CLOSER_IDLE`] without work, which take queued fds in order. If
 //! [`MAX_QUEUED`] fds already wait (the closers are all stuck on a server that does not
 //! answer), the fd is closed where it is dropped: the queue is bounded, as every resource a
-//! client can grow.
+//! client can grow. So is it when no closer runs and none can be started.
 
 use std::collections::VecDeque;
 use std::mem::ManuallyDrop;

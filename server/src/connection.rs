@@ -151,6 +151,7 @@ fn run(stream: &UnixStream, served: &Served, link: Arc<Link>) -> Disconnect {
     let mut slice = umdev_mdev::sched::SliceChoice::for_this_thread();
     let mut session =
         Session::new(served.device.clone(), served.dma.clone(), limits.clone(), link, served.stats.clone());
+    session.set_client_pid(crate::daemon::peer_pid(stream));
     loop {
         match framer.next_frame() {
             Err(e) => return Disconnect::Framing(e),

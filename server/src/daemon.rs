@@ -175,7 +175,7 @@ impl Slot {
 }
 
 /// The client process at the other end of `stream`.
-fn peer_pid(stream: &UnixStream) -> Option<i32> {
+pub(crate) fn peer_pid(stream: &UnixStream) -> Option<i32> {
     let creds = nix::sys::socket::getsockopt(stream, nix::sys::socket::sockopt::PeerCredentials).ok()?;
     (creds.pid() > 0).then_some(creds.pid())
 }

@@ -61,6 +61,8 @@ pub struct Session {
     scratch: Vec<u8>,
     /// Client mistakes logged at warning level so far (see [`Session::fault`]).
     faults: u32,
+    /// The client's process, where known ([`Session::set_client_pid`]).
+    client_pid: Option<i32>,
 }
 
 /// Client mistakes a connection logs at warning level; the rest go at debug level, so that
@@ -87,7 +89,14 @@ impl Session {
             regions: Vec::new(),
             scratch: Vec::new(),
             faults: 0,
+            client_pid: None,
         }
+    }
+
+    /// The client's process (SO_PEERCRED, when it is in this pid namespace): a file it maps
+    /// from a mount of its own mount namespace is known by its mount table.
+    pub fn set_client_pid(&mut self, pid: Option<i32>) {
+        self.client_pid = pid;
     }
 
     /// Logs a client's mistake: at warning level for the connection's first
@@ -197,7 +206,7 @@ impl Session {
             Request::Version(_) => unreachable!("handled above"),
             Request::DmaMap { iova, size, offset, prot, fd } => {
                 let result = match &fd {
-                    Some(fd) => self.dma.map(iova, size, fd.as_fd(), offset, prot),
+                    Some(fd) => self.dma.map_from(iova, size, fd.as_fd(), offset, prot, self.client_pid),
                     None => self.dma.map_message_only(iova, size, prot),
                 };
                 result.map(|()| Reply::Payload(Vec::new())).map_err(|e| {

@@ -1,7 +1,8 @@
 //! Messages over a UNIX stream socket, with fds as SCM_RIGHTS.
 //!
-//! The only place fds arrive: each is wrapped in an `OwnedFd` at once, so every fd a
-//! client sends is closed unless something takes ownership of it.
+//! The only place fds arrive: each is wrapped in a [`ClientFd`] at once, so every fd a
+//! client sends is closed (without waiting on the client) unless something takes ownership
+//! of it.
 
 use std::io;
 use std::io::IoSlice;

@@ -259,12 +259,27 @@ impl DmaSpace {
         offset: u64,
         prot: Prot,
     ) -> Result<(), MapError> {
+        self.map_from(iova, size, fd, offset, prot, None)
+    }
+
+    /// As [`DmaSpace::map`], for an fd the process `client` sent (its pid, where known): a
+    /// file on a mount of the client's mount namespace, which this process's table does not
+    /// list (a daemon in a namespace of its own), is known by the client's table.
+    pub fn map_from(
+        &self,
+        iova: u64,
+        size: u64,
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        prot: Prot,
+        client: Option<i32>,
+    ) -> Result<(), MapError> {
         self.check_new_range(iova, size, offset, prot)?;
         offset.checked_add(size).ok_or(MapError::OffsetWraps { offset, size })?;
         // Check overlap and the count before the (cheap, but not free) mmap, and again under
         // the write lock after it.
         self.check_room(&self.read_table(), iova, size, true)?;
-        let memory = HostMemory::map(fd, offset, size, prot)?;
+        let memory = HostMemory::map_from(fd, offset, size, prot, client)?;
         self.insert(iova, size, prot, Some(memory))
     }
 
