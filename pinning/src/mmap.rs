@@ -323,6 +323,33 @@ pub(crate) struct HostMemory {
     poisoned: Arc<AtomicBool>,
     /// Released after the munmap in `drop`.
     _reservation: BudgetReservation,
+    /// Its space's share, released after the munmap too ([`HostMemory::charged`]).
+    _charge: Option<SpaceCharge>,
+}
+
+/// Bytes a mapping's memory holds of its space's limit (`DmaSpaceConfig::max_mapped_bytes`),
+/// from before its mmap until after its munmap: an abandoned mapping that pins keep mapped
+/// still counts.
+#[derive(Debug)]
+pub(crate) struct SpaceCharge {
+    held: Arc<AtomicU64>,
+    bytes: u64,
+}
+
+impl SpaceCharge {
+    /// Takes `bytes` of `held`, if that leaves it at most `max`; else the bytes held now.
+    pub(crate) fn take(held: &Arc<AtomicU64>, bytes: u64, max: u64) -> Result<SpaceCharge, u64> {
+        held.fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| {
+            now.checked_add(bytes).filter(|&total| total <= max)
+        })?;
+        Ok(SpaceCharge { held: held.clone(), bytes })
+    }
+}
+
+impl Drop for SpaceCharge {
+    fn drop(&mut self) {
+        self.held.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
 }
 
 // SAFETY: (local) HostMemory is a plain address range in this process's address space; the engine
@@ -393,7 +420,7 @@ impl HostMemory {
             unsafe { mman::mmap(None, length, prot.mmap_flags(), MapFlags::MAP_SHARED, fd, file_offset) }
                 .map_err(|e| MmapError::Mmap(e.into()))?;
         let poisoned = sigbus::register(addr.as_ptr() as usize, len, prot);
-        Ok(HostMemory { addr: addr.cast(), len, backing, poisoned, _reservation: reservation })
+        Ok(HostMemory { addr: addr.cast(), len, backing, poisoned, _reservation: reservation, _charge: None })
     }
 
     /// `size` bytes of private anonymous memory, read-write (Miri's stand-in for a file).
@@ -408,7 +435,7 @@ impl HostMemory {
             .map_err(|e| MmapError::Mmap(e.into()))?;
         let poisoned = sigbus::register(addr.as_ptr() as usize, len, Prot::READ_WRITE);
         let backing = Backing { page_size: PAGE_SIZE, hugetlb: false };
-        Ok(HostMemory { addr: addr.cast(), len, backing, poisoned, _reservation: reservation })
+        Ok(HostMemory { addr: addr.cast(), len, backing, poisoned, _reservation: reservation, _charge: None })
     }
 
     #[cfg(not(miri))]
@@ -426,6 +453,12 @@ impl HostMemory {
         } else {
             Ok(Backing { page_size: PAGE_SIZE, hugetlb: false })
         }
+    }
+
+    /// The memory, holding `charge` until it is unmapped.
+    pub(crate) fn charged(mut self, charge: SpaceCharge) -> Self {
+        self._charge = Some(charge);
+        self
     }
 
     #[inline]

@@ -32,7 +32,7 @@ use crate::budget::PinPolicy;
 use crate::counters::Counts;
 use crate::kernel::KernelPinsUnavailable;
 use crate::mapping::{Mapping, MappingState};
-use crate::mmap::HostMemory;
+use crate::mmap::{HostMemory, SpaceCharge};
 use crate::page::{is_page_aligned, pfn_of, Prot, PAGE_SIZE};
 use crate::reaper::Reap;
 use crate::shard_table::{MappingTable, ShardTable, TableRead, TableWrite};
@@ -53,6 +53,10 @@ pub(crate) struct SpaceInner {
     pub(crate) closed: AtomicBool,
     /// Mappings `abandon_all` took while records still named them: kept until the space goes.
     orphans: Mutex<Vec<Arc<Mapping>>>,
+    /// Bytes of fd-backed mappings whose memory is still mapped, abandoned ones included
+    /// (each mapping's memory gives its share back as it is unmapped): bounded by
+    /// `config.max_mapped_bytes`.
+    mapped_bytes: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl SpaceInner {
@@ -199,6 +203,7 @@ impl DmaSpace {
             notifier: RwLock::default(),
             closed: AtomicBool::new(false),
             orphans: Mutex::default(),
+            mapped_bytes: Arc::default(),
         };
         DmaSpace { inner: Arc::new(SpaceHandle { space: Arc::new(inner) }) }
     }
@@ -278,8 +283,13 @@ impl DmaSpace {
         offset.checked_add(size).ok_or(MapError::OffsetWraps { offset, size })?;
         // Check overlap and the count before the (cheap, but not free) mmap, and again under
         // the write lock after it.
-        self.check_room(&self.read_table(), iova, size, true)?;
-        let memory = HostMemory::map_from(fd, offset, size, prot, client)?;
+        self.check_room(&self.read_table(), iova, size)?;
+        // Abandoned mappings no pin keeps any more give their share back first.
+        self.inner.prune_orphans();
+        let max = self.inner.config.max_mapped_bytes;
+        let charge = SpaceCharge::take(&self.inner.mapped_bytes, size, max)
+            .map_err(|held| MapError::TooManyBytes { size, held, max })?;
+        let memory = HostMemory::map_from(fd, offset, size, prot, client)?.charged(charge);
         self.insert(iova, size, prot, Some(memory))
     }
 
@@ -307,13 +317,7 @@ impl DmaSpace {
         Ok(())
     }
 
-    fn check_room(
-        &self,
-        table: &MappingTable,
-        iova: u64,
-        size: u64,
-        with_memory: bool,
-    ) -> Result<(), MapError> {
+    fn check_room(&self, table: &MappingTable, iova: u64, size: u64) -> Result<(), MapError> {
         let first = pfn_of(iova);
         let last = pfn_of(iova + (size - 1));
         // The only candidates: the last mapping starting at or before `last`.
@@ -330,14 +334,6 @@ impl DmaSpace {
         if table.len() >= self.inner.config.max_mappings {
             return Err(MapError::TooManyMappings { max: self.inner.config.max_mappings });
         }
-        if with_memory {
-            // A walk of at most `max_mappings` entries, per DMA_MAP only.
-            let held: u64 = table.values().filter(|m| m.memory.is_some()).map(|m| m.size()).sum();
-            let max = self.inner.config.max_mapped_bytes;
-            if held.checked_add(size).is_none_or(|total| total > max) {
-                return Err(MapError::TooManyBytes { size, held, max });
-            }
-        }
         Ok(())
     }
 
@@ -345,7 +341,7 @@ impl DmaSpace {
         self.inner.prune_orphans();
         let mapping = Mapping::new(pfn_of(iova), size / PAGE_SIZE, prot, memory, self.inner.policy.clone());
         let mut table = self.write_table();
-        self.check_room(&table, iova, size, mapping.memory.is_some())?;
+        self.check_room(&table, iova, size)?;
         table.insert(mapping.first_pfn, Arc::new(mapping));
         Ok(())
     }

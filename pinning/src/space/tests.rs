@@ -272,4 +272,13 @@ fn a_space_maps_at_most_its_bytes_with_an_fd() {
     space.unmap(0, 3 * p).unwrap();
     space.map(16 * p + p, 3 * p, fd, 0, RW).unwrap();
     assert_eq!(space.stats().mapped_bytes, 68 * p);
+    // Abandoned while a pin keeps it mapped, a mapping still counts, until the pin goes.
+    let guard = space.pin_pages(&[18], RW).unwrap();
+    space.abandon_all();
+    assert!(
+        matches!(space.map(0, 2 * p, fd, 0, RW), Err(MapError::TooManyBytes { held, .. }) if held == 3 * p)
+    );
+    space.map(0, p, fd, 0, RW).unwrap();
+    drop(guard);
+    space.map(8 * p, 3 * p, fd, 0, RW).unwrap();
 }
