@@ -589,6 +589,10 @@ pub struct InstanceSummary {
     /// What `start --override` put over its definition's options.
     #[serde(default, skip_serializing_if = "is_empty_options")]
     pub overrides: InstanceOptions,
+    /// With `overrides`: the definition's options it started from, by which a change of the
+    /// definition is told even in a key the overrides cover.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub defined_options: Option<InstanceOptions>,
 }
 
 /// One instance's counters, as `umdev stats` shows them: named by its `uuid`, as `umdev list`
@@ -680,6 +684,7 @@ struct Record {
     socket: PathBuf,
     from_definition: bool,
     overrides: InstanceOptions,
+    defined_options: Option<InstanceOptions>,
 }
 
 /// What [`Manager::reload`] did and found.
@@ -868,7 +873,12 @@ pub fn sync_status(definitions: &[DefinitionEntry], daemon: Option<&DaemonStatus
             let state = match (daemon, instance) {
                 (None, _) => SyncState::Unknown,
                 (Some(_), Some(i))
-                    if i.mdev_type == d.mdev_type && i.options == overlay(&d.options, &i.overrides) =>
+                    if i.mdev_type == d.mdev_type
+                        && match &i.defined_options {
+                            // Started over its definition: has the definition changed since?
+                            Some(at_start) => *at_start == d.options,
+                            None => i.options == overlay(&d.options, &i.overrides),
+                        } =>
                 {
                     SyncState::Running
                 }
@@ -1032,7 +1042,7 @@ impl Manager {
                     &def.mdev_type,
                     def.uuid,
                     overlay(&def.options, &options),
-                    true,
+                    Some(def.options.clone()),
                     options,
                 );
                 let mut errors = umdev_pinning::sync::lock(&self.errors);
@@ -1056,7 +1066,7 @@ impl Manager {
             (None, None, Some(uuid)) => return Err(LifecycleError::NotDefined(uuid)),
             (None, None, None) => return Err(LifecycleError::NoType),
         };
-        self.start_instance(&mdev_type, uuid, options, false, overrides)
+        self.start_instance(&mdev_type, uuid, options, None, overrides)
     }
 
     /// Starts an instance of `mdev_type` with `options` under `uuid`, a new UUID (chosen by
@@ -1068,7 +1078,7 @@ impl Manager {
         uuid: Uuid,
         options: InstanceOptions,
     ) -> Result<InstanceSummary, LifecycleError> {
-        self.start_instance(mdev_type, uuid, options, false, InstanceOptions::default())
+        self.start_instance(mdev_type, uuid, options, None, InstanceOptions::default())
     }
 
     fn start_instance(
@@ -1076,9 +1086,12 @@ impl Manager {
         mdev_type: &str,
         uuid: Uuid,
         options: InstanceOptions,
-        from_definition: bool,
+        defined: Option<InstanceOptions>,
         overrides: InstanceOptions,
     ) -> Result<InstanceSummary, LifecycleError> {
+        let from_definition = defined.is_some();
+        // Kept only where the overrides hide some of it: else it is what runs.
+        let defined_options = defined.filter(|_| overrides != InstanceOptions::default());
         let reserved = {
             let instances = self.lock();
             if self.shut_down.load(std::sync::atomic::Ordering::Relaxed) {
@@ -1123,6 +1136,7 @@ impl Manager {
                 socket: socket.clone(),
                 from_definition,
                 overrides: overrides.clone(),
+                defined_options: defined_options.clone(),
             },
         );
         // In the table now: counted there, not twice.
@@ -1140,6 +1154,7 @@ impl Manager {
             device,
             from_definition,
             overrides,
+            defined_options,
         })
     }
 
@@ -1227,6 +1242,7 @@ impl Manager {
                     device: info.map(|i| i.device).unwrap_or_default(),
                     from_definition: r.from_definition,
                     overrides: r.overrides.clone(),
+                    defined_options: r.defined_options.clone(),
                 }
             })
             .collect()
@@ -1665,6 +1681,7 @@ mod tests {
             device: serde_json::Value::Null,
             from_definition,
             overrides: InstanceOptions::default(),
+            defined_options: None,
         }
     }
 
@@ -1726,6 +1743,24 @@ mod tests {
         let rows = sync_status(&entries, Some(&status));
         assert_eq!(rows[0].state, SyncState::Running);
         assert_eq!(rows[0].overrides.pin_mode, Some(umdev_mdev::types::PinModeName::Lock));
+        // Started with x=2 over a definition with x=1: running while the definition says x=1,
+        // changed once it says x=3 (a change in a key the override covers) or y=1.
+        let mut started = def(10, StartPolicy::Manual);
+        started.options.params.insert("x".into(), "1".into());
+        let mut instance = running(&started, true);
+        instance.overrides.params.insert("x".into(), "2".into());
+        instance.options.params.insert("x".into(), "2".into());
+        instance.defined_options = Some(started.options.clone());
+        let status =
+            DaemonStatus { instances: vec![instance], stopped: vec![], errors: [].into(), definitions: None };
+        let state_with = |key: &str, value: &str| {
+            let mut now = started.clone();
+            now.options.params.insert(key.into(), value.into());
+            sync_status(&[DefinitionEntry::valid(now)], Some(&status))[0].state
+        };
+        assert_eq!(state_with("x", "1"), SyncState::Running);
+        assert_eq!(state_with("x", "3"), SyncState::Changed, "a change under the override");
+        assert_eq!(state_with("y", "1"), SyncState::Changed);
         // Without a daemon nothing can be told.
         assert!(sync_status(&entries, None)
             .iter()
