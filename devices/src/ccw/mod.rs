@@ -728,15 +728,24 @@ impl CcwType {
 
     /// The configuration an instance with these options would get: [`CcwType::plan`], with
     /// the store opened or made.
-    pub fn config(options: &umdev_mdev::types::InstanceOptions) -> Result<CcwConfig, String> {
+    /// The device's configuration: its options checked (a bad one is [`TypeError::BadOption`]),
+    /// then its store made or opened (a failure there, a busy or missing file say, is
+    /// [`TypeError::Create`], naming the option, as nvme names its namespace).
+    ///
+    /// [`TypeError::BadOption`]: umdev_mdev::types::TypeError::BadOption
+    /// [`TypeError::Create`]: umdev_mdev::types::TypeError::Create
+    pub fn config(
+        options: &umdev_mdev::types::InstanceOptions,
+    ) -> Result<CcwConfig, umdev_mdev::types::TypeError> {
         use umdev_mdev::types::StoreSpec;
-        let plan = Self::plan(options)?;
+        let plan = Self::plan(options).map_err(bad_option)?;
         let store = match &plan.store {
             StoreSpec::Ram(bytes) => {
-                Store::ram(*bytes).map_err(|e| format!("RAM disk of {bytes} bytes: {e}"))?
+                Store::ram(*bytes).map_err(|e| format!("store: RAM disk of {bytes} bytes: {e}"))
             }
-            StoreSpec::File(path) => Store::open(path).map_err(|e| format!("{}: {e}", path.display()))?,
-        };
+            StoreSpec::File(path) => Store::open(path).map_err(|e| format!("store: {}: {e}", path.display())),
+        }
+        .map_err(|why| umdev_mdev::types::TypeError::Create { ty: TYPE_NAME.into(), why })?;
         Ok(CcwConfig { subchannels: plan.subchannels, store })
     }
 }
@@ -769,7 +778,7 @@ impl umdev_mdev::types::DeviceType for CcwType {
         &self,
         options: &umdev_mdev::types::InstanceOptions,
     ) -> Result<Arc<dyn umdev_mdev::VfioDevice>, umdev_mdev::types::TypeError> {
-        let config = Self::config(options).map_err(bad_option)?;
+        let config = Self::config(options)?;
         self.pool.instance(TYPE_NAME, 1, || create(config))
     }
 }
@@ -879,5 +888,25 @@ mod tests {
         let nop = program::Ccw { cmd: program::cmd::NOP, flags: 0, reserved: 0, count: 1, addr: 0 };
         assert_eq!(rig.run(nop), (0, 1, 0));
         rig.device.detach();
+    }
+
+    /// A store file another device holds is no bad option (the same options start once it is
+    /// free): the failure is the creation's, naming the option.
+    #[test]
+    fn a_busy_store_file_fails_the_creation_not_the_options() {
+        let file = tempfile::NamedTempFile::new().unwrap();
+        file.as_file().set_len(1 << 20).unwrap();
+        let mut options = umdev_mdev::types::InstanceOptions::default();
+        options.params.insert("store".into(), format!("file:{}", file.path().display()));
+        let held = CcwType::config(&options).unwrap();
+        match CcwType::config(&options) {
+            Err(umdev_mdev::types::TypeError::Create { ty, why }) => {
+                assert_eq!(ty, TYPE_NAME);
+                assert!(why.starts_with("store: ") && why.contains("in use"), "{why}");
+            }
+            other => panic!("{other:?}"),
+        }
+        drop(held);
+        assert!(CcwType::config(&options).is_ok(), "free again");
     }
 }
