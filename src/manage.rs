@@ -812,6 +812,7 @@ pub struct DefineArgs {
 /// with its type and options (as mdevctl defines a running mdev).
 pub fn define(dirs: &Dirs, args: DefineArgs) -> Out {
     let from_running = args.mdev_type.is_none() && args.jsonfile.is_none();
+    let options_given = args.options != InstanceOptions::default();
     let uuid = match &args.uuid {
         Some(u) => parse_uuid(u)?,
         None => Uuid::new_v4(),
@@ -847,12 +848,14 @@ pub fn define(dirs: &Dirs, args: DefineArgs) -> Out {
     check(&def)?;
     Definitions::new(&dirs.state).define(&def).map_err(|e| e.to_string())?;
     if from_running {
-        log::info!(
-            target: STATUS,
-            "defined {uuid} as it runs: {} {}",
-            def.mdev_type,
-            describe_options(&def.options)
-        );
+        // "As it runs" only where nothing was put over it: else the definition differs from
+        // what runs, and `list --defined` says so until it is restarted.
+        let how = if !options_given {
+            "as it runs"
+        } else {
+            "from how it runs, with the options given over it (restart it to run so)"
+        };
+        log::info!(target: STATUS, "defined {uuid} {how}: {} {}", def.mdev_type, describe_options(&def.options));
     }
     out!("{uuid}")
 }

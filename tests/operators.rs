@@ -383,7 +383,15 @@ fn define_without_a_type_defines_a_running_instance_as_it_runs() {
     assert_eq!(row(A)["options"], running[0]["options"], "defined with what it runs with");
     assert_eq!(row(A)["state"], "running", "in sync with its instance");
     // --auto as ever; options given go over the running ones.
-    env.ok(&["define", "-u", B, "--auto", "--opt", "subchannels=4"]);
+    let defined = env.umdev(&["define", "-u", B, "--auto", "--opt", "subchannels=4"]);
+    assert!(defined.status.success(), "{}", stderr_of(&defined));
+    assert!(
+        stderr_of(&defined).contains(&format!(
+            "defined {B} from how it runs, with the options given over it (restart it to run so): ccw subchannels=4"
+        )),
+        "not 'as it runs': {}",
+        stderr_of(&defined)
+    );
     let rows = json(&env.ok(&["list", "-d", "--json"]));
     let b = rows.as_array().unwrap().iter().find(|r| r["uuid"] == B).unwrap();
     assert_eq!((b["start"].as_str(), b["state"].as_str()), (Some("auto"), Some("changed")), "{b}");
