@@ -11,6 +11,10 @@ pub mod warnings;
 
 use std::sync::Arc;
 
+/// The log target of status lines: what `umdev` tells its user, shown whatever RUST_LOG says
+/// (as `umdev: ...` in a terminal; the binary's logger formats them).
+pub const STATUS: &str = "umdev::status";
+
 use umdev_devices::{ccw, mtty, nvme, testdev};
 use umdev_mdev::types::{Pool, Registry};
 

@@ -197,6 +197,7 @@ pub fn private_dir(dir: &Path) -> Result<(), LifecycleError> {
         }
     })?;
     log::warn!(
+        target: crate::STATUS,
         "{}: its group or others could write to it (mode {mode:o}); write access removed: mode \
          {private:o}. Files already in it may have been put there by others: each is checked as it is \
          read, and one that is not this user's or root's, or that its group or others may write to, is \

@@ -12,7 +12,7 @@ use log::{Level, LevelFilter, Log, Metadata, Record};
 
 /// The target of status lines: what `umdev` tells its user (the daemon's state, a command's
 /// error). They are shown whatever RUST_LOG says, as the plain `eprintln!` they replace were.
-pub const STATUS: &str = "umdev::status";
+pub const STATUS: &str = umdev::STATUS;
 
 /// `--log-format`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]

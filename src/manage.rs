@@ -753,7 +753,7 @@ pub fn list(dirs: &Dirs, view: &ListView) -> Out {
                 Ok(d) => d.start,
                 Err(LifecycleError::NotDefined(_)) => StartPolicy::Manual,
                 Err(e) => {
-                    log::warn!("{}: its start policy is shown as manual: {e}", i.uuid);
+                    log::warn!(target: STATUS, "{}: its start policy is shown as manual: {e}", i.uuid);
                     StartPolicy::Manual
                 }
             },
@@ -976,7 +976,7 @@ pub fn modify(dirs: &Dirs, args: ModifyArgs) -> Out {
     // cannot be asked (or a bad UMDEV_CONTROL_TIMEOUT_MS) is a warning, not a failure.
     let running: Option<Vec<InstanceSummary>> =
         ask_if_running(dirs, &ControlRequest::List).unwrap_or_else(|e| {
-            log::warn!("the change is made, but whether {uuid} runs could not be asked: {e}");
+            log::warn!(target: STATUS, "the change is made, but whether {uuid} runs could not be asked: {e}");
             None
         });
     if running.is_some_and(|r| r.iter().any(|i| i.uuid == uuid)) {

@@ -1640,3 +1640,18 @@ mod benches {
         into_a_closed_pipe(&env, &["pinbench", "--rounds", "1", "--batch-us", "1", "--json"]);
     }
 }
+
+/// The CLI's own warnings read `umdev: ...`, as its other messages do (README, *Logs*), not as
+/// env_logger's lines: here the one about a definitions directory others could write to.
+#[test]
+fn a_cli_warning_reads_as_the_cli_speaks() {
+    let env = Dirs::new();
+    std::fs::create_dir(&env.state).unwrap();
+    std::fs::set_permissions(&env.state, std::fs::Permissions::from_mode(0o770)).unwrap();
+    let defined = env.umdev(&["define", "-t", "testdev"]);
+    assert!(defined.status.success(), "{}", stderr_of(&defined));
+    let stderr = stderr_of(&defined);
+    let line =
+        stderr.lines().find(|l| l.contains("its group or others could write to it")).unwrap_or_default();
+    assert!(line.starts_with("umdev: "), "{stderr}");
+}
