@@ -181,11 +181,16 @@ impl LifecycleError {
 /// left as it was.
 pub fn private_dir(dir: &Path) -> Result<(), LifecycleError> {
     use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)
-        .map_err(|source| LifecycleError::Io { what: "creating", path: dir.to_path_buf(), source })?;
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(|source| {
+        match source.kind() {
+            // Something else by that name: say what, not "File exists".
+            io::ErrorKind::AlreadyExists => LifecycleError::NotPrivate {
+                path: dir.to_path_buf(),
+                why: "not a directory (a directory is wanted there)".into(),
+            },
+            _ => LifecycleError::Io { what: "creating", path: dir.to_path_buf(), source },
+        }
+    })?;
     let Some(mode) = inspect_dir(dir)? else { return Ok(()) };
     let private = mode & !0o022;
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(private)).map_err(|e| {

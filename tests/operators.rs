@@ -1655,3 +1655,12 @@ fn a_cli_warning_reads_as_the_cli_speaks() {
         stderr.lines().find(|l| l.contains("its group or others could write to it")).unwrap_or_default();
     assert!(line.starts_with("umdev: "), "{stderr}");
 }
+
+/// A file where a directory is wanted is named as such, not as "File exists".
+#[test]
+fn a_file_given_as_a_directory_is_called_no_directory() {
+    let env = Dirs::new();
+    std::fs::write(&env.state, "").unwrap();
+    let err = env.fails(&["define", "-t", "testdev"]);
+    assert!(err.contains("not a directory") && !err.contains("File exists"), "{err}");
+}
