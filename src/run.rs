@@ -3,7 +3,7 @@
 
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
-use umdev_mdev::types::{InstanceOptions, Registry};
+use umdev_mdev::types::{InstanceOptions, Registry, TypeError};
 use umdev_server::{Daemon, InstanceConfig};
 
 use crate::logging::STATUS;
@@ -41,7 +41,10 @@ pub fn run(
     options: &InstanceOptions,
     config: InstanceConfig,
 ) -> Result<(), String> {
-    let ty = registry.find(type_name).map_err(|e| e.to_string())?;
+    let ty = registry.find(type_name).map_err(|e| match e {
+        TypeError::UnknownType(t) => format!("unknown device type {t:?} (see `umdev types`)"),
+        e => e.to_string(),
+    })?;
     let device = ty.create(options).map_err(|e| e.to_string())?;
     let mut signals = Signals::new(stop_signals()).map_err(|e| format!("installing signal handlers: {e}"))?;
     let daemon = Daemon::new();

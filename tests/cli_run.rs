@@ -167,7 +167,7 @@ fn run_refuses_a_live_socket_and_replaces_a_stale_one() {
     // And an unknown type is an error too.
     let bad = umdev().args(["run", "--type", "nope", "--socket", "/tmp/x.sock"]).output().unwrap();
     assert!(!bad.status.success());
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown device type"));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown device type \"nope\" (see `umdev types`)"));
     first.kill().unwrap();
     first.wait().unwrap();
 }
