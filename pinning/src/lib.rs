@@ -73,6 +73,7 @@ mod account;
 mod biased;
 mod budget;
 mod counters;
+mod file_kind;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 mod kernel;
@@ -93,6 +94,7 @@ mod spin;
 pub mod sync;
 
 pub use account::{has_cap_ipc_lock, process_lock_limit, LockAccount, OverLimit, PinMode};
+pub use file_kind::{file_kind, FileKind};
 pub use kernel::{kernel_pins_available, KernelPinsUnavailable, KERNEL_BUFFER_BYTES, MAX_KERNEL_BUFFERS};
 pub use mmap::{
     process_mapped_bytes, process_mapped_bytes_limit, process_mapping_limit, process_mappings,

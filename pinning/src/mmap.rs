@@ -17,6 +17,8 @@ use nix::sys::stat::{fstat, SFlag};
 use nix::sys::statfs::{fstatfs, HUGETLBFS_MAGIC};
 use thiserror::Error;
 
+#[cfg(not(miri))]
+use crate::file_kind::{file_kind, FileKind};
 use crate::page::{Prot, PAGE_SIZE};
 use crate::sigbus;
 
@@ -121,10 +123,11 @@ const MEMORY_FILESYSTEM_NAMES: [&str; 10] =
 /// Refuses `fd` unless its file is on a file system of [`MEMORY_FILESYSTEM_NAMES`], learned
 /// without asking that file system: an `fstat` or `fstatfs` of a file on FUSE waits for its
 /// server (perhaps the client, which need never answer), and so would the thread mapping it.
-/// A memory file (a memfd, a tmpfs or hugetlbfs file) answers `F_GET_SEALS`, which only the
-/// kernel's shmem and hugetlbfs code serve. For any other the mount comes from the mount id
-/// `/proc/self/fdinfo` shows (procfs prints it from the open file) and its type from
-/// `/proc/self/mountinfo` (the kernel's record of the mount): neither asks the file system.
+/// A memory file passes at once, and a pipe, a socket or an anonymous inode (on kernel-internal
+/// mounts no table lists) goes on to the `fstat` that refuses it, which asks nobody
+/// ([`file_kind`]). For any other file the mount comes from the mount id `/proc/self/fdinfo`
+/// shows (procfs prints it from the open file) and its type from `/proc/self/mountinfo` (the
+/// kernel's record of the mount): neither asks the file system.
 ///
 /// A mount of another mount namespace (the client's, where this process runs in one of its
 /// own, as under systemd's `ProtectSystem=`) is not in this process's table. Mount ids are
@@ -134,15 +137,7 @@ const MEMORY_FILESYSTEM_NAMES: [&str; 10] =
 #[cfg(not(miri))]
 fn check_local(fd: BorrowedFd<'_>, client: Option<i32>) -> Result<(), MmapError> {
     use std::os::fd::AsRawFd;
-    use std::os::unix::ffi::OsStrExt;
-    if nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_GET_SEALS).is_ok() {
-        return Ok(());
-    }
-    // A pipe, a socket or an anonymous inode (an eventfd) lives on a kernel-internal mount no
-    // table lists; its `fstat` asks nobody, and tells it is no regular file.
-    let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).map_err(MmapError::Inspect)?;
-    let link = link.as_os_str().as_bytes();
-    if [&b"pipe:"[..], b"socket:", b"anon_inode:"].iter().any(|kind| link.starts_with(kind)) {
+    if file_kind(fd) != FileKind::Other {
         return Ok(());
     }
     let fdinfo = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd()))
@@ -183,34 +178,30 @@ fn device_of(fd: BorrowedFd<'_>) -> io::Result<(u32, u32)> {
     Ok((stx.stx_dev_major, stx.stx_dev_minor))
 }
 
-/// The file system type of a mount of device `major:minor` in a `/proc/PID/mountinfo` text
-/// (its third field).
+/// The mounts of a `/proc/PID/mountinfo` text as (id, `MAJ:MIN`, file system type): each
+/// line is `ID PARENT MAJ:MIN ROOT POINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPER_OPTIONS`.
 #[cfg(not(miri))]
-fn device_fstype(table: &str, major: u32, minor: u32) -> Option<&str> {
-    let dev = format!("{major}:{minor}");
-    table.lines().find_map(|line| {
+fn mounts(table: &str) -> impl Iterator<Item = (&str, &str, &str)> {
+    table.lines().filter_map(|line| {
         let mut fields = line.split(' ');
-        if fields.nth(2)? != dev {
-            return None;
-        }
+        let (id, dev) = (fields.next()?, fields.nth(1)?);
+        // The optional fields end at a lone "-"; the type follows it.
         fields.by_ref().find(|&f| f == "-")?;
-        fields.next()
+        Some((id, dev, fields.next()?))
     })
 }
 
-/// The file system type of mount `id` in a `/proc/PID/mountinfo` text: each line is
-/// `ID PARENT MAJ:MIN ROOT POINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPER_OPTIONS`.
+/// The file system type of mount `id` in a `/proc/PID/mountinfo` text.
 #[cfg(not(miri))]
 fn mount_fstype(table: &str, id: u64) -> Option<&str> {
-    table.lines().find_map(|line| {
-        let mut fields = line.split(' ');
-        if fields.next()?.parse::<u64>().ok()? != id {
-            return None;
-        }
-        // The optional fields end at a lone "-"; the type follows it.
-        fields.by_ref().find(|&f| f == "-")?;
-        fields.next()
-    })
+    mounts(table).find(|&(m, _, _)| m.parse() == Ok(id)).map(|(_, _, fstype)| fstype)
+}
+
+/// The file system type of a mount of device `major:minor` in a `/proc/PID/mountinfo` text.
+#[cfg(not(miri))]
+fn device_fstype(table: &str, major: u32, minor: u32) -> Option<&str> {
+    let dev = format!("{major}:{minor}");
+    mounts(table).find(|&(_, d, _)| d == dev).map(|(_, _, fstype)| fstype)
 }
 
 /// Guest mappings alive in this process.

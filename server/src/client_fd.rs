@@ -18,9 +18,10 @@
 use std::collections::VecDeque;
 use std::mem::ManuallyDrop;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
-use std::os::unix::ffi::OsStrExt;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Duration;
+
+use umdev_pinning::{file_kind, sync, FileKind};
 
 /// Closer threads at most.
 pub const MAX_CLOSERS: usize = 4;
@@ -80,17 +81,11 @@ impl Drop for ClientFd {
 }
 
 /// Whether closing `fd` asks no one but the kernel (see the module's documentation). Asks
-/// nothing of the file's own file system either.
+/// nothing of the file's own file system either ([`file_kind`]).
 fn closes_at_once(fd: BorrowedFd<'_>) -> bool {
-    if nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_GET_SEALS).is_ok() {
-        return true;
-    }
-    // procfs names the file from the kernel's own record of it.
-    let Ok(link) = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())) else { return false };
-    let link = link.as_os_str().as_bytes();
     // Of anonymous inodes only eventfds: the release of others may wait on their owner (a
     // userfaultfd's takes the client's mmap lock).
-    link == b"anon_inode:[eventfd]" || [&b"pipe:"[..], b"socket:"].iter().any(|kind| link.starts_with(kind))
+    matches!(file_kind(fd), FileKind::Memory | FileKind::Pipe | FileKind::Socket | FileKind::Eventfd)
 }
 
 struct Closers {
@@ -109,9 +104,8 @@ static WORK: Condvar = Condvar::new();
 static CLOSED: Condvar = Condvar::new();
 
 fn closers() -> MutexGuard<'static, Closers> {
-    // The state is a queue and two counts, consistent at every unlock: a panic elsewhere
-    // leaves nothing half done.
-    CLOSERS.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    // The state is a queue and counts, consistent at every unlock.
+    sync::lock(&CLOSERS)
 }
 
 fn close_elsewhere(fd: OwnedFd) {
@@ -158,8 +152,7 @@ fn closer() {
             continue;
         }
         c.idle += 1;
-        let (guard, timeout) =
-            WORK.wait_timeout(c, CLOSER_IDLE).unwrap_or_else(|poisoned| poisoned.into_inner());
+        let (guard, timeout) = sync::wait_timeout(&WORK, c, CLOSER_IDLE);
         c = guard;
         c.idle -= 1;
         if timeout.timed_out() && c.queue.is_empty() {
@@ -179,9 +172,7 @@ pub fn closes_pending() -> usize {
 /// not (a close waits on its file's server). For checks that count fds.
 pub fn wait_closed(bound: Duration) -> bool {
     let c = closers();
-    let (c, _) = CLOSED
-        .wait_timeout_while(c, bound, |c| !c.queue.is_empty() || c.closing > 0)
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let (c, _) = sync::wait_timeout_while(&CLOSED, c, bound, |c| !c.queue.is_empty() || c.closing > 0);
     c.queue.is_empty() && c.closing == 0
 }
 
