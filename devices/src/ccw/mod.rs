@@ -287,35 +287,38 @@ impl Shared {
             return; // reset meanwhile: the program's subchannel state is gone
         }
         let block = status.encode();
-        let mut pinned = job.status_addr != 0;
-        if pinned {
-            let _line = self.line();
-            let _regs = self.subchannels[job.index].regs();
-            if self.generation.load(Ordering::Acquire) != job.generation {
-                return;
-            }
+        let failed = |e: GuestError| {
+            log::debug!("ccw: subchannel {}: status block at {:#x}: {e}", job.index, job.status_addr)
+        };
+        if job.status_addr != 0 {
+            let Some((line, regs)) = self.current_locked(job) else { return };
             match ctx.write_pinned(job.status_addr, &block) {
-                Ok(()) => return self.post(job, status, _line, _regs),
-                Err(GuestError::NoHostMemory { .. }) => pinned = false,
-                Err(e) => {
-                    log::debug!("ccw: subchannel {}: status block at {:#x}: {e}", job.index, job.status_addr);
-                    return self.post(job, status, _line, _regs);
+                // Mapped without an fd: through the client, outside the locks (below).
+                Err(GuestError::NoHostMemory { .. }) => {}
+                written => {
+                    if let Err(e) = written {
+                        failed(e);
+                    }
+                    return self.post(job, status, line, regs);
                 }
             }
-        }
-        if job.status_addr != 0 && !pinned {
+            drop((line, regs));
             if let Err(e) = ctx.write_either(job.status_addr, &block) {
-                log::debug!("ccw: subchannel {}: status block at {:#x}: {e}", job.index, job.status_addr);
+                failed(e);
             }
         }
+        if let Some((line, regs)) = self.current_locked(job) {
+            self.post(job, status, line, regs);
+        }
+    }
+
+    /// The line lock and `job`'s subchannel's registers, if no reset came since `job` began:
+    /// checked under the registers' lock, since a reset bumps the generation before it clears
+    /// the registers, so it either sees what is done under these or this sees its bump.
+    fn current_locked(&self, job: &Job) -> Option<(MutexGuard<'_, ()>, MutexGuard<'_, SubRegs>)> {
         let line = self.line();
         let regs = self.subchannels[job.index].regs();
-        // Checked again under the registers' lock: a reset bumps the generation before
-        // it clears the registers, so it either sees this update or this sees its bump.
-        if self.generation.load(Ordering::Acquire) != job.generation {
-            return;
-        }
-        self.post(job, status, line, regs);
+        (self.generation.load(Ordering::Acquire) == job.generation).then_some((line, regs))
     }
 
     /// The registers and the interrupt of a program that ended, under the line lock and the
