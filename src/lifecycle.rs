@@ -422,7 +422,7 @@ impl Definitions {
         let entries = std::fs::read_dir(&self.dir).map_err(Self::io("reading", &self.dir))?;
         for e in entries.flatten() {
             let name = e.file_name().to_string_lossy().to_string();
-            if name.strip_suffix(".json").and_then(|u| Uuid::parse_str(u).ok()) == Some(*uuid) {
+            if uuid_of_file_name(&name) == Some(*uuid) {
                 match std::fs::remove_file(e.path()) {
                     Ok(()) => removed = true,
                     Err(err) if err.kind() == io::ErrorKind::NotFound => {}
@@ -518,7 +518,7 @@ impl Definitions {
         let mut strays: Vec<DefinitionFile> = Vec::new();
         for e in entries.flatten() {
             let name = e.file_name().to_string_lossy().to_string();
-            let Some(uuid) = name.strip_suffix(".json").and_then(|u| Uuid::parse_str(u).ok()) else {
+            let Some(uuid) = uuid_of_file_name(&name) else {
                 continue;
             };
             if name == format!("{uuid}.json") {
@@ -555,6 +555,12 @@ impl Definitions {
             })
             .collect()
     }
+}
+
+/// The UUID a file in the definitions directory is named by, however it is spelt
+/// (`<uuid>.json`, the UUID in any form `Uuid::parse_str` reads).
+fn uuid_of_file_name(name: &str) -> Option<Uuid> {
+    name.strip_suffix(".json").and_then(|u| Uuid::parse_str(u).ok())
 }
 
 /// Checks a definition as starting it would: its type exists and takes its options.
@@ -1100,9 +1106,7 @@ impl Manager {
         let defined_options = defined.filter(|_| overrides != InstanceOptions::default());
         let reserved = {
             let instances = self.lock();
-            if self.shut_down.load(std::sync::atomic::Ordering::Relaxed) {
-                return Err(LifecycleError::Failed("the daemon is shutting down".into()));
-            }
+            self.refuse_if_shut_down()?;
             let mut starting = umdev_pinning::sync::lock(&self.starting);
             if instances.contains_key(&uuid) || starting.contains(&uuid) {
                 return Err(LifecycleError::DuplicateUuid(uuid));
@@ -1122,11 +1126,7 @@ impl Manager {
         }
         let device = ty.create(&options).map_err(LifecycleError::from_type)?;
         let mut instances = self.lock();
-        if self.shut_down.load(std::sync::atomic::Ordering::Relaxed) {
-            // Read under the lock `shutdown` sets it under: no instance (and no socket) is
-            // started after the daemon stopped them all.
-            return Err(LifecycleError::Failed("the daemon is shutting down".into()));
-        }
+        self.refuse_if_shut_down()?;
         let socket = self.run_dir.join(format!("{uuid}.sock"));
         let mut config = self.template.clone();
         config.id = uuid.to_string();
@@ -1162,6 +1162,15 @@ impl Manager {
             overrides,
             defined_options,
         })
+    }
+
+    /// Refuses a start once `shutdown` began: called under the instances lock, which it is
+    /// set under, so no instance (and no socket) is started after the daemon stopped them all.
+    fn refuse_if_shut_down(&self) -> Result<(), LifecycleError> {
+        if self.shut_down.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(LifecycleError::Failed("the daemon is shutting down".into()));
+        }
+        Ok(())
     }
 
     fn changed(&self) {
