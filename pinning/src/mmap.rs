@@ -148,13 +148,18 @@ fn check_local(fd: BorrowedFd<'_>, client: Option<i32>) -> Result<(), MmapError>
         .and_then(|id| id.trim().parse::<u64>().ok())
         .ok_or_else(|| MmapError::Inspect(io::Error::other("no mnt_id in /proc/self/fdinfo")))?;
     let table = std::fs::read_to_string("/proc/self/mountinfo").map_err(MmapError::Inspect)?;
-    let theirs = client.and_then(|pid| std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).ok());
+    // The client's table is read only for a mount this process's does not list.
+    let theirs = || client.and_then(|pid| std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).ok());
     let fstype = mount_fstype(&table, mount)
-        .or_else(|| theirs.as_deref().and_then(|theirs| mount_fstype(theirs, mount)))
-        .or_else(|| device_of(fd).ok().and_then(|(major, minor)| device_fstype(&table, major, minor)));
+        .map(str::to_string)
+        .or_else(|| theirs().and_then(|theirs| mount_fstype(&theirs, mount).map(str::to_string)))
+        .or_else(|| {
+            let (major, minor) = device_of(fd).ok()?;
+            device_fstype(&table, major, minor).map(str::to_string)
+        });
     match fstype {
-        Some(fstype) if MEMORY_FILESYSTEM_NAMES.contains(&fstype) => Ok(()),
-        Some(fstype) => Err(MmapError::Mount { fstype: fstype.to_string() }),
+        Some(fstype) if MEMORY_FILESYSTEM_NAMES.contains(&fstype.as_str()) => Ok(()),
+        Some(fstype) => Err(MmapError::Mount { fstype }),
         None => Err(MmapError::Mount { fstype: "a mount outside this process's mount table".into() }),
     }
 }

@@ -64,8 +64,6 @@ impl Receiver {
         // ones it did install must still be closed.
         let fds = installed_fds(&msg);
         fds.iter().for_each(no_linger);
-        // Closed as any client fd is, also when they are dropped just below.
-        let fds: Vec<ClientFd> = fds.into_iter().map(ClientFd::from).collect();
         if msg.msg_flags & libc::MSG_CTRUNC != 0 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
@@ -82,7 +80,7 @@ impl Receiver {
 /// would otherwise block the connection thread that long. Not a socket: the call fails with
 /// ENOTSOCK without touching the file (no file system is asked, as an `fstat` would ask a FUSE
 /// server). vfio-user carries no sockets; what this one was sending goes on in the background.
-fn no_linger(fd: &OwnedFd) {
+fn no_linger(fd: &ClientFd) {
     let off = libc::linger { l_onoff: 0, l_linger: 0 };
     // SAFETY: setsockopt reads `size_of::<linger>()` bytes from a live local of that type;
     // the fd is open (owned here).
@@ -97,8 +95,9 @@ fn no_linger(fd: &OwnedFd) {
     };
 }
 
-/// The SCM_RIGHTS fds in `msg`'s control data, owned.
-fn installed_fds(msg: &libc::msghdr) -> Vec<OwnedFd> {
+/// The SCM_RIGHTS fds in `msg`'s control data, owned (and closed as any client fd is, also
+/// when a truncated message's are dropped).
+fn installed_fds(msg: &libc::msghdr) -> Vec<ClientFd> {
     let mut fds = Vec::new();
     // SAFETY: msg's control pointer and length describe the buffer recvmsg just filled; the
     // CMSG macros stay within msg_controllen, and each SCM_RIGHTS payload holds
@@ -113,7 +112,7 @@ fn installed_fds(msg: &libc::msghdr) -> Vec<OwnedFd> {
                     / size_of::<RawFd>();
                 for i in 0..n {
                     let fd = data.add(i * size_of::<RawFd>()).cast::<RawFd>().read_unaligned();
-                    fds.push(OwnedFd::from_raw_fd(fd));
+                    fds.push(ClientFd::from(OwnedFd::from_raw_fd(fd)));
                 }
             }
             cmsg = libc::CMSG_NXTHDR(msg, cmsg);
