@@ -53,23 +53,23 @@ struct Cli {
 #[derive(clap::Args, Clone)]
 struct LimitArgs {
     /// DMA mappings a client may hold (4096).
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, value_parser = at_least_u32::<1>)]
     max_dma_maps: Option<u32>,
     /// Bytes of DMA mappings with an fd a client may hold (17592186044416: 16 TiB, a quarter of
     /// the process's default budget, so that one client cannot take it all).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(4096..))]
+    #[arg(long, value_parser = at_least::<4096>)]
     max_dma_bytes: Option<u64>,
     /// DMA mappings all clients of this process may hold together: each is a VMA, a per-process kernel
     /// resource (half of vm.max_map_count: 32765 by default).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, value_parser = at_least::<1>)]
     max_process_mappings: Option<u64>,
     /// Bytes of address space all clients' DMA mappings may take together: a mapping of a
     /// sparse file costs addresses only, and they must leave the process room for its threads
     /// (70368744177664: 64 TiB, half of x86-64's).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, value_parser = at_least::<1>)]
     max_process_mapped_bytes: Option<u64>,
     /// Pins a device may hold at once, repeats counted (16777216).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, value_parser = at_least::<1>)]
     max_pins: Option<u64>,
     /// Bytes one region access or message carries at most, 4096 to 67108864 (1048576; also
     /// bounds the message size; QEMU accepts at most 64 MiB).
@@ -132,6 +132,21 @@ impl CreateArgs {
     fn given(&self) -> bool {
         self.pin_mode.is_some() || !self.opts.is_empty()
     }
+}
+
+/// A count or size of at least `MIN`, as clap's value parser: "must be at least 1" where clap's
+/// own range parser would print the whole range of the type.
+fn at_least<const MIN: u64>(value: &str) -> Result<u64, String> {
+    let n: u64 = value.parse().map_err(|e| format!("{e}"))?;
+    if n < MIN {
+        return Err(format!("must be at least {MIN}"));
+    }
+    Ok(n)
+}
+
+/// [`at_least`] for a 32-bit count.
+fn at_least_u32<const MIN: u64>(value: &str) -> Result<u32, String> {
+    u32::try_from(at_least::<MIN>(value)?).map_err(|_| format!("must be at most {}", u32::MAX))
 }
 
 fn parse_pin_mode(mode: Option<&str>) -> Result<Option<umdev_mdev::types::PinModeName>, String> {
@@ -199,7 +214,7 @@ enum Command {
         #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=10_000))]
         busy_poll_us: u64,
         /// Instances (and so vfio-user connections, one each) the daemon serves at most.
-        #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+        #[arg(long, default_value_t = 256, value_parser = at_least::<1>)]
         max_instances: u64,
         #[command(flatten)]
         limits: LimitArgs,
@@ -453,10 +468,10 @@ enum Command {
         #[arg(long)]
         json: bool,
         /// Rounds per row (medians are taken over them).
-        #[arg(long, default_value_t = 31, value_parser = clap::value_parser!(u64).range(1..))]
+        #[arg(long, default_value_t = 31, value_parser = at_least::<1>)]
         rounds: u64,
         /// Target microseconds per timed batch.
-        #[arg(long, default_value_t = 400, value_parser = clap::value_parser!(u64).range(1..))]
+        #[arg(long, default_value_t = 400, value_parser = at_least::<1>)]
         batch_us: u64,
         /// Instead of the grid: T threads pinning single pages and 64-entry IDAW lists, on one
         /// mapping and on one mapping each, for each T of this list (e.g. `1,2,4,16`); track

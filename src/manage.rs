@@ -226,13 +226,14 @@ impl DirLocks {
                 continue;
             }
             let file = std::fs::File::open(dir).map_err(|e| format!("opening {}: {e}", dir.display()))?;
-            let lock = Flock::lock(file, FlockArg::LockExclusiveNonblock).map_err(|(_, e)| {
+            let lock = Flock::lock(file, FlockArg::LockExclusiveNonblock).map_err(|(file, e)| {
                 if e != nix::errno::Errno::EWOULDBLOCK {
                     return format!("locking {}: {e}", dir.display());
                 }
-                let pid = std::fs::read_to_string(dirs.run.join(PID_FILE)).unwrap_or_default();
-                let pid = pid.trim();
-                let holder = if pid.is_empty() { String::new() } else { format!(" (pid {pid})") };
+                let holder = match lock_holder(&file) {
+                    Some(pid) => format!(" (pid {pid})"),
+                    None => String::new(),
+                };
                 format!("another umdev daemon{holder} already uses {what} {}", dir.display())
             })?;
             locks.push(lock);
@@ -244,8 +245,28 @@ impl DirLocks {
     }
 }
 
-/// The daemon's pid, in its run directory while it runs (for a second daemon's message).
+/// The daemon's pid, in its run directory while it runs.
 const PID_FILE: &str = "daemon.pid";
+
+/// The process holding a `flock` on `file`, from `/proc/locks` (the daemon holding a directory
+/// a second one wants; its pid file is in its own run directory, which may not be this one's).
+/// `None` where the kernel does not say (no such lock, or a holder in no pid namespace of ours).
+fn lock_holder(file: &std::fs::File) -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = file.metadata().ok()?;
+    let (dev, ino) = (meta.dev(), meta.ino());
+    let id = format!("{:02x}:{:02x}:{ino}", libc::major(dev), libc::minor(dev));
+    let locks = std::fs::read_to_string("/proc/locks").ok()?;
+    // "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF"; a waiter's line has "->" after the
+    // number, and ours is never held, so the one FLOCK line on this file is the holder's.
+    locks.lines().find_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        match fields.as_slice() {
+            [_, "FLOCK", _, _, pid, file_id, ..] if *file_id == id => pid.parse().ok().filter(|&p| p > 0),
+            _ => None,
+        }
+    })
+}
 
 /// Removes the sockets a daemon that died left in `run` (the control socket and `<uuid>.sock`
 /// files nothing listens on). Called with the run directory's lock held: no daemon of ours is
@@ -279,6 +300,7 @@ fn remove_stale_sockets(run: &Path) -> Vec<PathBuf> {
 /// STATUS= whenever the instances or their clients change, and STOPPING=1 before it stops
 /// its instances.
 pub fn daemon(dirs: &Dirs, template: InstanceConfig, max_instances: usize) -> Result<(), String> {
+    let mut made = MadeDirs::before(&[&dirs.run, &dirs.state]);
     umdev::lifecycle::private_dir(&dirs.run).map_err(|e| e.to_string())?;
     let locks = DirLocks::take(dirs)?;
     let stale = remove_stale_sockets(&dirs.run);
@@ -319,6 +341,7 @@ pub fn daemon(dirs: &Dirs, template: InstanceConfig, max_instances: usize) -> Re
         dirs.state.display(),
         manager.list().len()
     );
+    made.keep();
     let status = StatusReporter::start(manager.clone());
     for signal in signals.forever() {
         if signal != SIGHUP {
@@ -339,6 +362,45 @@ pub fn daemon(dirs: &Dirs, template: InstanceConfig, max_instances: usize) -> Re
     manager.shutdown();
     drop(locks);
     Ok(())
+}
+
+/// The directories a daemon is about to make, removed again (those still empty) if it does not
+/// get as far as serving: a refused second daemon leaves no directory behind.
+struct MadeDirs {
+    /// Each missing directory and its topmost missing ancestor, which goes last.
+    missing: Vec<(PathBuf, PathBuf)>,
+}
+
+impl MadeDirs {
+    fn before(dirs: &[&Path]) -> MadeDirs {
+        let missing = dirs
+            .iter()
+            .filter_map(|dir| {
+                let top = dir.ancestors().take_while(|a| !a.as_os_str().is_empty() && !a.exists()).last()?;
+                Some((dir.to_path_buf(), top.to_path_buf()))
+            })
+            .collect();
+        MadeDirs { missing }
+    }
+
+    /// The daemon serves: its directories stay.
+    fn keep(&mut self) {
+        self.missing.clear();
+    }
+}
+
+impl Drop for MadeDirs {
+    fn drop(&mut self) {
+        for (dir, top) in &self.missing {
+            // From the directory up to the first that was there; `remove_dir` leaves one that
+            // is not empty (another process's files) alone, and so everything above it.
+            for a in dir.ancestors() {
+                if std::fs::remove_dir(a).is_err() || a == top.as_path() {
+                    break;
+                }
+            }
+        }
+    }
 }
 
 /// READY=1, then STATUS= whenever what the daemon serves changes: at once for a start or a

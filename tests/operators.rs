@@ -130,10 +130,13 @@ fn a_bad_option_fails_at_define_with_the_message_start_gives() {
     env.ok(&["stop", "-u", A]);
     env.ok(&["start", "-u", B]);
     env.ok(&["stop", "-u", B]);
-    assert!(env.fails(&["daemon", "--max-instances", "0"]).contains("0"));
-    assert!(env
-        .fails(&["run", "-t", "testdev", "--socket", "/tmp/x.sock", "--max-dma-maps", "0"])
-        .contains("0"));
+    // A count below its least is refused saying what the least is (not the type's whole range).
+    let zero = env.fails(&["daemon", "--max-instances", "0"]);
+    assert!(zero.contains("'0' for '--max-instances <MAX_INSTANCES>': must be at least 1"), "{zero}");
+    let zero = env.fails(&["run", "-t", "testdev", "--socket", "/tmp/x.sock", "--max-dma-maps", "0"]);
+    assert!(zero.contains("must be at least 1") && !zero.contains("4294967295"), "{zero}");
+    let small = env.fails(&["run", "-t", "testdev", "--socket", "/tmp/x.sock", "--max-dma-bytes", "4095"]);
+    assert!(small.contains("must be at least 4096"), "{small}");
     stop(daemon);
 }
 
@@ -638,7 +641,11 @@ fn a_dead_daemons_sockets_are_named_and_removed_and_one_daemon_holds_its_directo
         ])
         .output()
         .unwrap();
-    assert!(stderr_of(&other).contains("already uses the definitions in"), "{}", stderr_of(&other));
+    // Named by its pid though its pid file is in the other run directory; and the run
+    // directory this failed daemon made is gone with it.
+    let refused = format!("another umdev daemon (pid {}) already uses the definitions in", daemon.id());
+    assert!(stderr_of(&other).contains(&refused), "{}", stderr_of(&other));
+    assert!(!other_run.exists(), "the refused daemon left the run directory it made");
 
     daemon.kill().unwrap();
     daemon.wait().unwrap();
