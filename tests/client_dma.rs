@@ -263,3 +263,63 @@ fn dma_reads_come_in_chunks_whose_replies_fit_what_the_server_accepts() {
     assert_eq!((read_reg(&mut c, DMA_STATUS), read_reg(&mut c, DMA_RESULT)), (STATUS_DONE, expected_sum));
     assert!(c.alive(), "the connection stayed up");
 }
+
+/// DMA_STATUS once the transfer has ended, every message on the way a reply: a DMA request of
+/// the server's here is one sent after the client took the guest's memory (or its bus
+/// mastering) away, and fails the test.
+fn status_once_ended(c: &mut RawClient) -> (u32, u32) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        // REGION_READ of BAR0's DMA_STATUS: offset, region, count.
+        let access = [&le64(DMA_STATUS)[..], &0u32.to_le_bytes(), &4u32.to_le_bytes()].concat();
+        let id = c.send(Command::RegionRead as u16, flags::TYPE_COMMAND, &access, &[]);
+        let m = c.recv().unwrap();
+        assert_eq!(
+            m.header.message_type(),
+            flags::TYPE_REPLY,
+            "a request after the withdrawal: {:?}",
+            m.header
+        );
+        assert_eq!((m.header.id, m.errno()), (id.unwrap(), 0));
+        let status = u32::from_le_bytes(m.payload[16..20].try_into().unwrap());
+        if status != STATUS_BUSY {
+            return (status, read_reg(c, DMA_RESULT));
+        }
+        assert!(Instant::now() < deadline, "the transfer never ended");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// A transfer through the client goes in pieces of the client's `max_data_xfer_size`. Once a
+/// DMA_UNMAP of the memory has been answered, no piece of it follows: the client may already
+/// have put something else at that address. The piece outstanding at the unmap is the last.
+#[test]
+fn no_piece_of_a_transfer_follows_the_reply_to_its_unmap() {
+    let h = Harness::with("testdev", Default::default(), |c| c.limits.max_data_xfer_size = 4096);
+    // 10,000 bytes: one chunk of testdev's, three pieces of 4 KiB at most.
+    let (mut c, first) = checksumming(&h, 10_000);
+    let r = c.request(Command::DmaUnmap as u16, &dma_unmap_payload(24, 0, MSG_IOVA, 0x20000), &[]).unwrap();
+    assert_eq!(r.errno(), 0);
+    let count = u64::from_le_bytes(first.payload[8..16].try_into().unwrap());
+    assert_eq!(count, 4096, "the first of three pieces");
+    reply(&mut c, &first.header, &[&le64(MSG_IOVA)[..], &le64(count), &vec![1; count as usize]].concat());
+    let (status, result) = status_once_ended(&mut c);
+    assert_eq!(status, STATUS_ERROR);
+    assert!([libc::ECANCELED, libc::EFAULT].contains(&(result as i32)), "errno {result}");
+    assert!(c.alive());
+}
+
+/// The same for bus mastering: once the config write that clears it has been answered, no
+/// piece of a transfer follows, and the transfer ends with bus mastering's error.
+#[test]
+fn no_piece_of_a_transfer_follows_the_reply_that_turns_bus_mastering_off() {
+    let h = Harness::with("testdev", Default::default(), |c| c.limits.max_data_xfer_size = 4096);
+    let (mut c, first) = checksumming(&h, 10_000);
+    let r = c.region_write(7, 4, &0x0003u16.to_le_bytes()).unwrap();
+    assert_eq!(r.errno(), 0, "COMMAND: memory and I/O space on, bus mastering off");
+    let count = u64::from_le_bytes(first.payload[8..16].try_into().unwrap());
+    reply(&mut c, &first.header, &[&le64(MSG_IOVA)[..], &le64(count), &vec![1; count as usize]].concat());
+    let (status, result) = status_once_ended(&mut c);
+    assert_eq!((status, result as i32), (STATUS_ERROR, libc::EACCES));
+    assert!(c.alive());
+}

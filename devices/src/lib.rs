@@ -37,11 +37,21 @@ mod testutil {
     pub(crate) struct NoClient;
 
     impl ClientDma for NoClient {
-        fn read(&self, _iova: u64, _buf: &mut [u8]) -> Result<(), ClientDmaError> {
+        fn read(
+            &self,
+            _iova: u64,
+            _buf: &mut [u8],
+            _may_send: &dyn Fn(u64, usize) -> bool,
+        ) -> Result<(), ClientDmaError> {
             Err(ClientDmaError::Refused(libc::ENODEV))
         }
 
-        fn write(&self, _iova: u64, _data: &[u8]) -> Result<(), ClientDmaError> {
+        fn write(
+            &self,
+            _iova: u64,
+            _data: &[u8],
+            _may_send: &dyn Fn(u64, usize) -> bool,
+        ) -> Result<(), ClientDmaError> {
             Err(ClientDmaError::Refused(libc::ENODEV))
         }
     }

@@ -542,6 +542,7 @@ fn guest_errno(e: &GuestError) -> i32 {
         GuestError::Client(ClientDmaError::Disconnected(_)) => libc::ENOTCONN,
         GuestError::Client(ClientDmaError::WouldDeadlock) => libc::EDEADLK,
         GuestError::Client(ClientDmaError::BadReply) => libc::EIO,
+        GuestError::Client(ClientDmaError::Withdrawn) => libc::ECANCELED,
     }
 }
 

@@ -119,11 +119,21 @@ struct CountingClient {
 }
 
 impl ClientDma for CountingClient {
-    fn read(&self, _iova: u64, _buf: &mut [u8]) -> Result<(), ClientDmaError> {
+    fn read(
+        &self,
+        _iova: u64,
+        _buf: &mut [u8],
+        _may_send: &dyn Fn(u64, usize) -> bool,
+    ) -> Result<(), ClientDmaError> {
         self.requests.fetch_add(1, Ordering::Relaxed);
         Err(ClientDmaError::Refused(libc::EIO))
     }
-    fn write(&self, _iova: u64, _data: &[u8]) -> Result<(), ClientDmaError> {
+    fn write(
+        &self,
+        _iova: u64,
+        _data: &[u8],
+        _may_send: &dyn Fn(u64, usize) -> bool,
+    ) -> Result<(), ClientDmaError> {
         self.requests.fetch_add(1, Ordering::Relaxed);
         Err(ClientDmaError::Refused(libc::EIO))
     }

@@ -254,15 +254,35 @@ pub enum ClientDmaError {
     /// The client's reply did not match the request.
     #[error("malformed reply from the client")]
     BadReply,
+    /// Stopped before a piece: the transfer's `may_send` said no (the guest memory was
+    /// unmapped, or bus mastering turned off, while the transfer ran).
+    #[error("the guest memory may no longer be reached: stopped before the next piece")]
+    Withdrawn,
 }
 
 /// Server-to-client DMA (vfio-user DMA_READ/DMA_WRITE), for guest memory the client mapped
 /// without an fd. Implemented by the server; safe to call from any device thread.
+///
+/// A transfer goes in pieces (messages). Before each, with no other message of the connection
+/// going out meanwhile, the implementation asks `may_send(iova, len)` of the piece, and on
+/// `false` stops with [`ClientDmaError::Withdrawn`]. A reply that withdraws the guest's
+/// permission (a DMA_UNMAP's, a DEVICE_RESET's) is sent after the permission is gone, so no
+/// piece can follow it in the stream: the client never gets a request for memory it unmapped.
 pub trait ClientDma: Send + Sync {
     /// Reads `buf.len()` bytes of guest memory at `iova` through the client.
-    fn read(&self, iova: u64, buf: &mut [u8]) -> Result<(), ClientDmaError>;
+    fn read(
+        &self,
+        iova: u64,
+        buf: &mut [u8],
+        may_send: &dyn Fn(u64, usize) -> bool,
+    ) -> Result<(), ClientDmaError>;
     /// Writes `data` to guest memory at `iova` through the client.
-    fn write(&self, iova: u64, data: &[u8]) -> Result<(), ClientDmaError>;
+    fn write(
+        &self,
+        iova: u64,
+        data: &[u8],
+        may_send: &dyn Fn(u64, usize) -> bool,
+    ) -> Result<(), ClientDmaError>;
 }
 
 /// What a client said of itself in its VERSION request, for a device that serves different

@@ -231,25 +231,51 @@ impl DeviceContext {
     }
 
     fn copy_in(&self, iova: u64, buf: &mut [u8], path: Path) -> Result<(), GuestError> {
-        self.access(iova, buf.len(), Prot::READ, path, |piece_iova, at, n, pinned| match pinned {
-            Some(pins) => pins
+        self.access(iova, buf.len(), Prot::READ, path, |piece_iova, at, n, via| match via {
+            Via::Pinned(pins) => pins
                 .read(piece_iova % PAGE_SIZE, &mut buf[at..at + n])
                 .map_err(|e| access_error(e, piece_iova)),
-            None => self.client_dma.read(piece_iova, &mut buf[at..at + n]).map_err(GuestError::from),
+            Via::Client(mapping) => {
+                let may_send = |iova, _| self.client_may_send(mapping, iova);
+                let done = self.client_dma.read(piece_iova, &mut buf[at..at + n], &may_send);
+                done.map_err(|e| self.client_error(e, piece_iova, n))
+            }
         })
     }
 
     fn copy_out(&self, iova: u64, data: &[u8], path: Path) -> Result<(), GuestError> {
-        self.access(iova, data.len(), Prot::WRITE, path, |piece_iova, at, n, pinned| match pinned {
-            Some(pins) => {
+        self.access(iova, data.len(), Prot::WRITE, path, |piece_iova, at, n, via| match via {
+            Via::Pinned(pins) => {
                 pins.write(piece_iova % PAGE_SIZE, &data[at..at + n]).map_err(|e| access_error(e, piece_iova))
             }
-            None => self.client_dma.write(piece_iova, &data[at..at + n]).map_err(GuestError::from),
+            Via::Client(mapping) => {
+                let may_send = |iova, _| self.client_may_send(mapping, iova);
+                let done = self.client_dma.write(piece_iova, &data[at..at + n], &may_send);
+                done.map_err(|e| self.client_error(e, piece_iova, n))
+            }
         })
     }
 
-    /// Splits `[iova, iova + len)` at mapping boundaries and calls `f(iova, offset, len,
-    /// pins)` per piece; `pins` is `Some` for fd-backed pieces (pinned from the piece's page).
+    /// Whether a piece of a client transfer within the mapping `mapping` (its id) may still
+    /// go out, from `iova`: bus mastering on, and the mapping there still the one the transfer
+    /// was checked against (not unmapped, nor unmapped and another mapped in its place).
+    fn client_may_send(&self, mapping: u64, iova: u64) -> bool {
+        self.bus_master() && self.dma.lookup(iova).is_some_and(|m| m.id == mapping)
+    }
+
+    /// A client transfer's error as the guest sees it: one stopped by [`Self::client_may_send`]
+    /// is bus mastering off or memory not mapped, as if the transfer had been checked then.
+    fn client_error(&self, e: ClientDmaError, iova: u64, len: usize) -> GuestError {
+        match e {
+            ClientDmaError::Withdrawn if !self.bus_master() => GuestError::BusMasterOff,
+            ClientDmaError::Withdrawn => GuestError::NotMapped { iova, len: len as u64 },
+            e => GuestError::Client(e),
+        }
+    }
+
+    /// Splits `[iova, iova + len)` at mapping boundaries and calls `f(iova, offset, len, via)`
+    /// per piece: [`Via::Pinned`] for fd-backed pieces (pinned from the piece's page),
+    /// [`Via::Client`] with the mapping's id for the others.
     /// The whole range is checked first (mapped, with the access permitted), so an access
     /// that cannot complete touches nothing: a status block that runs off the end of RAM is
     /// not half written.
@@ -259,7 +285,7 @@ impl DeviceContext {
         len: usize,
         prot: Prot,
         path: Path,
-        mut f: impl FnMut(u64, usize, usize, Option<&umdev_pinning::PinnedPages>) -> Result<(), GuestError>,
+        mut f: impl FnMut(u64, usize, usize, Via<'_>) -> Result<(), GuestError>,
     ) -> Result<(), GuestError> {
         let not_mapped = || GuestError::NotMapped { iova, len: len as u64 };
         if len == 0 {
@@ -276,7 +302,7 @@ impl DeviceContext {
             // table's tree fewer per command. Where it cannot, it counts nothing, and the
             // passes below give the exact error or take the client's path.
             if let Some(pins) = self.dma.try_pin_page(iova, prot) {
-                return f(iova, 0, len, Some(&pins));
+                return f(iova, 0, len, Via::Pinned(&pins));
             }
         }
         let mut checked = 0usize;
@@ -301,14 +327,22 @@ impl DeviceContext {
                 let first = here / PAGE_SIZE;
                 let last = (here + n as u64 - 1) / PAGE_SIZE;
                 let pins = self.dma.pin_range(first * PAGE_SIZE, last - first + 1, prot)?;
-                f(here, done, n, Some(&pins))?;
+                f(here, done, n, Via::Pinned(&pins))?;
             } else {
-                f(here, done, n, None)?;
+                f(here, done, n, Via::Client(mapping.id))?;
             }
             done += n;
         }
         Ok(())
     }
+}
+
+/// How one piece of an access reaches guest memory.
+enum Via<'a> {
+    /// Fd-backed, pinned from the piece's page.
+    Pinned(&'a umdev_pinning::PinnedPages),
+    /// Through the client, within the mapping of this id.
+    Client(u64),
 }
 
 /// Which way a copy goes.
@@ -342,12 +376,22 @@ mod tests {
     struct Messages(std::sync::atomic::AtomicUsize);
 
     impl ClientDma for Messages {
-        fn read(&self, _iova: u64, buf: &mut [u8]) -> Result<(), ClientDmaError> {
+        fn read(
+            &self,
+            _iova: u64,
+            buf: &mut [u8],
+            _may_send: &dyn Fn(u64, usize) -> bool,
+        ) -> Result<(), ClientDmaError> {
             self.0.fetch_add(1, Ordering::Relaxed);
             buf.fill(0xcc);
             Ok(())
         }
-        fn write(&self, _iova: u64, _data: &[u8]) -> Result<(), ClientDmaError> {
+        fn write(
+            &self,
+            _iova: u64,
+            _data: &[u8],
+            _may_send: &dyn Fn(u64, usize) -> bool,
+        ) -> Result<(), ClientDmaError> {
             self.0.fetch_add(1, Ordering::Relaxed);
             Ok(())
         }
@@ -417,5 +461,55 @@ mod tests {
         // Bus mastering off refuses before anything is looked at.
         ctx.bus_master.set(false);
         assert!(matches!(ctx.read_pinned(8, &mut buf), Err(GuestError::BusMasterOff)));
+    }
+
+    /// A client taking writes in 8-byte pieces, asking `may_send` of each, which between the
+    /// first and the second unmaps the message-only page and maps another there.
+    struct Remapping {
+        dma: DmaSpace,
+        sent: std::sync::atomic::AtomicUsize,
+    }
+
+    impl ClientDma for Remapping {
+        fn read(&self, _: u64, _: &mut [u8], _: &dyn Fn(u64, usize) -> bool) -> Result<(), ClientDmaError> {
+            unreachable!("only writes here")
+        }
+        fn write(
+            &self,
+            iova: u64,
+            data: &[u8],
+            may_send: &dyn Fn(u64, usize) -> bool,
+        ) -> Result<(), ClientDmaError> {
+            for (i, piece) in data.chunks(8).enumerate() {
+                if i == 1 {
+                    self.dma.unmap(3 * PAGE_SIZE, PAGE_SIZE).unwrap();
+                    self.dma.map_message_only(3 * PAGE_SIZE, PAGE_SIZE, Prot::READ_WRITE).unwrap();
+                }
+                if !may_send(iova + (i * 8) as u64, piece.len()) {
+                    return Err(ClientDmaError::Withdrawn);
+                }
+                self.sent.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(())
+        }
+    }
+
+    /// A transfer through the client is checked against the mapping it began in before each
+    /// piece: memory unmapped meanwhile, even with another mapping now at the same addresses
+    /// (a client that unmapped and mapped again), gets no further piece, and the access fails
+    /// as unmapped memory does.
+    #[test]
+    fn a_client_transfer_stops_where_its_mapping_was_replaced() {
+        let (ctx, _, _ram) = guest();
+        let client = Arc::new(Remapping { dma: ctx.dma.clone(), sent: Default::default() });
+        let ctx = DeviceContext::new(ctx.dma.clone(), client.clone());
+        let write = ctx.write_via_client(3 * PAGE_SIZE, &[1; 32]);
+        assert!(matches!(write, Err(GuestError::NotMapped { .. })), "{write:?}");
+        assert_eq!(client.sent.load(Ordering::Relaxed), 1, "the first piece alone went out");
+        // On the new mapping, a new transfer goes whole.
+        let dma = ctx.dma.clone();
+        let steady = Arc::new(Messages::default());
+        DeviceContext::new(dma, steady.clone()).write_via_client(3 * PAGE_SIZE, &[1; 32]).unwrap();
+        assert_eq!(steady.0.load(Ordering::Relaxed), 1);
     }
 }

@@ -84,7 +84,22 @@ impl Link {
 
     /// Sends one message, whole, whoever else is sending.
     pub fn send(&self, header: &Header, parts: &[&[u8]], fd: Option<BorrowedFd<'_>>) -> io::Result<()> {
+        self.send_if(header, parts, fd, || true).map(|_| ())
+    }
+
+    /// Sends one message, whole, if `may_send` (asked with no other message going out
+    /// meanwhile) says so; `Ok(false)` when it did not.
+    fn send_if(
+        &self,
+        header: &Header,
+        parts: &[&[u8]],
+        fd: Option<BorrowedFd<'_>>,
+        may_send: impl FnOnce() -> bool,
+    ) -> io::Result<bool> {
         let _guard = umdev_pinning::sync::lock(&self.write);
+        if !may_send() {
+            return Ok(false);
+        }
         if let Err(e) = crate::socket::send(&self.stream, header, parts, fd) {
             // Part of the message may be out (a client that stopped reading for the send
             // timeout): nothing can follow it in the stream. The connection ends.
@@ -92,7 +107,7 @@ impl Link {
             return Err(e);
         }
         self.stats.bytes_out.fetch_add(u64::from(header.size), Ordering::Relaxed);
-        Ok(())
+        Ok(true)
     }
 
     /// The most data one DMA request or its reply carries: the smaller of the client's
@@ -123,13 +138,15 @@ impl Link {
         umdev_pinning::sync::lock(&self.pending)
     }
 
-    /// Sends a request to the client and waits for its reply, for [`CLIENT_DMA_TIMEOUT`] at
-    /// most and not past `deadline` (past it, nothing is sent).
+    /// Sends a request to the client, if `may_send` says so as it goes out
+    /// ([`ClientDma`]), and waits for its reply, for [`CLIENT_DMA_TIMEOUT`] at most and not
+    /// past `deadline` (past it, nothing is sent).
     fn request(
         &self,
         command: Command,
         parts: &[&[u8]],
         deadline: Instant,
+        may_send: impl FnOnce() -> bool,
     ) -> Result<ClientReply, ClientDmaError> {
         if std::thread::current().id() == self.reader {
             return Err(ClientDmaError::WouldDeadlock);
@@ -154,9 +171,15 @@ impl Link {
         };
         let len = parts.iter().map(|p| p.len()).sum();
         self.stats.client_dma_requests.fetch_add(1, Ordering::Relaxed);
-        if self.send(&request_header(id, command, len), parts, None).is_err() {
-            self.lock_pending().waiters.remove(&id);
-            return Err(ClientDmaError::Disconnected("the request could not be sent"));
+        match self.send_if(&request_header(id, command, len), parts, None, may_send) {
+            Ok(true) => {}
+            sent => {
+                self.lock_pending().waiters.remove(&id);
+                return Err(match sent {
+                    Ok(_) => ClientDmaError::Withdrawn,
+                    Err(_) => ClientDmaError::Disconnected("the request could not be sent"),
+                });
+            }
         }
         let reply = rx.recv_timeout(wait);
         self.lock_pending().waiters.remove(&id);
@@ -208,26 +231,38 @@ fn check(reply: &ClientReply, iova: u64, count: usize, data: bool) -> Result<(),
 }
 
 impl ClientDma for ClientDmaPort {
-    fn read(&self, iova: u64, buf: &mut [u8]) -> Result<(), ClientDmaError> {
+    fn read(
+        &self,
+        iova: u64,
+        buf: &mut [u8],
+        may_send: &dyn Fn(u64, usize) -> bool,
+    ) -> Result<(), ClientDmaError> {
         let chunk = self.link.chunk();
         let deadline = transfer_deadline(Instant::now(), buf.len());
         for (i, piece) in buf.chunks_mut(chunk).enumerate() {
             let at = iova.checked_add((i * chunk) as u64).ok_or(ClientDmaError::Refused(libc::EINVAL))?;
-            let reply =
-                self.link.request(Command::DmaRead, &[&dma_transfer(at, piece.len() as u64)], deadline)?;
+            let len = piece.len();
+            let request = dma_transfer(at, len as u64);
+            let reply = self.link.request(Command::DmaRead, &[&request], deadline, || may_send(at, len))?;
             check(&reply, at, piece.len(), true)?;
             piece.copy_from_slice(&reply.payload[size_of::<DmaTransfer>()..]);
         }
         Ok(())
     }
 
-    fn write(&self, iova: u64, data: &[u8]) -> Result<(), ClientDmaError> {
+    fn write(
+        &self,
+        iova: u64,
+        data: &[u8],
+        may_send: &dyn Fn(u64, usize) -> bool,
+    ) -> Result<(), ClientDmaError> {
         let chunk = self.link.chunk();
         let deadline = transfer_deadline(Instant::now(), data.len());
         for (i, piece) in data.chunks(chunk).enumerate() {
             let at = iova.checked_add((i * chunk) as u64).ok_or(ClientDmaError::Refused(libc::EINVAL))?;
             let parts = [&dma_transfer(at, piece.len() as u64)[..], piece];
-            let reply = self.link.request(Command::DmaWrite, &parts, deadline)?;
+            let reply =
+                self.link.request(Command::DmaWrite, &parts, deadline, || may_send(at, piece.len()))?;
             check(&reply, at, piece.len(), false)?;
         }
         Ok(())
@@ -257,7 +292,7 @@ mod tests {
         let reader = std::thread::spawn(|| ()).thread().id();
         let link = Link::new(ours, reader, Arc::default());
         let past = Instant::now() - Duration::from_millis(1);
-        let r = link.request(Command::DmaRead, &[&dma_transfer(0, 8)], past);
+        let r = link.request(Command::DmaRead, &[&dma_transfer(0, 8)], past, || true);
         assert!(matches!(r, Err(ClientDmaError::Disconnected(_))), "{r:?}");
         let mut buf = [0u8; 64];
         let unsent = std::io::Read::read(&mut &theirs, &mut buf).unwrap_err();

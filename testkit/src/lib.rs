@@ -42,11 +42,21 @@ pub mod server_fuzz;
 pub struct NoClient;
 
 impl umdev_mdev::ClientDma for NoClient {
-    fn read(&self, _iova: u64, _buf: &mut [u8]) -> Result<(), umdev_mdev::ClientDmaError> {
+    fn read(
+        &self,
+        _iova: u64,
+        _buf: &mut [u8],
+        _may_send: &dyn Fn(u64, usize) -> bool,
+    ) -> Result<(), umdev_mdev::ClientDmaError> {
         Err(umdev_mdev::ClientDmaError::Refused(libc::ENODEV))
     }
 
-    fn write(&self, _iova: u64, _data: &[u8]) -> Result<(), umdev_mdev::ClientDmaError> {
+    fn write(
+        &self,
+        _iova: u64,
+        _data: &[u8],
+        _may_send: &dyn Fn(u64, usize) -> bool,
+    ) -> Result<(), umdev_mdev::ClientDmaError> {
         Err(umdev_mdev::ClientDmaError::Refused(libc::ENODEV))
     }
 }

@@ -233,6 +233,10 @@ pub struct Unmapped {
 /// What a mapping is, as seen from outside the engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct MappingInfo {
+    /// Unique within the process for the mapping's life and after it: a mapping made later
+    /// at the same IOVA has another.
+    #[serde(skip)]
+    pub id: u64,
     /// First IOVA.
     pub iova: u64,
     /// Size in bytes.

@@ -561,6 +561,7 @@ impl DmaSpace {
 
     fn info(m: &Mapping) -> MappingInfo {
         MappingInfo {
+            id: m.id,
             iova: m.iova(),
             size: m.size(),
             prot: m.prot,

@@ -255,11 +255,21 @@ fn lifecycle_is_forwarded() {
 struct Zeros;
 
 impl crate::ClientDma for Zeros {
-    fn read(&self, _iova: u64, buf: &mut [u8]) -> Result<(), crate::ClientDmaError> {
+    fn read(
+        &self,
+        _iova: u64,
+        buf: &mut [u8],
+        _may_send: &dyn Fn(u64, usize) -> bool,
+    ) -> Result<(), crate::ClientDmaError> {
         buf.fill(0);
         Ok(())
     }
-    fn write(&self, _iova: u64, _data: &[u8]) -> Result<(), crate::ClientDmaError> {
+    fn write(
+        &self,
+        _iova: u64,
+        _data: &[u8],
+        _may_send: &dyn Fn(u64, usize) -> bool,
+    ) -> Result<(), crate::ClientDmaError> {
         Ok(())
     }
 }
