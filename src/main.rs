@@ -695,6 +695,10 @@ fn main() {
         cli_command().error(clap::error::ErrorKind::ArgumentConflict, why).exit();
     }
     logging::init(cli.log_format);
+    match umdev_server::client_fd::raise_fd_limit() {
+        Ok(limit) => log::debug!("open files at most: {limit}"),
+        Err(e) => log::debug!("open files: the limit stays ({e})"),
+    }
     let dirs = match cli.command {
         Command::Daemon { .. } => manage::Dirs::for_daemon(cli.run_dir, cli.state_dir),
         _ => manage::Dirs::resolve(cli.run_dir, cli.state_dir),

@@ -179,3 +179,65 @@ fn hostile_clients_cannot_grow_the_daemon_beyond_a_bound() {
     assert!(rss3.saturating_sub(rss2) < 3 << 10, "RSS grew {} KiB", rss3 - rss2);
     assert!(c.alive());
 }
+
+/// Sets the open-file soft limit of process `pid`, its hard limit 8192 (as it starts here).
+fn set_fd_limit(pid: u32, limit: u64) {
+    let new = libc::rlimit64 { rlim_cur: limit, rlim_max: 8192 };
+    // SAFETY: prlimit64 reads `new` (a live local) and writes nothing (old is null).
+    let r = unsafe { libc::prlimit64(pid as libc::pid_t, libc::RLIMIT_NOFILE, &new, std::ptr::null_mut()) };
+    assert_eq!(r, 0, "prlimit: {}", std::io::Error::last_os_error());
+}
+
+/// The lowest fd number process `pid` has free: with its limit there, no fd can be opened
+/// (the limit bounds fd numbers, and every lower one is taken).
+fn lowest_free_fd(pid: u32) -> u64 {
+    let open: std::collections::BTreeSet<u64> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    (0..).find(|n| !open.contains(n)).unwrap()
+}
+
+/// With the server's fd table full (here its limit lowered to the fds it holds; in the field,
+/// another client flooding it), a message's fds are lost on the way in: that message fails
+/// with EMFILE and the connection goes on, so the client can try again once there is room.
+/// And the server raises its soft limit to the hard one at start: 1024, the usual soft
+/// limit, is a few messages' worth of fds.
+#[test]
+fn a_full_fd_table_fails_the_message_not_the_connection() {
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("fds.sock");
+    let mut command = umdev();
+    command.args(["run", "--type", "testdev", "--socket"]).arg(&socket).stdout(Stdio::null());
+    // SAFETY: setrlimit is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        command.pre_exec(|| {
+            let limit = libc::rlimit { rlim_cur: 256, rlim_max: 8192 };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let server = ChildGuard(command.spawn().unwrap());
+    let pid = server.id();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !socket.exists() {
+        assert!(Instant::now() < deadline, "umdev run never listened");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let mut c = connect(&socket);
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let line = limits.lines().find(|l| l.starts_with("Max open files")).unwrap().to_string();
+    assert_eq!(line.split_whitespace().collect::<Vec<_>>()[3..5], ["8192", "8192"], "{line}");
+
+    set_fd_limit(pid, lowest_free_fd(pid));
+    let ram = common::memfd(1 << 20);
+    let r = c.request(Cmd::DmaMap as u16, &dma_map_payload(3, 0, 0, 4096), &[ram.as_raw_fd()]).unwrap();
+    assert_eq!(r.errno(), libc::EMFILE, "the fd could not be installed");
+    assert!(c.alive(), "the connection goes on");
+    set_fd_limit(pid, 8192);
+    let r = c.request(Cmd::DmaMap as u16, &dma_map_payload(3, 0, 0, 4096), &[ram.as_raw_fd()]).unwrap();
+    assert_eq!(r.errno(), 0, "with room again, the same request succeeds");
+}

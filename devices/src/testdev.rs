@@ -147,6 +147,10 @@ pub fn create() -> Result<PciDevice<TestDev>, TestDevError> {
 
 /// BAR1's memory, which the client maps: sealed, and a new one for each client.
 fn bar1_memfd() -> std::io::Result<Arc<OwnedFd>> {
+    #[cfg(test)]
+    if tests::NO_FDS.get() {
+        return Err(std::io::Error::from_raw_os_error(libc::EMFILE));
+    }
     umdev_mdev::region_memfd(c"umdev-testdev-bar1", BAR1_SIZE).map(|f| Arc::new(OwnedFd::from(f)))
 }
 
@@ -275,8 +279,10 @@ pub struct TestDev {
     inner: Arc<Inner>,
     maps: Maps,
     /// BAR1's memory: replaced at each detach, so that a client that left cannot reach the
-    /// next one's.
-    bar1: arc_swap::ArcSwap<OwnedFd>,
+    /// next one's. `None` after a detach that could not make new memory (no fd to spare):
+    /// made at the next use, and until then BAR1 is refused (EIO) and offers no mmap, never
+    /// the old client's memory.
+    bar1: arc_swap::ArcSwapOption<OwnedFd>,
     /// The worker's requests.
     lane: Lane,
     worker: Option<Worker<Close>>,
@@ -300,7 +306,24 @@ impl TestDev {
                 bell.ring();
             }
         });
-        TestDev { inner, maps: Maps::new(), bar1: arc_swap::ArcSwap::new(bar1), lane, worker }
+        TestDev { inner, maps: Maps::new(), bar1: arc_swap::ArcSwapOption::from(Some(bar1)), lane, worker }
+    }
+
+    /// BAR1's memory, made now if the last detach could not make it.
+    fn bar1(&self) -> Result<Arc<OwnedFd>, DeviceError> {
+        if let Some(fd) = self.bar1.load_full() {
+            return Ok(fd);
+        }
+        let fresh = bar1_memfd().map_err(|e| {
+            log::debug!("testdev: still no BAR1 memory: {e}");
+            DeviceError::Errno(libc::EIO)
+        })?;
+        // Another thread may have made one meanwhile: keep the first.
+        let prev = self.bar1.compare_and_swap(&None::<Arc<OwnedFd>>, Some(fresh.clone()));
+        Ok(match &*prev {
+            Some(theirs) => theirs.clone(),
+            None => fresh,
+        })
     }
 
     fn bar0_read(&self, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
@@ -389,12 +412,12 @@ impl TestDev {
 
     fn bar1_read(&self, offset: u64, data: &mut [u8]) -> Result<(), DeviceError> {
         // The adapter checked the bounds: offset + len <= 8 KiB.
-        let done = nix::sys::uio::pread(self.bar1.load().as_fd(), data, offset as libc::off_t);
+        let done = nix::sys::uio::pread(self.bar1()?.as_fd(), data, offset as libc::off_t);
         bar1_result(offset, done, data.len())
     }
 
     fn bar1_write(&self, offset: u64, data: &[u8]) -> Result<(), DeviceError> {
-        let done = nix::sys::uio::pwrite(self.bar1.load().as_fd(), data, offset as libc::off_t);
+        let done = nix::sys::uio::pwrite(self.bar1()?.as_fd(), data, offset as libc::off_t);
         bar1_result(offset, done, data.len())
     }
 
@@ -566,11 +589,8 @@ impl PciFunction for TestDev {
     }
 
     fn bar_mmap(&self, bar: u8) -> Option<RegionMmap> {
-        (bar == 1).then(|| RegionMmap {
-            fd: self.bar1.load_full(),
-            offset: 0,
-            areas: vec![SparseArea { offset: 0, size: BAR1_MMAP_SIZE }],
-        })
+        let fd = self.bar1().ok().filter(|_| bar == 1)?;
+        Some(RegionMmap { fd, offset: 0, areas: vec![SparseArea { offset: 0, size: BAR1_MMAP_SIZE }] })
     }
 
     fn reset(&self) {
@@ -578,12 +598,13 @@ impl PciFunction for TestDev {
     }
 
     fn detach(&self) {
-        match bar1_memfd() {
-            Ok(fresh) => self.bar1.store(fresh),
-            Err(e) => {
-                log::error!("testdev: no new BAR1 memory for the next client ({e}); it shares this one's")
-            }
+        let fresh = bar1_memfd();
+        if let Err(e) = &fresh {
+            log::error!(
+                "testdev: no new BAR1 memory for the next client ({e}); BAR1 fails until it can be made"
+            );
         }
+        self.bar1.store(fresh.ok());
     }
 }
 

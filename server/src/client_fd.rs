@@ -14,6 +14,9 @@
 //! [`MAX_QUEUED`] fds already wait (the closers are all stuck on a server that does not
 //! answer), the fd is closed where it is dropped: the queue is bounded, as every resource a
 //! client can grow. So is it when no closer runs and none can be started.
+//!
+//! Fds arriving and waiting to close count against the process's open-file limit, shared by
+//! every client: [`raise_fd_limit`] gives a server the room its hard limit allows.
 
 use std::collections::VecDeque;
 use std::mem::ManuallyDrop;
@@ -29,6 +32,21 @@ pub const MAX_CLOSERS: usize = 4;
 pub const MAX_QUEUED: usize = 1024;
 /// How long a closer waits for work before it ends.
 pub const CLOSER_IDLE: Duration = Duration::from_secs(10);
+
+/// Raises this process's soft limit on open files (RLIMIT_NOFILE) to its hard limit, and
+/// returns the limit now in force. The soft limit is 1024 by default (systemd's too) for the
+/// sake of programs using `select(2)`; this server does not. At 1024, one client sending the
+/// most fds a message may carry (253, closed on arrival or queued for the closers) could fill
+/// the table, and other clients' fds would then be lost on the way in (their messages fail
+/// with EMFILE) and devices could make no new per-client memory.
+pub fn raise_fd_limit() -> std::io::Result<u64> {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
+    if soft < hard {
+        setrlimit(Resource::RLIMIT_NOFILE, hard, hard)?;
+    }
+    Ok(hard.max(soft))
+}
 
 /// An fd a client sent: closed when dropped, on a closer thread if its close could wait on
 /// someone (see the module's documentation).

@@ -145,6 +145,15 @@ impl Session {
             ));
             return self.answer(&header, Err(libc::EINVAL));
         }
+        if frame.fds_lost {
+            // Not the client's doing, but loud only as often as its mistakes are: another
+            // client may be filling the fd table to flood this one's log.
+            self.fault(format_args!(
+                "message {} (command {}) lost fds on the way in: this process's fd table is full (RLIMIT_NOFILE)",
+                header.id, header.command
+            ));
+            return self.answer(&header, Err(libc::EMFILE));
+        }
         let outcome = match parse(&header, payload, frame.fds, &self.limits) {
             Err(e) => {
                 log::debug!("refused message {}: {e}", header.id);

@@ -65,12 +65,13 @@ impl Receiver {
         let fds = installed_fds(&msg);
         fds.iter().for_each(no_linger);
         if msg.msg_flags & libc::MSG_CTRUNC != 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "control message truncated: fds were lost",
-            ));
+            // The bytes are whole; the message the fds came with is refused (EMFILE) and the
+            // stream goes on. The room here is the most one sendmsg carries, so the kernel
+            // truncates only when it could not install them all: the fd table full.
+            framer.commit_lossy(bytes, fds);
+        } else {
+            framer.commit(bytes, fds);
         }
-        framer.commit(bytes, fds);
         Ok(bytes)
     }
 }
@@ -212,13 +213,28 @@ mod tests {
         drop(framer);
         assert_eq!(open_named(name), 1);
 
-        // Room for one: the kernel installs one, drops two and flags MSG_CTRUNC; the
-        // installed one must be closed with the error.
+        // Room for fewer than sent (as with the fd table full): the kernel installs what fits,
+        // drops the rest and flags MSG_CTRUNC. The bytes are kept and the stream goes on; the message they
+        // start says its fds were lost, and the one installed closes with it.
         let mut small = Receiver { cmsg: nix::cmsg_space!([RawFd; 1]) };
         let mut framer = Framer::new(1 << 16, 16);
-        send_with(3);
-        assert!(small.recv(&server, &mut framer, true).is_err());
+        let header = Header { id: 7, command: 4, size: 16, flags: 0, error: 0 };
+        let fds = vec![memfd.as_fd().as_raw_fd(); 3];
+        let bytes = header.encode();
+        let rights = [ControlMessage::ScmRights(&fds)];
+        sendmsg::<()>(client.as_raw_fd(), &[IoSlice::new(&bytes)], &rights, MsgFlags::empty(), None).unwrap();
+        assert_eq!(small.recv(&server, &mut framer, true).unwrap(), 16);
+        let frame = framer.next_frame().unwrap().unwrap();
+        // (The room for one is rounded up to 8 bytes: two come.)
+        assert_eq!((frame.header.id, frame.fds.len(), frame.fds_lost), (7, 2, true));
+        drop(frame);
         assert_eq!(open_named(name), 1, "no fd of the truncated message stays open");
+        // The next message is not marked.
+        let next = Header { id: 8, ..header };
+        std::io::Write::write_all(&mut &client, &next.encode()).unwrap();
+        small.recv(&server, &mut framer, true).unwrap();
+        let frame = framer.next_frame().unwrap().unwrap();
+        assert_eq!((frame.header.id, frame.fds.len(), frame.fds_lost), (8, 0, false));
     }
 
     fn linger_of(fd: RawFd) -> (i32, i32) {

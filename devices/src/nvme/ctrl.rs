@@ -722,6 +722,14 @@ impl Ctrl {
         }
     }
 
+    /// The doorbell page becomes the process's own, no client's ([`DoorbellPage::isolate`]).
+    pub(crate) fn isolate_doorbell_page(&self) -> std::io::Result<()> {
+        match &self.page {
+            Some(page) => page.isolate(),
+            None => Ok(()),
+        }
+    }
+
     /// DEVICE_RESET and detach: disabled, registers back to power-on values.
     pub fn reset(&self) {
         self.disable();

@@ -690,7 +690,7 @@ pub fn create(config: NvmeConfig) -> Result<PciDevice<Nvme>, NvmeError> {
             let file = doorbell_file().map_err(NvmeError::DoorbellPage)?;
             let page = DoorbellPage::new(file.try_clone().map_err(NvmeError::DoorbellPage)?, reg::DOORBELLS)
                 .map_err(NvmeError::DoorbellPage)?;
-            (Some(arc_swap::ArcSwap::from_pointee(OwnedFd::from(file))), Some(page))
+            (Some(arc_swap::ArcSwapOption::from_pointee(OwnedFd::from(file))), Some(page))
         }
     };
     let files = namespaces.iter().flatten().any(|ns| ns.is_file());
@@ -752,6 +752,10 @@ pub fn create(config: NvmeConfig) -> Result<PciDevice<Nvme>, NvmeError> {
 /// BAR0's file for a client to map (the doorbell page at 0x1000): sealed, so that the client
 /// cannot shrink it under the workers' mapping of the page.
 fn doorbell_file() -> std::io::Result<File> {
+    #[cfg(test)]
+    if tests::NO_FDS.get() {
+        return Err(std::io::Error::from_raw_os_error(libc::EMFILE));
+    }
     umdev_mdev::region_memfd(c"umdev-nvme-bar0", BAR0_SIZE)
 }
 
@@ -762,7 +766,9 @@ pub struct Nvme {
     map: RegMap<u64>,
     /// BAR0's backing for `doorbells=mmap` and `auto` (the doorbell page at 0x1000): a new
     /// file at each detach, so that a client that left cannot ring the next one's queues.
-    mmap: Option<arc_swap::ArcSwap<OwnedFd>>,
+    /// Inner `None` after a detach that could not make one (no fd to spare): the page is the
+    /// process's own meanwhile, and BAR0 offers no mmap until a file can be made.
+    mmap: Option<arc_swap::ArcSwapOption<OwnedFd>>,
 }
 
 impl Nvme {
@@ -774,6 +780,13 @@ impl Nvme {
     /// What the controller did so far.
     pub fn totals(&self) -> Totals {
         Totals::of(self.ctrl.all_stats().iter().skip(1))
+    }
+
+    /// A new doorbell file, mapped at the workers' page from now on.
+    fn new_doorbell_file(&self) -> std::io::Result<Arc<OwnedFd>> {
+        let file = doorbell_file()?;
+        self.ctrl.replace_doorbell_page(&file)?;
+        Ok(Arc::new(OwnedFd::from(file)))
     }
 }
 
@@ -810,9 +823,20 @@ impl PciFunction for Nvme {
     }
 
     fn bar_mmap(&self, bar: u8) -> Option<RegionMmap> {
-        let fd = self.mmap.as_ref().filter(|_| bar == 0)?;
+        let slot = self.mmap.as_ref().filter(|_| bar == 0)?;
+        let fd = match slot.load_full() {
+            Some(fd) => fd,
+            None => {
+                let fd = self
+                    .new_doorbell_file()
+                    .map_err(|e| log::debug!("nvme: still no doorbell page: {e}"))
+                    .ok()?;
+                slot.store(Some(fd.clone()));
+                fd
+            }
+        };
         Some(RegionMmap {
-            fd: fd.load_full(),
+            fd,
             offset: 0,
             areas: vec![SparseArea { offset: reg::DOORBELLS, size: reg::DOORBELLS }],
         })
@@ -834,12 +858,16 @@ impl PciFunction for Nvme {
         self.ctrl.reset();
         // The next client maps a page of its own; the workers read it from now on.
         if let Some(slot) = &self.mmap {
-            let fresh =
-                doorbell_file().and_then(|file| self.ctrl.replace_doorbell_page(&file).map(|()| file));
-            match fresh {
-                Ok(file) => slot.store(Arc::new(OwnedFd::from(file))),
+            match self.new_doorbell_file() {
+                Ok(fd) => slot.store(Some(fd)),
                 Err(e) => {
-                    log::error!("nvme: no new doorbell page for the next client ({e}); it shares this one's")
+                    log::error!(
+                        "nvme: no new doorbell page for the next client ({e}); BAR0 offers no mmap until one can be made"
+                    );
+                    slot.store(None);
+                    if let Err(e) = self.ctrl.isolate_doorbell_page() {
+                        log::error!("nvme: the doorbell page stays the last client's ({e})");
+                    }
                 }
             }
         }
@@ -1021,6 +1049,32 @@ mod tests {
             // `off` asks for nothing, and may stay in a definition whatever else changes.
             assert_eq!(parse(&[nothing_sparse, ("ram_populate", "off")]).unwrap(), Some(false));
         }
+    }
+
+    thread_local! {
+        /// Makes this thread's doorbell files fail as with the fd table full.
+        pub(super) static NO_FDS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    /// A detach that cannot make the next client a doorbell file never leaves it the old
+    /// one's: BAR0 offers no mmap (doorbells then come as messages) until a file can be made.
+    #[test]
+    fn the_doorbell_page_is_never_the_last_clients_when_no_file_can_be_made() {
+        use umdev_mdev::{RegionFlags, VfioDevice};
+        let mut options = umdev_mdev::types::InstanceOptions::default();
+        for (k, v) in [("ns1", "ram:1m"), ("doorbells", "mmap")] {
+            options.params.insert(k.into(), v.into());
+        }
+        let dev = create(NvmeConfig::from_options(&options).unwrap()).unwrap();
+        let old = dev.region_info(0).unwrap().mmap.unwrap().fd;
+        NO_FDS.set(true);
+        dev.detach();
+        let info = dev.region_info(0).unwrap();
+        assert!(info.mmap.is_none() && !info.flags.contains(RegionFlags::MMAP), "{info:?}");
+        NO_FDS.set(false);
+        let fresh = dev.region_info(0).unwrap().mmap.unwrap().fd;
+        assert!(!Arc::ptr_eq(&old, &fresh), "a new file once one can be made");
+        assert!(Arc::ptr_eq(&dev.region_info(0).unwrap().mmap.unwrap().fd, &fresh), "and kept");
     }
 
     #[test]

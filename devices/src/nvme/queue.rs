@@ -107,8 +107,9 @@ pub struct DoorbellPage {
     region: MmapRegion,
     /// The page's offset in its file.
     offset: u64,
-    /// The file mapped at the page now (the region keeps the first one open, mapped or not).
-    current: std::sync::Mutex<std::fs::File>,
+    /// The file mapped at the page now (the region keeps the first one open, mapped or not);
+    /// `None` while an anonymous page of this process's own stands there ([`Self::isolate`]).
+    current: std::sync::Mutex<Option<std::fs::File>>,
     /// Tests: how many of the next maps of a file at the page fail as a failed `MAP_FIXED`
     /// may on kernels before 6.12, with the old mapping gone (an anonymous page stands in for
     /// the hole, so that a look at it reads zeros rather than faulting).
@@ -119,7 +120,7 @@ pub struct DoorbellPage {
 impl DoorbellPage {
     /// A page of the shared `file` at `offset`.
     pub fn new(file: std::fs::File, offset: u64) -> std::io::Result<DoorbellPage> {
-        let current = std::sync::Mutex::new(file.try_clone()?);
+        let current = std::sync::Mutex::new(Some(file.try_clone()?));
         let region = MmapRegion::from_file(FileOffset::new(file, offset), PAGE as usize)
             .map_err(std::io::Error::other)?;
         Ok(DoorbellPage {
@@ -138,19 +139,39 @@ impl DoorbellPage {
         let mut current = umdev_mdev::sync::lock(&self.current);
         let kept = file.try_clone()?;
         if let Err(e) = self.map_at_page(file) {
-            // A failed MAP_FIXED may have unmapped the range first (kernels before 6.12):
-            // the old file goes back, or the process cannot go on (a worker would fault on
-            // the hole).
-            if let Err(again) = self.map_at_page(&current) {
-                log::error!(
-                    "nvme: the doorbell page could not be mapped ({e}), nor the old one again ({again})"
-                );
-                std::process::abort();
-            }
+            self.restore(&current, &e);
             return Err(e);
         }
-        *current = kept;
+        *current = Some(kept);
         Ok(())
+    }
+
+    /// Maps an anonymous page of this process's own in place of this one's file, at the same
+    /// address: for a detach that could not make the next client a file, so that the client
+    /// that left, which may still map the old file, cannot ring the next one's queues. The
+    /// page reads zeros; messages and the workers use it as before.
+    pub fn isolate(&self) -> std::io::Result<()> {
+        let mut current = umdev_mdev::sync::lock(&self.current);
+        if let Err(e) = self.mmap_over_page(libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) {
+            self.restore(&current, &e);
+            return Err(e);
+        }
+        *current = None;
+        Ok(())
+    }
+
+    /// After a failed `MAP_FIXED`, which may have unmapped the range first (kernels before
+    /// 6.12): what was there goes back, or the process cannot go on (a worker would fault on
+    /// the hole).
+    fn restore(&self, current: &Option<std::fs::File>, e: &std::io::Error) {
+        let again = match current {
+            Some(file) => self.map_at_page(file),
+            None => self.mmap_over_page(libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0),
+        };
+        if let Err(again) = again {
+            log::error!("nvme: the doorbell page could not be mapped ({e}), nor the old one again ({again})");
+            std::process::abort();
+        }
     }
 
     /// Maps this page's page of `file` at the page's address.
@@ -857,5 +878,23 @@ mod tests {
         page.replace(&new).unwrap();
         page.store(2, 5);
         assert_eq!((in_file(&new, 2), in_file(&old, 2)), (5, 0));
+    }
+
+    /// An isolated page is no file's: what the old client writes to its file is not seen,
+    /// and what the page holds is not in the file; a later replace makes it a file's again.
+    #[test]
+    fn an_isolated_page_is_no_clients() {
+        let (old, new) = (bar0(), bar0());
+        let page = DoorbellPage::new(old.try_clone().unwrap(), PAGE).unwrap();
+        page.store(0, 7);
+        page.isolate().unwrap();
+        assert_eq!(page.load(0), 0, "a page of its own, zeroed");
+        old.write_all_at(&3u32.to_le_bytes(), PAGE + 4).unwrap();
+        assert_eq!(page.load(1), 0, "the old client's write is not seen");
+        page.store(2, 5);
+        assert_eq!(in_file(&old, 2), 0, "nor does the page reach the old file");
+        page.replace(&new).unwrap();
+        page.store(3, 4);
+        assert_eq!((in_file(&new, 3), in_file(&old, 3)), (4, 0));
     }
 }

@@ -420,6 +420,31 @@ fn bar1_is_one_memfd_mapped_and_trapped() {
     assert!(rig.dev.region_write(1, 8190, &[0; 4]).is_err());
 }
 
+thread_local! {
+    /// Makes this thread's BAR1 memfds fail as with the fd table full.
+    pub(super) static NO_FDS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// A detach that cannot make new BAR1 memory (no fd to spare) never leaves the next client
+/// the old one's: BAR1 offers no mmap and fails until new memory can be made.
+#[test]
+fn bar1_is_never_the_last_clients_when_no_new_memory_can_be_made() {
+    let rig = rig();
+    let old = rig.dev.region_info(1).unwrap().mmap.unwrap().fd;
+    rig.dev.region_write(1, 16, b"secret").unwrap();
+    NO_FDS.set(true);
+    rig.dev.detach();
+    let info = rig.dev.region_info(1).unwrap();
+    assert!(info.mmap.is_none() && !info.flags.contains(RegionFlags::MMAP), "{info:?}");
+    assert!(rig.dev.region_read(1, 16, &mut [0; 6]).is_err());
+    NO_FDS.set(false);
+    let fresh = rig.dev.region_info(1).unwrap().mmap.unwrap().fd;
+    assert!(!Arc::ptr_eq(&old, &fresh), "a new file");
+    let mut got = [0xff; 6];
+    rig.dev.region_read(1, 16, &mut got).unwrap();
+    assert_eq!(got, [0; 6], "new memory, zeroed");
+}
+
 #[test]
 fn bar2_io_registers() {
     let rig = rig();

@@ -57,7 +57,8 @@ pub trait PciFunction: Send + Sync + 'static {
     /// pages), and again at each region-info request for the file to send: a device gives
     /// each client a file of its own ([`crate::region_memfd`], a new one at
     /// [`PciFunction::detach`]), so that a client that left cannot reach the next one's. The
-    /// offset and areas must stay as they were at construction.
+    /// offset and areas must stay as they were at construction; `None` at a region-info
+    /// request (a new file could not be made) offers that client no mmap of the BAR.
     fn bar_mmap(&self, bar: u8) -> Option<RegionMmap> {
         let _ = bar;
         None

@@ -55,6 +55,9 @@ pub struct Frame {
     pub fds: Vec<ClientFd>,
     /// How many further fds came with it and were closed on arrival.
     pub excess_fds: usize,
+    /// Fds that came with it were lost on the way in: the kernel could not install them all
+    /// (the server's fd table full) and flagged the read (MSG_CTRUNC).
+    pub fds_lost: bool,
 }
 
 /// Accumulates received bytes and fds; yields whole messages.
@@ -72,6 +75,8 @@ pub struct Framer {
     fds: VecDeque<(u64, Vec<ClientFd>)>,
     /// fds closed on arrival, by stream position of their read.
     excess: VecDeque<(u64, usize)>,
+    /// Reads whose fds were lost, by stream position (as `fds`).
+    lost: VecDeque<u64>,
     max_size: u32,
     max_fds: usize,
 }
@@ -89,6 +94,7 @@ impl Framer {
             base: 0,
             fds: VecDeque::new(),
             excess: VecDeque::new(),
+            lost: VecDeque::new(),
             max_size,
             max_fds,
         }
@@ -119,10 +125,23 @@ impl Framer {
 
     /// Records that `n` bytes were received into [`Framer::spare`], with `fds`.
     pub fn commit(&mut self, n: usize, fds: Vec<ClientFd>) {
+        self.commit_read(n, fds, false);
+    }
+
+    /// As [`Framer::commit`], for a read that lost some of its fds (MSG_CTRUNC): the message
+    /// they came with is refused ([`Frame::fds_lost`]), and the stream goes on.
+    pub fn commit_lossy(&mut self, n: usize, fds: Vec<ClientFd>) {
+        self.commit_read(n, fds, true);
+    }
+
+    fn commit_read(&mut self, n: usize, fds: Vec<ClientFd>, lost: bool) {
         let n = n.min(self.buf.len() - self.filled);
         let last = self.base + (self.filled + n.max(1) - 1) as u64;
         self.filled += n;
         self.add_fds(last, fds);
+        if lost {
+            self.lost.push_back(last);
+        }
     }
 
     /// Appends bytes and fds as if received in one read (for tests and fuzzing).
@@ -230,9 +249,14 @@ impl Framer {
             excess_fds += n;
             self.excess.pop_front();
         }
+        let mut fds_lost = false;
+        while self.lost.front().is_some_and(|&pos| pos < end_pos) {
+            fds_lost = true;
+            self.lost.pop_front();
+        }
         let payload = self.start + HEADER_SIZE..self.start + size;
         self.start += size;
-        Ok(Some(Frame { header, payload, fds, excess_fds }))
+        Ok(Some(Frame { header, payload, fds, excess_fds, fds_lost }))
     }
 
     /// The payload of a frame returned by the last [`Framer::next_frame`] call.
