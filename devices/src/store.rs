@@ -208,6 +208,10 @@ pub struct Store {
     /// ring's files are let go by the kernel later, after the ring is closed). A block
     /// device is zeroed through it ([`Store::write_zeroes`]).
     hold: Option<File>,
+    /// A write-back of the file failed ([`Store::lose_durability`]): the host reports such a
+    /// failure once, to the first sync that looks, and cannot tell which cached writes it
+    /// lost, so no write through the cache can be promised durable again (QEMU's answer too).
+    durability_lost: std::sync::atomic::AtomicBool,
 }
 
 impl Store {
@@ -270,6 +274,7 @@ impl Store {
             sector: 1,
             ram: Some(Ram { region, pages, filling, populater: None }),
             hold: None,
+            durability_lost: Default::default(),
         })
     }
 
@@ -393,7 +398,16 @@ impl Store {
                 Some(direct)
             }
         };
-        Ok(Store { file: Some(file), direct, kind, size, sector, ram: None, hold: Some(hold) })
+        Ok(Store {
+            file: Some(file),
+            direct,
+            kind,
+            size,
+            sector,
+            ram: None,
+            hold: Some(hold),
+            durability_lost: Default::default(),
+        })
     }
 
     /// The cache mode (RAM stores: [`Cache::Writeback`], which they behave like).
@@ -539,9 +553,16 @@ impl Store {
         }
         let flags = match durability {
             Durability::Cached => 0,
-            Durability::Sync => libc::RWF_DSYNC,
+            Durability::Sync => {
+                self.durable()?;
+                libc::RWF_DSYNC
+            }
         };
-        self.file_vectored(pos, bufs, Direction::Write, flags)
+        let written = self.file_vectored(pos, bufs, Direction::Write, flags);
+        if let (Err(e), Durability::Sync) = (&written, durability) {
+            self.lose_durability(e);
+        }
+        written
     }
 
     /// A file's transfer: O_DIRECT if it fits ([`Store::direct_fits`]) and the kernel takes
@@ -589,11 +610,53 @@ impl Store {
         }
     }
 
-    /// Makes every completed write durable (`fdatasync`; nothing to do for RAM).
+    /// Makes every completed write durable (`fdatasync`; nothing to do for RAM). Fails for
+    /// good once a write-back failed ([`Store::durability_lost`]).
     pub fn flush(&self) -> io::Result<()> {
         match self.kind {
             StoreKind::Ram => Ok(()),
-            StoreKind::File | StoreKind::BlockDevice => self.file()?.sync_data(),
+            StoreKind::File | StoreKind::BlockDevice => {
+                self.durable()?;
+                let synced = self.file()?.sync_data();
+                if let Err(e) = &synced {
+                    self.lose_durability(e);
+                }
+                synced
+            }
+        }
+    }
+
+    /// Whether a write-back of this file failed: from then on every flush and durable write
+    /// fails (cached writes may have been lost, and which cannot be told), until the store
+    /// is opened again.
+    pub fn durability_lost(&self) -> bool {
+        self.durability_lost.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// `Err` once durability is lost ([`Store::durability_lost`]): for a flush or a durable
+    /// write about to start.
+    pub fn durable(&self) -> io::Result<()> {
+        match self.durability_lost() {
+            false => Ok(()),
+            true => Err(io::Error::other(
+                "an earlier write-back of the file failed: cached writes may have been lost",
+            )),
+        }
+    }
+
+    /// A sync of the file (`fdatasync`, or a write's `RWF_DSYNC`) failed with `e`: if it may
+    /// have been a write-back failure (an I/O error; not the write's own refusal, such as no
+    /// space for it), durability is lost for good ([`Store::durability_lost`]).
+    pub fn lose_durability(&self, e: &io::Error) {
+        let own = matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT | libc::EFAULT | libc::EINVAL));
+        if self.kind == StoreKind::Ram || own {
+            return;
+        }
+        if !self.durability_lost.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            log::error!(
+                "a sync of a backing file failed ({e}): cached writes may have been lost; every later \
+                 flush and durable write fails until the device is started again"
+            );
         }
     }
 

@@ -288,9 +288,107 @@ fn zeroes_with_fua_or_the_write_cache_off_are_made_durable_before_the_command_co
     d.admin_ok(vwc).unwrap();
     assert_eq!(d.io_command(1, zeroes(false)).unwrap().status(), Status::WRITE_FAULT);
     assert_eq!(deallocate(&mut d), Status::WRITE_FAULT);
+    // A disk whose syncs work again cannot say what the failed ones lost: every change
+    // that must be durable still fails (`a_failed_sync_fails_every_later_flush_and_durable_write`).
     fuse.set_policy(|_| Action::Serve);
-    assert_eq!(d.io_command(1, zeroes(false)).unwrap().status(), Status::SUCCESS);
-    assert_eq!(deallocate(&mut d), Status::SUCCESS);
+    assert_eq!(d.io_command(1, zeroes(false)).unwrap().status(), Status::WRITE_FAULT);
+    assert_eq!(deallocate(&mut d), Status::WRITE_FAULT);
+}
+
+fn flush_cmd() -> Sqe {
+    let mut flush = Sqe::new(nvm_op::FLUSH, 0);
+    flush.nsid = 1.into();
+    flush
+}
+
+/// A Read or Write of block `lba` with FUA, from or into [`DATA`].
+fn fua(read: bool, lba: u64) -> Sqe {
+    let mut sqe = Driver::<Rig>::rw_command(read, 1, lba, 1, DATA, 0);
+    sqe.set_dw(12, 1 << 30);
+    sqe
+}
+
+/// The host reports a failed write-back once, to the first sync that looks; after that a
+/// sync succeeds though cached writes were lost. So once a sync fails, no later Flush or
+/// durable write may succeed (QEMU's answer too): the guest would take lost data for safe.
+/// Cached writes and reads go on. In the asynchronous (io_uring) path and the synchronous one.
+#[test]
+fn a_failed_sync_fails_every_later_flush_and_durable_write() {
+    for aio in [AioMode::IoUring, AioMode::Sync] {
+        let Some(fuse) = mounted(1 << 20) else { return };
+        let config = NvmeConfig { aio, ..NvmeConfig::default() };
+        let mut d = on_with(&fuse, config);
+        d.t.put(DATA, &pattern(BLOCK as usize, 1)).unwrap();
+        assert_eq!(d.rw(1, false, 1, 0, 1, BLOCK, &[DATA], 0).unwrap(), Status::SUCCESS);
+        assert_eq!(d.io_command(1, fua(false, 1)).unwrap().status(), Status::SUCCESS, "{aio:?}");
+        assert_eq!(d.io_command(1, flush_cmd()).unwrap().status(), Status::SUCCESS);
+        fuse.set_policy(|io| match io {
+            Io::Fsync => Action::Fail(libc::EIO),
+            _ => Action::Serve,
+        });
+        assert_eq!(d.io_command(1, flush_cmd()).unwrap().status(), Status::WRITE_FAULT, "{aio:?}");
+        fuse.set_policy(|_| Action::Serve);
+        let served = fuse.served();
+        assert_eq!(d.io_command(1, flush_cmd()).unwrap().status(), Status::WRITE_FAULT, "{aio:?}");
+        assert_eq!(d.io_command(1, fua(false, 2)).unwrap().status(), Status::WRITE_FAULT, "{aio:?}");
+        assert_eq!(fuse.served(), served, "refused without asking the disk");
+        // Cached writes and reads are served as before.
+        assert_eq!(d.rw(1, false, 1, 3, 1, BLOCK, &[DATA], 0).unwrap(), Status::SUCCESS);
+        assert_eq!(d.rw(1, true, 1, 3, 1, BLOCK, &[DATA], 0).unwrap(), Status::SUCCESS);
+        // A shutdown still completes, but with the controller's fatal status: the data is
+        // not known to be safe.
+        d.shutdown().unwrap();
+        assert_ne!(d.t.read32(reg::CSTS).unwrap() & reg::CSTS_CFS, 0, "{aio:?}");
+    }
+}
+
+/// FUA on a Read makes what the host caches of the file durable first (NVMe §6.9): the read
+/// asks the disk for a sync, and fails as a flush would if the sync does.
+#[test]
+fn a_read_with_fua_syncs_first() {
+    let Some(fuse) = mounted(1 << 20) else { return };
+    let mut d = on(&fuse);
+    let syncs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = syncs.clone();
+    fuse.set_policy(move |io| {
+        if matches!(io, Io::Fsync) {
+            seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        Action::Serve
+    });
+    assert_eq!(d.io_command(1, fua(true, 0)).unwrap().status(), Status::SUCCESS);
+    assert_eq!(syncs.load(std::sync::atomic::Ordering::SeqCst), 1, "one sync for the read");
+    assert_eq!(d.rw(1, true, 1, 0, 1, BLOCK, &[DATA], 0).unwrap(), Status::SUCCESS);
+    assert_eq!(syncs.load(std::sync::atomic::Ordering::SeqCst), 1, "none without FUA");
+    fuse.set_policy(|io| match io {
+        Io::Fsync => Action::Fail(libc::EIO),
+        _ => Action::Serve,
+    });
+    assert_eq!(d.io_command(1, fua(true, 0)).unwrap().status(), Status::WRITE_FAULT);
+}
+
+/// Turning the volatile write cache off makes what it holds durable: the host sends no more
+/// Flushes for the writes before.
+#[test]
+fn turning_the_write_cache_off_syncs() {
+    let Some(fuse) = mounted(1 << 20) else { return };
+    let mut d = on(&fuse);
+    let syncs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = syncs.clone();
+    fuse.set_policy(move |io| {
+        if matches!(io, Io::Fsync) {
+            seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        Action::Serve
+    });
+    assert_eq!(d.rw(1, false, 1, 0, 1, BLOCK, &[DATA], 0).unwrap(), Status::SUCCESS);
+    assert_eq!(syncs.load(std::sync::atomic::Ordering::SeqCst), 0);
+    let mut vwc = Sqe::new(admin_op::SET_FEATURES, 0);
+    vwc.set_dw(10, u32::from(feature::VOLATILE_WRITE_CACHE));
+    d.admin_ok(vwc).unwrap();
+    assert_eq!(syncs.load(std::sync::atomic::Ordering::SeqCst), 1, "synced as the cache went off");
+    d.admin_ok(vwc).unwrap();
+    assert_eq!(syncs.load(std::sync::atomic::Ordering::SeqCst), 1, "off again: nothing to sync");
 }
 
 /// A file namespace of `config` on `fuse`, its I/O queue up.

@@ -423,9 +423,18 @@ impl Ctrl {
         self.write_cache.load(Ordering::Acquire)
     }
 
-    /// Sets the volatile write cache (Set Features 06h).
+    /// Sets the volatile write cache (Set Features 06h). Turned off, what it held is made
+    /// durable first: a host that turns it off sends no more Flushes for the writes before.
+    /// A flush that fails is logged, and the store fails every later durable write.
     pub(crate) fn set_write_cache(&self, on: bool) {
-        self.write_cache.store(on, Ordering::Release);
+        if !self.write_cache.swap(on, Ordering::AcqRel) || on {
+            return;
+        }
+        for ns in self.namespaces() {
+            if let Err(e) = ns.store().flush() {
+                log::warn!("nvme: ns{}: flush as the write cache was turned off: {e}", ns.id());
+            }
+        }
     }
 
     /// When the controller was made.
@@ -580,10 +589,13 @@ impl Ctrl {
     }
 
     /// CC.SHN: the host is about to go away; make every write durable.
+    /// A flush that fails sets CSTS.CFS as well: the shutdown is done, but the host's data
+    /// is not safe, and the host must not take it for a clean one.
     fn shutdown(&self) {
         for ns in self.config.namespaces.iter().flatten() {
             if let Err(e) = ns.store().flush() {
                 log::warn!("nvme: ns{}: flush at shutdown: {e}", ns.id());
+                self.fail("a flush at shutdown failed");
             }
         }
         self.admin().shutdown_seen = true;

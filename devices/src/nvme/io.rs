@@ -45,6 +45,9 @@ pub fn execute(cx: &CommandCx, cmd: NvmCmd) -> Outcome {
         NvmCmd::Read(c) => read_write(cx, ns, c, true),
         NvmCmd::Write(c) => read_write(cx, ns, c, false),
         NvmCmd::Compare(c) => compare(cx, ns, c),
+        // Nothing the cache holds can be promised durable any more: at once, as the
+        // synchronous path's flush answers.
+        NvmCmd::Flush(_) if ns.store().durability_lost() => flush(std::iter::once(ns)),
         NvmCmd::Flush(_) if cx.aio() && ns.is_file() => cx.start(Started {
             nsid: ns.id(),
             op: Op::Sync,
@@ -130,6 +133,20 @@ fn read_write(cx: &CommandCx, ns: &Namespace, c: ReadWrite, read: bool) -> Outco
     let prot = if read { Prot::WRITE } else { Prot::READ };
     let pos = c.slba << ns.lba_shift();
     let durability = if c.fua || !cx.ctrl().write_cache() { Durability::Sync } else { Durability::Cached };
+    // FUA on a read (§6.9): what the host caches of the blocks is made durable first. The
+    // store cannot sync a range alone: the whole file, as a Flush (Linux never sets it).
+    if read && c.fua {
+        if let Err(e) = ns.store().flush() {
+            log::warn!("nvme: ns{}: flush for a read with FUA: {e}", ns.id());
+            return Status::WRITE_FAULT.into();
+        }
+    }
+    if !read && durability == Durability::Sync {
+        if let Err(e) = ns.store().durable() {
+            log::debug!("nvme: ns{}: durable write refused: {e}", ns.id());
+            return Status::WRITE_FAULT.into();
+        }
+    }
     if cx.aio() && ns.is_file() {
         let pinned = match cx.pin_for_transfer(&pages.pfns, prot, pages.offset as u64, len) {
             Ok(p) => p,
@@ -239,6 +256,12 @@ pub fn finish((mut permit, t): (Permit<Command>, Started), result: std::io::Resu
             Some(libc::ECANCELED) => Status::ABORTED_SQ_DELETION,
             _ => {
                 let len: usize = t.segments.iter().map(|s| s.1).sum();
+                // A failed sync may have been a failed write-back: the store says whether.
+                if t.op == Op::Sync || (t.op == Op::Write && t.dsync) {
+                    if let Some(ns) = ctrl.namespace(nsid) {
+                        ns.store().lose_durability(&e);
+                    }
+                }
                 match t.op {
                     Op::Read => {
                         log::warn!("nvme: ns{nsid}: read of {len} bytes at {}: {e}", t.pos);
