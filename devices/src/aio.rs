@@ -208,6 +208,11 @@ pub struct Ring<T: Send + 'static> {
     cancelling: bool,
     /// [`Ring::quiesce`] cancels first (off only in tests: a held transfer stays held).
     cancel_on_quiesce: bool,
+    /// Left to the draining thread ([`Ring::detach`]): a submission that ends ends its
+    /// transfer, whatever is left of it. Its command was ended by a reset, a deletion or a
+    /// disconnect: continuing it (the rest of a short write, a retry, the buffered fallback)
+    /// would put data on the disk that the host no longer expects, after newer writes.
+    left: bool,
     /// Clones of other rings' buffers, an entry per fixed transfer in flight.
     fixed: FixedTable,
 }
@@ -250,6 +255,7 @@ impl<T: Send + 'static> Ring<T> {
             kick_armed: false,
             cancelling: false,
             cancel_on_quiesce: true,
+            left: false,
             fixed: FixedTable::default(),
         })
     }
@@ -493,7 +499,9 @@ impl<T: Send + 'static> Ring<T> {
     fn complete(&mut self, index: u32, res: i32) -> Option<(T, io::Result<u64>, bool)> {
         let s = self.slots.get_mut(index as usize)?;
         s.payload.as_ref()?;
-        let outcome = if res < 0 {
+        let outcome = if self.left {
+            Some(Err(io::Error::from_raw_os_error(libc::ECANCELED)))
+        } else if res < 0 {
             match -res {
                 libc::EAGAIN | libc::EINTR if s.retries < RETRIES => {
                     s.retries += 1;
@@ -679,6 +687,7 @@ impl<T: Send + 'static> Ring<T> {
             kick_armed: false,
             cancelling: false,
             cancel_on_quiesce: false,
+            left: true,
             fixed: std::mem::take(&mut self.fixed),
         };
         self.in_flight = 0;

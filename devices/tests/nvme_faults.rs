@@ -175,6 +175,32 @@ fn a_reset_with_a_read_held_by_the_backing_keeps_its_pins_until_the_host_lets_go
     assert!(back == data);
 }
 
+/// A write the host still has when the controller is reset is ended by the reset: if the host
+/// then fails it in a way a live queue would retry (EINTR), it is not retried: the guest, told
+/// nothing, may have written those blocks anew since.
+#[test]
+fn a_write_left_by_a_reset_is_not_retried() {
+    let Some(fuse) = mounted(1 << 20) else { return };
+    let mut d = on(&fuse);
+    d.t.put(DATA, &pattern(2 * BLOCK as usize, 5)).unwrap();
+    fuse.set_policy(|io| match io {
+        Io::Write { offset, .. } if *offset == 8 * BLOCK => Action::Hold,
+        _ => Action::Serve,
+    });
+    let write = Driver::<Rig>::rw_command(false, 1, 8, 2, DATA, DATA + BLOCK);
+    d.submit(1, &write).unwrap();
+    let held = fuse.wait_held(1, GUARD);
+    let cc = d.t.read32(reg::CC).unwrap();
+    d.t.write32(reg::CC, cc & !1).unwrap();
+    assert_eq!(d.t.ctrl().workers(), 0, "the worker stopped, the write left to the host");
+    fuse.set_policy(|_| Action::Serve);
+    let served = fuse.served();
+    fuse.answer(held[0].unique, Some(libc::EINTR));
+    until_let_go(|| d.t.dma.stats().pins_held > 0);
+    assert_eq!(fuse.served(), served + 1, "nothing asked of the disk after the answer");
+    assert!(fuse.bytes()[8 * BLOCK as usize..10 * BLOCK as usize].iter().all(|&b| b == 0), "nothing written");
+}
+
 #[test]
 fn a_read_held_through_its_queues_deletion_posts_nothing_when_the_host_lets_go() {
     let Some(fuse) = mounted(1 << 20) else { return };
