@@ -74,8 +74,6 @@ pub enum Action {
     Fail(i32),
     /// Keep it until the test answers it ([`FuseFile::answer`]).
     Hold,
-    /// Serve only its first this many bytes (a short read or write), at once.
-    Short(usize),
 }
 
 /// An I/O held for the test.
@@ -222,18 +220,6 @@ impl FuseFile {
         drop(st);
         send(&self.shared.dev, unique, reply);
     }
-
-    /// Answers held request `unique` now with its first `bytes` only ([`Action::Short`]).
-    pub fn answer_short(&self, unique: u64, bytes: usize) {
-        let mut st = self.state();
-        let Some(at) = st.held.iter().position(|h| h.unique == unique) else {
-            panic!("request {unique} is not held");
-        };
-        let held = st.held.remove(at).expect("found");
-        let reply = perform(&mut st, &held.io, Action::Short(bytes));
-        drop(st);
-        send(&self.shared.dev, unique, reply);
-    }
 }
 
 impl Drop for FuseFile {
@@ -259,19 +245,14 @@ fn perform(st: &mut State, io: &Io, action: Action) -> Reply {
     if let Action::Fail(errno) = action {
         return (errno, Vec::new());
     }
-    let most = match action {
-        Action::Short(n) => n,
-        _ => usize::MAX,
-    };
     match io {
         Io::Read { offset, size } => {
             let len = st.bytes.len() as u64;
-            let size = u64::from(*size).min(most as u64);
-            let (start, end) = ((*offset).min(len), (offset + size).min(len));
+            let (start, end) = ((*offset).min(len), (offset + u64::from(*size)).min(len));
             (0, st.bytes[start as usize..end as usize].to_vec())
         }
         Io::Write { offset, data } => {
-            let end = (*offset as usize + data.len().min(most)).min(st.bytes.len());
+            let end = (*offset as usize + data.len()).min(st.bytes.len());
             let n = end.saturating_sub(*offset as usize);
             st.bytes[*offset as usize..end].copy_from_slice(&data[..n]);
             let mut out = (n as u32).to_le_bytes().to_vec();
