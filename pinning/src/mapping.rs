@@ -447,8 +447,9 @@ impl Mapping {
         for (k, &(start, len)) in fresh.iter().enumerate() {
             let mut page = start;
             while page < start + len {
+                // On failure: the failure, and the pages from `page` to unlock too.
                 let failure = if claimed() {
-                    Some(RunFailure::Unmapping { page })
+                    Some((RunFailure::Unmapping { page }, 0))
                 } else {
                     let n = MLOCK_PIECE.min(start + len - page);
                     counts.mlock_calls += 1;
@@ -457,17 +458,20 @@ impl Mapping {
                             page += n;
                             None
                         }
-                        Err(error) => Some(RunFailure::Lock { page, error }),
+                        // mlock marks the whole piece locked before it faults the pages in,
+                        // and keeps what it faulted locked when it fails (a page past the
+                        // end of a file the client truncated): the piece is undone too.
+                        Err(error) => Some((RunFailure::Lock { page, error }, n)),
                     }
                 };
-                if let Some(failure) = failure {
+                if let Some((failure, tried)) = failure {
                     // Undo what is locked: the sub-runs before this one, and this one up to
-                    // `page`.
+                    // `page` and through the piece that failed.
                     for &(s, l) in &fresh[..k] {
                         self.munlock(counts, memory, s, l);
                     }
-                    if page > start {
-                        self.munlock(counts, memory, start, page - start);
+                    if page + tried > start {
+                        self.munlock(counts, memory, start, page + tried - start);
                     }
                     account.refund(bytes);
                     return Err(failure);

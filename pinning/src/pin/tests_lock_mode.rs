@@ -255,3 +255,19 @@ fn a_long_run_gives_way_to_an_unmap_of_another_mapping_of_the_call() {
     assert_eq!(space.stats().mlock_calls - mlocks, 0, "nothing of B's run was locked");
     assert_eq!(space.account().locked(), 0);
 }
+
+/// An mlock that fails part-way (the client truncated the file under the run: the pages past
+/// its end cannot be faulted in) leaves nothing locked: the kernel marks the whole piece
+/// locked before it faults the pages in, and keeps what it faulted locked when it fails.
+#[test]
+#[cfg_attr(miri, ignore = "Miri: mlock")]
+fn a_failed_mlock_leaves_nothing_locked() {
+    let (space, file, host) = lock_space(u64::MAX);
+    file.set_len(8 * P).unwrap();
+    let err = space.pin_range(4 * P, 8, Prot::READ).unwrap_err();
+    assert_eq!(locked_bytes_in(host, 64 * P as usize), 0, "{err}");
+    assert_eq!(space.account().locked(), 0);
+    // The pages within the file pin and unpin as before.
+    drop(space.pin_range(4 * P, 4, Prot::READ).unwrap());
+    assert_eq!(locked_bytes_in(host, 64 * P as usize), 0);
+}
