@@ -360,6 +360,8 @@ pub fn check(device: Arc<dyn VfioDevice>, contract: &Contract) {
         device.reset().expect("DEVICE_RESET");
         config_write(&*device, 4, 2, 0x0007);
         busy(&probe);
+        // A hook that returns once the work is done tests nothing below.
+        assert!(dma.stats().pins_held > 0, "{name}: make_busy returned with no pin held");
         let started = Instant::now();
         let unmapped = dma.unmap(0, RAM_SIZE);
         assert!(unmapped.is_ok(), "{name}: unmap of memory in use: {unmapped:?}");

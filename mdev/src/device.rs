@@ -15,6 +15,11 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::guest::DeviceContext;
 
+/// SET_IRQS flags, for a test or client that wires a device's interrupts.
+pub use vfio_bindings::bindings::vfio::{
+    VFIO_IRQ_SET_ACTION_MASK, VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_ACTION_UNMASK,
+    VFIO_IRQ_SET_DATA_BOOL, VFIO_IRQ_SET_DATA_EVENTFD, VFIO_IRQ_SET_DATA_NONE,
+};
 pub use vfio_bindings::bindings::vfio::{
     VFIO_PCI_BAR0_REGION_INDEX, VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_ERR_IRQ_INDEX,
     VFIO_PCI_INTX_IRQ_INDEX, VFIO_PCI_MSIX_IRQ_INDEX, VFIO_PCI_MSI_IRQ_INDEX, VFIO_PCI_NUM_IRQS,

@@ -27,5 +27,5 @@ pub use config::{
     ClassCode, ConfigChanges, ConfigError, ConfigSpace, ConfigSpaceBuilder, IrqRegisters, PciIds,
 };
 pub use device::{Host, PciDevice, PciDeviceError, PciFunction};
-pub use regmap::{Access, Hit, Reg, RegMap, RegMapBuilder, RegMapError};
+pub use regmap::{Access, Hit, Placement, Reg, RegMap, RegMapBuilder, RegMapError};
 pub use simple::{Shared, SharedRef, SimpleFunction, Waker, WeakShared};

@@ -94,14 +94,56 @@ pub enum RegMapError {
         /// The size.
         size: u64,
     },
-    /// A register is misaligned, outside the map, or over another.
-    #[error("register at {offset:#x} (element {index}) is misaligned, outside the map or overlaps another")]
+    /// An access width of 0 or over 8 bytes, or none at all: no access of it could be
+    /// taken (an access's value is at most a `u64`).
+    #[error("access widths {widths:?}: each must be 1 to 8 bytes, and at least one given")]
+    Width {
+        /// The widths given.
+        widths: &'static [usize],
+    },
+    /// A register's element is not aligned to the unit, lies outside the map, or lies where
+    /// another is.
+    #[error("register at {offset:#x} (element {index}, at {at:#x}) {why}")]
     Placement {
-        /// Its offset.
+        /// The register's offset.
         offset: u64,
         /// The array element.
         index: u32,
+        /// Where the element lies (`u64::MAX` where that overflows).
+        at: u64,
+        /// What is wrong with it.
+        why: Placement,
     },
+}
+
+/// What is wrong with a register's place ([`RegMapError::Placement`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// Not a multiple of the unit.
+    Misaligned {
+        /// The unit.
+        unit: u64,
+    },
+    /// At or past the map's end (or past `u64::MAX`).
+    Outside {
+        /// The map's size.
+        size: u64,
+    },
+    /// Where an earlier register (of the list, by its offset) already is.
+    Overlaps {
+        /// The earlier register's offset.
+        other: u64,
+    },
+}
+
+impl std::fmt::Display for Placement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Placement::Misaligned { unit } => write!(f, "is not aligned to the {unit}-byte unit"),
+            Placement::Outside { size } => write!(f, "lies outside the map of {size:#x} bytes"),
+            Placement::Overlaps { other } => write!(f, "lies where the register at {other:#x} already is"),
+        }
+    }
 }
 
 /// How a [`RegMap`] is declared: by default 4-byte registers taking aligned 4-byte accesses.
@@ -122,8 +164,8 @@ impl<K: Copy> RegMapBuilder<K> {
         self
     }
 
-    /// The access widths accepted, in bytes (an access wider than the unit covers several
-    /// registers, lowest first).
+    /// The access widths accepted, in bytes, each 1 to 8 ([`RegMap::builder`]'s `build`
+    /// refuses others; an access wider than the unit covers several registers, lowest first).
     pub fn widths(mut self, widths: &'static [usize]) -> Self {
         self.widths = widths;
         self
@@ -158,15 +200,29 @@ impl<K: Copy> RegMap<K> {
         if !matches!(unit, 1 | 2 | 4 | 8) || !size.is_multiple_of(unit) || size / unit > u64::from(u32::MAX) {
             return Err(RegMapError::Unit { unit, size });
         }
+        if widths.is_empty() || !widths.iter().all(|w| (1..=8).contains(w)) {
+            return Err(RegMapError::Width { widths });
+        }
         let mut lookup = vec![(0u16, 0u32); (size / unit) as usize];
         for (i, reg) in regs.iter().enumerate() {
             for index in 0..reg.count {
-                let offset = u64::from(index).checked_mul(reg.stride).and_then(|o| o.checked_add(reg.offset));
-                let bad = || RegMapError::Placement { offset: reg.offset, index };
-                let offset = offset.filter(|&o| o % unit == 0 && o < size).ok_or_else(bad)?;
+                let at = u64::from(index).checked_mul(reg.stride).and_then(|o| o.checked_add(reg.offset));
+                let bad = |at: Option<u64>, why| RegMapError::Placement {
+                    offset: reg.offset,
+                    index,
+                    at: at.unwrap_or(u64::MAX),
+                    why,
+                };
+                let offset = match at {
+                    Some(o) if o >= size => return Err(bad(at, Placement::Outside { size })),
+                    None => return Err(bad(at, Placement::Outside { size })),
+                    Some(o) if o % unit != 0 => return Err(bad(at, Placement::Misaligned { unit })),
+                    Some(o) => o,
+                };
                 let slot = &mut lookup[(offset / unit) as usize];
                 if slot.0 != 0 {
-                    return Err(bad());
+                    let other = regs[usize::from(slot.0 - 1)].offset;
+                    return Err(bad(at, Placement::Overlaps { other }));
                 }
                 *slot = (i as u16 + 1, index);
             }
@@ -368,5 +424,24 @@ mod tests {
         assert!(RegMap::new(0, 0x10, 4, &[4], true, &[Reg::ro(K::Id, 2)]).is_err());
         assert!(RegMap::new(0, 0x10, 4, &[4], true, &[Reg::ro(K::Id, 0), Reg::rw(K::Scratch, 0)]).is_err());
         assert!(RegMap::new(0, 0x10, 4, &[4], true, &[Reg::ro(K::Chan, 0).array(8, 4)]).is_err());
+    }
+
+    /// A map that no access could reach, or whose registers collide, is refused when it is
+    /// built, saying which register and why.
+    #[test]
+    fn a_bad_map_is_refused_at_build_saying_why() {
+        let build = |widths: &'static [usize], regs: &[Reg<K>]| {
+            RegMap::builder(0, 0x100).widths(widths).build(regs).map(|_| ()).unwrap_err().to_string()
+        };
+        for widths in [&[0][..], &[16], &[4, 9], &[]] {
+            assert!(build(widths, &[]).contains("each must be 1 to 8 bytes"), "{widths:?}");
+        }
+        let e = build(&[4], &[Reg::rw(K::Id, 2)]);
+        assert_eq!(e, "register at 0x2 (element 0, at 0x2) is not aligned to the 4-byte unit");
+        let e = build(&[4], &[Reg::rw(K::Chan, 0x40).array(4, 0x40)]);
+        assert_eq!(e, "register at 0x40 (element 3, at 0x100) lies outside the map of 0x100 bytes");
+        let e =
+            build(&[4], &[Reg::rw(K::Id, 0), Reg::rw(K::Chan, 0x40).array(4, 0x10), Reg::rw(K::Door, 0x60)]);
+        assert_eq!(e, "register at 0x60 (element 0, at 0x60) lies where the register at 0x40 already is");
     }
 }
