@@ -23,6 +23,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
+use umdev_mdev::sync::AtomicUpdate;
 
 /// Bytes faulted in per call: one huge page, so that a stop is seen within one.
 const STEP: usize = 2 << 20;
@@ -198,7 +199,7 @@ impl Populater {
         // Admitted here, all of it at once, or not at all: a disk too large must not count
         // against the others while its own thread has yet to find it so.
         let available = (budget.available)();
-        let admitted = budget.pending.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |pending| {
+        let admitted = budget.pending.update_with(Ordering::Relaxed, Ordering::Relaxed, |pending| {
             let with = pending.saturating_add(len as u64);
             affordable(with, available).then_some(with)
         });

@@ -25,6 +25,7 @@ use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
+use umdev_mdev::sync::AtomicUpdate;
 
 use vm_memory::mmap::MmapRegion;
 use vm_memory::{FileOffset, VolatileMemory, VolatileSlice};
@@ -156,7 +157,7 @@ impl Ram {
             let n = ((at / HUGE_PAGE + 1) * HUGE_PAGE).min(end).saturating_sub(at);
             let filling = count.load(Ordering::Relaxed) < FULL;
             if filling {
-                let _ = count.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
+                let _ = count.update_with(Ordering::Relaxed, Ordering::Relaxed, |c| {
                     (c < FULL).then(|| c.saturating_add(n as u32).min(FULL))
                 });
             }

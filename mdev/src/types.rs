@@ -10,6 +10,7 @@
 //! [`DeviceType::check`] runs the type's whole check without creating anything, so a tool that
 //! writes a definition refuses a bad one with the message `create` would give.
 
+use crate::sync::AtomicUpdate;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -167,7 +168,7 @@ impl Pool {
     /// Takes `units`, if that many are free.
     pub fn reserve(self: &Arc<Self>, units: u32) -> Option<Reservation> {
         self.free
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |free| free.checked_sub(units))
+            .update_with(Ordering::AcqRel, Ordering::Acquire, |free| free.checked_sub(units))
             .ok()
             .map(|_| Reservation { pool: self.clone(), units })
     }

@@ -40,6 +40,7 @@
 //! ([`Bell::eventfd`]), which the sleeper watches (an io_uring read of it, say), so one
 //! blocking call ends on a ring, a stop or the kernel's event, whichever comes first.
 
+use crate::sync::AtomicUpdate;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
@@ -91,7 +92,7 @@ impl PollTurn {
             std::thread::available_parallelism().map_or(1, |n| n.get()).saturating_sub(1).max(1)
         });
         POLLERS
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < spare).then_some(n + 1))
+            .update_with(Ordering::AcqRel, Ordering::Acquire, |n| (n < spare).then_some(n + 1))
             .ok()
             .map(|_| PollTurn)
     }

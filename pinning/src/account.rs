@@ -5,6 +5,7 @@
 //! locked. One [`LockAccount`] is usually shared by every DMA space of a process, since the
 //! limit it models (`RLIMIT_MEMLOCK`) is per process.
 
+use crate::sync::AtomicUpdate;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::Serialize;
@@ -96,7 +97,7 @@ impl LockAccount {
     /// Charges `bytes` if they fit under the limit.
     pub(crate) fn charge(&self, bytes: u64) -> Result<(), OverLimit> {
         self.locked
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |locked| {
+            .update_with(Ordering::AcqRel, Ordering::Acquire, |locked| {
                 locked.checked_add(bytes).filter(|&total| total <= self.limit)
             })
             .map(drop)

@@ -5,6 +5,7 @@
 //! from their shard's stock and lock-mode calls from their first mapping's, each refilled
 //! [`PIN_STOCK`] pins at a time.
 
+use crate::sync::AtomicUpdate;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -76,7 +77,7 @@ impl PinPolicy {
     /// Takes `pins` from the space's count; `Err(held)` if they do not fit.
     pub(crate) fn take(&self, pins: u64) -> Result<(), u64> {
         self.held
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+            .update_with(Ordering::AcqRel, Ordering::Acquire, |held| {
                 held.checked_add(pins).filter(|&total| total <= self.max_pins)
             })
             .map(drop)

@@ -3,6 +3,7 @@
 //! This is the only module that calls mmap, munmap, mlock and munlock; everything else sees
 //! a [`HostMemory`] that owns its mapping and unmaps it on drop.
 
+use crate::sync::AtomicUpdate;
 use std::io;
 use std::num::NonZeroUsize;
 use std::os::fd::BorrowedFd;
@@ -281,11 +282,11 @@ impl BudgetReservation {
     fn reserve(bytes: u64) -> Result<BudgetReservation, MmapError> {
         let limit = process_mapping_limit();
         LIVE_MAPPINGS
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |live| (live < limit).then_some(live + 1))
+            .update_with(Ordering::AcqRel, Ordering::Acquire, |live| (live < limit).then_some(live + 1))
             .map_err(|_| MmapError::ProcessLimit { limit })?;
         let byte_limit = process_mapped_bytes_limit();
         let fits = |live: u64| live.checked_add(bytes).filter(|&total| total <= byte_limit);
-        if LIVE_BYTES.fetch_update(Ordering::AcqRel, Ordering::Acquire, fits).is_err() {
+        if LIVE_BYTES.update_with(Ordering::AcqRel, Ordering::Acquire, fits).is_err() {
             LIVE_MAPPINGS.fetch_sub(1, Ordering::AcqRel);
             return Err(MmapError::ProcessBytes { bytes, limit: byte_limit });
         }
@@ -335,7 +336,7 @@ pub(crate) struct SpaceCharge {
 impl SpaceCharge {
     /// Takes `bytes` of `held`, if that leaves it at most `max`; else the bytes held now.
     pub(crate) fn take(held: &Arc<AtomicU64>, bytes: u64, max: u64) -> Result<SpaceCharge, u64> {
-        held.fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| {
+        held.update_with(Ordering::AcqRel, Ordering::Acquire, |now| {
             now.checked_add(bytes).filter(|&total| total <= max)
         })?;
         Ok(SpaceCharge { held: held.clone(), bytes })

@@ -9,6 +9,7 @@
 pub use crate::biased::{asymmetric_heavy_fence, asymmetric_light_fence, BiasedGuard, BiasedLock};
 pub use crate::spin::{SpinGuard, SpinLock};
 
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard, WaitTimeoutResult};
 use std::time::Duration;
 
@@ -50,3 +51,44 @@ pub fn wait_timeout_while<'a, T>(
 ) -> (MutexGuard<'a, T>, WaitTimeoutResult) {
     cv.wait_timeout_while(guard, timeout, condition).unwrap_or_else(|p| p.into_inner())
 }
+
+/// `fetch_update` under a name of umdev's: the standard library renames it (`try_update`,
+/// not yet stable) and deprecates the old name, which `clippy -D warnings` would then refuse.
+/// The same loop: `f` on the current value until it returns `None` (`Err` with that value)
+/// or a compare-exchange stores its result (`Ok` with the value before).
+pub trait AtomicUpdate {
+    /// The atomic's value type.
+    type Value: Copy;
+    /// See the trait.
+    fn update_with(
+        &self,
+        set: Ordering,
+        fetch: Ordering,
+        f: impl FnMut(Self::Value) -> Option<Self::Value>,
+    ) -> Result<Self::Value, Self::Value>;
+}
+
+macro_rules! atomic_update {
+    ($($atomic:ty => $value:ty),*) => {$(
+        impl AtomicUpdate for $atomic {
+            type Value = $value;
+            #[inline]
+            fn update_with(
+                &self,
+                set: Ordering,
+                fetch: Ordering,
+                mut f: impl FnMut($value) -> Option<$value>,
+            ) -> Result<$value, $value> {
+                let mut prev = self.load(fetch);
+                while let Some(next) = f(prev) {
+                    match self.compare_exchange_weak(prev, next, set, fetch) {
+                        Ok(x) => return Ok(x),
+                        Err(now) => prev = now,
+                    }
+                }
+                Err(prev)
+            }
+        }
+    )*};
+}
+atomic_update!(AtomicU32 => u32, AtomicU64 => u64, AtomicUsize => usize);
