@@ -521,7 +521,7 @@ impl<S: Send + Sync + 'static> Lane<S> {
         st.open += 1;
         drop(st);
         let lane = NonNull::from(&*self.inner);
-        Ok(Permit { completion: Some(completion), lane, index, ctx, pins: SmallVec::new() })
+        Ok(Permit { completion: Some(completion), lane, index, ctx, pins: SmallVec::new(), released: 0 })
     }
 
     /// The client's context, if one is attached.
@@ -556,6 +556,9 @@ pub struct Permit<C: Completion> {
     ctx: NonNull<DeviceContext>,
     /// The request's pins, released with the permit (or by [`Permit::release_pins`]).
     pins: SmallVec<[PinnedPages; 1]>,
+    /// How many times [`Permit::release_pins`] ran: a [`BytesHandle`] of before names pins
+    /// that are gone.
+    released: u32,
 }
 
 // SAFETY: (R1) the pointers are shared references to a lane and a context that outlive the
@@ -642,9 +645,8 @@ impl<C: Completion> Permit<C> {
     ///
     /// The guard returned addresses the bytes from `iova` (its offset 0), and looks at the
     /// request's cancellation itself ([`PinnedBytes::cancelled`]), so a transfer keeps it
-    /// while it checks between blocks. Several ranges held at once: pin each, let its guard
-    /// go, and reach them through [`Permit::pins`] (in the order taken; a range's first byte
-    /// is at its `iova % PAGE_SIZE`).
+    /// while it checks between blocks. Several ranges held at once: pin each, keep its
+    /// [`PinnedBytes::handle`], and take the guards back together with [`Permit::bytes`].
     pub fn pin_bytes(&mut self, iova: u64, len: u64, prot: Prot) -> Result<PinnedBytes<'_, C>, GuestError> {
         // The last byte, not the end: a range may end exactly at 2^64.
         let Some(to_last) = len.checked_sub(1) else { return Err(GuestError::Pin(PinError::Empty)) };
@@ -701,11 +703,25 @@ impl<C: Completion> Permit<C> {
         &self.pins
     }
 
+    /// A range [`Permit::pin_bytes`] pinned, again, by its [`PinnedBytes::handle`]: a job
+    /// that pins two ranges (a source and a destination) holds both guards at once this way,
+    /// since each `pin_bytes` borrows the permit. `None` once [`Permit::release_pins`] let go
+    /// of the pins the handle names.
+    pub fn bytes(&self, handle: BytesHandle) -> Option<PinnedBytes<'_, C>> {
+        (handle.released == self.released && handle.index < self.pins.len()).then_some(PinnedBytes {
+            permit: self,
+            index: handle.index,
+            offset: handle.offset,
+            size: handle.size,
+        })
+    }
+
     /// Lets go of the request's pins (and claims). True if an unmap hit them meanwhile (the request was
     /// cancelled as [`Cancel::Unmapped`]); that cancellation is withdrawn, since the pins the
     /// unmap waits for are gone. A [`Cancel::Reset`] stays.
     pub fn release_pins(&mut self) -> bool {
         self.pins.clear();
+        self.released = self.released.wrapping_add(1);
         let lane = &self.lane().core;
         let mut st = lane.state();
         let slot = &mut st.slots[self.index as usize];
@@ -839,6 +855,16 @@ impl<'p, C: Completion> PinnedBytes<'p, C> {
         self.offset
     }
 
+    /// A handle to this range, for [`Permit::bytes`] once this guard is gone.
+    pub fn handle(&self) -> BytesHandle {
+        BytesHandle {
+            index: self.index,
+            offset: self.offset,
+            size: self.size,
+            released: self.permit.released,
+        }
+    }
+
     /// The range's length in bytes (never 0).
     pub fn size(&self) -> u64 {
         self.size
@@ -851,6 +877,16 @@ impl<'p, C: Completion> PinnedBytes<'p, C> {
             _ => Err(AccessError::OutOfRange { offset: at, len, size: self.size }),
         }
     }
+}
+
+/// A range [`Permit::pin_bytes`] pinned, named without borrowing the permit
+/// ([`PinnedBytes::handle`], [`Permit::bytes`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BytesHandle {
+    index: usize,
+    offset: u64,
+    size: u64,
+    released: u32,
 }
 
 impl<C: Completion> std::fmt::Debug for PinnedBytes<'_, C> {
@@ -1186,6 +1222,32 @@ mod tests {
         assert_eq!(pinned.permit().pins().len(), 1);
         drop(p);
         assert_eq!(dma.stats().pins_held, 0, "the pins went with the permit");
+    }
+
+    /// Two ranges pinned one after the other are held together through their handles, each
+    /// bounded by its own range; a handle of before a release names nothing.
+    #[test]
+    fn byte_ranges_are_held_together_by_their_handles() {
+        let (requests, _dma, ram) = attached();
+        let lane = requests.lane(|| {});
+        let (tx, _rx) = std::sync::mpsc::channel();
+        let mut p = lane.begin(Report(tx)).unwrap();
+        ram.write_all_at(b"source", PAGE_SIZE + 10).unwrap();
+        let src = p.pin_bytes(PAGE_SIZE + 10, 6, Prot::READ).unwrap().handle();
+        let dst = p.pin_bytes(3 * PAGE_SIZE + 100, 6, Prot::WRITE).unwrap().handle();
+        let (from, to) = (p.bytes(src).unwrap(), p.bytes(dst).unwrap());
+        let mut buf = [0u8; 6];
+        from.read(0, &mut buf).unwrap();
+        to.write(0, &buf).unwrap();
+        assert!(matches!(to.write(1, &buf), Err(AccessError::OutOfRange { .. })), "the range's own bound");
+        let mut back = [0u8; 6];
+        ram.read_exact_at(&mut back, 3 * PAGE_SIZE + 100).unwrap();
+        assert_eq!(&back, b"source");
+        p.release_pins();
+        assert!(p.bytes(src).is_none() && p.bytes(dst).is_none());
+        let again = p.pin_bytes(PAGE_SIZE, 1, Prot::READ).unwrap().handle();
+        assert!(p.bytes(src).is_none(), "a handle of before names nothing, though index 0 is taken again");
+        assert!(p.bytes(again).is_some());
     }
 
     #[test]
