@@ -368,24 +368,31 @@ fn a_failed_sync_fails_every_later_flush_and_durable_write() {
     }
 }
 
+/// Serves everything from now on, counting the syncs asked of the disk: the count, read.
+fn counting_syncs(fuse: &FuseFile) -> impl Fn() -> usize {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let syncs = std::sync::Arc::new(AtomicUsize::new(0));
+    let seen = syncs.clone();
+    fuse.set_policy(move |io| {
+        if matches!(io, Io::Fsync) {
+            seen.fetch_add(1, Ordering::SeqCst);
+        }
+        Action::Serve
+    });
+    move || syncs.load(Ordering::SeqCst)
+}
+
 /// FUA on a Read makes what the host caches of the file durable first (NVMe §6.9): the read
 /// asks the disk for a sync, and fails as a flush would if the sync does.
 #[test]
 fn a_read_with_fua_syncs_first() {
     let Some(fuse) = mounted(1 << 20) else { return };
     let mut d = on(&fuse);
-    let syncs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let seen = syncs.clone();
-    fuse.set_policy(move |io| {
-        if matches!(io, Io::Fsync) {
-            seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        }
-        Action::Serve
-    });
+    let syncs = counting_syncs(&fuse);
     assert_eq!(d.io_command(1, fua(true, 0)).unwrap().status(), Status::SUCCESS);
-    assert_eq!(syncs.load(std::sync::atomic::Ordering::SeqCst), 1, "one sync for the read");
+    assert_eq!(syncs(), 1, "one sync for the read");
     assert_eq!(d.rw(1, true, 1, 0, 1, BLOCK, &[DATA], 0).unwrap(), Status::SUCCESS);
-    assert_eq!(syncs.load(std::sync::atomic::Ordering::SeqCst), 1, "none without FUA");
+    assert_eq!(syncs(), 1, "none without FUA");
     fuse.set_policy(|io| match io {
         Io::Fsync => Action::Fail(libc::EIO),
         _ => Action::Serve,
@@ -399,22 +406,15 @@ fn a_read_with_fua_syncs_first() {
 fn turning_the_write_cache_off_syncs() {
     let Some(fuse) = mounted(1 << 20) else { return };
     let mut d = on(&fuse);
-    let syncs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let seen = syncs.clone();
-    fuse.set_policy(move |io| {
-        if matches!(io, Io::Fsync) {
-            seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        }
-        Action::Serve
-    });
+    let syncs = counting_syncs(&fuse);
     assert_eq!(d.rw(1, false, 1, 0, 1, BLOCK, &[DATA], 0).unwrap(), Status::SUCCESS);
-    assert_eq!(syncs.load(std::sync::atomic::Ordering::SeqCst), 0);
+    assert_eq!(syncs(), 0);
     let mut vwc = Sqe::new(admin_op::SET_FEATURES, 0);
     vwc.set_dw(10, u32::from(feature::VOLATILE_WRITE_CACHE));
     d.admin_ok(vwc).unwrap();
-    assert_eq!(syncs.load(std::sync::atomic::Ordering::SeqCst), 1, "synced as the cache went off");
+    assert_eq!(syncs(), 1, "synced as the cache went off");
     d.admin_ok(vwc).unwrap();
-    assert_eq!(syncs.load(std::sync::atomic::Ordering::SeqCst), 1, "off again: nothing to sync");
+    assert_eq!(syncs(), 1, "off again: nothing to sync");
 }
 
 /// A file namespace of `config` on `fuse`, its I/O queue up.
