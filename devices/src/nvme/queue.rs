@@ -10,8 +10,6 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-#[cfg(test)]
-use umdev_mdev::sync::AtomicUpdate;
 
 use smallvec::SmallVec;
 use umdev_pinning::sync::{asymmetric_heavy_fence, asymmetric_light_fence, BiasedLock};
@@ -180,7 +178,14 @@ impl DoorbellPage {
     fn map_at_page(&self, file: &std::fs::File) -> std::io::Result<()> {
         use std::os::fd::AsRawFd;
         #[cfg(test)]
-        if self.failing_maps.update_with(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1)).is_ok() {
+        if umdev_mdev::sync::AtomicUpdate::update_with(
+            &self.failing_maps,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+            |n| n.checked_sub(1),
+        )
+        .is_ok()
+        {
             self.mmap_over_page(libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)?;
             return Err(std::io::Error::from_raw_os_error(libc::ENOMEM));
         }
