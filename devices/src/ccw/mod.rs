@@ -290,7 +290,9 @@ impl Shared {
         let failed = |e: GuestError| {
             log::debug!("ccw: subchannel {}: status block at {:#x}: {e}", job.index, job.status_addr)
         };
-        if job.status_addr != 0 {
+        // A program ended for bus mastering off writes no status block (docs/ccw.md), even if
+        // the guest turned bus mastering back on before this: the block is guest memory.
+        if job.status_addr != 0 && status.reason != Reason::BusMasterOff {
             let Some((line, regs)) = self.current_locked(job) else { return };
             match ctx.write_pinned(job.status_addr, &block) {
                 // Mapped without an fd: through the client, outside the locks (below).
@@ -809,6 +811,7 @@ mod tests {
     struct Rig {
         device: PciDevice<Ccw>,
         ram: File,
+        dma: DmaSpace,
     }
 
     impl Rig {
@@ -823,8 +826,8 @@ mod tests {
             dma.map(0, 1 << 20, ram.as_fd(), 0, Prot::READ_WRITE).unwrap();
             let command = (COMMAND_MEMORY | COMMAND_MASTER).to_le_bytes();
             device.region_write(VFIO_PCI_CONFIG_REGION_INDEX, COMMAND as u64, &command).unwrap();
-            device.attach(DeviceContext::new(dma, Arc::new(NoClient)));
-            Rig { device, ram }
+            device.attach(DeviceContext::new(dma.clone(), Arc::new(NoClient)));
+            Rig { device, ram, dma }
         }
 
         fn read(&self, offset: u64) -> u32 {
@@ -890,6 +893,43 @@ mod tests {
         assert_eq!(rig.read(regs::STATE), regs::STATE_IDLE);
         let nop = program::Ccw { cmd: program::cmd::NOP, flags: 0, reserved: 0, count: 1, addr: 0 };
         assert_eq!(rig.run(nop), (0, 1, 0));
+        rig.device.detach();
+    }
+
+    /// docs/ccw.md, reason 19: a program ended for bus mastering off writes no status block,
+    /// though the guest turned bus mastering back on before the end was reported.
+    #[test]
+    fn a_program_ended_for_bus_mastering_off_writes_no_status_block() {
+        let rig = Rig::new(Store::ram(1 << 20).unwrap());
+        rig.ram.write_all_at(&[0xff; 32], 0x3000).unwrap();
+        let ccw = rig.device.function();
+        let job = Job {
+            shared: ccw.shared.clone(),
+            index: 0,
+            cpa: 0x2000,
+            status_addr: 0x3000,
+            generation: ccw.shared.generation.load(Ordering::Acquire),
+        };
+        ccw.shared.subchannels[0].regs().state = regs::STATE_BUSY;
+        let (dstat, cstat) = Reason::BusMasterOff.status_bits();
+        let status = Status {
+            dstat,
+            cstat,
+            residual: 0,
+            cpa: 0x2010,
+            reason: Reason::BusMasterOff,
+            ccws: 1,
+            bytes: 0,
+        };
+        // Bus mastering is on (the rig's): the block would be writable.
+        let ctx = DeviceContext::new(rig.dma.clone(), Arc::new(NoClient));
+        ccw.shared.complete(&job, status, &ctx);
+        let mut block = [0u8; 32];
+        rig.ram.read_exact_at(&mut block, 0x3000).unwrap();
+        assert_eq!(block, [0xff; 32], "no status block");
+        assert_eq!(rig.read(regs::STATE), regs::STATE_PENDING);
+        assert_eq!(rig.read(regs::REASON), Reason::BusMasterOff as u32);
+        rig.write(regs::ACK, 1);
         rig.device.detach();
     }
 
