@@ -23,6 +23,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
+
 use umdev_mdev::sync::AtomicUpdate;
 
 /// Bytes faulted in per call: one huge page, so that a stop is seen within one.

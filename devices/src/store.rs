@@ -23,10 +23,10 @@ use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::Path;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
-use umdev_mdev::sync::AtomicUpdate;
 
+use umdev_mdev::sync::AtomicUpdate;
 use vm_memory::mmap::MmapRegion;
 use vm_memory::{FileOffset, VolatileMemory, VolatileSlice};
 
@@ -212,7 +212,7 @@ pub struct Store {
     /// A write-back of the file failed ([`Store::lose_durability`]): the host reports such a
     /// failure once, to the first sync that looks, and cannot tell which cached writes it
     /// lost, so no write through the cache can be promised durable again (QEMU's answer too).
-    durability_lost: std::sync::atomic::AtomicBool,
+    durability_lost: AtomicBool,
 }
 
 impl Store {
@@ -631,7 +631,7 @@ impl Store {
     /// fails (cached writes may have been lost, and which cannot be told), until the store
     /// is opened again.
     pub fn durability_lost(&self) -> bool {
-        self.durability_lost.load(std::sync::atomic::Ordering::Acquire)
+        self.durability_lost.load(Ordering::Acquire)
     }
 
     /// `Err` once durability is lost ([`Store::durability_lost`]): for a flush or a durable
@@ -653,7 +653,7 @@ impl Store {
         if self.kind == StoreKind::Ram || own {
             return;
         }
-        if !self.durability_lost.swap(true, std::sync::atomic::Ordering::AcqRel) {
+        if !self.durability_lost.swap(true, Ordering::AcqRel) {
             log::error!(
                 "a sync of a backing file failed ({e}): cached writes may have been lost; every later \
                  flush and durable write fails until the device is started again"

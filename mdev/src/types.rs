@@ -10,7 +10,6 @@
 //! [`DeviceType::check`] runs the type's whole check without creating anything, so a tool that
 //! writes a definition refuses a bad one with the message `create` would give.
 
-use crate::sync::AtomicUpdate;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -22,6 +21,7 @@ use umdev_pinning::PinMode;
 
 use crate::device::VfioDevice;
 use crate::pci::{PciDevice, PciFunction};
+use crate::sync::AtomicUpdate;
 
 /// Why an instance could not be created.
 #[derive(Debug, Error)]

@@ -40,14 +40,13 @@
 //! ([`Bell::eventfd`]), which the sleeper watches (an io_uring read of it, say), so one
 //! blocking call ends on a ring, a stop or the kernel's event, whichever comes first.
 
-use crate::sync::AtomicUpdate;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
-use umdev_pinning::sync;
+use umdev_pinning::sync::{self, AtomicUpdate};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 /// How long a worker watches for work before it sleeps.

@@ -5,10 +5,11 @@
 //! locked. One [`LockAccount`] is usually shared by every DMA space of a process, since the
 //! limit it models (`RLIMIT_MEMLOCK`) is per process.
 
-use crate::sync::AtomicUpdate;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::Serialize;
+
+use crate::sync::AtomicUpdate;
 
 /// How pins hold their pages.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize)]

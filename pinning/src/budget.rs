@@ -5,7 +5,6 @@
 //! from their shard's stock and lock-mode calls from their first mapping's, each refilled
 //! [`PIN_STOCK`] pins at a time.
 
-use crate::sync::AtomicUpdate;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -15,6 +14,7 @@ use crate::account::{LockAccount, PinMode};
 use crate::counters::Counts;
 use crate::kernel::{KernelPinsUnavailable, KernelTable};
 use crate::spin::SpinLock;
+use crate::sync::AtomicUpdate;
 
 /// How the mappings of one space pin, and what they may hold: shared by all of them.
 #[derive(Debug)]

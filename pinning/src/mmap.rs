@@ -3,7 +3,6 @@
 //! This is the only module that calls mmap, munmap, mlock and munlock; everything else sees
 //! a [`HostMemory`] that owns its mapping and unmaps it on drop.
 
-use crate::sync::AtomicUpdate;
 use std::io;
 use std::num::NonZeroUsize;
 use std::os::fd::BorrowedFd;
@@ -22,6 +21,7 @@ use thiserror::Error;
 use crate::file_kind::{file_kind, FileKind};
 use crate::page::{Prot, PAGE_SIZE};
 use crate::sigbus;
+use crate::sync::AtomicUpdate;
 
 /// Why an fd could not become host memory for a mapping.
 #[derive(Debug, Error)]
