@@ -30,29 +30,6 @@ pub mod testdev;
 /// What the devices' unit tests share.
 #[cfg(test)]
 mod testutil {
-    use umdev_mdev::{ClientDma, ClientDmaError};
-
-    /// A client that refuses every DMA message (ENODEV): the tests' guest memory is all
-    /// shared with fds.
-    pub(crate) struct NoClient;
-
-    impl ClientDma for NoClient {
-        fn read(
-            &self,
-            _iova: u64,
-            _buf: &mut [u8],
-            _may_send: &dyn Fn(u64, usize) -> bool,
-        ) -> Result<(), ClientDmaError> {
-            Err(ClientDmaError::Refused(libc::ENODEV))
-        }
-
-        fn write(
-            &self,
-            _iova: u64,
-            _data: &[u8],
-            _may_send: &dyn Fn(u64, usize) -> bool,
-        ) -> Result<(), ClientDmaError> {
-            Err(ClientDmaError::Refused(libc::ENODEV))
-        }
-    }
+    /// The tests' guest memory is all shared with fds.
+    pub(crate) use umdev_mdev::NoClient;
 }

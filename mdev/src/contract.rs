@@ -123,17 +123,12 @@ impl ClientDma for CountingClient {
         &self,
         _iova: u64,
         _buf: &mut [u8],
-        _may_send: &dyn Fn(u64, usize) -> bool,
+        _may_send: &dyn Fn(u64) -> bool,
     ) -> Result<(), ClientDmaError> {
         self.requests.fetch_add(1, Ordering::Relaxed);
         Err(ClientDmaError::Refused(libc::EIO))
     }
-    fn write(
-        &self,
-        _iova: u64,
-        _data: &[u8],
-        _may_send: &dyn Fn(u64, usize) -> bool,
-    ) -> Result<(), ClientDmaError> {
+    fn write(&self, _iova: u64, _data: &[u8], _may_send: &dyn Fn(u64) -> bool) -> Result<(), ClientDmaError> {
         self.requests.fetch_add(1, Ordering::Relaxed);
         Err(ClientDmaError::Refused(libc::EIO))
     }

@@ -269,25 +269,31 @@ pub enum ClientDmaError {
 /// without an fd. Implemented by the server; safe to call from any device thread.
 ///
 /// A transfer goes in pieces (messages). Before each, with no other message of the connection
-/// going out meanwhile, the implementation asks `may_send(iova, len)` of the piece, and on
+/// going out meanwhile, the implementation asks `may_send` of the piece's first byte, and on
 /// `false` stops with [`ClientDmaError::Withdrawn`]. A reply that withdraws the guest's
 /// permission (a DMA_UNMAP's, a DEVICE_RESET's) is sent after the permission is gone, so no
 /// piece can follow it in the stream: the client never gets a request for memory it unmapped.
 pub trait ClientDma: Send + Sync {
     /// Reads `buf.len()` bytes of guest memory at `iova` through the client.
-    fn read(
-        &self,
-        iova: u64,
-        buf: &mut [u8],
-        may_send: &dyn Fn(u64, usize) -> bool,
-    ) -> Result<(), ClientDmaError>;
+    fn read(&self, iova: u64, buf: &mut [u8], may_send: &dyn Fn(u64) -> bool) -> Result<(), ClientDmaError>;
     /// Writes `data` to guest memory at `iova` through the client.
-    fn write(
-        &self,
-        iova: u64,
-        data: &[u8],
-        may_send: &dyn Fn(u64, usize) -> bool,
-    ) -> Result<(), ClientDmaError>;
+    fn write(&self, iova: u64, data: &[u8], may_send: &dyn Fn(u64) -> bool) -> Result<(), ClientDmaError>;
+}
+
+/// A [`ClientDma`] with no client behind it: every transfer is refused (ENODEV). For a device
+/// attached in process, without a vfio-user connection, whose guest memory is all shared with
+/// fds (tests, benchmarks, tools).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoClient;
+
+impl ClientDma for NoClient {
+    fn read(&self, _: u64, _: &mut [u8], _: &dyn Fn(u64) -> bool) -> Result<(), ClientDmaError> {
+        Err(ClientDmaError::Refused(libc::ENODEV))
+    }
+
+    fn write(&self, _: u64, _: &[u8], _: &dyn Fn(u64) -> bool) -> Result<(), ClientDmaError> {
+        Err(ClientDmaError::Refused(libc::ENODEV))
+    }
 }
 
 /// What a client said of itself in its VERSION request, for a device that serves different

@@ -236,7 +236,7 @@ impl DeviceContext {
                 .read(piece_iova % PAGE_SIZE, &mut buf[at..at + n])
                 .map_err(|e| access_error(e, piece_iova)),
             Via::Client(mapping) => {
-                let may_send = |iova, _| self.client_may_send(mapping, iova);
+                let may_send = |iova| self.client_may_send(mapping, iova);
                 let done = self.client_dma.read(piece_iova, &mut buf[at..at + n], &may_send);
                 done.map_err(|e| self.client_error(e, piece_iova, n))
             }
@@ -249,7 +249,7 @@ impl DeviceContext {
                 pins.write(piece_iova % PAGE_SIZE, &data[at..at + n]).map_err(|e| access_error(e, piece_iova))
             }
             Via::Client(mapping) => {
-                let may_send = |iova, _| self.client_may_send(mapping, iova);
+                let may_send = |iova| self.client_may_send(mapping, iova);
                 let done = self.client_dma.write(piece_iova, &data[at..at + n], &may_send);
                 done.map_err(|e| self.client_error(e, piece_iova, n))
             }
@@ -380,7 +380,7 @@ mod tests {
             &self,
             _iova: u64,
             buf: &mut [u8],
-            _may_send: &dyn Fn(u64, usize) -> bool,
+            _may_send: &dyn Fn(u64) -> bool,
         ) -> Result<(), ClientDmaError> {
             self.0.fetch_add(1, Ordering::Relaxed);
             buf.fill(0xcc);
@@ -390,7 +390,7 @@ mod tests {
             &self,
             _iova: u64,
             _data: &[u8],
-            _may_send: &dyn Fn(u64, usize) -> bool,
+            _may_send: &dyn Fn(u64) -> bool,
         ) -> Result<(), ClientDmaError> {
             self.0.fetch_add(1, Ordering::Relaxed);
             Ok(())
@@ -471,21 +471,21 @@ mod tests {
     }
 
     impl ClientDma for Remapping {
-        fn read(&self, _: u64, _: &mut [u8], _: &dyn Fn(u64, usize) -> bool) -> Result<(), ClientDmaError> {
+        fn read(&self, _: u64, _: &mut [u8], _: &dyn Fn(u64) -> bool) -> Result<(), ClientDmaError> {
             unreachable!("only writes here")
         }
         fn write(
             &self,
             iova: u64,
             data: &[u8],
-            may_send: &dyn Fn(u64, usize) -> bool,
+            may_send: &dyn Fn(u64) -> bool,
         ) -> Result<(), ClientDmaError> {
-            for (i, piece) in data.chunks(8).enumerate() {
-                if i == 1 {
+            for at in (iova..iova + data.len() as u64).step_by(8) {
+                if at == iova + 8 {
                     self.dma.unmap(3 * PAGE_SIZE, PAGE_SIZE).unwrap();
                     self.dma.map_message_only(3 * PAGE_SIZE, PAGE_SIZE, Prot::READ_WRITE).unwrap();
                 }
-                if !may_send(iova + (i * 8) as u64, piece.len()) {
+                if !may_send(at) {
                     return Err(ClientDmaError::Withdrawn);
                 }
                 self.sent.fetch_add(1, Ordering::Relaxed);

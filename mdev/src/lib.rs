@@ -39,7 +39,7 @@ pub mod worker;
 pub use device::region_memfd;
 pub use device::{
     ClientDma, ClientDmaError, ClientHello, DeviceError, DeviceFlags, DeviceInfo, IrqAction, IrqData,
-    IrqFlags, IrqInfo, RegionFlags, RegionInfo, RegionMmap, SetIrqs, SparseArea, VfioDevice,
+    IrqFlags, IrqInfo, NoClient, RegionFlags, RegionInfo, RegionMmap, SetIrqs, SparseArea, VfioDevice,
 };
 pub use device::{
     VFIO_IRQ_SET_ACTION_MASK, VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_ACTION_UNMASK,

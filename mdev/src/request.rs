@@ -926,7 +926,7 @@ mod tests {
     use umdev_pinning::DmaSpace;
 
     use super::*;
-    use crate::device::{ClientDma, ClientDmaError};
+    use crate::device::NoClient;
 
     struct Report(std::sync::mpsc::Sender<Result<u32, ()>>);
 
@@ -938,27 +938,6 @@ mod tests {
         }
         fn fail(self, _ctx: &DeviceContext, (): &()) {
             let _ = self.0.send(Err(()));
-        }
-    }
-
-    struct NoClient;
-
-    impl ClientDma for NoClient {
-        fn read(
-            &self,
-            _iova: u64,
-            _buf: &mut [u8],
-            _may_send: &dyn Fn(u64, usize) -> bool,
-        ) -> Result<(), ClientDmaError> {
-            Err(ClientDmaError::Refused(libc::ENODEV))
-        }
-        fn write(
-            &self,
-            _iova: u64,
-            _data: &[u8],
-            _may_send: &dyn Fn(u64, usize) -> bool,
-        ) -> Result<(), ClientDmaError> {
-            Err(ClientDmaError::Refused(libc::ENODEV))
         }
     }
 

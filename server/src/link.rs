@@ -231,38 +231,26 @@ fn check(reply: &ClientReply, iova: u64, count: usize, data: bool) -> Result<(),
 }
 
 impl ClientDma for ClientDmaPort {
-    fn read(
-        &self,
-        iova: u64,
-        buf: &mut [u8],
-        may_send: &dyn Fn(u64, usize) -> bool,
-    ) -> Result<(), ClientDmaError> {
+    fn read(&self, iova: u64, buf: &mut [u8], may_send: &dyn Fn(u64) -> bool) -> Result<(), ClientDmaError> {
         let chunk = self.link.chunk();
         let deadline = transfer_deadline(Instant::now(), buf.len());
         for (i, piece) in buf.chunks_mut(chunk).enumerate() {
             let at = iova.checked_add((i * chunk) as u64).ok_or(ClientDmaError::Refused(libc::EINVAL))?;
-            let len = piece.len();
-            let request = dma_transfer(at, len as u64);
-            let reply = self.link.request(Command::DmaRead, &[&request], deadline, || may_send(at, len))?;
+            let request = dma_transfer(at, piece.len() as u64);
+            let reply = self.link.request(Command::DmaRead, &[&request], deadline, || may_send(at))?;
             check(&reply, at, piece.len(), true)?;
             piece.copy_from_slice(&reply.payload[size_of::<DmaTransfer>()..]);
         }
         Ok(())
     }
 
-    fn write(
-        &self,
-        iova: u64,
-        data: &[u8],
-        may_send: &dyn Fn(u64, usize) -> bool,
-    ) -> Result<(), ClientDmaError> {
+    fn write(&self, iova: u64, data: &[u8], may_send: &dyn Fn(u64) -> bool) -> Result<(), ClientDmaError> {
         let chunk = self.link.chunk();
         let deadline = transfer_deadline(Instant::now(), data.len());
         for (i, piece) in data.chunks(chunk).enumerate() {
             let at = iova.checked_add((i * chunk) as u64).ok_or(ClientDmaError::Refused(libc::EINVAL))?;
             let parts = [&dma_transfer(at, piece.len() as u64)[..], piece];
-            let reply =
-                self.link.request(Command::DmaWrite, &parts, deadline, || may_send(at, piece.len()))?;
+            let reply = self.link.request(Command::DmaWrite, &parts, deadline, || may_send(at))?;
             check(&reply, at, piece.len(), false)?;
         }
         Ok(())

@@ -36,27 +36,4 @@ pub mod nvme_guest;
 pub mod nvme_rig;
 pub mod server_fuzz;
 
-/// A client that refuses every DMA message (ENODEV), for a device attached without a
-/// vfio-user connection whose guest memory is all shared with fds.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct NoClient;
-
-impl umdev_mdev::ClientDma for NoClient {
-    fn read(
-        &self,
-        _iova: u64,
-        _buf: &mut [u8],
-        _may_send: &dyn Fn(u64, usize) -> bool,
-    ) -> Result<(), umdev_mdev::ClientDmaError> {
-        Err(umdev_mdev::ClientDmaError::Refused(libc::ENODEV))
-    }
-
-    fn write(
-        &self,
-        _iova: u64,
-        _data: &[u8],
-        _may_send: &dyn Fn(u64, usize) -> bool,
-    ) -> Result<(), umdev_mdev::ClientDmaError> {
-        Err(umdev_mdev::ClientDmaError::Refused(libc::ENODEV))
-    }
-}
+pub use umdev_mdev::NoClient;

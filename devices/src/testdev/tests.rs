@@ -40,23 +40,13 @@ impl FakeClient {
 }
 
 impl ClientDma for FakeClient {
-    fn read(
-        &self,
-        iova: u64,
-        buf: &mut [u8],
-        _may_send: &dyn Fn(u64, usize) -> bool,
-    ) -> Result<(), ClientDmaError> {
+    fn read(&self, iova: u64, buf: &mut [u8], _may_send: &dyn Fn(u64) -> bool) -> Result<(), ClientDmaError> {
         let range = self.range(iova, buf.len())?;
         buf.copy_from_slice(&self.mem.lock().unwrap()[range]);
         Ok(())
     }
 
-    fn write(
-        &self,
-        iova: u64,
-        data: &[u8],
-        _may_send: &dyn Fn(u64, usize) -> bool,
-    ) -> Result<(), ClientDmaError> {
+    fn write(&self, iova: u64, data: &[u8], _may_send: &dyn Fn(u64) -> bool) -> Result<(), ClientDmaError> {
         let range = self.range(iova, data.len())?;
         self.mem.lock().unwrap()[range].copy_from_slice(data);
         Ok(())

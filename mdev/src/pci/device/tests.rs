@@ -259,7 +259,7 @@ impl crate::ClientDma for Zeros {
         &self,
         _iova: u64,
         buf: &mut [u8],
-        _may_send: &dyn Fn(u64, usize) -> bool,
+        _may_send: &dyn Fn(u64) -> bool,
     ) -> Result<(), crate::ClientDmaError> {
         buf.fill(0);
         Ok(())
@@ -268,7 +268,7 @@ impl crate::ClientDma for Zeros {
         &self,
         _iova: u64,
         _data: &[u8],
-        _may_send: &dyn Fn(u64, usize) -> bool,
+        _may_send: &dyn Fn(u64) -> bool,
     ) -> Result<(), crate::ClientDmaError> {
         Ok(())
     }
