@@ -213,8 +213,7 @@ impl<K: Copy> RegMap<K> {
                     at: at.unwrap_or(u64::MAX),
                     why,
                 };
-                let offset = match at {
-                    Some(o) if o >= size => return Err(bad(at, Placement::Outside { size })),
+                let offset = match at.filter(|&o| o < size) {
                     None => return Err(bad(at, Placement::Outside { size })),
                     Some(o) if o % unit != 0 => return Err(bad(at, Placement::Misaligned { unit })),
                     Some(o) => o,
