@@ -667,7 +667,32 @@ impl Store {
     /// punching, huge pages, or a block device's range not whole logical blocks of it), the
     /// zeros are written.
     pub fn write_zeroes(&self, pos: u64, len: u64) -> io::Result<()> {
+        self.write_zeroes_until(pos, len, &|| false).map(drop)
+    }
+
+    /// [`Store::write_zeroes`] in pieces of [`ZERO_PIECE`], asking `stop` before each:
+    /// `Ok(false)` if it said stop (what came before is zeroed, the rest untouched). Where
+    /// the zeros are written, a whole namespace is minutes of a disk's time; a caller that
+    /// may be cancelled (a reset, an unmap) stops within one piece.
+    pub fn write_zeroes_until(&self, pos: u64, len: u64, stop: &dyn Fn() -> bool) -> io::Result<bool> {
         self.check(pos, len)?;
+        let end = pos + len;
+        let mut at = pos;
+        while at < end {
+            if stop() {
+                return Ok(false);
+            }
+            // Pieces end on multiples of the piece size, so that only the range's own ends
+            // can be unaligned to a page or a logical block.
+            let next = ((at / ZERO_PIECE).saturating_add(1)).saturating_mul(ZERO_PIECE).min(end);
+            self.zero_piece(at, next - at)?;
+            at = next;
+        }
+        Ok(true)
+    }
+
+    /// One piece of [`Store::write_zeroes_until`]; `[pos, pos + len)` checked by the caller.
+    fn zero_piece(&self, pos: u64, len: u64) -> io::Result<()> {
         if len == 0 {
             return Ok(());
         }
@@ -770,6 +795,10 @@ impl Store {
         Ok(())
     }
 }
+
+/// The most [`Store::write_zeroes_until`] zeroes between two looks at its `stop`: 16 MiB,
+/// a fraction of a second written at a slow disk's speed.
+pub const ZERO_PIECE: u64 = 16 << 20;
 
 /// A transfer's memory: (host address, bytes) per piece, in order.
 pub type Segments = smallvec::SmallVec<[(usize, usize); 8]>;
@@ -1392,6 +1421,45 @@ mod tests {
             assert!(back[..written.start].iter().chain(&back[written.end..]).all(|&b| b == 0));
             // Every piece counted full: its writes stream.
             assert!((0..8).all(|p| !store.first_writes(p * HUGE_PAGE, 4096)), "{pages:?}");
+        }
+    }
+
+    #[test]
+    fn zeroing_looks_at_its_stop_before_each_piece() {
+        let mut stores = vec![Store::ram(3 * ZERO_PIECE).unwrap()];
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disk.img");
+        File::create(&path).unwrap().set_len(3 * ZERO_PIECE).unwrap();
+        stores.push(Store::open(&path).unwrap());
+        for store in &stores {
+            let marks = [0, ZERO_PIECE - 1, ZERO_PIECE, 2 * ZERO_PIECE + 7, 3 * ZERO_PIECE - 1];
+            let byte = |at: u64| {
+                let mut b = [0u8];
+                store.read(at, &mut b).unwrap();
+                b[0]
+            };
+            for at in marks {
+                store.write(at, &[0xa5]).unwrap();
+            }
+            // Told to stop at its second look: the first piece is zeroed, nothing after it.
+            let looks = std::cell::Cell::new(0);
+            let stop = || {
+                looks.set(looks.get() + 1);
+                looks.get() > 1
+            };
+            assert!(!store.write_zeroes_until(0, 3 * ZERO_PIECE, &stop).unwrap());
+            assert_eq!(looks.get(), 2);
+            assert_eq!(marks.map(byte), [0, 0, 0xa5, 0xa5, 0xa5]);
+            // Not told: to the end, a look per piece (unaligned ends make pieces of their own).
+            looks.set(0);
+            let never = || {
+                looks.set(looks.get() + 1);
+                false
+            };
+            assert!(store.write_zeroes_until(ZERO_PIECE - 1, 2 * ZERO_PIECE, &never).unwrap());
+            assert_eq!(looks.get(), 3);
+            assert_eq!(marks.map(byte), [0, 0, 0, 0, 0xa5]);
+            assert!(store.write_zeroes_until(3 * ZERO_PIECE, 1, &never).is_err(), "past the end");
         }
     }
 

@@ -337,9 +337,11 @@ fn write_zeroes(cx: &CommandCx, ns: &Namespace, c: WriteZeroes) -> Outcome {
     if !ns.in_range(c.slba, nlb) {
         return Status::LBA_OUT_OF_RANGE.dnr().into();
     }
-    let zeroed = ns.store().write_zeroes(c.slba << ns.lba_shift(), nlb << ns.lba_shift());
-    match zeroed.and_then(|()| durable(cx, ns, c.fua)) {
-        Ok(()) => Outcome::ok(0),
+    let stop = || cx.cancelled();
+    let zeroed = ns.store().write_zeroes_until(c.slba << ns.lba_shift(), nlb << ns.lba_shift(), &stop);
+    match zeroed.and_then(|done| if done { durable(cx, ns, c.fua).map(|()| true) } else { Ok(false) }) {
+        Ok(true) => Outcome::ok(0),
+        Ok(false) => Status::ABORT_REQUESTED.into(),
         Err(e) => {
             log::warn!("nvme: ns{}: write zeroes: {e}", ns.id());
             write_status(&e).into()
@@ -354,6 +356,34 @@ fn durable(cx: &CommandCx, ns: &Namespace, fua: bool) -> std::io::Result<()> {
         ns.store().flush()?;
     }
     Ok(())
+}
+
+/// `(first block, blocks)` ranges sorted and merged where they overlap or touch, empty ones
+/// dropped, in `out` (as many as the ranges at most): the merged ranges.
+fn merge_ranges(ranges: impl Iterator<Item = (u64, u64)>, out: &mut [(u64, u64)]) -> &[(u64, u64)] {
+    let mut n = 0;
+    for (range, slot) in ranges.filter(|&(_, nlb)| nlb > 0).zip(out.iter_mut()) {
+        *slot = range;
+        n += 1;
+    }
+    let sorted = &mut out[..n];
+    sorted.sort_unstable();
+    // Ranges in range of the namespace: no sum overflows.
+    let mut kept = 0usize;
+    for i in 0..n {
+        let (slba, nlb) = sorted[i];
+        match kept.checked_sub(1) {
+            Some(last) if slba <= sorted[last].0 + sorted[last].1 => {
+                let (first, count) = sorted[last];
+                sorted[last].1 = count.max(slba + nlb - first);
+            }
+            _ => {
+                sorted[kept] = (slba, nlb);
+                kept += 1;
+            }
+        }
+    }
+    &out[..kept]
 }
 
 /// Dataset Management (§6.2): with AD, every range checked, then deallocated.
@@ -372,16 +402,20 @@ fn dataset_management(cx: &CommandCx, ns: &Namespace, c: DatasetManagement) -> O
     if ranges.iter().any(|r| !ns.in_range(blocks(r).0, blocks(r).1)) {
         return Status::LBA_OUT_OF_RANGE.dnr().into();
     }
-    for r in ranges {
-        // A store that cannot punch holes writes the zeros: up to 256 whole-namespace ranges.
-        // A reset does not wait for them.
-        if cx.cancelled() {
-            return Status::ABORT_REQUESTED.into();
-        }
-        let (slba, nlb) = blocks(r);
-        if let Err(e) = ns.store().write_zeroes(slba << ns.lba_shift(), nlb << ns.lba_shift()) {
-            log::warn!("nvme: ns{}: deallocate: {e}", ns.id());
-            return Status::WRITE_FAULT.into();
+    // Ranges may overlap (the spec does not forbid it): merged, a command zeroes each block
+    // once at most, where a store that cannot punch holes writes the zeros. Unmerged, 256
+    // ranges each naming the whole namespace would write it 256 times.
+    let mut merged = [(0u64, 0u64); 256];
+    let merged = merge_ranges(ranges.iter().map(blocks), &mut merged);
+    let stop = || cx.cancelled();
+    for &(slba, nlb) in merged {
+        match ns.store().write_zeroes_until(slba << ns.lba_shift(), nlb << ns.lba_shift(), &stop) {
+            Ok(true) => {}
+            Ok(false) => return Status::ABORT_REQUESTED.into(),
+            Err(e) => {
+                log::warn!("nvme: ns{}: deallocate: {e}", ns.id());
+                return Status::WRITE_FAULT.into();
+            }
         }
     }
     // With the write cache off, deallocated blocks read as zeroes after a power loss too.
@@ -390,4 +424,28 @@ fn dataset_management(cx: &CommandCx, ns: &Namespace, c: DatasetManagement) -> O
         return Status::WRITE_FAULT.into();
     }
     Outcome::ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::merge_ranges;
+
+    fn merged(ranges: &[(u64, u64)]) -> Vec<(u64, u64)> {
+        let mut out = [(0, 0); 256];
+        merge_ranges(ranges.iter().copied(), &mut out).to_vec()
+    }
+
+    #[test]
+    fn overlapping_ranges_are_zeroed_once() {
+        // 256 ranges that each name the whole namespace: one.
+        assert_eq!(merged(&[(0, 1 << 20); 256]), [(0, 1 << 20)]);
+        // Unsorted, nested, touching and overlapping ranges; empty ones dropped.
+        let ranges = [(100, 10), (0, 8), (8, 2), (105, 2), (50, 0), (200, 5), (109, 20), (30, 1)];
+        assert_eq!(merged(&ranges), [(0, 10), (30, 1), (100, 29), (200, 5)]);
+        assert_eq!(merged(&[(7, 0)]), []);
+        // Apart by one block: two.
+        assert_eq!(merged(&[(0, 4), (5, 4)]), [(0, 4), (5, 4)]);
+        // The namespace's last block.
+        assert_eq!(merged(&[(u64::MAX - 3, 3), (u64::MAX - 5, 3)]), [(u64::MAX - 5, 5)]);
+    }
 }
