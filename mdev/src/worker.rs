@@ -80,12 +80,17 @@ const POLL_PAUSE: Duration = Duration::from_millis(100);
 /// Workers polling now, across the process.
 static POLLERS: AtomicUsize = AtomicUsize::new(0);
 
-/// A worker's turn to poll; given back on drop.
-struct PollTurn;
+/// A worker's turn to poll; given back on drop. [`Waiter`]'s polls take one for each wait;
+/// a device whose worker spins in a loop of its own (watching memory the client writes, which
+/// rings nothing) takes one with [`PollTurn::take`] and spins only while it holds it, so that
+/// the process never spins on more CPUs than it has spare, however many workers a client
+/// keeps busy.
+#[must_use = "the turn is given back when dropped"]
+pub struct PollTurn(());
 
 impl PollTurn {
     /// A turn, if fewer workers poll than the process has spare CPUs.
-    fn take() -> Option<PollTurn> {
+    pub fn take() -> Option<PollTurn> {
         static SPARE: OnceLock<usize> = OnceLock::new();
         let spare = *SPARE.get_or_init(|| {
             std::thread::available_parallelism().map_or(1, |n| n.get()).saturating_sub(1).max(1)
@@ -93,7 +98,7 @@ impl PollTurn {
         POLLERS
             .update_with(Ordering::AcqRel, Ordering::Acquire, |n| (n < spare).then_some(n + 1))
             .ok()
-            .map(|_| PollTurn)
+            .map(|_| PollTurn(()))
     }
 }
 

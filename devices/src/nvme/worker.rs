@@ -30,20 +30,25 @@ use crate::aio::{FixedBuffer, Request, Ring};
 use smallvec::SmallVec;
 use umdev_mdev::guest::GuestError;
 use umdev_mdev::request::{self, Lane, Permit};
-use umdev_mdev::worker::{Bell, KernelSleep, Poll, Waiter, Worker};
+use umdev_mdev::worker::{Bell, KernelSleep, Poll, PollTurn, Waiter, Worker};
 use umdev_mdev::DeviceContext;
 
-/// With mapped doorbells: how long a worker spins after its last command, then how often
-/// it looks at the page (nothing rings it: the client writes the page directly). A polling
-/// client submits again within microseconds; a spin shorter than a scheduler time slice would
-/// put a worker that was preempted (a shared CPU) to sleep for a whole look.
+/// With mapped doorbells: how long a worker spins after its last command (with a polling
+/// turn: [`PollTurn`]), then how often it looks at the page (nothing rings it: the client
+/// writes the page directly). A polling client submits again within microseconds; a spin
+/// shorter than a scheduler time slice would put a worker that was preempted (a shared CPU)
+/// to sleep for a whole look.
 const POLL_SPIN: Duration = Duration::from_millis(1);
 /// After the spin, a look comes after this fraction of the time the queue has been idle...
 const LOOK_BACKOFF: u32 = 64;
-/// ...and no sooner than this.
+/// ...and no sooner than this...
 const MIN_LOOK: Duration = Duration::from_micros(10);
+/// ...and no later than this: an idle queue's worker wakes 1,000 times a second, and a
+/// command that comes after a pause of a second or more waits up to a millisecond.
+const MAX_LOOK: Duration = Duration::from_millis(1);
 /// Looks at the page per clock reading while spinning.
 const SPIN_LOOKS: u32 = 256;
+/// How often a worker waiting for CQ room looks at a mapped CQ head doorbell.
 const POLL_INTERVAL: Duration = Duration::from_micros(200);
 /// ...and how often the admin queue's worker looks: admin commands are rare once a driver is
 /// up, each look of a worker takes the CPU from a busy I/O queue's worker for a while (10-20
@@ -104,7 +109,7 @@ pub fn spawn(
         // Made on the worker's own thread: the kernel's workers for its blocking I/O are this
         // thread's, and capped for it.
         let aio = Aio::for_queue(completer.ctrl(), completer.sq(), &waiter.bell());
-        QueueWorker { completer, lane, aio, held: SmallVec::new() }.run(waiter);
+        QueueWorker { completer, lane, aio, held: SmallVec::new(), turn: None }.run(waiter);
     })
 }
 
@@ -221,6 +226,21 @@ struct QueueWorker {
     aio: Option<Aio>,
     /// Ended commands whose completions wait for [`QueueWorker::flush`], in queue order.
     held: SmallVec<[(Permit<Command>, Outcome); FENCE_BATCH]>,
+    /// With mapped doorbells, the turn this worker spins on: taken when its queue runs dry,
+    /// kept while the queue stays active, given back when the spin ends.
+    turn: Option<PollTurn>,
+}
+
+/// Whether a worker with mapped doorbells whose queue has been idle for `idle` spins: within
+/// [`POLL_SPIN`] of its last command, on a turn it holds or takes now. Past it, or with no
+/// turn free, it looks at the page from time to time instead, and gives back its turn.
+fn spin_turn(turn: &mut Option<PollTurn>, idle: Duration) -> bool {
+    if idle >= POLL_SPIN {
+        *turn = None;
+    } else if turn.is_none() {
+        *turn = PollTurn::take();
+    }
+    turn.is_some()
 }
 
 impl QueueWorker {
@@ -495,7 +515,7 @@ impl QueueWorker {
     fn idle(&mut self, waiter: &mut Waiter<Stop>, head: u32, tail: u32, last_work: Instant, lone: bool) {
         self.flush();
         self.raise_due(true);
-        let QueueWorker { completer, aio, .. } = self;
+        let QueueWorker { completer, aio, turn, .. } = self;
         let deadline = completer.sq().cq.deadline().map(|d| d.saturating_duration_since(Instant::now()));
         let (ctrl, id) = (completer.ctrl(), completer.sq().id);
         let rung = || ctrl.sq_tail(id) != tail;
@@ -529,7 +549,7 @@ impl QueueWorker {
                     }
                 }
             }
-            DoorbellMode::Mapped if last_work.elapsed() < POLL_SPIN => {
+            DoorbellMode::Mapped if spin_turn(turn, last_work.elapsed()) => {
                 if id != 0 {
                     ctrl.nudge_admin();
                 }
@@ -550,7 +570,7 @@ impl QueueWorker {
                 // The longer the queue has been idle, the longer the look: a client that paused
                 // (preempted, say) and comes back finds the worker looking every few
                 // microseconds at first, then less often, up to the interval.
-                let interval = if id == 0 { ADMIN_POLL_INTERVAL } else { POLL_INTERVAL };
+                let interval = if id == 0 { ADMIN_POLL_INTERVAL } else { MAX_LOOK };
                 let interval = (last_work.elapsed() / LOOK_BACKOFF).clamp(MIN_LOOK, interval);
                 let look = deadline.map_or(interval, |d| d.min(interval));
                 match ring {
@@ -624,5 +644,33 @@ impl QueueWorker {
         if dropped > 0 {
             log::debug!("nvme: SQ {} deleted with its CQ full: {dropped} completion(s) dropped", sq.id);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mapped_worker_spins_only_on_a_turn_of_its_own() {
+        // Other tests' workers take turns too: with every free turn held here, the worker
+        // finds none (unless one was given back meanwhile: try again).
+        let found_none = (0..1000).any(|_| {
+            let _held: Vec<PollTurn> = std::iter::from_fn(PollTurn::take).collect();
+            let mut turn = None;
+            !spin_turn(&mut turn, Duration::ZERO) && turn.is_none()
+        });
+        assert!(found_none, "spun with every turn taken");
+        // A turn taken is kept while the queue stays active, and given back once the spin is
+        // over.
+        let Some(taken) = (0..1000).find_map(|_| PollTurn::take()) else {
+            return eprintln!("skipped: no turn came free");
+        };
+        let mut turn = Some(taken);
+        assert!(spin_turn(&mut turn, Duration::ZERO));
+        assert!(spin_turn(&mut turn, POLL_SPIN / 2));
+        assert!(turn.is_some());
+        assert!(!spin_turn(&mut turn, POLL_SPIN));
+        assert!(turn.is_none(), "given back");
     }
 }
