@@ -29,6 +29,7 @@ pub mod contract;
 mod device;
 pub mod guest;
 pub mod irq;
+pub mod log_budget;
 pub mod pci;
 pub mod request;
 pub mod sched;

@@ -59,15 +59,9 @@ pub struct Session {
     new_max_size: Option<u32>,
     regions: Vec<Option<RegionShape>>,
     scratch: Vec<u8>,
-    /// Client mistakes logged at warning level so far (see [`Session::fault`]).
-    faults: u32,
     /// The client's process, where known ([`Session::set_client_pid`]).
     client_pid: Option<i32>,
 }
-
-/// Client mistakes a connection logs at warning level; the rest go at debug level, so that
-/// a client repeating one cannot flood the log.
-const LOUD_FAULTS: u32 = 8;
 
 impl Session {
     /// A session serving `device` with `dma` over `link`.
@@ -88,7 +82,6 @@ impl Session {
             new_max_size: None,
             regions: Vec::new(),
             scratch: Vec::new(),
-            faults: 0,
             client_pid: None,
         }
     }
@@ -99,15 +92,11 @@ impl Session {
         self.client_pid = pid;
     }
 
-    /// Logs a client's mistake: at warning level for the connection's first
-    /// [`LOUD_FAULTS`], then at debug level.
+    /// Logs a client's mistake within the instance's budget, across its connections (a
+    /// client that reconnects gets no new one): at warning level for the first few, then
+    /// at debug level (see [`umdev_mdev::log_budget`]).
     fn fault(&mut self, what: std::fmt::Arguments<'_>) {
-        self.faults = self.faults.saturating_add(1);
-        match self.faults {
-            n if n < LOUD_FAULTS => log::warn!("{what}"),
-            LOUD_FAULTS => log::warn!("{what} (this client's further mistakes are logged at debug level)"),
-            _ => log::debug!("{what}"),
-        }
+        self.stats.faults.warn(what);
     }
 
     /// The message size limit negotiation raised, once.

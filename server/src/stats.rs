@@ -4,13 +4,32 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::Serialize;
+use umdev_mdev::log_budget::LogBudget;
 
 use crate::wire::Command;
+
+/// An instance's budget of warnings for its clients' mistakes ([`LogBudget`]).
+#[derive(Debug)]
+pub(crate) struct FaultLog(LogBudget);
+
+impl Default for FaultLog {
+    fn default() -> FaultLog {
+        FaultLog(LogBudget::of("this instance's further client mistakes"))
+    }
+}
+
+impl FaultLog {
+    pub(crate) fn warn(&self, what: std::fmt::Arguments<'_>) {
+        self.0.warn(what);
+    }
+}
 
 /// Counters of one instance across its connections. Updated with relaxed atomics, once per
 /// message: cheap enough for the hot path.
 #[derive(Debug, Default)]
 pub struct ServerStats {
+    /// The budget of warnings for its clients' mistakes, across connections.
+    pub(crate) faults: FaultLog,
     /// Messages received per command number (index = command; 0 counts unknown commands).
     pub(crate) messages: [AtomicU64; Command::ALL.len() + 1],
     /// Requests answered with an error.

@@ -21,6 +21,7 @@ use super::spec::{event, log_page, reg, Cqe, Status};
 use super::state::AdminState;
 use super::stats::QueueStats;
 use umdev_mdev::irq::{IrqHandle, IrqMode};
+use umdev_mdev::log_budget::LogBudget;
 use umdev_mdev::pci::Host;
 use umdev_mdev::request::Requests;
 use umdev_mdev::worker::{Bell, Worker};
@@ -272,6 +273,8 @@ pub(crate) struct Queues {
 pub struct Ctrl {
     irq: IrqHandle,
     config: ControllerConfig,
+    /// What a guest's register writes get wrong, logged within a budget.
+    log: LogBudget,
     regs: Mutex<Registers>,
     /// CC as last written (read back exactly).
     cc: AtomicU32,
@@ -333,6 +336,7 @@ impl Ctrl {
         let slots = usize::from(config.io_queues) + 1;
         Ctrl {
             irq: host.irq,
+            log: LogBudget::new(),
             regs: Mutex::new(Registers::default()),
             cc: AtomicU32::new(0),
             intms: AtomicU32::new(0),
@@ -432,7 +436,7 @@ impl Ctrl {
         }
         for ns in self.namespaces() {
             if let Err(e) = ns.store().flush() {
-                log::warn!("nvme: ns{}: flush as the write cache was turned off: {e}", ns.id());
+                ns.warn(format_args!("nvme: ns{}: flush as the write cache was turned off: {e}", ns.id()));
             }
         }
     }
@@ -582,7 +586,7 @@ impl Ctrl {
         }
         if !was && is {
             if let Err(why) = self.enable() {
-                log::warn!("nvme: enable refused: {why}");
+                self.log.warn(format_args!("nvme: enable refused: {why}"));
                 self.fatal.store(true, Ordering::Release);
             }
         }
@@ -594,7 +598,7 @@ impl Ctrl {
     fn shutdown(&self) {
         for ns in self.config.namespaces.iter().flatten() {
             if let Err(e) = ns.store().flush() {
-                log::warn!("nvme: ns{}: flush at shutdown: {e}", ns.id());
+                ns.warn(format_args!("nvme: ns{}: flush at shutdown: {e}", ns.id()));
                 self.fail("a flush at shutdown failed");
             }
         }
@@ -753,7 +757,7 @@ impl Ctrl {
     /// Something the controller cannot go on from (a ring it cannot reach): CSTS.CFS.
     pub(crate) fn fail(&self, why: &str) {
         if !self.fatal.swap(true, Ordering::AcqRel) {
-            log::warn!("nvme: controller fatal status: {why}");
+            self.log.warn(format_args!("nvme: controller fatal status: {why}"));
         }
     }
 

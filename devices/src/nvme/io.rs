@@ -137,7 +137,7 @@ fn read_write(cx: &CommandCx, ns: &Namespace, c: ReadWrite, read: bool) -> Outco
     // store cannot sync a range alone: the whole file, as a Flush (Linux never sets it).
     if read && c.fua {
         if let Err(e) = ns.store().flush() {
-            log::warn!("nvme: ns{}: flush for a read with FUA: {e}", ns.id());
+            ns.warn(format_args!("nvme: ns{}: flush for a read with FUA: {e}", ns.id()));
             return Status::WRITE_FAULT.into();
         }
     }
@@ -184,7 +184,7 @@ fn read_write(cx: &CommandCx, ns: &Namespace, c: ReadWrite, read: bool) -> Outco
                 ns.store().read_vectored(pos, &slices).map_err(|e| match e.raw_os_error() {
                     Some(libc::EFAULT) => Status::DATA_TRANSFER_ERROR,
                     _ => {
-                        log::warn!("nvme: ns{}: read of {len} bytes at {pos}: {e}", ns.id());
+                        ns.warn(format_args!("nvme: ns{}: read of {len} bytes at {pos}: {e}", ns.id()));
                         Status::UNRECOVERED_READ_ERROR
                     }
                 })
@@ -194,7 +194,7 @@ fn read_write(cx: &CommandCx, ns: &Namespace, c: ReadWrite, read: bool) -> Outco
                 match e.raw_os_error() {
                     Some(libc::EFAULT) => Status::DATA_TRANSFER_ERROR,
                     _ => {
-                        log::warn!("nvme: ns{}: write of {len} bytes at {pos}: {e}", ns.id());
+                        ns.warn(format_args!("nvme: ns{}: write of {len} bytes at {pos}: {e}", ns.id()));
                         write_status(&e)
                     }
                 }
@@ -256,23 +256,28 @@ pub fn finish((mut permit, t): (Permit<Command>, Started), result: std::io::Resu
             Some(libc::ECANCELED) => Status::ABORTED_SQ_DELETION,
             _ => {
                 let len: usize = t.segments.iter().map(|s| s.1).sum();
+                let ns = ctrl.namespace(nsid);
                 // A failed sync may have been a failed write-back: the store says whether.
                 if t.op == Op::Sync || (t.op == Op::Write && t.dsync) {
-                    if let Some(ns) = ctrl.namespace(nsid) {
+                    if let Some(ns) = &ns {
                         ns.store().lose_durability(&e);
                     }
                 }
+                let warn = |what: std::fmt::Arguments<'_>| match &ns {
+                    Some(ns) => ns.warn(what),
+                    None => log::warn!("{what}"),
+                };
                 match t.op {
                     Op::Read => {
-                        log::warn!("nvme: ns{nsid}: read of {len} bytes at {}: {e}", t.pos);
+                        warn(format_args!("nvme: ns{nsid}: read of {len} bytes at {}: {e}", t.pos));
                         Status::UNRECOVERED_READ_ERROR
                     }
                     Op::Write => {
-                        log::warn!("nvme: ns{nsid}: write of {len} bytes at {}: {e}", t.pos);
+                        warn(format_args!("nvme: ns{nsid}: write of {len} bytes at {}: {e}", t.pos));
                         write_status(&e)
                     }
                     Op::Sync => {
-                        log::warn!("nvme: ns{nsid}: flush: {e}");
+                        warn(format_args!("nvme: ns{nsid}: flush: {e}"));
                         Status::WRITE_FAULT
                     }
                 }
@@ -295,7 +300,7 @@ fn compare(cx: &CommandCx, ns: &Namespace, c: ReadWrite) -> Outcome {
     }
     let mut stored = vec![0u8; len];
     if let Err(e) = ns.store().read(c.slba << ns.lba_shift(), &mut stored) {
-        log::warn!("nvme: ns{}: read of {len} bytes for a compare: {e}", ns.id());
+        ns.warn(format_args!("nvme: ns{}: read of {len} bytes for a compare: {e}", ns.id()));
         return Status::UNRECOVERED_READ_ERROR.into();
     }
     let mut given = vec![0u8; len];
@@ -323,7 +328,7 @@ fn write_status(e: &std::io::Error) -> Status {
 fn flush<'a>(namespaces: impl Iterator<Item = &'a Namespace>) -> Outcome {
     for ns in namespaces {
         if let Err(e) = ns.store().flush() {
-            log::warn!("nvme: ns{}: flush: {e}", ns.id());
+            ns.warn(format_args!("nvme: ns{}: flush: {e}", ns.id()));
             return Status::WRITE_FAULT.into();
         }
     }
@@ -343,7 +348,7 @@ fn write_zeroes(cx: &CommandCx, ns: &Namespace, c: WriteZeroes) -> Outcome {
         Ok(true) => Outcome::ok(0),
         Ok(false) => Status::ABORT_REQUESTED.into(),
         Err(e) => {
-            log::warn!("nvme: ns{}: write zeroes: {e}", ns.id());
+            ns.warn(format_args!("nvme: ns{}: write zeroes: {e}", ns.id()));
             write_status(&e).into()
         }
     }
@@ -413,14 +418,14 @@ fn dataset_management(cx: &CommandCx, ns: &Namespace, c: DatasetManagement) -> O
             Ok(true) => {}
             Ok(false) => return Status::ABORT_REQUESTED.into(),
             Err(e) => {
-                log::warn!("nvme: ns{}: deallocate: {e}", ns.id());
+                ns.warn(format_args!("nvme: ns{}: deallocate: {e}", ns.id()));
                 return Status::WRITE_FAULT.into();
             }
         }
     }
     // With the write cache off, deallocated blocks read as zeroes after a power loss too.
     if let Err(e) = durable(cx, ns, false) {
-        log::warn!("nvme: ns{}: deallocate: {e}", ns.id());
+        ns.warn(format_args!("nvme: ns{}: deallocate: {e}", ns.id()));
         return Status::WRITE_FAULT.into();
     }
     Outcome::ok(0)

@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use thiserror::Error;
+use umdev_mdev::log_budget::LogBudget;
 
 use crate::store::{Cache, RamPages, Store, StoreKind};
 
@@ -78,6 +79,8 @@ pub struct Namespace {
     path: Option<PathBuf>,
     /// A stable unique identifier (NGUID and UUID descriptors).
     nguid: [u8; 16],
+    /// The backing's failures a guest's commands meet, logged within a budget.
+    log: LogBudget,
 }
 
 impl Namespace {
@@ -121,7 +124,7 @@ impl Namespace {
         if blocks == 0 {
             return Err(NamespaceError::TooSmall { id, block: 1u64 << lba_shift });
         }
-        Ok(Namespace { id, store, lba_shift, blocks, path, nguid })
+        Ok(Namespace { id, store, lba_shift, blocks, path, nguid, log: LogBudget::new() })
     }
 
     /// Starts taking a sparse RAM namespace's memory ahead of the guest's writes
@@ -135,6 +138,13 @@ impl Namespace {
     /// Its NSID.
     pub fn id(&self) -> u32 {
         self.id
+    }
+
+    /// Logs a failure of the backing that a guest's command met: at warning level within
+    /// the namespace's budget ([`LogBudget`]), so that a guest repeating the command cannot
+    /// flood the log; at debug level beyond it.
+    pub fn warn(&self, what: std::fmt::Arguments<'_>) {
+        self.log.warn(what);
     }
 
     /// The bytes.
