@@ -3,7 +3,7 @@
 //! connection thread that takes the doorbell messages, the queue workers and their io_uring's
 //! completions); once the queues are up and each kind of command has run once, more commands
 //! of every kind add none: RAM reads and writes through PRP entries and through a PRP list, a
-//! batch behind one doorbell, and a file namespace's O_DIRECT reads, writes and Flush through
+//! Compare, a batch behind one doorbell, and a file namespace's O_DIRECT reads, writes and Flush through
 //! the queue's io_uring; nor do the server's timed looks (the admin worker's) in the pauses
 //! between rounds. A test binary of its own (see `common/counting_alloc.rs`).
 
@@ -27,7 +27,7 @@ const LBA: u64 = 512;
 const PAGE_LBAS: u32 = (4096 / LBA) as u32;
 
 /// The commands of a [`round`].
-const PER_ROUND: u64 = 16;
+const PER_ROUND: u64 = 17;
 
 /// One of each kind of command the path serves, [`PER_ROUND`] commands in all.
 fn round(d: &mut Driver<NvmeGuest>) {
@@ -35,6 +35,10 @@ fn round(d: &mut Driver<NvmeGuest>) {
     // RAM, one page through PRP1, both ways; and 128 KiB through a PRP list.
     ok(d.rw(1, false, 1, 0, PAGE_LBAS, LBA, &[DATA], 0).unwrap(), "RAM write");
     ok(d.rw(1, true, 1, 0, PAGE_LBAS, LBA, &[DATA + 0x1000], 0).unwrap(), "RAM read");
+    // A Compare of what was just written, in chunks on the worker's stack.
+    let mut compare = Driver::<NvmeGuest>::rw_command(true, 1, 0, PAGE_LBAS, DATA, 0);
+    compare.cdw0 = ((u32::from(compare.cdw0) & !0xff) | u32::from(nvm_op::COMPARE)).into();
+    ok(d.io_command(1, compare).unwrap().status(), "RAM compare");
     let list: Vec<u64> = (0..32).map(|i| DATA + 0x10_0000 + i * 0x1000).collect();
     ok(d.rw(1, true, 1, 64, 32 * PAGE_LBAS, LBA, &list, 0).unwrap(), "RAM read by PRP list");
     ok(d.rw(1, false, 1, 64, 32 * PAGE_LBAS, LBA, &list, 0).unwrap(), "RAM write by PRP list");

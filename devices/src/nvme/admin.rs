@@ -429,11 +429,7 @@ fn get_log_page(cx: &CommandCx, c: cmds::GetLogPage) -> Outcome {
         return Status::INVALID_FIELD.dnr().into();
     }
     let want = usize::try_from(c.dwords * 4).unwrap_or(usize::MAX).min(prp::MAX_TRANSFER);
-    let mut data = vec![0u8; want];
-    let avail = &page[c.offset as usize..];
-    let n = avail.len().min(want);
-    data[..n].copy_from_slice(&avail[..n]);
-    let status = cx.write_host(c.data, &data);
+    let status = cx.write_host_padded(c.data, &page[c.offset as usize..], want);
     if status.ok() && !c.rae {
         // Reading the page acknowledges its event type: more may be reported.
         let kind = match c.lid {

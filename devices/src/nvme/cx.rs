@@ -171,11 +171,32 @@ impl<'a> CommandCx<'a> {
 
     /// Copies `data` to the command's data buffer (its PRPs, §4.3), `data.len()` bytes.
     pub fn write_host(&self, ptr: DataPtr, data: &[u8]) -> Status {
+        self.write_host_padded(ptr, data, data.len())
+    }
+
+    /// Copies `data` to the command's data buffer of `len` bytes, zeros after it (a log
+    /// page shorter than what the host asked for), without a buffer of `len` bytes.
+    pub fn write_host_padded(&self, ptr: DataPtr, data: &[u8], len: usize) -> Status {
+        static ZEROS: [u8; 4096] = [0; 4096];
         let mut pages = DataPages::default();
-        if let Err(s) = pages.resolve(&self.ctx(), ptr.prp1(), ptr.prp2(), data.len()) {
+        if let Err(s) = pages.resolve(&self.ctx(), ptr.prp1(), ptr.prp2(), len) {
             return s;
         }
-        self.write_pages(&pages.pfns, pages.offset as u64, data)
+        let (offset, data) = (pages.offset as u64, &data[..data.len().min(len)]);
+        let written = self.with_pins(&pages.pfns, Prot::WRITE, |pins| {
+            pins.write(offset, data)?;
+            let mut at = data.len();
+            while at < len {
+                let n = (len - at).min(ZEROS.len());
+                pins.write(offset + at as u64, &ZEROS[..n])?;
+                at += n;
+            }
+            Ok::<_, umdev_mdev::AccessError>(())
+        });
+        match written {
+            Ok((Ok(()), false)) => Status::SUCCESS,
+            _ => Status::DATA_TRANSFER_ERROR,
+        }
     }
 
     /// Copies the command's data buffer into `data`.
@@ -185,15 +206,6 @@ impl<'a> CommandCx<'a> {
             return s;
         }
         self.read_pages(&pages.pfns, pages.offset as u64, data)
-    }
-
-    /// Copies `data` to guest memory through the pages `pfns` (the first `offset` bytes in),
-    /// pinned as the request's.
-    pub fn write_pages(&self, pfns: &[u64], offset: u64, data: &[u8]) -> Status {
-        match self.with_pins(pfns, Prot::WRITE, |pins| pins.write(offset, data)) {
-            Ok((Ok(()), false)) => Status::SUCCESS,
-            _ => Status::DATA_TRANSFER_ERROR,
-        }
     }
 
     /// Copies guest memory through the pages `pfns` (the first `offset` bytes in) into `data`.

@@ -287,8 +287,12 @@ pub fn finish((mut permit, t): (Permit<Command>, Started), result: std::io::Resu
     super::completion::complete(permit, status.into());
 }
 
-/// Compare (§6.1): the blocks read from the store into a buffer of the controller's and
-/// compared with the guest's data; Compare Failure if they differ.
+/// Bytes Compare reads from the store and from the guest at a time, into buffers on the
+/// worker's stack.
+const COMPARE_CHUNK: usize = 16 << 10;
+
+/// Compare (§6.1): the blocks read from the store and the guest's data, a chunk of each at a
+/// time, compared; Compare Failure at the first that differs.
 fn compare(cx: &CommandCx, ns: &Namespace, c: ReadWrite) -> Outcome {
     let nlb = u64::from(c.blocks);
     if !ns.in_range(c.slba, nlb) {
@@ -298,21 +302,44 @@ fn compare(cx: &CommandCx, ns: &Namespace, c: ReadWrite) -> Outcome {
     if len > prp::MAX_TRANSFER {
         return Status::INVALID_FIELD.dnr().into(); // over MDTS
     }
-    let mut stored = vec![0u8; len];
-    if let Err(e) = ns.store().read(c.slba << ns.lba_shift(), &mut stored) {
-        ns.warn(format_args!("nvme: ns{}: read of {len} bytes for a compare: {e}", ns.id()));
-        return Status::UNRECOVERED_READ_ERROR.into();
+    let mut pages = DataPages::default();
+    if let Err(s) = pages.resolve(&cx.ctx(), c.data.prp1(), c.data.prp2(), len) {
+        return s.into();
     }
-    let mut given = vec![0u8; len];
-    let status = cx.read_host(c.data, &mut given);
-    if !status.ok() {
-        return status.into();
+    let pos = c.slba << ns.lba_shift();
+    let compared = cx.with_pins(&pages.pfns, Prot::READ, |pins| {
+        let (mut stored, mut given) = ([0u8; COMPARE_CHUNK], [0u8; COMPARE_CHUNK]);
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(COMPARE_CHUNK);
+            if let Err(e) = ns.store().read(pos + done as u64, &mut stored[..n]) {
+                ns.warn(format_args!("nvme: ns{}: read of {len} bytes for a compare: {e}", ns.id()));
+                return Status::UNRECOVERED_READ_ERROR;
+            }
+            if pins.read((pages.offset + done) as u64, &mut given[..n]).is_err() {
+                return Status::DATA_TRANSFER_ERROR;
+            }
+            if stored[..n] != given[..n] {
+                return Status::COMPARE_FAILURE;
+            }
+            done += n;
+        }
+        Status::SUCCESS
+    });
+    match compared {
+        Ok((status, false)) => {
+            if status == Status::SUCCESS || status == Status::COMPARE_FAILURE {
+                cx.ctrl().stats(cx.sq().id).compare(len as u64);
+            }
+            if status == Status::SUCCESS {
+                Outcome::ok(0)
+            } else {
+                status.into()
+            }
+        }
+        // Unmapped under the compare, or not pinned at all.
+        Ok((_, true)) | Err(_) => Status::DATA_TRANSFER_ERROR.into(),
     }
-    cx.ctrl().stats(cx.sq().id).compare(len as u64);
-    if stored != given {
-        return Status::COMPARE_FAILURE.into();
-    }
-    Outcome::ok(0)
 }
 
 /// The status of a write the store failed (§4.6.1.2): Capacity Exceeded when the host is out
