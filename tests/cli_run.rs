@@ -172,66 +172,61 @@ fn run_refuses_a_live_socket_and_replaces_a_stale_one() {
     first.wait().unwrap();
 }
 
+/// Runs `umdev run ARGS`, `flood`s it over its socket, stops it, and checks that its log has
+/// a few warnings with `line` in them (8, one more per 10 s taken: umdev_mdev::log_budget),
+/// the last saying that `whose` go to debug level.
+fn flood_logs_a_few(args: &[&str], flood: impl FnOnce(&std::path::Path), line: &str, whose: &str) {
+    use std::io::Read;
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("dev.sock");
+    let mut child = common::process::run_with_stderr(&socket, args, std::process::Stdio::piped());
+    let start = std::time::Instant::now();
+    flood(&socket);
+    let earned = start.elapsed().as_secs() as usize / 10;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM)
+        .unwrap();
+    let mut log = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut log).unwrap();
+    let warned = log.lines().filter(|l| l.contains(line)).count();
+    assert!((1..=8 + earned).contains(&warned), "{warned} warnings:\n{log}");
+    assert!(log.contains(&format!("{whose} are logged at debug level")), "{log}");
+}
+
 /// A guest repeating a mistake cannot flood the log either: nvme's refused enables (one a
 /// register write apart, as fast as the guest writes) are warnings for the first few, then
 /// at debug level.
 #[test]
 fn a_guest_repeating_a_refused_enable_does_not_flood_the_log() {
-    use std::io::Read;
     use umdev_testkit::nvme_driver::Transport;
     use umdev_testkit::nvme_guest::NvmeGuest;
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("dev.sock");
-    let mut child = common::process::run_with_stderr(
-        &socket,
-        &["--type", "nvme", "--opt", "ns1=ram:16M"],
-        std::process::Stdio::piped(),
-    );
-    let start = std::time::Instant::now();
-    let mut guest = NvmeGuest::connect(&socket, 16 << 20, 1).unwrap();
-    // AQA never set: every enable is refused (and sets CSTS.CFS, which a disable clears).
-    for _ in 0..200 {
-        guest.write32(0x14, 0).unwrap();
-        guest.write32(0x14, 6 << 16 | 4 << 20 | 1).unwrap();
-    }
-    let earned = start.elapsed().as_secs() / 10;
-    drop(guest);
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM)
-        .unwrap();
-    let mut log = String::new();
-    child.stderr.take().unwrap().read_to_string(&mut log).unwrap();
-    let warned = log.lines().filter(|l| l.contains("enable refused")).count();
-    assert!((1..=8 + earned as usize).contains(&warned), "{warned} warnings:\n{log}");
-    assert!(log.contains("further warnings are logged at debug level"), "{log}");
+    let flood = |socket: &std::path::Path| {
+        let mut guest = NvmeGuest::connect(socket, 16 << 20, 1).unwrap();
+        // AQA never set: every enable is refused (and sets CSTS.CFS, which a disable clears).
+        for _ in 0..200 {
+            guest.write32(0x14, 0).unwrap();
+            guest.write32(0x14, 6 << 16 | 4 << 20 | 1).unwrap();
+        }
+    };
+    let args = ["--type", "nvme", "--opt", "ns1=ram:16M"];
+    flood_logs_a_few(&args, flood, "enable refused", "this device's further warnings");
 }
 
 /// A client repeating a mistake cannot flood the log at its default level, nor by
 /// reconnecting: a few warnings, then debug only (the statistics count every one).
 #[test]
 fn a_client_repeating_a_mistake_does_not_flood_the_log() {
-    use std::io::Read;
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("dev.sock");
-    let mut child =
-        common::process::run_with_stderr(&socket, &["--type", "testdev"], std::process::Stdio::piped());
-    let start = std::time::Instant::now();
-    // The budget is the instance's: a client that reconnects does not get a new one.
-    for _ in 0..2 {
-        let mut c = RawClient::connect(&socket).unwrap();
-        c.negotiate().unwrap();
-        for id in 0..200u16 {
-            let stray = common::raw::message(1000 + id, 1, 1, &[]);
-            c.send_bytes(&stray, &[]).unwrap();
+    let flood = |socket: &std::path::Path| {
+        // The budget is the instance's: a client that reconnects does not get a new one.
+        for _ in 0..2 {
+            let mut c = RawClient::connect(socket).unwrap();
+            c.negotiate().unwrap();
+            for id in 0..200u16 {
+                let stray = common::raw::message(1000 + id, 1, 1, &[]);
+                c.send_bytes(&stray, &[]).unwrap();
+            }
+            assert!(c.alive(), "the connection goes on");
         }
-        assert!(c.alive(), "the connection goes on");
-    }
-    // One more warning is earned each 10 s (umdev_mdev::log_budget::REFILL).
-    let earned = start.elapsed().as_secs() / 10;
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM)
-        .unwrap();
-    let mut log = String::new();
-    child.stderr.take().unwrap().read_to_string(&mut log).unwrap();
-    let warned = log.lines().filter(|l| l.contains("matches no request")).count();
-    assert!((1..=8 + earned as usize).contains(&warned), "{warned} warnings:\n{log}");
-    assert!(log.contains("further client mistakes are logged at debug level"), "{log}");
+    };
+    let whose = "this instance's further client mistakes";
+    flood_logs_a_few(&["--type", "testdev"], flood, "matches no request", whose);
 }
