@@ -670,10 +670,10 @@ impl Store {
         self.write_zeroes_until(pos, len, &|| false).map(drop)
     }
 
-    /// [`Store::write_zeroes`] in pieces of [`ZERO_PIECE`], asking `stop` before each:
-    /// `Ok(false)` if it said stop (what came before is zeroed, the rest untouched). Where
-    /// the zeros are written, a whole namespace is minutes of a disk's time; a caller that
-    /// may be cancelled (a reset, an unmap) stops within one piece.
+    /// [`Store::write_zeroes`], asking `stop` before each [`DISCARD_PIECE`] given back and
+    /// each [`ZERO_PIECE`] of zeros written: `Ok(false)` if it said stop (what came before is
+    /// zeroed, the rest untouched). Where the zeros are written, a whole namespace is minutes
+    /// of a disk's time; a caller that may be cancelled (a reset) stops within one piece.
     pub fn write_zeroes_until(&self, pos: u64, len: u64, stop: &dyn Fn() -> bool) -> io::Result<bool> {
         self.check(pos, len)?;
         let end = pos + len;
@@ -684,21 +684,25 @@ impl Store {
             }
             // Pieces end on multiples of the piece size, so that only the range's own ends
             // can be unaligned to a page or a logical block.
-            let next = ((at / ZERO_PIECE).saturating_add(1)).saturating_mul(ZERO_PIECE).min(end);
-            self.zero_piece(at, next - at)?;
+            let next = ((at / DISCARD_PIECE).saturating_add(1)).saturating_mul(DISCARD_PIECE).min(end);
+            if !self.zero_piece(at, next - at, stop)? {
+                return Ok(false);
+            }
             at = next;
         }
         Ok(true)
     }
 
     /// One piece of [`Store::write_zeroes_until`]; `[pos, pos + len)` checked by the caller.
-    fn zero_piece(&self, pos: u64, len: u64) -> io::Result<()> {
+    fn zero_piece(&self, pos: u64, len: u64, stop: &dyn Fn() -> bool) -> io::Result<bool> {
         if len == 0 {
-            return Ok(());
+            return Ok(true);
         }
         match &self.ram {
-            Some(ram) if ram.pages == RamPages::Huge => return self.write_zeros_slowly(pos, len),
-            Some(ram) if ram.pages == RamPages::Transparent => return self.discard_anonymous(ram, pos, len),
+            Some(ram) if ram.pages == RamPages::Huge => return self.write_zeros_slowly(pos, len, stop),
+            Some(ram) if ram.pages == RamPages::Transparent => {
+                return self.discard_anonymous(ram, pos, len, stop)
+            }
             _ => {}
         }
         // A block device zeroes whole logical blocks of its own only (a 4 KiB-sector disk
@@ -706,7 +710,7 @@ impl Store {
         let end = pos + len;
         let (first, last) = (pos.next_multiple_of(self.sector), end / self.sector * self.sector);
         if first >= last {
-            return self.write_zeros_slowly(pos, len);
+            return self.write_zeros_slowly(pos, len, stop);
         }
         let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
         // On a block device through the open file that claims it: the kernel drops the range
@@ -725,34 +729,35 @@ impl Store {
             let err = io::Error::last_os_error();
             return match err.raw_os_error() {
                 // The filesystem cannot punch holes: write the zeros.
-                Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) => self.write_zeros_slowly(pos, len),
+                Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) => self.write_zeros_slowly(pos, len, stop),
                 _ => Err(err),
             };
         }
         if let Some(ram) = &self.ram {
             ram.emptied(first, last, self.size);
         }
-        self.write_zeros_slowly(pos, first - pos)?;
-        self.write_zeros_slowly(last, end - last)
+        // The ends, less than a page or a logical block each.
+        self.write_zeros_slowly(pos, first - pos, &|| false)?;
+        self.write_zeros_slowly(last, end - last, &|| false)
     }
 
     /// An anonymous RAM disk's [`Store::write_zeroes`]: its whole 4 KiB pages in the range
     /// are given back (`MADV_DONTNEED`: a private anonymous page reads as zeros after), the
     /// rest at either end is written.
-    fn discard_anonymous(&self, ram: &Ram, pos: u64, len: u64) -> io::Result<()> {
+    fn discard_anonymous(&self, ram: &Ram, pos: u64, len: u64, stop: &dyn Fn() -> bool) -> io::Result<bool> {
         // SAFETY: sysconf has no preconditions.
         let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
             n if n > 0 => n as u64,
-            _ => return self.write_zeros_slowly(pos, len),
+            _ => return self.write_zeros_slowly(pos, len, stop),
         };
         let end = pos + len;
         let (first, last) = (pos.next_multiple_of(page), end / page * page);
         if first >= last {
-            return self.write_zeros_slowly(pos, len);
+            return self.write_zeros_slowly(pos, len, stop);
         }
         let base = ram.region.as_ptr() as u64;
         if !base.is_multiple_of(page) {
-            return self.write_zeros_slowly(pos, len);
+            return self.write_zeros_slowly(pos, len, stop);
         }
         // SAFETY: `[first, last)` is inside the store (checked by the caller), so inside the
         // mapping this region owns, and page-aligned (the mapping starts on a page).
@@ -766,8 +771,9 @@ impl Store {
             return Err(io::Error::last_os_error());
         }
         ram.emptied(first, last, self.size);
-        self.write_zeros_slowly(pos, first - pos)?;
-        self.write_zeros_slowly(last, end - last)
+        // The ends, less than a page or a logical block each.
+        self.write_zeros_slowly(pos, first - pos, &|| false)?;
+        self.write_zeros_slowly(last, end - last, &|| false)
     }
 
     /// [`Ram::first_writes`] of a RAM store (false for a file store).
@@ -784,21 +790,31 @@ impl Store {
         }
     }
 
-    fn write_zeros_slowly(&self, pos: u64, len: u64) -> io::Result<()> {
+    /// Writes zeros over `[pos, pos + len)`, asking `stop` before each [`ZERO_PIECE`] after
+    /// the first: `Ok(false)` if it said stop.
+    fn write_zeros_slowly(&self, pos: u64, len: u64, stop: &dyn Fn() -> bool) -> io::Result<bool> {
         static ZEROS: [u8; 64 << 10] = [0; 64 << 10];
         let mut done = 0;
         while done < len {
+            if done > 0 && done.is_multiple_of(ZERO_PIECE) && stop() {
+                return Ok(false);
+            }
             let n = (len - done).min(ZEROS.len() as u64) as usize;
             self.write(pos + done, &ZEROS[..n])?;
             done += n as u64;
         }
-        Ok(())
+        Ok(true)
     }
 }
 
-/// The most [`Store::write_zeroes_until`] zeroes between two looks at its `stop`: 16 MiB,
-/// a fraction of a second written at a slow disk's speed.
+/// The most zeros [`Store::write_zeroes_until`] writes between two looks at its `stop`: 16
+/// MiB, a fraction of a second at a slow disk's speed.
 pub const ZERO_PIECE: u64 = 16 << 20;
+
+/// The most [`Store::write_zeroes_until`] gives back (a hole punched, a zero-out, pages
+/// dropped) in one call, between two looks at its `stop`: 1 GiB, a thousand calls for a
+/// namespace of a TiB.
+pub const DISCARD_PIECE: u64 = 1 << 30;
 
 /// A transfer's memory: (host address, bytes) per piece, in order.
 pub type Segments = smallvec::SmallVec<[(usize, usize); 8]>;
@@ -1425,42 +1441,66 @@ mod tests {
     }
 
     #[test]
-    fn zeroing_looks_at_its_stop_before_each_piece() {
-        let mut stores = vec![Store::ram(3 * ZERO_PIECE).unwrap()];
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("disk.img");
-        File::create(&path).unwrap().set_len(3 * ZERO_PIECE).unwrap();
-        stores.push(Store::open(&path).unwrap());
-        for store in &stores {
-            let marks = [0, ZERO_PIECE - 1, ZERO_PIECE, 2 * ZERO_PIECE + 7, 3 * ZERO_PIECE - 1];
-            let byte = |at: u64| {
-                let mut b = [0u8];
-                store.read(at, &mut b).unwrap();
-                b[0]
-            };
-            for at in marks {
-                store.write(at, &[0xa5]).unwrap();
-            }
-            // Told to stop at its second look: the first piece is zeroed, nothing after it.
-            let looks = std::cell::Cell::new(0);
-            let stop = || {
-                looks.set(looks.get() + 1);
-                looks.get() > 1
-            };
-            assert!(!store.write_zeroes_until(0, 3 * ZERO_PIECE, &stop).unwrap());
-            assert_eq!(looks.get(), 2);
-            assert_eq!(marks.map(byte), [0, 0, 0xa5, 0xa5, 0xa5]);
-            // Not told: to the end, a look per piece (unaligned ends make pieces of their own).
-            looks.set(0);
-            let never = || {
-                looks.set(looks.get() + 1);
-                false
-            };
-            assert!(store.write_zeroes_until(ZERO_PIECE - 1, 2 * ZERO_PIECE, &never).unwrap());
-            assert_eq!(looks.get(), 3);
-            assert_eq!(marks.map(byte), [0, 0, 0, 0, 0xa5]);
-            assert!(store.write_zeroes_until(3 * ZERO_PIECE, 1, &never).is_err(), "past the end");
+    fn zeros_written_look_at_their_stop_every_piece() {
+        let store = Store::ram(3 * ZERO_PIECE).unwrap();
+        let marks = [0, ZERO_PIECE - 1, ZERO_PIECE, 2 * ZERO_PIECE + 7, 3 * ZERO_PIECE - 1];
+        let byte = |at: u64| {
+            let mut b = [0u8];
+            store.read(at, &mut b).unwrap();
+            b[0]
+        };
+        for at in marks {
+            store.write(at, &[0xa5]).unwrap();
         }
+        // Told to stop at its first look, after the first piece: nothing after it.
+        let looks = std::cell::Cell::new(0);
+        let stop = || {
+            looks.set(looks.get() + 1);
+            true
+        };
+        assert!(!store.write_zeros_slowly(0, 3 * ZERO_PIECE, &stop).unwrap());
+        assert_eq!(looks.get(), 1);
+        assert_eq!(marks.map(byte), [0, 0, 0xa5, 0xa5, 0xa5]);
+        // Not told: to the end, a look before each piece after the first.
+        looks.set(0);
+        let never = || {
+            looks.set(looks.get() + 1);
+            false
+        };
+        assert!(store.write_zeros_slowly(ZERO_PIECE - 1, 2 * ZERO_PIECE, &never).unwrap());
+        assert_eq!(looks.get(), 1);
+        assert_eq!(marks.map(byte), [0, 0, 0, 0, 0xa5]);
+    }
+
+    #[test]
+    fn giving_back_looks_at_its_stop_before_each_piece() {
+        // Sparse and never written: dropping its pages costs nothing.
+        let store = Store::ram(3 * DISCARD_PIECE).unwrap();
+        store.write(DISCARD_PIECE - 1, &[0xa5]).unwrap();
+        store.write(DISCARD_PIECE, &[0xa5]).unwrap();
+        let looks = std::cell::Cell::new(0);
+        let second = || {
+            looks.set(looks.get() + 1);
+            looks.get() > 1
+        };
+        assert!(!store.write_zeroes_until(0, 3 * DISCARD_PIECE, &second).unwrap());
+        assert_eq!(looks.get(), 2);
+        let byte = |at: u64| {
+            let mut b = [0u8];
+            store.read(at, &mut b).unwrap();
+            b[0]
+        };
+        assert_eq!([byte(DISCARD_PIECE - 1), byte(DISCARD_PIECE)], [0, 0xa5]);
+        // Pieces end on multiples of the piece: an unaligned start makes one more.
+        looks.set(0);
+        let never = || {
+            looks.set(looks.get() + 1);
+            false
+        };
+        assert!(store.write_zeroes_until(DISCARD_PIECE - 1, 2 * DISCARD_PIECE, &never).unwrap());
+        assert_eq!(looks.get(), 3);
+        assert_eq!(byte(DISCARD_PIECE), 0);
+        assert!(store.write_zeroes_until(3 * DISCARD_PIECE, 1, &never).is_err(), "past the end");
     }
 
     #[test]

@@ -57,8 +57,9 @@ Speed independence (the CI rule: a busy machine makes a test slower, never red)
     - A check that something does NOT happen (no completion, no interrupt, no event) first
       makes a round trip (the server handles a connection's messages in arrival order), then
       looks for a short window: a slow machine can only make it miss a violation.
-    - Where the docs give a worker time to act on its own (a mapped doorbell page polled every
-      200 us to 10 ms, shadow doorbells, event indices), the check waits for the effect.
+    - Where the docs give a worker time to act on its own (a mapped doorbell page looked at
+      every 10 us to 1 ms, 10 ms at the admin queue, shadow doorbells, event indices), the
+      check waits for the effect.
     - Not checked, because they need a wall-clock window or a misbehaving host: poll_us and
       interrupt-coalescing TIME, the 2 s/5 s/1.5 s waits of resets and deletes, max_held and
       Namespace Not Ready (a backing that stops answering), Capacity Exceeded (a full

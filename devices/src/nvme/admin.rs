@@ -348,7 +348,7 @@ fn create_sq(cx: &CommandCx, c: cmds::CreateSq) -> Outcome {
     match ctrl.start_queue(&mut queues, sq, cx.generation()) {
         Ok(()) => Outcome::ok(0),
         Err(why) => {
-            log::warn!("nvme: starting the worker of SQ {}: {why}", c.qid);
+            ctrl.warn(format_args!("nvme: starting the worker of SQ {}: {why}", c.qid));
             ctrl.open_sq_doorbell(c.qid, 0);
             Status::INTERNAL_ERROR.into()
         }

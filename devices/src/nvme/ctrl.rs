@@ -586,7 +586,7 @@ impl Ctrl {
         }
         if !was && is {
             if let Err(why) = self.enable() {
-                self.log.warn(format_args!("nvme: enable refused: {why}"));
+                self.warn(format_args!("nvme: enable refused: {why}"));
                 self.fatal.store(true, Ordering::Release);
             }
         }
@@ -754,10 +754,17 @@ impl Ctrl {
         *self.regs() = Registers::default();
     }
 
+    /// Logs something a guest's use of the controller met (a refused enable, a queue's
+    /// worker or ring that could not be made) within the controller's budget: at warning
+    /// level for the first few, at debug level when a guest repeats it.
+    pub(crate) fn warn(&self, what: std::fmt::Arguments<'_>) {
+        self.log.warn(what);
+    }
+
     /// Something the controller cannot go on from (a ring it cannot reach): CSTS.CFS.
     pub(crate) fn fail(&self, why: &str) {
         if !self.fatal.swap(true, Ordering::AcqRel) {
-            self.log.warn(format_args!("nvme: controller fatal status: {why}"));
+            self.warn(format_args!("nvme: controller fatal status: {why}"));
         }
     }
 

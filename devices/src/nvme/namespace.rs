@@ -124,7 +124,15 @@ impl Namespace {
         if blocks == 0 {
             return Err(NamespaceError::TooSmall { id, block: 1u64 << lba_shift });
         }
-        Ok(Namespace { id, store, lba_shift, blocks, path, nguid, log: LogBudget::new() })
+        Ok(Namespace {
+            id,
+            store,
+            lba_shift,
+            blocks,
+            path,
+            nguid,
+            log: LogBudget::of("this namespace's further failures"),
+        })
     }
 
     /// Starts taking a sparse RAM namespace's memory ahead of the guest's writes

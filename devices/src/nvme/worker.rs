@@ -171,7 +171,10 @@ impl Aio {
         match made {
             Ok(ring) => Some(Aio { ring, files }),
             Err(e) => {
-                log::warn!("nvme: queue {}: no io_uring ({e}): its file transfers are synchronous", sq.id);
+                ctrl.warn(format_args!(
+                    "nvme: queue {}: no io_uring ({e}): its file transfers are synchronous",
+                    sq.id
+                ));
                 None
             }
         }
@@ -201,7 +204,7 @@ impl Aio {
         // permit's pins (CommandCx::pin_for_transfer), which the permit keeps until the ring
         // gives it back when the host is done.
         if let Err(((permit, _), e)) = unsafe { self.ring.start((permit, t), &request) } {
-            log::warn!("nvme: a transfer refused by the io_uring: {e}");
+            permit.shared().ctrl().warn(format_args!("nvme: a transfer refused by the io_uring: {e}"));
             completion::complete(permit, Status::DATA_TRANSFER_ERROR.into());
             return;
         }
@@ -227,7 +230,9 @@ struct QueueWorker {
     /// Ended commands whose completions wait for [`QueueWorker::flush`], in queue order.
     held: SmallVec<[(Permit<Command>, Outcome); FENCE_BATCH]>,
     /// With mapped doorbells, the turn this worker spins on: taken when its queue runs dry,
-    /// kept while the queue stays active, given back when the spin ends.
+    /// kept while the queue stays active, given back when the spin ends and before any other
+    /// wait (a full CQ or io_uring, bus mastering off, a fatal status, a stop), so that a
+    /// worker that waits holds no turn another could spin on.
     turn: Option<PollTurn>,
 }
 
@@ -284,6 +289,7 @@ impl QueueWorker {
                 }
             }
             if let Some(stop) = waiter.stopped() {
+                self.turn = None;
                 break stop;
             }
             // What the host finished ends first, whatever follows: its pins go with it.
@@ -295,6 +301,7 @@ impl QueueWorker {
             }
             if self.ctrl().fatal() {
                 self.flush();
+                self.turn = None;
                 // Until a disable stops the worker (or a ring: look again).
                 waiter.sleep(|| false, None);
                 continue;
@@ -327,6 +334,9 @@ impl QueueWorker {
                 self.idle(&mut waiter, head, tail, last_work, lone);
                 continue;
             }
+            if self.aio.as_ref().is_some_and(|a| !a.ring.has_room()) {
+                self.turn = None;
+            }
             if let Some(aio) = self.aio.as_mut().filter(|a| !a.ring.has_room()) {
                 // As many in flight as the ring holds: the next command waits for one to end.
                 waiter.wait_in(|| false, None, false, &mut aio.ring);
@@ -337,6 +347,7 @@ impl QueueWorker {
                 // The client left: the controller is reset next, which stops this worker.
                 Err(_) => {
                     self.flush();
+                    self.turn = None;
                     waiter.sleep(|| false, None);
                     continue;
                 }
@@ -346,6 +357,7 @@ impl QueueWorker {
                 Err(RingError::Guest(GuestError::BusMasterOff)) => {
                     permit.into_inner();
                     self.flush();
+                    self.turn = None;
                     // Until bus mastering comes back (which rings every queue) or a doorbell.
                     waiter.sleep(|| false, None);
                     continue;
@@ -478,10 +490,16 @@ impl QueueWorker {
         }
         let Some(ctx) = self.lane.context() else {
             // The client left: nothing can be posted; the reset that follows stops us.
+            self.turn = None;
             waiter.sleep(|| false, None);
             return false;
         };
-        match self.completer.drain(&ctx) {
+        let drained = self.completer.drain(&ctx);
+        if drained != Drained::Empty {
+            // The backlog waits for the host or for bus mastering: no spinning meanwhile.
+            self.turn = None;
+        }
+        match drained {
             Drained::Empty => true,
             Drained::BusMasterOff => {
                 waiter.sleep(|| false, None);
