@@ -37,6 +37,8 @@ const NOT_RUN: &[(&str, &str)] = &[
     ("done", "ends that loop"),
     ("../base/target/release/umdev", "the older build of an A/B"),
     ("bench/guest-fio-compare", "boots guests for minutes (tests/guest_nvme.rs runs fio in a guest)"),
+    ("bench/spdk-compare", "builds SPDK and measures for minutes (tests/spdk_nvme.rs runs SPDK's initiator)"),
+    ("bench/file-compare", "measures the host's disk for minutes, overwriting the file it names"),
     ("fio", "measures the host's disk beside a benchmark"),
     (
         "target/release/umdev",
