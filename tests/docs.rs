@@ -39,6 +39,7 @@ const NOT_RUN: &[(&str, &str)] = &[
     ("bench/guest-fio-compare", "boots guests for minutes (tests/guest_nvme.rs runs fio in a guest)"),
     ("bench/spdk-compare", "builds SPDK and measures for minutes (tests/spdk_nvme.rs runs SPDK's initiator)"),
     ("bench/file-compare", "measures the host's disk for minutes, overwriting the file it names"),
+    ("spdk_nvme_perf", "needs SPDK built and hugepages (tests/spdk_nvme.rs runs it)"),
     ("fio", "measures the host's disk beside a benchmark"),
     (
         "target/release/umdev",
