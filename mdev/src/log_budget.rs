@@ -23,14 +23,10 @@ pub const REFILL: Duration = Duration::from_secs(10);
 #[derive(Debug)]
 pub struct LogBudget {
     state: Mutex<State>,
+    /// The log target its lines go under (`RUST_LOG` filters by it): the module that logs.
+    target: &'static str,
     /// What the line that spends the budget says goes to debug level.
     whose: &'static str,
-}
-
-impl Default for LogBudget {
-    fn default() -> LogBudget {
-        LogBudget::new()
-    }
 }
 
 #[derive(Debug, Default)]
@@ -57,15 +53,16 @@ pub enum Spend {
 }
 
 impl LogBudget {
-    /// A full budget, for a device's warnings.
-    pub fn new() -> LogBudget {
-        LogBudget::of("this device's further warnings")
+    /// A full budget for the warnings of a device whose lines go under `target` (its
+    /// module's path, as `log`'s macros give it: `module_path!()`).
+    pub fn new(target: &'static str) -> LogBudget {
+        LogBudget::of(target, "this device's further warnings")
     }
 
-    /// A full budget, whose last warning says that `whose` ("this device's further
-    /// warnings", say) are logged at debug level for a while.
-    pub fn of(whose: &'static str) -> LogBudget {
-        LogBudget { state: Mutex::default(), whose }
+    /// A full budget whose lines go under `target` and whose last warning says that `whose`
+    /// ("this device's further warnings", say) are logged at debug level for a while.
+    pub fn of(target: &'static str, whose: &'static str) -> LogBudget {
+        LogBudget { state: Mutex::default(), target, whose }
     }
 
     /// Logs `what` at warning level if the budget allows, else at debug level.
@@ -78,13 +75,15 @@ impl LogBudget {
                     String::new()
                 };
                 match last {
-                    true => {
-                        log::warn!("{what}{before} ({} are logged at debug level for a while)", self.whose)
-                    }
-                    false => log::warn!("{what}{before}"),
+                    true => log::warn!(
+                        target: self.target,
+                        "{what}{before} ({} are logged at debug level for a while)",
+                        self.whose
+                    ),
+                    false => log::warn!(target: self.target, "{what}{before}"),
                 }
             }
-            Spend::Debug => log::debug!("{what}"),
+            Spend::Debug => log::debug!(target: self.target, "{what}"),
         }
     }
 
@@ -117,7 +116,7 @@ mod tests {
 
     #[test]
     fn a_burst_then_one_warning_per_refill() {
-        let budget = LogBudget::new();
+        let budget = LogBudget::new(module_path!());
         let t0 = Instant::now();
         let warn = |quieted, last| Spend::Warn { quieted, last };
         for i in 1..BURST {

@@ -14,7 +14,7 @@ pub(crate) struct FaultLog(LogBudget);
 
 impl Default for FaultLog {
     fn default() -> FaultLog {
-        FaultLog(LogBudget::of("this instance's further client mistakes"))
+        FaultLog(LogBudget::of("umdev_server::session", "this instance's further client mistakes"))
     }
 }
 

@@ -336,7 +336,7 @@ impl Ctrl {
         let slots = usize::from(config.io_queues) + 1;
         Ctrl {
             irq: host.irq,
-            log: LogBudget::new(),
+            log: LogBudget::new(module_path!()),
             regs: Mutex::new(Registers::default()),
             cc: AtomicU32::new(0),
             intms: AtomicU32::new(0),

@@ -90,7 +90,11 @@ impl<'a> CommandCx<'a> {
     ) -> Result<PinnedTransfer, Status> {
         let mut permit = self.permit.borrow_mut();
         let pins = permit.pin_pages(pfns, prot).map_err(|e| {
-            log::debug!("nvme: pinning {} pages for a transfer: {e}", pfns.len());
+            self.ctrl.warn(format_args!(
+                "nvme: queue {}: a transfer of {} pages: {e}: Data Transfer Error",
+                self.sq().id,
+                pfns.len()
+            ));
             Status::DATA_TRANSFER_ERROR
         })?;
         let runs = pins.runs().len() as u64;

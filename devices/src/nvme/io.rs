@@ -205,11 +205,14 @@ fn read_write(cx: &CommandCx, ns: &Namespace, c: ReadWrite, read: bool) -> Outco
     let ((moved, runs, poisoned), unmapped) = match moved {
         Ok(r) => r,
         Err(e) => {
-            log::debug!(
-                "nvme: pinning {} pages for {}: {e}",
+            // Where the client mapped no memory for the data (SPDK's initiator maps at most
+            // 16 regions, say): visible at the default level, within the budget.
+            cx.ctrl().warn(format_args!(
+                "nvme: queue {}: {} of {} pages: {e}: Data Transfer Error",
+                cx.sq().id,
+                if read { "a read" } else { "a write" },
                 pages.pfns.len(),
-                if read { "a read" } else { "a write" }
-            );
+            ));
             return Status::DATA_TRANSFER_ERROR.into();
         }
     };

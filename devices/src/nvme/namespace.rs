@@ -131,7 +131,7 @@ impl Namespace {
             blocks,
             path,
             nguid,
-            log: LogBudget::of("this namespace's further failures"),
+            log: LogBudget::of(module_path!(), "this namespace's further failures"),
         })
     }
 
