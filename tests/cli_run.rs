@@ -211,6 +211,27 @@ fn a_guest_repeating_a_refused_enable_does_not_flood_the_log() {
     flood_logs_a_few(&args, flood, "enable refused", "this device's further warnings");
 }
 
+/// A transfer into memory the client never mapped (SPDK's initiator past its 16 regions, say)
+/// is visible at the default level, a few times, however many the guest sends.
+#[test]
+fn transfers_into_unmapped_memory_are_logged_a_few_times() {
+    use umdev_devices::nvme::spec::Status;
+    use umdev_testkit::nvme_guest::NvmeGuest;
+    let flood = |socket: &std::path::Path| {
+        let mut d = NvmeGuest::connect(socket, 96 << 20, 2).unwrap().driver();
+        d.enable().unwrap();
+        d.create_io_queues(1, 64, true).unwrap();
+        // Past the 96 MiB the client mapped.
+        let unmapped = 1u64 << 40;
+        for _ in 0..40 {
+            let status = d.rw(1, true, 1, 0, 8, 512, &[unmapped], 0).unwrap();
+            assert_eq!(status, Status::DATA_TRANSFER_ERROR);
+        }
+    };
+    let args = ["--type", "nvme", "--opt", "ns1=ram:16M"];
+    flood_logs_a_few(&args, flood, "is not mapped: Data Transfer Error", "this device's further warnings");
+}
+
 /// A client repeating a mistake cannot flood the log at its default level, nor by
 /// reconnecting: a few warnings, then debug only (the statistics count every one).
 #[test]
