@@ -59,6 +59,9 @@ pub fn run(
         socket.display(),
         qemu_argument
     );
+    if let Some(trid) = spdk_address(type_name, &socket, &device.describe()) {
+        started.push_str(&format!("\n  spdk_nvme_perf ... -r {}", shell_quote(&trid)));
+    }
     for line in endpoints {
         started.push_str(&format!("\n  {line}"));
     }
@@ -99,6 +102,18 @@ fn qemu_device(socket: &std::path::Path) -> Result<String, String> {
 /// (within single quotes nothing else is special).
 fn shell_quote(text: &str) -> String {
     format!("'{}'", text.replace('\'', r"'\''"))
+}
+
+/// The transport ID by which SPDK's initiator reaches an nvme device on `socket`: its
+/// directory, where SPDK looks for a socket named `cntrl` (so only for a socket of that
+/// name), and the controller's own NQN, which umdev does not check.
+fn spdk_address(type_name: &str, socket: &std::path::Path, describe: &serde_json::Value) -> Option<String> {
+    if type_name != "nvme" || socket.file_name()? != "cntrl" {
+        return None;
+    }
+    let dir = socket.parent()?.to_str()?;
+    let serial = describe["serial"].as_str()?;
+    Some(format!("trtype:VFIOUSER traddr:{dir} subnqn:nqn.2026-12.dev.umdev:nvme:{serial}"))
 }
 
 #[cfg(test)]

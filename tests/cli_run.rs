@@ -172,6 +172,39 @@ fn run_refuses_a_live_socket_and_replaces_a_stale_one() {
     first.wait().unwrap();
 }
 
+/// An nvme device on a socket named `cntrl` also gets SPDK's transport ID in the banner (its
+/// directory, the controller's NQN), one shell word; on another name, none.
+#[test]
+fn run_prints_spdks_address_for_a_socket_named_cntrl() {
+    use std::io::Read;
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["cntrl", "nvme.sock"] {
+        let socket = dir.path().join(name);
+        let args = ["--type", "nvme", "--opt", "ns1=ram:16M", "--opt", "serial=BANNER1"];
+        let mut child = common::process::run_with_stderr(&socket, &args, std::process::Stdio::piped());
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+        let mut log = String::new();
+        child.stderr.take().unwrap().read_to_string(&mut log).unwrap();
+        let line = log.lines().find(|l| l.contains("spdk_nvme_perf"));
+        if name != "cntrl" {
+            assert!(line.is_none(), "{log}");
+            continue;
+        }
+        let word = line.and_then(|l| l.split_once(" -r ")).expect("SPDK's -r").1;
+        let read =
+            std::process::Command::new("sh").arg("-c").arg(format!("printf %s {word}")).output().unwrap();
+        let expected = format!(
+            "trtype:VFIOUSER traddr:{} subnqn:nqn.2026-12.dev.umdev:nvme:BANNER1",
+            dir.path().display()
+        );
+        assert_eq!(String::from_utf8_lossy(&read.stdout), expected, "{log}");
+    }
+}
+
 /// Runs `umdev run ARGS`, `flood`s it over its socket, stops it, and checks that its log has
 /// a few warnings with `line` in them (8, one more per 10 s taken: umdev_mdev::log_budget),
 /// the last saying that `whose` go to debug level.
