@@ -5,7 +5,6 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::process::{umdev, ChildGuard, Dirs};
@@ -26,6 +25,7 @@ impl Env {
         Env(Dirs::new())
     }
 
+    /// The daemon, logging at info level (as under the journal) into [`Dirs::log`].
     fn daemon(&self) -> Daemon {
         let child = ChildGuard(
             umdev()
@@ -34,7 +34,8 @@ impl Env {
                 .arg("--state-dir")
                 .arg(&self.state)
                 .arg("daemon")
-                .stderr(Stdio::null())
+                .env("RUST_LOG", "info")
+                .stderr(std::fs::OpenOptions::new().create(true).append(true).open(self.log()).unwrap())
                 .spawn()
                 .unwrap(),
         );
@@ -127,6 +128,14 @@ fn lifecycle_commands_and_their_errors() {
     assert!(client.alive(), "the refused stop left the client alone");
     env.ok(&["stop", "--uuid", UUID, "--force"]);
     assert!(client.is_closed());
+    // The log says the client was cut (a polling client does not notice), and keeps the
+    // instance's last counters.
+    let log = std::fs::read_to_string(env.log()).unwrap();
+    assert!(log.contains(&format!("instance {UUID}: stopped with its client connected")), "{log}");
+    let last =
+        log.lines().find_map(|l| l.split_once(&format!("instance {UUID} stopped: "))).expect("counters");
+    let last: serde_json::Value = serde_json::from_str(last.1).unwrap();
+    assert_eq!(last["protocol"]["connections"], 1, "{last}");
     assert!(!socket.exists(), "the socket is freed");
     assert_eq!(env.available("testdev"), before - 1, "capacity freed (one instance left)");
 

@@ -549,6 +549,11 @@ impl Daemon {
             if !force && active.is_some() {
                 return Err(DaemonError::Busy(id.to_string()));
             }
+            if active.is_some() {
+                // A client that polls (SPDK's initiator) does not notice: say so where the
+                // operator looks.
+                log::info!("instance {id}: stopped with its client connected: the client is disconnected");
+            }
             // Under the same lock as the check: no client slips in between.
             instance.stopping.store(true, Ordering::Release);
             drop(active);
@@ -556,6 +561,11 @@ impl Daemon {
         };
         instance.shut_down();
         instance.remove_socket(&lock(&self.instances));
+        // Its counters are gone with it: the last of them for the log, as `umdev run` prints
+        // its device's when it stops.
+        if let Ok(info) = serde_json::to_string(&instance.info()) {
+            log::info!("instance {id} stopped: {info}");
+        }
         Ok(())
     }
 
