@@ -51,7 +51,8 @@ pub fn run(
     // QEMU may run from another directory: it is told the absolute path.
     let socket = std::path::absolute(&config.socket).unwrap_or_else(|_| config.socket.clone());
     let qemu_argument = shell_quote(&qemu_device(&socket)?);
-    let endpoints = crate::manage::host_endpoints(&device.describe());
+    let described = device.describe();
+    let endpoints = crate::manage::host_endpoints(&described);
     daemon.start(device.clone(), config).map_err(|e| e.to_string())?;
     // Every line through the status log: under the journal each carries its priority.
     let mut started = format!(
@@ -59,7 +60,7 @@ pub fn run(
         socket.display(),
         qemu_argument
     );
-    if let Some(trid) = spdk_address(type_name, &socket, &device.describe()) {
+    if let Some(trid) = spdk_address(type_name, &socket, &described) {
         started.push_str(&format!("\n  spdk_nvme_perf ... -r {}", shell_quote(&trid)));
     }
     for line in endpoints {

@@ -1440,36 +1440,38 @@ mod tests {
         }
     }
 
+    fn byte_at(store: &Store, at: u64) -> u8 {
+        let mut b = [0u8];
+        store.read(at, &mut b).unwrap();
+        b[0]
+    }
+
+    /// A `stop` for the zeroing calls that counts its looks in `looks` and says stop from
+    /// look `at` on (never if `None`).
+    fn stop_at(looks: &std::cell::Cell<u32>, at: Option<u32>) -> impl Fn() -> bool + '_ {
+        move || {
+            looks.set(looks.get() + 1);
+            at.is_some_and(|at| looks.get() >= at)
+        }
+    }
+
     #[test]
     fn zeros_written_look_at_their_stop_every_piece() {
         let store = Store::ram(3 * ZERO_PIECE).unwrap();
         let marks = [0, ZERO_PIECE - 1, ZERO_PIECE, 2 * ZERO_PIECE + 7, 3 * ZERO_PIECE - 1];
-        let byte = |at: u64| {
-            let mut b = [0u8];
-            store.read(at, &mut b).unwrap();
-            b[0]
-        };
         for at in marks {
             store.write(at, &[0xa5]).unwrap();
         }
         // Told to stop at its first look, after the first piece: nothing after it.
         let looks = std::cell::Cell::new(0);
-        let stop = || {
-            looks.set(looks.get() + 1);
-            true
-        };
-        assert!(!store.write_zeros_slowly(0, 3 * ZERO_PIECE, &stop).unwrap());
+        assert!(!store.write_zeros_slowly(0, 3 * ZERO_PIECE, &stop_at(&looks, Some(1))).unwrap());
         assert_eq!(looks.get(), 1);
-        assert_eq!(marks.map(byte), [0, 0, 0xa5, 0xa5, 0xa5]);
+        assert_eq!(marks.map(|at| byte_at(&store, at)), [0, 0, 0xa5, 0xa5, 0xa5]);
         // Not told: to the end, a look before each piece after the first.
         looks.set(0);
-        let never = || {
-            looks.set(looks.get() + 1);
-            false
-        };
-        assert!(store.write_zeros_slowly(ZERO_PIECE - 1, 2 * ZERO_PIECE, &never).unwrap());
+        assert!(store.write_zeros_slowly(ZERO_PIECE - 1, 2 * ZERO_PIECE, &stop_at(&looks, None)).unwrap());
         assert_eq!(looks.get(), 1);
-        assert_eq!(marks.map(byte), [0, 0, 0, 0, 0xa5]);
+        assert_eq!(marks.map(|at| byte_at(&store, at)), [0, 0, 0, 0, 0xa5]);
     }
 
     #[test]
@@ -1479,27 +1481,15 @@ mod tests {
         store.write(DISCARD_PIECE - 1, &[0xa5]).unwrap();
         store.write(DISCARD_PIECE, &[0xa5]).unwrap();
         let looks = std::cell::Cell::new(0);
-        let second = || {
-            looks.set(looks.get() + 1);
-            looks.get() > 1
-        };
-        assert!(!store.write_zeroes_until(0, 3 * DISCARD_PIECE, &second).unwrap());
+        assert!(!store.write_zeroes_until(0, 3 * DISCARD_PIECE, &stop_at(&looks, Some(2))).unwrap());
         assert_eq!(looks.get(), 2);
-        let byte = |at: u64| {
-            let mut b = [0u8];
-            store.read(at, &mut b).unwrap();
-            b[0]
-        };
-        assert_eq!([byte(DISCARD_PIECE - 1), byte(DISCARD_PIECE)], [0, 0xa5]);
+        assert_eq!([byte_at(&store, DISCARD_PIECE - 1), byte_at(&store, DISCARD_PIECE)], [0, 0xa5]);
         // Pieces end on multiples of the piece: an unaligned start makes one more.
         looks.set(0);
-        let never = || {
-            looks.set(looks.get() + 1);
-            false
-        };
+        let never = stop_at(&looks, None);
         assert!(store.write_zeroes_until(DISCARD_PIECE - 1, 2 * DISCARD_PIECE, &never).unwrap());
         assert_eq!(looks.get(), 3);
-        assert_eq!(byte(DISCARD_PIECE), 0);
+        assert_eq!(byte_at(&store, DISCARD_PIECE), 0);
         assert!(store.write_zeroes_until(3 * DISCARD_PIECE, 1, &never).is_err(), "past the end");
     }
 

@@ -334,11 +334,7 @@ fn compare(cx: &CommandCx, ns: &Namespace, c: ReadWrite) -> Outcome {
             if status == Status::SUCCESS || status == Status::COMPARE_FAILURE {
                 cx.ctrl().stats(cx.sq().id).compare(len as u64);
             }
-            if status == Status::SUCCESS {
-                Outcome::ok(0)
-            } else {
-                status.into()
-            }
+            status.into()
         }
         // Unmapped under the compare, or not pinned at all.
         Ok((_, true)) | Err(_) => Status::DATA_TRANSFER_ERROR.into(),
